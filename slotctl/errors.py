@@ -1,0 +1,51 @@
+"""Errors and exit codes shared by the library and the CLI."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitStatus(enum.IntEnum):
+    """Every exit code slotctl returns (documented in docs/exit-codes.md)."""
+
+    OK = 0
+    #: the file is damaged, will not restore, or a layer would be dropped
+    FAILED = 1
+    #: usage error, unreadable or unwritable path, missing model
+    USAGE = 2
+
+
+class SlotctlError(Exception):
+    """Base of every error slotctl reports as one line."""
+
+    exit_status = ExitStatus.USAGE
+
+
+class FormatError(SlotctlError):
+    """The bytes of a layer are not what the format says they must be.
+
+    ``layer`` names the layer ("state header", "token words", "target memory",
+    "SCKP appendix", ...), ``offset`` is the absolute byte offset in the file where
+    the problem was found, ``expected`` says what should have been there.
+    """
+
+    exit_status = ExitStatus.FAILED
+
+    def __init__(self, layer: str, offset: int | None, expected: str):
+        self.layer = layer
+        self.offset = offset
+        self.expected = expected
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        where = f" at 0x{self.offset:x} ({self.offset})" if self.offset is not None else ""
+        return f"{self.layer}{where}: {self.expected}"
+
+    def within(self, layer: str, base: int = 0) -> "FormatError":
+        """The same error seen from an enclosing layer starting at ``base``."""
+        off = None if self.offset is None else self.offset + base
+        return FormatError(f"{layer}: {self.layer}" if layer else self.layer, off, self.expected)
+
+
+class UsageError(SlotctlError):
+    exit_status = ExitStatus.USAGE

@@ -1,0 +1,73 @@
+"""Layers 4 and 5: the appendices a current server writes after the payload.
+
+SCKP (context checkpoints) and SDFT (the draft model's live state, from the seed change). Each blob is
+a ``u64 length`` followed by that many bytes; the lengths are checked against the bytes that remain.
+"""
+
+from __future__ import annotations
+
+import construct as cs
+from construct import this
+
+from slotctl.format.common import Counted, Expect, Payload, hex32
+
+SCKP_MAGIC = 0x504B4353  # "SCKP"
+SCKP_VERSION = 1
+SDFT_MAGIC = 0x54464453  # "SDFT"
+SDFT_VERSION = 1
+MAGICS = {SCKP_MAGIC: "SCKP", SDFT_MAGIC: "SDFT"}
+
+
+def _sized(what: str) -> cs.Struct:
+    return cs.Struct("length" / cs.Int64ul, "data" / Payload(this.length, what))
+
+
+Checkpoint = cs.Struct(
+    "n_tokens" / cs.Int64sl,
+    "pos_min" / cs.Int32sl,
+    "pos_max" / cs.Int32sl,
+    "tgt" / _sized("checkpoint target blob"),
+    "dft" / _sized("checkpoint draft blob"),
+    "spec" / _sized("checkpoint speculative state"),
+)
+
+#: smallest possible checkpoint: 16 bytes of positions and three empty blob lengths
+CHECKPOINT_MIN_SIZE = 16 + 3 * 8
+
+SckpAppendix = cs.Struct(
+    "magic" / Expect(cs.Int32ul, [SCKP_MAGIC], "SCKP magic", hex32),
+    "version" / Expect(cs.Int32ul, [SCKP_VERSION], "SCKP version"),
+    "count" / Counted(cs.Int32ul, "checkpoint count", min_item_size=CHECKPOINT_MIN_SIZE),
+    "checkpoints" / cs.Array(this.count, Checkpoint),
+)
+
+SdftAppendix = cs.Struct(
+    "magic" / Expect(cs.Int32ul, [SDFT_MAGIC], "SDFT magic", hex32),
+    "version" / Expect(cs.Int32ul, [SDFT_VERSION], "SDFT version"),
+    "dft" / _sized("draft state blob"),
+    "spec" / _sized("speculative state"),
+)
+
+
+def build_sckp(checkpoints: list[dict]) -> bytes:
+    """SCKP bytes for ``checkpoints`` (dicts with n_tokens, pos_min, pos_max, tgt, dft, spec as bytes).
+
+    An empty list writes nothing, as the server does.
+    """
+    if not checkpoints:
+        return b""
+    return SckpAppendix.build(dict(
+        magic=SCKP_MAGIC, version=SCKP_VERSION, count=len(checkpoints),
+        checkpoints=[dict(n_tokens=c["n_tokens"], pos_min=c["pos_min"], pos_max=c["pos_max"],
+                          tgt=dict(length=len(c["tgt"]), data=c["tgt"]),
+                          dft=dict(length=len(c["dft"]), data=c["dft"]),
+                          spec=dict(length=len(c["spec"]), data=c["spec"])) for c in checkpoints],
+    ))
+
+
+def build_sdft(dft: bytes, spec: bytes = b"") -> bytes:
+    """SDFT bytes; nothing when both parts are empty, as the server does."""
+    if not dft and not spec:
+        return b""
+    return SdftAppendix.build(dict(magic=SDFT_MAGIC, version=SDFT_VERSION,
+                                   dft=dict(length=len(dft), data=dft), spec=dict(length=len(spec), data=spec)))

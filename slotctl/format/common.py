@@ -1,0 +1,276 @@
+"""Building blocks shared by the layer schemas.
+
+Parsing follows three rules (see docs/design.md):
+
+* construct describes headers and records;
+* bulk fixed-size arrays (cells, token words) are read in one call and viewed with numpy;
+* tensor bytes are never read while inspecting: :class:`Payload` records where they are and
+  seeks over them (``lazy=True``), or reads them when the caller needs the bytes (``lazy=False``).
+
+Every length and count read from a file is checked against the bytes that remain before anything is
+allocated or skipped, so a damaged file costs no more than its own size.
+
+Errors: :func:`parse` turns any construct error into a one-line :class:`~slotctl.errors.FormatError`
+that names the layer, the absolute offset and what was expected.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable
+
+import construct as cs
+
+from slotctl.errors import FormatError
+
+#: the largest layer count any schema accepts (no model comes near; it bounds loops on damaged input)
+MAX_LAYERS = 4096
+#: the largest stream count (llama.cpp caps n_seq_max at 256)
+MAX_STREAMS = 1024
+
+
+class CheckError(cs.ConstructError):
+    """Raised by our own checks, with the absolute offset where the bad value starts."""
+
+    def __init__(self, message: str, offset: int | None):
+        super().__init__(message)
+        self.offset = offset
+        self.message = message
+
+
+class TrackingReader(io.RawIOBase):
+    """A read-only view of a binary stream that remembers where the last read started.
+
+    construct reports *what* failed but not *where*; the start of the last read is the offset of the
+    field that was being read when the stream ran short. ``size`` is fixed when the view is made, so
+    length checks cost no system call.
+    """
+
+    def __init__(self, raw: BinaryIO, size: int | None = None):
+        super().__init__()
+        self.raw = raw
+        if size is None:
+            cur = raw.tell()
+            size = raw.seek(0, os.SEEK_END)
+            raw.seek(cur)
+        self.size = size
+        self.last_read_start = raw.tell()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        self.last_read_start = self.raw.tell()
+        return self.raw.read(n)
+
+    def readinto(self, b) -> int:  # pragma: no cover - construct uses read()
+        self.last_read_start = self.raw.tell()
+        return self.raw.readinto(b)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def remaining(self) -> int:
+        return self.size - self.raw.tell()
+
+
+def _remaining(stream) -> int:
+    if isinstance(stream, TrackingReader):
+        return stream.remaining()
+    cur = stream.tell()
+    end = stream.seek(0, os.SEEK_END)
+    stream.seek(cur)
+    return end - cur
+
+
+def _lazy(context) -> bool:
+    params = context.get("_params") or {}
+    return bool(params.get("lazy", False))
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes of a file that were located but not read: ``size`` bytes at absolute ``offset``."""
+
+    offset: int
+    size: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+    def read(self, f: BinaryIO) -> bytes:
+        f.seek(self.offset)
+        data = f.read(self.size)
+        if len(data) != self.size:
+            raise FormatError("payload", self.offset, f"{self.size} bytes, the file ends first")
+        return data
+
+
+class Payload(cs.Construct):
+    """Opaque bytes whose length comes from elsewhere (``length``: an int or a context lambda).
+
+    Parsing checks the length against the bytes left in the stream first. With ``lazy=True`` in the
+    parse parameters it returns a :class:`Span` and seeks over the bytes; otherwise it returns them.
+    Building takes ``bytes`` of exactly that length.
+    """
+
+    def __init__(self, length, what: str = "tensor data"):
+        super().__init__()
+        self.length = length
+        self.what = what
+
+    def _parse(self, stream, context, path):
+        n = cs.evaluate(self.length, context)
+        start = stream.tell()
+        left = _remaining(stream)
+        if n < 0 or n > left:
+            raise CheckError(f"{self.what} of {n:,} bytes, but only {left:,} bytes remain in the file", start)
+        if _lazy(context):
+            stream.seek(n, os.SEEK_CUR)
+            return Span(start, n)
+        return cs.stream_read(stream, n, path)
+
+    def _build(self, obj, stream, context, path):
+        n = cs.evaluate(self.length, context)
+        if isinstance(obj, Span):
+            raise cs.ConstructError(f"{self.what}: cannot build from a lazy span; parse with lazy=False", path=path)
+        if len(obj) != n:
+            raise cs.ConstructError(f"{self.what}: {len(obj)} bytes given, the header says {n}", path=path)
+        cs.stream_write(stream, obj, n, path)
+        return obj
+
+    def _sizeof(self, context, path):
+        return cs.evaluate(self.length, context)
+
+
+class Counted(cs.Subconstruct):
+    """An unsigned count that must not exceed ``limit`` (int or lambda) — guards loops and arrays.
+
+    ``limit`` may also depend on the bytes remaining: pass ``min_item_size`` to require
+    ``count * min_item_size <= remaining``.
+    """
+
+    def __init__(self, subcon, what: str, limit=None, min_item_size: int = 0):
+        super().__init__(subcon)
+        self.what = what
+        self.limit = limit
+        self.min_item_size = min_item_size
+
+    def _parse(self, stream, context, path):
+        start = stream.tell()
+        value = self.subcon._parsereport(stream, context, path)
+        limit = cs.evaluate(self.limit, context) if self.limit is not None else None
+        if limit is not None and value > limit:
+            raise CheckError(f"{self.what} of at most {limit:,}, found {value:,}", start)
+        if self.min_item_size:
+            left = _remaining(stream)
+            if value * self.min_item_size > left:
+                raise CheckError(
+                    f"{self.what} {value:,} needs at least {value * self.min_item_size:,} bytes,"
+                    f" only {left:,} remain",
+                    start,
+                )
+        return value
+
+    def _build(self, obj, stream, context, path):
+        return self.subcon._build(obj, stream, context, path)
+
+
+class Expect(cs.Subconstruct):
+    """A field that must hold one of ``allowed`` values; says what was expected when it does not."""
+
+    def __init__(self, subcon, allowed, what: str, fmt: Callable[[int], str] = str):
+        super().__init__(subcon)
+        self.allowed = tuple(allowed)
+        self.what = what
+        self.fmt = fmt
+
+    def _parse(self, stream, context, path):
+        start = stream.tell()
+        value = self.subcon._parsereport(stream, context, path)
+        if value not in self.allowed:
+            want = " or ".join(self.fmt(a) for a in self.allowed)
+            raise CheckError(f"{self.what} {want}, found {self.fmt(value)}", start)
+        return value
+
+    def _build(self, obj, stream, context, path):
+        return self.subcon._build(obj, stream, context, path)
+
+
+def hex32(v: int) -> str:
+    return f"0x{v & 0xFFFFFFFF:08x}"
+
+
+def strip_private(obj: Any) -> Any:
+    """A parsed Container as plain dicts and lists, without construct's ``_`` keys."""
+    if isinstance(obj, dict):
+        return {k: strip_private(v) for k, v in obj.items() if not str(k).startswith("_")}
+    if isinstance(obj, list):
+        return [strip_private(v) for v in obj]
+    return obj
+
+
+def parse(schema: cs.Construct, f: BinaryIO, layer: str, *, size: int | None = None, **params) -> Any:
+    """Parse ``schema`` at the current position of ``f``; any failure becomes a one-line FormatError.
+
+    The offset in the error is absolute: that of the field that broke (for our own checks) or of the
+    read that ran out of bytes (for short reads).
+    """
+    reader = f if isinstance(f, TrackingReader) else TrackingReader(f, size)
+    start = reader.tell()
+    try:
+        context = cs.Container(**params)
+        context._parsing, context._building, context._sizing = True, False, False
+        context._params = context
+        return schema._parsereport(reader, context, "(parsing)")
+    except CheckError as e:
+        raise FormatError(layer, e.offset, e.message) from None
+    except cs.StreamError as e:
+        off = reader.last_read_start
+        left = reader.size - off
+        where = _field_name(e)
+        raise FormatError(layer, off, f"{where}, but the file ends {left:,} bytes later") from None
+    except cs.ConstructError as e:
+        off = reader.last_read_start if reader.last_read_start >= start else start
+        raise FormatError(layer, off, _first_line(e)) from None
+
+
+def parse_bytes(schema: cs.Construct, data: bytes, layer: str, base: int = 0, **params) -> Any:
+    """Parse an in-memory buffer; offsets in errors are ``base`` + position in the buffer."""
+    try:
+        return parse(schema, io.BytesIO(data), layer, size=len(data), **params)
+    except FormatError as e:
+        raise FormatError(e.layer, None if e.offset is None else e.offset + base, e.expected) from None
+
+
+def build(schema: cs.Construct, obj: Any, layer: str, **params) -> bytes:
+    try:
+        return schema.build(obj, **params)
+    except cs.ConstructError as e:
+        raise FormatError(layer, None, f"cannot build: {_first_line(e)}") from None
+
+
+def _field_name(e: cs.ConstructError) -> str:
+    path = getattr(e, "path", None) or ""
+    parts = [p.strip() for p in str(path).split("->") if p.strip() and p.strip() != "(parsing)"]
+    field = parts[-1] if parts else "a field"
+    return f"expected {field}"
+
+
+def _first_line(e: Exception) -> str:
+    msg = str(e).strip()
+    # construct prefixes messages with "Error in path ..." on a second line
+    lines = [ln for ln in msg.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if not ln.startswith("Error in path"):
+            return ln
+    return lines[0] if lines else type(e).__name__

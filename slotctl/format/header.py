@@ -1,0 +1,30 @@
+"""Layer 0: the sequence-state file header written by ``llama_state_seq_save_file``.
+
+``u32 magic; u32 version; u32 n_words; i32 words[n_words]``, then the memory payload.
+"""
+
+from __future__ import annotations
+
+import construct as cs
+import numpy as np
+from construct import this
+
+from slotctl.format.arrays import NumpyArray
+from slotctl.format.common import Counted, Expect, hex32
+
+#: ``LLAMA_STATE_SEQ_MAGIC`` ("ggsq"; bytes ``71 73 67 67``)
+STATE_SEQ_MAGIC = 0x67677371
+#: state versions slotctl understands
+SUPPORTED_VERSIONS = (2, 3, 4)
+HEADER_FIXED_SIZE = 12
+
+StateHeader = cs.Struct(
+    "magic" / Expect(cs.Int32ul, [STATE_SEQ_MAGIC], "state file magic", hex32),
+    "version" / Expect(cs.Int32ul, SUPPORTED_VERSIONS, "state version"),
+    "n_words" / Counted(cs.Int32ul, "token word count", min_item_size=4),
+    "words" / NumpyArray(this.n_words, np.int32, "token words"),
+)
+
+
+def header_size(n_words: int) -> int:
+    return HEADER_FIXED_SIZE + 4 * n_words

@@ -1,0 +1,369 @@
+"""A slot file opened lazily: where every layer starts and ends, and what it holds.
+
+:func:`open_slot_file` parses the header and the token words eagerly, then locates the memory payload
+(with a known :class:`~slotctl.format.memory.MemoryLayout`, or by trying the candidate layouts) and
+the appendix chain behind it. Tensor bytes are never read: records hold :class:`~slotctl.format.common.Span`
+objects, so the cost grows with cells and layers, not with bytes.
+
+Damage does not stop the walk: what parsed is kept, the first error per layer is recorded in
+``SlotFile.errors`` and the layers behind a broken one are left unknown.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+import numpy as np
+
+from slotctl.errors import FormatError
+from slotctl.format import appendix as apx
+from slotctl.format import blob as blobfmt
+from slotctl.format import tokens as tokfmt
+from slotctl.format.common import Span, TrackingReader, parse, parse_bytes
+from slotctl.format.header import StateHeader, header_size
+from slotctl.format.memory import MemoryLayout, candidate_layouts
+
+SCAN_CHUNK = 16 << 20
+
+
+@dataclass
+class Tokens:
+    """The token words, decoded."""
+
+    format: str                      # "packed" or "legacy"
+    tokens: np.ndarray
+    media: list = field(default_factory=list)   # [(start index, Span or bytes)]
+    error: FormatError | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class Memory:
+    """A parsed memory payload or blob body: its sections as construct Containers."""
+
+    offset: int
+    end: int
+    layout: MemoryLayout
+    sections: list
+
+    @property
+    def size(self) -> int:
+        return self.end - self.offset
+
+
+@dataclass
+class Blob:
+    """An in-memory state blob inside an appendix."""
+
+    span: Span
+    seq_id: int | None = None
+    memory: Memory | None = None
+    error: FormatError | None = None
+    candidates: list = field(default_factory=list)   # layouts that fit, when no layout was given
+
+
+@dataclass
+class CheckpointEntry:
+    n_tokens: int
+    pos_min: int
+    pos_max: int
+    tgt: Blob
+    dft: Blob
+    spec: Span
+
+
+@dataclass
+class Appendix:
+    name: str               # "SCKP" or "SDFT"
+    offset: int
+    end: int
+    parsed: object          # the construct Container (lazy spans inside)
+
+    @property
+    def size(self) -> int:
+        return self.end - self.offset
+
+
+@dataclass
+class SlotFile:
+    path: str
+    size: int
+    version: int | None = None
+    header_end: int | None = None
+    words: np.ndarray | None = None
+    tokens: Tokens | None = None
+    target: Memory | None = None
+    target_candidates: list = field(default_factory=list)
+    checkpoints: list[CheckpointEntry] | None = None
+    sckp: Appendix | None = None
+    sdft: Appendix | None = None
+    draft: Blob | None = None
+    draft_spec: Span | None = None
+    trailing: Span | None = None
+    errors: list[FormatError] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def damaged(self) -> bool:
+        return bool(self.errors)
+
+    @property
+    def payload_end(self) -> int | None:
+        return self.target.end if self.target else None
+
+    def layers(self) -> list[tuple[str, int, int]]:
+        """(name, offset, size) of each layer found, in file order."""
+        out = []
+        if self.header_end is not None:
+            out.append(("state header", 0, 12))
+            out.append(("token words", 12, self.header_end - 12))
+        if self.target:
+            out.append(("target memory", self.target.offset, self.target.size))
+        if self.sckp:
+            out.append(("SCKP appendix", self.sckp.offset, self.sckp.size))
+        if self.sdft:
+            out.append(("SDFT appendix", self.sdft.offset, self.sdft.size))
+        if self.trailing and self.trailing.size:
+            out.append(("trailing bytes", self.trailing.offset, self.trailing.size))
+        return out
+
+
+def parse_memory(f: BinaryIO, offset: int, end: int, layout: MemoryLayout, version: int,
+                 layer: str = "target memory", lazy: bool = True) -> Memory:
+    """Parse the sections of ``layout`` from ``offset``; the reader cannot go past ``end``."""
+    f.seek(offset)
+    reader = TrackingReader(f, end)
+    sections = []
+    for sec in layout.sections:
+        what = f"{layer} ({sec.describe()})" if len(layout.sections) > 1 else layer
+        sections.append(parse(sec.schema(), reader, what, version=version, lazy=lazy))
+    return Memory(offset, reader.tell(), layout, sections)
+
+
+def parse_blob(f: BinaryIO, span: Span, layout: MemoryLayout | None, version: int, layer: str) -> Blob:
+    """Dissect an in-memory blob at ``span``; without a layout, the candidates that fill it exactly."""
+    b = Blob(span)
+    if span.size == 0:
+        return b
+    f.seek(span.offset)
+    try:
+        hdr = parse(blobfmt.BlobHeader, TrackingReader(f, span.end), layer)
+    except FormatError as e:
+        b.error = e
+        return b
+    b.seq_id = hdr.seq_id
+    body = span.offset + blobfmt.BLOB_HEADER_SIZE
+    if layout is not None:
+        try:
+            m = parse_memory(f, body, span.end, layout, version, layer)
+        except FormatError as e:
+            b.error = e
+            return b
+        if m.end != span.end:
+            b.error = FormatError(layer, m.end, f"the end of the blob at 0x{span.end:x}, "
+                                                f"{span.end - m.end:,} bytes are left over")
+        b.memory = m
+        return b
+    fits = []
+    for cand in candidate_layouts():
+        try:
+            m = parse_memory(f, body, span.end, cand, version, layer)
+        except FormatError:
+            continue
+        if m.end == span.end:
+            fits.append(m)
+    b.candidates = [m.layout for m in fits]
+    if len(fits) == 1:
+        b.memory = fits[0]
+    elif not fits:
+        b.error = FormatError(layer, body, "a memory payload of a known kind that fills the blob; none fits")
+    return b
+
+
+def _read_u32(f: BinaryIO, offset: int) -> int | None:
+    f.seek(offset)
+    b = f.read(4)
+    return struct.unpack("<I", b)[0] if len(b) == 4 else None
+
+
+def _parse_chain(f: BinaryIO, offset: int, size: int) -> tuple[Appendix | None, Appendix | None, int, FormatError | None]:
+    """Parse SCKP then SDFT (each optional) from ``offset``.
+
+    Returns (sckp, sdft, end of what parsed, error). An unknown word where an appendix could start ends
+    the chain: the rest is trailing bytes.
+    """
+    sckp = sdft = None
+    pos = offset
+    magic = _read_u32(f, pos)
+    if magic == apx.SCKP_MAGIC:
+        f.seek(pos)
+        r = TrackingReader(f, size)
+        try:
+            parsed = parse(apx.SckpAppendix, r, "SCKP appendix", lazy=True)
+        except FormatError as e:
+            return None, None, pos, e
+        sckp = Appendix("SCKP", pos, r.tell(), parsed)
+        pos = r.tell()
+        magic = _read_u32(f, pos)
+    if magic == apx.SDFT_MAGIC:
+        f.seek(pos)
+        r = TrackingReader(f, size)
+        try:
+            parsed = parse(apx.SdftAppendix, r, "SDFT appendix", lazy=True)
+        except FormatError as e:
+            return sckp, None, pos, e
+        sdft = Appendix("SDFT", pos, r.tell(), parsed)
+        pos = r.tell()
+    return sckp, sdft, pos, None
+
+
+def _chain_fits(f: BinaryIO, offset: int, size: int) -> bool:
+    """Whether a valid appendix chain (or nothing) runs from ``offset`` exactly to the end of the file."""
+    if offset == size:
+        return True
+    sckp, sdft, end, err = _parse_chain(f, offset, size)
+    return err is None and (sckp or sdft) is not None and end == size
+
+
+def _starts_appendix(f: BinaryIO, offset: int) -> bool:
+    return _read_u32(f, offset) in apx.MAGICS
+
+
+def open_slot_file(path: str | os.PathLike, *, layout: MemoryLayout | None = None,
+                   draft_layout: MemoryLayout | None = None) -> SlotFile:
+    """Parse every layer of the slot file at ``path`` that can be found (see the module docstring)."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        sf = SlotFile(path, size)
+        _walk(f, sf, layout, draft_layout)
+    return sf
+
+
+def _walk(f: BinaryIO, sf: SlotFile, layout: MemoryLayout | None, draft_layout: MemoryLayout | None) -> None:
+    size = sf.size
+    try:
+        hdr = parse(StateHeader, TrackingReader(f, size), "state header")
+    except FormatError as e:
+        sf.errors.append(e)
+        return
+    sf.version = hdr.version
+    sf.words = hdr.words
+    sf.header_end = header_size(hdr.n_words)
+    sf.tokens = decode_tokens(hdr.words)
+    if sf.tokens.error:
+        sf.errors.append(sf.tokens.error)
+
+    # layer 2: the payload
+    start = sf.header_end
+    if layout is not None:
+        try:
+            sf.target = parse_memory(f, start, size, layout, sf.version)
+        except FormatError as e:
+            sf.errors.append(e)
+            _scan_appendices(f, sf, start)
+            return
+    else:
+        fits = []
+        for cand in candidate_layouts():
+            try:
+                m = parse_memory(f, start, size, cand, sf.version)
+            except FormatError:
+                continue
+            fits.append(m)
+        strict = [m for m in fits if _chain_fits(f, m.end, size)]
+        loose = strict or [m for m in fits if _starts_appendix(f, m.end)]
+        sf.target_candidates = [m.layout for m in loose]
+        if len(loose) == 1:
+            sf.target = loose[0]
+            if not strict:
+                sf.warnings.append("the payload layout was chosen because it ends where an appendix magic "
+                                   "starts; that appendix is damaged")
+        else:
+            if not loose:
+                msg = ("a memory payload of a known kind ending at the end of the file or at an appendix; "
+                       "none fits (give --model to name the layout)")
+            else:
+                kinds = ", ".join(sorted({m.layout.describe() for m in loose}))
+                msg = f"one memory layout, but {len(loose)} fit: {kinds} (give --model to tell them apart)"
+            sf.errors.append(FormatError("target memory", start, msg))
+            _scan_appendices(f, sf, start)
+            return
+
+    _read_appendices(f, sf, sf.target.end, draft_layout)
+
+
+def _read_appendices(f: BinaryIO, sf: SlotFile, offset: int, draft_layout: MemoryLayout | None) -> None:
+    size = sf.size
+    sckp, sdft, end, err = _parse_chain(f, offset, size)
+    sf.sckp, sf.sdft = sckp, sdft
+    if err is not None:
+        sf.errors.append(err)
+        # behind a damaged appendix nothing can be located
+        sf.trailing = Span(end, size - end)
+        return
+    if end < size:
+        sf.trailing = Span(end, size - end)
+        sf.warnings.append(f"{size - end:,} trailing bytes after the last layer (at 0x{end:x}); "
+                           "a server ignores them")
+    version = sf.version
+    tgt_partial = sf.target.layout.partial() if sf.target else None
+    dft_partial = draft_layout.partial() if draft_layout else None
+    if sckp is not None:
+        sf.checkpoints = []
+        for i, c in enumerate(sckp.parsed.checkpoints):
+            tgt = parse_blob(f, c.tgt.data, tgt_partial, version, f"checkpoint {i} target blob")
+            dft = parse_blob(f, c.dft.data, dft_partial, version, f"checkpoint {i} draft blob")
+            for b in (tgt, dft):
+                if b.error:
+                    sf.errors.append(b.error)
+            sf.checkpoints.append(CheckpointEntry(c.n_tokens, c.pos_min, c.pos_max, tgt, dft, c.spec.data))
+    if sdft is not None:
+        sf.draft = parse_blob(f, sdft.parsed.dft.data, draft_layout, version, "SDFT draft blob")
+        sf.draft_spec = sdft.parsed.spec.data
+        if sf.draft.error:
+            sf.errors.append(sf.draft.error)
+
+
+def _scan_appendices(f: BinaryIO, sf: SlotFile, start: int) -> None:
+    """Find an appendix chain that parses to the end of the file, when the payload could not be located."""
+    size = sf.size
+    magics = [struct.pack("<I", m) for m in apx.MAGICS]
+    pos = start
+    while pos < size:
+        f.seek(pos)
+        chunk = f.read(SCAN_CHUNK + 3)
+        if not chunk:
+            break
+        for m in magics:
+            i = chunk.find(m)
+            while i != -1 and i < SCAN_CHUNK:
+                if _chain_fits(f, pos + i, size):
+                    sckp, sdft, _end, _err = _parse_chain(f, pos + i, size)
+                    sf.sckp, sf.sdft = sckp, sdft
+                    if sdft is not None:
+                        sf.draft = parse_blob(f, sdft.parsed.dft.data, None, sf.version or 4, "SDFT draft blob")
+                        sf.draft_spec = sdft.parsed.spec.data
+                    sf.warnings.append(f"found an appendix chain at 0x{pos + i:x} by scanning")
+                    return
+                i = chunk.find(m, i + 1)
+        pos += SCAN_CHUNK
+
+
+def decode_tokens(words: np.ndarray) -> Tokens:
+    """The token words as the server reads them: packed record, or legacy plain list."""
+    if not tokfmt.is_packed(words):
+        return Tokens("legacy", words)
+    data = words.tobytes()
+    try:
+        rec = parse_bytes(tokfmt.PackedTokens, data, "token words", base=12)
+    except FormatError as e:
+        return Tokens("packed", np.zeros(0, np.int32), error=e)
+    media = list(zip((int(s) for s in rec.media_start), (m.data for m in rec.media)))
+    return Tokens("packed", rec.tokens, media)
