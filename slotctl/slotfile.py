@@ -51,6 +51,7 @@ class Memory:
     end: int
     layout: MemoryLayout
     sections: list
+    section_spans: list = field(default_factory=list)   # Span of each section
 
     @property
     def size(self) -> int:
@@ -139,11 +140,13 @@ def parse_memory(f: BinaryIO, offset: int, end: int, layout: MemoryLayout, versi
     """Parse the sections of ``layout`` from ``offset``; the reader cannot go past ``end``."""
     f.seek(offset)
     reader = TrackingReader(f, end)
-    sections = []
+    sections, spans = [], []
     for sec in layout.sections:
         what = f"{layer} ({sec.describe()})" if len(layout.sections) > 1 else layer
+        at = reader.tell()
         sections.append(parse(sec.schema(), reader, what, version=version, lazy=lazy))
-    return Memory(offset, reader.tell(), layout, sections)
+        spans.append(Span(at, reader.tell() - at))
+    return Memory(offset, reader.tell(), layout, sections, spans)
 
 
 def parse_blob(f: BinaryIO, span: Span, layout: MemoryLayout | None, version: int, layer: str) -> Blob:

@@ -1,0 +1,4 @@
+"""``slotctl demo``: placeholder replaced below."""
+import typer
+def register(app: typer.Typer) -> None:
+    pass

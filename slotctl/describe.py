@@ -1,0 +1,165 @@
+"""Describers: parsed layers as plain dicts with stable keys (the ``--json`` schema in docs/json.md).
+
+Pure functions over :mod:`slotctl.slotfile` objects; rendering for people lives in the CLI.
+"""
+
+from __future__ import annotations
+
+from slotctl.format import ggml
+from slotctl.format.records import record_size
+from slotctl.slotfile import Blob, Memory, SlotFile
+
+
+def _stream(cell_count: int, cells) -> dict:
+    return {"cell_count": cell_count, "pos_min": cells.pos_min, "pos_max": cells.pos_max}
+
+
+def _kv_layers(data) -> list[dict]:
+    layers = []
+    v = list(data.v)
+    for i, k in enumerate(data.k):
+        row = {"k_type": ggml.type_name(k.type), "k_row_size": k.row_size,
+               "v_type": None, "v_row_size": None}
+        if i < len(v):
+            rec = v[i]
+            row["v_type"] = ggml.type_name(rec.type)
+            if "row_size" in rec:
+                row["v_row_size"] = rec.row_size
+            else:
+                # transposed V: a "row" of one cell is n_embd elements of el_size bytes
+                row["v_row_size"] = rec.el_size * rec.n_embd
+                row["v_el_size"] = rec.el_size
+                row["v_n_embd"] = rec.n_embd
+        layers.append(row)
+    return layers
+
+
+def describe_section(sec, span=None) -> dict:
+    """One KV or recurrent section."""
+    out: dict = {"type": sec.type}
+    if span is not None:
+        out["offset"], out["size"] = span.offset, span.size
+    if sec.type == "kv":
+        streams = [_stream(s.cell_count, s.cells) for s in sec.streams]
+        datas = [s.data for s in sec.streams if s.data is not None]
+        first = datas[0] if datas else None
+        layers = _kv_layers(first) if first else []
+        out.update({
+            "n_stream": sec.n_stream,
+            "streams": streams,
+            "v_trans": first.v_trans if first else None,
+            "n_layer": first.n_layer if first else None,
+            "n_rot_k": first.n_rot_k if first else None,
+            "n_rot_v": first.n_rot_v if first else None,
+            "layers": layers,
+            "bytes_per_token": sum((l["k_row_size"] or 0) + (l["v_row_size"] or 0) for l in layers),
+            "uniform_streams": all(_kv_shape(d) == _kv_shape(first) for d in datas),
+        })
+    else:
+        r, s = list(sec.r), list(sec.s)
+        layers = []
+        for i in range(max(len(r), len(s))):
+            row = {}
+            if i < len(r):
+                row.update(r_type=ggml.type_name(r[i].type), r_row_size=r[i].row_size)
+            if i < len(s):
+                srec = s[i]
+                row.update(s_type=ggml.type_name(srec.type),
+                           s_row_size=srec.row_size if "row_size" in srec else srec.el_size * srec.n_embd)
+            layers.append(row)
+        out.update({
+            "n_stream": 1,
+            "streams": [_stream(sec.cell_count, sec.cells)],
+            "s_trans": sec.s_trans,
+            "n_layer": sec.n_layer,
+            "layers": layers,
+            "bytes_per_token": None,
+        })
+    return out
+
+
+def _kv_shape(data):
+    return (data.v_trans, data.n_layer, data.n_rot_k, data.n_rot_v,
+            tuple((k.type, k.row_size) for k in data.k),
+            tuple((v.type, v.get("row_size"), v.get("el_size"), v.get("n_embd")) for v in data.v))
+
+
+def describe_memory(mem: Memory | None) -> dict | None:
+    if mem is None:
+        return None
+    spans = mem.section_spans or [None] * len(mem.sections)
+    return {"kind": mem.layout.kind,
+            "sections": [dict(describe_section(s, sp), role=l.role)
+                         for s, sp, l in zip(mem.sections, spans, mem.layout.sections)]}
+
+
+def tensor_bytes(mem: Memory) -> int:
+    """Bytes of tensor data in a payload (the rest is metadata)."""
+    total = 0
+    for sec in mem.sections:
+        if sec.type == "kv":
+            for st in sec.streams:
+                if st.data is not None:
+                    total += sum(record_size(r) for r in st.data.k) + sum(record_size(r) for r in st.data.v)
+        else:
+            total += sum(record_size(r) for r in sec.r) + sum(record_size(r) for r in sec.s)
+    return total
+
+
+def describe_blob(b: Blob | None) -> dict | None:
+    if b is None:
+        return None
+    return {
+        "offset": b.span.offset,
+        "size": b.span.size,
+        "seq_id": b.seq_id,
+        "memory": describe_memory(b.memory),
+        "error": b.error.one_line() if b.error else None,
+    }
+
+
+def describe_file(sf: SlotFile, *, tokens: bool = False, text: str | None = None,
+                  runtime_version: int | None = None) -> dict:
+    """The whole file, as ``slotctl inspect --json`` prints it."""
+    tk = sf.tokens
+    prompt = None
+    if tk is not None:
+        prompt = {"format": tk.format, "n_words": int(len(sf.words)), "n_tokens": tk.n_tokens,
+                  "n_media": len(tk.media),
+                  "media": [{"start": s, "size": (m.size if hasattr(m, "size") else len(m))} for s, m in tk.media]}
+        if tokens:
+            prompt["tokens"] = [int(t) for t in tk.tokens]
+        if text is not None:
+            prompt["text"] = text
+    target = None
+    if sf.target is not None:
+        target = {"offset": sf.target.offset, "size": sf.target.size, "memory": describe_memory(sf.target),
+                  "tensor_bytes": tensor_bytes(sf.target)}
+    checkpoints = None
+    if sf.checkpoints is not None:
+        checkpoints = [{"n_tokens": c.n_tokens, "pos_min": c.pos_min, "pos_max": c.pos_max,
+                        "target": describe_blob(c.tgt), "draft": describe_blob(c.dft),
+                        "spec_size": c.spec.size} for c in sf.checkpoints]
+    draft = None
+    if sf.draft is not None:
+        draft = describe_blob(sf.draft)
+        draft["spec_size"] = sf.draft_spec.size if sf.draft_spec else 0
+    return {
+        "path": sf.path,
+        "size": sf.size,
+        "version": sf.version,
+        "loadable_by_runtime": (sf.version == runtime_version) if runtime_version is not None else None,
+        "runtime_state_version": runtime_version,
+        "layers": [{"name": n, "offset": o, "size": s} for n, o, s in sf.layers()],
+        "prompt": prompt,
+        "target": target,
+        "target_candidates": [l.describe() for l in sf.target_candidates] if sf.target is None else None,
+        "checkpoints": checkpoints,
+        "sckp": {"offset": sf.sckp.offset, "size": sf.sckp.size} if sf.sckp else None,
+        "draft": draft,
+        "sdft": {"offset": sf.sdft.offset, "size": sf.sdft.size} if sf.sdft else None,
+        "trailing_bytes": sf.trailing.size if sf.trailing else 0,
+        "warnings": list(sf.warnings),
+        "errors": [e.one_line() for e in sf.errors],
+        "damaged": sf.damaged,
+    }
