@@ -26,7 +26,7 @@ from slotctl.format.common import Span, TrackingReader, parse, parse_bytes
 from slotctl.format.header import StateHeader, header_size
 from slotctl.format.memory import MemoryLayout, candidate_layouts
 
-SCAN_CHUNK = 16 << 20
+SCAN_CHUNK = 1 << 20
 
 
 @dataclass
@@ -131,7 +131,8 @@ class SlotFile:
         if self.sdft:
             out.append(("SDFT appendix", self.sdft.offset, self.sdft.size))
         if self.trailing and self.trailing.size:
-            out.append(("trailing bytes", self.trailing.offset, self.trailing.size))
+            name = "unparsed bytes" if self.errors else "trailing bytes"
+            out.append((name, self.trailing.offset, self.trailing.size))
         return out
 
 
@@ -310,11 +311,13 @@ def _read_appendices(f: BinaryIO, sf: SlotFile, offset: int, draft_layout: Memor
         sf.errors.append(err)
         # behind a damaged appendix nothing can be located
         sf.trailing = Span(end, size - end)
-        return
-    if end < size:
+    elif end < size:
         sf.trailing = Span(end, size - end)
-        sf.warnings.append(f"{size - end:,} trailing bytes after the last layer (at 0x{end:x}); "
-                           "a server ignores them")
+        f.seek(end)
+        head = f.read(4)
+        if len(head) < 4 and any(struct.pack("<I", m).startswith(head) for m in apx.MAGICS):
+            sf.errors.append(FormatError("appendix", end, f"an appendix magic, the file ends after "
+                                                          f"{len(head)} byte(s): the file is truncated"))
     version = sf.version
     tgt_partial = sf.target.layout.partial() if sf.target else None
     dft_partial = draft_layout.partial() if draft_layout else None
@@ -370,3 +373,44 @@ def decode_tokens(words: np.ndarray) -> Tokens:
         return Tokens("packed", np.zeros(0, np.int32), error=e)
     media = list(zip((int(s) for s in rec.media_start), (m.data for m in rec.media)))
     return Tokens("packed", rec.tokens, media)
+
+
+# -- building -------------------------------------------------------------------------------------
+
+def build_memory(f: BinaryIO, mem: Memory, version: int) -> bytes:
+    """The bytes of ``mem`` rebuilt from its schemas (tensor bytes read from ``f``)."""
+    full = parse_memory(f, mem.offset, mem.end, mem.layout, version, lazy=False)
+    return b"".join(sec.schema().build(parsed, version=version)
+                    for sec, parsed in zip(mem.layout.sections, full.sections))
+
+
+def build_blob(f: BinaryIO, b: Blob, version: int) -> bytes:
+    """A blob rebuilt from its dissection, or its raw bytes when it could not be dissected."""
+    if b.memory is None or b.seq_id is None:
+        return b.span.read(f)
+    return blobfmt.blob_header(b.seq_id) + build_memory(f, b.memory, version)
+
+
+def build_header(version: int, words) -> bytes:
+    return StateHeader.build(dict(magic=0x67677371, version=version, n_words=len(words), words=words))
+
+
+def rebuild(sf: SlotFile) -> bytes:
+    """The whole file rebuilt layer by layer from the schemas: equal to the file when parsing is right.
+
+    Reads every tensor byte: for tests and small files.
+    """
+    if sf.damaged or sf.target is None:
+        raise FormatError("file", None, "a file that parsed without errors")
+    with open(sf.path, "rb") as f:
+        parts = [build_header(sf.version, sf.words), build_memory(f, sf.target, sf.version)]
+        if sf.checkpoints is not None:
+            parts.append(apx.build_sckp([
+                dict(n_tokens=c.n_tokens, pos_min=c.pos_min, pos_max=c.pos_max,
+                     tgt=build_blob(f, c.tgt, sf.version), dft=build_blob(f, c.dft, sf.version),
+                     spec=c.spec.read(f)) for c in sf.checkpoints]))
+        if sf.sdft is not None:
+            parts.append(apx.build_sdft(build_blob(f, sf.draft, sf.version), sf.draft_spec.read(f)))
+        if sf.trailing is not None and sf.trailing.size:
+            parts.append(sf.trailing.read(f))
+    return b"".join(parts)
