@@ -174,20 +174,32 @@ def parse_blob(f: BinaryIO, span: Span, layout: MemoryLayout | None, version: in
                                                 f"{span.end - m.end:,} bytes are left over")
         b.memory = m
         return b
-    fits = []
-    for cand in candidate_layouts():
-        try:
-            m = parse_memory(f, body, span.end, cand, version, layer)
-        except FormatError:
-            continue
-        if m.end == span.end:
-            fits.append(m)
+    fits = [m for m in _try_layouts(f, body, span.end, version, layer) if m.end == span.end]
+    if not fits:
+        fits = [m for m in _try_layouts(f, body, span.end, version, layer, ext=True) if m.end == span.end]
     b.candidates = [m.layout for m in fits]
     if len(fits) == 1:
         b.memory = fits[0]
     elif not fits:
         b.error = FormatError(layer, body, "a memory payload of a known kind that fills the blob; none fits")
     return b
+
+
+def _try_layouts(f: BinaryIO, offset: int, end: int, version: int, layer: str, *, ext: bool = False) -> list[Memory]:
+    """The candidate layouts (with cell ext or without) that parse from ``offset``.
+
+    Cells with ext are tried only when no layout without fits: a file without ext read as one with ext
+    parses far into the cells before it fails, and ext belongs to few models (M-RoPE, n-gram heads).
+    """
+    out = []
+    for cand in candidate_layouts():
+        if any(s.has_ext for s in cand.sections) != ext:
+            continue
+        try:
+            out.append(parse_memory(f, offset, end, cand, version, layer))
+        except FormatError:
+            continue
+    return out
 
 
 def _read_u32(f: BinaryIO, offset: int) -> int | None:
@@ -274,14 +286,11 @@ def _walk(f: BinaryIO, sf: SlotFile, layout: MemoryLayout | None, draft_layout: 
             _scan_appendices(f, sf, start)
             return
     else:
-        fits = []
-        for cand in candidate_layouts():
-            try:
-                m = parse_memory(f, start, size, cand, sf.version)
-            except FormatError:
-                continue
-            fits.append(m)
+        fits = _try_layouts(f, start, size, sf.version, "target memory")
         strict = [m for m in fits if _chain_fits(f, m.end, size)]
+        if not strict:
+            fits += _try_layouts(f, start, size, sf.version, "target memory", ext=True)
+            strict = [m for m in fits if _chain_fits(f, m.end, size)]
         loose = strict or [m for m in fits if _starts_appendix(f, m.end)]
         sf.target_candidates = [m.layout for m in loose]
         if len(loose) == 1:
