@@ -12,7 +12,7 @@ from slotctl.describe import describe_file
 from slotctl.format import ggml
 from slotctl.format.appendix import build_sckp, build_sdft
 from slotctl.format.blob import blob_header
-from slotctl.format.convert import ConversionRefused, convert_payload
+from slotctl.format.convert import ConversionRefused, convert_payload, rotation_sizes
 from slotctl.format.tokens import pack_tokens
 from slotctl.slotfile import decode_tokens, open_slot_file, rebuild
 
@@ -103,11 +103,31 @@ def test_version_4_converts_to_3_and_back_exactly(name):
     assert convert_payload(v3, sf.target.layout, 3, 4) == payload
 
 
-def test_rotated_cache_does_not_convert_to_version_3():
+def test_rotated_cache_converts_with_the_rotation_both_versions_apply():
+    """Both runtimes rotate a quantized cache by the same rule; version 4 only records it (64 for head 64)."""
     sf = open_slot_file(DATA / "srv-kvq8.bin")
     payload = (DATA / "srv-kvq8.bin").read_bytes()[sf.target.offset:sf.target.end]
-    with pytest.raises(ConversionRefused, match="K 64 / V 64"):
-        convert_payload(payload, sf.target.layout, 4, 3)
+    v3 = convert_payload(payload, sf.target.layout, 4, 3)
+    assert len(v3) == len(payload) - 8
+    with pytest.raises(ConversionRefused, match="head sizes"):
+        convert_payload(v3, sf.target.layout, 3, 4)
+    assert convert_payload(v3, sf.target.layout, 3, 4, head_dims=(64, 64)) == payload
+    # a model whose heads are not a multiple of 64 is not rotated: the recorded 64 cannot be right
+    with pytest.raises(ConversionRefused, match="key rotation of 0"):
+        convert_payload(payload, sf.target.layout, 4, 3, head_dims=(32, 32))
+    # a quantized cache saved with rotation disabled would be rotated by a version-3 runtime
+    unrotated = bytearray(payload)
+    at = sf.target.sections[0].streams[0].data.rot_offset - sf.target.offset
+    unrotated[at:at + 8] = bytes(8)
+    with pytest.raises(ConversionRefused, match="rotation was disabled"):
+        convert_payload(bytes(unrotated), sf.target.layout, 4, 3)
+
+
+@pytest.mark.parametrize("head,rot_k,rot_v", [(64, 64, 64), (128, 128, 64), (192, 64, 64), (256, 256, 64),
+                                               (96, 0, 0), (32, 0, 0)])
+def test_rotation_rule(head, rot_k, rot_v):
+    assert rotation_sizes(8, 8, (head, head)) == (rot_k, rot_v)
+    assert rotation_sizes(1, 1, (head, head)) == (0, 0)
 
 
 def test_appendix_chain_behind_a_server_payload(tmp_path):

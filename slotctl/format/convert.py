@@ -1,8 +1,17 @@
 """Converting memory payloads and blobs between state versions, exactly or not at all.
 
 * 3 <-> 4: version 4 adds ``u32 n_rot_k; u32 n_rot_v`` after ``n_layer`` in every KV stream's DATA.
-  4 -> 3 is exact only when every rotation is 0 (a rotated quantized cache means something else to a
-  version-3 runtime); 3 -> 4 inserts zeros.
+  Both versions rotate a quantized cache with a Hadamard matrix by the same rule
+  (``llama_kv_cache``'s constructor: K by the largest power of two times 64 that divides the K head
+  size, V by 64, each only when the cache type is quantized and the head size a multiple of 64);
+  version 4 merely records the sizes. So:
+
+  - 4 -> 3 drops the eight bytes; it is exact when each recorded rotation is the one a version-3
+    runtime applies: 0 for an unquantized cache, the rule's size for a quantized one. A quantized
+    cache recorded without rotation (``LLAMA_ATTN_ROT_DISABLE``) is refused when the head size is
+    a multiple of 64, and needs the model's head sizes to decide otherwise.
+  - 3 -> 4 inserts the rotations the version-3 runtime applied: zeros for unquantized caches; for a
+    quantized one the rule's sizes, which need the model's head sizes (``head_dims``).
 * 2 <-> 3: cell ext grows from 8 bytes (x, y) to 12 (x, y, tok). Identical for models without ext;
   with ext the token is unknown (2 -> 3) or lost (3 -> 2), so the conversion is refused.
 
@@ -13,8 +22,10 @@ tensor bytes are copied untouched.
 from __future__ import annotations
 
 import io
+import struct
 
 from slotctl.errors import FormatError
+from slotctl.format import ggml
 from slotctl.format.blob import BLOB_HEADER_SIZE, BlobHeader
 from slotctl.format.common import parse
 from slotctl.format.memory import MemoryLayout
@@ -43,8 +54,33 @@ def _locate(data: bytes, layout: MemoryLayout, version: int, layer: str):
     return sections
 
 
-def convert_payload(data: bytes, layout: MemoryLayout, src: int, dst: int, *, layer: str = "payload") -> bytes:
-    """``data``, a ``state_write`` payload of state version ``src``, as version ``dst`` would write it."""
+def rotation_sizes(type_k: int, type_v: int, head_dims: tuple[int, int]) -> tuple[int, int]:
+    """(n_rot_k, n_rot_v) llama.cpp applies to caches of these types for K/V head sizes ``head_dims``."""
+    head_k, head_v = head_dims
+    rot_k = rot_v = 0
+    if ggml.is_quantized(type_k) and head_k > 0 and head_k % 64 == 0:
+        rot_k = 64
+        while head_k % (2 * rot_k) == 0:
+            rot_k *= 2
+    if ggml.is_quantized(type_v) and head_v > 0 and head_v % 64 == 0:
+        rot_v = 64
+    return rot_k, rot_v
+
+
+def _types(d) -> tuple[int, int]:
+    k = d.k[0].type if len(d.k) else 0
+    v = d.v[0].type if len(d.v) else 0
+    return k, v
+
+
+def convert_payload(data: bytes, layout: MemoryLayout, src: int, dst: int, *,
+                    head_dims: tuple[int, int] | None = None, layer: str = "payload") -> bytes:
+    """``data``, a ``state_write`` payload of state version ``src``, as version ``dst`` would write it.
+
+    ``head_dims``: the model's (K, V) head sizes (``n_embd_head_k`` / ``n_embd_head_v``, the largest
+    over layers), needed only where a quantized cache's rotation must be derived.
+    Raises :class:`ConversionRefused` with the reason when the result would not be exact.
+    """
     if src == dst:
         return data
     if (src <= 2) != (dst <= 2) and any(s.type == "kv" and s.has_ext for s in layout.sections):
@@ -57,21 +93,47 @@ def convert_payload(data: bytes, layout: MemoryLayout, src: int, dst: int, *, la
     pos = 0
     for d in _kv_data(sections):
         at = d.rot_offset
+        type_k, type_v = _types(d)
         out += data[pos:at]
         if src >= 4:
-            if d.n_rot_k or d.n_rot_v:
-                raise ConversionRefused(layer, at, f"rotations of 0 for version {dst}, found K {d.n_rot_k} / "
-                                                   f"V {d.n_rot_v}: a rotated quantized cache cannot be loaded "
-                                                   f"by a version-{dst} runtime")
+            for what, t, rot, i in (("key", type_k, d.n_rot_k, 0), ("value", type_v, d.n_rot_v, 1)):
+                if not ggml.is_quantized(t):
+                    if rot:
+                        raise ConversionRefused(layer, at + 4 * i, f"no {what} rotation for a {ggml.type_name(t)} "
+                                                                   f"cache, found {rot}")
+                    continue
+                if head_dims is not None:
+                    want = rotation_sizes(type_k, type_v, head_dims)[i]
+                    if rot != want:
+                        raise ConversionRefused(layer, at + 4 * i, f"a {what} rotation of {want} (what a version-{dst}"
+                                                                   f" runtime applies to this {ggml.type_name(t)} cache),"
+                                                                   f" found {rot}")
+                elif rot == 0:
+                    raise ConversionRefused(layer, at + 4 * i, f"a {what} rotation for a {ggml.type_name(t)} cache, "
+                                                               "found none (rotation was disabled when it was "
+                                                               f"saved; a version-{dst} runtime would rotate it); "
+                                                               "give the model to check the head size")
             pos = at + 8
         else:
-            out += b"\0" * 8
+            if ggml.is_quantized(type_k) or ggml.is_quantized(type_v):
+                if head_dims is None:
+                    raise ConversionRefused(layer, at, f"the model's head sizes to record the rotation of a "
+                                                       f"{ggml.type_name(type_k)}/{ggml.type_name(type_v)} cache "
+                                                       "(give --model)")
+                rot_k, rot_v = rotation_sizes(type_k, type_v, head_dims)
+            else:
+                rot_k = rot_v = 0
+            out += struct.pack("<II", rot_k, rot_v)
             pos = at
     out += data[pos:]
     return bytes(out)
 
 
-def convert_blob(blob: bytes, layout: MemoryLayout, src: int, dst: int, *, layer: str = "blob") -> bytes:
+def convert_blob(blob: bytes, layout: MemoryLayout, src: int, dst: int, *,
+                 head_dims: tuple[int, int] | None = None, layer: str = "blob") -> bytes:
     """An in-memory blob (magic, seq id, payload) converted like :func:`convert_payload`."""
+    if not blob:
+        return blob
     parse(BlobHeader, io.BytesIO(blob), layer, size=len(blob))
-    return blob[:BLOB_HEADER_SIZE] + convert_payload(blob[BLOB_HEADER_SIZE:], layout, src, dst, layer=layer)
+    return blob[:BLOB_HEADER_SIZE] + convert_payload(blob[BLOB_HEADER_SIZE:], layout, src, dst,
+                                                     head_dims=head_dims, layer=layer)
