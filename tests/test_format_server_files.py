@@ -12,7 +12,8 @@ from slotctl.describe import describe_file
 from slotctl.format import ggml
 from slotctl.format.appendix import build_sckp, build_sdft
 from slotctl.format.blob import blob_header
-from slotctl.format.convert import ConversionRefused, convert_payload, rotation_sizes
+from slotctl.format.convert import ConversionRefused, convert_payload
+from slotctl.geometry import read_model_info, rotation_rule
 from slotctl.format.tokens import pack_tokens
 from slotctl.slotfile import decode_tokens, open_slot_file, rebuild
 
@@ -111,23 +112,17 @@ def test_rotated_cache_converts_with_the_rotation_both_versions_apply():
     assert len(v3) == len(payload) - 8
     with pytest.raises(ConversionRefused, match="head sizes"):
         convert_payload(v3, sf.target.layout, 3, 4)
-    assert convert_payload(v3, sf.target.layout, 3, 4, head_dims=(64, 64)) == payload
+    rule = rotation_rule(read_model_info(DATA / "target.gguf"))
+    assert convert_payload(v3, sf.target.layout, 3, 4, rotations=rule) == payload
     # a model whose heads are not a multiple of 64 is not rotated: the recorded 64 cannot be right
     with pytest.raises(ConversionRefused, match="key rotation of 0"):
-        convert_payload(payload, sf.target.layout, 4, 3, head_dims=(32, 32))
+        convert_payload(payload, sf.target.layout, 4, 3, rotations=lambda role, tk, tv: (0, 0))
     # a quantized cache saved with rotation disabled would be rotated by a version-3 runtime
     unrotated = bytearray(payload)
     at = sf.target.sections[0].streams[0].data.rot_offset - sf.target.offset
     unrotated[at:at + 8] = bytes(8)
     with pytest.raises(ConversionRefused, match="rotation was disabled"):
         convert_payload(bytes(unrotated), sf.target.layout, 4, 3)
-
-
-@pytest.mark.parametrize("head,rot_k,rot_v", [(64, 64, 64), (128, 128, 64), (192, 64, 64), (256, 256, 64),
-                                               (96, 0, 0), (32, 0, 0)])
-def test_rotation_rule(head, rot_k, rot_v):
-    assert rotation_sizes(8, 8, (head, head)) == (rot_k, rot_v)
-    assert rotation_sizes(1, 1, (head, head)) == (0, 0)
 
 
 def test_appendix_chain_behind_a_server_payload(tmp_path):

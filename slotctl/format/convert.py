@@ -8,10 +8,10 @@
 
   - 4 -> 3 drops the eight bytes; it is exact when each recorded rotation is the one a version-3
     runtime applies: 0 for an unquantized cache, the rule's size for a quantized one. A quantized
-    cache recorded without rotation (``LLAMA_ATTN_ROT_DISABLE``) is refused when the head size is
-    a multiple of 64, and needs the model's head sizes to decide otherwise.
+    cache recorded without rotation (saved with ``LLAMA_ATTN_ROT_DISABLE``) is refused unless the
+    model's rule (``rotations``) says it gets none.
   - 3 -> 4 inserts the rotations the version-3 runtime applied: zeros for unquantized caches; for a
-    quantized one the rule's sizes, which need the model's head sizes (``head_dims``).
+    quantized one the model's rule, so ``rotations`` is required there.
 * 2 <-> 3: cell ext grows from 8 bytes (x, y) to 12 (x, y, tok). Identical for models without ext;
   with ext the token is unknown (2 -> 3) or lost (3 -> 2), so the conversion is refused.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import struct
+from typing import Callable, Tuple
 
 from slotctl.errors import FormatError
 from slotctl.format import ggml
@@ -35,13 +36,13 @@ class ConversionRefused(FormatError):
     """The conversion would not be exact; ``expected`` says why."""
 
 
-def _kv_data(sections):
-    for sec in sections:
+def _kv_data(sections, layout: MemoryLayout):
+    for sec, sl in zip(sections, layout.sections):
         if sec.type != "kv":
             continue
         for st in sec.streams:
             if st.data is not None:
-                yield st.data
+                yield sl.role, st.data
 
 
 def _locate(data: bytes, layout: MemoryLayout, version: int, layer: str):
@@ -54,17 +55,9 @@ def _locate(data: bytes, layout: MemoryLayout, version: int, layer: str):
     return sections
 
 
-def rotation_sizes(type_k: int, type_v: int, head_dims: tuple[int, int]) -> tuple[int, int]:
-    """(n_rot_k, n_rot_v) llama.cpp applies to caches of these types for K/V head sizes ``head_dims``."""
-    head_k, head_v = head_dims
-    rot_k = rot_v = 0
-    if ggml.is_quantized(type_k) and head_k > 0 and head_k % 64 == 0:
-        rot_k = 64
-        while head_k % (2 * rot_k) == 0:
-            rot_k *= 2
-    if ggml.is_quantized(type_v) and head_v > 0 and head_v % 64 == 0:
-        rot_v = 64
-    return rot_k, rot_v
+#: ``(section role, K type id, V type id) -> (n_rot_k, n_rot_v)``: the rotations llama.cpp applies to a
+#: cache of the model (:func:`slotctl.geometry.rotation_rule` makes one from a GGUF)
+RotationRule = Callable[[str, int, int], Tuple[int, int]]
 
 
 def _types(d) -> tuple[int, int]:
@@ -74,11 +67,11 @@ def _types(d) -> tuple[int, int]:
 
 
 def convert_payload(data: bytes, layout: MemoryLayout, src: int, dst: int, *,
-                    head_dims: tuple[int, int] | None = None, layer: str = "payload") -> bytes:
+                    rotations: RotationRule | None = None, layer: str = "payload") -> bytes:
     """``data``, a ``state_write`` payload of state version ``src``, as version ``dst`` would write it.
 
-    ``head_dims``: the model's (K, V) head sizes (``n_embd_head_k`` / ``n_embd_head_v``, the largest
-    over layers), needed only where a quantized cache's rotation must be derived.
+    ``rotations``: the model's rotation rule, needed only where a quantized cache's rotation must be
+    derived (3 -> 4) or checked (4 -> 3 with a recorded rotation of 0).
     Raises :class:`ConversionRefused` with the reason when the result would not be exact.
     """
     if src == dst:
@@ -91,7 +84,7 @@ def convert_payload(data: bytes, layout: MemoryLayout, src: int, dst: int, *,
     sections = _locate(data, layout, src, layer)
     out = bytearray()
     pos = 0
-    for d in _kv_data(sections):
+    for role, d in _kv_data(sections, layout):
         at = d.rot_offset
         type_k, type_v = _types(d)
         out += data[pos:at]
@@ -102,8 +95,8 @@ def convert_payload(data: bytes, layout: MemoryLayout, src: int, dst: int, *,
                         raise ConversionRefused(layer, at + 4 * i, f"no {what} rotation for a {ggml.type_name(t)} "
                                                                    f"cache, found {rot}")
                     continue
-                if head_dims is not None:
-                    want = rotation_sizes(type_k, type_v, head_dims)[i]
+                if rotations is not None:
+                    want = rotations(role, type_k, type_v)[i]
                     if rot != want:
                         raise ConversionRefused(layer, at + 4 * i, f"a {what} rotation of {want} (what a version-{dst}"
                                                                    f" runtime applies to this {ggml.type_name(t)} cache),"
@@ -116,11 +109,11 @@ def convert_payload(data: bytes, layout: MemoryLayout, src: int, dst: int, *,
             pos = at + 8
         else:
             if ggml.is_quantized(type_k) or ggml.is_quantized(type_v):
-                if head_dims is None:
+                if rotations is None:
                     raise ConversionRefused(layer, at, f"the model's head sizes to record the rotation of a "
                                                        f"{ggml.type_name(type_k)}/{ggml.type_name(type_v)} cache "
-                                                       "(give --model)")
-                rot_k, rot_v = rotation_sizes(type_k, type_v, head_dims)
+                                                       "(give the model)")
+                rot_k, rot_v = rotations(role, type_k, type_v)
             else:
                 rot_k = rot_v = 0
             out += struct.pack("<II", rot_k, rot_v)
@@ -130,10 +123,10 @@ def convert_payload(data: bytes, layout: MemoryLayout, src: int, dst: int, *,
 
 
 def convert_blob(blob: bytes, layout: MemoryLayout, src: int, dst: int, *,
-                 head_dims: tuple[int, int] | None = None, layer: str = "blob") -> bytes:
+                 rotations: RotationRule | None = None, layer: str = "blob") -> bytes:
     """An in-memory blob (magic, seq id, payload) converted like :func:`convert_payload`."""
     if not blob:
         return blob
     parse(BlobHeader, io.BytesIO(blob), layer, size=len(blob))
     return blob[:BLOB_HEADER_SIZE] + convert_payload(blob[BLOB_HEADER_SIZE:], layout, src, dst,
-                                                     head_dims=head_dims, layer=layer)
+                                                     rotations=rotations, layer=layer)

