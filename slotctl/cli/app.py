@@ -60,6 +60,11 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:
+        # the reader went away (``slotctl inspect F | head``): not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(0)
     except Exception as e:  # an unexpected error is a bug: say so in one line
         if os.environ.get("SLOTCTL_DEBUG"):
             raise
