@@ -128,3 +128,28 @@ def test_runtime_file_converted_to_version_4_equals_ours(files, tiny_models, nam
         f.write(build_header(4, sf.words) + v4)
     d = inspect_json(conv)
     assert d["version"] == 4 and d["target"]["size"] == len(v4)
+
+
+def test_prompt_text_is_escaped_on_a_terminal(tiny_models, tmp_path):
+    """A prompt is untrusted: control characters (an ANSI escape here) are shown as \\xNN, never sent raw."""
+    from slotctl.format.tokens import pack_tokens
+    from slotctl.testing import vocabulary
+
+    vocab = vocabulary()
+    esc = [vocab.index(p) for p in ("<0x1B>", "[", "3", "1", "m")] + [vocab.index("Paris")]
+    src = open_slot_file(_server_file())
+    raw = open(src.path, "rb").read()
+    p = tmp_path / "esc.bin"
+    p.write_bytes(build_header(4, pack_tokens([1] + esc)) + raw[src.target.offset:])
+    res = runner.invoke(app, ["inspect", str(p), "--model", str(tiny_models.target)])
+    assert res.exit_code == 0, res.output
+    assert "\x1b" not in res.stdout
+    assert "\\x1b[31mParis" in res.stdout
+    d = inspect_json(p, "--model", str(tiny_models.target))
+    assert d["prompt"]["text"] == "<s>\x1b[31mParis"  # JSON carries the real text, escaped by JSON itself
+
+
+def _server_file():
+    from conftest import DATA
+
+    return DATA / "srv-np1.bin"
