@@ -1,0 +1,98 @@
+"""``slotctl strip-draft FILE...``: remove the draft state from slot files, in place and atomically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from slotctl.cli.common import handle_errors
+from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt
+from slotctl.cli.output import Output, human_bytes, markup_safe
+from slotctl.errors import ExitStatus
+from slotctl.strip import REFUSED, STRIPPED, UNCHANGED, WOULD_STRIP, FileResult, expand_paths, strip_files
+
+_STATUS_STYLE = {STRIPPED: "green", WOULD_STRIP: "cyan", UNCHANGED: "dim", REFUSED: "bold red"}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("strip-draft")(strip_draft)
+
+
+@handle_errors
+def strip_draft(
+    paths: Annotated[list[Path], typer.Argument(help="Slot files, or directories (such as a server's "
+                                                     "--slot-save-path): every regular file in them.")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the stripped file here "
+                                                   "instead of in place (one input file only).")] = None,
+    checkpoints: Annotated[bool, typer.Option("--checkpoints", help="Also empty the draft and speculative "
+                                              "blobs inside each context checkpoint.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be removed; write nothing.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Let -o overwrite an existing file.")] = False,
+    model: ModelOpt = None,
+    draft_model: DraftModelOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Remove the draft state (the SDFT appendix) from slot files, leaving every other byte as it was.
+
+    In place and atomic: killed at any moment, each file is either the old one or the stripped one.
+    A file without draft state is not rewritten. A file that does not parse is refused and left as
+    it was; the other files are still processed. --model and --draft-model name the memory layouts
+    when the file alone does not tell them. Details: docs/strip-draft.md.
+
+    Exit codes: 0 every file stripped or without draft state; 1 a file was refused; 2 usage error,
+    or a file that could not be read or written.
+    """
+    out = Output(json_mode=json_out)
+    files = expand_paths(paths)
+    layouts = dict(layout=_layout(model), draft_layout=_layout(draft_model))
+    with out.progress("stripping", bytes_=True) as update:
+        results = strip_files(files, output=output, checkpoints=checkpoints, dry_run=dry_run, force=force,
+                              progress=update, **layouts)
+    for r in results:
+        if r.note:
+            out.warn(r.note)
+        if r.error:
+            out.error(r.error)
+    total = sum(r.bytes_freed for r in results)
+    if json_out:
+        out.json({"files": [r.as_dict() for r in results], "total_bytes_freed": total,
+                  "n_stripped": sum(r.status in (STRIPPED, WOULD_STRIP) for r in results),
+                  "n_refused": sum(r.status == REFUSED for r in results)})
+    else:
+        render(out, results, total, dry_run=dry_run)
+    status = max((r.exit_status for r in results), default=ExitStatus.OK)
+    if status != ExitStatus.OK:
+        raise typer.Exit(int(status))
+
+
+def _layout(model: Path | None):
+    """The memory layout the GGUF ``model`` predicts, or None."""
+    if model is None:
+        return None
+    from slotctl.geometry import read_model_info
+
+    return read_model_info(model).layout()
+
+
+def render(out: Output, results: list[FileResult], total: int, *, dry_run: bool) -> None:
+    """One table row per file, then the total."""
+    t = Table(show_edge=False)
+    t.add_column("path")
+    t.add_column("status")
+    for c in ("before", "after", "freed"):
+        t.add_column(c, justify="right")
+    t.add_column("removed")
+    for r in results:
+        t.add_row(markup_safe(r.path), Text(r.status, style=_STATUS_STYLE[r.status]), human_bytes(r.size_before),
+                  human_bytes(r.size_after), human_bytes(r.bytes_freed) if r.size_after is not None else "-",
+                  ", ".join(r.removed) or "-")
+    out.print(t)
+    statuses = (WOULD_STRIP if dry_run else STRIPPED, UNCHANGED, REFUSED)
+    counts = {s: sum(r.status == s for r in results) for s in statuses}
+    freed = "would be freed" if dry_run else "freed"
+    out.print(Text(f"total: {', '.join(f'{n} {s}' for s, n in counts.items())}; {human_bytes(total)} {freed}",
+                   style="bold"))

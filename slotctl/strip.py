@@ -1,0 +1,359 @@
+"""Removing the draft state from slot files: the SDFT appendix, and optionally the draft and speculative
+blobs inside each context checkpoint (``slotctl strip-draft``).
+
+A strip is planned from the parse (:func:`plan_strip`): the new file is a list of pieces, each either a
+byte range of the old file or a few bytes written here (the headers of a rebuilt SCKP appendix). Every
+kept byte is copied from the old file in large chunks (:func:`~slotctl.atomic.copy_range`), so memory use
+does not grow with the payload. The new file replaces the old one atomically
+(:func:`~slotctl.atomic.atomic_writer`): killed at any moment, the old file or the new one is there,
+never a mix.
+
+A file without draft state is not rewritten. A file that does not parse cleanly is refused and left as it
+was: what a strip keeps is known only from a complete parse.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+from slotctl.atomic import atomic_writer, copy_range
+from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError
+from slotctl.format import appendix as apx
+from slotctl.format.common import Span
+from slotctl.format.memory import MemoryLayout
+from slotctl.slotfile import SlotFile, open_slot_file
+
+#: what ``removed`` lists
+REMOVED_SDFT = "SDFT"
+REMOVED_CKPT_DRAFT = "checkpoint draft blobs"
+REMOVED_CKPT_SPEC = "checkpoint speculative state"
+
+#: ``status`` of a file
+STRIPPED = "stripped"
+UNCHANGED = "unchanged"
+REFUSED = "refused"
+WOULD_STRIP = "would strip"
+
+_SCKP_HEAD = struct.Struct("<III")         # magic, version, count
+_CKPT_HEAD = struct.Struct("<qiiQ")        # n_tokens, pos_min, pos_max, target blob length
+_EMPTY_BLOBS = struct.pack("<QQ", 0, 0)    # draft blob length 0, speculative state length 0
+
+#: ``progress(bytes written so far, bytes to write in all)``
+Progress = Callable[[int, int], None]
+Piece = Union[Span, bytes]
+
+
+class SourceChanged(SlotctlError):
+    """The file changed between the parse and the end of the copy; it is left as it now is."""
+
+    exit_status = ExitStatus.FAILED
+
+
+def is_temp_file(name: str) -> bool:
+    """Whether ``name`` is a temporary file of :func:`~slotctl.atomic.atomic_writer` (``.NAME.slotctl-*.tmp``)."""
+    return name.startswith(".") and ".slotctl-" in name and name.endswith(".tmp")
+
+
+def expand_paths(paths: list[str | os.PathLike]) -> list[str]:
+    """The files to strip: each file as given, each directory's regular files (not recursive, sorted).
+
+    Symbolic links and temporary files inside a directory are skipped. A path given twice (or a file
+    also found in a given directory) is stripped once. A missing path is a usage error.
+    """
+    out: list[str] = []
+    seen: set[str] = set()
+
+    def add(p: str) -> None:
+        key = os.path.realpath(p)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+
+    for raw in paths:
+        p = os.fspath(raw)
+        if os.path.isdir(p):
+            with os.scandir(p) as it:
+                names = sorted(e.name for e in it if e.is_file(follow_symlinks=False) and not is_temp_file(e.name))
+            for name in names:
+                add(os.path.join(p, name))
+        elif os.path.isfile(p):
+            add(p)
+        elif os.path.lexists(p):
+            raise UsageError(f"{p}: not a regular file or a directory")
+        else:
+            raise UsageError(f"{p}: no such file or directory")
+    return out
+
+
+@dataclass(frozen=True)
+class _Identity:
+    """What tells that a file is still the one that was parsed."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "_Identity":
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to write the stripped file: ``pieces`` in order (a :class:`Span` of the old file or bytes)."""
+
+    path: str
+    size_before: int
+    removed: tuple[str, ...]
+    pieces: tuple[Piece, ...]
+    identity: _Identity
+    #: bytes of checkpoint draft and speculative blobs that only ``--checkpoints`` removes (0 with it)
+    checkpoint_draft_bytes: int = 0
+
+    @property
+    def size_after(self) -> int:
+        return sum(p.size if isinstance(p, Span) else len(p) for p in self.pieces)
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.removed)
+
+
+def plan_strip(path: str | os.PathLike, *, checkpoints: bool = False, layout: MemoryLayout | None = None,
+               draft_layout: MemoryLayout | None = None) -> Plan:
+    """Parse ``path`` (with the layouts, when given) and plan its strip.
+
+    Raises :class:`FormatError` when the file is refused: any layer that does not parse.
+    """
+    path = os.fspath(path)
+    identity = _Identity.of(os.stat(path))
+    sf = open_slot_file(path, layout=layout, draft_layout=draft_layout)
+    if sf.errors or sf.target is None:
+        raise sf.errors[0] if sf.errors else FormatError("target memory", sf.header_end,
+                                                         "a memory payload of a known kind")
+    return _plan(sf, identity, checkpoints)
+
+
+def _plan(sf: SlotFile, identity: _Identity, checkpoints: bool) -> Plan:
+    """The pieces of the stripped file: the old file's ranges around what goes, and rebuilt SCKP headers.
+
+    With ``checkpoints`` (and a checkpoint holding draft or speculative bytes), SCKP is rewritten from
+    the parse: its header, then per checkpoint the position fields and target blob length, the target
+    blob copied as a range, and two zero lengths.
+    """
+    removed: list[str] = []
+    pieces: list[Piece] = []
+    ckpts = sf.checkpoints or []
+    dft_bytes = sum(c.dft.span.size for c in ckpts)
+    spec_bytes = sum(c.spec.size for c in ckpts)
+    rebuild_sckp = checkpoints and (dft_bytes + spec_bytes) > 0
+
+    pos = 0   # the old file is copied from here up to the next removed part
+    if rebuild_sckp:
+        pieces.append(Span(0, sf.sckp.offset))
+        pieces.append(_SCKP_HEAD.pack(apx.SCKP_MAGIC, apx.SCKP_VERSION, len(ckpts)))
+        for c in ckpts:
+            pieces.append(_CKPT_HEAD.pack(c.n_tokens, c.pos_min, c.pos_max, c.tgt.span.size))
+            pieces.append(c.tgt.span)
+            pieces.append(_EMPTY_BLOBS)
+        pos = sf.sckp.end
+        if dft_bytes:
+            removed.append(REMOVED_CKPT_DRAFT)
+        if spec_bytes:
+            removed.append(REMOVED_CKPT_SPEC)
+    if sf.sdft is not None:
+        _check_trailing(sf)
+        pieces.append(Span(pos, sf.sdft.offset - pos))
+        pos = sf.sdft.end
+        removed.insert(0, REMOVED_SDFT)
+    pieces.append(Span(pos, sf.size - pos))
+    return Plan(sf.path, sf.size, tuple(removed), _coalesce(pieces), identity,
+                0 if checkpoints else dft_bytes + spec_bytes)
+
+
+def _check_trailing(sf: SlotFile) -> None:
+    """Refuse when bytes behind the SDFT appendix would read as an appendix once it is gone.
+
+    A server stops reading at the SDFT appendix; moved up behind the payload or the checkpoints, bytes
+    that start with an appendix magic would be read as checkpoints or draft state.
+    """
+    t = sf.trailing
+    if t is None or t.size < 4:
+        return
+    with open(sf.path, "rb") as f:
+        f.seek(t.offset)
+        (word,) = struct.unpack("<I", f.read(4))
+    if word in apx.MAGICS:
+        raise FormatError("trailing bytes", t.offset,
+                          f"bytes a server ignores; they start with an {apx.MAGICS[word]} magic, which a server "
+                          f"would read as an appendix once the SDFT appendix before them is removed")
+
+
+def _coalesce(pieces: list[Piece]) -> tuple[Piece, ...]:
+    """Drop empty pieces, join neighbouring bytes and contiguous spans."""
+    out: list[Piece] = []
+    for p in pieces:
+        if (p.size if isinstance(p, Span) else len(p)) == 0:
+            continue
+        last = out[-1] if out else None
+        if isinstance(p, Span) and isinstance(last, Span) and last.end == p.offset:
+            out[-1] = Span(last.offset, last.size + p.size)
+        elif isinstance(p, bytes) and isinstance(last, bytes):
+            out[-1] = last + p
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def write_plan(plan: Plan, dest: str | os.PathLike, *, overwrite: bool,
+               progress: Callable[[int], None] | None = None) -> None:
+    """Write the stripped file to ``dest`` atomically, streaming the kept ranges of ``plan.path``.
+
+    ``progress(bytes written)`` follows the copy. Raises :class:`SourceChanged` (nothing is replaced) when
+    the file is not the one that was parsed, before or during the copy. A file that is replaced keeps its
+    mode, and its owner and group where the process may set them (a root run must not leave a server's
+    slot file owned by root).
+    """
+    with open(plan.path, "rb") as src:
+        _check_same(plan, src)
+        with atomic_writer(dest, overwrite=overwrite) as dst:
+            _keep_owner(dest, dst)
+            done = 0
+            for piece in plan.pieces:
+                if isinstance(piece, Span):
+                    copy_range(src, dst, piece.offset, piece.size,
+                               progress=(lambda n, base=done: progress(base + n)) if progress else None)
+                    done += piece.size
+                else:
+                    dst.write(piece)
+                    done += len(piece)
+                    if progress:
+                        progress(done)
+            _check_same(plan, src)
+
+
+def _keep_owner(dest: str | os.PathLike, dst) -> None:
+    """Give the new file ``dst`` the owner and group of the file at ``dest`` it replaces, where allowed."""
+    try:
+        st = os.stat(dest)
+    except FileNotFoundError:
+        return
+    try:
+        os.fchown(dst.fileno(), st.st_uid, st.st_gid)
+    except PermissionError:   # not root and not our file: the new file is ours
+        pass
+
+
+def _check_same(plan: Plan, src) -> None:
+    """Raise :class:`SourceChanged` when ``src`` is no longer the file ``plan`` was made from."""
+    if _Identity.of(os.fstat(src.fileno())) != plan.identity:
+        raise SourceChanged(f"{plan.path}: the file changed since it was read; left as it is now, run again")
+
+
+@dataclass
+class FileResult:
+    """What happened to one file; :meth:`as_dict` is its JSON form (keys in docs/strip-draft.md)."""
+
+    path: str
+    status: str
+    size_before: int | None = None
+    size_after: int | None = None
+    removed: list[str] = field(default_factory=list)
+    error: str | None = None
+    output: str | None = None
+    #: the exit status this file calls for: FAILED when refused, USAGE when it could not be read or written
+    exit_status: ExitStatus = ExitStatus.OK
+    #: a note for people (draft blobs left in checkpoints without ``--checkpoints``)
+    note: str | None = None
+
+    @property
+    def bytes_freed(self) -> int:
+        if self.size_before is None or self.size_after is None:
+            return 0
+        return self.size_before - self.size_after
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "status": self.status, "size_before": self.size_before,
+                "size_after": self.size_after, "bytes_freed": self.bytes_freed, "removed": list(self.removed),
+                "error": self.error, "output": self.output}
+
+
+def check_output(output: str | os.PathLike, n_files: int, *, force: bool) -> None:
+    """Usage errors of ``-o OUT``: several input files, a directory, an existing file without ``force``."""
+    out = os.fspath(output)
+    if n_files != 1:
+        raise UsageError(f"-o {out}: needs exactly one input file, {n_files} given")
+    if os.path.isdir(out):
+        raise UsageError(f"{out}: is a directory")
+    if os.path.lexists(out) and not force:
+        raise UsageError(f"{out}: exists (use --force to overwrite)")
+    directory = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(directory):
+        raise UsageError(f"{directory}: no such directory")
+
+
+def strip_files(files: list[str], *, output: str | os.PathLike | None = None, checkpoints: bool = False,
+                dry_run: bool = False, force: bool = False, progress: Progress | None = None,
+                layout: MemoryLayout | None = None, draft_layout: MemoryLayout | None = None) -> list[FileResult]:
+    """Strip each of ``files`` (already expanded, see :func:`expand_paths`); one result per file.
+
+    ``layout`` / ``draft_layout``: the target and draft memory layouts, when known from the models.
+    In place unless ``output`` is given (one file only; see :func:`check_output`). Every file is parsed
+    first, then the files with draft state are written; ``progress(done, total)`` counts bytes written
+    over all files. A refused or unreadable file does not stop the others.
+    """
+    if output is not None:
+        check_output(output, len(files), force=force)
+        if os.path.exists(output) and os.path.samefile(output, files[0]):
+            output = None   # -o naming the file itself (with --force): in place
+    results: list[FileResult] = []
+    plans: list[tuple[FileResult, Plan, str]] = []
+    for path in files:
+        res = FileResult(path, REFUSED)
+        results.append(res)
+        try:
+            res.size_before = os.stat(path).st_size
+            plan = plan_strip(path, checkpoints=checkpoints, layout=layout, draft_layout=draft_layout)
+        except FormatError as e:
+            res.error, res.exit_status = f"{path}: {e}", ExitStatus.FAILED
+            continue
+        except OSError as e:
+            res.error, res.exit_status = _os_error(path, e), ExitStatus.USAGE
+            continue
+        res.size_before, res.size_after, res.removed = plan.size_before, plan.size_after, list(plan.removed)
+        if plan.checkpoint_draft_bytes:
+            res.note = (f"{path}: its checkpoints hold {plan.checkpoint_draft_bytes:,} bytes of draft state; "
+                        f"--checkpoints removes them too")
+        written_to = path if output is None else os.fspath(output)
+        if not plan.changes and output is None:
+            res.status = UNCHANGED
+        elif dry_run:
+            res.status, res.output = (WOULD_STRIP if plan.changes else UNCHANGED), written_to
+        else:
+            plans.append((res, plan, written_to))
+    total = sum(plan.size_after for _, plan, _ in plans)
+    written = 0
+    for res, plan, written_to in plans:
+        base = written
+        # in place, through a symbolic link: the file it points to is replaced, not the link
+        dest = os.path.realpath(written_to) if output is None else written_to
+        try:
+            write_plan(plan, dest, overwrite=force or output is None,
+                       progress=(lambda n, base=base: progress(base + n, total)) if progress else None)
+        except SourceChanged as e:
+            res.status, res.size_after, res.error, res.exit_status = REFUSED, None, str(e), ExitStatus.FAILED
+        except (OSError, UsageError) as e:
+            res.status, res.size_after, res.exit_status = REFUSED, None, ExitStatus.USAGE
+            res.error = _os_error(dest, e) if isinstance(e, OSError) else str(e)
+        else:
+            res.status, res.output = (STRIPPED if plan.changes else UNCHANGED), written_to
+        written = base + plan.size_after
+    return results
+
+
+def _os_error(path: str, e: OSError) -> str:
+    return f"{e.filename or path}: {e.strerror or e}"
