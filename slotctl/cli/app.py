@@ -36,9 +36,11 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 def _register() -> None:
-    from slotctl.cli import demo, inspect_cmd, strip_draft
+    from slotctl.cli import demo, inspect_cmd, restore, save, strip_draft
 
     inspect_cmd.register(app)
+    save.register(app)
+    restore.register(app)
     strip_draft.register(app)
     demo.register(app)
 

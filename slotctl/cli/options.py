@@ -39,6 +39,8 @@ SwaFullOpt = Annotated[bool, typer.Option("--swa-full", help="Full-size SWA cach
 SlotOpt = Annotated[int, typer.Option("--slot", min=0, help="The slot (sequence id).")]
 DraftNMaxOpt = Annotated[int, typer.Option("--spec-draft-n-max", min=0,
                                            help="Tokens the draft proposes per step (server default 3).")]
+ThreadsOpt = Annotated[int, typer.Option("--threads", "-t", min=0, help="CPU threads; 0 = every core. "
+                                        "Speed only: nothing saved depends on it.")]
 
 
 def context_settings(*, ctx_size: int, parallel: int, kv_unified: bool, cache_type_k: str, cache_type_v: str,

@@ -105,7 +105,11 @@ class Output:
             yield lambda completed, total=None: None
             return
         columns = [TextColumn("{task.description}"), BarColumn()]
-        columns += [DownloadColumn()] if bytes_ else [TextColumn("{task.completed:.0f}/{task.total:.0f}")]
+        if bytes_:
+            columns.append(DownloadColumn())
+        else:
+            # total may become known only later (update(..., total=n)): show the count alone until then
+            columns.append(TextColumn("{task.completed:.0f}" + ("" if total is None else "/{task.total:.0f}")))
         columns += [TimeRemainingColumn()]
         with Progress(*columns, console=self.err, transient=True) as p:
             task = p.add_task(description, total=total)

@@ -1,0 +1,325 @@
+"""``slotctl restore``: restore a slot file as llama-server does, then optionally go on from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from slotctl.cli.common import check_file, handle_errors
+from slotctl.cli.options import (
+    BatchOpt,
+    CacheTypeKOpt,
+    CacheTypeVOpt,
+    CtxSizeOpt,
+    DraftCacheTypeKOpt,
+    DraftCacheTypeVOpt,
+    DraftModelOpt,
+    DraftNMaxOpt,
+    FlashAttnOpt,
+    JsonOpt,
+    KvUnifiedOpt,
+    ParallelOpt,
+    SlotOpt,
+    SwaFullOpt,
+    TargetModelOpt,
+    ThreadsOpt,
+    UBatchOpt,
+    VerboseOpt,
+    context_settings,
+)
+from slotctl.cli.output import Output, elide, markup_safe
+from slotctl.errors import ExitStatus, UsageError
+
+#: ``-n`` when the continuation is asked for without it
+DEFAULT_N_PREDICT = 16
+
+_STATUS_STYLE = {"restored": "green", "absent": "dim", "ignored": "yellow", "dropped": "yellow", "refused": "bold red"}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("restore")(restore)
+
+
+@handle_errors
+def restore(
+    file: Annotated[Path, typer.Argument(help="The slot file.", dir_okay=False)],
+    model: TargetModelOpt,
+    draft_model: DraftModelOpt = None,
+    continue_text: Annotated[Optional[str], typer.Option("--continue", help="Go on from the restored state: "
+                                                         "the saved text followed by TEXT, as a new request.")] = None,
+    n_predict: Annotated[Optional[int], typer.Option("--n-predict", "-n", min=0, help="Tokens to generate "
+                                                     f"greedily after the continuation (default {DEFAULT_N_PREDICT})."
+                                                     )] = None,
+    compare: Annotated[bool, typer.Option("--compare", help="Also run the continuation in fresh contexts that "
+                                          "evaluate the file's prompt from scratch; exit 1 unless text, prompt "
+                                          "tokens evaluated, drafted and accepted counts all agree.")] = False,
+    slot: SlotOpt = 0,
+    ctx_size: CtxSizeOpt = 0,
+    parallel: ParallelOpt = 1,
+    kv_unified: KvUnifiedOpt = False,
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
+    draft_cache_type_k: DraftCacheTypeKOpt = "f16",
+    draft_cache_type_v: DraftCacheTypeVOpt = "f16",
+    flash_attn: FlashAttnOpt = "auto",
+    batch_size: BatchOpt = 2048,
+    ubatch_size: UBatchOpt = 512,
+    swa_full: SwaFullOpt = False,
+    threads: ThreadsOpt = 0,
+    spec_draft_n_max: DraftNMaxOpt = 3,
+    ctx_checkpoints: Annotated[int, typer.Option("--ctx-checkpoints", "-ctxcp", min=0, help="Checkpoints kept "
+                                                 "per slot (the server's default 32).")] = 32,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Restore a slot file as llama-server does, step by step, and optionally continue from it.
+
+    Takes the flags the server is started with (-m, -md, -c, -np, -kvu, -ctk/-ctv, -ctkd/-ctvd, -fa,
+    --spec-draft-n-max). Steps, in the server's order: the target payload (a version-4 file is
+    converted for this runtime when that is exact), the token checks, the checkpoints (SCKP), the draft
+    state (SDFT): each with bytes, milliseconds, and restored / absent / ignored / dropped and why.
+    --continue TEXT (and/or -n N) then sends a request: the saved text followed by TEXT, tokenized as
+    the server does, only the new tokens evaluated, N tokens generated greedily; with -md by
+    speculative decoding (the draft proposes up to --spec-draft-n-max tokens, the target verifies).
+
+    Exit codes: 0 restored (a dropped draft state is reported, not fatal), and with --compare all
+    agreed; 1 the server would refuse the file or the request, or --compare found a difference;
+    2 usage or I/O error.
+    """
+    out = Output(json_mode=json_out, verbose=verbose)
+    check_file(file)
+    for path in (model, draft_model):
+        if path is not None:
+            check_file(path)
+    settings = context_settings(ctx_size=ctx_size, parallel=parallel, kv_unified=kv_unified,
+                                cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn,
+                                batch_size=batch_size, ubatch_size=ubatch_size, swa_full=swa_full)
+    settings = dataclasses.replace(settings, n_threads=threads)
+    if slot >= parallel:
+        raise UsageError(f"--slot {slot}: the server has slots 0..{parallel - 1} (-np {parallel})")
+    go_on = continue_text is not None or n_predict is not None or compare
+    n = DEFAULT_N_PREDICT if n_predict is None else n_predict
+
+    from slotctl.runtime.context import STATE_VERSION
+    from slotctl.runtime.log import configure_logging
+    from slotctl.runtime.restore import RestoreRefused, restore_slot
+    from slotctl.runtime.slot import ServerContexts
+
+    configure_logging(verbose)
+    report: dict = {"path": str(file), "slot": slot, "state_version": None, "runtime_state_version": STATE_VERSION,
+                    "ok": False, "error": None, "n_tokens": None, "token_format": None, "n_bytes": None,
+                    "steps": [], "draft": None, "timings": {}, "continuation": None, "compare": None}
+    timings = report["timings"]
+    t0 = time.perf_counter()
+    with out.progress("loading models", total=1000) as update:
+        sc = ServerContexts.open(model, settings, draft_path=draft_model, draft_type_k=draft_cache_type_k,
+                                 draft_type_v=draft_cache_type_v, on_progress=lambda d, t: update(d, t))
+    timings["load_ms"] = _ms(t0)
+    status = ExitStatus.OK
+    with sc:
+        try:
+            restored = restore_slot(sc, file, slot, n_ctx_checkpoints=ctx_checkpoints)
+        except RestoreRefused as e:
+            report.update(error=str(e), steps=[s.as_dict() for s in e.steps])
+            if e.steps:
+                report["state_version"] = e.steps[0].details.get("state_version")
+            _emit(out, report, json_out)
+            out.error(str(e))
+            raise typer.Exit(int(ExitStatus.FAILED)) from None
+        timings["restore_ms"] = round(restored.ms, 3)
+        report.update(ok=True, state_version=restored.version, n_tokens=len(restored.tokens),
+                      token_format=restored.token_format, n_bytes=restored.n_bytes,
+                      steps=[s.as_dict() for s in restored.steps], draft=restored.draft_status)
+        try:
+            if go_on:
+                status = _continue(out, sc, restored, report, continue_text or "", n, spec_draft_n_max, compare)
+        except _Refused as e:
+            report.update(ok=False, error=str(e))
+            _emit(out, report, json_out)
+            out.error(str(e))
+            raise typer.Exit(int(ExitStatus.FAILED)) from None
+    _emit(out, report, json_out)
+    if report["compare"] is not None and not report["compare"]["agree"]:
+        out.error(f"compare: {report['compare']['difference']}")
+    if status != ExitStatus.OK:
+        raise typer.Exit(int(status))
+
+
+class _Refused(Exception):
+    """The server would refuse the continuation request."""
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 3)
+
+
+def _continue(out: Output, sc, restored, report: dict, text: str, n: int, n_draft_max: int,
+              compare: bool) -> ExitStatus:
+    from slotctl.runtime.slot import evaluate_prompt
+    from slotctl.runtime.speculative import (
+        RequestRefused,
+        ServerSlot,
+        close_contexts,
+        fresh_contexts,
+        request_tokens,
+    )
+
+    timings = report["timings"]
+    srv = ServerSlot(sc, restored.slot, restored.tokens, restored.checkpoints, n_draft_max=n_draft_max)
+    request = request_tokens(sc.target_model, restored.tokens, text)
+    try:
+        comp = _run(out, srv, request, n, "")
+    except RequestRefused as e:
+        raise _Refused(str(e)) from None
+    timings["prompt_ms"] = round(comp.prompt_ms, 3)
+    timings["generate_ms"] = round(comp.generate_ms, 3)
+    report["continuation"] = {"continue_text": text, "n_predict": n, **_round(comp.as_dict())}
+    if not compare:
+        return ExitStatus.OK
+    t0 = time.perf_counter()
+    close_contexts(sc)  # the restored slot is done with; its models serve the fresh contexts
+    fresh = fresh_contexts(sc)
+    try:
+        with out.progress("fresh: evaluating the file's prompt", total=len(restored.tokens)) as update:
+            evaluate_prompt(fresh, restored.tokens, restored.slot, on_progress=update)
+        never_saved = ServerSlot(fresh, restored.slot, restored.tokens, n_draft_max=n_draft_max)
+        fcomp = _run(out, never_saved, request, n, "fresh: ")
+    except RequestRefused as e:
+        raise _Refused(f"fresh contexts: {e}") from None
+    finally:
+        close_contexts(fresh)
+    timings["compare_ms"] = _ms(t0)
+    checks = [
+        ("text", comp.text, fcomp.text),
+        ("n_evaluated", comp.n_evaluated, fcomp.n_evaluated),
+        ("n_drafted", comp.n_drafted, fcomp.n_drafted),
+        ("n_accepted", comp.n_accepted, fcomp.n_accepted),
+    ]
+    difference = None
+    for name, r, f in checks:
+        if r != f:
+            difference = _difference(name, comp, fcomp, restored)
+            break
+    report["compare"] = {
+        "agree": difference is None,
+        "difference": difference,
+        "checks": [{"check": name, "restored": r, "fresh": f, "equal": r == f} for name, r, f in checks],
+        "fresh": _round(fcomp.as_dict()),
+    }
+    return ExitStatus.OK if difference is None else ExitStatus.FAILED
+
+
+def _run(out: Output, srv, request, n: int, label: str):
+    with out.progress(f"{label}evaluating the continuation", total=max(1, len(request))) as update:
+        comp = srv.begin(request, on_prompt=update)
+    with out.progress(f"{label}generating", total=n) as update:
+        srv.generate(comp, n, on_token=update)
+    return comp
+
+
+def _round(d: dict) -> dict:
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in d.items()}
+
+
+def _difference(name: str, r, f, restored) -> str:
+    """The first difference in words, with what the restore did to the draft when that explains it."""
+    if name == "text":
+        return (f"generated text differs: {elide(r.text, 120)!r} after restore, {elide(f.text, 120)!r} fresh")
+    if name == "n_evaluated":
+        return f"prompt tokens evaluated: {r.n_evaluated} after restore, {f.n_evaluated} fresh"
+    msg = (f"draft accepted {r.n_accepted} of {r.n_drafted} after restore, {f.n_accepted} of {f.n_drafted} fresh")
+    draft = restored.step("draft")
+    if draft.status == "absent":
+        msg += ": the file holds no draft state"
+    elif draft.status in ("dropped", "ignored"):
+        msg += f": {draft.reason}"
+    return msg
+
+
+# -- output ---------------------------------------------------------------------------------------
+
+def _emit(out: Output, report: dict, json_out: bool) -> None:
+    if json_out:
+        out.json(report)
+    else:
+        render(out, report)
+
+
+def render(out: Output, r: dict) -> None:
+    """The human view of the restore report."""
+    head = Text.assemble((markup_safe(r["path"]), "bold"), f" into slot {r['slot']}")
+    if r["state_version"] is not None:
+        head.append(f", state version {r['state_version']}")
+        if r["state_version"] != r["runtime_state_version"]:
+            head.append(f" (this runtime reads {r['runtime_state_version']})")
+    if r["n_tokens"] is not None:
+        head.append(f", {r['n_tokens']:,} tokens ({r['token_format']}), {r['n_bytes']:,} bytes read")
+    out.print(head)
+    t = Table(show_edge=False)
+    for c in ("step", "status", "bytes", "ms", "note"):
+        t.add_column(c, justify="right" if c in ("bytes", "ms") else "left")
+    for s in r["steps"]:
+        t.add_row(s["step"], Text(s["status"], style=_STATUS_STYLE.get(s["status"], "")), f"{s['bytes']:,}",
+                  f"{s['ms']:.1f}", markup_safe(_note(s)))
+    out.print(t)
+    for s in r["steps"]:
+        if s["status"] in ("dropped", "ignored") and s["reason"]:
+            out.warn(f"{s['step']}: {s['reason']}")
+    tm = r["timings"]
+    if tm:
+        out.print(Text(", ".join(f"{k.removesuffix('_ms').replace('_', ' ')} {v:,.1f} ms" for k, v in tm.items()),
+                       style="dim"))
+    c = r["continuation"]
+    if c is not None:
+        out.print(_completion_panel("continuation", c))
+    cmp = r["compare"]
+    if cmp is not None:
+        out.print(_compare_table(cmp))
+        if cmp["agree"]:
+            out.print(Text("restored and fresh agree: a restored slot answers like one never saved", style="green"))
+
+
+def _note(s: dict) -> str:
+    if s["reason"]:
+        return s["reason"]
+    if s["step"] == "target" and s.get("converted_from"):
+        return f"converted from state version {s['converted_from']}"
+    if s["step"] == "tokens":
+        return f"{s['n_tokens']:,} tokens ({s['format']}), slot n_ctx {s['n_ctx_slot']:,}"
+    if s["step"] == "checkpoints" and s["status"] == "restored":
+        return f"{s['kept']} checkpoint(s)"
+    if s["step"] == "draft" and s["status"] == "restored":
+        pos = s.get("positions")
+        return f"draft context holds positions {pos[0]}..{pos[1]}" if pos else "empty draft state"
+    return ""
+
+
+def _completion_panel(title: str, c: dict) -> Panel:
+    lines = [f"prompt: {c['n_prompt']:,} tokens, {c['n_reused']:,} reused, {c['n_evaluated']:,} evaluated"
+             + (f" (the draft context held {c['n_draft_reused']:,})" if c["n_draft_reused"] is not None else "")
+             + (f", from the checkpoint at {c['checkpoint']:,} tokens" if c["checkpoint"] is not None else ""),
+             f"generated: {c['n_generated']:,} tokens (stop: {c['stop']})"]
+    if c["speculative"]:
+        lines.append(f"speculative: drafted {c['n_drafted']:,}, accepted {c['n_accepted']:,} in "
+                     f"{c['n_verify_steps']:,} verification step(s) (up to {c['n_draft_max']} per step)")
+    body = [Text("\n".join(lines)), Text(markup_safe(elide(c["text"])), style="italic")]
+    return Panel(Group(*body), title=title, title_align="left")
+
+
+def _compare_table(cmp: dict) -> Table:
+    t = Table(title="compare: restored vs never saved", title_justify="left", show_edge=False)
+    for col in ("check", "restored", "fresh", ""):
+        t.add_column(col)
+    for ch in cmp["checks"]:
+        fmt = (lambda v: markup_safe(elide(v, 160))) if ch["check"] == "text" else str
+        t.add_row(ch["check"], fmt(ch["restored"]), fmt(ch["fresh"]),
+                  Text("same", style="green") if ch["equal"] else Text("differs", style="bold red"))
+    return t
