@@ -1,14 +1,20 @@
 """What a server would refuse, drop or silently ignore in a slot file, found from its structure alone.
 
-Each :class:`Finding` has a severity: ``error`` (the server refuses the file), ``drop`` (the server
-restores it but loses a layer), ``note`` (worth knowing; nothing is lost by a current server).
-``inspect`` shows them as warnings; ``validate`` adds what only the models and contexts can tell.
+Each :class:`Finding` has a severity: ``error`` (the server refuses the file, or aborts on it), ``drop``
+(the server restores it but loses a layer), ``note`` (worth knowing; nothing is lost by a current server).
+``inspect`` shows them as warnings; ``validate`` applies the server's own rules too (:class:`ServerRules`)
+and adds what only the models and contexts can tell (:mod:`slotctl.validate`).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
+from slotctl.errors import FormatError
+from slotctl.format import tokens as tokfmt
+from slotctl.format.common import parse_bytes
 from slotctl.slotfile import SlotFile
 
 #: llama-server's default ``--ctx-checkpoints`` (b11434 common/common.h)
@@ -27,15 +33,44 @@ class Finding:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class ServerRules:
+    """The rules of the server a file is restored by, for :func:`structural_findings` (``validate``).
+
+    ``state_version``: the only state version the server's loader accepts (llama.cpp compares it
+    exactly). ``mmproj``: the server has a multimodal projector (``--mmproj``), without which a prompt
+    with media chunks is refused.
+
+    With rules, findings follow the server of the seed change (seed/000_be707a6df623abc0.txt) and
+    b11434's ``common_prompt_checkpoint::load_tgt``: the checkpoint appendix loader checks framing and
+    lengths only, so a checkpoint blob that is damaged inside is kept, and the server aborts
+    (``GGML_ABORT("checkpoint size mismatch")``) when it rolls back to it: an ``error`` on the layer
+    ``checkpoint N target`` / ``checkpoint N draft``, not a drop. Cells the loader rejects whatever the
+    context (``state_read_meta``) are named: ``invalid_cell``, ``recurrent_cells``.
+    """
+
+    state_version: int | None = 4
+    mmproj: bool = False
+
+
 def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
-                        n_ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS) -> list[Finding]:
-    """Findings from the parsed layers (no models needed)."""
+                        n_ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS,
+                        server: ServerRules | None = None) -> list[Finding]:
+    """Findings from the parsed layers (no models needed); with ``server``, its rules too."""
     out: list[Finding] = []
     for e in sf.errors:
         layer = e.layer.split(":")[0].split(" (")[0]
-        if layer.startswith("SCKP") or layer.startswith("checkpoint"):
+        if server is not None and layer.startswith("checkpoint "):
+            name = layer.removesuffix(" blob")
+            out.append(Finding(name, "error", "checkpoint_blob_damaged",
+                               f"{e.one_line()}: the server keeps this checkpoint (it checks only the "
+                               "appendix's lengths) and aborts (\"checkpoint size mismatch\") when it rolls "
+                               "back to it", e.offset))
+        elif layer.startswith("SCKP") or layer.startswith("checkpoint"):
+            behind = (", and any draft state behind it (the draft loader looks for SDFT right after the "
+                      "payload)") if server is not None else ""
             out.append(Finding("checkpoints", "drop", "checkpoints_damaged",
-                               f"{e.one_line()}: the server ignores the checkpoint appendix", e.offset))
+                               f"{e.one_line()}: the server ignores the checkpoint appendix{behind}", e.offset))
         elif layer.startswith("SDFT"):
             out.append(Finding("draft", "drop", "draft_damaged",
                                f"{e.one_line()}: the server reports an invalid draft state and starts the draft empty",
@@ -44,6 +79,11 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
             out.append(Finding(layer, "error", "damaged", e.one_line(), e.offset))
     if sf.version is None:
         return out
+    if server is not None and server.state_version is not None and sf.version != server.state_version:
+        out.append(Finding("state header", "error", "version_mismatch",
+                           f"state version {sf.version}: a server of state version {server.state_version} loads no "
+                           "other (\"unknown (magic, version)\"); a server of state version "
+                           f"{sf.version} restores it", 4))
     if runtime_version is not None and sf.version != runtime_version:
         out.append(Finding("state header", "note", "version_mismatch",
                            f"state version {sf.version}: this llama-cpp-python reads only version {runtime_version}"
@@ -59,7 +99,13 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
         if tk.format == "legacy":
             out.append(Finding("token words", "note", "legacy_tokens",
                                "legacy plain token list (written by an older server); restores as text tokens", 12))
-        if tk.media:
+        if tk.media and server is not None and not server.mmproj:
+            out.append(Finding("token words", "error", "media_without_mmproj",
+                               f"{len(tk.media)} media chunk(s) and the server has no mmproj: it refuses the file "
+                               "(\"Cannot restore media tokens without an mmproj\"): start it with --mmproj", 12))
+        elif tk.media and server is not None:
+            out += _media_findings(sf)
+        elif tk.media:
             out.append(Finding("token words", "note", "media",
                                f"{len(tk.media)} media chunk(s): the server restores them only with an mmproj "
                                "(\"Cannot restore media tokens without an mmproj\")", 12))
@@ -81,6 +127,69 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
         out.append(Finding("trailing bytes", "note", "trailing_bytes",
                            f"{sf.trailing.size:,} bytes after the last layer; the server ignores them",
                            sf.trailing.offset))
+    if server is not None:
+        out += _cell_findings(sf)
+    return out
+
+
+def _memories(sf: SlotFile):
+    """(layer name, Memory, what a bad cell makes the server do) of every parsed memory layer."""
+    if sf.target is not None:
+        yield "target memory", sf.target, "error"
+    for i, c in enumerate(sf.checkpoints or ()):
+        for kind, b in (("target", c.tgt), ("draft", c.dft)):
+            if b.memory is not None:
+                yield f"checkpoint {i} {kind}", b.memory, "error"
+    if sf.draft is not None and sf.draft.memory is not None:
+        yield "draft", sf.draft.memory, "drop"
+
+
+def _cell_findings(sf: SlotFile) -> list[Finding]:
+    """Cells llama.cpp's single-sequence loader rejects whatever the context (``state_read_meta``).
+
+    A KV cell lists exactly one sequence id ("invalid seq_id-agnostic kv cell"), a recurrent cell none;
+    a sequence's recurrent state is at most one cell: with more, the loader finds "not enough cells" in
+    a one-slot context and fails an assertion (GGML_ASSERT, the process aborts) with more slots.
+    """
+    out: list[Finding] = []
+    for layer, mem, severity in _memories(sf):
+        for sec, span in zip(mem.sections, mem.section_spans):
+            if sec.type == "kv":
+                cells_list = [st.cells for st in sec.streams if st.cell_count]
+                want = 1
+            else:
+                cells_list = [sec.cells] if sec.cell_count else []
+                want = 0
+                if sec.cell_count > 1:
+                    out.append(Finding(layer, severity, "recurrent_cells",
+                                       f"the recurrent state holds {sec.cell_count:,} cells; a slot's is at most 1: "
+                                       "llama.cpp refuses it with one slot (\"not enough cells\") and aborts "
+                                       "(GGML_ASSERT) with more", span.offset))
+            for cells in cells_list:
+                bad = np.flatnonzero(np.asarray(cells.n_seq_id) != want)
+                if len(bad):
+                    i = int(bad[0])
+                    out.append(Finding(layer, severity, "invalid_cell",
+                                       f"cell {i} lists {int(cells.n_seq_id[i])} sequence ids, a single-slot save "
+                                       f"{want} ({len(bad):,} such cells): llama.cpp refuses it (\"invalid "
+                                       "seq_id-agnostic kv cell\")", span.offset))
+                    break
+    return out
+
+
+def _media_findings(sf: SlotFile) -> list[Finding]:
+    """Media chunks the server's ``mtmd_input_chunk_load`` cannot read ("Cannot load media chunk")."""
+    out: list[Finding] = []
+    with open(sf.path, "rb") as f:
+        for start, chunk in sf.tokens.media:
+            data = chunk.read(f) if hasattr(chunk, "read") else bytes(chunk)
+            try:
+                parse_bytes(tokfmt.MediaChunk, data, f"media chunk at token {start}")
+            except FormatError as e:
+                out.append(Finding("token words", "error", "media_damaged",
+                                   f"{e.one_line()}: the server refuses the file (\"Cannot load "
+                                   "media chunk from server tokens state\")", 12))
+                break
     return out
 
 

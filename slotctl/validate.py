@@ -1,0 +1,1239 @@
+"""Will a llama-server restore this slot file, completely? (``slotctl validate``)
+
+Three checks, each adding :class:`~slotctl.findings.Finding` objects to a :class:`FileReport`:
+
+1. **Structure** (always): every layer as ``inspect`` parses it, plus the server's own rules
+   (:func:`slotctl.findings.structural_findings` with :class:`~slotctl.findings.ServerRules`).
+2. **Prediction** (with ``-m``, and ``-md`` for the draft): :func:`slotctl.geometry.predict` says what
+   the contexts of a server started with the given flags hold, and each memory layer of the file is
+   compared with it the way llama.cpp's loader compares (``state_read_meta`` / ``state_read_data``):
+   the target payload with the target context, each checkpoint's target and draft blobs (PARTIAL_ONLY)
+   with the target and draft contexts, the SDFT draft blob with the draft context. The tokens are
+   checked as the server checks them after restoring the target.
+3. **Real check** (with ``-m``, unless turned off): each memory layer is loaded into real contexts
+   built with those flags, in a child process (:class:`LoadChecker` over a :class:`ChildProcess`), so that
+   an abort inside llama.cpp becomes a finding. A version-4 layer is converted to this runtime's version 3
+   first (:func:`slotctl.format.convert.convert_payload`); when that is refused the layer is not loaded and the
+   prediction alone decides. Prediction and load must agree; where they do not, the disagreement is a
+   finding of its own (``prediction_disagrees``).
+
+What a finding costs depends on the layer (the server change in ``seed/000_be707a6df623abc0.txt`` and
+``common_prompt_checkpoint::load_tgt`` in b11434):
+
+* state header, token words, target memory: the server refuses the file ("Unable to restore slot");
+* the SDFT draft state: the server restores the file and drops the draft state (the draft starts empty);
+* a damaged SCKP appendix: the server ignores every checkpoint;
+* a checkpoint blob that does not fit its context: the server keeps it (the appendix loader only checks
+  lengths) and **aborts** (``GGML_ABORT("checkpoint size mismatch")``) when it rolls back to it.
+
+Each checked layer has a :class:`LayerCheck` saying what the prediction and the load found and what the
+server does (its ``effect``); the file's ``verdict`` follows from the effects (:data:`VERDICTS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from slotctl.errors import ExitStatus, FormatError, UsageError
+from slotctl.findings import DEFAULT_CTX_CHECKPOINTS, Finding, ServerRules, structural_findings
+from slotctl.format import ggml
+from slotctl.format.blob import BLOB_HEADER_SIZE
+from slotctl.format.memory import MemoryLayout, SectionLayout
+from slotctl.geometry import ModelInfo, Prediction, SectionPrediction, predict, read_model_info
+from slotctl.runtime.settings import DRAFT_CACHE_TYPE_DEFAULT, ContextSettings
+from slotctl.slotfile import Blob, Memory, SlotFile, open_slot_file, parse_blob
+
+#: the state version of the servers that write SCKP and SDFT appendices (llama.cpp b11434 and later)
+SERVER_STATE_VERSION = 4
+#: llama.cpp's state flags the server restores with
+FLAGS_NONE = 0
+FLAGS_PARTIAL_ONLY = 1
+
+# what a layer's problems make the server do (LayerCheck.effect), worst last
+EFFECT_OK = "ok"
+EFFECT_DROPPED = "dropped"           # restored without this layer
+EFFECT_ABORTS_LATER = "aborts_later"  # restored; aborts when the server rolls back to this checkpoint
+EFFECT_REFUSED = "refused"           # "Unable to restore slot"
+EFFECT_ABORTS = "aborts"             # llama.cpp aborts the server while restoring
+
+#: ``FileReport.verdict`` values, from best to worst
+VERDICTS = ("restores", "restores_with_drops", "aborts", "refused", "unreadable")
+
+# LayerCheck.predicted / .loaded
+FITS = "fits"
+MISMATCH = "mismatch"
+REFUSED = "refused"
+PARTIAL = "partial"
+ABORTED = "aborted"
+SKIPPED = "skipped"
+
+TARGET = "target memory"
+DRAFT = "draft"
+
+
+# -- what the server is --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerSetup:
+    """The llama-server a file is validated against: models and flags.
+
+    ``target`` / ``draft``: ``-m`` / ``-md`` (both None: structure only). ``settings``: the target
+    context's flags; the draft context is derived from them as the server derives it
+    (:meth:`ContextSettings.for_draft` with ``draft_type_k`` / ``draft_type_v``, ``-ctkd`` / ``-ctvd``).
+    ``slot``: the slot restored into. ``mmproj``: the server has a multimodal projector (``--mmproj``).
+    ``n_ctx_checkpoints``: ``--ctx-checkpoints``. ``state_version``: the state version of the server
+    (its loader accepts no other). ``attn_rot_disable``: the server runs with ``LLAMA_ATTN_ROT_DISABLE``.
+    """
+
+    target: Path | None = None
+    draft: Path | None = None
+    settings: ContextSettings = ContextSettings()
+    draft_type_k: str = DRAFT_CACHE_TYPE_DEFAULT
+    draft_type_v: str = DRAFT_CACHE_TYPE_DEFAULT
+    slot: int = 0
+    mmproj: bool = False
+    n_ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS
+    state_version: int = SERVER_STATE_VERSION
+    attn_rot_disable: bool = False
+
+    def __post_init__(self) -> None:
+        if self.draft is not None and self.target is None:
+            raise UsageError("a draft model (-md) needs a target model (-m)")
+        if not 0 <= self.slot < self.settings.n_parallel:
+            raise UsageError(f"--slot {self.slot}: the server has slots 0..{self.settings.n_parallel - 1} "
+                             f"(-np {self.settings.n_parallel})")
+        for name, value in (("-ctkd", self.draft_type_k), ("-ctvd", self.draft_type_v)):
+            if value.lower() not in ggml.CACHE_TYPE_NAMES:
+                raise UsageError(f"{name}: unknown cache type {value!r}; expected one of "
+                                 f"{', '.join(ggml.CACHE_TYPE_NAMES)}")
+        if self.n_ctx_checkpoints < 0:
+            raise UsageError("--ctx-checkpoints must not be negative")
+
+    @property
+    def draft_settings_types(self) -> tuple[str, str]:
+        return self.draft_type_k.lower(), self.draft_type_v.lower()
+
+    def as_dict(self) -> dict:
+        return {
+            "model": os.fspath(self.target) if self.target else None,
+            "draft_model": os.fspath(self.draft) if self.draft else None,
+            "settings": dataclasses.asdict(self.settings),
+            "draft_type_k": self.draft_type_k.lower(),
+            "draft_type_v": self.draft_type_v.lower(),
+            "slot": self.slot,
+            "mmproj": self.mmproj,
+            "ctx_checkpoints": self.n_ctx_checkpoints,
+            "state_version": self.state_version,
+            "attn_rot_disable": self.attn_rot_disable,
+        }
+
+
+class Models:
+    """The setup's model infos and predictions (one per state version, made when first asked for).
+
+    Construction reads the GGUF headers and predicts for the server's own state version, so that
+    settings llama.cpp refuses and models slotctl cannot predict are usage errors before any file is read.
+    """
+
+    def __init__(self, setup: ServerSetup):
+        self.setup = setup
+        self.target: ModelInfo | None = read_model_info(setup.target) if setup.target else None
+        self.draft: ModelInfo | None = read_model_info(setup.draft) if setup.draft else None
+        self._cache: dict[int, tuple[Prediction | None, Prediction | None]] = {}
+        if self.target is not None:
+            self.predictions(setup.state_version)
+
+    def predictions(self, version: int) -> tuple[Prediction | None, Prediction | None]:
+        """(target, draft) predictions for files of state ``version``."""
+        if version not in self._cache:
+            s = self.setup
+            tp = dp = None
+            if self.target is not None:
+                tp = predict(self.target, s.settings, version, attn_rot_disable=s.attn_rot_disable)
+                if self.draft is not None:
+                    dsettings = s.settings.for_draft(tp.n_ctx, *s.draft_settings_types)
+                    dp = predict(self.draft, dsettings, version, attn_rot_disable=s.attn_rot_disable)
+            self._cache[version] = (tp, dp)
+        return self._cache[version]
+
+    def describe(self) -> dict:
+        tp, dp = self.predictions(self.setup.state_version) if self.target else (None, None)
+        out: dict = {"target_context": None, "draft_context": None, "n_ctx_slot": None}
+        for key, p, info in (("target_context", tp, self.target), ("draft_context", dp, self.draft)):
+            if p is not None:
+                out[key] = {"arch": info.arch, "memory": info.layout().describe(), "n_ctx": p.n_ctx,
+                            "n_ctx_seq": p.n_ctx_seq, "n_stream": p.n_stream, "flash_attn": p.flash_attn,
+                            "type_k": p.settings.type_k, "type_v": p.settings.type_v}
+        if tp is not None:
+            out["n_ctx_slot"] = tp.n_ctx_slot
+        return out
+
+
+# -- results ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerCheck:
+    """One memory layer of a file, checked against its context.
+
+    ``predicted``: "fits", "mismatch" or None (no prediction: no model for it). ``loaded``: "fits",
+    "refused", "partial" (llama.cpp read fewer bytes than the layer holds), "aborted", "skipped" or
+    None (not loaded). ``loader_messages``: what llama.cpp logged when it refused or aborted; ``reason``:
+    why it was skipped. ``effect``: what the server does with this layer (see the module docstring).
+    """
+
+    layer: str
+    offset: int | None
+    size: int | None
+    context: str                      # "target" or "draft"
+    predicted: str | None = None
+    loaded: str | None = None
+    loader_messages: list[str] = field(default_factory=list)
+    reason: str | None = None
+    effect: str = EFFECT_OK
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class FileReport:
+    path: str
+    size: int | None = None
+    version: int | None = None
+    findings: list[Finding] = field(default_factory=list)
+    checks: list[LayerCheck] = field(default_factory=list)
+    verdict: str = "restores"
+    #: effects of findings on layers that are not memory layers (header, tokens, appendices)
+    effects: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def exit_status(self) -> ExitStatus:
+        if self.verdict == "unreadable":
+            return ExitStatus.USAGE
+        return ExitStatus.OK if self.verdict == "restores" else ExitStatus.FAILED
+
+    def counts(self) -> dict:
+        return {s: sum(f.severity == s for f in self.findings) for s in ("error", "drop", "note")}
+
+    def as_dict(self) -> dict:
+        return {
+            "path": self.path,
+            "size": self.size,
+            "version": self.version,
+            "verdict": self.verdict,
+            "exit_code": int(self.exit_status),
+            "counts": self.counts(),
+            "findings": [f.as_dict() for f in self.findings],
+            "checks": [c.as_dict() for c in self.checks],
+        }
+
+
+@dataclass
+class Report:
+    files: list[FileReport]
+    setup: ServerSetup
+    server: dict
+    real_check: bool
+
+    @property
+    def exit_status(self) -> ExitStatus:
+        return max((f.exit_status for f in self.files), default=ExitStatus.OK)
+
+    def summary(self) -> dict:
+        out = {"files": len(self.files)}
+        out.update({v: sum(f.verdict == v for f in self.files) for v in VERDICTS})
+        return out
+
+    def as_dict(self) -> dict:
+        return {
+            "server": {**self.setup.as_dict(), **self.server, "real_check": self.real_check},
+            "files": [f.as_dict() for f in self.files],
+            "summary": self.summary(),
+            "exit_code": int(self.exit_status),
+        }
+
+
+# -- the sides of a comparison ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Side:
+    """How a memory layer and its context are named in messages, and the flags that change them."""
+
+    layer: str          # Finding.layer
+    what: str           # "the target memory"
+    kind: str           # "target" / "draft": the context
+    severity: str       # of a mismatch
+    effect: str         # of a mismatch
+
+    @property
+    def context(self) -> str:
+        return f"the {self.kind} context"
+
+    @property
+    def model_flag(self) -> str:
+        return "-m" if self.kind == "target" else "-md"
+
+    @property
+    def model_word(self) -> str:
+        return "model" if self.kind == "target" else "draft model"
+
+    def type_flag(self, kv: str) -> str:
+        return {("target", "K"): "-ctk", ("target", "V"): "-ctv",
+                ("draft", "K"): "-ctkd", ("draft", "V"): "-ctvd"}[(self.kind, kv)]
+
+    @property
+    def main(self) -> bool:
+        """The target payload or the SDFT draft state (not a checkpoint blob)."""
+        return not self.layer.startswith("checkpoint ")
+
+    def prefix(self, label: str) -> str:
+        """What a message starts with to say where: nothing for a one-section target or draft state."""
+        return "" if self.main and label == self.what else f"{label}: "
+
+
+def _target_side() -> _Side:
+    return _Side(TARGET, "the target memory", "target", "error", EFFECT_REFUSED)
+
+
+def _draft_side() -> _Side:
+    return _Side(DRAFT, "the draft state", "draft", "drop", EFFECT_DROPPED)
+
+
+def _checkpoint_side(i: int, kind: str) -> _Side:
+    return _Side(f"checkpoint {i} {kind}", f"checkpoint {i}'s {kind} blob", kind, "error", EFFECT_ABORTS_LATER)
+
+
+@dataclass
+class _Issue:
+    finding: Finding
+    effect: str
+
+
+def _issue(side: _Side, code: str, message: str, offset: int | None) -> _Issue:
+    return _Issue(Finding(side.layer, side.severity, code, message, offset), side.effect)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def _layers_text(ids: Sequence[int]) -> str:
+    """"layer 3", "layers 0 and 1", "layers 0, 1 and 2", "32 layers from layer 0"."""
+    ids = [int(i) for i in ids]
+    if len(ids) == 1:
+        return f"layer {ids[0]}"
+    if len(ids) > 6:
+        return f"{len(ids)} layers from layer {ids[0]}"
+    return "layers " + ", ".join(map(str, ids[:-1])) + f" and {ids[-1]}"
+
+
+#: a memory kind in words (``MemoryLayout.kind``)
+_KIND_WORDS = {
+    "kv": "a plain KV cache",
+    "iswa": "an iSWA cache (base and SWA KV)",
+    "recurrent": "a recurrent state",
+    "hybrid": "a hybrid memory (attention KV and recurrent state)",
+    "hybrid_iswa": "a hybrid memory with SWA (base KV, SWA KV and recurrent state)",
+    "none": "nothing (a model without memory)",
+}
+
+
+def _kind_words(layout: MemoryLayout) -> str:
+    words = _KIND_WORDS.get(layout.kind, layout.kind)
+    rec = [s for s in layout.sections if s.type == "recurrent"]
+    if rec:
+        words += f" with state for {_plural(rec[0].n_r, 'layer')}"
+    if any(s.type == "kv" and s.has_ext for s in layout.sections):
+        words += " (cells with M-RoPE positions)"
+    return words
+
+
+# -- prediction vs file -----------------------------------------------------------------------------------
+
+
+def compare_memory(mem: Memory, preds: Sequence[SectionPrediction], side: _Side,
+                   setup: ServerSetup, model: ModelInfo) -> list[_Issue]:
+    """What llama.cpp's loader would reject in ``mem``, restored into a context predicted by ``preds``
+    (one per section of ``mem``), named in plain words with the remedy."""
+    issues: list[_Issue] = []
+    many = len(mem.sections) > 1
+    for sl, sec, p, span in zip(mem.layout.sections, mem.sections, preds, mem.section_spans):
+        label = f"{side.what} ({sl.describe()} section)" if many else side.what
+        if sec.type == "kv":
+            issues += _compare_kv(sec, p, sl, span.offset, label, side, setup, model)
+        else:
+            issues += _compare_recurrent(sec, p, span.offset, label, side, model)
+    return issues
+
+
+def _cells_remedy(p: SectionPrediction, cells: int, setup: ServerSetup) -> str:
+    s = setup.settings
+    if p.role == "swa":
+        return "raise -c or -ub, or start the server with --swa-full"
+    need = cells if s.kv_unified else cells * s.n_parallel
+    remedy = f"raise -c to {need:,} or more"
+    if s.n_parallel > 1 and not s.kv_unified:
+        remedy += ", or lower -np"
+    return remedy
+
+
+def _compare_kv(sec, p: SectionPrediction, sl: SectionLayout, offset: int, label: str, side: _Side,
+                setup: ServerSetup, model: ModelInfo) -> list[_Issue]:
+    out: list[_Issue] = []
+    s = setup.settings
+    if sec.n_stream != p.n_stream:
+        if p.n_stream == 1:
+            remedy = (f"start the server with -np {sec.n_stream} and without -kvu" if s.kv_unified
+                      else f"start the server with -np {sec.n_stream}")
+        elif sec.n_stream == 1:
+            remedy = "start the server with -kvu (one stream for all slots), or with -np 1"
+        else:
+            remedy = f"start the server with -np {sec.n_stream}"
+        out.append(_issue(side, "n_stream_mismatch",
+                          f"{label} has {_plural(sec.n_stream, 'KV stream')}, {side.context} "
+                          f"{p.n_stream:,}: {remedy}", offset))
+    streams = [st for st in sec.streams if st.cell_count > 0]
+    big = max(streams, key=lambda st: st.cell_count, default=None)
+    if big is not None and big.cell_count > p.cells_per_stream:
+        cache = "SWA cache" if p.role == "swa" else "context"
+        per = " per stream" if p.n_stream > 1 else ""
+        out.append(_issue(side, "too_many_cells",
+                          f"{side.prefix(label)}{big.cell_count:,} cells do not fit a {p.cells_per_stream:,}-cell "
+                          f"{side.kind} {cache}{per}: {_cells_remedy(p, big.cell_count, setup)}", offset))
+    seen: set[str] = set()
+    for st in streams:
+        for issue in _compare_kv_data(st.data, p, label, side, setup):
+            if issue.finding.code not in seen:
+                seen.add(issue.finding.code)
+                out.append(issue)
+    return out
+
+
+def _compare_kv_data(d, p: SectionPrediction, label: str, side: _Side, setup: ServerSetup) -> list[_Issue]:
+    out: list[_Issue] = []
+    n_layer_at, v_trans_at = d.rot_offset - 4, d.rot_offset - 8
+    if d.n_layer != p.n_layer:
+        out.append(_issue(side, "layer_count_mismatch",
+                          f"{label} has {_plural(d.n_layer, 'layer')}, {side.context} {p.n_layer:,}: the file "
+                          f"was saved with another {side.model_word} (give {side.model_flag} the one it was "
+                          "saved with)", n_layer_at))
+        return out  # the records cannot be paired with the layers
+    if bool(d.v_trans) != bool(p.v_trans):
+        if d.v_trans:
+            msg = (f"{side.kind} V is stored transposed in the file (saved with flash attention off) and not "
+                   f"in {side.context} (flash attention on): start the server with -fa off")
+        else:
+            msg = (f"{side.kind} V is not stored transposed in the file (saved with flash attention on) but is "
+                   f"in {side.context} (flash attention off): start the server with -fa on")
+        out.append(_issue(side, "v_trans_mismatch", f"{side.prefix(label)}{msg}", v_trans_at))
+    k_types_agree = all(ggml.type_name(k.type) == lp.k_type for k, lp in zip(d.k, p.layers))
+    v_types_agree = all(ggml.type_name(v.type) == lp.v_type for v, lp in zip(d.v, p.layers))
+    if p.n_rot_k is not None and d.n_rot_k is not None:
+        for kv, got, want, agree, at in (("K", d.n_rot_k, p.n_rot_k, k_types_agree, d.rot_offset),
+                                         ("V", d.n_rot_v, p.n_rot_v, v_types_agree, d.rot_offset + 4)):
+            if got == want or not agree:
+                continue  # a type mismatch explains it, and is the remedy
+            if got == 0:
+                why = ("the file was saved with LLAMA_ATTN_ROT_DISABLE set: start the server with "
+                       "LLAMA_ATTN_ROT_DISABLE=1, or save the slot again")
+            elif want == 0 and setup.attn_rot_disable:
+                why = "the file was saved with rotation: start the server without LLAMA_ATTN_ROT_DISABLE"
+            else:
+                why = (f"the file was saved by a build or with a {side.model_word} that rotates this cache "
+                       "differently (another head size)")
+            out.append(_issue(side, f"{kv.lower()}_rotation_mismatch",
+                              f"{side.prefix(label)}{side.kind} {kv} rotation is {got} in the file and {want} in "
+                              f"{side.context}: {why}", at))
+    out += _compare_records(d.k, [(lp.k_type, lp.k_row_size, lp.il) for lp in p.layers], "K", label, side)
+    if p.layers and p.layers[0].v_type is not None:
+        want_v = [(lp.v_type, lp.v_row_size if not p.v_trans else (lp.v_el_size, lp.n_embd_v_gqa), lp.il)
+                  for lp in p.layers]
+        out += _compare_records(d.v, want_v, "V", label, side)
+    return out
+
+
+def _record_offset(rec) -> int | None:
+    data = rec.data
+    return data.offset - 12 if hasattr(data, "offset") else None
+
+
+def _compare_records(recs, want: list[tuple], kv: str, label: str, side: _Side) -> list[_Issue]:
+    """K or V records against the predicted (type, row size or (el_size, n_embd), layer) of each layer."""
+    out: list[_Issue] = []
+    type_bad = [(r, w) for r, w in zip(recs, want) if ggml.type_name(r.type) != w[0]]
+    if type_bad:
+        r, (wt, _, _) = type_bad[0]
+        got = ggml.type_name(r.type)
+        where = _layers_text([w[2] for _, w in type_bad])
+        out.append(_issue(side, f"{kv.lower()}_type_mismatch",
+                          f"{side.prefix(label)}{side.kind} {kv} cache is {got} in the file and {wt} in the context "
+                          f"({where}): start the server with {side.type_flag(kv)} {got}", _record_offset(r)))
+        return out
+    size_bad = []
+    for r, (wt, wsize, il) in zip(recs, want):
+        got = r.row_size if "row_size" in r else (r.el_size, r.n_embd)
+        if isinstance(got, tuple) != isinstance(wsize, tuple):
+            continue  # V transposed on one side only: v_trans_mismatch says it
+        if got != wsize:
+            size_bad.append((r, got, wsize, il))
+    if size_bad:
+        r, got, wsize, il = size_bad[0]
+        more = f" ({_layers_text([b[3] for b in size_bad])})" if len(size_bad) > 1 else ""
+        if isinstance(got, tuple):
+            what = (f"{side.kind} V rows of layer {il} hold {got[1]:,} elements of {got[0]} bytes in the file and "
+                    f"{wsize[1]:,} of {wsize[0]} bytes in the context")
+        else:
+            what = (f"{side.kind} {kv} rows of layer {il} are {got:,} bytes in the file and {wsize:,} in the "
+                    f"context ({ggml.type_name(r.type)})")
+        out.append(_issue(side, f"{kv.lower()}_row_size_mismatch",
+                          f"{side.prefix(label)}{what}{more}: the file was saved with another {side.model_word} "
+                          f"(another head size or KV head count; give {side.model_flag} the one it was saved with)",
+                          _record_offset(r)))
+    return out
+
+
+def _compare_recurrent(sec, p: SectionPrediction, offset: int, label: str, side: _Side,
+                       model: ModelInfo) -> list[_Issue]:
+    out: list[_Issue] = []
+    if sec.n_layer != p.n_layer:
+        out.append(_issue(side, "layer_count_mismatch",
+                          f"{label}: the recurrent state covers {_plural(sec.n_layer, 'layer')}, {side.context} "
+                          f"{p.n_layer:,}: the file was saved with another {side.model_word} (give "
+                          f"{side.model_flag} the one it was saved with)", offset))
+        return out
+    if sec.s_trans:
+        out.append(_issue(side, "s_trans_mismatch",
+                          f"{label}: the s state is stored transposed in the file and not in {side.context}: "
+                          "the file was saved by another build of llama.cpp", offset))
+    for name, recs, want in (("r", sec.r, [(lp.k_type, lp.k_row_size, lp.il) for lp in p.layers]),
+                             ("s", sec.s, [(lp.v_type, lp.v_row_size, lp.il) for lp in p.layers])):
+        for r, (wt, wsize, il) in zip(recs, want):
+            got_t = ggml.type_name(r.type)
+            if got_t != wt:
+                out.append(_issue(side, f"{name}_type_mismatch",
+                                  f"{label}: {name} rows of layer {il} are {got_t} in the file and {wt} in "
+                                  f"{side.context}: the file was saved by another build of llama.cpp",
+                                  _record_offset(r)))
+                break
+            got = r.row_size if "row_size" in r else r.el_size * r.n_embd
+            if got != wsize:
+                out.append(_issue(side, f"{name}_row_size_mismatch",
+                                  f"{label}: {name} rows of layer {il} are {got:,} bytes in the file and "
+                                  f"{wsize:,} in {side.context}: the file was saved with another "
+                                  f"{side.model_word} (give {side.model_flag} the one it was saved with)",
+                                  _record_offset(r)))
+                break
+    return out
+
+
+def _sections_for(layout: MemoryLayout, pred: Prediction) -> list[SectionPrediction]:
+    """The predicted sections of ``layout`` (the model's full layout or its PARTIAL_ONLY part)."""
+    by_role = {p.role: p for p in pred.sections}
+    return [by_role[s.role] for s in layout.sections]
+
+
+# -- the layers of a file -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _MemLayer:
+    """A memory layer to compare and load: the target payload or a blob."""
+
+    side: _Side
+    check: LayerCheck
+    span_offset: int            # where the bytes to load start (payload: after the header)
+    span_size: int
+    is_blob: bool               # the bytes start with a blob header (else one is made for the payload)
+    flags: int
+    memory: Memory | None       # parsed with the model's layout
+    parsed_layout: MemoryLayout | None   # the layout that parsed the bytes (the model's, or another kind)
+    prefix: bool = False        # the layer's end is unknown: loading a prefix of the bytes is a success
+    issues: list[_Issue] = field(default_factory=list)
+
+
+def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | None = None,
+                  checker: LoadChecker | None = None) -> FileReport:
+    """Validate one slot file against ``setup`` (see the module docstring).
+
+    ``models``: the setup's :class:`Models` (made here when None). ``checker``: a :class:`LoadChecker`
+    for the real check, or None to predict only. OSError when the file cannot be read.
+    """
+    path = os.fspath(path)
+    models = models or Models(setup)
+    tinfo, dinfo = models.target, models.draft
+    rules = ServerRules(state_version=setup.state_version, mmproj=setup.mmproj)
+    report = FileReport(path)
+    model_parse = False     # whether the target payload parsed with the model's layout
+    if tinfo is None:
+        sf = open_slot_file(path)
+    else:
+        sf = open_slot_file(path, layout=tinfo.layout(), draft_layout=dinfo.layout() if dinfo else None)
+        model_parse = sf.target is not None
+        if not model_parse and sf.header_end is not None:
+            generic = open_slot_file(path)
+            if generic.target is not None:
+                sf = generic     # another memory kind: locate the layers as the file is
+    report.size, report.version = sf.size, sf.version
+    tpred = dpred = None
+    if tinfo is not None and sf.version is not None:
+        tpred, dpred = models.predictions(sf.version)
+
+    issues: list[_Issue] = []
+    layers = _memory_layers(sf, model_parse, tinfo, dinfo, issues)
+    explained = {id(e) for e in _explained_errors(sf, layers)}
+    structural = dataclasses.replace(sf, errors=[e for e in sf.errors if id(e) not in explained])
+    by_layer = {ml.side.layer: ml for ml in layers}
+    for f in structural_findings(structural, n_ctx_checkpoints=setup.n_ctx_checkpoints, server=rules):
+        issue = _Issue(f, _structural_effect(f, setup))
+        ml = by_layer.get(f.layer)
+        (ml.issues if ml is not None else issues).append(issue)
+
+    # prediction: what the loader checks, then anything else that keeps the layer out
+    for ml in layers:
+        pred, info = (tpred, tinfo) if ml.side.kind == "target" else (dpred, dinfo)
+        if pred is not None and ml.memory is not None:
+            ml.issues += compare_memory(ml.memory, _sections_for(ml.memory.layout, pred), ml.side, setup, info)
+            ml.check.predicted = FITS
+        if any(i.finding.severity != "note" for i in ml.issues):
+            ml.check.predicted = MISMATCH
+    if tpred is not None:
+        issues += _token_issues(sf, tpred, tinfo, setup)
+
+    # the real check
+    if checker is not None and tinfo is not None:
+        issues += _real_check(layers, checker, sf, setup, tpred, dpred)
+
+    for ml in layers:
+        issues += ml.issues
+        worst = [i.effect for i in ml.issues if i.finding.severity != "note"]
+        ml.check.effect = _worst_effect(worst)
+        report.checks.append(ml.check)
+    report.findings = [i.finding for i in issues]
+    report.effects = [i.effect for i in issues if i.finding.severity != "note"]
+    report.verdict = _verdict(report.effects)
+    return report
+
+
+def _memory_layers(sf: SlotFile, model_parse: bool, tinfo: ModelInfo | None, dinfo: ModelInfo | None,
+                   issues: list[_Issue]) -> list[_MemLayer]:
+    """The memory layers of ``sf`` to check, each parsed with its model's layout when there is a model
+    (``model_parse``: the target payload was; else it is of another kind, or there is no model)."""
+    out: list[_MemLayer] = []
+    if sf.version is None:
+        return out
+    tside = _target_side()
+    located = sf.target
+    if located is not None:
+        # parsed with the model's layout, or with the layout of another kind
+        mem = located if model_parse else None
+        ml = _MemLayer(tside, LayerCheck(TARGET, located.offset, located.size, "target"),
+                       located.offset, located.size, False, FLAGS_NONE, mem, located.layout)
+        if tinfo is not None and mem is None:
+            ml.issues.append(_issue(tside, "memory_kind_mismatch",
+                                    f"the target memory is {_kind_words(located.layout)}, but "
+                                    f"{Path(tinfo.path).name} ({tinfo.arch}) keeps "
+                                    f"{_kind_words(tinfo.layout())}: the file was saved with another model "
+                                    "(give -m the one it was saved with)", located.offset))
+        out.append(ml)
+    elif sf.header_end is not None:
+        # the payload does not parse: llama.cpp is given the rest of the file, as the server gives it
+        out.append(_MemLayer(tside, LayerCheck(TARGET, sf.header_end, sf.size - sf.header_end, "target"),
+                             sf.header_end, sf.size - sf.header_end, False, FLAGS_NONE, None, None,
+                             prefix=True))
+    with open(sf.path, "rb") as f:
+        for i, c in enumerate(sf.checkpoints or ()):
+            for kind, blob, info in (("target", c.tgt, tinfo), ("draft", c.dft, dinfo)):
+                if blob.span.size == 0:
+                    continue
+                side = _checkpoint_side(i, kind)
+                if kind == "draft" and info is None and tinfo is not None:
+                    continue  # the server has no draft context: load_dft ignores the blob
+                out.append(_blob_layer(f, sf, blob, side, info, FLAGS_PARTIAL_ONLY, partial=True))
+        if sf.draft is not None and sf.draft.span.size:
+            side = _draft_side()
+            if tinfo is not None and dinfo is None:
+                issues.append(_issue(side, "no_draft_context",
+                                     f"the file holds a draft state ({sf.draft.span.size:,} bytes) and the server "
+                                     "has no draft model: the server drops it (\"does not match the draft "
+                                     "context\"); give -md to check it against a draft model", sf.draft.span.offset))
+            else:
+                out.append(_blob_layer(f, sf, sf.draft, side, dinfo, FLAGS_NONE, partial=False))
+    return out
+
+
+def _blob_layer(f, sf: SlotFile, blob: Blob, side: _Side, info: ModelInfo | None, flags: int,
+                partial: bool) -> _MemLayer:
+    check = LayerCheck(side.layer, blob.span.offset, blob.span.size, side.kind)
+    ml = _MemLayer(side, check, blob.span.offset, blob.span.size, True, flags, None, None)
+    if info is None:
+        ml.parsed_layout = blob.memory.layout if blob.memory else None
+        return ml
+    want = info.layout().partial() if partial else info.layout()
+    mine = blob if blob.memory is not None and blob.memory.layout == want \
+        else parse_blob(f, blob.span, want, sf.version, side.layer)
+    if mine.memory is not None and mine.error is None:
+        ml.memory, ml.parsed_layout = mine.memory, want
+        return ml
+    # the model's layout does not parse it: which kind of memory is it?
+    other = parse_blob(f, blob.span, None, sf.version, side.layer)
+    if other.memory is not None or other.candidates:
+        ml.parsed_layout = other.memory.layout if other.memory else None
+        got = " or ".join(sorted({_kind_words(c) for c in ([other.memory.layout] if other.memory
+                                                            else other.candidates)}))
+        part = "the part of " if partial and want != info.layout() else ""
+        ml.issues.append(_issue(side, "memory_kind_mismatch",
+                                f"{side.what} is {got}, but {Path(info.path).name} ({info.arch}) keeps "
+                                f"{part}{_kind_words(info.layout())} there: the file was saved with another "
+                                f"{side.model_word} (give {side.model_flag} the one it was saved with)",
+                                blob.span.offset))
+    return ml
+
+
+def _explained_errors(sf: SlotFile, layers: list[_MemLayer]) -> list[FormatError]:
+    """Parse errors that are memory-kind mismatches, reported as such rather than as damage."""
+    explained_layers = {ml.side.layer for ml in layers
+                        if any(i.finding.code == "memory_kind_mismatch" for i in ml.issues)}
+    out = []
+    for e in sf.errors:
+        name = e.layer.split(" (")[0].split(":")[0]
+        name = {"SDFT draft blob": DRAFT}.get(name, name.removesuffix(" blob"))
+        if name in explained_layers:
+            out.append(e)
+    return out
+
+
+def _structural_effect(f: Finding, setup: ServerSetup) -> str:
+    if f.severity == "note":
+        return EFFECT_OK
+    if f.severity == "drop":
+        return EFFECT_DROPPED
+    if f.layer.startswith("checkpoint "):
+        return EFFECT_ABORTS_LATER
+    if f.code == "recurrent_cells" and f.layer == TARGET and setup.target is not None \
+            and setup.settings.n_parallel > 1:
+        return EFFECT_ABORTS
+    return EFFECT_REFUSED
+
+
+def _worst_effect(effects: Iterable[str]) -> str:
+    order = [EFFECT_OK, EFFECT_DROPPED, EFFECT_ABORTS_LATER, EFFECT_REFUSED, EFFECT_ABORTS]
+    return max(effects, key=order.index, default=EFFECT_OK)
+
+
+def _verdict(effects: list[str]) -> str:
+    """The target decides first: a refused or aborting target leaves nothing else to restore."""
+    if EFFECT_ABORTS in effects:
+        return "aborts"
+    if EFFECT_REFUSED in effects:
+        return "refused"
+    if EFFECT_ABORTS_LATER in effects:
+        return "aborts"
+    if EFFECT_DROPPED in effects:
+        return "restores_with_drops"
+    return "restores"
+
+
+def _token_issues(sf: SlotFile, tpred: Prediction, tinfo: ModelInfo, setup: ServerSetup) -> list[_Issue]:
+    """The checks the server makes after restoring the target (b11434 ``SERVER_TASK_TYPE_SLOT_RESTORE``)."""
+    tk = sf.tokens
+    if tk is None or tk.error is not None:
+        return []
+    side = _Side("token words", "the prompt", "target", "error", EFFECT_REFUSED)
+    out: list[_Issue] = []
+    n = tk.n_tokens
+    if n > tpred.n_ctx_slot:
+        s = setup.settings
+        if tpred.n_ctx_slot == tinfo.n_ctx_train and tpred.n_ctx_seq > tinfo.n_ctx_train:
+            remedy = (f"the model's training context ({tinfo.n_ctx_train:,} tokens) caps the slot: the file was "
+                      "saved with another model")
+        elif s.kv_unified_per_slot and tpred.n_ctx_slot == s.kv_unified_per_slot:
+            remedy = f"raise --kv-unified-per-slot to {n:,} or more"
+        else:
+            need = n if s.kv_unified else n * s.n_parallel
+            remedy = f"raise -c to {need:,} or more" + (", or lower -np" if s.n_parallel > 1 and not s.kv_unified
+                                                        else "")
+        out.append(_issue(side, "prompt_too_long",
+                          f"the prompt has {n:,} tokens, the slot context {tpred.n_ctx_slot:,} (\"Restored prompt "
+                          f"does not fit in the slot context\"): {remedy}", 12))
+    toks = np.asarray(tk.tokens)
+    bad = (toks < 0) | (toks >= tinfo.n_vocab)
+    if tk.media:
+        bad &= toks != -1          # media positions hold -1
+    if bad.any():
+        idx = np.flatnonzero(bad)
+        first = int(idx[0])
+        more = f" (and {_plural(len(idx) - 1, 'more token')})" if len(idx) > 1 else ""
+        out.append(_issue(side, "invalid_tokens",
+                          f"token {int(toks[first])} at index {first}{more} is outside the vocabulary of "
+                          f"{Path(tinfo.path).name} [0, {tinfo.n_vocab:,}) (\"Invalid tokens in slot save file\"): "
+                          "the file was saved with another model", 12))
+    return out
+
+
+# -- the real check ---------------------------------------------------------------------------------------
+
+
+def _layout_dict(layout: MemoryLayout | None) -> dict | None:
+    if layout is None:
+        return None
+    return {"kind": layout.kind, "sections": [dataclasses.asdict(s) for s in layout.sections]}
+
+
+def _layout_from_dict(d: dict | None) -> MemoryLayout | None:
+    if d is None:
+        return None
+    return MemoryLayout(d["kind"], tuple(SectionLayout(**s) for s in d["sections"]))
+
+
+def _real_check(layers: list[_MemLayer], checker: LoadChecker, sf: SlotFile, setup: ServerSetup,
+                tpred: Prediction | None, dpred: Prediction | None) -> list[_Issue]:
+    """Load each layer (results on the layers); returns the findings about the file as a whole."""
+    if not layers:
+        return []
+    ctx = checker.contexts()
+    if ctx is None:
+        for ml in layers:
+            ml.check.loaded, ml.check.reason = SKIPPED, checker.failure
+        return [_Issue(Finding("file", "note", "load_skipped", f"the real check did not run: {checker.failure}; "
+                                                               "the prediction alone decides", None), EFFECT_OK)]
+    out = []
+    for key, pred in (("target", tpred), ("draft", dpred)):
+        got = ctx.get(key)
+        if pred is None or not got:
+            continue
+        if (got["n_ctx"], got["n_ctx_seq"]) != (pred.n_ctx, pred.n_ctx_seq):
+            layer = TARGET if key == "target" else DRAFT
+            out.append(_Issue(Finding(
+                layer, "error", "prediction_disagrees",
+                f"the {key} context llama.cpp built has {got['n_ctx']:,} cells ({got['n_ctx_seq']:,} per "
+                f"sequence), slotctl predicted {pred.n_ctx:,} ({pred.n_ctx_seq:,}): a slotctl bug; the "
+                "prediction of this file cannot be trusted", None), EFFECT_REFUSED))
+    for ml in layers:
+        if ml.side.kind == "draft" and not ctx.get("draft"):
+            continue
+        if sf.version != checker.runtime_version and ml.parsed_layout is None:
+            ml.check.loaded = SKIPPED
+            ml.check.reason = (f"a version-{sf.version} layer is converted to version {checker.runtime_version} "
+                               "for this runtime, and one that does not parse cannot be converted")
+            continue
+        step = {"ctx": ml.side.kind, "path": sf.path, "offset": ml.span_offset, "size": ml.span_size,
+                "blob": ml.is_blob, "version": sf.version, "layout": _layout_dict(ml.parsed_layout),
+                "flags": ml.flags, "slot": setup.slot, "prefix": ml.prefix}
+        res = checker.load(step)
+        _judge(ml, res)
+    return out
+
+
+def _judge(ml: _MemLayer, res: dict) -> None:
+    """Record a load result on its layer, and what it says that the prediction did not."""
+    check, side = ml.check, ml.side
+    status = res["status"]
+    check.loaded = status
+    check.loader_messages = list(res.get("errors") or [])
+    check.reason = res.get("reason")
+    if status == SKIPPED:
+        ml.issues.append(_Issue(Finding(side.layer, "note", "load_skipped",
+                                        f"{side.what} was not loaded into a real context: {check.reason}; the "
+                                        "prediction alone decides", ml.span_offset), EFFECT_OK))
+        return
+    why = "; ".join(check.loader_messages) or "llama.cpp said nothing"
+    if status == ABORTED:
+        what = "the server crashes restoring this file" if side.kind == "target" and side.layer == TARGET \
+            else ("the server aborts when it rolls back to this checkpoint" if side.layer.startswith("checkpoint")
+                  else "the server aborts restoring the draft state")
+        effect = EFFECT_ABORTS if not side.layer.startswith("checkpoint") else EFFECT_ABORTS_LATER
+        ml.issues.append(_Issue(Finding(side.layer, "error", "load_aborted",
+                                        f"llama.cpp aborted loading {side.what} into {side.context} ({why}): {what}",
+                                        ml.span_offset), effect))
+        if check.predicted == FITS:
+            ml.issues.append(_disagree(ml, f"llama.cpp aborted, slotctl predicted that {side.what} fits"))
+        return
+    loaded_fits = status == FITS
+    if not loaded_fits and status == REFUSED and check.predicted == MISMATCH:
+        expected = _loader_reasons(ml)
+        if expected and not any(r in why for r in expected):
+            ml.issues.append(_disagree(ml, f"llama.cpp refused {side.what} for another reason ({why}) than "
+                                           "slotctl predicted (" + ", ".join(sorted(expected)) + ")"))
+        return
+    if check.predicted is None:
+        if not loaded_fits:
+            ml.issues.append(_issue(side, "load_refused",
+                                    f"llama.cpp refused {side.what} in {side.context} built with these flags: {why}",
+                                    ml.span_offset))
+        return
+    if loaded_fits and check.predicted == MISMATCH:
+        ml.issues.append(_disagree(ml, f"llama.cpp loaded {side.what} into {side.context}, slotctl predicted "
+                                       "a mismatch"))
+    elif not loaded_fits and check.predicted == FITS:
+        if status == PARTIAL:
+            said = (f"llama.cpp read {res['consumed']:,} of its {res['expected']:,} bytes (the server needs all "
+                    "of them)")
+        else:
+            said = f"llama.cpp refused it ({why})"
+        ml.issues.append(_disagree(ml, f"slotctl predicted that {side.what} fits {side.context}, {said}"))
+
+
+#: what llama.cpp's loader (state version 3, this runtime) logs for each mismatch the prediction names
+LOADER_REASONS = {
+    "n_stream_mismatch": ("n_stream mismatch",),
+    "too_many_cells": ("not enough cells",),
+    "recurrent_cells": ("not enough cells",),
+    "invalid_cell": ("invalid seq_id-agnostic kv cell",),
+    "layer_count_mismatch": ("mismatched layer count",),
+    "v_trans_mismatch": ("incompatible V transposition",),
+    "k_rotation_mismatch": ("incompatible key rotation",),
+    "v_rotation_mismatch": ("incompatible value rotation",),
+    "k_type_mismatch": ("mismatched key type",),
+    "k_row_size_mismatch": ("mismatched key row size",),
+    "v_type_mismatch": ("mismatched value type",),
+    "v_row_size_mismatch": ("mismatched value row size", "mismatched value element size",
+                            "mismatched GQA embedding size"),
+    "r_type_mismatch": ("mismatched r type",),
+    "r_row_size_mismatch": ("mismatched r row size",),
+    "s_type_mismatch": ("mismatched s type",),
+    "s_row_size_mismatch": ("mismatched s row size",),
+    "s_trans_mismatch": ("incompatible s transposition",),
+}
+
+
+def _loader_reasons(ml: _MemLayer) -> set[str]:
+    """What llama.cpp may say refusing this layer, given the mismatches predicted for it; empty when a
+    predicted problem (another memory kind, damage) could make it say anything."""
+    reasons: set[str] = set()
+    for i in ml.issues:
+        if i.finding.severity == "note":
+            continue
+        known = LOADER_REASONS.get(i.finding.code)
+        if known is None:
+            return set()
+        reasons.update(known)
+    return reasons
+
+
+def _disagree(ml: _MemLayer, message: str) -> _Issue:
+    effect = EFFECT_ABORTS_LATER if ml.side.layer.startswith("checkpoint") else ml.side.effect
+    if ml.side.kind == "draft" and not ml.side.layer.startswith("checkpoint"):
+        effect = EFFECT_DROPPED
+    return _Issue(Finding(ml.side.layer, "error", "prediction_disagrees", message, ml.span_offset), effect)
+
+
+class ChildProcess:
+    """A child Python process running :func:`worker_main`, which loads layers into real contexts.
+
+    Requests and replies are JSON lines (stdin / stdout of the child; whatever llama.cpp prints goes to
+    the child's stderr, kept in a temporary file unless ``verbose``). :meth:`ask` returns None when the
+    child died answering, and :meth:`death` then says how: the assertion llama.cpp printed, the signal.
+    The next :meth:`ask` starts a new child. One child serves any number of :class:`LoadChecker`
+    objects, one after the other (each sends its own ``init`` when the child holds another's contexts).
+    """
+
+    def __init__(self, *, verbose: bool = False):
+        self.verbose = verbose
+        self.started = 0
+        #: the init message whose contexts the running child holds, and its reply
+        self.current_init: dict | None = None
+        self.current_reply: dict | None = None
+        self._proc: subprocess.Popen | None = None
+        self._stderr = None if verbose else tempfile.TemporaryFile()
+        self._mark = 0
+        self._rc: int | None = None
+
+    def __enter__(self) -> ChildProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        import slotctl
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(slotctl.__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["GGML_NO_BACKTRACE"] = "1"      # no debugger attaching to an aborting child
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", "from slotctl.validate import worker_main; worker_main()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=env)
+        self.started += 1
+        self.current_init = None
+
+    def ask(self, message: dict) -> dict | None:
+        """Send one request and wait for its reply; None when the child died first."""
+        if self._proc is None:
+            self._start()
+        proc = self._proc
+        if self._stderr is not None:
+            self._stderr.seek(0, os.SEEK_END)
+            self._mark = self._stderr.tell()
+        try:
+            proc.stdin.write((json.dumps(message) + "\n").encode())
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+        except OSError:
+            line = b""
+        if line:
+            return json.loads(line)
+        proc.wait()
+        self._rc = proc.returncode
+        proc.stdout.close()
+        proc.stdin.close()
+        self._proc, self.current_init = None, None
+        return None
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the child that died last was killed by a signal (SIGABRT: an abort in llama.cpp)."""
+        return self._rc is not None and self._rc < 0
+
+    def death(self) -> str:
+        """How the child that died last died: the assertion llama.cpp printed, and the signal or exit code."""
+        rc = self._rc
+        text = ""
+        if self._stderr is not None:
+            self._stderr.seek(self._mark)
+            text = self._stderr.read().decode("utf-8", errors="replace")
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        ggml_lines = [ln for ln in lines if "GGML_ASSERT" in ln or "GGML_ABORT" in ln or "error" in ln.lower()]
+        said = ggml_lines[-1] if ggml_lines else (lines[-1] if lines else "")
+        m = re.match(r"^(\S+?):(\d+): (.*)$", said)
+        if m:  # ggml_abort's "/full/path/file.cpp:LINE: message": keep the file's name
+            said = f"{os.path.basename(m.group(1))}:{m.group(2)}: {m.group(3)}"
+        how = f"killed by signal {-rc}" if rc is not None and rc < 0 else f"exit code {rc}"
+        return f"{said} ({how})" if said else how
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
+
+
+class LoadChecker:
+    """Loads memory layers into real contexts, as a server started with ``setup`` would, in a child process.
+
+    The child (:class:`ChildProcess`, running :func:`worker_main`) loads the models and builds the
+    contexts once (:meth:`slotctl.runtime.slot.ServerContexts.open`), then answers one request per layer:
+    read the bytes from the file, convert them to the runtime's state version, restore them into the slot
+    (``llama_state_seq_set_data_ext``, after emptying it) and say whether every byte was consumed, with
+    llama.cpp's reasons when not. An abort inside llama.cpp kills only the child: the layer is reported as
+    aborted, with the assertion llama.cpp printed, and the next request starts a new child.
+
+    ``child``: a :class:`ChildProcess` to share (left open by :meth:`close`); by default one of its own.
+    """
+
+    def __init__(self, setup: ServerSetup, *, verbose: bool = False, child: ChildProcess | None = None):
+        if setup.target is None:
+            raise UsageError("the real check needs a target model (-m)")
+        self.setup = setup
+        self.failure: str | None = None
+        self.runtime_version: int | None = None
+        self._own = child is None
+        self.child = child or ChildProcess(verbose=verbose)
+        self._contexts: dict | None = None
+        s = setup
+        self._init = {"init": True, "target": os.fspath(s.target), "draft": os.fspath(s.draft) if s.draft else None,
+                      "settings": dataclasses.asdict(s.settings), "draft_type_k": s.draft_type_k.lower(),
+                      "draft_type_v": s.draft_type_v.lower(), "verbose": self.child.verbose}
+
+    def __enter__(self) -> LoadChecker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _ready(self) -> bool:
+        """Make the child hold this setup's contexts; False (``failure`` says why) when it cannot."""
+        if self.failure is not None:
+            return False
+        reply = self.child.current_reply if self.child.current_init == self._init else self.child.ask(self._init)
+        if reply is None:
+            self.failure = f"the child process died building the contexts ({self.child.death()})"
+        elif not reply.get("ok"):
+            self.failure = f"cannot build the contexts here: {reply.get('error')}"
+        else:
+            self.child.current_init, self.child.current_reply = self._init, reply
+            self._contexts = {"target": reply["target"], "draft": reply.get("draft")}
+            self.runtime_version = reply["state_version"]
+            return True
+        return False
+
+    def contexts(self) -> dict | None:
+        """What the child built (``n_ctx``, ``n_ctx_seq``, ... of each context), or None when it could
+        not (``failure`` says why)."""
+        return self._contexts if self._ready() else None
+
+    def load(self, step: dict) -> dict:
+        """Load one layer; the result has ``status`` ("fits", "refused", "partial", "aborted",
+        "skipped"), ``consumed``, ``expected``, ``errors`` (llama.cpp's messages) and ``reason``."""
+        if not self._ready():
+            return {"status": SKIPPED, "reason": self.failure}
+        reply = self.child.ask(step)
+        if reply is not None:
+            return reply
+        if self.child.aborted:
+            return {"status": ABORTED, "errors": [self.child.death()], "consumed": 0, "expected": None}
+        return {"status": SKIPPED, "reason": f"the child process failed ({self.child.death()})"}
+
+    def close(self) -> None:
+        if self._own:
+            self.child.close()
+
+
+def worker_main() -> None:
+    """The child of :class:`LoadChecker`: JSON requests on stdin, one JSON reply per line on stdout.
+
+    ``init`` requests (re)build the contexts; every other request loads one layer.
+    """
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)            # whatever llama.cpp prints goes to stderr, never into the replies
+
+    def reply(obj: dict) -> None:
+        proto.write(json.dumps(obj) + "\n")
+        proto.flush()
+
+    from slotctl.runtime.context import STATE_VERSION
+    from slotctl.runtime.log import configure_logging
+    from slotctl.runtime.slot import ServerContexts
+
+    sc = None
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg.get("init"):
+            if sc is not None:
+                sc.close()
+                sc = None
+            configure_logging(bool(msg.get("verbose")))
+            try:
+                sc = ServerContexts.open(msg["target"], ContextSettings(**msg["settings"]), draft_path=msg["draft"],
+                                         draft_type_k=msg["draft_type_k"], draft_type_v=msg["draft_type_v"])
+            except Exception as e:  # noqa: BLE001 - any failure is reported to the parent
+                reply({"ok": False, "error": str(e)})
+                continue
+            reply({"ok": True, "state_version": STATE_VERSION, "target": _ctx_info(sc.target),
+                   "draft": _ctx_info(sc.draft) if sc.draft is not None else None})
+            continue
+        try:
+            reply(_load_step(sc, msg, STATE_VERSION))
+        except Exception as e:  # noqa: BLE001 - a failure of this process is not llama.cpp's verdict
+            reply({"status": SKIPPED, "reason": f"internal error: {type(e).__name__}: {e}"})
+
+
+def _ctx_info(c) -> dict:
+    return {"n_ctx": c.n_ctx, "n_ctx_seq": c.n_ctx_seq, "n_seq_max": c.n_seq_max, "n_ctx_slot": c.n_ctx_slot}
+
+
+def _load_step(sc, step: dict, state_version: int) -> dict:
+    """Read, convert and restore one layer (in the child), holding as few copies of it as it can: one
+    for a layer of this runtime's version, three at the peak of a conversion (:func:`convert_payload`)."""
+    from slotctl.format.blob import blob_header
+    from slotctl.format.convert import convert_payload
+    from slotctl.geometry import rotation_rule
+
+    ctx = sc.target if step["ctx"] == "target" else sc.draft
+    info = sc.target_info if step["ctx"] == "target" else sc.draft_info
+    size = step["size"]
+    with open(step["path"], "rb") as f:
+        f.seek(step["offset"])
+        if step["blob"]:
+            header, size = f.read(min(size, BLOB_HEADER_SIZE)), max(size - BLOB_HEADER_SIZE, 0)
+        else:
+            header = blob_header(step["slot"])
+        if step["version"] == state_version:
+            buf = bytearray(len(header) + size)
+            buf[:len(header)] = header
+            got = f.readinto(memoryview(buf)[len(header):])
+            del buf[len(header) + got:]
+        else:
+            payload = f.read(size)
+            try:
+                payload = convert_payload(payload, _layout_from_dict(step["layout"]), step["version"], state_version,
+                                          rotations=rotation_rule(info), layer=f"{step['ctx']} layer")
+            except FormatError as e:
+                return {"status": SKIPPED, "reason": f"its conversion to state version {state_version} (this "
+                                                     f"runtime's) is refused: {e.expected}"}
+            buf = bytearray(header)
+            buf += payload
+            del payload
+    slot = step["slot"]
+    ctx.seq_rm(slot)
+    n = ctx.state_seq_set(buf, slot, step["flags"])
+    status = FITS if n == len(buf) or (n and step.get("prefix")) else (PARTIAL if n else REFUSED)
+    return {"status": status, "consumed": n, "expected": len(buf), "errors": ctx.last_errors}
+
+
+# -- many files -------------------------------------------------------------------------------------------
+
+
+def expand_paths(paths: Iterable[str | os.PathLike]) -> list[str]:
+    """Each file as given; each directory's regular files (symlinks followed, not recursive), sorted,
+    without the temporary files slotctl's atomic writes leave (``.NAME.slotctl-*.tmp``). A path that
+    does not exist is a usage error."""
+    out: list[str] = []
+    for raw in paths:
+        p = os.fspath(raw)
+        if os.path.isdir(p):
+            names = sorted(n for n in os.listdir(p) if os.path.isfile(os.path.join(p, n))
+                           and not (n.startswith(".") and ".slotctl-" in n and n.endswith(".tmp")))
+            out += [os.path.join(p, n) for n in names]
+        elif os.path.exists(p):
+            out.append(p)
+        else:
+            raise UsageError(f"{p}: no such file or directory")
+    return out
+
+
+def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, real_check: bool = True,
+                   verbose: bool = False, on_file: Callable[[int, int, str], None] | None = None,
+                   child: ChildProcess | None = None) -> Report:
+    """Validate every file of ``paths`` (directories expanded) against ``setup``.
+
+    The real check runs when there is a target model and ``real_check``: one child process for all
+    files (a new one after an abort). ``on_file(done, total, path)`` is called before each file.
+    ``child``: a :class:`ChildProcess` to run the real check in (left open), instead of a new one.
+    """
+    files = expand_paths(paths)
+    models = Models(setup)
+    own = checker = None
+    if real_check and setup.target is not None:
+        own = checker = LoadChecker(setup, verbose=verbose, child=child)
+    reports = []
+    try:
+        for i, p in enumerate(files):
+            if on_file:
+                on_file(i, len(files), p)
+            try:
+                reports.append(validate_file(p, setup, models, checker))
+            except OSError as e:
+                r = FileReport(p, verdict="unreadable")
+                r.findings.append(Finding("file", "error", "unreadable", f"{e.strerror or e}", None))
+                reports.append(r)
+    finally:
+        if own is not None:
+            own.close()
+    server = models.describe()
+    return Report(reports, setup, server, checker is not None)
