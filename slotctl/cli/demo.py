@@ -1,12 +1,21 @@
 """``slotctl demo``: the whole tool on a built-in default, with nothing to download.
 
-Makes the tiny target and draft models (``slotctl.testing``), saves a sample slot file from real
-contexts (a prompt, two context checkpoints and the draft model's state), inspects it, validates it,
-and restores it next to a slot that was never saved, comparing the two.
+Makes the tiny models (``slotctl.testing``), then runs the real commands one after the other, showing
+each command line: ``save`` a sample slot file from real contexts (a prompt, two context checkpoints and
+the draft state), ``inspect`` it, ``validate`` it for the server it was saved for and for one started with
+another draft model, and ``restore`` it with ``--compare`` against a slot that was never saved.
+
+The draft model is the target itself, as llama.cpp's own slot test does, so that drafts are accepted and
+the restored slot's draft can be seen to behave like a fresh one; the 1-layer draft shows what happens
+when a file meets another draft model.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import shlex
 import time
 from pathlib import Path
 from typing import Annotated
@@ -20,6 +29,8 @@ from slotctl.cli.output import Output
 from slotctl.errors import ExitStatus
 
 DEFAULT_DIR = Path("slotctl-demo")
+#: server flags shared by every step: what a server would be started with
+SERVER_FLAGS = ["-c", "512", "-np", "1", "-fa", "on"]
 
 
 def register(app: typer.Typer) -> None:
@@ -33,70 +44,79 @@ def demo(
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Make tiny models, save a sample slot file (checkpoints and draft state), and inspect it.
+    """Make tiny models and run save, inspect, validate and restore --compare on a sample slot file.
 
     Everything is made here, in a few seconds, from real llama.cpp contexts: no model is downloaded.
+    Exit code 0 when every step behaved as expected (the file validates for its own server, the other
+    draft model is reported as dropping the draft state, the restored slot continues like a fresh one).
     """
-    from slotctl.cli.inspect_cmd import render
-    from slotctl.describe import describe_file
-    from slotctl.findings import file_warnings
-    from slotctl.geometry import read_model_info
-    from slotctl.runtime.context import STATE_VERSION
-    from slotctl.runtime.log import configure_logging
-    from slotctl.runtime.settings import ContextSettings
-    from slotctl.runtime.slot import ServerContexts, evaluate_prompt, write_slot_file
-    from slotctl.runtime.vocab import detokenize
-    from slotctl.slotfile import open_slot_file
     from slotctl.testing import SAMPLE_PROMPT, make_models
 
     out = Output(json_mode=json_out, verbose=verbose)
-    configure_logging(verbose)
     directory.mkdir(parents=True, exist_ok=True)
-    timings = {}
     t = time.perf_counter()
     models = make_models(directory)
-    timings["make_models_ms"] = _ms(t)
-    settings = ContextSettings(n_ctx=512, n_parallel=1, flash_attn="on")
-    slot_path = directory / "sample-slot.bin"
-    t = time.perf_counter()
-    with out.progress("loading models", 2000) as bar:
-        loaded = [0]
-
-        def on_load(done: int, total: int) -> None:
-            bar(loaded[0] + done)
-            if done == total:
-                loaded[0] += total
-
-        sc = ServerContexts.open(models.target, settings, draft_path=models.draft, on_progress=on_load)
-    with sc:
-        timings["load_ms"] = _ms(t)
-        tokens = sc.target_model.tokenize(SAMPLE_PROMPT)
-        t = time.perf_counter()
-        with out.progress("evaluating the prompt") as bar:
-            checkpoints = evaluate_prompt(sc, tokens, 0, checkpoint_at=[32, 64], on_progress=bar)
-        timings["evaluate_ms"] = _ms(t)
-        t = time.perf_counter()
-        written = write_slot_file(slot_path, sc, 0, tokens, version=4, checkpoints=checkpoints, overwrite=True)
-        timings["write_ms"] = _ms(t)
-    sf = open_slot_file(slot_path, layout=read_model_info(models.target).layout(),
-                        draft_layout=read_model_info(models.draft).layout())
-    data = describe_file(sf, text=detokenize(models.target, sf.tokens.tokens), runtime_version=STATE_VERSION)
-    data["warnings"] = file_warnings(sf, runtime_version=STATE_VERSION)
+    make_ms = round((time.perf_counter() - t) * 1000, 1)
+    slot = str(directory / "sample-slot.bin")
+    tgt, dft = str(models.target), str(models.draft)
+    steps = [
+        ("save", ["save", "-m", tgt, "-md", tgt, *SERVER_FLAGS, "--prompt", SAMPLE_PROMPT,
+                  "--checkpoint-at", "32", "--checkpoint-at", "64", "-o", slot, "--force"], 0,
+         "save a slot file from real contexts: the prompt, two checkpoints, the draft state"),
+        ("inspect", ["inspect", slot, "-m", tgt, "-md", tgt], 0, "every layer of the file"),
+        ("validate", ["validate", slot, "-m", tgt, "-md", tgt, *SERVER_FLAGS], 0,
+         "will it restore into the server it was saved for?"),
+        ("validate-other-draft", ["validate", slot, "-m", tgt, "-md", dft, *SERVER_FLAGS], 1,
+         "and into a server started with another (1-layer) draft model?"),
+        ("restore", ["restore", slot, "-m", tgt, "-md", tgt, *SERVER_FLAGS, "--continue", " And the", "-n", "16",
+                     "--compare"], 0,
+         "restore it and continue, beside a slot that was never saved"),
+    ]
+    if not json_out:
+        out.print(Text(f"tiny models: {tgt} (2 layers), {dft} (1 layer), made in {make_ms:.0f} ms", style="bold"))
+    results = []
+    for name, args, expected, what in steps:
+        if verbose:
+            args = [*args, "--verbose"]
+        if json_out:
+            code, doc = _invoke_json(args)
+            results.append({"step": name, "command": _cmdline(args), "exit_code": code, "expected_exit_code": expected,
+                            "ok": code == expected, "output": doc})
+        else:
+            out.print(Text(f"\n# {what}\n$ {_cmdline(args)}", style="bold cyan"))
+            code = _invoke(args)
+            results.append({"step": name, "exit_code": code, "expected_exit_code": expected, "ok": code == expected})
+            if code != expected:
+                out.error(f"{name}: exit code {code}, expected {expected}")
+    ok = all(r["ok"] for r in results)
     if json_out:
-        out.json({"models": {"target": str(models.target), "draft": str(models.draft)},
-                  "slot_file": written.path, "timings": timings, "inspect": data})
+        out.json({"models": {"target": tgt, "draft": dft}, "slot_file": slot, "make_models_ms": make_ms,
+                  "steps": results, "ok": ok})
     else:
-        out.print(Text(f"tiny models: {models.target} (2 layers), {models.draft} (1 layer)", style="bold"))
-        out.print(Text(f"saved {written.path}: {written.size:,} bytes, state version {written.version}, "
-                       f"{written.n_tokens} tokens, {len(checkpoints)} checkpoints and the draft state "
-                       f"(load {timings['load_ms']:.0f} ms, evaluate {timings['evaluate_ms']:.0f} ms, "
-                       f"write {timings['write_ms']:.0f} ms)"))
-        out.print(Text(f"\n$ slotctl inspect {written.path} --model {models.target} --draft-model {models.draft}",
-                       style="dim"))
-        render(out, sf, data)
-    if sf.damaged:
+        out.print(Text(f"\n{'every step behaved as expected' if ok else 'a step did not behave as expected'}",
+                       style="bold green" if ok else "bold red"))
+    if not ok:
         raise typer.Exit(int(ExitStatus.FAILED))
 
 
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000, 1)
+def _cmdline(args: list[str]) -> str:
+    return "slotctl " + " ".join(shlex.quote(a) for a in args)
+
+
+def _invoke(args: list[str]) -> int:
+    from slotctl.cli.app import app
+
+    code = app(args=args, standalone_mode=False, prog_name="slotctl")
+    return int(code or 0)
+
+
+def _invoke_json(args: list[str]) -> tuple[int, object]:
+    """Run a command with --json and return its exit code and its document (stdout captured)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = _invoke([*args, "--json"])
+    text = buf.getvalue()
+    try:
+        return code, json.loads(text)
+    except ValueError:
+        return code, text
