@@ -52,42 +52,6 @@ class SourceChanged(SlotctlError):
     exit_status = ExitStatus.FAILED
 
 
-def is_temp_file(name: str) -> bool:
-    """Whether ``name`` is a temporary file of :func:`~slotctl.atomic.atomic_writer` (``.NAME.slotctl-*.tmp``)."""
-    return name.startswith(".") and ".slotctl-" in name and name.endswith(".tmp")
-
-
-def expand_paths(paths: list[str | os.PathLike]) -> list[str]:
-    """The files to strip: each file as given, each directory's regular files (not recursive, sorted).
-
-    Symbolic links and temporary files inside a directory are skipped. A path given twice (or a file
-    also found in a given directory) is stripped once. A missing path is a usage error.
-    """
-    out: list[str] = []
-    seen: set[str] = set()
-
-    def add(p: str) -> None:
-        key = os.path.realpath(p)
-        if key not in seen:
-            seen.add(key)
-            out.append(p)
-
-    for raw in paths:
-        p = os.fspath(raw)
-        if os.path.isdir(p):
-            with os.scandir(p) as it:
-                names = sorted(e.name for e in it if e.is_file(follow_symlinks=False) and not is_temp_file(e.name))
-            for name in names:
-                add(os.path.join(p, name))
-        elif os.path.isfile(p):
-            add(p)
-        elif os.path.lexists(p):
-            raise UsageError(f"{p}: not a regular file or a directory")
-        else:
-            raise UsageError(f"{p}: no such file or directory")
-    return out
-
-
 @dataclass(frozen=True)
 class _Identity:
     """What tells that a file is still the one that was parsed."""

@@ -45,6 +45,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from slotctl.paths import expand_paths
 from slotctl.errors import ExitStatus, FormatError, UsageError
 from slotctl.findings import DEFAULT_CTX_CHECKPOINTS, Finding, ServerRules, structural_findings
 from slotctl.format import ggml
@@ -1189,24 +1190,6 @@ def _load_step(sc, step: dict, state_version: int) -> dict:
 # -- many files -------------------------------------------------------------------------------------------
 
 
-def expand_paths(paths: Iterable[str | os.PathLike]) -> list[str]:
-    """Each file as given; each directory's regular files (symlinks followed, not recursive), sorted,
-    without the temporary files slotctl's atomic writes leave (``.NAME.slotctl-*.tmp``). A path that
-    does not exist is a usage error."""
-    out: list[str] = []
-    for raw in paths:
-        p = os.fspath(raw)
-        if os.path.isdir(p):
-            names = sorted(n for n in os.listdir(p) if os.path.isfile(os.path.join(p, n))
-                           and not (n.startswith(".") and ".slotctl-" in n and n.endswith(".tmp")))
-            out += [os.path.join(p, n) for n in names]
-        elif os.path.exists(p):
-            out.append(p)
-        else:
-            raise UsageError(f"{p}: no such file or directory")
-    return out
-
-
 def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, real_check: bool = True,
                    verbose: bool = False, on_file: Callable[[int, int, str], None] | None = None,
                    child: ChildProcess | None = None) -> Report:
@@ -1216,7 +1199,7 @@ def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, re
     files (a new one after an abort). ``on_file(done, total, path)`` is called before each file.
     ``child``: a :class:`ChildProcess` to run the real check in (left open), instead of a new one.
     """
-    files = expand_paths(paths)
+    files = expand_paths(paths, follow_symlinks=True)
     models = Models(setup)
     own = checker = None
     if real_check and setup.target is not None:

@@ -13,7 +13,8 @@ from slotctl.cli.common import handle_errors
 from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt
 from slotctl.cli.output import Output, human_bytes, markup_safe
 from slotctl.errors import ExitStatus
-from slotctl.strip import REFUSED, STRIPPED, UNCHANGED, WOULD_STRIP, FileResult, expand_paths, strip_files
+from slotctl.paths import expand_paths
+from slotctl.strip import REFUSED, STRIPPED, UNCHANGED, WOULD_STRIP, FileResult, strip_files
 
 _STATUS_STYLE = {STRIPPED: "green", WOULD_STRIP: "cyan", UNCHANGED: "dim", REFUSED: "bold red"}
 

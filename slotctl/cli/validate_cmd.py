@@ -92,7 +92,8 @@ def validate(
     Exit codes: 0 every file restores completely; 1 a file is refused, makes the server abort, or
     loses a layer; 2 usage or I/O error. Keys and finding codes: docs/validate.md.
     """
-    from slotctl.validate import ServerSetup, expand_paths, validate_paths
+    from slotctl.paths import expand_paths
+    from slotctl.validate import ServerSetup, validate_paths
 
     out = Output(json_mode=json_out, verbose=verbose)
     if mmproj is not None and not os.path.isfile(mmproj):
@@ -104,7 +105,7 @@ def validate(
                         draft_type_v=cache_type_v_draft, slot=slot, mmproj=mmproj is not None,
                         n_ctx_checkpoints=ctx_checkpoints, state_version=state_version,
                         attn_rot_disable=_env_flag("LLAMA_ATTN_ROT_DISABLE"))
-    paths = expand_paths(files)
+    paths = expand_paths(files, follow_symlinks=True)
     if not paths:
         raise UsageError("no files to validate (the directories given are empty)")
     with out.progress("validating", total=len(paths)) as update:
