@@ -177,6 +177,7 @@ def parse_blob(f: BinaryIO, span: Span, layout: MemoryLayout | None, version: in
     fits = [m for m in _try_layouts(f, body, span.end, version, layer) if m.end == span.end]
     if not fits:
         fits = [m for m in _try_layouts(f, body, span.end, version, layer, ext=True) if m.end == span.end]
+    fits = _distinct(fits)
     b.candidates = [m.layout for m in fits]
     if len(fits) == 1:
         b.memory = fits[0]
@@ -199,6 +200,27 @@ def _try_layouts(f: BinaryIO, offset: int, end: int, version: int, layer: str, *
             out.append(parse_memory(f, offset, end, cand, version, layer))
         except FormatError:
             continue
+    return out
+
+
+def _empty_kv(sec) -> bool:
+    return sec.type == "kv" and all(st.cell_count == 0 for st in sec.streams)
+
+
+def _distinct(fits: list[Memory]) -> list[Memory]:
+    """``fits`` without layouts that read the same bytes the same way as an earlier one.
+
+    A KV section whose streams hold no cells has no cells and no records, so whether its cells would carry
+    ext or its layers V does not show: such layouts are one reading of the file, not an ambiguity.
+    """
+    out: list[Memory] = []
+    for m in fits:
+        same = any(o.end == m.end and len(o.sections) == len(m.sections)
+                   and all(a.role == b.role and a.type == b.type and (a == b or (_empty_kv(x) and _empty_kv(y)))
+                           for a, b, x, y in zip(o.layout.sections, m.layout.sections, o.sections, m.sections))
+                   for o in out)
+        if not same:
+            out.append(m)
     return out
 
 
@@ -291,7 +313,7 @@ def _walk(f: BinaryIO, sf: SlotFile, layout: MemoryLayout | None, draft_layout: 
         if not strict:
             fits += _try_layouts(f, start, size, sf.version, "target memory", ext=True)
             strict = [m for m in fits if _chain_fits(f, m.end, size)]
-        loose = strict or [m for m in fits if _starts_appendix(f, m.end)]
+        loose = _distinct(strict or [m for m in fits if _starts_appendix(f, m.end)])
         sf.target_candidates = [m.layout for m in loose]
         if len(loose) == 1:
             sf.target = loose[0]

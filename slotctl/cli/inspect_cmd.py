@@ -63,6 +63,13 @@ def inspect(
     rt = runtime_state_version()
     data = describe_file(sf, tokens=tokens, text=text, runtime_version=rt)
     data["warnings"] = file_warnings(sf, runtime_version=rt)
+    if target_info is not None and sf.tokens is not None and not sf.tokens.error:
+        toks = sf.tokens.tokens
+        bad = toks[((toks < 0) | (toks >= target_info.n_vocab)) & (toks != -1)]
+        if len(bad):
+            data["warnings"].append(f"{len(bad):,} token(s) outside this model's vocabulary (first: {int(bad[0])}, "
+                                    f"n_vocab {target_info.n_vocab:,}): the server refuses the file "
+                                    "(\"Invalid tokens in slot save file\")")
     if json_out:
         out.json(data)
     else:

@@ -1,0 +1,132 @@
+"""Live mode: commands that talk to a running llama-server (``slotctl slots``, ``slotctl erase``).
+
+Every request goes through :mod:`slotctl.server_api`: bounded by ``--timeout``, the API key from
+``--api-key`` or ``LLAMA_API_KEY``; a refusal by the server exits 1, an unreachable server, a wrong key
+or a usage error exits 2, always with one line on stderr.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from slotctl import server_api
+from slotctl.cli.common import handle_errors
+from slotctl.cli.options import JsonOpt
+from slotctl.cli.output import Output, markup_safe
+
+# -- options shared by every live command (save/restore --server reuse them) ------------------------------
+
+ServerOpt = Annotated[str, typer.Option("--server", metavar="URL",
+                                        help="The llama-server's base URL, e.g. http://127.0.0.1:8080.")]
+ApiKeyOpt = Annotated[Optional[str], typer.Option("--api-key", envvar=server_api.API_KEY_ENV, show_envvar=True,
+                                                  help="The server's API key (sent as Authorization: Bearer).")]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
+                                           help="Give up on a request after this many seconds.")]
+ServerSlotOpt = Annotated[int, typer.Option("--slot", min=0, help="The slot id (0, 1, ...).")]
+
+
+def register(app: typer.Typer) -> None:
+    app.command("slots")(slots)
+    app.command("erase")(erase)
+
+
+@handle_errors
+def slots(
+    server: ServerOpt,
+    api_key: ApiKeyOpt = None,
+    timeout: TimeoutOpt = server_api.DEFAULT_TIMEOUT,
+    json_out: JsonOpt = False,
+) -> None:
+    """List a running llama-server's slots: id, context size, speculative decoding, busy, cached tokens.
+
+    Reads GET /slots and GET /props. With --json: {server, model, total_slots, props, slots}, where slots
+    and props are the server's answers as they came.
+
+    Exit codes: 0 listed; 1 the server refused (e.g. started with --no-slots); 2 unreachable, wrong API
+    key, usage error.
+    """
+    out = Output(json_mode=json_out)
+    url = server_api.normalize_url(server)
+    slot_list = server_api.get_slots(url, api_key=api_key, timeout=timeout)
+    props = server_api.get_props(url, api_key=api_key, timeout=timeout)
+    if not isinstance(props, dict):
+        props = {}
+    doc = {
+        "server": url,
+        "model": props.get("model_path"),
+        "total_slots": props.get("total_slots", len(slot_list)),
+        "props": props,
+        "slots": slot_list,
+    }
+    if json_out:
+        out.json(doc)
+        return
+    render_slots(out, doc)
+
+
+def render_slots(out: Output, doc: dict) -> None:
+    props = doc["props"]
+    head = Text.assemble((markup_safe(doc["server"]), "bold"))
+    if doc["model"]:
+        head.append(f"  model {markup_safe(str(doc['model']))}")
+    if props.get("build_info"):
+        head.append(f"  ({markup_safe(str(props['build_info']))})", style="dim")
+    out.print(head)
+    t = Table(show_edge=False)
+    for col, just in (("slot", "right"), ("n_ctx", "right"), ("speculative", "left"), ("state", "left"),
+                      ("cached tokens", "right"), ("task", "right")):
+        t.add_column(col, justify=just)
+    for s in doc["slots"]:
+        if not isinstance(s, dict):
+            continue
+        busy = s.get("is_processing")
+        t.add_row(
+            _cell(s.get("id")),
+            _cell(s.get("n_ctx")),
+            "yes" if s.get("speculative") else "no",
+            Text("busy", style="yellow") if busy else Text("idle", style="green"),
+            _cell(s.get("n_prompt_tokens")),
+            _cell(s.get("id_task")),
+        )
+    out.print(t)
+    total = doc.get("total_slots")
+    n = len(doc["slots"])
+    out.print(Text(f"{n} slot(s)" + (f" of {total}" if isinstance(total, int) and total != n else "")
+                   + f", {sum(1 for s in doc['slots'] if isinstance(s, dict) and s.get('is_processing'))} busy",
+                   style="dim"))
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else markup_safe(str(v))
+
+
+@handle_errors
+def erase(
+    server: ServerOpt,
+    slot: ServerSlotOpt,
+    api_key: ApiKeyOpt = None,
+    timeout: TimeoutOpt = server_api.DEFAULT_TIMEOUT,
+    json_out: JsonOpt = False,
+) -> None:
+    """Erase a slot of a running llama-server: it forgets its cached prompt (POST /slots/N?action=erase).
+
+    A busy slot is erased when its current request ends; --timeout bounds the wait. With --json: the
+    server's answer, {id_slot, n_erased}.
+
+    Exit codes: 0 erased; 1 the server refused (invalid slot id, no --slot-save-path: the server allows
+    slot actions only then); 2 unreachable, wrong API key, usage error.
+    """
+    out = Output(json_mode=json_out)
+    url = server_api.normalize_url(server)
+    answer = server_api.erase_slot(url, slot, api_key=api_key, timeout=timeout)
+    if json_out:
+        out.json(answer)
+        return
+    n = answer.get("n_erased") if isinstance(answer, dict) else None
+    out.print(f"slot {slot}: erased" + (f" {n:,} cached token(s)" if isinstance(n, int) else ""))

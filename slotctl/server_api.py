@@ -1,0 +1,410 @@
+"""A small HTTP client for a running llama-server: its slots, properties and slot-file actions.
+
+Standard library only (``urllib``). Every request has a timeout, and every failure becomes a
+:class:`~slotctl.errors.SlotctlError` with one line that says what happened:
+
+* :class:`ServerUnreachable` (exit 2): nothing answers at the address, the connection broke, the
+  answer took longer than the timeout, or what answered is not a llama-server;
+* :class:`ServerAuthError` (exit 2): the server wants an API key (``--api-key``) and did not get the right one;
+* :class:`ServerRefused` (exit 1): the server answered and refused the operation (slot actions without
+  ``--slot-save-path``, an invalid slot id, a file that does not restore, the model still loading, ...).
+  ``status``, ``error_type`` and ``message`` hold what the server said.
+
+Endpoints (llama.cpp b11434, ``tools/server``): ``GET /health``, ``GET /props``, ``GET /slots``,
+``POST /slots/{id}?action=save|restore|erase`` (body ``{"filename": NAME}`` for save and restore; NAME is a
+plain file name inside the server's ``--slot-save-path``, see :func:`check_filename`), ``POST /completion``.
+An API key is sent as ``Authorization: Bearer KEY``. Requests to loopback addresses never go through a proxy.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import json
+import os
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from slotctl.errors import ExitStatus, SlotctlError, UsageError
+
+__all__ = [
+    "DEFAULT_TIMEOUT", "ServerAuthError", "ServerError", "ServerRefused", "ServerUnreachable",
+    "check_filename", "check_slot", "completion", "erase_slot", "get_health", "get_props", "get_slots",
+    "normalize_url", "request", "restore_slot", "save_slot",
+]
+
+#: seconds a request may take, connection included, unless the caller says otherwise
+DEFAULT_TIMEOUT = 30.0
+
+#: the environment variable that holds the API key when ``--api-key`` is not given
+API_KEY_ENV = "LLAMA_API_KEY"
+
+#: at most this many bytes of an answer are read (a slot listing of hundreds of slots is far smaller)
+MAX_ANSWER_BYTES = 64 << 20
+
+
+class ServerError(SlotctlError):
+    """Base of every error talking to a server."""
+
+
+class ServerUnreachable(ServerError):
+    """No usable answer: connection refused or reset, unknown host, timeout, not a llama-server."""
+
+    exit_status = ExitStatus.USAGE
+
+
+class ServerAuthError(ServerError):
+    """The server wants an API key and was sent none or a wrong one (HTTP 401 or 403)."""
+
+    exit_status = ExitStatus.USAGE
+
+    def __init__(self, message: str, *, status: int, error_type: str | None = None):
+        self.status = status
+        self.error_type = error_type
+        super().__init__(message)
+
+
+class ServerRefused(ServerError):
+    """The server answered with an error: it refused the operation.
+
+    ``status`` is the HTTP status, ``error_type`` the server's ``error.type`` (``invalid_request_error``,
+    ``not_supported_error``, ``unavailable_error``, ``server_error``, ...), ``message`` its ``error.message``,
+    ``body`` the parsed answer (or None).
+    """
+
+    exit_status = ExitStatus.FAILED
+
+    def __init__(self, line: str, *, status: int, message: str, error_type: str | None = None, body: Any = None):
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.body = body
+        super().__init__(line)
+
+
+# -- addresses ---------------------------------------------------------------------------------------
+
+
+def normalize_url(url: str) -> str:
+    """The server's base URL: ``http://`` added when no scheme is given, no trailing slash.
+
+    A path is kept (a server started with ``--api-prefix /x`` answers under ``http://host:port/x``).
+    UsageError for an empty URL, a scheme other than http/https, no host, a bad port, a query or fragment.
+    """
+    raw = (url or "").strip()
+    if not raw:
+        raise UsageError("--server: no URL given (for example http://127.0.0.1:8080)")
+    if "://" not in raw:
+        raw = "http://" + raw
+    try:
+        parts = urllib.parse.urlsplit(raw)
+        port = parts.port
+    except ValueError as e:
+        raise UsageError(f"--server {url!r}: {e}") from None
+    if parts.scheme not in ("http", "https"):
+        raise UsageError(f"--server {url!r}: only http:// and https:// URLs are supported")
+    if not parts.hostname:
+        raise UsageError(f"--server {url!r}: no host name")
+    if parts.query or parts.fragment:
+        raise UsageError(f"--server {url!r}: give the server's base URL, without a query or fragment")
+    if port == 0:
+        raise UsageError(f"--server {url!r}: port 0 is not a port a server listens on")
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() in ("localhost", "localhost.localdomain") or host.lower().endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _opener(url: str) -> urllib.request.OpenerDirector:
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if _is_loopback(host):
+        return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    return urllib.request.build_opener()
+
+
+def _api_key(api_key: str | None) -> str | None:
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or None
+    return api_key
+
+
+# -- requests ----------------------------------------------------------------------------------------
+
+
+def request(url: str, method: str, path: str, body: Any = None, *, query: dict[str, str] | None = None,
+            api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+    """Send one request to the server at ``url`` and return its parsed JSON answer.
+
+    ``path`` starts with ``/``; ``body`` (for POST) is sent as JSON; ``api_key`` (default: the
+    ``LLAMA_API_KEY`` environment variable) goes in ``Authorization: Bearer``. ``timeout`` bounds the
+    connection and every read. Raises :class:`ServerUnreachable`, :class:`ServerAuthError` or
+    :class:`ServerRefused` as described in the module docstring.
+    """
+    if not timeout or timeout <= 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {timeout}")
+    base = normalize_url(url)
+    full = base + path
+    if query:
+        full += "?" + urllib.parse.urlencode(query)
+    data = None
+    headers = {"Accept": "application/json"}
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    key = _api_key(api_key)
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(full, data=data, headers=headers, method=method)
+    what = f"{method} {base}{path}"
+    try:
+        with _opener(base).open(req, timeout=timeout) as resp:
+            status = resp.status
+            raw = resp.read(MAX_ANSWER_BYTES + 1)
+    except urllib.error.HTTPError as e:
+        try:
+            raw = e.read(MAX_ANSWER_BYTES + 1)
+        except (OSError, ValueError):
+            raw = b""
+        finally:
+            e.close()
+        _raise_http_error(what, e.code, raw)
+    except urllib.error.URLError as e:
+        raise ServerUnreachable(f"{what}: {_reason(e.reason, timeout)}") from None
+    except (TimeoutError, socket.timeout):
+        raise ServerUnreachable(f"{what}: no answer within {timeout:g} s{_busy_hint(path)}") from None
+    except (ConnectionError, OSError) as e:
+        raise ServerUnreachable(f"{what}: {_reason(e, timeout)}") from None
+    except http.client.HTTPException as e:  # garbage instead of HTTP, or an answer cut short
+        raise ServerUnreachable(f"{what}: not a valid HTTP answer ({type(e).__name__}): "
+                                f"is this a llama-server?") from None
+    except ValueError as e:  # http.client: invalid URL pieces
+        raise UsageError(f"{what}: {e}") from None
+    if len(raw) > MAX_ANSWER_BYTES:
+        raise ServerUnreachable(f"{what}: answer larger than {MAX_ANSWER_BYTES >> 20} MiB: not a llama-server")
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise ServerUnreachable(f"{what}: answered HTTP {status} with something that is not JSON "
+                                f"({_snippet(raw)}): is this a llama-server?") from None
+
+
+def _reason(reason: Any, timeout: float) -> str:
+    if isinstance(reason, (TimeoutError, socket.timeout)):
+        return f"no answer within {timeout:g} s"
+    if isinstance(reason, ConnectionRefusedError):
+        return "connection refused: is llama-server running there?"
+    if isinstance(reason, socket.gaierror):
+        return f"unknown host ({reason.strerror or reason})"
+    if isinstance(reason, ConnectionResetError):
+        return "the connection was reset by the server"
+    if isinstance(reason, OSError) and reason.strerror:
+        return f"cannot connect: {reason.strerror}"
+    return f"cannot connect: {reason}"
+
+
+def _busy_hint(path: str) -> str:
+    if path.startswith("/slots/"):
+        return " (the server waits until a busy slot is idle before it saves, restores or erases it)"
+    return ""
+
+
+def _snippet(raw: bytes, limit: int = 80) -> str:
+    text = raw[:limit].decode("utf-8", "replace")
+    text = "".join(c if c.isprintable() else " " for c in text).strip()
+    return repr(text + ("…" if len(raw) > limit else ""))
+
+
+def _raise_http_error(what: str, status: int, raw: bytes) -> None:
+    body: Any = None
+    message = ""
+    error_type = None
+    try:
+        body = json.loads(raw) if raw else None
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            message = str(err.get("message") or "")
+            error_type = err.get("type")
+        elif isinstance(err, str):
+            message = err
+    if not message:
+        message = _snippet(raw).strip("'\"") if raw else ""
+    said = f": {message}" if message else ""
+    if status in (401, 403):
+        raise ServerAuthError(
+            f"{what}: HTTP {status}{said} (give the server's key with --api-key or {API_KEY_ENV})",
+            status=status, error_type=error_type)
+    if status == 404:
+        # llama-server answers an unknown route with 404 "File Not Found": a wrong URL, or another server
+        raise ServerUnreachable(f"{what}: HTTP 404{said or ' Not Found'}: no llama-server endpoint at this URL "
+                                f"(give the server's base URL, e.g. http://127.0.0.1:8080)")
+    if body is None and not (400 <= status < 600):
+        raise ServerUnreachable(f"{what}: unexpected HTTP {status}")
+    raise ServerRefused(f"{what}: the server refused (HTTP {status}){said}",
+                        status=status, message=message, error_type=error_type, body=body)
+
+
+# -- endpoints ---------------------------------------------------------------------------------------
+
+
+def get_health(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+    """``GET /health``: ``{"status": "ok"}`` once the model is loaded; ServerRefused (503) while loading."""
+    return request(url, "GET", "/health", api_key=api_key, timeout=timeout)
+
+
+def get_props(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+    """``GET /props``: model path, ``total_slots``, ``default_generation_settings.n_ctx``, build info, ..."""
+    return request(url, "GET", "/props", api_key=api_key, timeout=timeout)
+
+
+def get_slots(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> list:
+    """``GET /slots``: one object per slot (``id``, ``n_ctx``, ``speculative``, ``is_processing``, ...).
+
+    ServerRefused (HTTP 501) when the server runs with ``--no-slots``.
+    """
+    answer = request(url, "GET", "/slots", api_key=api_key, timeout=timeout)
+    if not isinstance(answer, list):
+        raise ServerUnreachable(f"GET {normalize_url(url)}/slots: expected a list of slots, got "
+                                f"{type(answer).__name__}: is this a llama-server?")
+    return answer
+
+
+def check_slot(url: str, slot: int, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> int:
+    """UsageError unless the server has slot ``slot``; returns the server's number of slots (``GET /props``).
+
+    llama-server itself takes any id modulo its number of slots (``get_slot_by_id``): on a 2-slot server
+    ``/slots/7?action=erase`` erases slot 1 and answers ``"id_slot": 7``. This check keeps a wrong id from
+    touching another slot.
+    """
+    if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
+        raise UsageError(f"--slot must be a slot id (0, 1, ...), got {slot!r}")
+    props = get_props(url, api_key=api_key, timeout=timeout)
+    total = props.get("total_slots") if isinstance(props, dict) else None
+    if isinstance(total, int) and not isinstance(total, bool) and total > 0 and slot >= total:
+        raise UsageError(f"--slot {slot}: the server at {normalize_url(url)} has {total} slot(s), "
+                         f"0..{total - 1} (llama-server would quietly take slot {slot} as slot {slot % total})")
+    return total
+
+
+def _slot_action(url: str, slot: int, action: str, body: Any, api_key: str | None, timeout: float,
+                 check: bool) -> Any:
+    if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
+        raise UsageError(f"--slot must be a slot id (0, 1, ...), got {slot!r}")
+    if check:
+        check_slot(url, slot, api_key=api_key, timeout=timeout)
+    return request(url, "POST", f"/slots/{slot}", body, query={"action": action}, api_key=api_key,
+                   timeout=timeout)
+
+
+def save_slot(url: str, slot: int, filename: str, *, api_key: str | None = None,
+              timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> Any:
+    """``POST /slots/{slot}?action=save``: the server writes ``--slot-save-path``/``filename``.
+
+    Answer: ``{id_slot, filename, n_saved, n_written, timings: {save_ms}}``. The name is checked first
+    (:func:`check_filename`, UsageError) so that a name the server would refuse never leaves this host.
+    With ``check`` (the default) the slot id is checked first too (:func:`check_slot`).
+    """
+    check_filename(filename)
+    return _slot_action(url, slot, "save", {"filename": filename}, api_key, timeout, check)
+
+
+def restore_slot(url: str, slot: int, filename: str, *, api_key: str | None = None,
+              timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> Any:
+    """``POST /slots/{slot}?action=restore`` of ``--slot-save-path``/``filename``.
+
+    Answer: ``{id_slot, filename, n_restored, n_read, timings: {restore_ms}}``; a file that does not load
+    is ServerRefused (HTTP 400, "Unable to restore slot: ...").
+    """
+    check_filename(filename)
+    return _slot_action(url, slot, "restore", {"filename": filename}, api_key, timeout, check)
+
+
+def erase_slot(url: str, slot: int, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+               check: bool = True) -> Any:
+    """``POST /slots/{slot}?action=erase``: the slot forgets its cached prompt. Answer: ``{id_slot, n_erased}``."""
+    return _slot_action(url, slot, "erase", {}, api_key, timeout, check)
+
+
+def completion(url: str, body: dict, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+    """``POST /completion`` (not streamed): ``content``, ``tokens``, ``timings``, ``id_slot``, ..."""
+    return request(url, "POST", "/completion", dict(body, stream=False), api_key=api_key, timeout=timeout)
+
+
+# -- slot file names -----------------------------------------------------------------------------------
+
+#: code points llama-server refuses besides control characters: look-alikes of separators and oddities
+_FORBIDDEN_LOOKALIKES = {
+    0xFF0E: "a full-width full stop",
+    0x2215: "a division slash (looks like '/')",
+    0x2216: "a set minus (looks like '\\')",
+    0xFFFD: "the replacement character",
+    0xFEFF: "a byte order mark",
+}
+_FORBIDDEN_ASCII = ':*?"<>|'
+MAX_FILENAME_BYTES = 255
+
+
+def check_filename(name: str) -> str:
+    """Check a slot file name as llama-server b11434 does (``fs_validate_filename`` in common/common.cpp).
+
+    The server saves and restores only plain file names inside its ``--slot-save-path`` folder and
+    answers "Invalid filename" to anything else; this says why. Rules: 1 to 255 bytes of valid UTF-8;
+    no control character (U+0000-U+001F, U+007F, U+0080-U+009F); none of ``: * ? " < > |``; no ``/`` or
+    ``\\`` (no folders); no U+FF0E, U+2215, U+2216, U+FFFD, U+FEFF, no surrogate; no leading or trailing
+    space, no trailing ``.``; no ``..`` anywhere; not ``.``.
+
+    Returns ``name``; raises UsageError naming the first rule broken.
+    """
+    if isinstance(name, bytes):
+        try:
+            name = name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(f"invalid slot file name {name!r}: not valid UTF-8") from None
+    if not isinstance(name, str):
+        raise UsageError(f"invalid slot file name {name!r}: not a string")
+
+    def bad(reason: str) -> UsageError:
+        return UsageError(f"invalid slot file name {name!r}: {reason} (llama-server accepts only a plain "
+                          f"file name inside its --slot-save-path folder)")
+
+    if not name:
+        raise bad("it is empty")
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad("not valid UTF-8 (it holds a lone surrogate)") from None
+    if len(encoded) > MAX_FILENAME_BYTES:
+        raise bad(f"{len(encoded)} bytes long, at most {MAX_FILENAME_BYTES} are allowed")
+    for ch in name:
+        c = ord(ch)
+        if c <= 0x1F or c == 0x7F or 0x80 <= c <= 0x9F:
+            raise bad(f"it contains the control character U+{c:04X}")
+        if c in _FORBIDDEN_LOOKALIKES:
+            raise bad(f"it contains U+{c:04X}, {_FORBIDDEN_LOOKALIKES[c]}")
+        if 0xD800 <= c <= 0xDFFF:  # pragma: no cover - caught by the UTF-8 encoding above
+            raise bad(f"it contains the surrogate U+{c:04X}")
+        if ch in _FORBIDDEN_ASCII:
+            raise bad(f"it contains {ch!r}")
+        if ch in "/\\":
+            raise bad(f"it contains the path separator {ch!r}: folders are not allowed")
+    if name[0] == " ":
+        raise bad("it starts with a space")
+    if name[-1] == " ":
+        raise bad("it ends with a space")
+    if name[-1] == ".":
+        raise bad("it ends with '.'")
+    if ".." in name:
+        raise bad("it contains '..'")
+    return name
+
