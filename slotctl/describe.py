@@ -84,13 +84,27 @@ def _kv_shape(data):
             tuple((v.type, v.get("row_size"), v.get("el_size"), v.get("n_embd")) for v in data.v))
 
 
-def describe_memory(mem: Memory | None) -> dict | None:
+def section_layer_ids(info, role: str) -> list[int]:
+    """The model's layers a section of role ``role`` holds records for, in record order
+    (``info``: a :class:`~slotctl.geometry.ModelInfo`)."""
+    if role == "recurrent":
+        return list(info.recurrent_layer_ids())
+    return list(info.kv_layers(role))
+
+
+def describe_memory(mem: Memory | None, info=None) -> dict | None:
+    """A payload or blob; with ``info`` (the model's :class:`~slotctl.geometry.ModelInfo`) each section
+    also names the model layers its records belong to (``layer_ids``; null without a model)."""
     if mem is None:
         return None
     spans = mem.section_spans or [None] * len(mem.sections)
-    return {"kind": mem.layout.kind,
-            "sections": [dict(describe_section(s, sp), role=l.role)
-                         for s, sp, l in zip(mem.sections, spans, mem.layout.sections)]}
+    out = []
+    for s, sp, l in zip(mem.sections, spans, mem.layout.sections):
+        d = dict(describe_section(s, sp), role=l.role)
+        ids = section_layer_ids(info, l.role) if info is not None else None
+        d["layer_ids"] = ids if ids is not None and len(ids) == len(d["layers"]) else None
+        out.append(d)
+    return {"kind": mem.layout.kind, "sections": out}
 
 
 def tensor_bytes(mem: Memory) -> int:
@@ -106,21 +120,22 @@ def tensor_bytes(mem: Memory) -> int:
     return total
 
 
-def describe_blob(b: Blob | None) -> dict | None:
+def describe_blob(b: Blob | None, info=None) -> dict | None:
     if b is None:
         return None
     return {
         "offset": b.span.offset,
         "size": b.span.size,
         "seq_id": b.seq_id,
-        "memory": describe_memory(b.memory),
+        "memory": describe_memory(b.memory, info),
         "error": b.error.one_line() if b.error else None,
     }
 
 
 def describe_file(sf: SlotFile, *, tokens: bool = False, text: str | None = None,
-                  runtime_version: int | None = None) -> dict:
-    """The whole file, as ``slotctl inspect --json`` prints it."""
+                  runtime_version: int | None = None, info=None, draft_info=None) -> dict:
+    """The whole file, as ``slotctl inspect --json`` prints it. ``info`` / ``draft_info``: the target and
+    draft models' :class:`~slotctl.geometry.ModelInfo`, which name the layers of each section."""
     tk = sf.tokens
     prompt = None
     if tk is not None:
@@ -133,16 +148,16 @@ def describe_file(sf: SlotFile, *, tokens: bool = False, text: str | None = None
             prompt["text"] = text
     target = None
     if sf.target is not None:
-        target = {"offset": sf.target.offset, "size": sf.target.size, "memory": describe_memory(sf.target),
+        target = {"offset": sf.target.offset, "size": sf.target.size, "memory": describe_memory(sf.target, info),
                   "tensor_bytes": tensor_bytes(sf.target)}
     checkpoints = None
     if sf.checkpoints is not None:
         checkpoints = [{"n_tokens": c.n_tokens, "pos_min": c.pos_min, "pos_max": c.pos_max,
-                        "target": describe_blob(c.tgt), "draft": describe_blob(c.dft),
+                        "target": describe_blob(c.tgt, info), "draft": describe_blob(c.dft, draft_info),
                         "spec_size": c.spec.size} for c in sf.checkpoints]
     draft = None
     if sf.draft is not None:
-        draft = describe_blob(sf.draft)
+        draft = describe_blob(sf.draft, draft_info)
         draft["spec_size"] = sf.draft_spec.size if sf.draft_spec else 0
     return {
         "path": sf.path,

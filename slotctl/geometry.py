@@ -183,7 +183,8 @@ class ModelInfo:
     with r and s records in the recurrent section. ``mla``: layers store no V. ``has_cell_ext``: KV cells
     carry ext (M-RoPE). ``memory_kind``: "kv", "iswa", "recurrent", "hybrid", "hybrid_iswa", "none" (no
     memory: empty payload) or "unsupported" (``unsupported`` says what the memory is).
-    ``n_embd_r`` / ``n_embd_s``: widths (elements) of the recurrent r and s rows.
+    ``n_embd_r`` / ``n_embd_s``: widths (elements) of the recurrent r and s rows; ``n_embd_r_rule`` /
+    ``n_embd_s_rule``: how the GGUF's keys give them, in words ("(ssm.conv_kernel 4 - 1) x ...").
     """
 
     path: str
@@ -212,6 +213,8 @@ class ModelInfo:
     attention_layers: tuple[bool, ...]
     causal_attn: bool
     unsupported: str | None = None
+    n_embd_r_rule: str | None = None
+    n_embd_s_rule: str | None = None
 
     def head_size_k(self, il: int) -> int:
         """``llama_hparams::n_embd_head_k(il)``: the SWA head size on SWA layers."""
@@ -442,7 +445,7 @@ def _read_model_info(path: str) -> ModelInfo:
     window, swa_type, swa = _sliding_window(h, n_layer, n_layer_all, recurrent)
     attention = _attention_layers(arch, n_layer, n_layer_all, recurrent, n_ff)
     has_recurrent = arch in RECURRENT_ARCHS or arch in HYBRID_ARCHS
-    n_embd_r, n_embd_s = _recurrent_widths(h, n_embd) if has_recurrent else (None, None)
+    n_embd_r, n_embd_s, r_rule, s_rule = _recurrent_widths(h, n_embd) if has_recurrent else (None,) * 4
 
     if unsupported:
         kind = "unsupported"
@@ -465,7 +468,7 @@ def _read_model_info(path: str) -> ModelInfo:
         has_cell_ext=_has_cell_ext(h), memory_kind=kind, n_embd_r=n_embd_r, n_embd_s=n_embd_s,
         n_layer_all=n_layer_all, head_dim_k_swa=head_k_swa, head_dim_v_swa=head_v_swa,
         swa_type=swa_type, attention_layers=attention, causal_attn=bool(h.value("attention.causal", True)),
-        unsupported=unsupported,
+        unsupported=unsupported, n_embd_r_rule=r_rule, n_embd_s_rule=s_rule,
     )
 
 
@@ -577,8 +580,9 @@ def _attention_layers(arch: str, n_layer: int, n_layer_all: int, recurrent: tupl
     return (True,) * n_layer_all
 
 
-def _recurrent_widths(h: _Header, n_embd: int) -> tuple[int, int]:
-    """(``n_embd_r``, ``n_embd_s``): elements of one r row and one s row (src/llama-hparams.cpp).
+def _recurrent_widths(h: _Header, n_embd: int) -> tuple[int, int, str, str]:
+    """(``n_embd_r``, ``n_embd_s``): elements of one r row and one s row (src/llama-hparams.cpp), and
+    the two rules in words, with the GGUF's keys and values.
 
     RWKV: r = ``token_shift_count`` (default 2) x n_embd, s = n_embd x ``wkv.head_size``.
     Short convolution (lfm2): r = n_embd x (``shortconv.l_cache`` - 1), s = d_state x d_inner (0 when
@@ -591,11 +595,19 @@ def _recurrent_widths(h: _Header, n_embd: int) -> tuple[int, int]:
     d_state = h.uint("ssm.state_size", 0)
     n_group = h.uint("ssm.group_count", 0) if h.arch in SSM_GROUP_ARCHS else 0
     s = d_state * d_inner
+    s_rule = f"ssm.state_size {d_state} x ssm.inner_size {d_inner}"
     if h.arch in RWKV_ARCHS:
-        return h.uint("token_shift_count", 2) * n_embd, n_embd * h.uint("wkv.head_size")
+        shift, head = h.uint("token_shift_count", 2), h.uint("wkv.head_size")
+        return (shift * n_embd, n_embd * head, f"token_shift_count {shift} x embedding_length {n_embd}",
+                f"embedding_length {n_embd} x wkv.head_size {head}")
     if h.arch in SHORTCONV_ARCHS:
-        return n_embd * (h.uint("shortconv.l_cache") - 1), s
-    return max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state), s
+        l_cache = h.uint("shortconv.l_cache")
+        return (n_embd * (l_cache - 1), s, f"(shortconv.l_cache {l_cache} - 1) x embedding_length {n_embd}",
+                s_rule if s else "0: no ssm keys")
+    groups = f" + 2 x ssm.group_count {n_group} x ssm.state_size {d_state}" if n_group else ""
+    r_rule = f"(ssm.conv_kernel {d_conv} - 1) x " + (f"(ssm.inner_size {d_inner}{groups})" if groups
+                                                    else f"ssm.inner_size {d_inner}")
+    return max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state), s, r_rule, s_rule
 
 
 def _has_cell_ext(h: _Header) -> bool:

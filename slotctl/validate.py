@@ -363,6 +363,39 @@ def _kind_words(layout: MemoryLayout) -> str:
     return words
 
 
+#: what the PARTIAL_ONLY part of each memory kind is (``MemoryLayout.partial``)
+_PART_WORDS = {
+    "iswa": "the SWA part of an iSWA cache",
+    "hybrid": "the recurrent part of a hybrid memory",
+    "hybrid_iswa": "the SWA and recurrent parts of a hybrid memory with SWA",
+}
+
+
+def _part_words(layout: MemoryLayout) -> str:
+    """A checkpoint blob's layout in words: its sections, and which kinds write such a part."""
+    kv = [s for s in layout.sections if s.type == "kv"]
+    rec = [s for s in layout.sections if s.type == "recurrent"]
+    state = f" with state for {_plural(rec[0].n_r, 'layer')}" if rec else ""
+    if len(layout.sections) == 1 and kv:
+        return "a KV cache alone (the SWA part of an iSWA cache, or a whole plain KV cache)"
+    if len(layout.sections) == 1 and rec:
+        return f"a recurrent state alone{state} (the recurrent part of a hybrid memory, or a recurrent model's state)"
+    if len(kv) == 1 and rec:
+        return (f"a KV cache and a recurrent state{state} (the SWA and recurrent parts of a hybrid memory with "
+                "SWA, or a whole hybrid memory)")
+    return _kind_words(layout)
+
+
+def _want_part_words(info: ModelInfo) -> str:
+    """What the model keeps in a checkpoint blob (its PARTIAL_ONLY part), in words."""
+    layout = info.layout()
+    if layout.kind not in _PART_WORDS:
+        return _kind_words(layout)
+    rec = [s for s in layout.sections if s.type == "recurrent"]
+    state = f" (state for {_plural(rec[0].n_r, 'layer')})" if rec else ""
+    return _PART_WORDS[layout.kind] + state
+
+
 # -- prediction vs file -----------------------------------------------------------------------------------
 
 
@@ -415,6 +448,8 @@ def _compare_kv(sec, p: SectionPrediction, sl: SectionLayout, offset: int, label
         out.append(_issue(side, "too_many_cells",
                           f"{side.prefix(label)}{big.cell_count:,} cells do not fit a {p.cells_per_stream:,}-cell "
                           f"{side.kind} {cache}{per}: {_cells_remedy(p, big.cell_count, setup)}", offset))
+    if p.role == "swa" and p.window and model.swa_type == "standard":
+        out += _swa_window_notes(streams, p.window, label, side, offset)
     seen: set[str] = set()
     for st in streams:
         for issue in _compare_kv_data(st.data, p, label, side, setup):
@@ -422,6 +457,31 @@ def _compare_kv(sec, p: SectionPrediction, sl: SectionLayout, offset: int, label
                 seen.add(issue.finding.code)
                 out.append(issue)
     return out
+
+
+def _swa_window_notes(streams, window: int, label: str, side: _Side, offset: int) -> list[_Issue]:
+    """An SWA section holds the cells its window still sees when it is written: the last ``window``
+    positions (``llama_kv_cache::state_write`` skips the cells ``is_masked_swa`` masks). Other counts
+    mean another window, which the loader does not check: notes."""
+    for st in streams:
+        lo, hi = int(st.cells.pos_min), int(st.cells.pos_max)
+        keep = min(window, hi + 1)
+        where = f"{_plural(st.cell_count, 'cell')} (positions {lo}..{hi})"
+        if st.cell_count > keep:
+            msg = (f"{side.prefix(label)}the SWA cache holds {where}, more than the window of {window:,} the model "
+                   "keeps: the file was saved with a larger sliding window; the server restores it and masks "
+                   "the extra cells")
+        elif st.cell_count < keep:
+            then = ("on the next request goes back to a checkpoint or evaluates the prompt again" if side.main
+                    else "and once it rolls back to this checkpoint the sliding-window layers see less than their "
+                         "window: the continuation differs from that of a slot never saved")
+            msg = (f"{side.prefix(label)}the SWA cache holds {where}, fewer than the {keep:,} the model's window "
+                   f"of {window:,} keeps: the file was saved with a smaller sliding window; the server restores "
+                   f"it, {then}")
+        else:
+            continue
+        return [_Issue(Finding(side.layer, "note", "swa_window_mismatch", msg, offset), EFFECT_OK)]
+    return []
 
 
 def _compare_kv_data(d, p: SectionPrediction, label: str, side: _Side, setup: ServerSetup) -> list[_Issue]:
@@ -532,13 +592,25 @@ def _compare_recurrent(sec, p: SectionPrediction, offset: int, label: str, side:
                 break
             got = r.row_size if "row_size" in r else r.el_size * r.n_embd
             if got != wsize:
+                rule = model.n_embd_r_rule if name == "r" else model.n_embd_s_rule
+                what = _RECURRENT_ROWS.get(model.arch, _RECURRENT_ROWS_MAMBA)[name]
+                width = f"; {Path(model.path).name}: {rule} elements of {wt}" if rule else ""
                 out.append(_issue(side, f"{name}_row_size_mismatch",
-                                  f"{label}: {name} rows of layer {il} are {got:,} bytes in the file and "
-                                  f"{wsize:,} in {side.context}: the file was saved with another "
+                                  f"{label}: {name} rows ({what}) of layer {il} are {got:,} bytes in the file and "
+                                  f"{wsize:,} in {side.context}{width}: the file was saved with another "
                                   f"{side.model_word} (give {side.model_flag} the one it was saved with)",
                                   _record_offset(r)))
                 break
     return out
+
+
+#: what a recurrent layer's r and s rows hold (``llama_memory_recurrent``: per layer one row of r, one of s)
+_RECURRENT_ROWS_MAMBA = {"r": "the convolution state", "s": "the SSM state"}
+_RECURRENT_ROWS = {
+    **{a: {"r": "the token-shift state", "s": "the WKV state"} for a in ("rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7")},
+    **{a: {"r": "the short convolution's last inputs", "s": "an SSM state, empty without ssm keys"}
+       for a in ("lfm2", "lfm2moe")},
+}
 
 
 def _sections_for(layout: MemoryLayout, pred: Prediction) -> list[SectionPrediction]:
@@ -693,12 +765,13 @@ def _blob_layer(f, sf: SlotFile, blob: Blob, side: _Side, info: ModelInfo | None
     other = parse_blob(f, blob.span, None, sf.version, side.layer)
     if other.memory is not None or other.candidates:
         ml.parsed_layout = other.memory.layout if other.memory else None
-        got = " or ".join(sorted({_kind_words(c) for c in ([other.memory.layout] if other.memory
-                                                            else other.candidates)}))
-        part = "the part of " if partial and want != info.layout() else ""
+        words = _part_words if partial else _kind_words
+        got = " or ".join(sorted({words(c) for c in ([other.memory.layout] if other.memory
+                                                      else other.candidates)}))
+        keeps = _want_part_words(info) if partial else _kind_words(info.layout())
         ml.issues.append(_issue(side, "memory_kind_mismatch",
                                 f"{side.what} is {got}, but {Path(info.path).name} ({info.arch}) keeps "
-                                f"{part}{_kind_words(info.layout())} there: the file was saved with another "
+                                f"{keeps} there: the file was saved with another "
                                 f"{side.model_word} (give {side.model_flag} the one it was saved with)",
                                 blob.span.offset))
     return ml

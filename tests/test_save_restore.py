@@ -436,7 +436,7 @@ def test_a_restored_swa_slot_goes_back_to_its_last_checkpoint(tmp_path):
     args = ["-m", g, "-md", g, *CTX]
     with_cps, without = tmp_path / "cps.bin", tmp_path / "none.bin"
     for path, extra in ((with_cps, ["--checkpoint-at", "20", "--checkpoint-at", "40"]), (without, [])):
-        res = cli("save", *args, "--prompt", SWA_PROMPT, "-o", path, *extra)
+        res = cli("save", *args, "--prompt", SWA_PROMPT, "-o", path, "--no-server-checkpoints", *extra)
         assert res.exit_code == 0, res.stderr
     res = cli("restore", with_cps, *args, "--continue", " and the", "-n", "8", "--compare", "--json")
     d = json.loads(res.stdout)

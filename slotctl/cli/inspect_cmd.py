@@ -44,7 +44,7 @@ def inspect(
     out = Output(json_mode=json_out, verbose=verbose)
     check_file(file)
     layout = draft_layout = None
-    target_info = None
+    target_info = draft_info = None
     if model is not None:
         from slotctl.geometry import read_model_info
 
@@ -53,7 +53,8 @@ def inspect(
     if draft_model is not None:
         from slotctl.geometry import read_model_info
 
-        draft_layout = read_model_info(draft_model).layout()
+        draft_info = read_model_info(draft_model)
+        draft_layout = draft_info.layout()
     sf = open_slot_file(file, layout=layout, draft_layout=draft_layout)
     text = None
     if model is not None and sf.tokens is not None and not sf.tokens.error:
@@ -61,7 +62,7 @@ def inspect(
 
         text = detokenize(model, sf.tokens.tokens, verbose=verbose)
     rt = runtime_state_version()
-    data = describe_file(sf, tokens=tokens, text=text, runtime_version=rt)
+    data = describe_file(sf, tokens=tokens, text=text, runtime_version=rt, info=target_info, draft_info=draft_info)
     data["warnings"] = file_warnings(sf, runtime_version=rt)
     if target_info is not None and sf.tokens is not None and not sf.tokens.error:
         toks = sf.tokens.tokens
@@ -98,7 +99,8 @@ def render(out: Output, sf: SlotFile, d: dict) -> None:
         out.print(Text(f"target memory: layout not determined ({len(cands)} candidate(s) fit"
                        + (": " + "; ".join(cands) if cands else "") + ")", style="yellow"))
     if d["checkpoints"] is not None:
-        out.print(_checkpoints(d["checkpoints"]))
+        kind = d["target"]["memory"]["kind"] if d["target"] else None
+        out.print(_checkpoints(d["checkpoints"], kind))
     if d["draft"] is not None:
         dr = d["draft"]
         title = f"draft state (SDFT), seq {dr['seq_id']}, speculative state {human_bytes(dr['spec_size'])}"
@@ -148,11 +150,23 @@ def _memory_panel(title: str, mem: dict, size: int) -> Panel:
     return Panel(Group(*parts), title=title, title_align="left")
 
 
+_ROLE_WORDS = {
+    "base": "full-attention",
+    "swa": "sliding-window",
+    "attention": "attention",
+    "recurrent": "recurrent",
+}
+
+
 def _section(sec: dict) -> Group:
     kind = 'KV' if sec['type'] == 'kv' else 'recurrent'
     desc = f"{sec['role']} {kind} section" if sec['role'] != sec['type'] else f"{kind} section"
     if "size" in sec:
         desc += f" at 0x{sec['offset']:x}, {sec['size']:,} bytes"
+    ids = sec.get("layer_ids")
+    if ids is not None and sec["role"] in _ROLE_WORDS:
+        words = _ROLE_WORDS[sec["role"]]
+        desc += (f" ({words} {_ids_text(ids)})" if ids else f" (no {words} layers: it lists its cells only)")
     items = [Text(desc, style="bold")]
     streams = Table(show_edge=False, box=None, padding=(0, 2))
     streams.add_column("stream")
@@ -181,19 +195,26 @@ def _section(sec: dict) -> Group:
     return Group(*items)
 
 
+def _ids_text(ids: list[int]) -> str:
+    return ("layer " if len(ids) == 1 else "layers ") + ", ".join(map(str, ids))
+
+
 def _layers(sec: dict) -> Table:
-    """Per-layer types and row sizes, one row for all layers when they agree."""
+    """Per-layer types and row sizes, one row for all layers when they agree. The rows are named by
+    the model's layer ids when a model says them, else by record index."""
     rows = sec["layers"]
+    ids = sec.get("layer_ids")
     keys = [k for k in rows[0] if not k.startswith("v_el") and k != "v_n_embd"]
     t = Table(show_edge=False, box=None, padding=(0, 2))
     t.add_column("layers")
     for k in keys:
         t.add_column(k, justify="right")
     if all(r == rows[0] for r in rows):
-        t.add_row(f"all {len(rows)}", *[_cell(rows[0][k]) for k in keys])
+        label = ", ".join(map(str, ids)) if ids and len(rows) > 1 else f"all {len(rows)}"
+        t.add_row(label, *[_cell(rows[0][k]) for k in keys])
     else:
         for i, r in enumerate(rows):
-            t.add_row(str(i), *[_cell(r.get(k)) for k in keys])
+            t.add_row(str(ids[i]) if ids else str(i), *[_cell(r.get(k)) for k in keys])
     return t
 
 
@@ -203,8 +224,21 @@ def _cell(v) -> str:
     return f"{v:,}" if isinstance(v, int) else str(v)
 
 
-def _checkpoints(cps: list[dict]) -> Table:
-    t = Table(title=f"context checkpoints (SCKP): {len(cps)}", title_justify="left", show_edge=False)
+#: what a PARTIAL_ONLY blob of each memory kind holds
+_PARTIAL_WORDS = {
+    "iswa": "only the SWA part (the base KV is rolled back by removing positions)",
+    "hybrid": "only the recurrent part (the attention KV is rolled back by removing positions)",
+    "hybrid_iswa": "only the SWA and recurrent parts (the base KV is rolled back by removing positions)",
+    "recurrent": "the whole recurrent state",
+    "kv": "the whole KV cache (a plain KV cache needs no checkpoints)",
+}
+
+
+def _checkpoints(cps: list[dict], kind: str | None = None) -> Table:
+    title = f"context checkpoints (SCKP): {len(cps)}"
+    if kind in _PARTIAL_WORDS:
+        title += f"; each target blob holds {_PARTIAL_WORDS[kind]}"
+    t = Table(title=title, title_justify="left", show_edge=False)
     for c in ("#", "n_tokens", "positions", "target blob", "draft blob", "spec"):
         t.add_column(c, justify="right" if c != "positions" else "left")
     for i, c in enumerate(cps):
@@ -219,8 +253,11 @@ def _blob_cell(b: dict | None) -> str:
     desc = human_bytes(b["size"])
     mem = b.get("memory")
     if mem:
-        cells = sum(s["cell_count"] for sec in mem["sections"] for s in sec["streams"])
-        desc += f" ({' + '.join(sec['role'] for sec in mem['sections'])}, {cells} cells)"
+        parts = []
+        for sec in mem["sections"]:
+            cells = sum(s["cell_count"] for s in sec["streams"])
+            parts.append(f"{sec['role']} {cells} cell{'' if cells == 1 else 's'}")
+        desc += f" ({' + '.join(parts)})"
     elif b.get("error"):
         desc += " (damaged)"
     return desc

@@ -55,6 +55,12 @@ def restore(
     draft_model: DraftModelOpt = None,
     continue_text: Annotated[Optional[str], typer.Option("--continue", help="Go on from the restored state: "
                                                          "the saved text followed by TEXT, as a new request.")] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Send this whole prompt as the new "
+                                                  "request instead (it may diverge from the saved prompt: the "
+                                                  "server then goes back to a checkpoint).")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="Read that prompt from a UTF-8 "
+                                                        "file, or from stdin with -.", dir_okay=False,
+                                                        allow_dash=True)] = None,
     n_predict: Annotated[Optional[int], typer.Option("--n-predict", "-n", min=0, help="Tokens to generate "
                                                      f"greedily after the continuation (default {DEFAULT_N_PREDICT})."
                                                      )] = None,
@@ -89,6 +95,10 @@ def restore(
     --continue TEXT (and/or -n N) then sends a request: the saved text followed by TEXT, tokenized as
     the server does, only the new tokens evaluated, N tokens generated greedily; with -md by
     speculative decoding (the draft proposes up to --spec-draft-n-max tokens, the target verifies).
+    --prompt / --prompt-file send a whole new prompt instead: where it diverges from the saved one, a
+    memory that cannot be rolled back (SWA, recurrent, hybrid) goes back to the last checkpoint at or
+    before that point, as the server does, and the report says which and how many tokens were evaluated
+    again.
 
     Exit codes: 0 restored (a dropped draft state is reported, not fatal), and with --compare all
     agreed; 1 the server would refuse the file or the request, or --compare found a difference;
@@ -105,7 +115,16 @@ def restore(
     settings = dataclasses.replace(settings, n_threads=threads)
     if slot >= parallel:
         raise UsageError(f"--slot {slot}: the server has slots 0..{parallel - 1} (-np {parallel})")
-    go_on = continue_text is not None or n_predict is not None or compare
+    if prompt is not None or prompt_file is not None:
+        if continue_text is not None:
+            raise UsageError("give either --continue TEXT (appended to the saved prompt) or --prompt / "
+                             "--prompt-file (a whole new prompt), not both")
+        from slotctl.cli.save import read_prompt
+
+        prompt = read_prompt(prompt, prompt_file)
+        if not prompt:
+            raise UsageError("empty prompt: the server releases the slot without evaluating anything")
+    go_on = continue_text is not None or prompt is not None or n_predict is not None or compare
     n = DEFAULT_N_PREDICT if n_predict is None else n_predict
 
     from slotctl.runtime.context import STATE_VERSION
@@ -140,7 +159,8 @@ def restore(
                       steps=[s.as_dict() for s in restored.steps], draft=restored.draft_status)
         try:
             if go_on:
-                status = _continue(out, sc, restored, report, continue_text or "", n, spec_draft_n_max, compare)
+                status = _continue(out, sc, restored, report, continue_text, prompt, n, spec_draft_n_max,
+                                   compare, ctx_checkpoints)
         except _Refused as e:
             report.update(ok=False, error=str(e))
             _emit(out, report, json_out)
@@ -161,9 +181,9 @@ def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 3)
 
 
-def _continue(out: Output, sc, restored, report: dict, text: str, n: int, n_draft_max: int,
-              compare: bool) -> ExitStatus:
-    from slotctl.runtime.slot import evaluate_prompt
+def _continue(out: Output, sc, restored, report: dict, text: str | None, prompt: str | None, n: int,
+              n_draft_max: int, compare: bool, ctx_checkpoints: int) -> ExitStatus:
+    from slotctl.runtime.slot import CheckpointPolicy, evaluate_prompt
     from slotctl.runtime.speculative import (
         RequestRefused,
         ServerSlot,
@@ -173,24 +193,37 @@ def _continue(out: Output, sc, restored, report: dict, text: str, n: int, n_draf
     )
 
     timings = report["timings"]
-    srv = ServerSlot(sc, restored.slot, restored.tokens, restored.checkpoints, n_draft_max=n_draft_max)
-    request = request_tokens(sc.target_model, restored.tokens, text)
+    # while it processes the request's prompt, the server takes checkpoints of its own
+    policy = CheckpointPolicy(server=True, n_ctx_checkpoints=ctx_checkpoints)
+    srv = ServerSlot(sc, restored.slot, restored.tokens, restored.checkpoints, n_draft_max=n_draft_max,
+                     policy=policy)
+    if prompt is not None:
+        request = sc.target_model.tokenize(prompt)
+    else:
+        request = request_tokens(sc.target_model, restored.tokens, text or "")
     try:
         comp = _run(out, srv, request, n, "")
     except RequestRefused as e:
         raise _Refused(str(e)) from None
     timings["prompt_ms"] = round(comp.prompt_ms, 3)
     timings["generate_ms"] = round(comp.generate_ms, 3)
-    report["continuation"] = {"continue_text": text, "n_predict": n, **_round(comp.as_dict())}
+    report["continuation"] = {"continue_text": text if prompt is None else None, "prompt": prompt,
+                              "n_predict": n, **_round(comp.as_dict())}
     if not compare:
         return ExitStatus.OK
     t0 = time.perf_counter()
+    n_swa = sc.n_swa
     close_contexts(sc)  # the restored slot is done with; its models serve the fresh contexts
     fresh = fresh_contexts(sc)
     try:
+        # a slot that was never saved: it evaluated the file's prompt and took the checkpoints the file
+        # holds, at the same points
         with out.progress("fresh: evaluating the file's prompt", total=len(restored.tokens)) as update:
-            evaluate_prompt(fresh, restored.tokens, restored.slot, on_progress=update)
-        never_saved = ServerSlot(fresh, restored.slot, restored.tokens, n_draft_max=n_draft_max)
+            fresh_cps = evaluate_prompt(fresh, restored.tokens, restored.slot,
+                                        checkpoint_at=[c.n_tokens for c in restored.checkpoints],
+                                        on_progress=update)
+        never_saved = ServerSlot(fresh, restored.slot, restored.tokens, fresh_cps, n_draft_max=n_draft_max,
+                                 policy=policy)
         fcomp = _run(out, never_saved, request, n, "fresh: ")
     except RequestRefused as e:
         raise _Refused(f"fresh contexts: {e}") from None
@@ -208,9 +241,17 @@ def _continue(out: Output, sc, restored, report: dict, text: str, n: int, n_draf
         if r != f:
             difference = _difference(name, comp, fcomp, restored)
             break
+    note = None
+    if difference is not None and difference.startswith("prompt tokens evaluated") and n_swa > 0 \
+            and comp.n_evaluated > fcomp.n_evaluated and comp.text == fcomp.text:
+        note = (f"expected for a model with sliding-window layers (window {n_swa}): llama.cpp writes only the "
+                "cells the window still sees, while a slot that was never saved holds every cell it evaluated, "
+                "so the restored slot goes back to a checkpoint (or starts over) where the other does not; "
+                "the server does the same")
     report["compare"] = {
         "agree": difference is None,
         "difference": difference,
+        "note": note,
         "checks": [{"check": name, "restored": r, "fresh": f, "equal": r == f} for name, r, f in checks],
         "fresh": _round(fcomp.as_dict()),
     }
@@ -285,6 +326,8 @@ def render(out: Output, r: dict) -> None:
         out.print(_compare_table(cmp))
         if cmp["agree"]:
             out.print(Text("restored and fresh agree: a restored slot answers like one never saved", style="green"))
+        elif cmp.get("note"):
+            out.print(Text(f"note: {cmp['note']}", style="yellow"))
 
 
 def _note(s: dict) -> str:
@@ -305,11 +348,18 @@ def _note(s: dict) -> str:
 def _completion_panel(title: str, c: dict) -> Panel:
     lines = [f"prompt: {c['n_prompt']:,} tokens, {c['n_reused']:,} reused, {c['n_evaluated']:,} evaluated"
              + (f" (the draft context held {c['n_draft_reused']:,})" if c["n_draft_reused"] is not None else "")
-             + (f", from the checkpoint at {c['checkpoint']:,} tokens" if c["checkpoint"] is not None else ""),
-             f"generated: {c['n_generated']:,} tokens (stop: {c['stop']})"]
+             + (f", from the checkpoint at {c['checkpoint']:,} tokens" if c["checkpoint"] is not None else "")]
+    if c["n_reevaluated"]:
+        why = (f"rolled back to the checkpoint at {c['checkpoint']:,} tokens" if c["checkpoint"] is not None
+               else "no checkpoint early enough: started over")
+        lines.append(f"the slot held the request's first {c['n_common']:,} tokens; {c['n_reevaluated']:,} of them "
+                     f"evaluated again ({why})")
+    lines.append(f"generated: {c['n_generated']:,} tokens (stop: {c['stop']})")
     if c["speculative"]:
         lines.append(f"speculative: drafted {c['n_drafted']:,}, accepted {c['n_accepted']:,} in "
-                     f"{c['n_verify_steps']:,} verification step(s) (up to {c['n_draft_max']} per step)")
+                     f"{c['n_verify_steps']:,} verification step(s) (up to {c['n_draft_max']} per step)"
+                     + (f"; {c['n_replayed']:,} token(s) replayed after speculative checkpoint restores"
+                        if c["n_replayed"] else ""))
     body = [Text("\n".join(lines)), Text(markup_safe(elide(c["text"])), style="italic")]
     return Panel(Group(*body), title=title, title_align="left")
 

@@ -50,6 +50,21 @@ def register(app: typer.Typer) -> None:
     app.command("save")(save)
 
 
+def user_starts(model, tokens: list[int], delimiters: list[str]) -> list[int]:
+    """Where user messages start in ``tokens``, as b11434 finds a request's message spans
+    (``common_chat_msg_delimiters::split``): each delimiter is tokenized without BOS and with special
+    tokens parsed, and every position where its tokens occur starts a span (the first delimiter that
+    matches there names its role)."""
+    if not delimiters:
+        return []
+    seqs = [model.tokenize(d, add_special=False, parse_special=True) for d in delimiters]
+    starts = []
+    for i in range(len(tokens)):
+        if any(seq and tokens[i:i + len(seq)] == seq for seq in seqs):
+            starts.append(i)
+    return starts
+
+
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     """The prompt text from --prompt, --prompt-file F or --prompt-file - (stdin), exactly as given."""
     if (prompt is None) == (prompt_file is None):
@@ -78,6 +93,25 @@ def save(
     checkpoint_at: Annotated[Optional[list[int]], typer.Option("--checkpoint-at", help="Take a context "
                                                                "checkpoint when the prompt reaches N tokens "
                                                                "(repeatable; written as an SCKP appendix).")] = None,
+    checkpoint_every: Annotated[Optional[int], typer.Option("--checkpoint-every", min=1, help="Take a context "
+                                                            "checkpoint every N tokens of the prompt.")] = None,
+    server_checkpoints: Annotated[bool, typer.Option("--server-checkpoints/--no-server-checkpoints",
+                                                     help="Take the checkpoints llama-server (b11434) takes for "
+                                                     "this prompt: 4 and 4 + n_ubatch tokens before its end and "
+                                                     "at user messages (--user-delimiter), for models whose "
+                                                     "memory cannot be rolled back (SWA, recurrent, hybrid; a "
+                                                     "plain KV model gets none). On by default, as in the "
+                                                     "server; --no-server-checkpoints keeps only --checkpoint-at "
+                                                     "and --checkpoint-every.")] = True,
+    user_delimiter: Annotated[Optional[list[str]], typer.Option("--user-delimiter", help="Text that starts a user "
+                                                                "message in the prompt (the request's "
+                                                                "message_delimiters, role user; repeatable); "
+                                                                "implies --server-checkpoints.")] = None,
+    ctx_checkpoints: Annotated[int, typer.Option("--ctx-checkpoints", "-ctxcp", min=0, help="Checkpoints the server "
+                                                 "keeps per slot (default 32; --server-checkpoints only).")] = 32,
+    checkpoint_min_step: Annotated[int, typer.Option("--checkpoint-min-step", "-cms", min=0, help="The server's "
+                                                     "least spacing of checkpoints in tokens (default 8192; "
+                                                     "--server-checkpoints only).")] = 8192,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
     slot: SlotOpt = 0,
     ctx_size: CtxSizeOpt = 0,
@@ -100,9 +134,11 @@ def save(
 
     Takes the flags the server is started with (-m, -md, -c, -np, -kvu, -ctk/-ctv, -ctkd/-ctvd, -fa;
     the draft context gets the target's size, slots and flash attention). The file holds the header,
-    the packed token record, the target payload, an SCKP appendix with one checkpoint per
-    --checkpoint-at (PARTIAL_ONLY blobs of both contexts), and with -md the SDFT appendix with the
-    draft context's state. Written atomically; an existing file is kept unless --force.
+    the packed token record, the target payload, an SCKP appendix with the context checkpoints
+    (PARTIAL_ONLY blobs of both contexts) taken at each --checkpoint-at, every --checkpoint-every
+    tokens, and (unless --no-server-checkpoints) where llama-server would take them itself: for models
+    whose memory cannot be rolled back, near the end of the prompt and at user messages (--user-delimiter); and with -md the SDFT appendix with the draft context's state. Written atomically; an
+    existing file is kept unless --force.
     --spec-draft-n-max is accepted for symmetry with restore and has no effect here.
 
     Exit codes: 0 written; 1 the server would refuse the prompt (it does not fit the slot); 2 usage
@@ -128,8 +164,13 @@ def save(
     if slot >= parallel:
         raise UsageError(f"--slot {slot}: the server has slots 0..{parallel - 1} (-np {parallel})")
 
+    if user_delimiter is not None and any(not d for d in user_delimiter):
+        raise UsageError("--user-delimiter: an empty delimiter matches everywhere; give the text that starts "
+                         "a user message")
+    server_checkpoints = server_checkpoints or bool(user_delimiter)
+
     from slotctl.runtime.log import configure_logging
-    from slotctl.runtime.slot import ServerContexts, evaluate_prompt, write_slot_file
+    from slotctl.runtime.slot import CheckpointPolicy, ServerContexts, evaluate_prompt, write_slot_file
 
     configure_logging(verbose)
     t0 = time.perf_counter()
@@ -151,17 +192,23 @@ def save(
         if bad:
             raise UsageError(f"--checkpoint-at {bad[0]}: a checkpoint is taken inside the prompt, at 1.."
                              f"{len(tokens) - 1} tokens (the prompt has {len(tokens)})")
+        if checkpoint_every is not None:
+            at = sorted(set(at) | set(range(checkpoint_every, len(tokens), checkpoint_every)))
+        starts = user_starts(sc.target_model, tokens, user_delimiter or [])
+        policy = CheckpointPolicy(server=server_checkpoints, n_ctx_checkpoints=ctx_checkpoints,
+                                  min_step=checkpoint_min_step, user_starts=tuple(starts), at=tuple(at))
         t0 = time.perf_counter()
         with out.progress("evaluating", total=len(tokens) * len(sc.contexts())) as update:
-            checkpoints = evaluate_prompt(sc, tokens, slot, checkpoint_at=at, on_progress=update)
+            checkpoints = evaluate_prompt(sc, tokens, slot, policy=policy, on_progress=update)
         t_eval = time.perf_counter() - t0
         t0 = time.perf_counter()
         written = write_slot_file(output, sc, slot, tokens, version=state_version, checkpoints=checkpoints,
                                   overwrite=force)
         t_write = time.perf_counter() - t0
         prompt_text = sc.target_model.detokenize(tokens)
-        layout = sc.target_info.layout()
-        draft_layout = sc.draft_info.layout() if sc.draft_info is not None else None
+        tinfo, dinfo = sc.target_info, sc.draft_info
+        layout = tinfo.layout()
+        draft_layout = dinfo.layout() if dinfo is not None else None
 
     from slotctl.describe import describe_file
     from slotctl.findings import file_warnings
@@ -169,7 +216,7 @@ def save(
 
     sf = open_slot_file(output, layout=layout, draft_layout=draft_layout)
     rt = runtime_state_version()
-    described = describe_file(sf, text=prompt_text, runtime_version=rt)
+    described = describe_file(sf, text=prompt_text, runtime_version=rt, info=tinfo, draft_info=dinfo)
     described["warnings"] = file_warnings(sf, runtime_version=rt)
     timings = {"load_ms": round(t_load * 1000, 3), "evaluate_ms": round(t_eval * 1000, 3),
                "write_ms": round(t_write * 1000, 3)}
@@ -184,6 +231,7 @@ def save(
             "sckp_size": written.sckp_size,
             "sdft_size": written.sdft_size,
             "checkpoints": [c.n_tokens for c in checkpoints],
+            "user_starts": starts,
             "draft": draft_model is not None,
             "timings": timings,
             "file": described,

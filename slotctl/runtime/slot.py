@@ -3,8 +3,30 @@
 :class:`ServerContexts` builds the contexts a server started with the same flags would build (the draft
 takes the target context's size, slots and flash-attention setting, and its own cache types).
 :func:`evaluate_prompt` fills a slot, taking context checkpoints on the way as the server does
-(PARTIAL_ONLY blobs of both contexts). :func:`write_slot_file` writes header, packed token record,
-target payload, SCKP and SDFT, in the state version asked for, atomically.
+(PARTIAL_ONLY blobs of both contexts): where slotctl is told to (``checkpoint_at``), and, with a
+:class:`CheckpointPolicy` whose ``server`` is set, where llama-server b11434 takes them itself
+(:func:`process_prompt`, after ``update_slots`` in ``tools/server/server-context.cpp``).
+:func:`write_slot_file` writes header, packed token record, target payload, SCKP and SDFT, in the state
+version asked for, atomically.
+
+Where b11434 takes a context checkpoint while it processes a prompt. Only when the target's memory
+cannot be rolled back: ``common_context_can_seq_rm`` finds that it removes only whole sequences
+(recurrent and hybrid memories), or the model has sliding-window layers (``llama_model_n_swa`` > 0, and
+not ``--swa-full``); and ``--ctx-checkpoints`` (``-ctxcp``, 32) is not 0. The prompt is cut into batches
+of at most ``n_batch`` tokens, and a batch also ends
+
+* at the start of a user message (the request's ``message_delimiters``; the chat endpoint derives them
+  from the chat template) when it is the last user message, or there is no checkpoint yet, or it lies
+  more than ``--checkpoint-min-step`` (``-cms``, 8192) tokens past the last checkpoint;
+* ``4 + n_ubatch`` and ``4`` tokens before the end of the prompt (each capped at ``n_batch``).
+
+Before a batch is decoded, a checkpoint of the memory as it is (the batch not yet in it) is taken when
+the batch starts a user message, or is near the end of the prompt (fewer than ``n_ubatch`` tokens are
+left after it), or is the last batch; but not while the memory is empty, and only when there is no
+checkpoint yet, or the batch starts the last user message, or is near the end, or starts more than
+``-cms`` tokens past the last checkpoint. ``create_checkpoint`` then keeps at most ``-ctxcp`` of them
+(:func:`add_checkpoint`). For a plain prompt of n tokens this gives a checkpoint at ``n - 4`` and, when
+``n > 4 + n_ubatch``, one at ``n - 4 - n_ubatch``.
 """
 
 from __future__ import annotations
@@ -12,6 +34,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+import llama_cpp
 
 from slotctl.atomic import atomic_writer
 from slotctl.format import appendix as apx
@@ -27,9 +51,27 @@ from slotctl.slotfile import build_header
 Progress = Callable[[int, int], None]
 
 
+#: llama-server's ``--ctx-checkpoints`` (``-ctxcp``) default: checkpoints kept per slot
+DEFAULT_CTX_CHECKPOINTS = 32
+#: llama-server's ``--checkpoint-min-step`` (``-cms``) default: least spacing of checkpoints, in tokens
+DEFAULT_CHECKPOINT_MIN_STEP = 8192
+#: ``checkpoint_offsets`` of ``update_slots``: a batch ends this many tokens before the end of the prompt
+#: (the first is added to ``n_ubatch``)
+CHECKPOINT_END_OFFSETS = (4, 4)
+
+# ``common_context_seq_rm_type``: what ``llama_memory_seq_rm`` can remove
+SEQ_RM_PART = "part"    # any range of positions (KV caches, iSWA included)
+SEQ_RM_FULL = "full"    # whole sequences only (recurrent and hybrid memories)
+SEQ_RM_NO = "no"        # no memory
+
+
 @dataclass
 class Checkpoint:
-    """A context checkpoint as the server keeps it: PARTIAL_ONLY blobs taken at ``n_tokens`` tokens."""
+    """A context checkpoint as the server keeps it: PARTIAL_ONLY blobs taken at ``n_tokens`` tokens.
+
+    ``task``: the request that made it (``id_task``; -1: restored from a file), which
+    :func:`add_checkpoint`'s eviction rule looks at.
+    """
 
     n_tokens: int
     pos_min: int
@@ -37,6 +79,62 @@ class Checkpoint:
     tgt: bytes
     dft: bytes = b""
     spec: bytes = b""
+    task: int = -1
+
+
+def seq_rm_type(memory_kind: str) -> str:
+    """What b11434's ``common_context_can_seq_rm`` finds for a context of this memory kind.
+
+    The server decodes two tokens and asks ``llama_memory_seq_rm`` to remove the second: KV caches
+    (plain and iSWA) can ("part"); a recurrent state holds no per-token history and refuses unless the
+    context keeps snapshots (``n_rs_seq``, 0 for the contexts of a draft-simple server), so recurrent and
+    hybrid memories can only drop whole sequences ("full"); no memory: "no".
+    """
+    if memory_kind in ("recurrent", "hybrid", "hybrid_iswa"):
+        return SEQ_RM_FULL
+    if memory_kind == "none":
+        return SEQ_RM_NO
+    return SEQ_RM_PART
+
+
+def add_checkpoint(checkpoints: list, new, *, n_max: int = DEFAULT_CTX_CHECKPOINTS,
+                   min_step: int = DEFAULT_CHECKPOINT_MIN_STEP) -> None:
+    """Append ``new`` to ``checkpoints`` as b11434's ``create_checkpoint`` does (``n_tokens`` and ``task``
+    attributes are all it looks at).
+
+    When the list is full (``len + 1 >= n_max``), checkpoints of other tasks that lie within ``min_step``
+    tokens of the one kept before them are erased first; then the oldest go until there is room; a
+    checkpoint at the same ``n_tokens`` is superseded.
+    """
+    kept, last = [], -1
+    full = len(checkpoints) + 1 >= n_max
+    for cp in checkpoints:
+        if full and cp.task != new.task and last >= 0 and cp.n_tokens <= last + min_step:
+            continue
+        last = cp.n_tokens
+        kept.append(cp)
+    while kept and len(kept) >= n_max:
+        kept.pop(0)
+    kept = [cp for cp in kept if cp.n_tokens != new.n_tokens]
+    checkpoints[:] = kept + [new]
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where checkpoints are taken while a prompt is processed.
+
+    ``server``: where llama-server b11434 takes them (the module docstring), with its ``-ctxcp``
+    (``n_ctx_checkpoints``) and ``-cms`` (``min_step``) and the token positions where the request's user
+    messages start (``user_starts``, its message spans). ``at``: positions slotctl is told to checkpoint
+    at besides (``save --checkpoint-at`` / ``--checkpoint-every``), for any model and regardless of
+    ``-ctxcp``.
+    """
+
+    server: bool = False
+    n_ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS
+    min_step: int = DEFAULT_CHECKPOINT_MIN_STEP
+    user_starts: tuple[int, ...] = ()
+    at: tuple[int, ...] = ()
 
 
 @dataclass
@@ -50,6 +148,35 @@ class ServerContexts:
     target_info: ModelInfo | None = None
     draft_info: ModelInfo | None = None
     _owned: list = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.target_info is None:
+            self.target_info = read_model_info(self.target_model.path)
+        if self.draft_model is not None and self.draft_info is None:
+            self.draft_info = read_model_info(self.draft_model.path)
+
+    @property
+    def target_seq_rm(self) -> str:
+        """:func:`seq_rm_type` of the target context."""
+        return seq_rm_type(self.target_info.memory_kind)
+
+    @property
+    def draft_seq_rm(self) -> str | None:
+        """:func:`seq_rm_type` of the draft context, None without one."""
+        return seq_rm_type(self.draft_info.memory_kind) if self.draft is not None else None
+
+    @property
+    def n_swa(self) -> int:
+        """The server's ``n_swa``: the target's sliding window (``llama_model_n_swa``), 0 with ``--swa-full``."""
+        if self.target.settings.swa_full:
+            return 0
+        return int(llama_cpp.llama_model_n_swa(self.target_model.ptr))
+
+    @property
+    def needs_checkpoints(self) -> bool:
+        """Whether b11434 takes context checkpoints for this target: its memory removes only whole
+        sequences, or it has sliding-window layers (and no ``--swa-full``)."""
+        return self.target_seq_rm == SEQ_RM_FULL or self.n_swa > 0
 
     @classmethod
     def open(cls, target_path: str | os.PathLike, settings: ContextSettings, *,
@@ -86,33 +213,91 @@ class ServerContexts:
 
 
 def evaluate_prompt(sc: ServerContexts, tokens: Sequence[int], slot: int, *,
-                    checkpoint_at: Sequence[int] = (), on_progress: Progress | None = None) -> list[Checkpoint]:
-    """Evaluate ``tokens`` into sequence ``slot`` of the target (and draft) context.
+                    checkpoint_at: Sequence[int] = (), on_progress: Progress | None = None,
+                    policy: CheckpointPolicy | None = None) -> list[Checkpoint]:
+    """Evaluate ``tokens`` into the empty sequence ``slot`` of the target (and draft) context.
 
     The prompt is split at each ``checkpoint_at`` position; when the slot holds exactly that many
     tokens a checkpoint is taken from both contexts with PARTIAL_ONLY, the way the server snapshots the
-    part of the memory that cannot be rolled back. ``on_progress(tokens done, total)``.
+    part of the memory that cannot be rolled back. With a ``policy`` whose ``server`` is set, the prompt
+    is also cut into batches and checkpointed where b11434 would (:func:`process_prompt`).
+    ``on_progress(tokens done, total)``. Returns the checkpoints, oldest first.
+    """
+    policy = policy or CheckpointPolicy()
+    policy = CheckpointPolicy(policy.server, policy.n_ctx_checkpoints, policy.min_step, policy.user_starts,
+                              tuple(policy.at) + tuple(checkpoint_at))
+    checkpoints: list[Checkpoint] = []
+    process_prompt(sc, slot, list(tokens), 0, checkpoints, policy, task=0, on_progress=on_progress)
+    return checkpoints
+
+
+def process_prompt(sc: ServerContexts, slot: int, tokens: Sequence[int], n_past: int, checkpoints: list[Checkpoint],
+                   policy: CheckpointPolicy, *, task: int = 0, on_progress: Progress | None = None,
+                   decode_draft: Callable[[Sequence[int], int], None] | None = None) -> list[Checkpoint]:
+    """Decode ``tokens[n_past:]`` into ``slot`` batch by batch, as ``update_slots`` processes a prompt,
+    taking checkpoints before the batches ``policy`` says (see the module docstring) and adding them to
+    ``checkpoints`` (:func:`add_checkpoint`). Each batch is decoded in the target context, then the same
+    batch in the draft context (``decode_draft(batch, pos0)`` when given, as ``common_speculative_process``
+    mirrors it). Returns the checkpoints taken.
     """
     tokens = list(tokens)
-    stops = sorted({n for n in checkpoint_at if 0 < n < len(tokens)}) + [len(tokens)]
-    total = len(tokens) * len(sc.contexts())
+    n = len(tokens)
+    n_batch = sc.target.n_batch
+    n_ubatch = int(llama_cpp.llama_n_ubatch(sc.target.ptr))
+    server = policy.server and policy.n_ctx_checkpoints > 0 and sc.needs_checkpoints
+    users = set(policy.user_starts)
+    last_user = max(policy.user_starts, default=-1)
+    at = {p for p in policy.at if n_past < p < n}
+    offsets = [min(n_batch, off) for off in (CHECKPOINT_END_OFFSETS[0] + n_ubatch, CHECKPOINT_END_OFFSETS[1])]
+    total = (n - n_past) * len(sc.contexts())
     done = 0
-    checkpoints = []
-    start = 0
-    for stop in stops:
-        for ctx in sc.contexts():
-            base = done
+    taken: list[Checkpoint] = []
+    pos = n_past
+    while pos < n:
+        start = pos
+        while pos < n and pos - start < n_batch:
+            pos += 1
+            if server and pos in users and (pos == last_user or not checkpoints
+                                            or pos > checkpoints[-1].n_tokens + policy.min_step):
+                break
+            if server and any(n == pos + off for off in offsets):
+                break
+            if pos in at:
+                break
+        near_end = n < pos + n_ubatch
+        do = server
+        if pos != n and start not in users and not near_end:
+            do = False  # an ordinary mid-prompt batch
+        if do and sc.target.seq_pos_min(slot) < 0:
+            do = False  # nothing to checkpoint yet
+        do = do and (not checkpoints or start == last_user or near_end
+                     or start > checkpoints[-1].n_tokens + policy.min_step)
+        if do or start in at:
+            cp = take_checkpoint(sc, slot, start)
+            cp.task = task
+            if do:
+                add_checkpoint(checkpoints, cp, n_max=policy.n_ctx_checkpoints, min_step=policy.min_step)
+            else:
+                checkpoints[:] = [c for c in checkpoints if c.n_tokens != start] + [cp]
+            taken.append(cp)
+        batch = tokens[start:pos]
+        base = done
 
-            def step(n: int, _t: int, base=base) -> None:
-                if on_progress:
-                    on_progress(base + n, total)
+        def step(k: int, _t: int, base=base) -> None:
+            if on_progress:
+                on_progress(base + k, total)
 
-            ctx.decode(tokens[start:stop], slot, start, on_progress=step)
-            done += stop - start
-        if stop < len(tokens):
-            checkpoints.append(take_checkpoint(sc, slot, stop))
-        start = stop
-    return checkpoints
+        sc.target.decode(batch, slot, start, on_progress=step)
+        done += len(batch)
+        if sc.draft is not None:
+            if decode_draft is not None:
+                decode_draft(batch, start)
+            else:
+                sc.draft.decode(batch, slot, start)
+            done += len(batch)
+            if on_progress:
+                on_progress(done, total)
+    return taken
 
 
 def take_checkpoint(sc: ServerContexts, slot: int, n_tokens: int) -> Checkpoint:

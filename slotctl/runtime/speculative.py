@@ -21,6 +21,15 @@ llama-cpp-python has no two-model speculative decoding, so the server's loop is 
   (``common_sampler_sample_and_accept_n``: the first disagreement ends acceptance, an end-of-generation
   token accepted mid-draft too), and both contexts drop the rejected positions.
 
+* **speculative checkpoints** — a target whose memory removes only whole sequences (recurrent and
+  hybrid models) cannot drop rejected positions. Before it decodes the verification batch the server
+  snapshots it (``spec_ckpt``, PARTIAL_ONLY); when a draft is only partly accepted it restores the
+  snapshot, removes the batch's positions from the attention caches, and decodes the accepted tokens
+  again as the next batch (the "replay", verified like a draft at temperature 0), which adds one more
+  token. A draft context of such a memory is snapshotted before it drafts and restored after. Where the
+  server itself would abort (``llama_memory_seq_rm`` refused: a recurrent draft paired with a target
+  that rolls back by removing positions), :class:`ServerAborts` says so.
+
 What the draft context holds is therefore whatever was mirrored into it: after a restore without a
 usable draft state it holds nothing of the restored prompt, only what was evaluated since, and the
 draft-simple drafter never re-evaluates the missing prefix (b11434 and the runtime's own tree
@@ -39,15 +48,18 @@ import llama_cpp
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
 from slotctl.runtime.context import STATE_FLAGS_PARTIAL_ONLY, Context
 from slotctl.runtime.model import LlamaError, Model
-from slotctl.runtime.slot import Checkpoint, ServerContexts
+from slotctl.runtime.slot import (
+    SEQ_RM_FULL,
+    Checkpoint,
+    CheckpointPolicy,
+    ServerContexts,
+    process_prompt,
+)
 
 Progress = Callable[[int, int], None]
 
 #: ``--spec-draft-n-max`` default (``common_params_speculative_draft::n_max``, b11434)
 DEFAULT_DRAFT_N_MAX = 3
-#: memory kinds whose tail can be removed (``seq_rm``) after a rejected draft; the server needs
-#: speculative checkpoints and replay for the others, which slotctl does not model
-ROLLBACK_KINDS = ("kv", "iswa")
 
 
 class RequestRefused(SlotctlError):
@@ -56,15 +68,23 @@ class RequestRefused(SlotctlError):
     exit_status = ExitStatus.FAILED
 
 
+class ServerAborts(RequestRefused):
+    """llama-server would abort here (a ``GGML_ABORT`` in b11434), not answer."""
+
+
 @dataclass
 class Completion:
     """What one request did, with the server's ``timings`` counters.
 
-    ``n_prompt``: tokens of the request; ``n_reused``: of those, taken from the slot's cache
-    (``prompt_n`` is ``n_evaluated``); ``n_draft_reused``: positions the draft context held before
-    the new tokens were evaluated; ``checkpoint``: ``n_tokens`` of the context checkpoint restored
-    for the prompt, if any. ``tokens``/``text``: what was generated (``text`` as the server sends it,
-    special tokens not rendered); ``stop``: "limit" (``-n`` reached), "eos", "context" (the slot is
+    ``n_prompt``: tokens of the request; ``n_common``: of those, the tokens the slot held (the request
+    diverges from the slot's tokens after them); ``n_reused``: of those, taken from the slot's cache
+    (``prompt_n`` is ``n_evaluated``); ``n_reevaluated``: tokens the slot held that were evaluated again
+    (``n_common - n_reused``: a memory that cannot roll back went back to a checkpoint, or started
+    over); ``n_draft_reused``: positions the draft context held before the new tokens were evaluated;
+    ``checkpoint``: ``n_tokens`` of the context checkpoint restored for the prompt, if any;
+    ``n_checkpoints``: the checkpoints the slot holds after the prompt (the server takes new ones while
+    it processes it). ``n_replayed``: tokens decoded again after a speculative checkpoint restore.
+    ``tokens``/``text``: what was generated (``text`` as the server sends it, special tokens not rendered); ``stop``: "limit" (``-n`` reached), "eos", "context" (the slot is
     full) or "none" (``-n 0``). ``n_drafted``/``n_accepted``/``n_verify_steps``: ``draft_n``,
     ``draft_n_accepted`` and verification batches.
     """
@@ -74,6 +94,9 @@ class Completion:
     n_evaluated: int
     n_draft_reused: int | None
     checkpoint: int | None
+    n_common: int = 0
+    n_reevaluated: int = 0
+    n_checkpoints: int = 0
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     stop: str = "none"
@@ -82,6 +105,7 @@ class Completion:
     n_drafted: int = 0
     n_accepted: int = 0
     n_verify_steps: int = 0
+    n_replayed: int = 0
     prompt_ms: float = 0.0
     generate_ms: float = 0.0
 
@@ -145,10 +169,13 @@ class ServerSlot:
 
     ``tokens`` must be what the target context holds at positions ``0 .. len(tokens) - 1`` (after a
     restore: the file's tokens; after :func:`~slotctl.runtime.slot.evaluate_prompt`: the prompt).
+    ``policy``: how the server takes checkpoints while it processes a request's prompt (by default
+    where b11434 does, keeping 32); ``user_starts`` of a request are given to :meth:`begin`.
     """
 
     def __init__(self, sc: ServerContexts, slot: int, tokens: Sequence[int] = (),
-                 checkpoints: Sequence[Checkpoint] = (), *, n_draft_max: int = DEFAULT_DRAFT_N_MAX):
+                 checkpoints: Sequence[Checkpoint] = (), *, n_draft_max: int = DEFAULT_DRAFT_N_MAX,
+                 policy: CheckpointPolicy | None = None):
         if n_draft_max < 0:
             raise ValueError("n_draft_max must not be negative")
         self.sc = sc
@@ -156,10 +183,14 @@ class ServerSlot:
         self.tokens: list[int] = list(tokens)
         self.checkpoints: list[Checkpoint] = list(checkpoints)
         self.n_draft_max = n_draft_max
+        self.policy = policy if policy is not None else CheckpointPolicy(server=True)
         #: the server's ``n_ctx`` of a slot
         self.n_ctx = sc.target.n_ctx_slot
         self._vocab = llama_cpp.llama_model_get_vocab(sc.target_model.ptr)
-        self._n_swa = int(llama_cpp.llama_model_n_swa(sc.target_model.ptr))
+        self._n_swa = sc.n_swa
+        self._tgt_full = sc.target_seq_rm == SEQ_RM_FULL
+        self._dft_full = sc.draft_seq_rm == SEQ_RM_FULL
+        self._task = 0
 
     @property
     def speculative(self) -> bool:
@@ -171,12 +202,24 @@ class ServerSlot:
     def _is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
+    def _seq_rm(self, p0: int, contexts: Sequence[Context] | None = None) -> None:
+        """``common_memory::seq_rm(slot, p0, -1)``: the server aborts when a context refuses."""
+        for ctx in contexts if contexts is not None else self._contexts():
+            if not ctx.seq_rm(self.id, p0, -1):
+                role = "target" if ctx is self.sc.target else "draft"
+                raise ServerAborts(
+                    f"llama-server aborts here: failed to remove sequence {self.id} with p0={p0}, p1=-1 from the "
+                    f"{role} context (GGML_ABORT in common_context_seq_rm): its {role} memory cannot drop "
+                    f"positions {p0} and later, and the server only restores checkpoints of the draft when "
+                    "the target needs them too")
+
     # -- the prompt ------------------------------------------------------------------------------
 
-    def _reuse(self, request: Sequence[int]) -> tuple[int, int | None]:
-        """``n_past`` for ``request`` and the checkpoint restored for it (``update_slots``, SLOT_STATE_STARTED)."""
+    def _reuse(self, request: Sequence[int]) -> tuple[int, int | None, int]:
+        """``n_past`` for ``request``, the checkpoint restored for it and the common prefix
+        (``update_slots``, SLOT_STATE_STARTED)."""
         n = len(request)
-        n_past = common_prefix(self.tokens, request)
+        n_past = n_common = common_prefix(self.tokens, request)
         pos_next = n_past
         has_new = n_past < n
         pos_min_thold = max(0, pos_next - self._n_swa - (0 if has_new else 1))
@@ -198,13 +241,14 @@ class ServerSlot:
                 if found is not None and not self.sc.target.state_seq_set(found.tgt, self.id,
                                                                           STATE_FLAGS_PARTIAL_ONLY):
                     # a checkpoint the context does not take (it was converted and checked at restore,
-                    # so this is not expected): start over rather than decode onto a half-cleared slot
-                    self.sc.target.seq_rm(self.id, -1, -1)
-                    found = None
+                    # so this is not expected): the server aborts ("checkpoint size mismatch")
+                    raise ServerAborts(f"llama-server aborts here: the checkpoint at {found.n_tokens} tokens does "
+                                       "not fit the target context (GGML_ABORT checkpoint size mismatch)")
                 if found is not None:
                     if self.sc.draft is not None and found.dft and \
                             not self.sc.draft.state_seq_set(found.dft, self.id, STATE_FLAGS_PARTIAL_ONLY):
-                        self.sc.draft.seq_rm(self.id, -1, -1)  # the draft goes on from nothing, as after a drop
+                        raise ServerAborts(f"llama-server aborts here: the checkpoint at {found.n_tokens} tokens "
+                                           "does not fit the draft context (GGML_ABORT checkpoint size mismatch)")
                     pos_next = min(pos_next, max(found.pos_min + 1, found.pos_max))
                     n_past = min(pos_next, found.n_tokens)
                     used = found.n_tokens
@@ -215,13 +259,16 @@ class ServerSlot:
         # [TAG_PROMPT_LOGITS]: at least one token is evaluated, for its logits
         if n_past == n and n_past > 0:
             n_past -= 1
-        return n_past, used
+        return n_past, used, n_common
 
-    def evaluate(self, request: Sequence[int], on_progress: Progress | None = None) -> tuple[int, int | None, int | None]:
+    def evaluate(self, request: Sequence[int], on_progress: Progress | None = None,
+                 user_starts: Sequence[int] = ()) -> tuple[int, int | None, int | None]:
         """Take ``request`` into the slot as the server processes a prompt.
 
-        Returns ``(n_past, checkpoint used, draft positions held before the new tokens)``. The
-        target's logits for the last token are then ready (``ctx.argmax()``).
+        Returns ``(n_past, checkpoint used, draft positions held before the new tokens)``; the common
+        prefix is then in ``last_common``. Checkpoints are taken on the way by ``policy`` (with the
+        request's ``user_starts``). The target's logits for the last token are then ready
+        (``ctx.argmax()``).
         """
         n = len(request)
         if n == 0:
@@ -229,24 +276,21 @@ class ServerSlot:
         if n >= self.n_ctx:
             raise RequestRefused(f"request ({n} tokens) exceeds the available context size ({self.n_ctx} tokens), "
                                  "try increasing it")
-        n_past, used = self._reuse(request)
+        self._task += 1
+        n_past, used, self.last_common = self._reuse(request)
         self.tokens = self.tokens[:n_past]
-        for ctx in self._contexts():
-            ctx.seq_rm(self.id, n_past, -1)
+        self._seq_rm(n_past)
         held = None
         if self.sc.draft is not None:
             lo, hi = self.sc.draft.seq_pos_min(self.id), self.sc.draft.seq_pos_max(self.id)
             held = hi - lo + 1 if hi >= 0 else 0
-        new = list(request[n_past:])
-        total = len(new) * len(self._contexts())
+        p = self.policy
+        policy = CheckpointPolicy(p.server, p.n_ctx_checkpoints, p.min_step, tuple(user_starts))
         try:
-            self.sc.target.decode(new, self.id, n_past,
-                                  on_progress=(lambda d, _t: on_progress(d, total)) if on_progress else None)
+            process_prompt(self.sc, self.id, request, n_past, self.checkpoints, policy, task=self._task,
+                           on_progress=on_progress, decode_draft=self._mirror if self.sc.draft is not None else None)
         except LlamaError as e:  # e.g. the file's tokens claim more than its payload holds
             raise RequestRefused(f"Invalid input batch: {e}") from None
-        if self.sc.draft is not None:
-            self._mirror(new, n_past, on_progress=(lambda d, _t: on_progress(len(new) + d, total))
-                         if on_progress else None)
         self.tokens = list(request)
         return n_past, used, held
 
@@ -300,19 +344,17 @@ class ServerSlot:
         self.generate(comp, n_predict, on_token)
         return comp
 
-    def begin(self, request: Sequence[int], on_prompt: Progress | None = None) -> Completion:
+    def begin(self, request: Sequence[int], on_prompt: Progress | None = None,
+              user_starts: Sequence[int] = ()) -> Completion:
         """The prompt half of :meth:`complete`: returns the completion so far (nothing generated)."""
-        if self.speculative:
-            for role, info in (("target", self.sc.target_info), ("draft", self.sc.draft_info)):
-                if info is not None and info.memory_kind not in ROLLBACK_KINDS:
-                    raise UsageError(f"speculative decoding with a {info.memory_kind} {role} model: the server "
-                                     "rolls such memory back with speculative checkpoints and replay, which "
-                                     "slotctl does not model; restore without -md")
         t0 = time.perf_counter()
-        n_past, used, held = self.evaluate(request, on_prompt)
+        n_past, used, held = self.evaluate(request, on_prompt, user_starts)
+        n_common = self.last_common
         return Completion(n_prompt=len(request), n_reused=n_past, n_evaluated=len(request) - n_past,
-                          n_draft_reused=held, checkpoint=used, speculative=self.speculative,
-                          n_draft_max=self.n_draft_max, prompt_ms=(time.perf_counter() - t0) * 1000)
+                          n_draft_reused=held, checkpoint=used, n_common=n_common,
+                          n_reevaluated=max(0, n_common - n_past), n_checkpoints=len(self.checkpoints),
+                          speculative=self.speculative, n_draft_max=self.n_draft_max,
+                          prompt_ms=(time.perf_counter() - t0) * 1000)
 
     def generate(self, comp: Completion, n_predict: int, on_token: Progress | None = None) -> None:
         """The generation half of :meth:`complete`, right after :meth:`begin`; fills ``comp``."""
@@ -347,36 +389,66 @@ class ServerSlot:
         sampled = tgt.argmax()
         if not process_token(sampled):
             return
+        spec_draft: list[int] = []   # the server's slot.spec_draft: a draft, or after a restore the replay
+        replay = False               # slot.spec_is_replay
+        ckpt: Checkpoint | None = None   # slot.spec_ckpt
         while True:
             pos0 = len(self.tokens)
-            draft: list[int] = []
             if dft is not None:
                 n_draft_max = self.n_ctx - len(self.tokens) - 2
                 n_remaining = n_predict - len(out)
                 if n_remaining > 0:
                     n_draft_max = min(n_draft_max, n_remaining - 1)
-                if n_draft_max > 0:
-                    pos_max = tgt.seq_pos_max(self.id)
-                    draft = self._draft(sampled, pos0, n_draft_max)
-                    comp.n_drafted += len(draft)
-                    dft.seq_rm(self.id, pos_max + 1, -1)
+                if n_draft_max > 0 and not spec_draft:
+                    ckpt = Checkpoint(pos0, tgt.seq_pos_min(self.id), tgt.seq_pos_max(self.id), b"")
+                    if self._dft_full:
+                        ckpt.dft = dft.state_seq_get(self.id, STATE_FLAGS_PARTIAL_ONLY)
+                    spec_draft = self._draft(sampled, pos0, n_draft_max)
+                    comp.n_drafted += len(spec_draft)
+                    # the draft context drops its drafted tokens again (restoring its snapshot first
+                    # when it cannot drop positions)
+                    if self._dft_full:
+                        dft.state_seq_set(ckpt.dft, self.id, STATE_FLAGS_PARTIAL_ONLY)
+                    self._seq_rm(ckpt.pos_max + 1, [dft])
+                    if spec_draft and self._tgt_full:
+                        ckpt.tgt = tgt.state_seq_get(self.id, STATE_FLAGS_PARTIAL_ONLY)
+            draft = spec_draft
             batch = [sampled] + draft
             self.tokens += batch
             tgt.decode(batch, self.id, pos0, all_logits=bool(draft))
             if dft is not None:
                 self._mirror(batch, pos0)
+            if replay:
+                comp.n_replayed += len(batch)
             if not draft:
                 sampled = tgt.argmax()
                 if not process_token(sampled):
                     return
                 continue
             accepted = self._verify(draft)
-            comp.n_accepted += len(accepted) - 1
+            if len(accepted) < len(draft) + 1 and self._tgt_full:
+                # partial acceptance and a target that cannot drop positions: back to the snapshot, and
+                # decode the accepted tokens again in the next batch
+                replay = True
+                spec_draft = accepted
+                if not tgt.state_seq_set(ckpt.tgt, self.id, STATE_FLAGS_PARTIAL_ONLY):
+                    raise ServerAborts("llama-server aborts here: the speculative checkpoint does not fit the "
+                                       "target context (GGML_ABORT checkpoint size mismatch)")
+                if dft is not None and ckpt.dft:
+                    dft.state_seq_set(ckpt.dft, self.id, STATE_FLAGS_PARTIAL_ONLY)
+                self._seq_rm(ckpt.pos_max + 1)
+                self.tokens = self.tokens[:ckpt.n_tokens]
+                continue
+            n_accepted = len(accepted) - 1
+            if replay and n_accepted > 0:
+                n_accepted -= 1
+            replay = False
+            spec_draft = []
+            comp.n_accepted += n_accepted
             comp.n_verify_steps += 1
             self.tokens = self.tokens[:len(self.tokens) - len(draft)] + accepted[:-1]
             sampled = accepted[-1]
-            for ctx in self._contexts():
-                ctx.seq_rm(self.id, len(self.tokens), -1)
+            self._seq_rm(len(self.tokens))
             for token in accepted:
                 if not process_token(token):
                     return
