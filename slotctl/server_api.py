@@ -26,14 +26,15 @@ import socket
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass, field
 from typing import Any
 
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
 
 __all__ = [
     "DEFAULT_TIMEOUT", "ServerAuthError", "ServerError", "ServerRefused", "ServerUnreachable",
-    "check_filename", "check_slot", "completion", "erase_slot", "get_health", "get_props", "get_slots",
-    "normalize_url", "request", "restore_slot", "save_slot",
+    "ServerFacts", "check_filename", "check_slot", "completion", "erase_slot", "get_health", "get_models",
+    "get_props", "get_slots", "normalize_url", "request", "restore_slot", "save_slot", "server_facts",
 ]
 
 #: seconds a request may take, connection included, unless the caller says otherwise
@@ -278,6 +279,111 @@ def get_slots(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_
         raise ServerUnreachable(f"GET {normalize_url(url)}/slots: expected a list of slots, got "
                                 f"{type(answer).__name__}: is this a llama-server?")
     return answer
+
+
+def get_models(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+    """``GET /v1/models``: ``data[0].meta`` holds ``n_vocab``, ``n_ctx_train``, ``n_embd``, ``n_params``, ``size``."""
+    return request(url, "GET", "/v1/models", api_key=api_key, timeout=timeout)
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What a running llama-server says about itself that decides which slot files it restores.
+
+    From ``GET /props``: ``model_path`` (a path on the server's machine), ``total_slots`` (``-np``),
+    ``build_info``, ``mmproj`` (``modalities``: vision or audio input means a multimodal projector).
+    From ``GET /slots`` (the entry of ``slot``): ``n_ctx_slot`` (the slot's context in tokens; from
+    ``/props`` ``default_generation_settings.n_ctx`` when ``/slots`` is disabled, see ``n_ctx_from``),
+    ``speculative`` (the slot decodes speculatively; None when ``/slots`` is disabled) and
+    ``speculative_types`` (``params["speculative.types"]``, e.g. ``"none,draft-simple"``; present only once
+    the slot has run a task, else None).
+    From ``GET /v1/models``: ``model_meta`` (``n_vocab``, ``n_ctx_train``, ``n_embd``, ``n_params``,
+    ``size``; None when the server does not answer it). ``props`` / ``slots``: the answers as they came.
+
+    llama-server b11434 does not report its draft model, its cache types (``-ctk``/``-ctv``/``-ctkd``/
+    ``-ctvd``), flash attention, batch sizes, ``--swa-full`` or whether its cache is unified (``-kvu``).
+    """
+
+    url: str
+    model_path: str | None
+    total_slots: int | None
+    n_ctx_slot: int | None
+    n_ctx_from: str | None
+    speculative: bool | None
+    speculative_types: str | None
+    build_info: str | None
+    mmproj: bool
+    model_meta: dict | None
+    props: dict
+    slots: list | None
+    notes: tuple[str, ...] = field(default=())
+
+
+def server_facts(url: str, slot: int = 0, *, api_key: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT) -> ServerFacts:
+    """Read ``GET /props``, ``GET /slots`` and ``GET /v1/models`` (see :class:`ServerFacts`).
+
+    ``/props`` must answer (its errors propagate); a server started with ``--no-slots`` (``/slots``
+    refused) or one without ``/v1/models`` is described from ``/props`` alone, with a note.
+    """
+    base = normalize_url(url)
+    props = get_props(base, api_key=api_key, timeout=timeout)
+    if not isinstance(props, dict):
+        raise ServerUnreachable(f"GET {base}/props: expected an object, got {type(props).__name__}: "
+                                f"is this a llama-server?")
+    notes = []
+    slots: list | None
+    try:
+        slots = get_slots(base, api_key=api_key, timeout=timeout)
+    except ServerRefused as e:
+        slots = None
+        notes.append(f"GET /slots refused ({e.message or f'HTTP {e.status}'}): the slot's context is taken "
+                     f"from /props, and whether it decodes speculatively is not known")
+    entry = None
+    if slots is not None:
+        entry = next((s for s in slots if isinstance(s, dict) and s.get("id") == slot), None)
+    dgs = props.get("default_generation_settings")
+    n_ctx_props = _int(dgs.get("n_ctx")) if isinstance(dgs, dict) else None
+    if entry is not None and _int(entry.get("n_ctx")) is not None:
+        n_ctx_slot, n_ctx_from = _int(entry.get("n_ctx")), "/slots"
+    elif n_ctx_props is not None:
+        n_ctx_slot, n_ctx_from = n_ctx_props, "/props"
+    else:
+        n_ctx_slot, n_ctx_from = None, None
+    speculative = bool(entry.get("speculative")) if entry is not None and "speculative" in entry else None
+    params = entry.get("params") if entry is not None else None
+    spec_types = params.get("speculative.types") if isinstance(params, dict) else None
+    meta = None
+    try:
+        models = get_models(base, api_key=api_key, timeout=timeout)
+        data = models.get("data") if isinstance(models, dict) else None
+        if isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("meta"), dict):
+            meta = data[0]["meta"]
+    except (ServerRefused, ServerUnreachable):
+        notes.append("GET /v1/models did not answer: the model's identity is not checked")
+    modalities = props.get("modalities")
+    mmproj = isinstance(modalities, dict) and bool(modalities.get("vision") or modalities.get("audio")
+                                                   or modalities.get("video"))
+    model_path = props.get("model_path")
+    return ServerFacts(
+        url=base,
+        model_path=model_path if isinstance(model_path, str) and model_path else None,
+        total_slots=_int(props.get("total_slots")),
+        n_ctx_slot=n_ctx_slot,
+        n_ctx_from=n_ctx_from,
+        speculative=speculative,
+        speculative_types=spec_types if isinstance(spec_types, str) else None,
+        build_info=props.get("build_info") if isinstance(props.get("build_info"), str) else None,
+        mmproj=mmproj,
+        model_meta=meta,
+        props=props,
+        slots=slots,
+        notes=tuple(notes),
+    )
 
 
 def check_slot(url: str, slot: int, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> int:

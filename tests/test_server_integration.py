@@ -13,7 +13,6 @@ flag set, module-scoped. Everything listens and connects on 127.0.0.1 only.
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import json
 import re
@@ -26,7 +25,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llama_server import BuildError, LlamaServer, ServerStartError, free_port, server_binary
+from conftest import start_server
+from llama_server import LlamaServer, free_port
 from slotctl import server_api
 from slotctl.cli.app import app
 from slotctl.errors import ExitStatus, UsageError
@@ -42,50 +42,6 @@ N_PREDICT = 8
 #: what the second turn appends to the restored prompt: words of the vocabulary, one token each
 SUFFIX = " The river runs through the middle of the city"
 API_KEY = "slotctl-test-key"
-
-
-# -- the server binary and the log of a failing test -----------------------------------------------------
-
-_build_failure: list[str] = []
-
-
-@pytest.fixture(scope="session")
-def llama_server_bin(request) -> Path:
-    """llama-server b11434: $SLOTCTL_LLAMA_SERVER, the cached build, or a build now (once per machine)."""
-    if _build_failure:
-        pytest.fail(_build_failure[0], pytrace=False)
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-
-    def say(message: str) -> None:  # shown while pytest captures output: a build takes minutes
-        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-            print(f"\n[slotctl tests] {message}", flush=True)
-
-    try:
-        return server_binary(log=say)
-    except BuildError as e:
-        _build_failure.append(f"cannot build llama-server: {e}")
-        pytest.fail(_build_failure[0], pytrace=False)
-
-
-@pytest.fixture(autouse=True)
-def _server_log_on_failure(request):
-    """When a test fails, print the end of the log of every server it used (shown in pytest's report)."""
-    failed_before = request.session.testsfailed
-    yield
-    if request.session.testsfailed == failed_before:
-        return
-    for value in list(request.node.funcargs.values()):
-        srv = value if isinstance(value, LlamaServer) else getattr(value, "server", None)
-        if isinstance(srv, LlamaServer):
-            print(f"--- end of {srv.log_path} ---\n{srv.log_tail(60)}")
-
-
-def start_server(binary: Path, model: Path, tmp: Path, name: str, **kw) -> LlamaServer:
-    srv = LlamaServer(binary, model, log_path=tmp / f"{name}.log", **kw)
-    try:
-        return srv.start()
-    except ServerStartError as e:
-        pytest.fail(str(e), pytrace=False)
 
 
 def inspect_json(path: Path, *args: str, code: int = 0) -> dict:

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from slotctl.cli.app import app
 from slotctl.testing import KINDS, MEMORY_KINDS, SAMPLE_PROMPT, make_kind_model
-from test_server_integration import N_PREDICT, SUFFIX, _server_log_on_failure, llama_server_bin, start_server  # noqa: F401 (fixtures)
+from conftest import start_server
+from test_server_integration import N_PREDICT, SUFFIX
 
 pytestmark = pytest.mark.server
 runner = CliRunner()

@@ -17,8 +17,6 @@ DraftModelOpt = Annotated[Optional[Path], typer.Option("--draft-model", "-md", "
 
 # -- llama-server's context flags (b11434 common/arg.cpp names), shared by save, restore and validate --
 
-TargetModelOpt = Annotated[Path, typer.Option("--model", "-m", help="The target model's GGUF (llama-server -m).",
-                                              dir_okay=False)]
 CtxSizeOpt = Annotated[int, typer.Option("--ctx-size", "-c", min=0,
                                          help="Context size in tokens over all slots; 0 = the model's training context "
                                               "per slot, as the server picks.")]

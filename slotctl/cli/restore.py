@@ -13,6 +13,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from slotctl.cli import live
 from slotctl.cli.common import check_file, handle_errors
 from slotctl.cli.options import (
     BatchOpt,
@@ -29,7 +30,6 @@ from slotctl.cli.options import (
     ParallelOpt,
     SlotOpt,
     SwaFullOpt,
-    TargetModelOpt,
     ThreadsOpt,
     UBatchOpt,
     VerboseOpt,
@@ -45,13 +45,15 @@ _STATUS_STYLE = {"restored": "green", "absent": "dim", "ignored": "yellow", "dro
 
 
 def register(app: typer.Typer) -> None:
-    app.command("restore")(restore)
+    app.command("restore", cls=live.RawArgsCommand)(restore)
 
 
 @handle_errors
 def restore(
-    file: Annotated[Path, typer.Argument(help="The slot file.", dir_okay=False)],
-    model: TargetModelOpt,
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Argument(help="The slot file (with --server: its name in the server's "
+                                         "--slot-save-path).")],
+    model: live.LocalModelOpt = None,
     draft_model: DraftModelOpt = None,
     continue_text: Annotated[Optional[str], typer.Option("--continue", help="Go on from the restored state: "
                                                          "the saved text followed by TEXT, as a new request.")] = None,
@@ -83,6 +85,9 @@ def restore(
     spec_draft_n_max: DraftNMaxOpt = 3,
     ctx_checkpoints: Annotated[int, typer.Option("--ctx-checkpoints", "-ctxcp", min=0, help="Checkpoints kept "
                                                  "per slot (the server's default 32).")] = 32,
+    server: live.LiveServerOpt = None,
+    api_key: live.LiveApiKeyOpt = None,
+    timeout: live.SlotFileTimeoutOpt = live.SLOT_FILE_TIMEOUT,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -100,11 +105,19 @@ def restore(
     before that point, as the server does, and the report says which and how many tokens were evaluated
     again.
 
+    With --server URL --slot N NAME instead: a running llama-server restores NAME from its
+    --slot-save-path into its slot N (POST /slots/N?action=restore) and its answer is shown (--json: as
+    it came); the local options do not apply (docs/live.md).
+
     Exit codes: 0 restored (a dropped draft state is reported, not fatal), and with --compare all
     agreed; 1 the server would refuse the file or the request, or --compare found a difference;
     2 usage or I/O error.
     """
     out = Output(json_mode=json_out, verbose=verbose)
+    if server is not None:  # live mode: docs/live.md
+        return live.restore_on_server(ctx, out, server, str(file), slot=slot, api_key=api_key, timeout=timeout,
+                                      json_out=json_out)
+    live.require_local(ctx, "restore", model=model)
     check_file(file)
     for path in (model, draft_model):
         if path is not None:

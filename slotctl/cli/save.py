@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
+from slotctl.cli import live
 from slotctl.cli.common import handle_errors, runtime_state_version
 from slotctl.cli.options import (
     BatchOpt,
@@ -27,7 +28,6 @@ from slotctl.cli.options import (
     ParallelOpt,
     SlotOpt,
     SwaFullOpt,
-    TargetModelOpt,
     ThreadsOpt,
     UBatchOpt,
     VerboseOpt,
@@ -81,8 +81,13 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
 
 @handle_errors
 def save(
-    model: TargetModelOpt,
-    output: Annotated[Path, typer.Option("--output", "-o", help="The slot file to write.", dir_okay=False)],
+    ctx: typer.Context,
+    name: Annotated[Optional[str], typer.Argument(metavar="NAME", show_default=False,
+                                                  help="With --server: the file name the server writes in its "
+                                                       "--slot-save-path.")] = None,
+    model: live.LocalModelOpt = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="The slot file to write (needed unless "
+                                                   "--server).", dir_okay=False)] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt text.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="Read the prompt from a "
                                                         "UTF-8 file, or from stdin with -.", dir_okay=False,
@@ -127,6 +132,9 @@ def save(
     swa_full: SwaFullOpt = False,
     threads: ThreadsOpt = 0,
     spec_draft_n_max: DraftNMaxOpt = 3,
+    server: live.LiveServerOpt = None,
+    api_key: live.LiveApiKeyOpt = None,
+    timeout: live.SlotFileTimeoutOpt = live.SLOT_FILE_TIMEOUT,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -141,10 +149,21 @@ def save(
     existing file is kept unless --force.
     --spec-draft-n-max is accepted for symmetry with restore and has no effect here.
 
+    With --server URL --slot N NAME instead: a running llama-server saves its slot N to NAME in its
+    --slot-save-path (POST /slots/N?action=save) and its answer is shown (--json: as it came); the
+    local options do not apply (docs/live.md).
+
     Exit codes: 0 written; 1 the server would refuse the prompt (it does not fit the slot); 2 usage
     or I/O error (existing output without --force, unreadable model or prompt).
     """
     out = Output(json_mode=json_out, verbose=verbose)
+    if server is not None:  # live mode: docs/live.md
+        return live.save_on_server(ctx, out, server, name, slot=slot, api_key=api_key, timeout=timeout,
+                                   json_out=json_out)
+    if name is not None:
+        raise UsageError(f"NAME ({name!r}) is a file name in a server's --slot-save-path and goes with --server "
+                         "URL; a local save writes -o FILE")
+    live.require_local(ctx, "save", model=model, output=output)
     if state_version not in STATE_VERSIONS:
         raise UsageError(f"--state-version: {state_version} is not one of {', '.join(map(str, STATE_VERSIONS))}")
     text = read_prompt(prompt, prompt_file)

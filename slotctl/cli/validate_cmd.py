@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from slotctl.cli import live
 from slotctl.cli.common import handle_errors
 from slotctl.cli.options import (
     BatchOpt,
@@ -49,6 +50,7 @@ def register(app: typer.Typer) -> None:
 
 @handle_errors
 def validate(
+    ctx: typer.Context,
     files: Annotated[list[Path], typer.Argument(help="Slot files, or directories (such as a server's "
                                                      "--slot-save-path): every regular file in them.")],
     model: ModelOpt = None,
@@ -77,6 +79,12 @@ def validate(
     load: Annotated[bool, typer.Option("--load/--no-load",
                                        help="With -m: also load every layer into real contexts built with these "
                                             "flags, in a child process (--no-load: predict only).")] = True,
+    server: Annotated[Optional[str], typer.Option("--server", metavar="URL",
+                                                  help="Validate for the running llama-server at this URL: its "
+                                                       "model, -c and -np from GET /props and /slots (flags given "
+                                                       "here win; docs/live.md).")] = None,
+    api_key: live.LiveApiKeyOpt = None,
+    timeout: live.LiveTimeoutOpt = live.server_api.DEFAULT_TIMEOUT,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -89,6 +97,10 @@ def validate(
     real contexts built with the same flags, in a child process. Each finding is an error (the server
     refuses the file or aborts on it), a drop (the server restores it without a layer) or a note.
 
+    With --server URL: for that running llama-server, its model (when the path it reports exists here;
+    else give -m), -c and -np taken from GET /props and /slots; flags given win, flags the server does
+    not report are said in notes (docs/live.md).
+
     Exit codes: 0 every file restores completely; 1 a file is refused, makes the server abort, or
     loses a layer; 2 usage or I/O error. Keys and finding codes: docs/validate.md.
     """
@@ -98,11 +110,27 @@ def validate(
     out = Output(json_mode=json_out, verbose=verbose)
     if mmproj is not None and not os.path.isfile(mmproj):
         raise UsageError(f"{mmproj}: no such file")
+    lv = None
+    if server is not None:  # live mode: the server's own flags where it says them (docs/live.md)
+        lv = live.learn_validate(
+            ctx, server, api_key=api_key, timeout=timeout, model=model, draft_model=draft_model, ctx_size=ctx_size,
+            parallel=parallel, kv_unified=kv_unified, slot=slot, mmproj=mmproj is not None,
+            unreported={"-ctk": ("cache_type_k", cache_type_k), "-ctv": ("cache_type_v", cache_type_v),
+                        "-fa": ("flash_attn", flash_attn), "-ctkd": ("cache_type_k_draft", cache_type_k_draft),
+                        "-ctvd": ("cache_type_v_draft", cache_type_v_draft), "-b": ("batch_size", batch_size),
+                        "-ub": ("ubatch_size", ubatch_size), "--swa-full": ("swa_full", swa_full),
+                        "-ctxcp": ("ctx_checkpoints", ctx_checkpoints),
+                        "--state-version": ("state_version", state_version)})
+        model, ctx_size, parallel, slot = lv.model, lv.ctx_size, lv.parallel, lv.slot
+        live.render_live(out, lv)  # warnings on stderr; the rest in human mode only
+    else:
+        live.require_local(ctx, "validate")  # --api-key / --timeout typed without --server
     settings = context_settings(ctx_size=ctx_size, parallel=parallel, kv_unified=kv_unified,
                                 cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn,
                                 batch_size=batch_size, ubatch_size=ubatch_size, swa_full=swa_full)
     setup = ServerSetup(target=model, draft=draft_model, settings=settings, draft_type_k=cache_type_k_draft,
-                        draft_type_v=cache_type_v_draft, slot=slot, mmproj=mmproj is not None,
+                        draft_type_v=cache_type_v_draft, slot=slot,
+                        mmproj=mmproj is not None if lv is None else lv.mmproj,
                         n_ctx_checkpoints=ctx_checkpoints, state_version=state_version,
                         attn_rot_disable=_env_flag("LLAMA_ATTN_ROT_DISABLE"))
     paths = expand_paths(files, follow_symlinks=True)
@@ -112,7 +140,7 @@ def validate(
         report = validate_paths(paths, setup, real_check=load, verbose=verbose,
                                 on_file=lambda done, total, _p: update(done))
     if json_out:
-        out.json(report.as_dict())
+        out.json(report.as_dict() if lv is None else lv.annotate(report.as_dict()))
     else:
         render(out, report)
     raise typer.Exit(int(report.exit_status))
