@@ -270,12 +270,8 @@ def _add_metadata(
     n_head: int, n_head_kv: int, head_dim: int, n_ff: int, context_length: int,
 ) -> None:
     """Add the hyperparameters and the tokenizer, as llama.cpp reads them for ``llama``."""
-    writer.add_name(name)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_vocab_size(len(vocab.tokens))
-    writer.add_context_length(context_length)
-    writer.add_embedding_length(n_embd)
-    writer.add_block_count(n_layer)
+    _common_keys(writer, vocab, name=name, n_layer=n_layer, n_embd=n_embd, context_length=context_length,
+                 eps=1e-5)
     writer.add_feed_forward_length(n_ff)
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_head_kv)
@@ -283,7 +279,6 @@ def _add_metadata(
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
     _add_tokenizer(writer, vocab)
 
 
@@ -500,6 +495,7 @@ class _Tensors:
 
 def _common_keys(writer: gguf.GGUFWriter, vocab: _Vocabulary, *, name: str, n_layer: int, n_embd: int,
                  context_length: int, eps: float) -> None:
+    """The keys every tiny model has: name, file type, sizes, block count, RMS norm epsilon."""
     writer.add_name(name)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_vocab_size(len(vocab.tokens))
