@@ -91,7 +91,8 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
     if sf.sckp or sf.sdft:
         names = " and ".join(n for n, a in (("checkpoints (SCKP)", sf.sckp), ("draft state (SDFT)", sf.sdft)) if a)
         out.append(Finding("appendix", "note", "appendix_needs_new_server",
-                           f"the {names} need a server with the slot draft-state change; llama.cpp b11434 and "
+                           f"the {names} {'need' if sf.sckp else 'needs'} a server with the slot draft-state "
+                           "change; llama.cpp b11434 and "
                            "older restore the target and silently ignore them",
                            (sf.sckp or sf.sdft).offset))
     tk = sf.tokens
