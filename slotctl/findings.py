@@ -202,6 +202,7 @@ def _max_cells(sf: SlotFile) -> int | None:
 
 
 def file_warnings(sf: SlotFile, *, runtime_version: int | None = None) -> list[str]:
-    """The non-error findings as warning lines (errors are reported separately)."""
-    return [f.message for f in structural_findings(sf, runtime_version=runtime_version)
-            if f.code != "damaged"]
+    """What the walk through the layers noticed, then the non-error findings, as warning lines (errors are
+    reported separately)."""
+    return list(sf.warnings) + [f.message for f in structural_findings(sf, runtime_version=runtime_version)
+                                if f.code != "damaged"]

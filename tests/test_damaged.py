@@ -183,3 +183,21 @@ def test_the_installed_command_prints_one_line(tmp_path):
     assert [ln for ln in r.stderr.splitlines() if ln.strip()] == \
         ["error: state header at 0x8 (8): token word count 4,294,967,295 needs at least 17,179,869,180 bytes, "
          "only 4 remain"]
+
+
+def test_appendices_are_found_by_a_scan_when_the_payload_cannot_be_placed(tmp_path):
+    """No layout fits the payload: the header, the tokens and the appendix chain (found by scanning for
+    a chain that parses to the end of the file) are still shown, and the file is reported damaged."""
+    raw = SRC.read_bytes()
+    sf = open_slot_file(SRC)
+    blob = blob_header(0) + raw[sf.target.offset:]
+    garbage = bytes(random.Random(7).getrandbits(8) for _ in range(3000))
+    p = tmp_path / "scan.bin"
+    p.write_bytes(raw[:sf.target.offset] + garbage + build_sdft(blob, b"spec"))
+    res = _inspect(p)
+    _assert_one_line_error(res)
+    d = json.loads(res.stdout)
+    assert d["prompt"]["n_tokens"] == 111 and d["target"] is None
+    assert d["sdft"]["offset"] == sf.target.offset + len(garbage)
+    assert d["draft"]["memory"]["kind"] == "kv" and d["draft"]["spec_size"] == 4
+    assert any("by scanning" in w for w in d["warnings"])
