@@ -272,11 +272,7 @@ def _add_metadata(
     """Add the hyperparameters and the tokenizer, as llama.cpp reads them for ``llama``."""
     _common_keys(writer, vocab, name=name, n_layer=n_layer, n_embd=n_embd, context_length=context_length,
                  eps=1e-5)
-    writer.add_feed_forward_length(n_ff)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head_kv)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    _attention_keys(writer, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(10000.0)
     _add_tokenizer(writer, vocab)
@@ -452,6 +448,12 @@ class _Tensors:
     def ones(n: int) -> np.ndarray:
         return np.ones(n, dtype=np.float32)
 
+    def embeddings_and_output(self, n_vocab: int, n_embd: int, norm: gguf.MODEL_TENSOR) -> None:
+        """Token embeddings, the final norm (``norm``: its tensor differs by architecture) and the output."""
+        self.add(gguf.MODEL_TENSOR.TOKEN_EMBD, self.matrix(n_vocab, n_embd, std=1.0))
+        self.add(norm, self.ones(n_embd))
+        self.add(gguf.MODEL_TENSOR.OUTPUT, self.matrix(n_vocab, n_embd, std=2.0 / np.sqrt(n_embd)))
+
     def ffn(self, block: int, n_embd: int, n_ff: int) -> None:
         """SwiGLU feed-forward weights (gate, up, down) of one block."""
         T = gguf.MODEL_TENSOR
@@ -505,6 +507,16 @@ def _common_keys(writer: gguf.GGUFWriter, vocab: _Vocabulary, *, name: str, n_la
     writer.add_layer_norm_rms_eps(eps)
 
 
+def _attention_keys(writer: gguf.GGUFWriter, *, n_ff: int, n_head: int, n_head_kv: int | list[int],
+                    head_dim: int) -> None:
+    """The feed-forward and attention keys of models with attention blocks (``head_count_kv`` may be per layer)."""
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+
+
 def _ssm_keys(writer: gguf.GGUFWriter, *, d_inner: int, d_state: int, d_conv: int, dt_rank: int) -> None:
     writer.add_ssm_conv_kernel(d_conv)
     writer.add_ssm_inner_size(d_inner)
@@ -518,11 +530,7 @@ def _write_gemma2(writer: gguf.GGUFWriter, vocab: _Vocabulary, rng: np.random.Ge
     """gemma2 (``llama_model_gemma2``): iSWA with the default pattern 2 (layers 0, 2, ... slide)."""
     _common_keys(writer, vocab, name=name, n_layer=n_layer, n_embd=n_embd, context_length=context_length,
                  eps=1e-6)
-    writer.add_feed_forward_length(n_ff)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head_kv)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    _attention_keys(writer, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim)
     writer.add_sliding_window(window)
     writer.add_attn_logit_softcapping(50.0)
     writer.add_final_logit_softcapping(30.0)
@@ -555,9 +563,7 @@ def _write_mamba(writer: gguf.GGUFWriter, vocab: _Vocabulary, rng: np.random.Gen
     _add_tokenizer(writer, vocab)
 
     T, t = gguf.MODEL_TENSOR, _Tensors(writer, rng)
-    t.add(T.TOKEN_EMBD, t.matrix(len(vocab.tokens), n_embd, std=1.0))
-    t.add(T.OUTPUT_NORM, t.ones(n_embd))
-    t.add(T.OUTPUT, t.matrix(len(vocab.tokens), n_embd, std=2.0 / np.sqrt(n_embd)))
+    t.embeddings_and_output(len(vocab.tokens), n_embd, norm=T.OUTPUT_NORM)
     for block in range(n_layer):
         t.add(T.ATTN_NORM, t.ones(n_embd), block)
         t.mamba(block, n_embd, d_inner, d_state, d_conv, dt_rank, norms=False)
@@ -571,11 +577,7 @@ def _write_lfm2(writer: gguf.GGUFWriter, vocab: _Vocabulary, rng: np.random.Gene
     every attention block slides."""
     _common_keys(writer, vocab, name=name, n_layer=len(n_head_kv), n_embd=n_embd,
                  context_length=context_length, eps=1e-5)
-    writer.add_feed_forward_length(n_ff)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(list(n_head_kv))
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    _attention_keys(writer, n_ff=n_ff, n_head=n_head, n_head_kv=list(n_head_kv), head_dim=head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_shortconv_l_cache(l_cache)
     if window is not None:
@@ -583,9 +585,8 @@ def _write_lfm2(writer: gguf.GGUFWriter, vocab: _Vocabulary, rng: np.random.Gene
     _add_tokenizer(writer, vocab)
 
     T, t = gguf.MODEL_TENSOR, _Tensors(writer, rng)
-    t.add(T.TOKEN_EMBD, t.matrix(len(vocab.tokens), n_embd, std=1.0))
-    t.add(T.TOKEN_EMBD_NORM, t.ones(n_embd))  # lfm2's output norm (LLM_TENSOR_OUTPUT_NORM_LFM2)
-    t.add(T.OUTPUT, t.matrix(len(vocab.tokens), n_embd, std=2.0 / np.sqrt(n_embd)))
+    # lfm2's final norm is LLM_TENSOR_OUTPUT_NORM_LFM2, stored as token_embd_norm
+    t.embeddings_and_output(len(vocab.tokens), n_embd, norm=T.TOKEN_EMBD_NORM)
     for block, kv_heads in enumerate(n_head_kv):
         t.add(T.ATTN_NORM, t.ones(n_embd), block)
         if kv_heads == 0:
@@ -608,18 +609,12 @@ def _write_jamba(writer: gguf.GGUFWriter, vocab: _Vocabulary, rng: np.random.Gen
     block."""
     _common_keys(writer, vocab, name=name, n_layer=len(n_head_kv), n_embd=n_embd,
                  context_length=context_length, eps=1e-6)
-    writer.add_feed_forward_length(n_ff)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(list(n_head_kv))
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    _attention_keys(writer, n_ff=n_ff, n_head=n_head, n_head_kv=list(n_head_kv), head_dim=head_dim)
     _ssm_keys(writer, d_inner=d_inner, d_state=d_state, d_conv=d_conv, dt_rank=dt_rank)
     _add_tokenizer(writer, vocab)
 
     T, t = gguf.MODEL_TENSOR, _Tensors(writer, rng)
-    t.add(T.TOKEN_EMBD, t.matrix(len(vocab.tokens), n_embd, std=1.0))
-    t.add(T.OUTPUT_NORM, t.ones(n_embd))
-    t.add(T.OUTPUT, t.matrix(len(vocab.tokens), n_embd, std=2.0 / np.sqrt(n_embd)))
+    t.embeddings_and_output(len(vocab.tokens), n_embd, norm=T.OUTPUT_NORM)
     for block, kv_heads in enumerate(n_head_kv):
         t.add(T.ATTN_NORM, t.ones(n_embd), block)
         if kv_heads == 0:
