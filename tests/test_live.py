@@ -8,6 +8,7 @@ Tests without the ``server`` marker need no server (usage errors, unreachable ad
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -52,34 +53,34 @@ def one_error_line(res) -> str:
 # -- servers -----------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def live(llama_server_bin, tiny_models, tmp_path_factory):
-    """``-c 512 -np 2 -fa on --slot-save-path DIR``; slot 1 holds a greedy completion of SAMPLE_PROMPT."""
-    tmp = tmp_path_factory.mktemp("live")
+@contextlib.contextmanager
+def saving_server(binary: Path, model: Path, tmp: Path, name: str, args: list[str], *, slot: int, **kw):
+    """A server with ``--slot-save-path tmp/slots`` (as ``save_dir``) whose ``slot`` holds a greedy completion
+    of SAMPLE_PROMPT; stopped on exit."""
     (tmp / "slots").mkdir()
-    srv = start_server(llama_server_bin, tiny_models.target, tmp, "live", args=["-c", "512", "-np", "2", "-fa", "on"],
-                 slot_save_path=tmp / "slots")
+    srv = start_server(binary, model, tmp, name, args=args, slot_save_path=tmp / "slots", **kw)
     srv.save_dir = tmp / "slots"
     try:
-        srv.completion(SAMPLE_PROMPT, slot=1, n_predict=8)
+        srv.completion(SAMPLE_PROMPT, slot=slot, n_predict=8)
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def live(llama_server_bin, tiny_models, tmp_path_factory):
+    """``-c 512 -np 2 -fa on --slot-save-path DIR``; slot 1 holds a greedy completion of SAMPLE_PROMPT."""
+    with saving_server(llama_server_bin, tiny_models.target, tmp_path_factory.mktemp("live"), "live",
+                       ["-c", "512", "-np", "2", "-fa", "on"], slot=1) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def keyed(llama_server_bin, tiny_models, tmp_path_factory):
     """``-c 256 -np 1 --api-key KEY --slot-save-path DIR``: other flags than ``live``."""
-    tmp = tmp_path_factory.mktemp("keyed")
-    (tmp / "slots").mkdir()
-    srv = start_server(llama_server_bin, tiny_models.target, tmp, "keyed", args=["-c", "256", "-np", "1", "-fa", "on"],
-                 slot_save_path=tmp / "slots", api_key=API_KEY)
-    srv.save_dir = tmp / "slots"
-    try:
-        srv.completion(SAMPLE_PROMPT, slot=0, n_predict=8)
+    with saving_server(llama_server_bin, tiny_models.target, tmp_path_factory.mktemp("keyed"), "keyed",
+                       ["-c", "256", "-np", "1", "-fa", "on"], slot=0, api_key=API_KEY) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def spec(llama_server_bin, tiny_models, tmp_path_factory):
     """A speculative server: ``-md DRAFT --spec-type draft-simple -c 256 -np 1``."""
     tmp = tmp_path_factory.mktemp("spec")
     srv = start_server(llama_server_bin, tiny_models.target, tmp, "spec", draft=tiny_models.draft,
-                 args=["-c", "256", "-np", "1", "-fa", "on", "--spec-type", "draft-simple"])
+                       args=["-c", "256", "-np", "1", "-fa", "on", "--spec-type", "draft-simple"])
     try:
         yield srv
     finally:
