@@ -35,6 +35,9 @@ BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Logica
 UBatchOpt = Annotated[int, typer.Option("--ubatch-size", "-ub", min=1, help="Physical batch size.")]
 SwaFullOpt = Annotated[bool, typer.Option("--swa-full", help="Full-size SWA cache (off in the server).")]
 SlotOpt = Annotated[int, typer.Option("--slot", min=0, help="The slot (sequence id).")]
+CtxCheckpointsOpt = Annotated[int, typer.Option("--ctx-checkpoints", "-ctxcp", min=0,
+                                                help="Checkpoints the server keeps per slot (server default 32); "
+                                                     "the oldest beyond are dropped.")]
 DraftNMaxOpt = Annotated[int, typer.Option("--spec-draft-n-max", min=0,
                                            help="Tokens the draft proposes per step (server default 3).")]
 ThreadsOpt = Annotated[int, typer.Option("--threads", "-t", min=0, help="CPU threads; 0 = every core. "

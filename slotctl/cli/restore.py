@@ -19,6 +19,7 @@ from slotctl.cli.options import (
     BatchOpt,
     CacheTypeKOpt,
     CacheTypeVOpt,
+    CtxCheckpointsOpt,
     CtxSizeOpt,
     DraftCacheTypeKOpt,
     DraftCacheTypeVOpt,
@@ -83,8 +84,7 @@ def restore(
     swa_full: SwaFullOpt = False,
     threads: ThreadsOpt = 0,
     spec_draft_n_max: DraftNMaxOpt = 3,
-    ctx_checkpoints: Annotated[int, typer.Option("--ctx-checkpoints", "-ctxcp", min=0, help="Checkpoints kept "
-                                                 "per slot (the server's default 32).")] = 32,
+    ctx_checkpoints: CtxCheckpointsOpt = 32,
     server: live.LiveServerOpt = None,
     api_key: live.LiveApiKeyOpt = None,
     timeout: live.SlotFileTimeoutOpt = live.SLOT_FILE_TIMEOUT,

@@ -17,6 +17,7 @@ from slotctl.cli.options import (
     BatchOpt,
     CacheTypeKOpt,
     CacheTypeVOpt,
+    CtxCheckpointsOpt,
     CtxSizeOpt,
     DraftCacheTypeKOpt,
     DraftCacheTypeVOpt,
@@ -112,8 +113,7 @@ def save(
                                                                 "message in the prompt (the request's "
                                                                 "message_delimiters, role user; repeatable); "
                                                                 "implies --server-checkpoints.")] = None,
-    ctx_checkpoints: Annotated[int, typer.Option("--ctx-checkpoints", "-ctxcp", min=0, help="Checkpoints the server "
-                                                 "keeps per slot (default 32; --server-checkpoints only).")] = 32,
+    ctx_checkpoints: CtxCheckpointsOpt = 32,
     checkpoint_min_step: Annotated[int, typer.Option("--checkpoint-min-step", "-cms", min=0, help="The server's "
                                                      "least spacing of checkpoints in tokens (default 8192; "
                                                      "--server-checkpoints only).")] = 8192,

@@ -16,6 +16,7 @@ from slotctl.cli.options import (
     BatchOpt,
     CacheTypeKOpt,
     CacheTypeVOpt,
+    CtxCheckpointsOpt,
     CtxSizeOpt,
     DraftCacheTypeKOpt,
     DraftCacheTypeVOpt,
@@ -70,9 +71,7 @@ def validate(
     mmproj: Annotated[Optional[Path], typer.Option("--mmproj", "-mm", dir_okay=False,
                                                    help="The server's multimodal projector: media chunks in the "
                                                         "prompt restore only with one (not loaded).")] = None,
-    ctx_checkpoints: Annotated[int, typer.Option("--ctx-checkpoints", "-ctxcp", min=0,
-                                                 help="Checkpoints the server keeps per slot (server default "
-                                                      "32); the oldest beyond are dropped.")] = 32,
+    ctx_checkpoints: CtxCheckpointsOpt = 32,
     state_version: Annotated[int, typer.Option("--state-version", min=2, max=4,
                                                help="The server's state version: its loader accepts no other "
                                                     "(4: llama.cpp b11434 and later).")] = 4,
