@@ -31,9 +31,9 @@ def handle_errors(fn):
 def runtime_state_version() -> int | None:
     """The state version this llama-cpp-python reads and writes, or None when it cannot be imported."""
     try:
-        import llama_cpp
+        from slotctl.runtime.context import STATE_VERSION
 
-        return int(llama_cpp.LLAMA_STATE_SEQ_VERSION)
+        return STATE_VERSION
     except Exception:  # noqa: BLE001 - a broken runtime must not stop inspection
         return None
 
