@@ -38,6 +38,7 @@ from typing import Any
 import gguf
 
 from slotctl.errors import UsageError
+from slotctl.paths import open_regular
 from slotctl.format import ggml
 from slotctl.format.memory import MemoryLayout, SectionLayout
 from slotctl.runtime.settings import ContextSettings
@@ -351,12 +352,12 @@ def _is_array(field) -> bool:
 
 def _open_gguf(path: str) -> dict:
     """The key/value fields of the GGUF at ``path``; one-line :class:`UsageError` for anything unreadable."""
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise UsageError(f"model not found: {path}")
     if os.path.isdir(path):
         raise UsageError(f"model is a directory, not a GGUF file: {path}")
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, what="model ") as f:   # a FIFO, a device or a symlink loop: one line
             magic = f.read(4)
     except OSError as e:
         raise UsageError(f"cannot read model {path}: {e.strerror or e}") from None

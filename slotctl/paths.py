@@ -1,9 +1,18 @@
-"""Expanding the FILE... arguments of commands that take many slot files or a server's slot directory."""
+"""What a command may open, and expanding the FILE... arguments of commands that take many files.
+
+:func:`check_readable` is the one check of a path every command reads (slot files, ``-m``/``-md``
+models, ``restore``'s inputs): a regular file, or a usage error in one line. FIFOs, character and block
+devices and sockets are refused before they are opened (reading a FIFO blocks until a writer comes;
+reading ``/dev/zero`` never ends), and a symbolic link loop is named as one. :func:`open_regular` opens
+without blocking and checks what it opened, so a path swapped for a FIFO after the check cannot hang it.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
-from typing import Iterable
+import stat
+from typing import BinaryIO, Iterable
 
 from slotctl.errors import UsageError
 
@@ -13,13 +22,78 @@ def is_temp_file(name: str) -> bool:
     return name.startswith(".") and ".slotctl-" in name and name.endswith(".tmp")
 
 
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def _kind(mode: int) -> str:
+    for test, name in _KINDS:
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _stat_error(p: str, e: OSError, what: str) -> UsageError:
+    """The one-line usage error for a path that cannot be stat'ed or opened."""
+    reason = {errno.ENOENT: "no such file or directory", errno.ELOOP: "too many levels of symbolic links",
+              errno.EACCES: "permission denied", errno.ENOTDIR: "not a directory (a component of the path)",
+              errno.ENAMETOOLONG: "file name too long"}.get(e.errno, e.strerror or str(e))
+    return UsageError(f"{what}{p}: {reason}")
+
+
+def check_readable(path: str | os.PathLike, *, what: str = "") -> os.stat_result:
+    """The stat of ``path`` when it is a regular file this process may read; else a one-line UsageError.
+
+    ``what`` prefixes the message ("model " gives "model x.gguf: a FIFO, not a regular file").
+    """
+    p = os.fspath(path)
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        raise _stat_error(p, e, what) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{what}{p}: is a directory")
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{what}{p}: {_kind(st.st_mode)}, not a regular file")
+    if not os.access(p, os.R_OK):
+        raise UsageError(f"{what}{p}: permission denied")
+    return st
+
+
+def open_regular(path: str | os.PathLike, *, what: str = "") -> BinaryIO:
+    """``path`` opened for reading (binary, buffered), refused unless it is a regular file.
+
+    Opened with ``O_NONBLOCK`` (a FIFO opens at once instead of waiting for a writer) and checked with
+    ``fstat`` on what was opened, so the check and the read concern the same file.
+    """
+    p = os.fspath(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(p, flags)
+    except OSError as e:
+        raise _stat_error(p, e, what) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise UsageError(f"{what}{p}: is a directory")
+        if not stat.S_ISREG(mode):
+            raise UsageError(f"{what}{p}: {_kind(mode)}, not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def expand_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> list[str]:
     """Each file as given; each directory's regular files (not recursive, sorted).
 
     Temporary files of slotctl's atomic writes are skipped. Symbolic links inside a directory are skipped
     unless ``follow_symlinks`` (a command that only reads may follow them; one that rewrites files must
-    not). A path given twice (or a file also found in a given directory) is listed once. A missing path,
-    or one that is neither a file nor a directory, is a usage error.
+    not); so are FIFOs, devices and sockets. A path given twice (or a file also found in a given
+    directory) is listed once. A path given that is not a directory is checked by :func:`check_readable`
+    (missing, a FIFO or device, a symbolic link loop: a usage error).
     """
     out: list[str] = []
     seen: set[str] = set()
@@ -40,8 +114,7 @@ def expand_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = 
                 add(os.path.join(p, name))
         elif os.path.isfile(p):
             add(p)
-        elif os.path.lexists(p):
-            raise UsageError(f"{p}: not a regular file or a directory")
         else:
-            raise UsageError(f"{p}: no such file or directory")
+            check_readable(p)   # raises the usage error that names what the path is
+            raise UsageError(f"{p}: not a regular file or a directory")  # pragma: no cover - a race
     return out

@@ -25,6 +25,7 @@ from slotctl.format import tokens as tokfmt
 from slotctl.format.common import Span, TrackingReader, parse, parse_bytes
 from slotctl.format.header import StateHeader, header_size
 from slotctl.format.memory import MemoryLayout, candidate_layouts
+from slotctl.paths import open_regular
 
 SCAN_CHUNK = 1 << 20
 
@@ -277,7 +278,7 @@ def open_slot_file(path: str | os.PathLike, *, layout: MemoryLayout | None = Non
                    draft_layout: MemoryLayout | None = None) -> SlotFile:
     """Parse every layer of the slot file at ``path`` that can be found (see the module docstring)."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:   # a FIFO or a device is refused, never read
         size = os.fstat(f.fileno()).st_size
         sf = SlotFile(path, size)
         _walk(f, sf, layout, draft_layout)

@@ -39,13 +39,7 @@ def runtime_state_version() -> int | None:
 
 
 def check_file(path) -> None:
-    """A usage error (exit 2) for a path that is not a readable regular file."""
-    from slotctl.errors import UsageError
+    """A usage error (exit 2) for a path that is not a readable regular file (see :func:`check_readable`)."""
+    from slotctl.paths import check_readable
 
-    p = os.fspath(path)
-    if not os.path.exists(p):
-        raise UsageError(f"{p}: no such file")
-    if os.path.isdir(p):
-        raise UsageError(f"{p}: is a directory")
-    if not os.access(p, os.R_OK):
-        raise UsageError(f"{p}: permission denied")
+    check_readable(path)

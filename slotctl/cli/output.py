@@ -18,20 +18,29 @@ from rich.console import Console
 from rich.markup import escape as _markup_escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# C0 and C1 controls (not tab and newline), and the format characters that reorder or break a line
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape_char(c: str) -> str:
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
 
 
 def escape_text(text: str, *, keep_newlines: bool = True) -> str:
-    """Untrusted text made safe for a terminal: control characters as ``\\xNN`` (as gguf_dump does)."""
-    out = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    """Untrusted text made safe for a terminal: control characters as ``\\xNN`` (as gguf_dump does).
+
+    Bidirectional overrides and Unicode line separators become ``\\uNNNN``. Without ``keep_newlines``
+    (one-line messages) newline and tab are escaped too.
+    """
+    out = _CONTROL.sub(lambda m: _escape_char(m.group()), str(text))
     if not keep_newlines:
         out = out.replace("\n", "\\n").replace("\t", "\\t")
     return out
 
 
-def markup_safe(text: str) -> str:
+def markup_safe(text: str, *, keep_newlines: bool = True) -> str:
     """Untrusted text escaped for the terminal and for rich markup."""
-    return _markup_escape(escape_text(text))
+    return _markup_escape(escape_text(text, keep_newlines=keep_newlines))
 
 
 def elide(text: str, limit: int = 600) -> str:
@@ -76,16 +85,18 @@ class Output:
         self.console.print(*renderables)
 
     # -- messages -------------------------------------------------------------------------------
+    # Messages are one line each: whatever they quote (paths, file content, server text) is escaped,
+    # control characters and newlines included, so nothing from outside moves the cursor or splits them.
     def warn(self, message: str) -> None:
-        self.err.print(f"[yellow]warning:[/] {_markup_escape(message)}")
+        self.err.print(f"[yellow]warning:[/] {markup_safe(message, keep_newlines=False)}")
 
     def error(self, message: str) -> None:
-        self.err.print(f"[bold red]error:[/] {_markup_escape(message)}")
+        self.err.print(f"[bold red]error:[/] {markup_safe(message, keep_newlines=False)}")
 
     def log(self, message: str) -> None:
         """A progress note for people; only with --verbose."""
         if self.verbose:
-            self.err.print(f"[dim]{_markup_escape(message)}[/]")
+            self.err.print(f"[dim]{markup_safe(message, keep_newlines=False)}[/]")
 
     # -- progress -------------------------------------------------------------------------------
     @property

@@ -1,0 +1,139 @@
+"""Hostile paths: every command refuses what it must not open, in one escaped line, without hanging.
+
+Each case runs the real CLI in a child process with a time limit: a FIFO that is opened for reading
+blocks until a writer comes, so a regression shows as a timeout here, not as a stuck test run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slotctl.cli.output import Output, escape_text
+from slotctl.errors import UsageError
+from slotctl.paths import check_readable, expand_paths, open_regular
+
+from conftest import DATA
+
+SLOT = DATA / "srv-np1.bin"
+MODEL = DATA / "target.gguf"
+#: every read path of every command that needs no llama.cpp; {} is the hostile path
+COMMANDS = {
+    "inspect": ["inspect", "{}"],
+    "inspect -m": ["inspect", str(SLOT), "-m", "{}"],
+    "inspect -md": ["inspect", str(SLOT), "-md", "{}"],
+    "validate": ["validate", "{}", "--no-load"],
+    "validate -m": ["validate", str(SLOT), "-m", "{}", "--no-load"],
+    "strip-draft": ["strip-draft", "{}"],
+    "strip-draft -m": ["strip-draft", str(SLOT), "-m", "{}", "--dry-run"],
+}
+
+
+def run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "slotctl", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _args(cmd: str, path: Path) -> list[str]:
+    return [a.replace("{}", str(path)) for a in COMMANDS[cmd]]
+
+
+def _one_error_line(res: subprocess.CompletedProcess) -> str:
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert "Traceback" not in res.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    p = tmp_path / "slot.fifo"
+    os.mkfifo(p)
+    return p
+
+
+@pytest.fixture
+def loop(tmp_path):
+    a, b = tmp_path / "loop-a", tmp_path / "loop-b"
+    a.symlink_to(b)
+    b.symlink_to(a)
+    return a
+
+
+@pytest.mark.parametrize("cmd", list(COMMANDS))
+def test_fifo_is_refused_not_waited_on(cmd, fifo):
+    res = run(_args(cmd, fifo), timeout=30)   # a hang is a TimeoutExpired: the test fails
+    line = _one_error_line(res)
+    assert res.returncode == 2
+    assert f"{fifo}: a FIFO, not a regular file" in line
+
+
+@pytest.mark.parametrize("cmd", list(COMMANDS))
+def test_character_device_is_refused(cmd):
+    res = run(_args(cmd, Path("/dev/zero")), timeout=30)
+    assert res.returncode == 2
+    assert "/dev/zero: a character device, not a regular file" in _one_error_line(res)
+
+
+@pytest.mark.parametrize("cmd", list(COMMANDS))
+def test_symlink_loop_is_named(cmd, loop):
+    res = run(_args(cmd, loop), timeout=30)
+    assert res.returncode == 2
+    assert f"{loop}: too many levels of symbolic links" in _one_error_line(res)
+
+
+def test_hostile_path_stays_one_escaped_line(tmp_path):
+    """A path holding ESC sequences and a newline is shown escaped, on the one error line."""
+    bad = str(tmp_path / "x\033[2J\033[31my\nz.bin")
+    for args in (["inspect", bad], ["strip-draft", bad], ["validate", bad, "--no-load"]):
+        res = run(args)
+        line = _one_error_line(res)
+        assert res.returncode == 2
+        assert "\033" not in res.stderr
+        assert "x\\x1b[2J\\x1b[31my\\nz.bin: no such file or directory" in line
+
+
+def test_output_messages_escape_control_characters(capsys):
+    """warn, error and log each print one line; what they quote cannot move the cursor or add a line."""
+    out = Output(verbose=True)
+    hostile = "a\033]0;title\007b\rc\nd\te\u202ef[bold]g[/]"
+    out.warn(hostile)
+    out.error(hostile)
+    out.log(hostile)
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 3
+    for ln in lines:
+        assert not any(ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f for c in ln)
+        assert "a\\x1b]0;title\\x07b\\x0dc\\nd\\te\\u202ef[bold]g[/]" in ln
+
+
+def test_escape_text_keeps_printable_text():
+    assert escape_text("héllo wörld 日本 [x]") == "héllo wörld 日本 [x]"
+    assert escape_text("a\nb") == "a\nb"
+    assert escape_text("a\nb", keep_newlines=False) == "a\\nb"
+
+
+def test_check_readable_and_open_regular(tmp_path, fifo, loop):
+    f = tmp_path / "f.bin"
+    f.write_bytes(b"abc")
+    assert check_readable(f).st_size == 3
+    with open_regular(f) as fh:
+        assert fh.read() == b"abc"
+    for path, msg in ((fifo, "a FIFO, not a regular file"), (loop, "too many levels of symbolic links"),
+                      (tmp_path, "is a directory"), (tmp_path / "nope", "no such file or directory"),
+                      (Path("/dev/null"), "a character device, not a regular file")):
+        with pytest.raises(UsageError, match=msg):
+            check_readable(path)
+        with pytest.raises(UsageError, match=msg):
+            open_regular(path).close()
+
+
+def test_directory_skips_fifos_and_devices(tmp_path, fifo):
+    (tmp_path / "a.bin").write_bytes(SLOT.read_bytes())
+    assert expand_paths([tmp_path]) == [str(tmp_path / "a.bin")]
