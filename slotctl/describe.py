@@ -86,14 +86,14 @@ def _kv_shape(data):
 
 def section_layer_ids(info, role: str) -> list[int]:
     """The model's layers a section of role ``role`` holds records for, in record order
-    (``info``: a :class:`~slotctl.geometry.ModelInfo`)."""
+    (``info``: a :class:`~slotctl.model.info.ModelInfo`)."""
     if role == "recurrent":
         return list(info.recurrent_layer_ids())
     return list(info.kv_layers(role))
 
 
 def describe_memory(mem: Memory | None, info=None) -> dict | None:
-    """A payload or blob; with ``info`` (the model's :class:`~slotctl.geometry.ModelInfo`) each section
+    """A payload or blob; with ``info`` (the model's :class:`~slotctl.model.info.ModelInfo`) each section
     also names the model layers its records belong to (``layer_ids``; null without a model)."""
     if mem is None:
         return None
@@ -135,7 +135,7 @@ def describe_blob(b: Blob | None, info=None) -> dict | None:
 def describe_file(sf: SlotFile, *, tokens: bool = False, text: str | None = None,
                   runtime_version: int | None = None, info=None, draft_info=None) -> dict:
     """The whole file, as ``slotctl inspect --json`` prints it. ``info`` / ``draft_info``: the target and
-    draft models' :class:`~slotctl.geometry.ModelInfo`, which name the layers of each section."""
+    draft models' :class:`~slotctl.model.info.ModelInfo`, which name the layers of each section."""
     tk = sf.tokens
     prompt = None
     if tk is not None:

@@ -338,7 +338,7 @@ def _add_weights(
 #: the tiny models :func:`make_kind_model` makes, one per memory kind (two hybrids)
 KINDS = ("llama", "gemma2", "mamba", "lfm2", "jamba", "lfm2-swa")
 
-#: the memory each kind's model has in llama.cpp (``slotctl.geometry.ModelInfo.memory_kind``)
+#: the memory each kind's model has in llama.cpp (``slotctl.model.info.ModelInfo.memory_kind``)
 MEMORY_KINDS = {
     "llama": "kv",
     "gemma2": "iswa",

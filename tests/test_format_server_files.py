@@ -13,7 +13,8 @@ from slotctl.format import ggml
 from slotctl.format.appendix import build_sckp, build_sdft
 from slotctl.format.blob import blob_header
 from slotctl.format.convert import ConversionRefused, convert_payload
-from slotctl.geometry import read_model_info, rotation_rule
+from slotctl.model.info import read_model_info
+from slotctl.model.predict import rotation_rule
 from slotctl.format.tokens import pack_tokens
 from slotctl.slotfile import decode_tokens, open_slot_file, rebuild
 

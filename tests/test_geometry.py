@@ -1,4 +1,4 @@
-"""Predicting a slot file's memory layout from a GGUF and context settings (slotctl.geometry).
+"""Predicting a slot file's memory layout from a GGUF and context settings (slotctl.model).
 
 The real files were saved by llama-server b11434 from the GGUFs next to them (tests/data/README.md and
 tests/data/kinds/README.md give the server flags); the synthetic GGUFs written here carry only the
@@ -15,14 +15,9 @@ import pytest
 
 from slotctl.errors import UsageError
 from slotctl.format import ggml
-from slotctl.geometry import (
-    context_sizes,
-    predict,
-    read_model_info,
-    rotations,
-    swa_cells,
-)
-from slotctl.runtime.settings import ContextSettings
+from slotctl.model.info import read_model_info
+from slotctl.model.predict import context_sizes, predict, rotations, swa_cells
+from slotctl.model.settings import ContextSettings
 from slotctl.slotfile import open_slot_file
 
 from conftest import DATA

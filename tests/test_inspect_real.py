@@ -9,9 +9,10 @@ from typer.testing import CliRunner
 
 from slotctl.cli.app import app
 from slotctl.format.convert import convert_payload
-from slotctl.geometry import read_model_info, rotation_rule
+from slotctl.model.info import read_model_info
+from slotctl.model.predict import rotation_rule
 from slotctl.runtime.context import STATE_VERSION
-from slotctl.runtime.settings import ContextSettings
+from slotctl.model.settings import ContextSettings
 from slotctl.runtime.slot import ServerContexts, evaluate_prompt, write_slot_file
 from slotctl.slotfile import build_header, open_slot_file, rebuild
 from slotctl.testing import SAMPLE_PROMPT

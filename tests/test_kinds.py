@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from slotctl.cli.app import app
-from slotctl.geometry import read_model_info
+from slotctl.model.info import read_model_info
 from slotctl.runtime import Context, ContextSettings, Model
 from slotctl.runtime.slot import (
     SEQ_RM_FULL,

@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 from slotctl.cli.app import app
 from slotctl.errors import ExitStatus, UsageError
 from slotctl.format.appendix import SCKP_MAGIC, SDFT_MAGIC
-from slotctl.geometry import read_model_info
-from slotctl.runtime.settings import ContextSettings
+from slotctl.model.info import read_model_info
+from slotctl.model.settings import ContextSettings
 from slotctl.runtime.slot import ServerContexts, evaluate_prompt, write_slot_file
 from slotctl.slotfile import open_slot_file
 from slotctl.testing import SAMPLE_PROMPT, make_model, make_models
@@ -553,7 +553,8 @@ def test_a_state_version_the_server_does_not_load(models, tmp_path):
 
 
 def test_a_load_that_contradicts_the_prediction_is_a_finding():
-    from slotctl.validate import LayerCheck, _draft_side, _judge, _MemLayer, _target_side
+    from slotctl.validate import LayerCheck
+    from slotctl.validate.check import _draft_side, _judge, _MemLayer, _target_side
 
     def layer(side, predicted, issues=()):
         ml = _MemLayer(side, LayerCheck(side.layer, 0, 10, side.kind, predicted=predicted), 0, 10, False, 0,

@@ -46,12 +46,12 @@ def inspect(
     layout = draft_layout = None
     target_info = draft_info = None
     if model is not None:
-        from slotctl.geometry import read_model_info
+        from slotctl.model.info import read_model_info
 
         target_info = read_model_info(model)
         layout = target_info.layout()
     if draft_model is not None:
-        from slotctl.geometry import read_model_info
+        from slotctl.model.info import read_model_info
 
         draft_info = read_model_info(draft_model)
         draft_layout = draft_info.layout()

@@ -3,7 +3,7 @@
 ``slotctl slots`` and ``slotctl erase`` live here; ``save``, ``restore`` and ``validate`` take ``--server URL``
 and hand over to :func:`save_on_server`, :func:`restore_on_server` and :func:`learn_validate`.
 
-Every request goes through :mod:`slotctl.server_api`: bounded by ``--timeout``, the API key from
+Every request goes through :mod:`slotctl.server.http`: bounded by ``--timeout``, the API key from
 ``--api-key`` or ``LLAMA_API_KEY``; a refusal by the server exits 1, an unreachable server, a wrong key
 or a usage error exits 2, always with one line on stderr.
 """
@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperCommand
 
-from slotctl import server_api
+from slotctl.server import http as server_api
 from slotctl.cli.common import handle_errors
 from slotctl.cli.options import JsonOpt
 from slotctl.cli.output import Output, escape_text, markup_safe
@@ -470,7 +470,7 @@ def _model_identity(model: Path | None, meta: dict | None) -> list[str]:
     """Warnings when the local GGUF is not the server's model (GET /v1/models ``meta``)."""
     if model is None or not isinstance(meta, dict):
         return []
-    from slotctl.geometry import read_model_info
+    from slotctl.model.info import read_model_info
 
     try:
         info = read_model_info(model)

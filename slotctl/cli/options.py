@@ -46,9 +46,9 @@ ThreadsOpt = Annotated[int, typer.Option("--threads", "-t", min=0, help="CPU thr
 
 def context_settings(*, ctx_size: int, parallel: int, kv_unified: bool, cache_type_k: str, cache_type_v: str,
                      flash_attn: str, batch_size: int = 2048, ubatch_size: int = 512, swa_full: bool = False):
-    """The flags as a :class:`~slotctl.runtime.settings.ContextSettings`; bad values are usage errors."""
+    """The flags as a :class:`~slotctl.model.settings.ContextSettings`; bad values are usage errors."""
     from slotctl.errors import UsageError
-    from slotctl.runtime.settings import ContextSettings
+    from slotctl.model.settings import ContextSettings
 
     try:
         return ContextSettings(n_ctx=ctx_size, n_parallel=parallel, kv_unified=kv_unified, type_k=cache_type_k,

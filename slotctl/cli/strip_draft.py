@@ -74,7 +74,7 @@ def _layout(model: Path | None):
     """The memory layout the GGUF ``model`` predicts, or None."""
     if model is None:
         return None
-    from slotctl.geometry import read_model_info
+    from slotctl.model.info import read_model_info
 
     return read_model_info(model).layout()
 

@@ -56,7 +56,7 @@ def _locate(data: bytes, layout: MemoryLayout, version: int, layer: str):
 
 
 #: ``(section role, K type id, V type id) -> (n_rot_k, n_rot_v)``: the rotations llama.cpp applies to a
-#: cache of the model (:func:`slotctl.geometry.rotation_rule` makes one from a GGUF)
+#: cache of the model (:func:`slotctl.model.predict.rotation_rule` makes one from a GGUF)
 RotationRule = Callable[[str, int, int], Tuple[int, int]]
 
 

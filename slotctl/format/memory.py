@@ -1,7 +1,7 @@
 """Layer 2: the memory payload, a concatenation of sections whose kinds the file does not name.
 
 A :class:`MemoryLayout` lists the sections a memory kind writes; the GGUF says which layout applies
-(:mod:`slotctl.geometry`), or, without it, :func:`candidate_layouts` lists the layouts worth trying.
+(:mod:`slotctl.model`), or, without it, :func:`candidate_layouts` lists the layouts worth trying.
 """
 
 from __future__ import annotations

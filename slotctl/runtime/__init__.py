@@ -1,15 +1,14 @@
 """Everything in slotctl that runs llama.cpp (through llama-cpp-python's low-level bindings).
 
-- ``settings``: ``ContextSettings``, the llama-server options that decide a slot's memory layout
-  (pure Python);
 - ``model``: ``Model``, a GGUF loaded on the CPU, with the server's tokenization; ``LlamaError``;
 - ``context``: ``Context``, built from both the way the server builds its target and draft
   contexts: decoding, sequence edits, state blobs and state files; the state flags and version;
 - ``generate``: ``generate_greedy``;
 - ``log``: ``configure_logging``, where llama.cpp's log goes.
 
-The names are importable from here too. They load lazily, so that importing
-``slotctl.runtime.settings`` does not load the llama.cpp library.
+The names are importable from here too (and ``ContextSettings``, the context options, from
+:mod:`slotctl.model.settings`). They load lazily: importing this package does not load the llama.cpp
+library.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import importlib
 from typing import Any
 
 _MODULE_OF = {
-    "ContextSettings": "settings",
+    "ContextSettings": "slotctl.model.settings",
     "LOAD_STEPS": "model",
     "LlamaError": "model",
     "Model": "model",
@@ -40,4 +39,5 @@ __all__ = sorted(_MODULE_OF)
 def __getattr__(name: str) -> Any:
     if name not in _MODULE_OF:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    module = _MODULE_OF[name]
+    return getattr(importlib.import_module(module if "." in module else f"{__name__}.{module}"), name)

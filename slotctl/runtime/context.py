@@ -24,7 +24,7 @@ import numpy as np
 
 from slotctl.runtime.log import capture_errors
 from slotctl.runtime.model import LlamaError, Model, Progress
-from slotctl.runtime.settings import DRAFT_CACHE_TYPE_DEFAULT, FLASH_ATTN_TYPES, ContextSettings
+from slotctl.model.settings import DRAFT_CACHE_TYPE_DEFAULT, FLASH_ATTN_TYPES, ContextSettings
 
 #: ``llama_state_seq_flags``: the whole state of the sequence
 STATE_FLAGS_NONE = llama_cpp.LLAMA_STATE_SEQ_FLAGS_NONE

@@ -46,7 +46,8 @@ from slotctl.format.common import parse
 from slotctl.format.convert import convert_blob, convert_payload
 from slotctl.format.header import HEADER_FIXED_SIZE, STATE_SEQ_MAGIC, StateHeader, header_size
 from slotctl.format.memory import MemoryLayout
-from slotctl.geometry import ModelInfo, read_model_info, rotation_rule
+from slotctl.model.info import ModelInfo, read_model_info
+from slotctl.model.predict import rotation_rule
 from slotctl.runtime.context import STATE_VERSION, Context
 from slotctl.runtime.slot import Checkpoint, ServerContexts
 from slotctl.slotfile import Memory, decode_tokens, parse_memory

@@ -42,10 +42,11 @@ from slotctl.format import appendix as apx
 from slotctl.format.blob import BLOB_HEADER_SIZE
 from slotctl.format.convert import convert_blob, convert_payload
 from slotctl.format.tokens import pack_tokens
-from slotctl.geometry import ModelInfo, read_model_info, rotation_rule
+from slotctl.model.info import ModelInfo, read_model_info
+from slotctl.model.predict import rotation_rule
 from slotctl.runtime.context import STATE_FLAGS_NONE, STATE_FLAGS_PARTIAL_ONLY, STATE_VERSION, Context
 from slotctl.runtime.model import Model
-from slotctl.runtime.settings import DRAFT_CACHE_TYPE_DEFAULT, ContextSettings
+from slotctl.model.settings import DRAFT_CACHE_TYPE_DEFAULT, ContextSettings
 from slotctl.slotfile import build_header
 
 Progress = Callable[[int, int], None]

@@ -1,44 +1,10 @@
-"""Will a llama-server restore this slot file, completely? (``slotctl validate``)
-
-Three checks, each adding :class:`~slotctl.findings.Finding` objects to a :class:`FileReport`:
-
-1. **Structure** (always): every layer as ``inspect`` parses it, plus the server's own rules
-   (:func:`slotctl.findings.structural_findings` with :class:`~slotctl.findings.ServerRules`).
-2. **Prediction** (with ``-m``, and ``-md`` for the draft): :func:`slotctl.geometry.predict` says what
-   the contexts of a server started with the given flags hold, and each memory layer of the file is
-   compared with it the way llama.cpp's loader compares (``state_read_meta`` / ``state_read_data``):
-   the target payload with the target context, each checkpoint's target and draft blobs (PARTIAL_ONLY)
-   with the target and draft contexts, the SDFT draft blob with the draft context. The tokens are
-   checked as the server checks them after restoring the target.
-3. **Real check** (with ``-m``, unless turned off): each memory layer is loaded into real contexts
-   built with those flags, in a child process (:class:`LoadChecker` over a :class:`ChildProcess`), so that
-   an abort inside llama.cpp becomes a finding. A version-4 layer is converted to this runtime's version 3
-   first (:func:`slotctl.format.convert.convert_payload`); when that is refused the layer is not loaded and the
-   prediction alone decides. Prediction and load must agree; where they do not, the disagreement is a
-   finding of its own (``prediction_disagrees``).
-
-What a finding costs depends on the layer (the server change in ``seed/000_be707a6df623abc0.txt`` and
-``common_prompt_checkpoint::load_tgt`` in b11434):
-
-* state header, token words, target memory: the server refuses the file ("Unable to restore slot");
-* the SDFT draft state: the server restores the file and drops the draft state (the draft starts empty);
-* a damaged SCKP appendix: the server ignores every checkpoint;
-* a checkpoint blob that does not fit its context: the server keeps it (the appendix loader only checks
-  lengths) and **aborts** (``GGML_ABORT("checkpoint size mismatch")``) when it rolls back to it.
-
-Each checked layer has a :class:`LayerCheck` saying what the prediction and the load found and what the
-server does (its ``effect``); the file's ``verdict`` follows from the effects (:data:`VERDICTS`).
-"""
+"""One file against one server setup: the per-layer comparison with the prediction, the verdict, and
+the real check's requests (the package's docstring tells the whole story)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import re
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -46,225 +12,35 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from slotctl.paths import expand_paths
-from slotctl.errors import ExitStatus, FormatError, UsageError
-from slotctl.findings import DEFAULT_CTX_CHECKPOINTS, Finding, ServerRules, structural_findings
+from slotctl.errors import FormatError
+from slotctl.findings import Finding, ServerRules, structural_findings
 from slotctl.format import ggml
-from slotctl.format.blob import BLOB_HEADER_SIZE
 from slotctl.format.memory import MemoryLayout, SectionLayout
-from slotctl.geometry import ModelInfo, Prediction, SectionPrediction, predict, read_model_info
-from slotctl.runtime.settings import DRAFT_CACHE_TYPE_DEFAULT, ContextSettings
+from slotctl.model.info import ModelInfo
+from slotctl.model.predict import Prediction, SectionPrediction
 from slotctl.slotfile import Blob, Memory, SlotFile, open_slot_file, parse_blob
-
-#: the state version of the servers that write SCKP and SDFT appendices (llama.cpp b11434 and later)
-SERVER_STATE_VERSION = 4
-#: llama.cpp's state flags the server restores with
-FLAGS_NONE = 0
-FLAGS_PARTIAL_ONLY = 1
-
-# what a layer's problems make the server do (LayerCheck.effect), worst last
-EFFECT_OK = "ok"
-EFFECT_DROPPED = "dropped"           # restored without this layer
-EFFECT_ABORTS_LATER = "aborts_later"  # restored; aborts when the server rolls back to this checkpoint
-EFFECT_REFUSED = "refused"           # "Unable to restore slot"
-EFFECT_ABORTS = "aborts"             # llama.cpp aborts the server while restoring
-
-#: ``FileReport.verdict`` values, from best to worst
-VERDICTS = ("restores", "restores_with_drops", "aborts", "refused", "unreadable")
-
-# LayerCheck.predicted / .loaded
-FITS = "fits"
-MISMATCH = "mismatch"
-REFUSED = "refused"
-PARTIAL = "partial"
-ABORTED = "aborted"
-SKIPPED = "skipped"
-
-TARGET = "target memory"
-DRAFT = "draft"
-
-
-# -- what the server is --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ServerSetup:
-    """The llama-server a file is validated against: models and flags.
-
-    ``target`` / ``draft``: ``-m`` / ``-md`` (both None: structure only). ``settings``: the target
-    context's flags; the draft context is derived from them as the server derives it
-    (:meth:`ContextSettings.for_draft` with ``draft_type_k`` / ``draft_type_v``, ``-ctkd`` / ``-ctvd``).
-    ``slot``: the slot restored into. ``mmproj``: the server has a multimodal projector (``--mmproj``).
-    ``n_ctx_checkpoints``: ``--ctx-checkpoints``. ``state_version``: the state version of the server
-    (its loader accepts no other). ``attn_rot_disable``: the server runs with ``LLAMA_ATTN_ROT_DISABLE``.
-    """
-
-    target: Path | None = None
-    draft: Path | None = None
-    settings: ContextSettings = ContextSettings()
-    draft_type_k: str = DRAFT_CACHE_TYPE_DEFAULT
-    draft_type_v: str = DRAFT_CACHE_TYPE_DEFAULT
-    slot: int = 0
-    mmproj: bool = False
-    n_ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS
-    state_version: int = SERVER_STATE_VERSION
-    attn_rot_disable: bool = False
-
-    def __post_init__(self) -> None:
-        if self.draft is not None and self.target is None:
-            raise UsageError("a draft model (-md) needs a target model (-m)")
-        if not 0 <= self.slot < self.settings.n_parallel:
-            raise UsageError(f"--slot {self.slot}: the server has slots 0..{self.settings.n_parallel - 1} "
-                             f"(-np {self.settings.n_parallel})")
-        for name, value in (("-ctkd", self.draft_type_k), ("-ctvd", self.draft_type_v)):
-            if value.lower() not in ggml.CACHE_TYPE_NAMES:
-                raise UsageError(f"{name}: unknown cache type {value!r}; expected one of "
-                                 f"{', '.join(ggml.CACHE_TYPE_NAMES)}")
-        if self.n_ctx_checkpoints < 0:
-            raise UsageError("--ctx-checkpoints must not be negative")
-
-    @property
-    def draft_settings_types(self) -> tuple[str, str]:
-        return self.draft_type_k.lower(), self.draft_type_v.lower()
-
-    def as_dict(self) -> dict:
-        return {
-            "model": os.fspath(self.target) if self.target else None,
-            "draft_model": os.fspath(self.draft) if self.draft else None,
-            "settings": dataclasses.asdict(self.settings),
-            "draft_type_k": self.draft_type_k.lower(),
-            "draft_type_v": self.draft_type_v.lower(),
-            "slot": self.slot,
-            "mmproj": self.mmproj,
-            "ctx_checkpoints": self.n_ctx_checkpoints,
-            "state_version": self.state_version,
-            "attn_rot_disable": self.attn_rot_disable,
-        }
-
-
-class Models:
-    """The setup's model infos and predictions (one per state version, made when first asked for).
-
-    Construction reads the GGUF headers and predicts for the server's own state version, so that
-    settings llama.cpp refuses and models slotctl cannot predict are usage errors before any file is read.
-    """
-
-    def __init__(self, setup: ServerSetup):
-        self.setup = setup
-        self.target: ModelInfo | None = read_model_info(setup.target) if setup.target else None
-        self.draft: ModelInfo | None = read_model_info(setup.draft) if setup.draft else None
-        self._cache: dict[int, tuple[Prediction | None, Prediction | None]] = {}
-        if self.target is not None:
-            self.predictions(setup.state_version)
-
-    def predictions(self, version: int) -> tuple[Prediction | None, Prediction | None]:
-        """(target, draft) predictions for files of state ``version``."""
-        if version not in self._cache:
-            s = self.setup
-            tp = dp = None
-            if self.target is not None:
-                tp = predict(self.target, s.settings, version, attn_rot_disable=s.attn_rot_disable)
-                if self.draft is not None:
-                    dsettings = s.settings.for_draft(tp.n_ctx, *s.draft_settings_types)
-                    dp = predict(self.draft, dsettings, version, attn_rot_disable=s.attn_rot_disable)
-            self._cache[version] = (tp, dp)
-        return self._cache[version]
-
-    def describe(self) -> dict:
-        tp, dp = self.predictions(self.setup.state_version) if self.target else (None, None)
-        out: dict = {"target_context": None, "draft_context": None, "n_ctx_slot": None}
-        for key, p, info in (("target_context", tp, self.target), ("draft_context", dp, self.draft)):
-            if p is not None:
-                out[key] = {"arch": info.arch, "memory": info.layout().describe(), "n_ctx": p.n_ctx,
-                            "n_ctx_seq": p.n_ctx_seq, "n_stream": p.n_stream, "flash_attn": p.flash_attn,
-                            "type_k": p.settings.type_k, "type_v": p.settings.type_v}
-        if tp is not None:
-            out["n_ctx_slot"] = tp.n_ctx_slot
-        return out
-
-
-# -- results ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class LayerCheck:
-    """One memory layer of a file, checked against its context.
-
-    ``predicted``: "fits", "mismatch" or None (no prediction: no model for it). ``loaded``: "fits",
-    "refused", "partial" (llama.cpp read fewer bytes than the layer holds), "aborted", "skipped" or
-    None (not loaded). ``loader_messages``: what llama.cpp logged when it refused or aborted; ``reason``:
-    why it was skipped. ``effect``: what the server does with this layer (see the module docstring).
-    """
-
-    layer: str
-    offset: int | None
-    size: int | None
-    context: str                      # "target" or "draft"
-    predicted: str | None = None
-    loaded: str | None = None
-    loader_messages: list[str] = field(default_factory=list)
-    reason: str | None = None
-    effect: str = EFFECT_OK
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclass
-class FileReport:
-    path: str
-    size: int | None = None
-    version: int | None = None
-    findings: list[Finding] = field(default_factory=list)
-    checks: list[LayerCheck] = field(default_factory=list)
-    verdict: str = "restores"
-    #: effects of findings on layers that are not memory layers (header, tokens, appendices)
-    effects: list[str] = field(default_factory=list, repr=False)
-
-    @property
-    def exit_status(self) -> ExitStatus:
-        if self.verdict == "unreadable":
-            return ExitStatus.USAGE
-        return ExitStatus.OK if self.verdict == "restores" else ExitStatus.FAILED
-
-    def counts(self) -> dict:
-        return {s: sum(f.severity == s for f in self.findings) for s in ("error", "drop", "note")}
-
-    def as_dict(self) -> dict:
-        return {
-            "path": self.path,
-            "size": self.size,
-            "version": self.version,
-            "verdict": self.verdict,
-            "exit_code": int(self.exit_status),
-            "counts": self.counts(),
-            "findings": [f.as_dict() for f in self.findings],
-            "checks": [c.as_dict() for c in self.checks],
-        }
-
-
-@dataclass
-class Report:
-    files: list[FileReport]
-    setup: ServerSetup
-    server: dict
-    real_check: bool
-
-    @property
-    def exit_status(self) -> ExitStatus:
-        return max((f.exit_status for f in self.files), default=ExitStatus.OK)
-
-    def summary(self) -> dict:
-        out = {"files": len(self.files)}
-        out.update({v: sum(f.verdict == v for f in self.files) for v in VERDICTS})
-        return out
-
-    def as_dict(self) -> dict:
-        return {
-            "server": {**self.setup.as_dict(), **self.server, "real_check": self.real_check},
-            "files": [f.as_dict() for f in self.files],
-            "summary": self.summary(),
-            "exit_code": int(self.exit_status),
-        }
+from slotctl.validate.child import ChildProcess, LoadChecker, _layout_dict
+from slotctl.validate.report import (
+    ABORTED,
+    DRAFT,
+    EFFECT_ABORTS,
+    EFFECT_ABORTS_LATER,
+    EFFECT_DROPPED,
+    EFFECT_OK,
+    EFFECT_REFUSED,
+    FITS,
+    FLAGS_NONE,
+    FLAGS_PARTIAL_ONLY,
+    MISMATCH,
+    PARTIAL,
+    REFUSED,
+    SKIPPED,
+    TARGET,
+    FileReport,
+    LayerCheck,
+    Report,
+)
+from slotctl.validate.setup import Models, ServerSetup
 
 
 # -- the sides of a comparison ---------------------------------------------------------------------------
@@ -861,18 +637,6 @@ def _token_issues(sf: SlotFile, tpred: Prediction, tinfo: ModelInfo, setup: Serv
 # -- the real check ---------------------------------------------------------------------------------------
 
 
-def _layout_dict(layout: MemoryLayout | None) -> dict | None:
-    if layout is None:
-        return None
-    return {"kind": layout.kind, "sections": [dataclasses.asdict(s) for s in layout.sections]}
-
-
-def _layout_from_dict(d: dict | None) -> MemoryLayout | None:
-    if d is None:
-        return None
-    return MemoryLayout(d["kind"], tuple(SectionLayout(**s) for s in d["sections"]))
-
-
 def _real_check(layers: list[_MemLayer], checker: LoadChecker, sf: SlotFile, setup: ServerSetup,
                 tpred: Prediction | None, dpred: Prediction | None) -> list[_Issue]:
     """Load each layer (results on the layers); returns the findings about the file as a whole."""
@@ -1003,261 +767,6 @@ def _disagree(ml: _MemLayer, message: str) -> _Issue:
     if ml.side.kind == "draft" and not ml.side.layer.startswith("checkpoint"):
         effect = EFFECT_DROPPED
     return _Issue(Finding(ml.side.layer, "error", "prediction_disagrees", message, ml.span_offset), effect)
-
-
-class ChildProcess:
-    """A child Python process running :func:`worker_main`, which loads layers into real contexts.
-
-    Requests and replies are JSON lines (stdin / stdout of the child; whatever llama.cpp prints goes to
-    the child's stderr, kept in a temporary file unless ``verbose``). :meth:`ask` returns None when the
-    child died answering, and :meth:`death` then says how: the assertion llama.cpp printed, the signal.
-    The next :meth:`ask` starts a new child. One child serves any number of :class:`LoadChecker`
-    objects, one after the other (each sends its own ``init`` when the child holds another's contexts).
-    """
-
-    def __init__(self, *, verbose: bool = False):
-        self.verbose = verbose
-        self.started = 0
-        #: the init message whose contexts the running child holds, and its reply
-        self.current_init: dict | None = None
-        self.current_reply: dict | None = None
-        self._proc: subprocess.Popen | None = None
-        self._stderr = None if verbose else tempfile.TemporaryFile()
-        self._mark = 0
-        self._rc: int | None = None
-
-    def __enter__(self) -> ChildProcess:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _start(self) -> None:
-        import slotctl
-
-        root = os.path.dirname(os.path.dirname(os.path.abspath(slotctl.__file__)))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env["GGML_NO_BACKTRACE"] = "1"      # no debugger attaching to an aborting child
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from slotctl.validate import worker_main; worker_main()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=env)
-        self.started += 1
-        self.current_init = None
-
-    def ask(self, message: dict) -> dict | None:
-        """Send one request and wait for its reply; None when the child died first."""
-        if self._proc is None:
-            self._start()
-        proc = self._proc
-        if self._stderr is not None:
-            self._stderr.seek(0, os.SEEK_END)
-            self._mark = self._stderr.tell()
-        try:
-            proc.stdin.write((json.dumps(message) + "\n").encode())
-            proc.stdin.flush()
-            line = proc.stdout.readline()
-        except OSError:
-            line = b""
-        if line:
-            return json.loads(line)
-        proc.wait()
-        self._rc = proc.returncode
-        proc.stdout.close()
-        proc.stdin.close()
-        self._proc, self.current_init = None, None
-        return None
-
-    @property
-    def aborted(self) -> bool:
-        """Whether the child that died last was killed by a signal (SIGABRT: an abort in llama.cpp)."""
-        return self._rc is not None and self._rc < 0
-
-    def death(self) -> str:
-        """How the child that died last died: the assertion llama.cpp printed, and the signal or exit code."""
-        rc = self._rc
-        text = ""
-        if self._stderr is not None:
-            self._stderr.seek(self._mark)
-            text = self._stderr.read().decode("utf-8", errors="replace")
-        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-        ggml_lines = [ln for ln in lines if "GGML_ASSERT" in ln or "GGML_ABORT" in ln or "error" in ln.lower()]
-        said = ggml_lines[-1] if ggml_lines else (lines[-1] if lines else "")
-        m = re.match(r"^(\S+?):(\d+): (.*)$", said)
-        if m:  # ggml_abort's "/full/path/file.cpp:LINE: message": keep the file's name
-            said = f"{os.path.basename(m.group(1))}:{m.group(2)}: {m.group(3)}"
-        how = f"killed by signal {-rc}" if rc is not None and rc < 0 else f"exit code {rc}"
-        return f"{said} ({how})" if said else how
-
-    def close(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            try:
-                proc.stdin.close()
-            except OSError:
-                pass
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            proc.stdout.close()
-        if self._stderr is not None:
-            self._stderr.close()
-            self._stderr = None
-
-
-class LoadChecker:
-    """Loads memory layers into real contexts, as a server started with ``setup`` would, in a child process.
-
-    The child (:class:`ChildProcess`, running :func:`worker_main`) loads the models and builds the
-    contexts once (:meth:`slotctl.runtime.slot.ServerContexts.open`), then answers one request per layer:
-    read the bytes from the file, convert them to the runtime's state version, restore them into the slot
-    (``llama_state_seq_set_data_ext``, after emptying it) and say whether every byte was consumed, with
-    llama.cpp's reasons when not. An abort inside llama.cpp kills only the child: the layer is reported as
-    aborted, with the assertion llama.cpp printed, and the next request starts a new child.
-
-    ``child``: a :class:`ChildProcess` to share (left open by :meth:`close`); by default one of its own.
-    """
-
-    def __init__(self, setup: ServerSetup, *, verbose: bool = False, child: ChildProcess | None = None):
-        if setup.target is None:
-            raise UsageError("the real check needs a target model (-m)")
-        self.setup = setup
-        self.failure: str | None = None
-        self.runtime_version: int | None = None
-        self._own = child is None
-        self.child = child or ChildProcess(verbose=verbose)
-        self._contexts: dict | None = None
-        s = setup
-        self._init = {"init": True, "target": os.fspath(s.target), "draft": os.fspath(s.draft) if s.draft else None,
-                      "settings": dataclasses.asdict(s.settings), "draft_type_k": s.draft_type_k.lower(),
-                      "draft_type_v": s.draft_type_v.lower(), "verbose": self.child.verbose}
-
-    def __enter__(self) -> LoadChecker:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _ready(self) -> bool:
-        """Make the child hold this setup's contexts; False (``failure`` says why) when it cannot."""
-        if self.failure is not None:
-            return False
-        reply = self.child.current_reply if self.child.current_init == self._init else self.child.ask(self._init)
-        if reply is None:
-            self.failure = f"the child process died building the contexts ({self.child.death()})"
-        elif not reply.get("ok"):
-            self.failure = f"cannot build the contexts here: {reply.get('error')}"
-        else:
-            self.child.current_init, self.child.current_reply = self._init, reply
-            self._contexts = {"target": reply["target"], "draft": reply.get("draft")}
-            self.runtime_version = reply["state_version"]
-            return True
-        return False
-
-    def contexts(self) -> dict | None:
-        """What the child built (``n_ctx``, ``n_ctx_seq``, ... of each context), or None when it could
-        not (``failure`` says why)."""
-        return self._contexts if self._ready() else None
-
-    def load(self, step: dict) -> dict:
-        """Load one layer; the result has ``status`` ("fits", "refused", "partial", "aborted",
-        "skipped"), ``consumed``, ``expected``, ``errors`` (llama.cpp's messages) and ``reason``."""
-        if not self._ready():
-            return {"status": SKIPPED, "reason": self.failure}
-        reply = self.child.ask(step)
-        if reply is not None:
-            return reply
-        if self.child.aborted:
-            return {"status": ABORTED, "errors": [self.child.death()], "consumed": 0, "expected": None}
-        return {"status": SKIPPED, "reason": f"the child process failed ({self.child.death()})"}
-
-    def close(self) -> None:
-        if self._own:
-            self.child.close()
-
-
-def worker_main() -> None:
-    """The child of :class:`LoadChecker`: JSON requests on stdin, one JSON reply per line on stdout.
-
-    ``init`` requests (re)build the contexts; every other request loads one layer.
-    """
-    proto = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)            # whatever llama.cpp prints goes to stderr, never into the replies
-
-    def reply(obj: dict) -> None:
-        proto.write(json.dumps(obj) + "\n")
-        proto.flush()
-
-    from slotctl.runtime.context import STATE_VERSION
-    from slotctl.runtime.log import configure_logging
-    from slotctl.runtime.slot import ServerContexts
-
-    sc = None
-    for line in sys.stdin:
-        msg = json.loads(line)
-        if msg.get("init"):
-            if sc is not None:
-                sc.close()
-                sc = None
-            configure_logging(bool(msg.get("verbose")))
-            try:
-                sc = ServerContexts.open(msg["target"], ContextSettings(**msg["settings"]), draft_path=msg["draft"],
-                                         draft_type_k=msg["draft_type_k"], draft_type_v=msg["draft_type_v"])
-            except Exception as e:  # noqa: BLE001 - any failure is reported to the parent
-                reply({"ok": False, "error": str(e)})
-                continue
-            reply({"ok": True, "state_version": STATE_VERSION, "target": _ctx_info(sc.target),
-                   "draft": _ctx_info(sc.draft) if sc.draft is not None else None})
-            continue
-        try:
-            reply(_load_step(sc, msg, STATE_VERSION))
-        except Exception as e:  # noqa: BLE001 - a failure of this process is not llama.cpp's verdict
-            reply({"status": SKIPPED, "reason": f"internal error: {type(e).__name__}: {e}"})
-
-
-def _ctx_info(c) -> dict:
-    return {"n_ctx": c.n_ctx, "n_ctx_seq": c.n_ctx_seq, "n_seq_max": c.n_seq_max, "n_ctx_slot": c.n_ctx_slot}
-
-
-def _load_step(sc, step: dict, state_version: int) -> dict:
-    """Read, convert and restore one layer (in the child), holding as few copies of it as it can: one
-    for a layer of this runtime's version, three at the peak of a conversion (:func:`convert_payload`)."""
-    from slotctl.format.blob import blob_header
-    from slotctl.format.convert import convert_payload
-    from slotctl.geometry import rotation_rule
-
-    ctx = sc.target if step["ctx"] == "target" else sc.draft
-    info = sc.target_info if step["ctx"] == "target" else sc.draft_info
-    size = step["size"]
-    with open(step["path"], "rb") as f:
-        f.seek(step["offset"])
-        if step["blob"]:
-            header, size = f.read(min(size, BLOB_HEADER_SIZE)), max(size - BLOB_HEADER_SIZE, 0)
-        else:
-            header = blob_header(step["slot"])
-        if step["version"] == state_version:
-            buf = bytearray(len(header) + size)
-            buf[:len(header)] = header
-            got = f.readinto(memoryview(buf)[len(header):])
-            del buf[len(header) + got:]
-        else:
-            payload = f.read(size)
-            try:
-                payload = convert_payload(payload, _layout_from_dict(step["layout"]), step["version"], state_version,
-                                          rotations=rotation_rule(info), layer=f"{step['ctx']} layer")
-            except FormatError as e:
-                return {"status": SKIPPED, "reason": f"its conversion to state version {state_version} (this "
-                                                     f"runtime's) is refused: {e.expected}"}
-            buf = bytearray(header)
-            buf += payload
-            del payload
-    slot = step["slot"]
-    ctx.seq_rm(slot)
-    n = ctx.state_seq_set(buf, slot, step["flags"])
-    status = FITS if n == len(buf) or (n and step.get("prefix")) else (PARTIAL if n else REFUSED)
-    return {"status": status, "consumed": n, "expected": len(buf), "errors": ctx.last_errors}
 
 
 # -- many files -------------------------------------------------------------------------------------------

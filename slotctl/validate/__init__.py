@@ -1,0 +1,45 @@
+"""Will a llama-server restore this slot file, completely? (``slotctl validate``)
+
+Three checks, each adding :class:`~slotctl.findings.Finding` objects to a :class:`FileReport`:
+
+1. **Structure** (always): every layer as ``inspect`` parses it, plus the server's own rules
+   (:func:`slotctl.findings.structural_findings` with :class:`~slotctl.findings.ServerRules`).
+2. **Prediction** (with ``-m``, and ``-md`` for the draft): :func:`slotctl.model.predict.predict` says what
+   the contexts of a server started with the given flags hold, and each memory layer of the file is
+   compared with it the way llama.cpp's loader compares (``state_read_meta`` / ``state_read_data``):
+   the target payload with the target context, each checkpoint's target and draft blobs (PARTIAL_ONLY)
+   with the target and draft contexts, the SDFT draft blob with the draft context. The tokens are
+   checked as the server checks them after restoring the target.
+3. **Real check** (with ``-m``, unless turned off): each memory layer is loaded into real contexts
+   built with those flags, in a child process (:class:`~slotctl.validate.child.LoadChecker` over a
+   :class:`~slotctl.validate.child.ChildProcess`), so that an abort inside llama.cpp becomes a finding. A version-4 layer is converted to this runtime's version 3
+   first (:func:`slotctl.format.convert.convert_payload`); when that is refused the layer is not loaded and the
+   prediction alone decides. Prediction and load must agree; where they do not, the disagreement is a
+   finding of its own (``prediction_disagrees``).
+
+What a finding costs depends on the layer (the server change in ``seed/000_be707a6df623abc0.txt`` and
+``common_prompt_checkpoint::load_tgt`` in b11434):
+
+* state header, token words, target memory: the server refuses the file ("Unable to restore slot");
+* the SDFT draft state: the server restores the file and drops the draft state (the draft starts empty);
+* a damaged SCKP appendix: the server ignores every checkpoint;
+* a checkpoint blob that does not fit its context: the server keeps it (the appendix loader only checks
+  lengths) and **aborts** (``GGML_ABORT("checkpoint size mismatch")``) when it rolls back to it.
+
+Each checked layer has a :class:`LayerCheck` saying what the prediction and the load found and what the
+server does (its ``effect``); the file's ``verdict`` follows from the effects (:data:`VERDICTS`).
+
+Modules: ``setup`` (the server: models, flags, predictions), ``check`` (one file: layers, comparison,
+verdict), ``report`` (results), ``child`` (the real check's parent side) and ``worker`` (the child process,
+the only part that imports llama.cpp, through :mod:`slotctl.runtime`).
+"""
+
+from __future__ import annotations
+
+from slotctl.validate.check import validate_file, validate_paths
+from slotctl.validate.child import ChildProcess, LoadChecker
+from slotctl.validate.report import VERDICTS, FileReport, LayerCheck, Report
+from slotctl.validate.setup import Models, ServerSetup
+
+__all__ = ["VERDICTS", "ChildProcess", "FileReport", "LayerCheck", "LoadChecker", "Models", "Report",
+           "ServerSetup", "validate_file", "validate_paths"]
