@@ -41,7 +41,7 @@ class ServerRules:
     exactly). ``mmproj``: the server has a multimodal projector (``--mmproj``), without which a prompt
     with media chunks is refused.
 
-    With rules, findings follow the server of the seed change (seed/000_be707a6df623abc0.txt) and
+    With rules, findings follow the server of llama.cpp ea736c1d5 (``load_slot_draft``) and
     b11434's ``common_prompt_checkpoint::load_tgt``: the checkpoint appendix loader checks framing and
     lengths only, so a checkpoint blob that is damaged inside is kept, and the server aborts
     (``GGML_ABORT("checkpoint size mismatch")``) when it rolls back to it: an ``error`` on the layer

@@ -24,3 +24,83 @@ def test_readme_quick_start_matches_ci():
     assert commands[0] == "pip install . && slotctl demo"
     test_cmd = commands[1]
     assert test_cmd.replace("pip ", "python3 -m pip ").replace("python -m pytest", "python3 -m pytest") in ci
+
+
+# -- links and citations -------------------------------------------------------------------------
+
+#: every markdown page a reader of the repository meets
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+            *sorted((ROOT / "tests" / "data").rglob("README.md"))]
+
+
+_FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def _prose(text: str) -> str:
+    """The text without fenced code blocks and inline code (their brackets are not links)."""
+    return re.sub(r"`[^`\n]*`", "", _FENCE.sub("", text))
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens, repeats numbered."""
+    out: set[str] = set()
+    seen: dict[str, int] = {}
+    for m in re.finditer(r"^#{1,6}\s+(.*?)\s*#*\s*$", _FENCE.sub("", text), re.M):
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def _broken_links(page: Path, text: str | None = None) -> list[str]:
+    """Links of ``page`` (or of ``text`` read as if it were ``page``) that lead nowhere in the repository."""
+    text = page.read_text() if text is None else text
+    broken = []
+    for m in re.finditer(r"\[[^\]]*\]\(([^)\s]+)\)", _prose(text)):
+        target = m.group(1)
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):          # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if ROOT not in dest.parents or not dest.exists():
+            broken.append(f"{target}: no such file in the repository")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text() if path else text):
+            broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
+    return broken
+
+
+def test_doc_links_resolve():
+    broken = {str(p.relative_to(ROOT)): b for p in _pages() if (b := _broken_links(p))}
+    assert not broken, broken
+
+
+def test_link_checker_finds_broken_links():
+    page = ROOT / "docs" / "format.md"
+    good = "[a](format.md) [b](format.md#6-sckp-context-checkpoints) [c](#what-slotctl-answers) [d](../README.md)"
+    assert _broken_links(page, "## What slotctl answers\n" + good) == []
+    bad = "[x](format.md#no-such-heading) [y](nope.md) [z](../../etc/hostname) [w](#nowhere)"
+    assert len(_broken_links(page, "## What slotctl answers\n" + bad)) == 4
+    assert _broken_links(page, "`[not](a-link.md)`\n```\n[nor](this.md)\n```\n") == []
+
+
+#: files and folders that exist only outside the repository (the notes the project started from)
+_OUTSIDE = ("FORMAT.md", "seed/", "000_be707a6df623abc0", "../shared", "/work/", "STYLE.md", "shared/vectors")
+
+
+def _cited_outside(text: str) -> list[str]:
+    return [s for s in _OUTSIDE if s in text]
+
+
+def test_no_doc_cites_files_outside_the_repository():
+    files = _pages() + sorted((ROOT / "slotctl").rglob("*.py")) + sorted((ROOT / "scripts").rglob("*.py")) \
+        + sorted((ROOT / "benchmarks").rglob("*.py")) \
+        + [p for p in sorted((ROOT / "tests").rglob("*.py")) if p.name != "test_docs.py"]
+    cited = {str(p.relative_to(ROOT)): c for p in files if (c := _cited_outside(p.read_text()))}
+    assert not cited, f"cite docs/format.md (or the llama.cpp function or commit) instead: {cited}"
+
+
+def test_format_page_is_linked():
+    assert "(docs/format.md)" in (ROOT / "README.md").read_text()
+    assert "(format.md)" in (ROOT / "docs" / "design.md").read_text()

@@ -1,7 +1,7 @@
 """Tests of slotctl.runtime on real llama.cpp contexts of tiny models (no mocks).
 
 State blobs and files are checked with a small reader of the plain KV section written here from
-FORMAT.md, independent of slotctl.format; the contexts are checked against slot files a real
+docs/format.md, independent of slotctl.format; the contexts are checked against slot files a real
 llama-server (b11434) wrote (tests/data).
 """
 
@@ -39,7 +39,7 @@ SERVER_N_PREDICT = 8
 KINDS_PROMPT = "what is the capital of france? paris is the capital"
 
 
-# -- a reader of plain KV state payloads (FORMAT.md, layer 2) ------------------------------------
+# -- a reader of plain KV state payloads (docs/format.md, section 4) ------------------------------------
 
 
 @dataclass

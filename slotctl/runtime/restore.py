@@ -1,6 +1,6 @@
 """The server's slot restore as a library: what ``POST /slots/ID?action=restore`` does, in its order.
 
-llama-server (the seed change on b11434) restores a slot file in four steps; :func:`restore_slot` runs
+llama-server (the draft-state change ea736c1d5, on top of b11434) restores a slot file in four steps; :func:`restore_slot` runs
 them on :class:`~slotctl.runtime.slot.ServerContexts` and reports each (bytes, milliseconds, what became
 of it and why):
 
@@ -23,9 +23,10 @@ of it and why):
    ignored"; a draft blob the draft context does not take (or no draft context at all): the draft is
    cleared and the state "does not match the draft context - dropped", with llama.cpp's reason.
 
-The seed change's ``load_slot_checkpoints`` is not in either source tree (b11434 predates it); its
-behaviour here follows FORMAT.md: a damaged appendix reads as 0 bytes, so the draft loader then finds
-no SDFT magic where it looks and the draft starts empty.
+The checkpoint loader (``load_slot_checkpoints``, upstream llama.cpp 033df86b6) is not in either source
+tree (b11434 predates it); its behaviour here follows a reading of that upstream code (docs/format.md,
+section 6): a damaged appendix reads as 0 bytes, so the draft loader then finds no SDFT magic where it
+looks and the draft starts empty.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Three checks, each adding :class:`~slotctl.findings.Finding` objects to a :class
    prediction alone decides. Prediction and load must agree; where they do not, the disagreement is a
    finding of its own (``prediction_disagrees``).
 
-What a finding costs depends on the layer (the server change in ``seed/000_be707a6df623abc0.txt`` and
+What a finding costs depends on the layer (llama.cpp ea736c1d5's ``load_slot_draft`` and
 ``common_prompt_checkpoint::load_tgt`` in b11434):
 
 * state header, token words, target memory: the server refuses the file ("Unable to restore slot");
