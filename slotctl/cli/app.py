@@ -36,13 +36,14 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 def _register() -> None:
-    from slotctl.cli import demo, inspect_cmd, live, restore, save, strip_draft, validate_cmd
+    from slotctl.cli import convert_cmd, demo, inspect_cmd, live, restore, save, strip_draft, validate_cmd
 
     inspect_cmd.register(app)
     validate_cmd.register(app)
     save.register(app)
     restore.register(app)
     strip_draft.register(app)
+    convert_cmd.register(app)
     live.register(app)  # commands that talk to a running llama-server
     demo.register(app)
 

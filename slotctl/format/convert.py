@@ -66,6 +66,42 @@ def _types(d) -> tuple[int, int]:
     return k, v
 
 
+def check_ext(layout: MemoryLayout, src: int, dst: int, layer: str) -> None:
+    """Refuse a conversion between versions that store cell ext differently when the cells carry it."""
+    if (src <= 2) != (dst <= 2) and any(s.type == "kv" and s.has_ext for s in layout.sections):
+        raise ConversionRefused(layer, None, f"cells carry ext: version {src} and {dst} store it differently "
+                                             "(x, y vs x, y, tok); the conversion would not be exact")
+
+
+def check_dropped_rotation(what: str, type_id: int, rot: int, dst: int, want: int | None, layer: str,
+                           at: int | None) -> None:
+    """Refuse dropping a version-4 rotation ``rot`` of a ``what`` ("key"/"value") cache of ``type_id`` when
+    a version-``dst`` runtime would not rotate it the same way; ``want``: the model's rule, when known."""
+    if not ggml.is_quantized(type_id):
+        if rot:
+            raise ConversionRefused(layer, at, f"no {what} rotation for a {ggml.type_name(type_id)} cache, found {rot}")
+        return
+    if want is not None:
+        if rot != want:
+            raise ConversionRefused(layer, at, f"a {what} rotation of {want} (what a version-{dst} runtime applies to "
+                                               f"this {ggml.type_name(type_id)} cache), found {rot}")
+    elif rot == 0:
+        raise ConversionRefused(layer, at, f"a {what} rotation for a {ggml.type_name(type_id)} cache, found none "
+                                           "(rotation was disabled when it was saved; a version-"
+                                           f"{dst} runtime would rotate it); give the model to check the head size")
+
+
+def added_rotation(what: str, type_id: int, dst: int, want: int | None, layer: str, at: int | None) -> int:
+    """The rotation a version-4 record gives a ``what`` cache of ``type_id`` that a version-3 runtime
+    rotated by the model's rule (``want``, needed for a quantized cache)."""
+    if not ggml.is_quantized(type_id):
+        return 0
+    if want is None:
+        raise ConversionRefused(layer, at, f"the model's head sizes to record the rotation of a "
+                                           f"{ggml.type_name(type_id)} {what} cache (give the model)")
+    return want
+
+
 def convert_payload(data: bytes, layout: MemoryLayout, src: int, dst: int, *,
                     rotations: RotationRule | None = None, layer: str = "payload") -> bytes:
     """``data``, a ``state_write`` payload of state version ``src``, as version ``dst`` would write it.
@@ -76,9 +112,7 @@ def convert_payload(data: bytes, layout: MemoryLayout, src: int, dst: int, *,
     """
     if src == dst:
         return data
-    if (src <= 2) != (dst <= 2) and any(s.type == "kv" and s.has_ext for s in layout.sections):
-        raise ConversionRefused(layer, None, f"cells carry ext: version {src} and {dst} store it differently "
-                                             "(x, y vs x, y, tok); the conversion would not be exact")
+    check_ext(layout, src, dst, layer)
     if (src >= 4) == (dst >= 4):
         return data
     sections = _locate(data, layout, src, layer)
@@ -88,35 +122,15 @@ def convert_payload(data: bytes, layout: MemoryLayout, src: int, dst: int, *,
         at = d.rot_offset
         type_k, type_v = _types(d)
         out += data[pos:at]
+        rule = (lambda i, role=role, type_k=type_k, type_v=type_v: rotations(role, type_k, type_v)[i]) \
+            if rotations is not None else None
         if src >= 4:
-            for what, t, rot, i in (("key", type_k, d.n_rot_k, 0), ("value", type_v, d.n_rot_v, 1)):
-                if not ggml.is_quantized(t):
-                    if rot:
-                        raise ConversionRefused(layer, at + 4 * i, f"no {what} rotation for a {ggml.type_name(t)} "
-                                                                   f"cache, found {rot}")
-                    continue
-                if rotations is not None:
-                    want = rotations(role, type_k, type_v)[i]
-                    if rot != want:
-                        raise ConversionRefused(layer, at + 4 * i, f"a {what} rotation of {want} (what a version-{dst}"
-                                                                   f" runtime applies to this {ggml.type_name(t)} cache),"
-                                                                   f" found {rot}")
-                elif rot == 0:
-                    raise ConversionRefused(layer, at + 4 * i, f"a {what} rotation for a {ggml.type_name(t)} cache, "
-                                                               "found none (rotation was disabled when it was "
-                                                               f"saved; a version-{dst} runtime would rotate it); "
-                                                               "give the model to check the head size")
+            for i, (what, t, rot) in enumerate((("key", type_k, d.n_rot_k), ("value", type_v, d.n_rot_v))):
+                check_dropped_rotation(what, t, rot, dst, rule(i) if rule else None, layer, at + 4 * i)
             pos = at + 8
         else:
-            if ggml.is_quantized(type_k) or ggml.is_quantized(type_v):
-                if rotations is None:
-                    raise ConversionRefused(layer, at, f"the model's head sizes to record the rotation of a "
-                                                       f"{ggml.type_name(type_k)}/{ggml.type_name(type_v)} cache "
-                                                       "(give the model)")
-                rot_k, rot_v = rotations(role, type_k, type_v)
-            else:
-                rot_k = rot_v = 0
-            out += struct.pack("<II", rot_k, rot_v)
+            out += struct.pack("<II", *(added_rotation(what, t, dst, rule(i) if rule else None, layer, at)
+                                        for i, (what, t) in enumerate((("key", type_k), ("value", type_v)))))
             pos = at
     out += data[pos:]
     return bytes(out)

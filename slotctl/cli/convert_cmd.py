@@ -1,0 +1,138 @@
+"""``slotctl convert FILE -o OUT``: rewrite a slot file for a server started with other flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from slotctl.cli.common import check_file, handle_errors
+from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt
+from slotctl.cli.output import Output, human_bytes, markup_safe
+from slotctl.errors import ExitStatus, FormatError, UsageError
+
+_TYPE_HELP = "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 (iq4_nl read only)"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("convert")(convert)
+
+
+@handle_errors
+def convert(
+    file: Annotated[Path, typer.Argument(help="The slot file to convert (left as it is).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the converted file.")],
+    state_version: Annotated[Optional[int], typer.Option("--state-version", min=2, max=4,
+                                                         help="Write this state version (exact, or refused).")] = None,
+    parallel: Annotated[Optional[int], typer.Option("--parallel", "-np", min=1, max=256,
+                                                    help="For a server with this many slots (KV streams).")] = None,
+    kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu",
+                                             help="For a server with one KV stream for all slots.")] = False,
+    cache_type_k: Annotated[Optional[str], typer.Option("--cache-type-k", "-ctk",
+                                                        help=f"K cache type to convert to: {_TYPE_HELP}.")] = None,
+    cache_type_v: Annotated[Optional[str], typer.Option("--cache-type-v", "-ctv",
+                                                        help="V cache type to convert to.")] = None,
+    cache_type_k_draft: Annotated[Optional[str], typer.Option("--spec-draft-type-k", "-ctkd", "--cache-type-k-draft",
+                                                              help="Draft K cache type to convert to.")] = None,
+    cache_type_v_draft: Annotated[Optional[str], typer.Option("--spec-draft-type-v", "-ctvd", "--cache-type-v-draft",
+                                                              help="Draft V cache type to convert to.")] = None,
+    model: ModelOpt = None,
+    draft_model: DraftModelOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would change; write nothing.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Rewrite a slot file so that a server started with other flags restores it.
+
+    --state-version converts exactly or refuses. -np/-kvu rewrite the KV stream count the loader checks
+    (exact). -ctk/-ctv/-ctkd/-ctvd re-encode the cache rows in another type, rotating quantized caches as
+    llama.cpp does (lossy: the largest error per layer is reported). Checkpoints and the draft state are
+    converted too. -m/-md name the memory layouts and give the head sizes that decide the rotations.
+    The input is never changed; OUT is written atomically. Details: docs/convert.md.
+
+    Exit codes: 0 converted; 1 the file is damaged or cannot be converted as asked (the reason in one
+    line); 2 usage or I/O error.
+    """
+    from slotctl import convert as conv
+
+    out = Output(json_mode=json_out)
+    check_file(file)
+    if parallel is None and not kv_unified and state_version is None and not any(
+            (cache_type_k, cache_type_v, cache_type_k_draft, cache_type_v_draft)):
+        raise UsageError("nothing to convert: give --state-version, -np/-kvu or a cache type")
+    if not dry_run and output.exists() and not force:
+        raise UsageError(f"{output}: exists (use --force to overwrite)")
+    tinfo, dinfo = _info(model), _info(draft_model)
+    n_stream = conv.stream_count(parallel, kv_unified)
+    req = conv.Request(
+        version=state_version,
+        target=conv.Target(n_stream, conv.cache_type_id(cache_type_k, "-ctk"), conv.cache_type_id(cache_type_v, "-ctv"),
+                           _rule(tinfo)),
+        draft=conv.Target(n_stream, conv.cache_type_id(cache_type_k_draft, "-ctkd"),
+                          conv.cache_type_id(cache_type_v_draft, "-ctvd"), _rule(dinfo)))
+    layouts = dict(layout=tinfo.layout() if tinfo else None, draft_layout=dinfo.layout() if dinfo else None)
+    try:
+        plan = conv.plan_convert(file, req, **layouts)
+        errors = []
+        if not dry_run:
+            with out.progress("converting", bytes_=True) as update:
+                errors = conv.write_converted(plan, output, overwrite=force, progress=update, **layouts)
+    except FormatError as e:
+        _fail(out, json_out, file, output, "refused" if isinstance(e, conv.ConversionRefused) else "damaged",
+              f"{file}: {e}")
+    worst = max((e.max_abs_error for e in errors), default=None)
+    if json_out:
+        out.json({"path": str(file), "output": str(output), "size": plan.size, "output_size": plan.output_size,
+                  "source_state_version": plan.version_in, "state_version": plan.version_out,
+                  "changes": [c.as_dict() for c in plan.changes], "layers": [e.as_dict() for e in errors],
+                  "max_abs_error": worst, "dry_run": dry_run, "exit_code": 0})
+        return
+    render(out, plan, errors, file, output, dry_run)
+
+
+def _fail(out: Output, json_out: bool, file: Path, output: Path, code: str, message: str) -> None:
+    if json_out:
+        out.json({"path": str(file), "output": str(output), "error": {"code": code, "message": message},
+                  "exit_code": int(ExitStatus.FAILED)})
+    else:
+        out.error(message)
+    raise typer.Exit(int(ExitStatus.FAILED))
+
+
+def _info(path: Path | None):
+    if path is None:
+        return None
+    from slotctl.geometry import read_model_info
+
+    check_file(path)
+    return read_model_info(path)
+
+
+def _rule(info):
+    if info is None:
+        return None
+    from slotctl.geometry import rotation_rule
+
+    return rotation_rule(info)
+
+
+def render(out: Output, plan, errors, file: Path, output: Path, dry_run: bool) -> None:
+    verb = "would write" if dry_run else "wrote"
+    out.print(f"{markup_safe(str(file))} -> {markup_safe(str(output))}: {verb} {human_bytes(plan.output_size)} "
+              f"(was {human_bytes(plan.size)})")
+    for c in plan.changes:
+        out.print(f"  {markup_safe(c.describe())}")
+    if not plan.changes:
+        out.print("  nothing changes: the file already has these settings")
+    if errors:
+        t = Table(show_edge=False, title="re-encoded records (largest error against the source values)")
+        for col in ("part", "section", "layer", "tensor", "from", "to"):
+            t.add_column(col)
+        t.add_column("max |error|", justify="right")
+        t.add_column("max |value|", justify="right")
+        for e in errors:
+            t.add_row(e.part, e.section, str(e.layer), e.tensor, e.old_type, e.new_type, f"{e.max_abs_error:.3g}",
+                      f"{e.max_abs_value:.3g}")
+        out.print(t)

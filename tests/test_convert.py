@@ -1,0 +1,352 @@
+"""``slotctl convert`` proven where it matters: the converted file restores in a real llama-server b11434
+started with the new flags, restores every token, the next request evaluates only the new tokens, and the
+slot continues with the same greedy tokens as a slot that was never saved. Checkpoint and draft blobs,
+which b11434 does not read, are proven in real llama-cpp-python contexts built with the new flags.
+
+The server files come from tests/data (saved by b11434 with tests/data/target.gguf; see its README); one
+server per flag set, module-scoped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from conftest import DATA, start_server
+from slotctl.cli.app import app
+from slotctl.geometry import read_model_info
+from slotctl.slotfile import open_slot_file
+from slotctl import tensors
+
+runner = CliRunner()
+TARGET = DATA / "target.gguf"
+#: appended to the restored tokens for the next request (tokenized without BOS)
+SUFFIX = " the river of paris is north of the city"
+N_PREDICT = 8
+
+
+def cli(*args, code: int | None = 0):
+    res = runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+    assert "Traceback" not in res.output, res.output
+    if code is not None:
+        assert res.exit_code == code, res.output
+    return res
+
+
+def convert_json(*args, code: int = 0) -> dict:
+    res = cli("convert", *args, "--json", code=code)
+    return json.loads(res.stdout)
+
+
+def file_tokens(path: Path) -> list[int]:
+    return [int(t) for t in open_slot_file(path).tokens.tokens]
+
+
+class Srv:
+    """A server of one flag set with a slot-save folder, and its reference answers."""
+
+    def __init__(self, server, save_dir: Path):
+        self.server = server
+        self.save_dir = save_dir
+        self._refs: dict = {}
+
+    def reference(self, tokens: list[int]) -> dict:
+        """The next request (``tokens`` + SUFFIX) in a slot that was never saved or restored (slot 0)."""
+        key = tuple(tokens)
+        if key not in self._refs:
+            assert self.server.erase(0)[0] == 200
+            prompt = tokens + self.server.tokenize(SUFFIX, add_special=False)
+            ans = self.server.completion(prompt, slot=0, n_predict=N_PREDICT, return_tokens=True)
+            assert ans["timings"]["cache_n"] == 0, ans["timings"]
+            self._refs[key] = ans
+        return self._refs[key]
+
+    def restores_and_continues(self, name: str, slot: int, tokens: list[int]) -> dict:
+        """Restore ``name`` into ``slot``: every token restored, only the new ones evaluated next, the
+        same continuation as the never-saved reference. Returns the next request's answer."""
+        ref = self.reference(tokens)
+        status, ans = self.server.restore(slot, name)
+        assert status == 200, (ans, self.server.log_tail())
+        assert ans["n_restored"] == len(tokens)
+        suffix = self.server.tokenize(SUFFIX, add_special=False)
+        turn = self.server.completion(tokens + suffix, slot=slot, n_predict=N_PREDICT, return_tokens=True)
+        assert turn["timings"]["cache_n"] == len(tokens), turn["timings"]
+        assert turn["timings"]["prompt_n"] == len(suffix), turn["timings"]
+        assert turn["tokens"] == ref["tokens"]
+        return turn
+
+
+def _server(llama_server_bin, tmp_path_factory, name: str, args: list[str], model: Path = TARGET) -> Srv:
+    tmp = tmp_path_factory.mktemp(f"convert-{name}")
+    save_dir = tmp / "slots"
+    save_dir.mkdir()
+    srv = start_server(llama_server_bin, model, tmp, name, args=["--cache-ram", "0", *args], slot_save_path=save_dir)
+    return Srv(srv, save_dir)
+
+
+@pytest.fixture(scope="module")
+def servers(llama_server_bin, tmp_path_factory):
+    """The flag sets of the -np / -kvu / -ctk proofs, all on tests/data/target.gguf."""
+    flags = {
+        "np1": ["-c", "256", "-np", "1", "-fa", "on"],
+        "np2-kvu": ["-c", "512", "-np", "2", "-kvu", "-fa", "on"],
+        "np4": ["-c", "1024", "-np", "4", "-fa", "on"],
+        "q8": ["-c", "256", "-np", "1", "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"],
+    }
+    started = {}
+    try:
+        for name, args in flags.items():
+            started[name] = _server(llama_server_bin, tmp_path_factory, name, args)
+        yield started
+    finally:
+        for s in started.values():
+            s.server.stop()
+
+
+# -- -np / -kvu ---------------------------------------------------------------------------------------------
+
+NP_CASES = [
+    # (server, slot, convert flags, streams in the converted file)
+    ("np1", 0, ["-np", "1"], 1),
+    ("np2-kvu", 1, ["-np", "2", "-kvu"], 1),
+    ("np4", 2, ["-np", "4"], 4),
+]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("name,slot,flags,n_stream", NP_CASES, ids=[c[0] for c in NP_CASES])
+def test_stream_count_rewrite_restores(servers, name, slot, flags, n_stream):
+    """srv-np2-slot1.bin (saved from slot 1 at -np 2) restores, rewritten, at -np 1, -np 2 -kvu and -np 4."""
+    srv = servers[name]
+    src = DATA / "srv-np2-slot1.bin"
+    tokens = file_tokens(src)
+    assert len(tokens) == 111
+    shutil.copy(src, srv.save_dir / "original.bin")
+    status, ans = srv.server.restore(slot, "original.bin")
+    assert status == 400 and "Unable to restore slot" in json.dumps(ans)   # n_stream mismatch
+
+    d = convert_json(src, "-o", srv.save_dir / "converted.bin", *flags)
+    assert d["changes"] == [{"part": "target memory", "section": "kv", "what": "n_stream", "from": 2,
+                             "to": n_stream}]
+    assert d["output_size"] == d["size"] + 4 * (n_stream - 2) and d["layers"] == []
+    sf = open_slot_file(srv.save_dir / "converted.bin", layout=read_model_info(TARGET).layout())
+    assert sf.target.sections[0].n_stream == n_stream and not sf.errors
+    srv.restores_and_continues("converted.bin", slot, tokens)
+
+
+# -- cache types ----------------------------------------------------------------------------------------------
+
+
+def _rows(path: Path) -> list[np.ndarray]:
+    """Every K then V record of the file's first stream with cells, dequantized and unrotated."""
+    info = read_model_info(TARGET)
+    sf = open_slot_file(path, layout=info.layout())
+    st = next(s for s in sf.target.sections[0].streams if s.cell_count)
+    out = []
+    with open(path, "rb") as f:
+        for recs, rot in ((st.data.k, st.data.n_rot_k), (st.data.v, st.data.n_rot_v)):
+            for r in recs:
+                n = tensors.row_elements(r.type, r.row_size)
+                out.append(tensors.rotate(tensors.dequantize(r.data.read(f), r.type, n), rot))
+    return out
+
+
+@pytest.mark.server
+def test_f16_to_q8_0_restores_like_the_servers_own_file(servers):
+    """An f16 file converted to q8_0 restores in a -ctk q8_0 -ctv q8_0 server and continues with the
+    greedy tokens of a never-saved slot; its rows are within 0.025 of the file that server saves for the
+    same prompt (max |difference| per layer; q8_0's own step on these values is ~0.02)."""
+    srv = servers["q8"]
+    src = DATA / "srv-np1.bin"
+    shutil.copy(src, srv.save_dir / "f16.bin")
+    assert srv.server.restore(0, "f16.bin")[0] == 400   # mismatched key type
+    d = convert_json(src, "-o", srv.save_dir / "q8.bin", "-ctk", "q8_0", "-ctv", "q8_0", "-m", TARGET)
+    assert {(c["what"], c["from"], c["to"]) for c in d["changes"]} == {("K type", "f16", "q8_0"),
+                                                                        ("V type", "f16", "q8_0")}
+    assert len(d["layers"]) == 4 and all(0 < e["max_abs_error"] < 0.02 for e in d["layers"])
+    # the server's own save of the same prompt with the same flags (tests/data/srv-kvq8.bin)
+    own = DATA / "srv-kvq8.bin"
+    assert os.path.getsize(srv.save_dir / "q8.bin") == os.path.getsize(own)
+    for mine, theirs in zip(_rows(srv.save_dir / "q8.bin"), _rows(own)):
+        assert mine.shape == theirs.shape
+        assert np.abs(mine - theirs).max() < 0.025
+    srv.restores_and_continues("q8.bin", 0, file_tokens(src))
+
+
+@pytest.mark.server
+def test_q8_0_back_to_f16_restores(servers):
+    """The server's q8_0 file, converted to f16 (the rotation undone), restores at -ctk f16 and continues."""
+    srv = servers["np1"]
+    src = DATA / "srv-kvq8.bin"
+    d = convert_json(src, "-o", srv.save_dir / "from-q8.bin", "-ctk", "f16", "-ctv", "f16", "-m", TARGET)
+    assert all(e["max_abs_error"] < 1e-2 for e in d["layers"])   # only f16 rounding
+    # unrotated, the values are q8_0's approximation of the f16 file's
+    for a, b in zip(_rows(srv.save_dir / "from-q8.bin"), _rows(DATA / "srv-np1.bin")):
+        assert np.abs(a - b).max() < 0.03
+    srv.restores_and_continues("from-q8.bin", 0, file_tokens(src))
+
+
+@pytest.mark.server
+def test_rotation_matters(servers, tmp_path):
+    """Without the rotation the same q8_0 bytes would be wrong: the converted rows differ from the
+    unrotated reading by far more than the quantization step."""
+    out = tmp_path / "q8.bin"
+    convert_json(DATA / "srv-np1.bin", "-o", out, "-ctk", "q8_0", "-ctv", "q8_0", "-m", TARGET)
+    info = read_model_info(TARGET)
+    sf = open_slot_file(out, layout=info.layout())
+    st = sf.target.sections[0].streams[0]
+    assert (st.data.n_rot_k, st.data.n_rot_v) == (64, 64)
+    with open(out, "rb") as f:
+        r = st.data.k[0]
+        raw = tensors.dequantize(r.data.read(f), r.type, 64)
+    f16 = _rows(DATA / "srv-np1.bin")[0]
+    assert np.abs(raw - f16).max() > 0.5
+
+
+def test_quantized_target_needs_the_model(tmp_path):
+    res = cli("convert", DATA / "srv-np1.bin", "-o", tmp_path / "x.bin", "-ctk", "q4_0", code=2)
+    assert "give -m" in res.output and len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "x.bin").exists()
+
+
+def test_quantized_v_with_transposed_v_is_refused(tmp_path):
+    res = cli("convert", DATA / "srv-fa-off.bin", "-o", tmp_path / "x.bin", "-ctv", "q8_0", "-m", TARGET, code=1)
+    assert "flash attention" in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_transposed_v_changes_type(tmp_path):
+    """-fa off files (V element-major) convert between float types; the values survive f16 -> f32 exactly."""
+    d = convert_json(DATA / "srv-fa-off.bin", "-o", tmp_path / "f32.bin", "-ctk", "f32", "-ctv", "f32")
+    assert all(e["max_abs_error"] == 0 for e in d["layers"])
+    back = convert_json(tmp_path / "f32.bin", "-o", tmp_path / "f16.bin", "-ctk", "f16", "-ctv", "f16")
+    assert all(e["max_abs_error"] == 0 for e in back["layers"])
+    assert (tmp_path / "f16.bin").read_bytes() == (DATA / "srv-fa-off.bin").read_bytes()
+
+
+@pytest.mark.parametrize("typ", ["bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
+def test_every_cache_type_round_trips_within_its_step(tmp_path, typ):
+    d = convert_json(DATA / "srv-np1.bin", "-o", tmp_path / "x.bin", "-ctk", typ, "-ctv", typ, "-m", TARGET)
+    bound = {"bf16": 0.02, "q8_0": 0.02, "q5_0": 0.25, "q5_1": 0.25, "q4_0": 0.5, "q4_1": 0.5}[typ]
+    assert all(0 < e["max_abs_error"] < bound for e in d["layers"]), d["layers"]
+    assert open_slot_file(tmp_path / "x.bin", layout=read_model_info(TARGET).layout()).errors == []
+
+
+# -- state version ---------------------------------------------------------------------------------------------
+
+
+def test_state_version_round_trip_is_exact(tmp_path):
+    for name in ("srv-np1.bin", "srv-kvq8.bin"):
+        d = convert_json(DATA / name, "-o", tmp_path / "v3.bin", "--state-version", "3", "-m", TARGET, "--force")
+        assert d["state_version"] == 3 and d["source_state_version"] == 4
+        convert_json(tmp_path / "v3.bin", "-o", tmp_path / "v4.bin", "--state-version", "4", "-m", TARGET, "--force")
+        assert (tmp_path / "v4.bin").read_bytes() == (DATA / name).read_bytes()
+
+
+# -- damaged and refused files ---------------------------------------------------------------------------------
+
+
+def _two_full_streams() -> bytes:
+    """srv-np2-slot1.bin with its empty stream 0 replaced by a copy of stream 1 (a whole-context shape)."""
+    raw = (DATA / "srv-np2-slot1.bin").read_bytes()
+    n_words = struct.unpack_from("<I", raw, 8)[0]
+    at = 12 + 4 * n_words
+    assert struct.unpack_from("<II", raw, at) == (2, 0)
+    stream1 = raw[at + 8:]
+    return raw[:at] + struct.pack("<I", 2) + stream1 + stream1
+
+
+@pytest.mark.parametrize("damage,code,words", [
+    ("truncated", 1, "target memory at 0x1d8"),
+    ("garbage", 1, "magic"),
+    ("two-streams", 1, "streams 0, 1"),
+])
+def test_damaged_and_unconvertible_files(tmp_path, damage, code, words):
+    raw = (DATA / "srv-np2-slot1.bin").read_bytes()
+    data = {"truncated": raw[:len(raw) // 2], "garbage": b"\x00" * 64, "two-streams": _two_full_streams()}[damage]
+    src = tmp_path / "in.bin"
+    src.write_bytes(data)
+    res = cli("convert", src, "-o", tmp_path / "out.bin", "-np", "1", code=code)
+    assert words in res.output and len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "out.bin").exists()
+    assert src.read_bytes() == data
+    d = convert_json(src, "-o", tmp_path / "out.bin", "-np", "1", code=code)
+    assert d["exit_code"] == code and d["error"]["code"] in ("damaged", "refused")
+
+
+def test_usage_errors(tmp_path):
+    cli("convert", DATA / "srv-np1.bin", "-o", tmp_path / "x.bin", code=2)                       # nothing asked
+    cli("convert", DATA / "srv-np1.bin", "-o", DATA / "srv-np1.bin", "-np", "2", code=2)         # exists
+    res = cli("convert", DATA / "srv-np1.bin", "-o", tmp_path / "x.bin", "-ctk", "q7", code=2)
+    assert "expected one of" in res.output
+    cli("convert", tmp_path / "missing.bin", "-o", tmp_path / "x.bin", "-np", "2", code=2)
+
+
+def test_dry_run_writes_nothing(tmp_path):
+    d = convert_json(DATA / "srv-np2-slot1.bin", "-o", tmp_path / "x.bin", "-np", "1", "--dry-run")
+    assert d["dry_run"] and d["output_size"] == d["size"] - 4 and not (tmp_path / "x.bin").exists()
+
+
+# -- a kill during convert -------------------------------------------------------------------------------------
+
+
+def _big_file(path: Path, n_cells: int) -> None:
+    """A valid version-4 slot file of the target model's shape with ``n_cells`` cells of random f16 rows."""
+    raw = (DATA / "srv-np1.bin").read_bytes()
+    n_words = struct.unpack_from("<I", raw, 8)[0]
+    head = raw[:12 + 4 * n_words]
+    rng = np.random.default_rng(0)
+    cells = np.zeros(n_cells, [("pos", "<i4"), ("n", "<u4"), ("seq", "<i4")])
+    cells["pos"], cells["n"] = np.arange(n_cells), 1
+    with open(path, "wb") as f:
+        f.write(head + struct.pack("<II", 1, n_cells) + cells.tobytes() + struct.pack("<IIII", 0, 2, 0, 0))
+        for _ in range(4):   # 2 K then 2 V records, 64 f16 per row
+            f.write(struct.pack("<iQ", 1, 128))
+            for start in range(0, n_cells, 1 << 16):
+                n = min(1 << 16, n_cells - start)
+                f.write(rng.standard_normal((n, 64)).astype("<f2").tobytes())
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_sigkill_leaves_the_output_old_or_absent(tmp_path, existing):
+    src = tmp_path / "big.bin"
+    _big_file(src, 400_000)
+    digest = hashlib.sha256(src.read_bytes()).hexdigest()
+    out = tmp_path / "out.bin"
+    if existing:
+        out.write_bytes(b"old contents")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-m", "slotctl", "convert", str(src), "-o", str(out), "-ctk", "q4_0",
+                             "-ctv", "q4_0", "-m", str(TARGET), "--force"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:   # kill once the temporary file holds converted rows
+            tmp = [p for p in tmp_path.iterdir() if p.name.startswith(".out.bin.slotctl-")]
+            if tmp and tmp[0].stat().st_size > 200_000:
+                break
+            assert proc.poll() is None, "convert ended before it could be killed"
+            time.sleep(0.01)
+        else:
+            pytest.fail("no temporary file appeared")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert hashlib.sha256(src.read_bytes()).hexdigest() == digest
+    if existing:
+        assert out.read_bytes() == b"old contents"
+    else:
+        assert not out.exists()
