@@ -18,7 +18,7 @@ Three conversions, combinable:
   save) are refused.
 * **cache types** (``type_k`` / ``type_v``, per context): every K or V record of a KV cache is
   dequantized and written in the new type with gguf-py's block formats (:mod:`slotctl.tensors`).
-  Quantized caches hold rotated rows (the ``llama_kv_cache`` rule, :func:`slotctl.geometry.rotations`):
+  Quantized caches hold rotated rows (the ``llama_kv_cache`` rule, :func:`slotctl.model.predict.rotations`):
   the source rotation (recorded in version 4, the model's rule in version 3) is undone and the
   target's applied, and version 4 records the new sizes. Lossy: the largest error per layer is
   measured against the source values (after undoing rotations). Recurrent state is f32 in every

@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 
 from conftest import DATA, start_server
 from slotctl.cli.app import app
-from slotctl.geometry import read_model_info
+from slotctl.model.info import read_model_info
 from slotctl.slotfile import open_slot_file
 from slotctl import tensors
 

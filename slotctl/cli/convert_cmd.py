@@ -104,7 +104,7 @@ def _fail(out: Output, json_out: bool, file: Path, output: Path, code: str, mess
 def _info(path: Path | None):
     if path is None:
         return None
-    from slotctl.geometry import read_model_info
+    from slotctl.model.info import read_model_info
 
     check_file(path)
     return read_model_info(path)
@@ -113,7 +113,7 @@ def _info(path: Path | None):
 def _rule(info):
     if info is None:
         return None
-    from slotctl.geometry import rotation_rule
+    from slotctl.model.predict import rotation_rule
 
     return rotation_rule(info)
 
