@@ -101,6 +101,27 @@ def test_no_doc_cites_files_outside_the_repository():
     assert not cited, f"cite docs/format.md (or the llama.cpp function or commit) instead: {cited}"
 
 
-def test_format_page_is_linked():
-    assert "(docs/format.md)" in (ROOT / "README.md").read_text()
-    assert "(format.md)" in (ROOT / "docs" / "design.md").read_text()
+def test_format_and_troubleshooting_pages_are_linked():
+    readme = (ROOT / "README.md").read_text()
+    design = (ROOT / "docs" / "design.md").read_text()
+    for page in ("format.md", "troubleshooting.md"):
+        assert f"(docs/{page})" in readme and f"({page})" in design, page
+
+
+def _commands() -> set[str]:
+    import typer
+
+    from slotctl.cli.app import app
+    return set(typer.main.get_command(app).list_commands(None))
+
+
+def test_docs_name_only_commands_that_exist():
+    """Every ``slotctl CMD`` a page shows (in code) is a command the CLI has."""
+    commands = _commands()
+    unknown = {}
+    for page in _pages():
+        code = "\n".join(_FENCE.findall(page.read_text()) + re.findall(r"`[^`\n]*`", page.read_text()))
+        named = set(re.findall(r"\bslotctl ([a-z][a-z-]*)", code))
+        if bad := named - commands:
+            unknown[str(page.relative_to(ROOT))] = sorted(bad)
+    assert not unknown, unknown
