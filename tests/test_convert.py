@@ -350,3 +350,115 @@ def test_sigkill_leaves_the_output_old_or_absent(tmp_path, existing):
         assert out.read_bytes() == b"old contents"
     else:
         assert not out.exists()
+
+
+# -- other memory kinds: iSWA (two KV caches), hybrid (KV + recurrent), recurrent (no streams) -------------------
+
+KIND_FILES = {"gemma2": "srv-gemma2.bin", "jamba": "srv-jamba.bin", "mamba": "srv-mamba.bin"}
+
+
+@pytest.fixture(scope="module", params=sorted(KIND_FILES))
+def kind_np2(request, llama_server_bin, tmp_path_factory):
+    """A ``-c 512 -np 2`` server for each kind's model of tests/data/kinds (its files were saved at -np 1)."""
+    kind = request.param
+    model = DATA / "kinds" / f"{kind}.gguf"
+    srv = _server(llama_server_bin, tmp_path_factory, f"{kind}-np2", ["-c", "512", "-np", "2", "-fa", "on"], model)
+    try:
+        yield kind, model, srv
+    finally:
+        srv.server.stop()
+
+
+@pytest.mark.server
+def test_other_kinds_restore_into_another_slot_count(kind_np2):
+    """A -np 1 file of each kind, converted with -np 2, restores into slot 1 of a -np 2 server and continues
+    like a never-saved slot. iSWA: base and SWA caches are both rewritten; hybrid: the attention cache;
+    recurrent: nothing changes (no streams, one cell per slot), and the unconverted file restores as well."""
+    kind, model, srv = kind_np2
+    src = DATA / "kinds" / KIND_FILES[kind]
+    tokens = file_tokens(src)
+    d = convert_json(src, "-o", srv.save_dir / "converted.bin", "-np", "2", "-m", model)
+    sections = {"gemma2": {"base", "swa"}, "jamba": {"attention"}, "mamba": set()}[kind]
+    assert {c["section"] for c in d["changes"]} == sections
+    assert all((c["what"], c["from"], c["to"]) == ("n_stream", 1, 2) for c in d["changes"])
+    assert d["output_size"] == d["size"] + 4 * len(sections)
+    if kind == "mamba":
+        assert (srv.save_dir / "converted.bin").read_bytes() == src.read_bytes()
+    else:
+        shutil.copy(src, srv.save_dir / "original.bin")
+        assert srv.server.restore(1, "original.bin")[0] == 400
+    ref = srv.reference(tokens)
+    status, ans = srv.server.restore(1, "converted.bin")
+    assert status == 200 and ans["n_restored"] == len(tokens), ans
+    suffix = srv.server.tokenize(SUFFIX, add_special=False)
+    turn = srv.server.completion(tokens + suffix, slot=1, n_predict=N_PREDICT, return_tokens=True)
+    if kind != "gemma2":   # an SWA slot without checkpoints evaluates the whole prompt again (docs/kinds.md)
+        assert turn["timings"]["prompt_n"] == len(suffix), turn["timings"]
+    assert turn["tokens"] == ref["tokens"]
+
+
+def test_recurrent_section_of_a_whole_context_is_refused(tmp_path):
+    """A recurrent section with two cells is no slot's state (the loader would assert on it at -np 2):
+    converting its slot count is refused, in one line."""
+    model = DATA / "kinds" / "mamba.gguf"
+    src = DATA / "kinds" / "srv-mamba.bin"
+    sf = open_slot_file(src, layout=read_model_info(model).layout())
+    sec = sf.target.sections[0]
+    raw = src.read_bytes()
+    at = sf.target.offset
+    out = bytearray(raw[:at] + struct.pack("<IiIiI", 2, 58, 0, 59, 0))
+    first = sec.r[0].data.offset - 12
+    out += raw[at + 12:first]                              # s_trans, n_layer
+    for rec in [*sec.r, *sec.s]:
+        out += raw[rec.data.offset - 12:rec.data.offset]  # type, row size
+        out += raw[rec.data.offset:rec.data.end] * 2       # two cells' rows
+    two = tmp_path / "two.bin"
+    two.write_bytes(bytes(out))
+    assert open_slot_file(two, layout=read_model_info(model).layout()).errors == []
+    res = cli("convert", two, "-o", tmp_path / "out.bin", "-np", "2", "-m", model, code=1)
+    assert "(at most 1 cell), found 2 cells" in res.output and len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "out.bin").exists()
+
+
+# -- checkpoints and the draft state, in real llama-cpp-python contexts ---------------------------------------
+
+
+def test_checkpoints_and_draft_follow_the_slot_count_and_draft_types(tmp_path):
+    """A gemma2 file slotctl saves from slot 1 at -np 2, with checkpoints and a draft (SDFT), converted with
+    -np 1 -ctkd q8_0 -ctvd q8_0: the target, every checkpoint blob and the draft blob load into real
+    contexts built with -np 1 and the q8_0 draft, in this runtime's state version."""
+    from slotctl.model.info import read_model_info as info_of
+    from slotctl.model.settings import ContextSettings
+    from slotctl.runtime.context import STATE_FLAGS_PARTIAL_ONLY
+    from slotctl.runtime.restore import RESTORED, restore_slot
+    from slotctl.runtime.slot import ServerContexts, evaluate_prompt, write_slot_file
+    from slotctl.testing import SAMPLE_PROMPT, make_kind_model, make_model
+
+    target = make_kind_model("gemma2", tmp_path / "gemma2.gguf")
+    draft = make_model(tmp_path / "draft.gguf", n_layer=1, seed=2)
+    src = tmp_path / "np2.bin"
+    with ServerContexts.open(target, ContextSettings(n_ctx=512, n_parallel=2), draft_path=draft) as sc:
+        tokens = sc.target_model.tokenize(SAMPLE_PROMPT)
+        cps = evaluate_prompt(sc, tokens, 1, checkpoint_at=[20, 40])
+        write_slot_file(src, sc, 1, tokens, checkpoints=cps, with_draft=True)
+    out = tmp_path / "np1.bin"
+    d = convert_json(src, "-o", out, "-np", "1", "-ctkd", "q8_0", "-ctvd", "q8_0", "-m", target, "-md", draft)
+    parts = {(c["part"].split(" ")[0], c["what"]) for c in d["changes"]}
+    assert parts == {("target", "n_stream"), ("checkpoint", "n_stream"), ("SDFT", "n_stream"),
+                     ("checkpoint", "K type"), ("checkpoint", "V type"), ("SDFT", "K type"), ("SDFT", "V type")}
+    assert d["layers"] and all(e["max_abs_error"] < 0.05 for e in d["layers"])
+    assert {e["part"].split(" ")[0] for e in d["layers"]} == {"checkpoint", "SDFT"}
+
+    # the unconverted file's draft would be dropped at -np 1; the converted one restores completely
+    with ServerContexts.open(target, ContextSettings(n_ctx=512, n_parallel=1), draft_path=draft,
+                             draft_type_k="q8_0", draft_type_v="q8_0") as sc:
+        restored = restore_slot(sc, out, 0)
+        assert restored.tokens == tokens
+        assert restored.step("draft").status == RESTORED
+        assert len(restored.checkpoints) == 2
+        for cp in restored.checkpoints:
+            assert sc.target.state_seq_set(bytearray(cp.tgt), 0, STATE_FLAGS_PARTIAL_ONLY) == len(cp.tgt)
+            assert sc.draft.state_seq_set(bytearray(cp.dft), 0, STATE_FLAGS_PARTIAL_ONLY) == len(cp.dft)
+        with pytest.raises(Exception):
+            restore_slot(sc, src, 0)   # n_stream mismatch
+    assert info_of(target).memory_kind == "iswa"
