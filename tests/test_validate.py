@@ -233,8 +233,9 @@ def test_srv_kvq8_needs_its_cache_types(child):
     k = finding(bad, "k_type_mismatch", "target memory")
     assert k.severity == "error"
     assert k.message.startswith("target K cache is q8_0 in the file and f16 in the context")
-    assert k.message.endswith("start the server with -ctk q8_0")
-    assert finding(bad, "v_type_mismatch").message.endswith("start the server with -ctv q8_0")
+    assert "start the server with -ctk q8_0, or convert the file: slotctl convert FILE -o OUT -ctk f16 -m MODEL" \
+        in k.message
+    assert "start the server with -ctv q8_0, or convert" in finding(bad, "v_type_mismatch").message
     # a type mismatch explains the rotation mismatch (64 vs 0): only the types are named
     assert "k_rotation_mismatch" not in codes(bad)
     assert_agree(bad, "target memory")
@@ -283,7 +284,11 @@ def test_target_n_stream(child, name, flags, remedy):
     if remedy is None:  # one stream either way
         assert r.verdict == "restores"
         return
-    assert finding(r, "n_stream_mismatch").message.startswith(remedy)
+    message = finding(r, "n_stream_mismatch").message
+    assert message.startswith(remedy)
+    # a single slot's save: slotctl convert rewrites the stream count for these flags
+    assert message.endswith(", or convert the file: slotctl convert FILE -o OUT -np "
+                            + ("1" if name == "srv-np2-slot1.bin" else "2"))
     assert_agree(r, "target memory")
 
 
@@ -347,8 +352,10 @@ def test_draft_k_type(child, models, made):
     r = check(child, made.draft_q8, models.target, models.draft, n_ctx=256)
     f = finding(r, "k_type_mismatch", "draft")
     assert f.message.startswith("draft K cache is q8_0 in the file and f16 in the context")
-    assert f.message.endswith("start the server with -ctkd q8_0")
-    assert finding(r, "v_type_mismatch", "draft").message.endswith("-ctvd q8_0")
+    assert "start the server with -ctkd q8_0, or convert the file: slotctl convert FILE -o OUT -ctkd f16 -md MODEL" \
+        in f.message
+    assert "-ctvd q8_0, or convert the file: slotctl convert FILE -o OUT -ctvd f16" in \
+        finding(r, "v_type_mismatch", "draft").message
     assert r.verdict == "restores_with_drops"
     assert_agree(r, "draft")
     ok = check(child, made.draft_q8, models.target, models.draft, n_ctx=256, ctkd="q8_0", ctvd="q8_0")
@@ -618,7 +625,7 @@ def test_cli_names_the_mismatch_and_the_remedy():
     k = [x for x in f["findings"] if x["code"] == "k_type_mismatch"][0]
     assert set(k) == {"layer", "severity", "code", "message", "offset"}
     assert (k["layer"], k["severity"]) == ("target memory", "error")
-    assert k["message"].endswith("-ctk q8_0")
+    assert "-ctk q8_0, or convert the file: slotctl convert FILE -o OUT -ctk f16 -m MODEL" in k["message"]
     assert f["verdict"] == "refused"
     # the same for people
     res = _invoke(DATA / "srv-kvq8.bin", "-m", DATA / "target.gguf", "-c", 256)

@@ -213,6 +213,9 @@ def _compare_kv(sec, p: SectionPrediction, sl: SectionLayout, offset: int, label
             remedy = "start the server with -kvu (one stream for all slots), or with -np 1"
         else:
             remedy = f"start the server with -np {sec.n_stream}"
+        if sum(st.cell_count > 0 for st in sec.streams) <= 1:   # a slot's save: slotctl convert rewrites it
+            remedy += (f", or convert the file: slotctl convert FILE -o OUT -np {s.n_parallel}"
+                       + (" -kvu" if s.kv_unified else ""))
         out.append(_issue(side, "n_stream_mismatch",
                           f"{label} has {_plural(sec.n_stream, 'KV stream')}, {side.context} "
                           f"{p.n_stream:,}: {remedy}", offset))
@@ -303,6 +306,13 @@ def _compare_kv_data(d, p: SectionPrediction, label: str, side: _Side, setup: Se
     return out
 
 
+def _convert_types_hint(side: _Side, kv: str, got: str, want: str) -> str:
+    """The ``slotctl convert`` command that re-encodes a cache of type ``got`` as ``want`` (lossy)."""
+    quantized = any(ggml.BY_NAME[t].block > 1 for t in (got, want) if t in ggml.BY_NAME)
+    model = f" {side.model_flag} MODEL" if quantized else ""
+    return f"slotctl convert FILE -o OUT {side.type_flag(kv)} {want}{model} (lossy, the error is reported)"
+
+
 def _record_offset(rec) -> int | None:
     data = rec.data
     return data.offset - 12 if hasattr(data, "offset") else None
@@ -318,7 +328,8 @@ def _compare_records(recs, want: list[tuple], kv: str, label: str, side: _Side) 
         where = _layers_text([w[2] for _, w in type_bad])
         out.append(_issue(side, f"{kv.lower()}_type_mismatch",
                           f"{side.prefix(label)}{side.kind} {kv} cache is {got} in the file and {wt} in the context "
-                          f"({where}): start the server with {side.type_flag(kv)} {got}", _record_offset(r)))
+                          f"({where}): start the server with {side.type_flag(kv)} {got}, or convert the file: "
+                          f"{_convert_types_hint(side, kv, got, wt)}", _record_offset(r)))
         return out
     size_bad = []
     for r, (wt, wsize, il) in zip(recs, want):
