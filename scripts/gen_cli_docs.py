@@ -1,5 +1,6 @@
-"""Write docs/cli.md from the commands' own ``--help`` (tests/test_docs.py checks it is current).
+"""Write docs/cli.md, the command reference, from the commands themselves (tests/test_docs.py checks it).
 
+The same rows as ``slotctl COMMAND --help`` (slotctl/cli/help.py), as markdown tables.
 Run: ``python scripts/gen_cli_docs.py``.
 """
 
@@ -12,24 +13,18 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 
 
 def render() -> str:
-    import os
+    from typer.main import get_command
 
-    os.environ["COLUMNS"] = "100"
-    os.environ["TERMINAL_WIDTH"] = "100"
-    os.environ["NO_COLOR"] = "1"
-    from typer.testing import CliRunner
+    from slotctl.cli.app import COMMANDS, app, load_command
+    from slotctl.cli.help import markdown
 
-    from slotctl.cli.app import app
-
-    runner = CliRunner()
-    parts = ["# Command reference", "",
-             "Generated from `--help` by `scripts/gen_cli_docs.py`; do not edit by hand.", ""]
-    top = runner.invoke(app, ["--help"], env={"COLUMNS": "100", "TERMINAL_WIDTH": "100"})
-    parts += ["## slotctl", "", "```", top.stdout.rstrip(), "```", ""]
-    for name in sorted(c.name for c in app.registered_commands):
-        res = runner.invoke(app, [name, "--help"], env={"COLUMNS": "100", "TERMINAL_WIDTH": "100"})
-        parts += [f"## slotctl {name}", "", "```", res.stdout.rstrip(), "```", ""]
-    return "\n".join(line.rstrip() for line in "\n".join(parts).splitlines()) + "\n"
+    group = get_command(app)
+    ctx = group.make_context("slotctl", ["--help"], resilient_parsing=True)
+    commands = []
+    for name in COMMANDS:
+        cmd = load_command(name)
+        commands.append((name, cmd, cmd.make_context(name, [], parent=ctx, resilient_parsing=True)))
+    return markdown(group, ctx, commands)
 
 
 if __name__ == "__main__":

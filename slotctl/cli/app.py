@@ -1,21 +1,126 @@
-"""The ``slotctl`` command: wires the command modules and turns known errors into one line and an exit code."""
+"""The ``slotctl`` command: a lazy command group, one-line usage errors and one exit code per outcome.
+
+Each command lives in its own module with a ``register(app)`` function. The group imports a module only
+when its command runs (or its ``--help`` is asked for), so ``slotctl --help`` and ``slotctl inspect FILE``
+import nothing a command they do not run needs (no llama.cpp, no HTTP, no ssl). A new command is one
+line in :data:`COMMANDS`; ``tests/test_startup.py`` checks the summaries here against the commands.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
+from typing import Any, NamedTuple
 
 import typer
+from typer import _click as click
+from typer.core import TyperCommand, TyperGroup
 
 from slotctl import __version__
+from slotctl.cli.help import HelpCommand, HelpGroup, usage_error_line
+from slotctl.cli.params import lighten
 from slotctl.errors import ExitStatus, SlotctlError
+
+
+class CommandEntry(NamedTuple):
+    #: the module whose ``register(app)`` adds the command
+    module: str
+    #: the one-line summary shown by ``slotctl --help`` (the first line of the command's own help)
+    summary: str
+    #: the heading it is listed under in ``slotctl --help``
+    panel: str = "Slot files"
+
+
+#: every command: name -> where it lives and how ``slotctl --help`` lists it (without importing it)
+COMMANDS: dict[str, CommandEntry] = {
+    "inspect": CommandEntry("slotctl.cli.inspect_cmd", "Show every layer of a slot file: header, prompt, target "
+                            "memory, checkpoints, draft state."),
+    "validate": CommandEntry("slotctl.cli.validate_cmd", "Check that a llama-server started with these flags "
+                             "restores each slot file completely."),
+    "strip-draft": CommandEntry("slotctl.cli.strip_draft", "Remove the draft state (the SDFT appendix) from slot "
+                                "files, leaving every other byte as it was."),
+    "convert": CommandEntry("slotctl.cli.convert_cmd", "Rewrite a slot file so that a server started with other "
+                            "flags restores it."),
+    "save": CommandEntry("slotctl.cli.save", "Evaluate a prompt in a slot as llama-server would, and "
+                         "write the slot file it would save.", "Run llama.cpp (pip install 'slotctl[llama]')"),
+    "restore": CommandEntry("slotctl.cli.restore", "Restore a slot file as llama-server does, step by step, "
+                            "and optionally continue from it.", "Run llama.cpp (pip install 'slotctl[llama]')"),
+    "demo": CommandEntry("slotctl.cli.demo", "Run slotctl on a built-in sample: inspect and validate it; with "
+                         "llama-cpp-python also save and restore.", "Run llama.cpp (pip install 'slotctl[llama]')"),
+    "slots": CommandEntry("slotctl.cli.live", "List a running llama-server's slots: id, context size, "
+                          "speculative decoding, busy, cached tokens.",
+                          "A running llama-server"),
+    "erase": CommandEntry("slotctl.cli.live", "Erase a slot of a running llama-server: it forgets its "
+                          "cached prompt (POST /slots/N?action=erase).", "A running llama-server"),
+}
+
+
+def load_command(name: str) -> click.Command:
+    """The click command ``name``, built from its module (imported now)."""
+    from typer.main import get_command_from_info
+
+    entry = COMMANDS[name]
+    holder = typer.Typer()
+    importlib.import_module(entry.module).register(holder)
+    for info in holder.registered_commands:
+        if info.name == name:
+            info.cls = _with_help(info.cls if isinstance(info.cls, type) else TyperCommand)
+            return lighten(get_command_from_info(info, pretty_exceptions_short=True, rich_markup_mode=None))
+    raise LookupError(f"{entry.module}.register adds no command {name!r}")  # a bug in COMMANDS
+
+
+def _with_help(cls: type) -> type:
+    """``cls`` with slotctl's help layout (plain text: option names never cut, flags without a metavar)."""
+    return cls if issubclass(cls, HelpCommand) else type(cls.__name__, (HelpCommand, cls), {})
+
+
+class LazyGroup(HelpGroup, TyperGroup):
+    """Commands imported when they run; usage errors as one ``error:`` line (exit 2)."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        lighten(self)  # here, not in __init__: typer appends the completion options after building the group
+        return super().make_context(*args, **kwargs)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        if self.summaries_only:  # the group's own help and completion: no import
+            entry = COMMANDS[cmd_name]
+            return TyperCommand(name=cmd_name, help=entry.summary, rich_help_panel=entry.panel)
+        return load_command(cmd_name)
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode: bool = True, **extra: Any):
+        argv = list(sys.argv[1:] if args is None else args)
+        if not standalone_mode:  # the demo runs commands in-process and reads their exit codes
+            return super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:
+            print(e.ctx.get_help() if e.ctx else "", file=sys.stderr)
+            sys.exit(int(ExitStatus.USAGE))
+        except click.exceptions.UsageError as e:  # also BadParameter, NoSuchOption, MissingParameter
+            print(f"error: {usage_error_line(e, argv)}", file=sys.stderr)
+            sys.exit(int(ExitStatus.USAGE))
+        except click.exceptions.ClickException as e:
+            print(f"error: {e.format_message()}", file=sys.stderr)
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            print("error: aborted", file=sys.stderr)
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
 
 app = typer.Typer(
     name="slotctl",
-    help="Inspect, validate, save, restore and strip llama.cpp server slot files.",
+    cls=LazyGroup,
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -31,24 +136,12 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
                                        help="Show the version and exit.")):
     """Inspect, validate, save, restore and strip llama.cpp server slot files.
 
+    inspect, validate (without its real load), strip-draft and the live commands need only the core
+    install; save, restore, the demo's full run and validate's real load need llama-cpp-python
+    (pip install 'slotctl[llama]').
+
     Exit codes: 0 ok; 1 the file is damaged, will not restore or loses a layer; 2 usage or I/O error.
     """
-
-
-def _register() -> None:
-    from slotctl.cli import convert_cmd, demo, inspect_cmd, live, restore, save, strip_draft, validate_cmd
-
-    inspect_cmd.register(app)
-    validate_cmd.register(app)
-    save.register(app)
-    restore.register(app)
-    strip_draft.register(app)
-    convert_cmd.register(app)
-    live.register(app)  # commands that talk to a running llama-server
-    demo.register(app)
-
-
-_register()
 
 
 def main(argv: list[str] | None = None) -> None:

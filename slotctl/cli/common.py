@@ -21,6 +21,11 @@ def handle_errors(fn):
         except SlotctlError as e:
             Output().error(str(e))
             raise typer.Exit(int(e.exit_status)) from None
+        except ModuleNotFoundError as e:
+            if (e.name or "").partition(".")[0] != "llama_cpp":
+                raise
+            Output().error(llama_missing(fn.__name__.replace("_", "-")))
+            raise typer.Exit(int(ExitStatus.USAGE)) from None
         except OSError as e:
             Output().error(f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
             raise typer.Exit(int(ExitStatus.USAGE)) from None
@@ -28,8 +33,32 @@ def handle_errors(fn):
     return wrapper
 
 
+#: how to get llama-cpp-python, said by every command that needs it and lacks it
+LLAMA_INSTALL = "pip install 'slotctl[llama]'"
+
+
+def llama_available() -> bool:
+    """Whether llama-cpp-python is installed (found without importing it: importing loads llama.cpp)."""
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def require_llama(what: str) -> None:
+    """A usage error (exit 2) naming what to install when llama-cpp-python is missing."""
+    if not llama_available():
+        raise SlotctlError(llama_missing(what))
+
+
+def llama_missing(what: str) -> str:
+    return (f"{what} runs llama.cpp, and llama-cpp-python is not installed: {LLAMA_INSTALL} "
+            "(builds llama.cpp from source: a C/C++ compiler and a few minutes)")
+
+
 def runtime_state_version() -> int | None:
-    """The state version this llama-cpp-python reads and writes, or None when it cannot be imported."""
+    """The state version this llama-cpp-python reads and writes, or None when it is not installed."""
+    if not llama_available():
+        return None
     try:
         from slotctl.runtime.context import STATE_VERSION
 

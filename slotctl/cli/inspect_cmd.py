@@ -11,7 +11,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from slotctl.cli.common import check_file, handle_errors, runtime_state_version
+from slotctl.cli.common import LLAMA_INSTALL, check_file, handle_errors, llama_available, runtime_state_version
 from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt, VerboseOpt
 from slotctl.cli.output import Output, elide, human_bytes, markup_safe
 from slotctl.describe import describe_file
@@ -56,12 +56,15 @@ def inspect(
         draft_info = read_model_info(draft_model)
         draft_layout = draft_info.layout()
     sf = open_slot_file(file, layout=layout, draft_layout=draft_layout)
-    text = None
-    if model is not None and sf.tokens is not None and not sf.tokens.error:
-        from slotctl.runtime.vocab import detokenize
+    text = rt = None
+    if model is not None and llama_available():  # slotctl's runtime: only when -m asks for the prompt text
+        rt = runtime_state_version()
+        if sf.tokens is not None and not sf.tokens.error:
+            from slotctl.runtime.vocab import detokenize
 
-        text = detokenize(model, sf.tokens.tokens, verbose=verbose)
-    rt = runtime_state_version()
+            text = detokenize(model, sf.tokens.tokens, verbose=verbose)
+    elif model is not None:
+        out.warn(f"the prompt text is not shown: decoding it needs llama-cpp-python ({LLAMA_INSTALL})")
     data = describe_file(sf, tokens=tokens, text=text, runtime_version=rt, info=target_info, draft_info=draft_info)
     data["warnings"] = file_warnings(sf, runtime_version=rt)
     if target_info is not None and sf.tokens is not None and not sf.tokens.error:

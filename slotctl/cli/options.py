@@ -7,12 +7,24 @@ from typing import Annotated, Optional
 
 import typer
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (keys in docs/json.md).")]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Let logs and llama.cpp's own output through to stderr.")]
+# -- the help panels options are grouped under (``rich_help_panel``); options without one come last --
+
+#: the GGUFs a command reads (-m, -md, --mmproj)
+MODEL_PANEL = "Model"
+#: what the command prints and how (--json, --verbose, ...)
+OUTPUT_PANEL = "Output"
+#: llama-server's own flags, as the server takes them
+SERVER_PANEL = "Server flags"
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (keys in docs/json.md).",
+                                       rich_help_panel=OUTPUT_PANEL)]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Let logs and llama.cpp's own output through to "
+                                          "stderr.", rich_help_panel=OUTPUT_PANEL)]
 ModelOpt = Annotated[Optional[Path], typer.Option("--model", "-m", help="The target model's GGUF.",
-                                                  dir_okay=False)]
+                                                  dir_okay=False, rich_help_panel=MODEL_PANEL)]
 DraftModelOpt = Annotated[Optional[Path], typer.Option("--draft-model", "-md", "--spec-draft-model", "--model-draft",
-                                                       help="The draft model's GGUF.", dir_okay=False)]
+                                                       help="The draft model's GGUF.", dir_okay=False,
+                                                       rich_help_panel=MODEL_PANEL)]
 
 
 # -- llama-server's context flags (b11434 common/arg.cpp names), shared by save, restore and validate --

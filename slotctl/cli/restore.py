@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.cli import live
-from slotctl.cli.common import check_file, handle_errors
+from slotctl.cli.common import check_file, handle_errors, require_llama
 from slotctl.cli.options import (
     BatchOpt,
     CacheTypeKOpt,
@@ -118,6 +118,7 @@ def restore(
         return live.restore_on_server(ctx, out, server, str(file), slot=slot, api_key=api_key, timeout=timeout,
                                       json_out=json_out)
     live.require_local(ctx, "restore", model=model)
+    require_llama("restore")
     check_file(file)
     for path in (model, draft_model):
         if path is not None:

@@ -12,7 +12,7 @@ import typer
 from rich.text import Text
 
 from slotctl.cli import live
-from slotctl.cli.common import handle_errors, runtime_state_version
+from slotctl.cli.common import handle_errors, require_llama, runtime_state_version
 from slotctl.cli.options import (
     BatchOpt,
     CacheTypeKOpt,
@@ -164,6 +164,7 @@ def save(
         raise UsageError(f"NAME ({name!r}) is a file name in a server's --slot-save-path and goes with --server "
                          "URL; a local save writes -o FILE")
     live.require_local(ctx, "save", model=model, output=output)
+    require_llama("save")
     if state_version not in STATE_VERSIONS:
         raise UsageError(f"--state-version: {state_version} is not one of {', '.join(map(str, STATE_VERSIONS))}")
     text = read_prompt(prompt, prompt_file)

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.cli import live
-from slotctl.cli.common import handle_errors
+from slotctl.cli.common import LLAMA_INSTALL, handle_errors, llama_available
 from slotctl.cli.options import (
     BatchOpt,
     CacheTypeKOpt,
@@ -135,6 +135,10 @@ def validate(
     paths = expand_paths(files, follow_symlinks=True)
     if not paths:
         raise UsageError("no files to validate (the directories given are empty)")
+    if load and model is not None and not llama_available():  # the core install: the prediction decides
+        load = False
+        out.warn(f"real load skipped: llama-cpp-python is not installed ({LLAMA_INSTALL}); the prediction "
+                 "from the GGUFs and the flags decides")
     with out.progress("validating", total=len(paths)) as update:
         report = validate_paths(paths, setup, real_check=load, verbose=verbose,
                                 on_file=lambda done, total, _p: update(done))
@@ -183,7 +187,7 @@ def render(out: Output, report) -> None:
                                                           "unreadable") if s[v]]
         out.print(Text(f"{s['files']} files: " + ", ".join(parts), style="bold"))
     if not report.real_check and report.setup.target is not None:
-        out.print(Text("real check not run (--no-load): the prediction alone decides", style="dim"))
+        out.print(Text("real load not run: the prediction alone decides", style="dim"))
 
 
 def _checks(checks) -> Table:
