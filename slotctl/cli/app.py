@@ -46,8 +46,8 @@ COMMANDS: dict[str, CommandEntry] = {
                          "write the slot file it would save.", "Run llama.cpp (pip install 'slotctl[llama]')"),
     "restore": CommandEntry("slotctl.cli.restore", "Restore a slot file as llama-server does, step by step, "
                             "and optionally continue from it.", "Run llama.cpp (pip install 'slotctl[llama]')"),
-    "demo": CommandEntry("slotctl.cli.demo", "Run slotctl on a built-in sample: inspect and validate it; with "
-                         "llama-cpp-python also save and restore.", "Run llama.cpp (pip install 'slotctl[llama]')"),
+    "demo": CommandEntry("slotctl.cli.demo", "Make tiny models and run save, inspect, validate and restore "
+                         "--compare on a sample slot file.", "Run llama.cpp (pip install 'slotctl[llama]')"),
     "slots": CommandEntry("slotctl.cli.live", "List a running llama-server's slots: id, context size, "
                           "speculative decoding, busy, cached tokens.",
                           "A running llama-server"),

@@ -33,15 +33,27 @@ def handle_errors(fn):
     return wrapper
 
 
-#: how to get llama-cpp-python, said by every command that needs it and lacks it
-LLAMA_INSTALL = "pip install 'slotctl[llama]'"
-
-
 def llama_available() -> bool:
     """Whether llama-cpp-python is installed (found without importing it: importing loads llama.cpp)."""
     import importlib.util
 
     return importlib.util.find_spec("llama_cpp") is not None
+
+
+def llama_install() -> str:
+    """The pip command that adds llama-cpp-python, pinned as slotctl's ``[llama]`` extra pins it."""
+    req = "llama-cpp-python"
+    try:
+        import importlib.metadata
+
+        for r in importlib.metadata.requires("slotctl") or []:
+            spec, _, marker = r.partition(";")
+            if spec.strip().startswith("llama-cpp-python") and "llama" in marker:
+                req = spec.strip()
+                break
+    except Exception:  # noqa: BLE001 - not installed as a distribution (PYTHONPATH): the bare name
+        pass
+    return f"pip install '{req}'"
 
 
 def require_llama(what: str) -> None:
@@ -51,8 +63,12 @@ def require_llama(what: str) -> None:
 
 
 def llama_missing(what: str) -> str:
-    return (f"{what} runs llama.cpp, and llama-cpp-python is not installed: {LLAMA_INSTALL} "
-            "(builds llama.cpp from source: a C/C++ compiler and a few minutes)")
+    return f"{what} runs llama.cpp, and llama-cpp-python is not installed: {llama_hint()}"
+
+
+def llama_hint() -> str:
+    """How to install llama-cpp-python and what that takes."""
+    return f"{llama_install()} (slotctl's [llama] extra; it compiles llama.cpp: a C/C++ compiler and a few minutes)"
 
 
 def runtime_state_version() -> int | None:

@@ -11,7 +11,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from slotctl.cli.common import LLAMA_INSTALL, check_file, handle_errors, llama_available, runtime_state_version
+from slotctl.cli.common import (check_file, handle_errors, llama_available, llama_install,
+                                runtime_state_version)
 from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt, VerboseOpt
 from slotctl.cli.output import Output, elide, human_bytes, markup_safe
 from slotctl.describe import describe_file
@@ -64,7 +65,7 @@ def inspect(
 
             text = detokenize(model, sf.tokens.tokens, verbose=verbose)
     elif model is not None:
-        out.warn(f"the prompt text is not shown: decoding it needs llama-cpp-python ({LLAMA_INSTALL})")
+        out.warn(f"the prompt text is not shown: decoding it needs llama-cpp-python ({llama_install()})")
     data = describe_file(sf, tokens=tokens, text=text, runtime_version=rt, info=target_info, draft_info=draft_info)
     data["warnings"] = file_warnings(sf, runtime_version=rt)
     if target_info is not None and sf.tokens is not None and not sf.tokens.error:

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.cli import live
-from slotctl.cli.common import LLAMA_INSTALL, handle_errors, llama_available
+from slotctl.cli.common import handle_errors, llama_available, llama_install
 from slotctl.cli.options import (
     BatchOpt,
     CacheTypeKOpt,
@@ -135,17 +135,19 @@ def validate(
     paths = expand_paths(files, follow_symlinks=True)
     if not paths:
         raise UsageError("no files to validate (the directories given are empty)")
+    skipped = None
     if load and model is not None and not llama_available():  # the core install: the prediction decides
         load = False
-        out.warn(f"real load skipped: llama-cpp-python is not installed ({LLAMA_INSTALL}); the prediction "
-                 "from the GGUFs and the flags decides")
+        skipped = f"llama-cpp-python is not installed: {llama_install()}"
+        if json_out:
+            out.warn(f"real load skipped ({skipped}): the prediction from the GGUFs and the flags decides")
     with out.progress("validating", total=len(paths)) as update:
         report = validate_paths(paths, setup, real_check=load, verbose=verbose,
                                 on_file=lambda done, total, _p: update(done))
     if json_out:
         out.json(report.as_dict() if lv is None else lv.annotate(report.as_dict()))
     else:
-        render(out, report)
+        render(out, report, load_skipped=skipped)
     raise typer.Exit(int(report.exit_status))
 
 
@@ -161,7 +163,7 @@ def _env_flag(name: str) -> bool:
     return bool(n) and int(n) != 0
 
 
-def render(out: Output, report) -> None:
+def render(out: Output, report, *, load_skipped: str | None = None) -> None:
     for fr in report.files:
         head = Text.assemble((escape_text(fr.path, keep_newlines=False), "bold"), "  ")
         head.append(_VERDICT_WORDS[fr.verdict], style=_VERDICT_STYLE[fr.verdict])
@@ -187,7 +189,8 @@ def render(out: Output, report) -> None:
                                                           "unreadable") if s[v]]
         out.print(Text(f"{s['files']} files: " + ", ".join(parts), style="bold"))
     if not report.real_check and report.setup.target is not None:
-        out.print(Text("real load not run: the prediction alone decides", style="dim"))
+        why = f" ({load_skipped})" if load_skipped else " (--no-load)"
+        out.print(Text(f"real load not run{why}: the prediction alone decides", style="dim"))
 
 
 def _checks(checks) -> Table:

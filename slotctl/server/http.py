@@ -18,14 +18,10 @@ An API key is sent as ``Authorization: Bearer KEY``. Requests to loopback addres
 
 from __future__ import annotations
 
-import http.client
 import ipaddress
 import json
 import os
-import socket
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +122,8 @@ def _is_loopback(host: str) -> bool:
 
 
 def _opener(url: str) -> urllib.request.OpenerDirector:
+    import urllib.request  # here, not at the top: only live mode talks HTTP (start-up)
+
     host = urllib.parse.urlsplit(url).hostname or ""
     if _is_loopback(host):
         return urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -150,6 +148,11 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
     connection and every read. Raises :class:`ServerUnreachable`, :class:`ServerAuthError` or
     :class:`ServerRefused` as described in the module docstring.
     """
+    import http.client
+    import socket
+    import urllib.error
+    import urllib.request
+
     if not timeout or timeout <= 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {timeout}")
     base = normalize_url(url)
@@ -199,6 +202,8 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
 
 
 def _reason(reason: Any, timeout: float) -> str:
+    import socket
+
     if isinstance(reason, (TimeoutError, socket.timeout)):
         return f"no answer within {timeout:g} s"
     if isinstance(reason, ConnectionRefusedError):

@@ -1,0 +1,113 @@
+"""Start-up: each command imports what it needs and nothing heavier (checked in a fresh process).
+
+No timing here (benchmarks/bench_startup.py times whole processes): which modules a command loads is what
+decides its start-up, and that is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slotctl.sample import MODEL, SLOT_FILE
+
+#: modules no command loads unless it needs them: llama.cpp, HTTP (and ssl), pydantic (typer's converter)
+HEAVY = ("llama_cpp", "ssl", "http.client", "urllib.request", "pydantic", "asyncio", "gguf", "numpy", "construct",
+         "rich")
+
+_PROBE = """
+import json, sys
+from slotctl.cli.app import main
+code = 0
+try:
+    main(sys.argv[2:])
+except SystemExit as e:
+    code = e.code
+with open(sys.argv[1], "w") as f:
+    json.dump({"code": code, "modules": sorted(sys.modules)}, f)
+"""
+
+
+def loaded(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[int, set[str]]:
+    """The exit code of ``slotctl ARGS`` in a fresh interpreter and which of HEAVY it imported."""
+    out = tmp_path / "modules.json"
+    r = subprocess.run([sys.executable, "-c", _PROBE, str(out), *args], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, **(env or {})})
+    assert out.exists(), r.stderr
+    d = json.loads(out.read_text())
+    return d["code"], {m for m in d["modules"] if m in HEAVY}
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], []])
+def test_slotctl_help_imports_no_command(tmp_path, args):
+    code, heavy = loaded(tmp_path, *args)
+    assert code in ((0, None) if args else (2,))
+    assert heavy == set()
+
+
+@pytest.mark.parametrize("command", ["inspect", "validate", "strip-draft", "save", "restore", "demo", "slots"])
+def test_command_help_loads_no_llama_cpp_and_no_http(tmp_path, command):
+    code, heavy = loaded(tmp_path, command, "--help")
+    assert code in (0, None)
+    assert heavy.isdisjoint({"llama_cpp", "ssl", "http.client", "urllib.request", "pydantic", "asyncio"})
+
+
+def test_inspect_without_model_reads_the_file_and_nothing_more(tmp_path):
+    for extra in ([], ["--json"]):
+        code, heavy = loaded(tmp_path, "inspect", str(SLOT_FILE), *extra)
+        assert code in (0, None)
+        assert heavy == {"numpy", "construct", "rich"}, extra
+
+
+def test_validate_and_strip_draft_run_no_llama_cpp_and_no_http(tmp_path):
+    code, heavy = loaded(tmp_path, "validate", str(SLOT_FILE), "-c", "256", "-fa", "on")
+    assert code in (0, None)
+    assert heavy.isdisjoint({"llama_cpp", "ssl", "http.client", "urllib.request", "pydantic"})
+    code, heavy = loaded(tmp_path, "validate", str(SLOT_FILE), "-m", str(MODEL), "-c", "256", "-fa", "on",
+                         "--no-load")
+    assert code in (0, None)
+    assert "gguf" in heavy and heavy.isdisjoint({"llama_cpp", "ssl", "http.client", "urllib.request", "pydantic"})
+    code, heavy = loaded(tmp_path, "strip-draft", "--dry-run", str(SLOT_FILE))
+    assert code in (0, None)
+    assert heavy.isdisjoint({"llama_cpp", "ssl", "http.client", "urllib.request", "pydantic"})
+
+
+def test_live_mode_loads_http_but_not_llama_cpp(tmp_path):
+    code, heavy = loaded(tmp_path, "slots", "--server", "http://127.0.0.1:9", "--timeout", "2")
+    assert code == 2  # nothing listens on port 9
+    assert {"http.client", "urllib.request"} <= heavy
+    assert heavy.isdisjoint({"llama_cpp", "numpy", "gguf", "pydantic"})
+
+
+def test_a_usage_error_imports_no_runtime(tmp_path):
+    code, heavy = loaded(tmp_path, "save", "-m", str(tmp_path / "missing.gguf"), "--prompt", "x", "-o",
+                         str(tmp_path / "x.bin"))
+    assert code == 2
+    assert heavy.isdisjoint({"llama_cpp", "ssl", "http.client", "pydantic"})
+
+
+def test_summaries_match_the_commands():
+    """``slotctl --help`` lists commands from COMMANDS without importing them: the summaries must be what
+    each command says of itself."""
+    from slotctl.cli.app import COMMANDS, load_command
+
+    for name, entry in COMMANDS.items():
+        cmd = load_command(name)
+        assert cmd.name == name
+        assert " ".join((cmd.help or "").split("\n\n")[0].split()) == entry.summary, name
+
+
+def test_every_parameter_converts_without_pydantic():
+    """Every parameter of every command gets slotctl's plain converter (else pydantic is imported on use)."""
+    from slotctl.cli.app import COMMANDS, load_command
+
+    for name in COMMANDS:
+        for p in load_command(name).params:
+            if p.name == "ctx":
+                continue
+            assert getattr(p, "_runtime_param", None) is not None, f"{name} {p.name}: {p.type_descriptor}"
