@@ -1,6 +1,6 @@
 """Layers 4 and 5: the appendices a current server writes after the payload.
 
-SCKP (context checkpoints) and SDFT (the draft model's live state, from the seed change). Each blob is
+SCKP (context checkpoints) and SDFT (the draft model's live state, llama.cpp ea736c1d5). Each blob is
 a ``u64 length`` followed by that many bytes; the lengths are checked against the bytes that remain.
 """
 

@@ -326,7 +326,7 @@ class WrittenFile:
 def write_slot_file(path: str | os.PathLike, sc: ServerContexts, slot: int, tokens: Sequence[int], *,
                     version: int = 4, checkpoints: Sequence[Checkpoint] = (), with_draft: bool = True,
                     overwrite: bool = False) -> WrittenFile:
-    """Write the slot file the server of the seed change would write for ``slot``, atomically.
+    """Write the slot file llama-server with llama.cpp ea736c1d5 would write for ``slot``, atomically.
 
     Header and packed token record; the target payload (``state_write`` of the target context, flags 0);
     SCKP when there are checkpoints (their speculative state is empty); SDFT with the draft context's

@@ -34,7 +34,7 @@ What the draft context holds is therefore whatever was mirrored into it: after a
 usable draft state it holds nothing of the restored prompt, only what was evaluated since, and the
 draft-simple drafter never re-evaluates the missing prefix (b11434 and the runtime's own tree
 agree; older llama.cpp drafters kept a prompt copy and re-evaluated it). Its drafts then rest on a
-short context, which shows as fewer accepted tokens: the cost the seed change's SDFT appendix removes.
+short context, which shows as fewer accepted tokens: the cost the SDFT appendix (llama.cpp ea736c1d5) removes.
 """
 
 from __future__ import annotations
