@@ -19,16 +19,14 @@ from typer.testing import CliRunner
 from slotctl.cli.app import app
 from slotctl.model.info import read_model_info
 from slotctl.runtime import Context, ContextSettings, Model
-from slotctl.runtime.slot import (
+from slotctl.runtime.slot import ServerContexts, evaluate_prompt, write_slot_file
+from slotctl.server.checkpoints import (
     SEQ_RM_FULL,
     SEQ_RM_PART,
     Checkpoint,
     CheckpointPolicy,
-    ServerContexts,
     add_checkpoint,
-    evaluate_prompt,
     seq_rm_type,
-    write_slot_file,
 )
 from slotctl.slotfile import open_slot_file, rebuild
 from slotctl.testing import KINDS, MEMORY_KINDS, SAMPLE_PROMPT, make_kind_model, make_models

@@ -163,7 +163,7 @@ def test_prompt_from_a_file_or_stdin(models, tmp_path, prompt_tokens):
     (["--state-version", "2"], "--state-version: 2 is not one of 3, 4"),
     (["--checkpoint-at", "99"], "--checkpoint-at 99: a checkpoint is taken inside the prompt"),
     (["--slot", "1"], "--slot 1: the server has slots 0..0"),
-    (["-ctk", "q9_9"], "unknown cache type"),
+    (["-ctk", "q9_9"], "-ctk q9_9: expected one of f32, f16"),
 ])
 def test_save_usage_errors(models, tmp_path, args, message):
     res = cli("save", "-m", models["target"], "--prompt", SAMPLE_PROMPT, "-o", tmp_path / "x.bin", *CTX, *args)

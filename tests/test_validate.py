@@ -682,7 +682,7 @@ def test_cli_no_load_predicts_only():
     (["missing.bin"], "no such file"),
     ([DATA / "srv-np1.bin", "-md", DATA / "draft.gguf"], "needs a target model"),
     ([DATA / "srv-np1.bin", "-m", DATA / "target.gguf", "--slot", 1], "--slot 1"),
-    ([DATA / "srv-np1.bin", "-m", DATA / "target.gguf", "-ctk", "q9"], "unknown cache type"),
+    ([DATA / "srv-np1.bin", "-m", DATA / "target.gguf", "-ctk", "q9"], "-ctk q9: expected one of f32"),
     ([DATA / "srv-np1.bin", "-m", DATA / "target.gguf", "-ctv", "q8_0", "-fa", "off"], "requires flash attention"),
     ([DATA / "srv-np1.bin", "-m", DATA / "srv-np1.bin"], "not a GGUF"),
 ])

@@ -1,14 +1,14 @@
-"""Helpers every command uses: error handling, model-info loading, the runtime's state version."""
+"""Helpers every command uses: error handling, the runtime's state version, files and prompts as given."""
 
 from __future__ import annotations
 
 import functools
-import os
+from pathlib import Path
 
 import typer
 
 from slotctl.cli.output import Output
-from slotctl.errors import ExitStatus, SlotctlError
+from slotctl.errors import ExitStatus, SlotctlError, UsageError
 
 
 def handle_errors(fn):
@@ -88,3 +88,17 @@ def check_file(path) -> None:
     from slotctl.paths import check_readable
 
     check_readable(path)
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    """The prompt text from --prompt, --prompt-file F or --prompt-file - (stdin), exactly as given."""
+    if (prompt is None) == (prompt_file is None):
+        raise UsageError("give the prompt with exactly one of --prompt TEXT and --prompt-file FILE (- for stdin)")
+    if prompt is not None:
+        return prompt
+    if str(prompt_file) == "-":
+        return typer.get_text_stream("stdin").read()
+    try:
+        return prompt_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -13,31 +12,12 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from slotctl.cli import live
-from slotctl.cli.common import check_file, handle_errors, require_llama
-from slotctl.cli.options import (
-    BatchOpt,
-    CacheTypeKOpt,
-    CacheTypeVOpt,
-    CtxCheckpointsOpt,
-    CtxSizeOpt,
-    DraftCacheTypeKOpt,
-    DraftCacheTypeVOpt,
-    DraftModelOpt,
-    DraftNMaxOpt,
-    FlashAttnOpt,
-    JsonOpt,
-    KvUnifiedOpt,
-    ParallelOpt,
-    SlotOpt,
-    SwaFullOpt,
-    ThreadsOpt,
-    UBatchOpt,
-    VerboseOpt,
-    context_settings,
-)
+from slotctl.cli import remote
+from slotctl.cli.common import check_file, handle_errors, read_prompt, require_llama
+from slotctl.cli.options import ArgsCommand, DraftModelOpt, JsonOpt, SlotOpt, VerboseOpt, with_server_flags
 from slotctl.cli.output import Output, elide, markup_safe
 from slotctl.errors import ExitStatus, UsageError
+from slotctl.server.flags import ServerFlags, check_slot
 
 #: ``-n`` when the continuation is asked for without it
 DEFAULT_N_PREDICT = 16
@@ -46,15 +26,16 @@ _STATUS_STYLE = {"restored": "green", "absent": "dim", "ignored": "yellow", "dro
 
 
 def register(app: typer.Typer) -> None:
-    app.command("restore", cls=live.RawArgsCommand)(restore)
+    app.command("restore", cls=ArgsCommand)(restore)
 
 
 @handle_errors
+@with_server_flags
 def restore(
     ctx: typer.Context,
     file: Annotated[Path, typer.Argument(help="The slot file (with --server: its name in the server's "
                                          "--slot-save-path).")],
-    model: live.LocalModelOpt = None,
+    model: remote.LocalModelOpt = None,
     draft_model: DraftModelOpt = None,
     continue_text: Annotated[Optional[str], typer.Option("--continue", help="Go on from the restored state: "
                                                          "the saved text followed by TEXT, as a new request.")] = None,
@@ -71,25 +52,12 @@ def restore(
                                           "evaluate the file's prompt from scratch; exit 1 unless text, prompt "
                                           "tokens evaluated, drafted and accepted counts all agree.")] = False,
     slot: SlotOpt = 0,
-    ctx_size: CtxSizeOpt = 0,
-    parallel: ParallelOpt = 1,
-    kv_unified: KvUnifiedOpt = False,
-    cache_type_k: CacheTypeKOpt = "f16",
-    cache_type_v: CacheTypeVOpt = "f16",
-    draft_cache_type_k: DraftCacheTypeKOpt = "f16",
-    draft_cache_type_v: DraftCacheTypeVOpt = "f16",
-    flash_attn: FlashAttnOpt = "auto",
-    batch_size: BatchOpt = 2048,
-    ubatch_size: UBatchOpt = 512,
-    swa_full: SwaFullOpt = False,
-    threads: ThreadsOpt = 0,
-    spec_draft_n_max: DraftNMaxOpt = 3,
-    ctx_checkpoints: CtxCheckpointsOpt = 32,
-    server: live.LiveServerOpt = None,
-    api_key: live.LiveApiKeyOpt = None,
-    timeout: live.SlotFileTimeoutOpt = live.SLOT_FILE_TIMEOUT,
+    server: remote.LiveServerOpt = None,
+    api_key: remote.LiveApiKeyOpt = None,
+    timeout: remote.SlotFileTimeoutOpt = remote.SLOT_FILE_TIMEOUT,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
+    flags: ServerFlags = ServerFlags(),
 ) -> None:
     """Restore a slot file as llama-server does, step by step, and optionally continue from it.
 
@@ -115,26 +83,20 @@ def restore(
     """
     out = Output(json_mode=json_out, verbose=verbose)
     if server is not None:  # live mode: docs/live.md
-        return live.restore_on_server(ctx, out, server, str(file), slot=slot, api_key=api_key, timeout=timeout,
+        return remote.restore_on_server(ctx, out, server, str(file), slot=slot, api_key=api_key, timeout=timeout,
                                       json_out=json_out)
-    live.require_local(ctx, "restore", model=model)
+    remote.require_local(ctx, "restore", model=model)
     require_llama("restore")
     check_file(file)
     for path in (model, draft_model):
         if path is not None:
             check_file(path)
-    settings = context_settings(ctx_size=ctx_size, parallel=parallel, kv_unified=kv_unified,
-                                cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn,
-                                batch_size=batch_size, ubatch_size=ubatch_size, swa_full=swa_full)
-    settings = dataclasses.replace(settings, n_threads=threads)
-    if slot >= parallel:
-        raise UsageError(f"--slot {slot}: the server has slots 0..{parallel - 1} (-np {parallel})")
+    settings = flags.context_settings()
+    check_slot(slot, flags.parallel)
     if prompt is not None or prompt_file is not None:
         if continue_text is not None:
             raise UsageError("give either --continue TEXT (appended to the saved prompt) or --prompt / "
                              "--prompt-file (a whole new prompt), not both")
-        from slotctl.cli.save import read_prompt
-
         prompt = read_prompt(prompt, prompt_file)
         if not prompt:
             raise UsageError("empty prompt: the server releases the slot without evaluating anything")
@@ -153,13 +115,13 @@ def restore(
     timings = report["timings"]
     t0 = time.perf_counter()
     with out.progress("loading models", total=1000) as update:
-        sc = ServerContexts.open(model, settings, draft_path=draft_model, draft_type_k=draft_cache_type_k,
-                                 draft_type_v=draft_cache_type_v, on_progress=lambda d, t: update(d, t))
+        sc = ServerContexts.open(model, settings, draft_path=draft_model, draft_type_k=flags.spec_draft_type_k,
+                                 draft_type_v=flags.spec_draft_type_v, on_progress=lambda d, t: update(d, t))
     timings["load_ms"] = _ms(t0)
     status = ExitStatus.OK
     with sc:
         try:
-            restored = restore_slot(sc, file, slot, n_ctx_checkpoints=ctx_checkpoints)
+            restored = restore_slot(sc, file, slot, n_ctx_checkpoints=flags.ctx_checkpoints)
         except RestoreRefused as e:
             report.update(error=str(e), steps=[s.as_dict() for s in e.steps])
             if e.steps:
@@ -173,8 +135,8 @@ def restore(
                       steps=[s.as_dict() for s in restored.steps], draft=restored.draft_status)
         try:
             if go_on:
-                status = _continue(out, sc, restored, report, continue_text, prompt, n, spec_draft_n_max,
-                                   compare, ctx_checkpoints)
+                status = _continue(out, sc, restored, report, continue_text, prompt, n, flags.spec_draft_n_max,
+                                   compare, flags.ctx_checkpoints)
         except _Refused as e:
             report.update(ok=False, error=str(e))
             _emit(out, report, json_out)
@@ -197,7 +159,8 @@ def _ms(t0: float) -> float:
 
 def _continue(out: Output, sc, restored, report: dict, text: str | None, prompt: str | None, n: int,
               n_draft_max: int, compare: bool, ctx_checkpoints: int) -> ExitStatus:
-    from slotctl.runtime.slot import CheckpointPolicy, evaluate_prompt
+    from slotctl.runtime.slot import evaluate_prompt
+    from slotctl.server.checkpoints import CheckpointPolicy
     from slotctl.runtime.speculative import (
         RequestRefused,
         ServerSlot,

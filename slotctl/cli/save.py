@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from pathlib import Path
@@ -11,31 +10,12 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
-from slotctl.cli import live
-from slotctl.cli.common import handle_errors, require_llama, runtime_state_version
-from slotctl.cli.options import (
-    BatchOpt,
-    CacheTypeKOpt,
-    CacheTypeVOpt,
-    CtxCheckpointsOpt,
-    CtxSizeOpt,
-    DraftCacheTypeKOpt,
-    DraftCacheTypeVOpt,
-    DraftModelOpt,
-    DraftNMaxOpt,
-    FlashAttnOpt,
-    JsonOpt,
-    KvUnifiedOpt,
-    ParallelOpt,
-    SlotOpt,
-    SwaFullOpt,
-    ThreadsOpt,
-    UBatchOpt,
-    VerboseOpt,
-    context_settings,
-)
+from slotctl.cli import remote
+from slotctl.cli.common import handle_errors, read_prompt, require_llama, runtime_state_version
+from slotctl.cli.options import ArgsCommand, DraftModelOpt, JsonOpt, SlotOpt, VerboseOpt, with_server_flags
 from slotctl.cli.output import Output
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
+from slotctl.server.flags import ServerFlags, check_slot
 
 #: state versions ``save`` writes: 4 (current llama-server) and 3 (this llama-cpp-python)
 STATE_VERSIONS = (3, 4)
@@ -48,45 +28,17 @@ class PromptRefused(SlotctlError):
 
 
 def register(app: typer.Typer) -> None:
-    app.command("save")(save)
-
-
-def user_starts(model, tokens: list[int], delimiters: list[str]) -> list[int]:
-    """Where user messages start in ``tokens``, as b11434 finds a request's message spans
-    (``common_chat_msg_delimiters::split``): each delimiter is tokenized without BOS and with special
-    tokens parsed, and every position where its tokens occur starts a span (the first delimiter that
-    matches there names its role)."""
-    if not delimiters:
-        return []
-    seqs = [model.tokenize(d, add_special=False, parse_special=True) for d in delimiters]
-    starts = []
-    for i in range(len(tokens)):
-        if any(seq and tokens[i:i + len(seq)] == seq for seq in seqs):
-            starts.append(i)
-    return starts
-
-
-def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
-    """The prompt text from --prompt, --prompt-file F or --prompt-file - (stdin), exactly as given."""
-    if (prompt is None) == (prompt_file is None):
-        raise UsageError("give the prompt with exactly one of --prompt TEXT and --prompt-file FILE (- for stdin)")
-    if prompt is not None:
-        return prompt
-    if str(prompt_file) == "-":
-        return typer.get_text_stream("stdin").read()
-    try:
-        return prompt_file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    app.command("save", cls=ArgsCommand)(save)
 
 
 @handle_errors
+@with_server_flags
 def save(
     ctx: typer.Context,
     name: Annotated[Optional[str], typer.Argument(metavar="NAME", show_default=False,
                                                   help="With --server: the file name the server writes in its "
                                                        "--slot-save-path.")] = None,
-    model: live.LocalModelOpt = None,
+    model: remote.LocalModelOpt = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="The slot file to write (needed unless "
                                                    "--server).", dir_okay=False)] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt text.")] = None,
@@ -113,30 +65,14 @@ def save(
                                                                 "message in the prompt (the request's "
                                                                 "message_delimiters, role user; repeatable); "
                                                                 "implies --server-checkpoints.")] = None,
-    ctx_checkpoints: CtxCheckpointsOpt = 32,
-    checkpoint_min_step: Annotated[int, typer.Option("--checkpoint-min-step", "-cms", min=0, help="The server's "
-                                                     "least spacing of checkpoints in tokens (default 8192; "
-                                                     "--server-checkpoints only).")] = 8192,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
     slot: SlotOpt = 0,
-    ctx_size: CtxSizeOpt = 0,
-    parallel: ParallelOpt = 1,
-    kv_unified: KvUnifiedOpt = False,
-    cache_type_k: CacheTypeKOpt = "f16",
-    cache_type_v: CacheTypeVOpt = "f16",
-    draft_cache_type_k: DraftCacheTypeKOpt = "f16",
-    draft_cache_type_v: DraftCacheTypeVOpt = "f16",
-    flash_attn: FlashAttnOpt = "auto",
-    batch_size: BatchOpt = 2048,
-    ubatch_size: UBatchOpt = 512,
-    swa_full: SwaFullOpt = False,
-    threads: ThreadsOpt = 0,
-    spec_draft_n_max: DraftNMaxOpt = 3,
-    server: live.LiveServerOpt = None,
-    api_key: live.LiveApiKeyOpt = None,
-    timeout: live.SlotFileTimeoutOpt = live.SLOT_FILE_TIMEOUT,
+    server: remote.LiveServerOpt = None,
+    api_key: remote.LiveApiKeyOpt = None,
+    timeout: remote.SlotFileTimeoutOpt = remote.SLOT_FILE_TIMEOUT,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
+    flags: ServerFlags = ServerFlags(),
 ) -> None:
     """Evaluate a prompt in a slot as llama-server would, and write the slot file it would save.
 
@@ -158,12 +94,12 @@ def save(
     """
     out = Output(json_mode=json_out, verbose=verbose)
     if server is not None:  # live mode: docs/live.md
-        return live.save_on_server(ctx, out, server, name, slot=slot, api_key=api_key, timeout=timeout,
+        return remote.save_on_server(ctx, out, server, name, slot=slot, api_key=api_key, timeout=timeout,
                                    json_out=json_out)
     if name is not None:
         raise UsageError(f"NAME ({name!r}) is a file name in a server's --slot-save-path and goes with --server "
                          "URL; a local save writes -o FILE")
-    live.require_local(ctx, "save", model=model, output=output)
+    remote.require_local(ctx, "save", model=model, output=output)
     require_llama("save")
     if state_version not in STATE_VERSIONS:
         raise UsageError(f"--state-version: {state_version} is not one of {', '.join(map(str, STATE_VERSIONS))}")
@@ -177,12 +113,8 @@ def save(
     for path in (model, draft_model):
         if path is not None and not Path(path).is_file():
             raise UsageError(f"{path}: no such file")
-    settings = context_settings(ctx_size=ctx_size, parallel=parallel, kv_unified=kv_unified,
-                                cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn,
-                                batch_size=batch_size, ubatch_size=ubatch_size, swa_full=swa_full)
-    settings = dataclasses.replace(settings, n_threads=threads)
-    if slot >= parallel:
-        raise UsageError(f"--slot {slot}: the server has slots 0..{parallel - 1} (-np {parallel})")
+    settings = flags.context_settings()
+    check_slot(slot, flags.parallel)
 
     if user_delimiter is not None and any(not d for d in user_delimiter):
         raise UsageError("--user-delimiter: an empty delimiter matches everywhere; give the text that starts "
@@ -190,14 +122,15 @@ def save(
     server_checkpoints = server_checkpoints or bool(user_delimiter)
 
     from slotctl.runtime.log import configure_logging
-    from slotctl.runtime.slot import CheckpointPolicy, ServerContexts, evaluate_prompt, write_slot_file
+    from slotctl.runtime.slot import ServerContexts, evaluate_prompt, write_slot_file
+    from slotctl.server.checkpoints import CheckpointPolicy, requested_positions, user_starts
 
     configure_logging(verbose)
     t0 = time.perf_counter()
     try:
         with out.progress("loading models", total=1000) as update:
-            sc = ServerContexts.open(model, settings, draft_path=draft_model, draft_type_k=draft_cache_type_k,
-                                     draft_type_v=draft_cache_type_v, on_progress=lambda d, t: update(d, t))
+            sc = ServerContexts.open(model, settings, draft_path=draft_model, draft_type_k=flags.spec_draft_type_k,
+                                     draft_type_v=flags.spec_draft_type_v, on_progress=lambda d, t: update(d, t))
     except ValueError as e:
         raise UsageError(str(e)) from None
     with sc:
@@ -207,16 +140,15 @@ def save(
         if len(tokens) >= n_ctx:
             raise PromptRefused(f"request ({len(tokens)} tokens) exceeds the available context size ({n_ctx} "
                                 "tokens), try increasing it")
-        at = sorted(set(checkpoint_at or []))
-        bad = [n for n in at if not 0 < n < len(tokens)]
-        if bad:
-            raise UsageError(f"--checkpoint-at {bad[0]}: a checkpoint is taken inside the prompt, at 1.."
-                             f"{len(tokens) - 1} tokens (the prompt has {len(tokens)})")
-        if checkpoint_every is not None:
-            at = sorted(set(at) | set(range(checkpoint_every, len(tokens), checkpoint_every)))
-        starts = user_starts(sc.target_model, tokens, user_delimiter or [])
-        policy = CheckpointPolicy(server=server_checkpoints, n_ctx_checkpoints=ctx_checkpoints,
-                                  min_step=checkpoint_min_step, user_starts=tuple(starts), at=tuple(at))
+        try:
+            at = requested_positions(checkpoint_at or [], checkpoint_every, len(tokens))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        tm = sc.target_model
+        starts = user_starts(lambda d: tm.tokenize(d, add_special=False, parse_special=True), tokens,
+                             user_delimiter or [])
+        policy = CheckpointPolicy(server=server_checkpoints, n_ctx_checkpoints=flags.ctx_checkpoints,
+                                  min_step=flags.checkpoint_min_step, user_starts=tuple(starts), at=tuple(at))
         t0 = time.perf_counter()
         with out.progress("evaluating", total=len(tokens) * len(sc.contexts())) as update:
             checkpoints = evaluate_prompt(sc, tokens, slot, policy=policy, on_progress=update)
@@ -231,7 +163,7 @@ def save(
         draft_layout = dinfo.layout() if dinfo is not None else None
 
     from slotctl.describe import describe_file
-    from slotctl.findings import file_warnings
+    from slotctl.server.findings import file_warnings
     from slotctl.slotfile import open_slot_file
 
     sf = open_slot_file(output, layout=layout, draft_layout=draft_layout)
@@ -257,7 +189,7 @@ def save(
             "file": described,
         })
         return
-    from slotctl.cli.inspect_cmd import render
+    from slotctl.cli.inspect_view import render
 
     render(out, sf, described)
     out.print(Text(f"wrote {written.size:,} bytes, {written.n_tokens:,} tokens from slot {slot}, state version "

@@ -10,30 +10,21 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from slotctl.cli import live
+from slotctl.cli import remote
 from slotctl.cli.common import handle_errors, llama_available, llama_install
 from slotctl.cli.options import (
-    BatchOpt,
-    CacheTypeKOpt,
-    CacheTypeVOpt,
-    CtxCheckpointsOpt,
-    CtxSizeOpt,
-    DraftCacheTypeKOpt,
-    DraftCacheTypeVOpt,
+    ArgsCommand,
     DraftModelOpt,
-    FlashAttnOpt,
     JsonOpt,
-    KvUnifiedOpt,
     ModelOpt,
-    ParallelOpt,
     SlotOpt,
-    SwaFullOpt,
-    UBatchOpt,
     VerboseOpt,
-    context_settings,
+    with_server_flags,
 )
 from slotctl.cli.output import Output, escape_text, human_bytes
 from slotctl.errors import UsageError
+from slotctl.server.flags import ServerFlags, attn_rot_disable
+from slotctl.server.http import DEFAULT_TIMEOUT
 
 _VERDICT_STYLE = {"restores": "bold green", "restores_with_drops": "bold yellow", "aborts": "bold red",
                   "refused": "bold red", "unreadable": "bold red"}
@@ -46,32 +37,21 @@ _SUMMARY_WORDS = {"restores": "restoring completely", "restores_with_drops": "re
 
 
 def register(app: typer.Typer) -> None:
-    app.command("validate")(validate)
+    app.command("validate", cls=ArgsCommand)(validate)
 
 
 @handle_errors
+@with_server_flags
 def validate(
     ctx: typer.Context,
     files: Annotated[list[Path], typer.Argument(help="Slot files, or directories (such as a server's "
                                                      "--slot-save-path): every regular file in them.")],
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
-    ctx_size: CtxSizeOpt = 0,
-    parallel: ParallelOpt = 1,
-    kv_unified: KvUnifiedOpt = False,
-    cache_type_k: CacheTypeKOpt = "f16",
-    cache_type_v: CacheTypeVOpt = "f16",
-    cache_type_k_draft: DraftCacheTypeKOpt = "f16",
-    cache_type_v_draft: DraftCacheTypeVOpt = "f16",
-    flash_attn: FlashAttnOpt = "auto",
-    batch_size: BatchOpt = 2048,
-    ubatch_size: UBatchOpt = 512,
-    swa_full: SwaFullOpt = False,
     slot: SlotOpt = 0,
     mmproj: Annotated[Optional[Path], typer.Option("--mmproj", "-mm", dir_okay=False,
                                                    help="The server's multimodal projector: media chunks in the "
                                                         "prompt restore only with one (not loaded).")] = None,
-    ctx_checkpoints: CtxCheckpointsOpt = 32,
     state_version: Annotated[int, typer.Option("--state-version", min=2, max=4,
                                                help="The server's state version: its loader accepts no other "
                                                     "(4: llama.cpp b11434 and later).")] = 4,
@@ -82,10 +62,11 @@ def validate(
                                                   help="Validate for the running llama-server at this URL: its "
                                                        "model, -c and -np from GET /props and /slots (flags given "
                                                        "here win; docs/live.md).")] = None,
-    api_key: live.LiveApiKeyOpt = None,
-    timeout: live.LiveTimeoutOpt = live.server_api.DEFAULT_TIMEOUT,
+    api_key: remote.LiveApiKeyOpt = None,
+    timeout: remote.LiveTimeoutOpt = DEFAULT_TIMEOUT,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
+    flags: ServerFlags = ServerFlags(),
 ) -> None:
     """Check that a llama-server started with these flags restores each slot file completely.
 
@@ -111,27 +92,19 @@ def validate(
         raise UsageError(f"{mmproj}: no such file")
     lv = None
     if server is not None:  # live mode: the server's own flags where it says them (docs/live.md)
-        lv = live.learn_validate(
-            ctx, server, api_key=api_key, timeout=timeout, model=model, draft_model=draft_model, ctx_size=ctx_size,
-            parallel=parallel, kv_unified=kv_unified, slot=slot, mmproj=mmproj is not None,
-            unreported={"-ctk": ("cache_type_k", cache_type_k), "-ctv": ("cache_type_v", cache_type_v),
-                        "-fa": ("flash_attn", flash_attn), "-ctkd": ("cache_type_k_draft", cache_type_k_draft),
-                        "-ctvd": ("cache_type_v_draft", cache_type_v_draft), "-b": ("batch_size", batch_size),
-                        "-ub": ("ubatch_size", ubatch_size), "--swa-full": ("swa_full", swa_full),
-                        "-ctxcp": ("ctx_checkpoints", ctx_checkpoints),
-                        "--state-version": ("state_version", state_version)})
-        model, ctx_size, parallel, slot = lv.model, lv.ctx_size, lv.parallel, lv.slot
-        live.render_live(out, lv)  # warnings on stderr; the rest in human mode only
+        from slotctl.server.http import server_facts
+        from slotctl.server.live import learn_flags
+
+        facts = server_facts(server, slot, api_key=api_key, timeout=timeout)
+        lv = learn_flags(facts, flags, given=remote.given_params(ctx), model=model, draft_model=draft_model,
+                         slot=slot, mmproj=mmproj is not None, state_version=state_version)
+        model, flags, slot = lv.model, lv.server_flags, lv.slot
+        remote.render_live(out, lv)  # warnings on stderr; the rest in human mode only
     else:
-        live.require_local(ctx, "validate")  # --api-key / --timeout typed without --server
-    settings = context_settings(ctx_size=ctx_size, parallel=parallel, kv_unified=kv_unified,
-                                cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn,
-                                batch_size=batch_size, ubatch_size=ubatch_size, swa_full=swa_full)
-    setup = ServerSetup(target=model, draft=draft_model, settings=settings, draft_type_k=cache_type_k_draft,
-                        draft_type_v=cache_type_v_draft, slot=slot,
-                        mmproj=mmproj is not None if lv is None else lv.mmproj,
-                        n_ctx_checkpoints=ctx_checkpoints, state_version=state_version,
-                        attn_rot_disable=_env_flag("LLAMA_ATTN_ROT_DISABLE"))
+        remote.require_local(ctx, "validate")  # --api-key / --timeout typed without --server
+    setup = ServerSetup.from_flags(flags, target=model, draft=draft_model, slot=slot,
+                                   mmproj=mmproj is not None if lv is None else lv.mmproj,
+                                   state_version=state_version, attn_rot_disable=attn_rot_disable())
     paths = expand_paths(files, follow_symlinks=True)
     if not paths:
         raise UsageError("no files to validate (the directories given are empty)")
@@ -149,18 +122,6 @@ def validate(
     else:
         render(out, report, load_skipped=skipped)
     raise typer.Exit(int(report.exit_status))
-
-
-def _env_flag(name: str) -> bool:
-    """An environment switch read as llama.cpp reads it (``atoi``: a number, non-zero is on)."""
-    value = os.environ.get(name, "").strip()
-    digits = value[1:] if value[:1] in "+-" else value
-    n = ""
-    for ch in digits:
-        if not ch.isdigit():
-            break
-        n += ch
-    return bool(n) and int(n) != 0
 
 
 def render(out: Output, report, *, load_skipped: str | None = None) -> None:

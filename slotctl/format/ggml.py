@@ -39,6 +39,16 @@ BY_NAME: dict[str, GGMLType] = {t.name: t for t in _TYPES}
 CACHE_TYPE_NAMES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
 
+def cache_type(name: str) -> GGMLType:
+    """The cache type named ``name`` as llama-server's ``kv_cache_type_from_str`` reads ``-ctk`` and its kin
+    (b11434 common/arg.cpp): one of :data:`CACHE_TYPE_NAMES`, by its exact name; ValueError saying which
+    names are allowed. The one check of a cache type: flags (:mod:`slotctl.server.flags`) and context
+    settings (:mod:`slotctl.model.settings`) both use it."""
+    if name not in CACHE_TYPE_NAMES:
+        raise ValueError(f"expected one of {', '.join(CACHE_TYPE_NAMES)}")
+    return BY_NAME[name]
+
+
 def type_name(type_id: int) -> str:
     t = BY_ID.get(type_id)
     return t.name if t else f"type{type_id}"

@@ -118,17 +118,6 @@ def _pad(x: int, n: int) -> int:
     return (x + n - 1) // n * n
 
 
-def _cache_type(name: str, flag: str) -> ggml.GGMLType:
-    try:
-        t = ggml.by_name(name)
-    except ValueError:
-        raise UsageError(f"{flag}: unknown cache type {name!r}; expected one of "
-                         f"{', '.join(ggml.CACHE_TYPE_NAMES)}") from None
-    if t.name not in ggml.CACHE_TYPE_NAMES:
-        raise UsageError(f"{flag}: {t.name} is not a cache type; expected one of {', '.join(ggml.CACHE_TYPE_NAMES)}")
-    return t
-
-
 def requested_n_ctx(model: ModelInfo, s: ContextSettings) -> int:
     """The ``n_ctx`` the server asks llama.cpp for (:meth:`ContextSettings.context_size`: ``-c``, or
     when it is 0 the training context for every stream, or ``-np x --kv-unified-per-slot``)."""
@@ -218,8 +207,7 @@ def _validate(model: ModelInfo, s: ContextSettings, version: int) -> tuple[ggml.
         raise UsageError(f"state version {version} is not one of {', '.join(map(str, VERSIONS))}")
     if not 1 <= s.n_parallel <= LLAMA_MAX_SEQ:
         raise UsageError(f"-np {s.n_parallel}: the number of slots must be between 1 and {LLAMA_MAX_SEQ}")
-    tk = _cache_type(s.type_k, "-ctk")
-    tv = _cache_type(s.type_v, "-ctv")
+    tk, tv = ggml.cache_type(s.type_k), ggml.cache_type(s.type_v)   # ContextSettings checked the names
     flash_attn = flash_attn_enabled(model, s)
     if model.mla and tk.id != tv.id:
         raise UsageError(f"{model.arch} models (MLA) need the same K and V cache types; got -ctk {tk.name} "

@@ -13,7 +13,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from slotctl.format.ggml import BY_NAME, CACHE_TYPE_NAMES
+from slotctl.format.ggml import BY_NAME, cache_type
 
 #: ``--flash-attn`` values and the ``llama_flash_attn_type`` each maps to
 FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}
@@ -60,8 +60,10 @@ class ContextSettings:
     def __post_init__(self) -> None:
         for name in ("type_k", "type_v"):
             value = getattr(self, name).lower()
-            if value not in CACHE_TYPE_NAMES:
-                raise ValueError(f"{name}: unknown cache type {value!r}; expected one of {', '.join(CACHE_TYPE_NAMES)}")
+            try:
+                cache_type(value)
+            except ValueError as e:
+                raise ValueError(f"{name}: unknown cache type {value!r}; {e}") from None
             object.__setattr__(self, name, value)
         if self.flash_attn not in FLASH_ATTN_TYPES:
             raise ValueError(f"flash_attn: expected one of {', '.join(FLASH_ATTN_TYPES)}, got {self.flash_attn!r}")

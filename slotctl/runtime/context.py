@@ -22,16 +22,18 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
+from slotctl.format.blob import FLAGS_NONE, FLAGS_ON_DEVICE, FLAGS_PARTIAL_ONLY
 from slotctl.runtime.log import capture_errors
 from slotctl.runtime.model import LlamaError, Model, Progress
 from slotctl.model.settings import DRAFT_CACHE_TYPE_DEFAULT, FLASH_ATTN_TYPES, ContextSettings
 
-#: ``llama_state_seq_flags``: the whole state of the sequence
-STATE_FLAGS_NONE = llama_cpp.LLAMA_STATE_SEQ_FLAGS_NONE
-#: only the part of the state that cannot be rolled back (SWA cache, recurrent state)
-STATE_FLAGS_PARTIAL_ONLY = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-#: metadata only; the tensor data stays in the context
-STATE_FLAGS_ON_DEVICE = llama_cpp.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+#: ``llama_state_seq_flags`` (one copy, :mod:`slotctl.format.blob`): the whole state of the sequence; only the
+#: part that cannot be rolled back (SWA cache, recurrent state); metadata only (tensor data stays on the device)
+STATE_FLAGS_NONE = FLAGS_NONE
+STATE_FLAGS_PARTIAL_ONLY = FLAGS_PARTIAL_ONLY
+STATE_FLAGS_ON_DEVICE = FLAGS_ON_DEVICE
+assert (llama_cpp.LLAMA_STATE_SEQ_FLAGS_NONE, llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY,
+        llama_cpp.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE) == (FLAGS_NONE, FLAGS_PARTIAL_ONLY, FLAGS_ON_DEVICE)
 
 #: ``LLAMA_STATE_SEQ_VERSION`` of the linked llama.cpp: the only version its state files load with
 STATE_VERSION: int = llama_cpp.LLAMA_STATE_SEQ_VERSION

@@ -1,8 +1,8 @@
-"""The server's slot restore as a library: what ``POST /slots/ID?action=restore`` does, in its order.
+"""The server's slot restore executed in real contexts: what ``POST /slots/ID?action=restore`` does, in its order.
 
-llama-server (the draft-state change ea736c1d5, on top of b11434) restores a slot file in four steps; :func:`restore_slot` runs
-them on :class:`~slotctl.runtime.slot.ServerContexts` and reports each (bytes, milliseconds, what became
-of it and why):
+The steps and their rules are :mod:`slotctl.server.restore`'s; :func:`restore_slot` runs them on
+:class:`~slotctl.runtime.slot.ServerContexts` and reports each (bytes, milliseconds, what became of it
+and why):
 
 1. **target** — ``llama_state_seq_load_file``: header, version, token words, and the target payload
    into the slot's sequence. This runtime's loader reads only its own state version
@@ -11,22 +11,12 @@ of it and why):
    converted for this runtime when that is exact (:mod:`slotctl.format.convert`) and loaded as an
    in-memory blob (magic 0xaf143cd8, seq id, payload) with ``llama_state_seq_set_data_ext``, or
    refused with the reason. Any failure: "No available space in KV cache or invalid slot save file".
-2. **tokens** — the token words as the server reads them (packed record or legacy list); the restored
-   prompt must fit the slot ("Restored prompt does not fit in the slot context") and every token be
-   in the vocabulary ("Invalid tokens in slot save file"). A refusal empties the slot in both
+2. **tokens** — :func:`~slotctl.server.restore.check_tokens`. A refusal empties the slot in both
    contexts, as the server's ``prompt_clear`` does.
-3. **checkpoints** — the SCKP appendix right after the payload. A damaged appendix is ignored, not
-   fatal; at most the last ``n_ctx_checkpoints`` (32) are kept. Their blobs are only loaded when a
-   later request needs them; they are converted for this runtime here.
-4. **draft** — the SDFT appendix after the checkpoints. The slot is first cleared in the draft
-   context; no SDFT: the draft starts empty; wrong version or truncated: "invalid draft state ...
-   ignored"; a draft blob the draft context does not take (or no draft context at all): the draft is
-   cleared and the state "does not match the draft context - dropped", with llama.cpp's reason.
-
-The checkpoint loader (``load_slot_checkpoints``, upstream llama.cpp 033df86b6) is not in either source
-tree (b11434 predates it); its behaviour here follows a reading of that upstream code (docs/format.md,
-section 6): a damaged appendix reads as 0 bytes, so the draft loader then finds no SDFT magic where it
-looks and the draft starts empty.
+3. **checkpoints** — :func:`~slotctl.server.restore.load_slot_checkpoints`; the kept checkpoints' blobs
+   are converted for this runtime here and only loaded when a later request needs them.
+4. **draft** — :func:`~slotctl.server.restore.load_slot_draft` with this runtime's draft context (cleared
+   first); the speculative state goes nowhere: this runtime drafts as draft-simple, which keeps none.
 """
 
 from __future__ import annotations
@@ -41,7 +31,6 @@ from typing import BinaryIO
 import numpy as np
 
 from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError
-from slotctl.format import appendix as apx
 from slotctl.format.blob import BLOB_HEADER_SIZE, blob_header
 from slotctl.format.common import parse
 from slotctl.format.convert import convert_blob, convert_payload
@@ -51,20 +40,19 @@ from slotctl.model.info import ModelInfo, read_model_info
 from slotctl.model.predict import rotation_rule
 from slotctl.runtime.context import STATE_VERSION, Context
 from slotctl.runtime.slot import Checkpoint, ServerContexts
+from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS
+from slotctl.server.restore import (
+    REFUSED,
+    RESTORED,
+    TARGET_ERROR,
+    check_tokens,
+    load_slot_checkpoints,
+    load_slot_draft,
+)
 from slotctl.slotfile import Memory, decode_tokens, parse_memory
 
-#: llama-server's default ``--ctx-checkpoints``
-DEFAULT_CTX_CHECKPOINTS = 32
 
-#: what the server answers when the target payload does not load
-TARGET_ERROR = "No available space in KV cache or invalid slot save file"
 
-# step statuses
-RESTORED = "restored"
-ABSENT = "absent"
-IGNORED = "ignored"
-DROPPED = "dropped"
-REFUSED = "refused"
 
 
 @dataclass
@@ -172,17 +160,6 @@ def _read(f: BinaryIO, n: int) -> bytes | None:
     return data if len(data) == n else None
 
 
-def _read_buf(f: BinaryIO, end: int) -> bytes | None:
-    """``ckpt_read_buf``: u64 length + bytes, the length checked against the bytes left."""
-    raw = _read(f, 8)
-    if raw is None:
-        return None
-    (n,) = struct.unpack("<Q", raw)
-    if n > end - f.tell():
-        return None
-    return _read(f, n)
-
-
 def restore_slot(sc: ServerContexts, path: str | os.PathLike, slot: int, *,
                  n_ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS) -> RestoredSlot:
     """Restore the slot file at ``path`` into sequence ``slot`` as the server does.
@@ -268,19 +245,10 @@ def restore_slot(sc: ServerContexts, path: str | os.PathLike, slot: int, *,
         step = Step("tokens", RESTORED)
         tk = decode_tokens(words)
         step.details = {"format": tk.format, "n_tokens": tk.n_tokens, "n_ctx_slot": sc.target.n_ctx_slot}
-        n_vocab = sc.target_model.n_vocab
-        if tk.error:
-            raise refuse(step, str(tk.error.expected), tk.error.one_line())
-        if tk.media:
-            raise refuse(step, "Cannot restore media tokens without an mmproj", f"{len(tk.media)} media chunk(s)")
-        if tk.n_tokens > sc.target.n_ctx_slot:
-            raise refuse(step, "Restored prompt does not fit in the slot context",
-                         f"{tk.n_tokens} tokens, the slot holds {sc.target.n_ctx_slot}")
-        bad = np.flatnonzero((tk.tokens < 0) | (tk.tokens >= n_vocab))
-        if len(bad):
-            i = int(bad[0])
-            raise refuse(step, "Invalid tokens in slot save file",
-                         f"token {int(tk.tokens[i])} at index {i} is outside the vocabulary (0..{n_vocab - 1})")
+        checked = check_tokens(tk, n_ctx_slot=sc.target.n_ctx_slot, n_vocab=sc.target_model.n_vocab,
+                               has_mtmd=False)
+        if checked.refused:
+            raise refuse(step, checked.message, checked.reason)
         tokens = [int(t) for t in tk.tokens]
         step.ms = _ms(t0)
         steps.append(step)
@@ -302,99 +270,54 @@ def restore_slot(sc: ServerContexts, path: str | os.PathLike, slot: int, *,
 
 def _load_checkpoints(f: BinaryIO, offset: int, size: int, version: int, tinfo: ModelInfo,
                       dinfo: ModelInfo | None, n_keep: int) -> tuple[list[Checkpoint], Step]:
-    step = Step("checkpoints", ABSENT, details={"count": 0, "kept": 0, "checkpoints": []})
-    f.seek(offset)
-    raw = _read(f, 4)
-    if raw is None or struct.unpack("<I", raw)[0] != apx.SCKP_MAGIC:
+    """:func:`slotctl.server.restore.load_slot_checkpoints`, then each kept checkpoint's blobs read and
+    converted for this runtime (a checkpoint that cannot be is dropped, with the reason)."""
+    got = load_slot_checkpoints(f, offset, size, n_ctx_checkpoints=n_keep)
+    step = Step("checkpoints", got.status, got.bytes, reason=got.reason,
+                details={"count": got.count, "kept": 0, "checkpoints": []})
+    if got.status != RESTORED:
         return [], step
-    entries = []
-    damaged = None
-    raw = _read(f, 8)
-    if raw is None:
-        damaged = "truncated header"
-    else:
-        ver, count = struct.unpack("<II", raw)
-        if ver != apx.SCKP_VERSION:
-            damaged = f"version {ver}, expected {apx.SCKP_VERSION}"
-        else:
-            for i in range(count):
-                fixed = _read(f, 16)
-                bufs = [] if fixed is None else [_read_buf(f, size) for _ in range(3)]
-                if fixed is None or any(b is None for b in bufs):
-                    damaged = f"checkpoint {i} of {count} is truncated or has a length beyond the file"
-                    break
-                n_tokens, pos_min, pos_max = struct.unpack("<qii", fixed)
-                entries.append(Checkpoint(n_tokens, pos_min, pos_max, *bufs))
-    if damaged:
-        step.status, step.reason = IGNORED, f"invalid checkpoints appendix: {damaged}"
-        return [], step
-    step.bytes = f.tell() - offset
-    step.details["count"] = len(entries)
-    kept = entries[-n_keep:] if n_keep > 0 else []
-    out, notes = [], []
+    out, notes = [], [got.reason] if got.reason else []
     t_layout = tinfo.layout().partial()
     d_layout = dinfo.layout().partial() if dinfo else None
-    for i, cp in enumerate(kept):
-        tgt, why = prepare_blob(cp.tgt, t_layout, version, tinfo, f"checkpoint {i} target blob")
+    for i, cp in enumerate(got.kept):
+        tgt, why = prepare_blob(cp.tgt.read(f), t_layout, version, tinfo, f"checkpoint {i} target blob")
         dft = b""
-        if not why and cp.dft:
-            dft, why = prepare_blob(cp.dft, d_layout, version, dinfo, f"checkpoint {i} draft blob")
+        if not why and cp.dft.size:
+            dft, why = prepare_blob(cp.dft.read(f), d_layout, version, dinfo, f"checkpoint {i} draft blob")
             if why and d_layout is None:
                 why, dft = None, b""  # no draft context: the draft half is never loaded
         if why:
             notes.append(f"dropped: {why}")
             continue
-        out.append(Checkpoint(cp.n_tokens, cp.pos_min, cp.pos_max, tgt, dft, cp.spec))
-    step.status = RESTORED
+        out.append(Checkpoint(cp.n_tokens, cp.pos_min, cp.pos_max, tgt, dft, cp.spec.read(f)))
     step.details.update(kept=len(out), checkpoints=[{"n_tokens": c.n_tokens, "pos_min": c.pos_min,
                                                      "pos_max": c.pos_max} for c in out])
-    if len(entries) > len(kept):
-        notes.insert(0, f"kept the last {len(kept)} of {len(entries)} (--ctx-checkpoints {n_keep})")
-    if notes:
-        step.reason = "; ".join(notes)
+    step.reason = "; ".join(notes) or None
     return out, step
 
 
 def _load_draft(sc: ServerContexts, f: BinaryIO, offset: int, size: int, slot: int, version: int,
                 dinfo: ModelInfo | None) -> Step:
-    step = Step("draft", ABSENT, details={"draft_bytes": 0, "spec_bytes": 0, "positions": None})
+    """:func:`slotctl.server.restore.load_slot_draft` in this runtime's draft context (its speculative decoding
+    is draft-simple, which keeps no speculative state)."""
     if sc.draft is not None:
         sc.draft.seq_rm(slot, -1, -1)
-    if offset > size:
-        return step
-    f.seek(offset)
-    raw = _read(f, 4)
-    if raw is None or struct.unpack("<I", raw)[0] != apx.SDFT_MAGIC:
-        step.reason = "the file holds no draft state: the draft starts empty"
-        return step
-    raw = _read(f, 4)
-    ver = struct.unpack("<I", raw)[0] if raw else None
-    data_dft = data_spec = None
-    if ver == apx.SDFT_VERSION:
-        data_dft = _read_buf(f, size)
-        data_spec = _read_buf(f, size) if data_dft is not None else None
-    if data_dft is None or data_spec is None:
-        what = f"version {ver}, expected {apx.SDFT_VERSION}" if ver not in (None, apx.SDFT_VERSION) else "truncated"
-        step.status, step.reason = IGNORED, f"invalid draft state ({what}) - ignored; the draft starts empty"
-        return step
-    step.bytes = f.tell() - offset
-    step.details.update(draft_bytes=len(data_dft), spec_bytes=len(data_spec))
-    if data_dft:
-        why = None
-        if sc.draft is None:
-            why = "no draft model (-md) to restore it into"
-        else:
-            blob, why = prepare_blob(data_dft, dinfo.layout() if dinfo else None, version, dinfo, "draft state")
-            if not why:
-                n = sc.draft.state_seq_set(blob, slot)
-                if n != len(blob):
-                    why = _errors(sc.draft, "the draft context did not take it")
+
+    def set_draft(span) -> str | None:
+        blob, why = prepare_blob(span.read(f), dinfo.layout() if dinfo else None, version, dinfo, "draft state")
+        if not why:
+            n = sc.draft.state_seq_set(blob, slot)
+            if n != len(blob):
+                why = _errors(sc.draft, "the draft context did not take it")
         if why:
-            if sc.draft is not None:
-                sc.draft.seq_rm(slot, -1, -1)
-            step.status, step.reason = DROPPED, f"draft state does not match the draft context - dropped: {why}"
-            return step
+            sc.draft.seq_rm(slot, -1, -1)
+        return why
+
+    got = load_slot_draft(f, offset, size, has_draft_context=sc.draft is not None, set_draft=set_draft)
+    step = Step("draft", got.status, got.bytes, reason=got.reason,
+                details={"draft_bytes": got.dft.size if got.dft else 0, "spec_bytes": got.spec.size if got.spec else 0,
+                         "positions": None, "speculative": got.speculative.status if got.speculative else None})
+    if got.status == RESTORED and got.dft.size:
         step.details["positions"] = [sc.draft.seq_pos_min(slot), sc.draft.seq_pos_max(slot)]
-    # a speculative state goes to common_speculative_set_state, which draft-simple ignores: it keeps none
-    step.status = RESTORED
     return step

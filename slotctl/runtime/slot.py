@@ -47,95 +47,17 @@ from slotctl.model.predict import rotation_rule
 from slotctl.runtime.context import STATE_FLAGS_NONE, STATE_FLAGS_PARTIAL_ONLY, STATE_VERSION, Context
 from slotctl.runtime.model import Model
 from slotctl.model.settings import DRAFT_CACHE_TYPE_DEFAULT, ContextSettings
+from slotctl.server.checkpoints import (
+    CHECKPOINT_END_OFFSETS,
+    SEQ_RM_FULL,
+    Checkpoint,
+    CheckpointPolicy,
+    add_checkpoint,
+    seq_rm_type,
+)
 from slotctl.slotfile import build_header
 
 Progress = Callable[[int, int], None]
-
-
-#: llama-server's ``--ctx-checkpoints`` (``-ctxcp``) default: checkpoints kept per slot
-DEFAULT_CTX_CHECKPOINTS = 32
-#: llama-server's ``--checkpoint-min-step`` (``-cms``) default: least spacing of checkpoints, in tokens
-DEFAULT_CHECKPOINT_MIN_STEP = 8192
-#: ``checkpoint_offsets`` of ``update_slots``: a batch ends this many tokens before the end of the prompt
-#: (the first is added to ``n_ubatch``)
-CHECKPOINT_END_OFFSETS = (4, 4)
-
-# ``common_context_seq_rm_type``: what ``llama_memory_seq_rm`` can remove
-SEQ_RM_PART = "part"    # any range of positions (KV caches, iSWA included)
-SEQ_RM_FULL = "full"    # whole sequences only (recurrent and hybrid memories)
-SEQ_RM_NO = "no"        # no memory
-
-
-@dataclass
-class Checkpoint:
-    """A context checkpoint as the server keeps it: PARTIAL_ONLY blobs taken at ``n_tokens`` tokens.
-
-    ``task``: the request that made it (``id_task``; -1: restored from a file), which
-    :func:`add_checkpoint`'s eviction rule looks at.
-    """
-
-    n_tokens: int
-    pos_min: int
-    pos_max: int
-    tgt: bytes
-    dft: bytes = b""
-    spec: bytes = b""
-    task: int = -1
-
-
-def seq_rm_type(memory_kind: str) -> str:
-    """What b11434's ``common_context_can_seq_rm`` finds for a context of this memory kind.
-
-    The server decodes two tokens and asks ``llama_memory_seq_rm`` to remove the second: KV caches
-    (plain and iSWA) can ("part"); a recurrent state holds no per-token history and refuses unless the
-    context keeps snapshots (``n_rs_seq``, 0 for the contexts of a draft-simple server), so recurrent and
-    hybrid memories can only drop whole sequences ("full"); no memory: "no".
-    """
-    if memory_kind in ("recurrent", "hybrid", "hybrid_iswa"):
-        return SEQ_RM_FULL
-    if memory_kind == "none":
-        return SEQ_RM_NO
-    return SEQ_RM_PART
-
-
-def add_checkpoint(checkpoints: list, new, *, n_max: int = DEFAULT_CTX_CHECKPOINTS,
-                   min_step: int = DEFAULT_CHECKPOINT_MIN_STEP) -> None:
-    """Append ``new`` to ``checkpoints`` as b11434's ``create_checkpoint`` does (``n_tokens`` and ``task``
-    attributes are all it looks at).
-
-    When the list is full (``len + 1 >= n_max``), checkpoints of other tasks that lie within ``min_step``
-    tokens of the one kept before them are erased first; then the oldest go until there is room; a
-    checkpoint at the same ``n_tokens`` is superseded.
-    """
-    kept, last = [], -1
-    full = len(checkpoints) + 1 >= n_max
-    for cp in checkpoints:
-        if full and cp.task != new.task and last >= 0 and cp.n_tokens <= last + min_step:
-            continue
-        last = cp.n_tokens
-        kept.append(cp)
-    while kept and len(kept) >= n_max:
-        kept.pop(0)
-    kept = [cp for cp in kept if cp.n_tokens != new.n_tokens]
-    checkpoints[:] = kept + [new]
-
-
-@dataclass(frozen=True)
-class CheckpointPolicy:
-    """Where checkpoints are taken while a prompt is processed.
-
-    ``server``: where llama-server b11434 takes them (the module docstring), with its ``-ctxcp``
-    (``n_ctx_checkpoints``) and ``-cms`` (``min_step``) and the token positions where the request's user
-    messages start (``user_starts``, its message spans). ``at``: positions slotctl is told to checkpoint
-    at besides (``save --checkpoint-at`` / ``--checkpoint-every``), for any model and regardless of
-    ``-ctxcp``.
-    """
-
-    server: bool = False
-    n_ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS
-    min_step: int = DEFAULT_CHECKPOINT_MIN_STEP
-    user_starts: tuple[int, ...] = ()
-    at: tuple[int, ...] = ()
 
 
 @dataclass

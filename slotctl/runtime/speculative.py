@@ -48,13 +48,8 @@ import llama_cpp
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
 from slotctl.runtime.context import STATE_FLAGS_PARTIAL_ONLY, Context
 from slotctl.runtime.model import LlamaError, Model
-from slotctl.runtime.slot import (
-    SEQ_RM_FULL,
-    Checkpoint,
-    CheckpointPolicy,
-    ServerContexts,
-    process_prompt,
-)
+from slotctl.runtime.slot import ServerContexts, process_prompt
+from slotctl.server.checkpoints import SEQ_RM_FULL, Checkpoint, CheckpointPolicy, rollback_checkpoint
 
 Progress = Callable[[int, int], None]
 
@@ -231,13 +226,7 @@ class ServerSlot:
             if pos_min >= pos_min_thold:
                 # the memory no longer holds what n_past needs (SWA window, recurrent state): go back to
                 # the last checkpoint that is early enough, or start over
-                found = None
-                for cp in reversed(self.checkpoints):
-                    if cp.pos_max > pos_next:
-                        continue
-                    if cp.pos_min < pos_min_thold or cp.pos_min == 0:
-                        found = cp
-                        break
+                found = rollback_checkpoint(self.checkpoints, pos_next, pos_min_thold)
                 if found is not None and not self.sc.target.state_seq_set(found.tgt, self.id,
                                                                           STATE_FLAGS_PARTIAL_ONLY):
                     # a checkpoint the context does not take (it was converted and checked at restore,

@@ -1,9 +1,9 @@
 """Will a llama-server restore this slot file, completely? (``slotctl validate``)
 
-Three checks, each adding :class:`~slotctl.findings.Finding` objects to a :class:`FileReport`:
+Three checks, each adding :class:`~slotctl.server.findings.Finding` objects to a :class:`FileReport`:
 
 1. **Structure** (always): every layer as ``inspect`` parses it, plus the server's own rules
-   (:func:`slotctl.findings.structural_findings` with :class:`~slotctl.findings.ServerRules`).
+   (:func:`slotctl.server.findings.structural_findings` with :class:`~slotctl.server.findings.ServerRules`).
 2. **Prediction** (with ``-m``, and ``-md`` for the draft): :func:`slotctl.model.predict.predict` says what
    the contexts of a server started with the given flags hold, and each memory layer of the file is
    compared with it the way llama.cpp's loader compares (``state_read_meta`` / ``state_read_data``):

@@ -13,11 +13,13 @@ import numpy as np
 
 from slotctl.paths import expand_paths
 from slotctl.errors import FormatError
-from slotctl.findings import Finding, ServerRules, structural_findings
+from slotctl.server.findings import Finding, ServerRules, structural_findings
 from slotctl.format import ggml
+from slotctl.format.blob import FLAGS_NONE, FLAGS_PARTIAL_ONLY
 from slotctl.format.memory import MemoryLayout, SectionLayout
 from slotctl.model.info import ModelInfo
 from slotctl.model.predict import Prediction, SectionPrediction
+from slotctl.server.restore import invalid_token_indices
 from slotctl.slotfile import Blob, Memory, SlotFile, open_slot_file, parse_blob
 from slotctl.validate.child import ChildProcess, LoadChecker, _layout_dict
 from slotctl.validate.report import (
@@ -29,8 +31,6 @@ from slotctl.validate.report import (
     EFFECT_OK,
     EFFECT_REFUSED,
     FITS,
-    FLAGS_NONE,
-    FLAGS_PARTIAL_ONLY,
     MISMATCH,
     PARTIAL,
     REFUSED,
@@ -631,11 +631,8 @@ def _token_issues(sf: SlotFile, tpred: Prediction, tinfo: ModelInfo, setup: Serv
                           f"the prompt has {n:,} tokens, the slot context {tpred.n_ctx_slot:,} (\"Restored prompt "
                           f"does not fit in the slot context\"): {remedy}", 12))
     toks = np.asarray(tk.tokens)
-    bad = (toks < 0) | (toks >= tinfo.n_vocab)
-    if tk.media:
-        bad &= toks != -1          # media positions hold -1
-    if bad.any():
-        idx = np.flatnonzero(bad)
+    idx = invalid_token_indices(toks, tinfo.n_vocab, [start for start, _ in tk.media])
+    if len(idx):
         first = int(idx[0])
         more = f" (and {_plural(len(idx) - 1, 'more token')})" if len(idx) > 1 else ""
         out.append(_issue(side, "invalid_tokens",

@@ -7,12 +7,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from slotctl.errors import ExitStatus
-from slotctl.findings import Finding
+from slotctl.server.findings import Finding
 from slotctl.validate.setup import ServerSetup
 
-#: llama.cpp's state flags the server restores with
-FLAGS_NONE = 0
-FLAGS_PARTIAL_ONLY = 1
 
 # what a layer's problems make the server do (LayerCheck.effect), worst last
 EFFECT_OK = "ok"

@@ -9,14 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slotctl.errors import UsageError
-from slotctl.findings import DEFAULT_CTX_CHECKPOINTS
-from slotctl.format import ggml
 from slotctl.model.info import ModelInfo, read_model_info
 from slotctl.model.predict import Prediction, predict
 from slotctl.model.settings import DRAFT_CACHE_TYPE_DEFAULT, ContextSettings
-
-#: the state version of the servers that write SCKP and SDFT appendices (llama.cpp b11434 and later)
-SERVER_STATE_VERSION = 4
+from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS, SERVER_STATE_VERSION, ServerFlags, cache_type, check_slot
 
 
 # -- what the server is --------------------------------------------------------------------------------
@@ -48,15 +44,24 @@ class ServerSetup:
     def __post_init__(self) -> None:
         if self.draft is not None and self.target is None:
             raise UsageError("a draft model (-md) needs a target model (-m)")
-        if not 0 <= self.slot < self.settings.n_parallel:
-            raise UsageError(f"--slot {self.slot}: the server has slots 0..{self.settings.n_parallel - 1} "
-                             f"(-np {self.settings.n_parallel})")
-        for name, value in (("-ctkd", self.draft_type_k), ("-ctvd", self.draft_type_v)):
-            if value.lower() not in ggml.CACHE_TYPE_NAMES:
-                raise UsageError(f"{name}: unknown cache type {value!r}; expected one of "
-                                 f"{', '.join(ggml.CACHE_TYPE_NAMES)}")
+        check_slot(self.slot, self.settings.n_parallel)
+        object.__setattr__(self, "draft_type_k", cache_type(self.draft_type_k.lower(), "spec_draft_type_k"))
+        object.__setattr__(self, "draft_type_v", cache_type(self.draft_type_v.lower(), "spec_draft_type_v"))
         if self.n_ctx_checkpoints < 0:
             raise UsageError("--ctx-checkpoints must not be negative")
+
+    @classmethod
+    def from_flags(cls, flags: ServerFlags, **more) -> ServerSetup:
+        """The setup of a server started with ``flags`` (``more``: models, slot, mmproj, state version, ...)."""
+        return cls(settings=flags.context_settings(), draft_type_k=flags.spec_draft_type_k,
+                   draft_type_v=flags.spec_draft_type_v, n_ctx_checkpoints=flags.ctx_checkpoints, **more)
+
+    @property
+    def flags(self) -> ServerFlags:
+        """The setup's server flags."""
+        return ServerFlags.from_settings(self.settings, spec_draft_type_k=self.draft_type_k,
+                                         spec_draft_type_v=self.draft_type_v,
+                                         ctx_checkpoints=self.n_ctx_checkpoints)
 
     @property
     def draft_settings_types(self) -> tuple[str, str]:

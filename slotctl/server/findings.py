@@ -15,10 +15,9 @@ import numpy as np
 from slotctl.errors import FormatError
 from slotctl.format import tokens as tokfmt
 from slotctl.format.common import parse_bytes
+from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS
 from slotctl.slotfile import SlotFile
 
-#: llama-server's default ``--ctx-checkpoints`` (b11434 common/common.h)
-DEFAULT_CTX_CHECKPOINTS = 32
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,195 @@
+"""The human view of a slot file's layers (``inspect``; ``save`` shows the file it wrote the same way)."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from slotctl.cli.output import Output, elide, human_bytes, markup_safe
+from slotctl.slotfile import SlotFile
+
+
+def render(out: Output, sf: SlotFile, d: dict) -> None:
+    """The human view of ``describe_file``'s dict."""
+    head = Text.assemble((markup_safe(d["path"]), "bold"), f"  {d['size']:,} bytes")
+    if d["version"] is not None:
+        head.append(f"  state version {d['version']}")
+        if d["runtime_state_version"] is not None:
+            ok = d["version"] == d["runtime_state_version"]
+            head.append(f"  ({'loads in' if ok else 'not loadable by'} this llama-cpp-python, "
+                        f"state version {d['runtime_state_version']})", style="green" if ok else "yellow")
+    out.print(head)
+    out.print(_byte_map(d))
+    if d["prompt"]:
+        out.print(_prompt(d["prompt"]))
+    if d["target"]:
+        out.print(_memory_panel("target memory", d["target"]["memory"], d["target"]["size"]))
+    elif d.get("target_candidates") is not None:
+        cands = d["target_candidates"]
+        out.print(Text(f"target memory: layout not determined ({len(cands)} candidate(s) fit"
+                       + (": " + "; ".join(cands) if cands else "") + ")", style="yellow"))
+    if d["checkpoints"] is not None:
+        kind = d["target"]["memory"]["kind"] if d["target"] else None
+        out.print(_checkpoints(d["checkpoints"], kind))
+    if d["draft"] is not None:
+        dr = d["draft"]
+        title = f"draft state (SDFT), seq {dr['seq_id']}, speculative state {human_bytes(dr['spec_size'])}"
+        if dr["memory"]:
+            out.print(_memory_panel(title, dr["memory"], dr["size"]))
+        else:
+            out.print(Text(f"{title}: {dr['size']:,} bytes, layout not determined"
+                           + (f" ({dr['error']})" if dr["error"] else ""), style="yellow"))
+    elif d["sdft"] is None and not sf.damaged:
+        out.print(Text("draft state: none (a restored slot drafts from an empty draft context)", style="dim"))
+    if d["trailing_bytes"]:
+        out.print(Text(f"trailing bytes: {d['trailing_bytes']:,}", style="yellow"))
+    for w in d["warnings"]:
+        out.warn(w)
+    for e in d["errors"]:
+        out.error(e)
+
+
+def _byte_map(d: dict) -> Table:
+    t = Table(title="byte map", title_justify="left", show_edge=False)
+    t.add_column("layer")
+    t.add_column("offset", justify="right")
+    t.add_column("bytes", justify="right")
+    t.add_column("share", justify="right")
+    size = d["size"] or 1
+    for layer in d["layers"]:
+        t.add_row(layer["name"], f"0x{layer['offset']:x}", f"{layer['size']:,}", f"{100 * layer['size'] / size:.1f}%")
+    return t
+
+
+def _prompt(p: dict) -> Panel:
+    lines = [f"format: {p['format']} ({p['n_words']:,} words)", f"tokens: {p['n_tokens']:,}"]
+    if p["n_media"]:
+        lines.append(f"media chunks: {p['n_media']} (at token " + ", ".join(str(m["start"]) for m in p["media"]) + ")")
+    body = [Text("\n".join(lines))]
+    if p.get("text") is not None:
+        body.append(Text(markup_safe(elide(p["text"])), style="italic"))
+    if p.get("tokens") is not None:
+        body.append(Text(" ".join(str(t) for t in p["tokens"]), style="dim"))
+    return Panel(Group(*body), title="prompt", title_align="left")
+
+
+def _memory_panel(title: str, mem: dict, size: int) -> Panel:
+    parts = [Text(f"kind: {mem['kind']}, {len(mem['sections'])} section(s), {size:,} bytes")]
+    for sec in mem["sections"]:
+        parts.append(_section(sec))
+    return Panel(Group(*parts), title=title, title_align="left")
+
+
+_ROLE_WORDS = {
+    "base": "full-attention",
+    "swa": "sliding-window",
+    "attention": "attention",
+    "recurrent": "recurrent",
+}
+
+
+def _section(sec: dict) -> Group:
+    kind = 'KV' if sec['type'] == 'kv' else 'recurrent'
+    desc = f"{sec['role']} {kind} section" if sec['role'] != sec['type'] else f"{kind} section"
+    if "size" in sec:
+        desc += f" at 0x{sec['offset']:x}, {sec['size']:,} bytes"
+    ids = sec.get("layer_ids")
+    if ids is not None and sec["role"] in _ROLE_WORDS:
+        words = _ROLE_WORDS[sec["role"]]
+        desc += (f" ({words} {_ids_text(ids)})" if ids else f" (no {words} layers: it lists its cells only)")
+    items = [Text(desc, style="bold")]
+    streams = Table(show_edge=False, box=None, padding=(0, 2))
+    streams.add_column("stream")
+    streams.add_column("cells", justify="right")
+    streams.add_column("positions")
+    for i, s in enumerate(sec["streams"]):
+        rng = f"{s['pos_min']}..{s['pos_max']}" if s["pos_min"] is not None else "-"
+        streams.add_row(str(i), f"{s['cell_count']:,}", rng)
+    items.append(streams)
+    facts = []
+    if sec["type"] == "kv":
+        facts.append(f"n_stream {sec['n_stream']}")
+        if sec["v_trans"] is not None:
+            facts.append(f"v_trans {sec['v_trans']} ({'flash attention off' if sec['v_trans'] else 'flash attention on'})")
+        if sec["n_rot_k"] is not None:
+            facts.append(f"rotation K {sec['n_rot_k']} / V {sec['n_rot_v']}")
+        if sec["bytes_per_token"]:
+            facts.append(f"{sec['bytes_per_token']:,} bytes per token")
+    else:
+        facts.append(f"s_trans {sec['s_trans']}")
+    if sec["n_layer"] is not None:
+        facts.append(f"n_layer {sec['n_layer']}")
+    items.append(Text(", ".join(facts)))
+    if sec["layers"]:
+        items.append(_layers(sec))
+    return Group(*items)
+
+
+def _ids_text(ids: list[int]) -> str:
+    return ("layer " if len(ids) == 1 else "layers ") + ", ".join(map(str, ids))
+
+
+def _layers(sec: dict) -> Table:
+    """Per-layer types and row sizes, one row for all layers when they agree. The rows are named by
+    the model's layer ids when a model says them, else by record index."""
+    rows = sec["layers"]
+    ids = sec.get("layer_ids")
+    keys = [k for k in rows[0] if not k.startswith("v_el") and k != "v_n_embd"]
+    t = Table(show_edge=False, box=None, padding=(0, 2))
+    t.add_column("layers")
+    for k in keys:
+        t.add_column(k, justify="right")
+    if all(r == rows[0] for r in rows):
+        label = ", ".join(map(str, ids)) if ids and len(rows) > 1 else f"all {len(rows)}"
+        t.add_row(label, *[_cell(rows[0][k]) for k in keys])
+    else:
+        for i, r in enumerate(rows):
+            t.add_row(str(ids[i]) if ids else str(i), *[_cell(r.get(k)) for k in keys])
+    return t
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+
+#: what a PARTIAL_ONLY blob of each memory kind holds
+_PARTIAL_WORDS = {
+    "iswa": "only the SWA part (the base KV is rolled back by removing positions)",
+    "hybrid": "only the recurrent part (the attention KV is rolled back by removing positions)",
+    "hybrid_iswa": "only the SWA and recurrent parts (the base KV is rolled back by removing positions)",
+    "recurrent": "the whole recurrent state",
+    "kv": "the whole KV cache (a plain KV cache needs no checkpoints)",
+}
+
+
+def _checkpoints(cps: list[dict], kind: str | None = None) -> Table:
+    title = f"context checkpoints (SCKP): {len(cps)}"
+    if kind in _PARTIAL_WORDS:
+        title += f"; each target blob holds {_PARTIAL_WORDS[kind]}"
+    t = Table(title=title, title_justify="left", show_edge=False)
+    for c in ("#", "n_tokens", "positions", "target blob", "draft blob", "spec"):
+        t.add_column(c, justify="right" if c != "positions" else "left")
+    for i, c in enumerate(cps):
+        t.add_row(str(i), f"{c['n_tokens']:,}", f"{c['pos_min']}..{c['pos_max']}",
+                  _blob_cell(c["target"]), _blob_cell(c["draft"]), human_bytes(c["spec_size"]))
+    return t
+
+
+def _blob_cell(b: dict | None) -> str:
+    if b is None or b["size"] == 0:
+        return "-"
+    desc = human_bytes(b["size"])
+    mem = b.get("memory")
+    if mem:
+        parts = []
+        for sec in mem["sections"]:
+            cells = sum(s["cell_count"] for s in sec["streams"])
+            parts.append(f"{sec['role']} {cells} cell{'' if cells == 1 else 's'}")
+        desc += f" ({' + '.join(parts)})"
+    elif b.get("error"):
+        desc += " (damaged)"
+    return desc

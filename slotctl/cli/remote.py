@@ -1,0 +1,228 @@
+"""Live mode's command-line side, shared by every command that can talk to a running llama-server.
+
+Options (``--server``, ``--api-key``, ``--timeout``), the checks that keep local and live options apart,
+``save --server`` and ``restore --server`` (:func:`save_on_server`, :func:`restore_on_server`) and what
+``validate --server`` prints (:func:`render_live`; the flags it learns come from
+:func:`slotctl.server.live.learn_flags`). The commands ``slots`` and ``erase`` are in :mod:`slotctl.cli.live`.
+
+Every request goes through :mod:`slotctl.server.http`: bounded by ``--timeout``, the API key from
+``--api-key`` or ``LLAMA_API_KEY``; a refusal by the server exits 1, an unreachable server, a wrong key
+or a usage error exits 2, always with one line on stderr.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from slotctl.server import http as server_api
+from slotctl.cli.options import ArgsCommand, raw_value
+from slotctl.cli.output import Output, escape_text, markup_safe
+from slotctl.errors import UsageError
+
+# -- options of the live commands (save/restore/validate --server reuse them) ------------------------------
+
+ServerOpt = Annotated[str, typer.Option("--server", metavar="URL",
+                                        help="The llama-server's base URL, e.g. http://127.0.0.1:8080.")]
+ApiKeyOpt = Annotated[Optional[str], typer.Option("--api-key", envvar=server_api.API_KEY_ENV, show_envvar=True,
+                                                  help="The server's API key (sent as Authorization: Bearer).")]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
+                                           help="Give up on a request after this many seconds.")]
+ServerSlotOpt = Annotated[int, typer.Option("--slot", min=0, help="The slot id (0, 1, ...).")]
+
+# ... and their forms for commands that also work without a server (save, restore, validate)
+
+LiveServerOpt = Annotated[Optional[str], typer.Option("--server", metavar="URL",
+                                                      help="Act through a running llama-server at this base URL "
+                                                           "(live mode, docs/live.md).")]
+#: save and restore: the server writes or reads the whole slot, and waits for a busy slot to be idle first
+SLOT_FILE_TIMEOUT = 600.0
+SlotFileTimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
+                                                   help="With --server: give up on a request after this many "
+                                                        "seconds.")]
+LiveTimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
+                                               help="With --server: give up on a request after this many seconds.")]
+LiveApiKeyOpt = Annotated[Optional[str], typer.Option("--api-key", envvar=server_api.API_KEY_ENV, show_envvar=True,
+                                                      help="With --server: the server's API key (sent as "
+                                                           "Authorization: Bearer).")]
+LocalModelOpt = Annotated[Optional[Path], typer.Option("--model", "-m", dir_okay=False,
+                                                       help="The target model's GGUF (llama-server -m); needed "
+                                                            "unless --server.")]
+
+#: parameters save and restore take in live mode; any other one given is a usage error there
+_LIVE_PARAMS = frozenset({"server", "api_key", "timeout", "slot", "json_out", "verbose", "name", "file"})
+#: parameters that only live mode takes
+_SERVER_ONLY = ("api_key", "timeout")
+
+
+# -- the command line as given ------------------------------------------------------------------------------
+
+
+#: the command class that keeps the command line as typed (restore --server checks NAME as typed)
+RawArgsCommand = ArgsCommand
+
+
+def _source(ctx: typer.Context | None, name: str) -> str | None:
+    """Where parameter ``name`` came from: "COMMANDLINE", "ENVIRONMENT", "DEFAULT", ... (None: no context)."""
+    if ctx is None:
+        return None
+    src = ctx.get_parameter_source(name)
+    return getattr(src, "name", None)
+
+
+def given_params(ctx: typer.Context | None) -> set[str]:
+    """The command's parameters given on the command line or by environment variable."""
+    if ctx is None:
+        return set()
+    return {p.name for p in ctx.command.params if _source(ctx, p.name) in ("COMMANDLINE", "ENVIRONMENT")}
+
+
+def option_name(ctx: typer.Context | None, name: str) -> str:
+    """How parameter ``name`` of the command is written: ``-o/--output``, ``--continue``, ``NAME``."""
+    param = next((p for p in ctx.command.params if p.name == name), None) if ctx is not None else None
+    if param is None:
+        return name
+    if param.param_type_name == "argument":
+        return param.human_readable_name
+    long = param.opts[0]
+    short = min(param.opts, key=len)
+    return f"{short}/{long}" if short != long else long
+
+
+def refuse_local_options(ctx: typer.Context | None, command: str, why: str) -> None:
+    """UsageError naming every option typed that live mode of ``command`` does not take."""
+    if ctx is None:
+        return
+    local = [p.name for p in ctx.command.params
+             if p.name not in _LIVE_PARAMS and _source(ctx, p.name) == "COMMANDLINE"]
+    if local:
+        names = ", ".join(option_name(ctx, n) for n in local)
+        raise UsageError(f"{command} --server: {names} {'is' if len(local) == 1 else 'are'} for a local "
+                         f"{command} only ({why})")
+
+
+def require_local(ctx: typer.Context | None, command: str, **required: Any) -> None:
+    """Local mode (no ``--server``): the options it needs are there and no live-only option was typed."""
+    live_only = [n for n in _SERVER_ONLY if _source(ctx, n) == "COMMANDLINE"]
+    if live_only:
+        names = ", ".join(option_name(ctx, n) for n in live_only)
+        raise UsageError(f"{names} {'goes' if len(live_only) == 1 else 'go'} with --server URL (live mode)")
+    for name, value in required.items():
+        if value is None:
+            raise UsageError(f"missing option {option_name(ctx, name)} (or act through a running llama-server: "
+                             f"{command} --server URL --slot N NAME)")
+
+
+def _plain(text: str) -> str:
+    """Untrusted text for a rich ``Text`` (which reads no markup): control characters escaped only."""
+    return escape_text(text, keep_newlines=False)
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else markup_safe(str(v))
+
+
+# -- save / restore --server ----------------------------------------------------------------------------------
+
+#: what each key of a slot action's answer means (llama-server b11434)
+_ANSWER_KEYS = {
+    "id_slot": "the slot",
+    "filename": "the file, in the server's --slot-save-path",
+    "n_saved": "tokens saved (the packed token record)",
+    "n_written": "bytes written (the whole file)",
+    "n_restored": "tokens restored",
+    "n_read": "bytes read (to the end of the target payload)",
+    "n_erased": "cached tokens erased",
+    "timings.save_ms": "milliseconds the server took to write",
+    "timings.restore_ms": "milliseconds the server took to read",
+}
+
+
+def save_on_server(ctx: typer.Context | None, out: Output, server: str, name: str | None, *, slot: int,
+                   api_key: str | None, timeout: float, json_out: bool) -> None:
+    """``slotctl save --server URL --slot N NAME``: the server writes slot N to NAME in its --slot-save-path."""
+    refuse_local_options(ctx, "save", "the server saves the slot as it holds it, into its --slot-save-path")
+    if name is None:
+        raise UsageError("save --server: give the file name, NAME, as in `slotctl save --server URL --slot N "
+                         "NAME` (the server writes it into its --slot-save-path)")
+    url = server_api.normalize_url(server)
+    answer = server_api.save_slot(url, slot, name, api_key=api_key, timeout=timeout)
+    _answer(out, answer, json_out, url, f"slot {slot} saved to {name}")
+
+
+def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name: str, *, slot: int,
+                      api_key: str | None, timeout: float, json_out: bool) -> None:
+    """``slotctl restore --server URL --slot N NAME``: the server restores NAME from its --slot-save-path.
+
+    NAME is taken as typed (:func:`raw_value`), not as the ``Path`` typer made of it.
+    """
+    refuse_local_options(ctx, "restore", "the server restores the file with its own model and flags")
+    name = raw_value(ctx, "file", name)
+    url = server_api.normalize_url(server)
+    answer = server_api.restore_slot(url, slot, name, api_key=api_key, timeout=timeout)
+    _answer(out, answer, json_out, url, f"{name} restored into slot {slot}")
+
+
+def _answer(out: Output, answer: Any, json_out: bool, url: str, head: str) -> None:
+    if json_out:
+        out.json(answer)
+        return
+    out.print(Text.assemble((_plain(url), "bold"), "  ", _plain(head)))
+    if not isinstance(answer, dict):
+        out.print(markup_safe(str(answer)))
+        return
+    t = Table(show_edge=False)
+    for col, just in (("key", "left"), ("value", "right"), ("meaning", "left")):
+        t.add_column(col, justify=just)
+    for key, value in _flatten(answer):
+        t.add_row(markup_safe(key), _cell(value), Text(_ANSWER_KEYS.get(key, ""), style="dim"))
+    out.print(t)
+
+
+def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    rows = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            rows += _flatten(v, f"{prefix}{k}.")
+        else:
+            rows.append((f"{prefix}{k}", v))
+    return rows
+
+
+# -- validate --server ------------------------------------------------------------------------------------------
+
+
+def render_live(out: Output, lv) -> None:
+    """The lines ``validate --server`` prints before its verdicts (``lv``: a
+    :class:`~slotctl.server.live.LiveValidate`): the server and the flags used, notes.
+
+    Warnings go to stderr in both modes; with ``--json`` nothing else is printed (it is all in ``server.live``).
+    """
+    for w in lv.warnings:
+        out.warn(w)
+    if out.json_mode:
+        return
+    f = lv.facts
+    head = Text.assemble((_plain(f.url), "bold"))
+    if f.build_info:
+        head.append(f"  ({_plain(f.build_info)})", style="dim")
+    out.print(head)
+    flags = [f"-m {lv.model}" if lv.model is not None else None,
+             f"-md {lv.draft_model}" if lv.draft_model is not None else None,
+             f"-c {lv.server_flags.ctx_size}", f"-np {lv.server_flags.parallel}",
+             "-kvu" if lv.server_flags.kv_unified else None,
+             f"--slot {lv.slot}", "--mmproj (the server has one)" if lv.mmproj else None]
+    line = Text("  validating for ")
+    line.append(_plain(" ".join(x for x in flags if x)), style="bold")
+    learned = [k for k, v in lv.sources.items() if v == "server"]
+    if learned:
+        line.append(f"  (from the server: {', '.join(learned)})", style="dim")
+    out.print(line)
+    for n in lv.notes:
+        out.print(Text(f"  note: {n}", style="dim"))

@@ -1,0 +1,342 @@
+"""The server's restore of a slot file (``POST /slots/ID?action=restore``), one function per step.
+
+llama-server restores a file in this order (b11434 ``SERVER_TASK_TYPE_SLOT_RESTORE`` in
+tools/server/server-context.cpp, and the draft-state change ea736c1d5 on top of it):
+
+1. :func:`check_state_header`: ``llama_state_seq_load_file`` reads the magic, the state version and the
+   token count (``llama_context::state_seq_load_file``);
+2. :func:`target_outcome`: the same call reads the target payload into the slot's sequence
+   (``state_seq_read_data``); done in a real context by :mod:`slotctl.runtime.restore`, predicted by
+   :mod:`slotctl.validate`;
+3. :func:`check_tokens`: ``server_tokens::deserialize``, the slot context and ``server_tokens::validate``;
+4. :func:`load_slot_checkpoints`: the SCKP appendix right after the payload, the newest
+   ``--ctx-checkpoints`` kept;
+5. :func:`load_slot_draft`: the SDFT appendix after the checkpoints: the draft context's state, then
+   the speculative state (:func:`apply_speculative_state`).
+
+Each returns an :class:`Outcome`: what became of the step (restored / absent / ignored / dropped /
+refused / aborts), the bytes of the file it consumed, and the server's own message. The steps read the
+file themselves (an open binary file, positioned by them), so that every command reading a slot file
+the way the server does reads it through these functions: :mod:`slotctl.runtime.restore` executes them
+with real contexts, :mod:`slotctl.validate` predicts them.
+
+The checkpoint loader (``load_slot_checkpoints``, llama.cpp commit 033df86b6) is in neither source tree
+slotctl reads (b11434 predates it); what it does here follows docs/format.md (section 6) and two independent
+readings of that commit, said next to each rule.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import BinaryIO, Callable, Sequence
+
+import numpy as np
+
+from slotctl.format import appendix as apx
+from slotctl.format.common import Span
+from slotctl.format.header import HEADER_FIXED_SIZE, STATE_SEQ_MAGIC
+from slotctl.server.checkpoints import keep_newest
+from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS, SERVER_STATE_VERSION
+
+# step statuses
+RESTORED = "restored"   # the step did what it is for
+ABSENT = "absent"       # nothing to do: the file holds no such layer
+IGNORED = "ignored"     # the layer is there and the server skips it (0 bytes consumed)
+DROPPED = "dropped"     # the layer is read (its bytes consumed) and not applied
+REFUSED = "refused"     # "Unable to restore slot: ..."; the slot is emptied
+ABORTS = "aborts"       # llama.cpp aborts the server process
+
+#: what the server answers when ``llama_state_seq_load_file`` returns 0
+TARGET_ERROR = "No available space in KV cache or invalid slot save file"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one step of the restore did.
+
+    ``step``: "state header", "target", "tokens", "checkpoints", "draft" or "speculative". ``status``: one
+    of :data:`RESTORED`, :data:`ABSENT`, :data:`IGNORED`, :data:`DROPPED`, :data:`REFUSED`,
+    :data:`ABORTS`. ``bytes``: the bytes of the file the step consumed (the server's ``n_read`` adds
+    them up). ``message``: the server's own words (its error answer, or its log line). ``reason``: what
+    slotctl found, in its words.
+    """
+
+    step: str
+    status: str
+    bytes: int = 0
+    message: str | None = None
+    reason: str | None = None
+
+    @property
+    def refused(self) -> bool:
+        return self.status in (REFUSED, ABORTS)
+
+
+# -- 1. the state header -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeaderOutcome(Outcome):
+    """:func:`check_state_header`'s outcome, with what it read: ``version`` and ``n_words`` (None when the
+    file ends first)."""
+
+    version: int | None = None
+    n_words: int | None = None
+
+
+def check_state_header(f: BinaryIO, size: int, *, state_version: int = SERVER_STATE_VERSION) -> HeaderOutcome:
+    """The first call of ``llama_state_seq_load_file`` (``llama_context::state_seq_load_file``, b11434
+    src/llama-context.cpp): the magic and state version must be the loader's own, and the token count must
+    fit in the file. ``state_version``: the loader's (``LLAMA_STATE_SEQ_VERSION``)."""
+    f.seek(0)
+    head = f.read(HEADER_FIXED_SIZE)
+    if len(head) < HEADER_FIXED_SIZE:
+        return HeaderOutcome("state header", REFUSED, message=TARGET_ERROR,
+                             reason=f"the file ends at {size} bytes, inside the state header")
+    magic, version, n_words = struct.unpack("<III", head)
+    if magic != STATE_SEQ_MAGIC or version != state_version:
+        return HeaderOutcome("state header", REFUSED, message=TARGET_ERROR, version=version, n_words=n_words,
+                             reason=f"unknown (magic, version) for sequence state file: {magic:08x}, "
+                                    f"{version:08x}")
+    if n_words > (size - HEADER_FIXED_SIZE) // 4:
+        return HeaderOutcome("state header", REFUSED, message=TARGET_ERROR, version=version, n_words=n_words,
+                             reason=f"token count in sequence state file exceeds the file size! {n_words} > "
+                                    f"{(size - HEADER_FIXED_SIZE) // 4}")
+    return HeaderOutcome("state header", RESTORED, HEADER_FIXED_SIZE + 4 * n_words, version=version,
+                         n_words=n_words)
+
+
+# -- 2. the target payload -----------------------------------------------------------------------------------
+
+
+def target_outcome(nread: int, reason: str | None = None) -> Outcome:
+    """The second call of ``llama_state_seq_load_file``: ``nread`` is where the payload ended (the
+    server's ``n_read``), 0 when ``state_seq_read_data`` failed (``reason``: llama.cpp's, or slotctl's,
+    words for why)."""
+    if not nread:
+        return Outcome("target", REFUSED, message=TARGET_ERROR, reason=reason or "failed to restore sequence state")
+    return Outcome("target", RESTORED, nread)
+
+
+# -- 3. the tokens -------------------------------------------------------------------------------------------
+
+
+def invalid_token_indices(tokens: Sequence[int] | np.ndarray, n_vocab: int,
+                          media_starts: Sequence[int] = ()) -> np.ndarray:
+    """Indices of the tokens ``server_tokens::validate`` rejects (b11434 tools/server/server-common.cpp),
+    the one token-validity rule of slotctl.
+
+    A token must be in ``[0, n_vocab)``, except ``LLAMA_TOKEN_NULL`` (-1) where a media chunk starts
+    (``media_starts``) and the -1 words that follow it (the chunk's positions; slotctl does not load the
+    chunk to count them, so the whole run of -1 words from its start counts as the chunk's). A media start
+    that is not a -1 word is rejected too (the server then finds fewer media than it holds).
+    """
+    toks = np.asarray(tokens, dtype=np.int64)
+    bad = (toks < 0) | (toks >= n_vocab)
+    for start in sorted(set(int(s) for s in media_starts)):
+        if start >= len(toks):
+            continue
+        if toks[start] != -1:
+            bad[start] = True
+            continue
+        end = start
+        while end < len(toks) and toks[end] == -1:
+            end += 1
+        bad[start:end] = False
+    return np.flatnonzero(bad)
+
+
+def check_tokens(tokens, *, n_ctx_slot: int, n_vocab: int, has_mtmd: bool) -> Outcome:
+    """The server's checks of the restored prompt, in its order (``SERVER_TASK_TYPE_SLOT_RESTORE``):
+    ``server_tokens::deserialize`` (``tokens``: the token words as :func:`slotctl.slotfile.decode_tokens`
+    reads them; ``has_mtmd``: the server has a multimodal projector), "Restored prompt does not fit in the
+    slot context" (more tokens than ``n_ctx_slot``), then "Invalid tokens in slot save file"
+    (:func:`invalid_token_indices`)."""
+    if tokens.error is not None:
+        return Outcome("tokens", REFUSED, message=str(tokens.error.expected), reason=tokens.error.one_line())
+    if tokens.media and not has_mtmd:
+        return Outcome("tokens", REFUSED, message="Cannot restore media tokens without an mmproj",
+                       reason=f"{len(tokens.media)} media chunk(s)")
+    n = tokens.n_tokens
+    if n > n_ctx_slot:
+        return Outcome("tokens", REFUSED, message="Restored prompt does not fit in the slot context",
+                       reason=f"{n} tokens, the slot holds {n_ctx_slot}")
+    bad = invalid_token_indices(tokens.tokens, n_vocab, [s for s, _ in tokens.media])
+    if len(bad):
+        i = int(bad[0])
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        return Outcome("tokens", REFUSED, message="Invalid tokens in slot save file",
+                       reason=f"token {int(tokens.tokens[i])} at index {i}{more} is outside the vocabulary "
+                              f"(0..{n_vocab - 1})")
+    return Outcome("tokens", RESTORED)
+
+
+# -- reading appendices as the server reads them -------------------------------------------------------------
+
+
+def _read(f: BinaryIO, n: int) -> bytes | None:
+    """``ckpt_read``: exactly ``n`` bytes, or None when the file ends first."""
+    data = f.read(n)
+    return data if len(data) == n else None
+
+
+def _read_span(f: BinaryIO, end: int) -> Span | None:
+    """``ckpt_read_buf``: u64 length, then that many bytes, the length checked against the bytes left before
+    ``end`` (nothing is allocated for it); the bytes are skipped and returned as a :class:`Span`."""
+    raw = _read(f, 8)
+    if raw is None:
+        return None
+    (n,) = struct.unpack("<Q", raw)
+    here = f.tell()
+    if n > end - here:
+        return None
+    f.seek(here + n)
+    return Span(here, n)
+
+
+# -- 4. the checkpoints --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """One checkpoint of an SCKP appendix: positions, and where its three blobs are in the file."""
+
+    n_tokens: int
+    pos_min: int
+    pos_max: int
+    tgt: Span
+    dft: Span
+    spec: Span
+
+
+@dataclass(frozen=True)
+class CheckpointsOutcome(Outcome):
+    """:func:`load_slot_checkpoints`'s outcome: ``count`` checkpoints in the appendix, ``kept`` the ones the
+    slot keeps (the newest ``--ctx-checkpoints``)."""
+
+    count: int = 0
+    kept: tuple[CheckpointEntry, ...] = field(default=())
+
+
+def load_slot_checkpoints(f: BinaryIO, offset: int, size: int, *,
+                          n_ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS) -> CheckpointsOutcome:
+    """``load_slot_checkpoints`` (llama.cpp commit 033df86b6, tools/server/server-context.cpp; not in
+    either source tree slotctl reads): the SCKP appendix at ``offset``, where the payload ends.
+
+    No SCKP magic there: absent, 0 bytes. A damaged appendix (another version, a checkpoint cut short, a
+    length beyond the file) is ignored, not fatal: 0 bytes consumed, no checkpoints ("invalid context
+    checkpoint appendix - ignored"), so the draft loader then looks for SDFT right after the payload
+    (docs/format.md). Otherwise the whole appendix is consumed and the newest ``n_ctx_checkpoints`` kept
+    (:func:`~slotctl.server.checkpoints.keep_newest`).
+    """
+    f.seek(offset)
+    raw = _read(f, 4)
+    if raw is None or struct.unpack("<I", raw)[0] != apx.SCKP_MAGIC:
+        return CheckpointsOutcome("checkpoints", ABSENT)
+    damaged = None
+    entries: list[CheckpointEntry] = []
+    raw = _read(f, 8)
+    if raw is None:
+        damaged = "truncated header"
+    else:
+        ver, count = struct.unpack("<II", raw)
+        if ver != apx.SCKP_VERSION:
+            damaged = f"version {ver}, expected {apx.SCKP_VERSION}"
+        else:
+            for i in range(count):
+                fixed = _read(f, 16)
+                spans = [] if fixed is None else [_read_span(f, size) for _ in range(3)]
+                if fixed is None or any(s is None for s in spans):
+                    damaged = f"checkpoint {i} of {count} is truncated or has a length beyond the file"
+                    break
+                n_tokens, pos_min, pos_max = struct.unpack("<qii", fixed)
+                entries.append(CheckpointEntry(n_tokens, pos_min, pos_max, *spans))
+    if damaged:
+        return CheckpointsOutcome("checkpoints", IGNORED, message="invalid context checkpoint appendix - ignored",
+                                  reason=f"invalid checkpoints appendix: {damaged}")
+    kept = keep_newest(entries, n_ctx_checkpoints)
+    reason = None
+    if len(entries) > len(kept):
+        reason = f"kept the last {len(kept)} of {len(entries)} (--ctx-checkpoints {n_ctx_checkpoints})"
+    return CheckpointsOutcome("checkpoints", RESTORED, f.tell() - offset, reason=reason, count=len(entries),
+                              kept=tuple(kept))
+
+
+# -- 5. the draft state --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftOutcome(Outcome):
+    """:func:`load_slot_draft`'s outcome: where the draft context's state (``dft``) and the speculative
+    state (``spec``) are in the file (None when the appendix was not read), and what became of the
+    speculative state (``speculative``)."""
+
+    dft: Span | None = None
+    spec: Span | None = None
+    speculative: Outcome | None = None
+
+
+def read_slot_draft(f: BinaryIO, offset: int, size: int) -> DraftOutcome:
+    """The framing half of ``load_slot_draft`` (draft-state change ea736c1d5): the SDFT appendix at ``offset`` (payload end +
+    checkpoint bytes). No complete SDFT magic: absent, 0 bytes (the draft starts empty). Another version,
+    or a blob cut short: "invalid draft state in '...' - ignored", 0 bytes. Else the spans of both blobs,
+    with every byte of the appendix consumed (status restored, pending :func:`load_slot_draft`)."""
+    if offset > size:
+        return DraftOutcome("draft", ABSENT)
+    f.seek(offset)
+    raw = _read(f, 4)
+    if raw is None or struct.unpack("<I", raw)[0] != apx.SDFT_MAGIC:
+        return DraftOutcome("draft", ABSENT, reason="the file holds no draft state: the draft starts empty")
+    raw = _read(f, 4)
+    ver = struct.unpack("<I", raw)[0] if raw else None
+    dft = spec = None
+    if ver == apx.SDFT_VERSION:
+        dft = _read_span(f, size)
+        spec = _read_span(f, size) if dft is not None else None
+    if dft is None or spec is None:
+        what = f"version {ver}, expected {apx.SDFT_VERSION}" if ver not in (None, apx.SDFT_VERSION) else "truncated"
+        return DraftOutcome("draft", IGNORED, message="invalid draft state - ignored",
+                            reason=f"invalid draft state ({what}) - ignored; the draft starts empty")
+    return DraftOutcome("draft", RESTORED, f.tell() - offset, dft=dft, spec=spec)
+
+
+def load_slot_draft(f: BinaryIO, offset: int, size: int, *, has_draft_context: bool,
+                    set_draft: Callable[[Span], str | None],
+                    set_speculative: Callable[[Span], Outcome] | None = None) -> DraftOutcome:
+    """``load_slot_draft`` (draft-state change ea736c1d5, tools/server/server-context.cpp): the slot's draft sequence is
+    first cleared (the caller's job), then :func:`read_slot_draft`. A non-empty draft blob goes to the draft
+    context: ``set_draft(span)`` restores it and returns None, or says why the draft context did not take
+    it; without a draft context, or when it does not take it, the draft is cleared and the state "does not
+    match the draft context - dropped", its bytes consumed. Then, unless dropped, a non-empty speculative
+    state is set (even with an empty draft blob): ``set_speculative(span)`` (default
+    :func:`apply_speculative_state` with no speculative decoder that keeps one).
+    """
+    out = read_slot_draft(f, offset, size)
+    if out.status != RESTORED:
+        return out
+    if out.dft.size:
+        why = "no draft model (-md) to restore it into" if not has_draft_context else set_draft(out.dft)
+        if why:
+            return DraftOutcome("draft", DROPPED, out.bytes, message="draft state does not match the draft context"
+                                " - dropped", reason=f"draft state does not match the draft context - dropped: "
+                                                     f"{why}", dft=out.dft, spec=out.spec)
+    spec = None
+    if out.spec.size:
+        spec = (set_speculative or (lambda span: apply_speculative_state(span, None)))(out.spec)
+    return DraftOutcome("draft", RESTORED, out.bytes, message="restored the draft state", dft=out.dft,
+                        spec=out.spec, speculative=spec)
+
+
+def apply_speculative_state(span: Span, kind: str | None, *, expected_size: int | None = None) -> Outcome:
+    """``common_speculative_set_state`` (b11434 common/speculative.cpp): each speculative decoder of the
+    server is offered the state. Only eagle3 keeps one (``common_speculative_impl_draft_eagle3::set_state``:
+    for recurrent or hybrid targets, i32 position + f32[n_embd of the draft], other sizes silently
+    ignored); every other kind (``kind`` None: draft-simple, ngram, ...) ignores it."""
+    if kind != "eagle3":
+        return Outcome("speculative", IGNORED, 0, reason=f"{span.size:,} bytes of speculative state; no speculative "
+                                                         "decoder of this server keeps one")
+    if expected_size is not None and span.size != expected_size:
+        return Outcome("speculative", IGNORED, 0, reason=f"eagle3 state of {span.size:,} bytes, expected "
+                                                         f"{expected_size:,}: ignored")
+    return Outcome("speculative", RESTORED, 0)

@@ -1,0 +1,233 @@
+"""The server's rules in one home (slotctl.server): flags, the restore steps, the token rule, checkpoints.
+
+The steps read real files: server-written ones from tests/data and files slotctl writes from real
+contexts, with appendices built by the same code the runtime writes them with.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from slotctl.cli.app import app
+from slotctl.errors import UsageError
+from slotctl.format import appendix as apx
+from slotctl.format.common import Span
+from slotctl.server import restore as rs
+from slotctl.server.checkpoints import keep_newest, requested_positions, rollback_checkpoint, user_starts
+from slotctl.server.flags import FLAGS, FlagError, ServerFlags, attn_rot_disable, env_switch
+from slotctl.slotfile import decode_tokens, open_slot_file
+
+from conftest import DATA
+
+
+def _invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+# -- flags ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("typed,value,shown", [
+    (["-ctk", "q8"], "q8", "-ctk q8: expected one of f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1"),
+    (["--cache-type-k=q8"], "q8", "--cache-type-k q8: expected one of f32, f16, bf16"),
+    (["--cache-type-v-draft", "Q8_0"], "Q8_0", "--cache-type-v-draft Q8_0: expected one of"),
+    (["-fa", "maybe"], "maybe", "-fa maybe: expected on, off or auto"),
+])
+@pytest.mark.parametrize("command", ["validate", "save", "restore"])
+def test_a_bad_flag_is_named_as_typed(command, typed, value, shown):
+    args = {"validate": [DATA / "srv-np1.bin"], "save": ["-m", DATA / "target.gguf", "-o", "x.bin", "-p", "hi"],
+            "restore": [DATA / "srv-np1.bin", "-m", DATA / "target.gguf"]}[command]
+    res = _invoke(command, *args, *typed)
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip() == f"error: {shown}" or res.stderr.strip().startswith(f"error: {shown}"), res.stderr
+
+
+def test_flash_attn_takes_the_servers_spellings():
+    for given, want in (("on", "on"), ("enabled", "on"), ("1", "on"), ("off", "off"), ("false", "off"),
+                        ("auto", "auto"), ("-1", "auto")):
+        assert ServerFlags(flash_attn=given).flash_attn == want
+    with pytest.raises(FlagError) as e:
+        ServerFlags(flash_attn="yes")
+    assert str(e.value) == "-fa yes: expected on, off or auto"
+
+
+def test_cache_types_are_read_as_the_server_reads_them():
+    assert ServerFlags(cache_type_k="q8_0").context_settings().type_k == "q8_0"
+    with pytest.raises(FlagError, match=r"^-ctk Q8_0: expected one of"):
+        ServerFlags(cache_type_k="Q8_0")       # kv_cache_type_from_str compares exact names
+    with pytest.raises(FlagError, match=r"^-np 0: expected a number of slots from 1 to 256"):
+        ServerFlags(parallel=0)
+    assert isinstance(FlagError("parallel", 0, "x"), UsageError)
+
+
+def test_every_flag_is_in_one_help_panel():
+    res = _invoke("validate", "--help")
+    assert res.exit_code == 0
+    text = res.output
+    assert "llama-server flags" in text
+    panel = text.split("llama-server flags")[1]
+    for spellings in FLAGS.values():
+        assert spellings[0] in panel, spellings
+    assert "[on|off|auto]" in panel
+
+
+def test_the_flags_give_the_context_settings():
+    f = ServerFlags(ctx_size=512, parallel=2, kv_unified=True, cache_type_k="q8_0", flash_attn="on", threads=3)
+    s = f.context_settings()
+    assert (s.n_ctx, s.n_parallel, s.kv_unified, s.type_k, s.flash_attn, s.n_threads) == (512, 2, True, "q8_0", "on", 3)
+    assert ServerFlags.from_settings(s) == f.replace(spec_draft_type_k="f16")
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("0", False), ("", False), (" +2x", True), ("-1", True),
+                                      ("abc", False), ("00", False)])
+def test_environment_switches_read_like_atoi(value, on):
+    assert env_switch("X", {"X": value}) is on
+    assert attn_rot_disable({"LLAMA_ATTN_ROT_DISABLE": value}) is on
+
+
+# -- the token rule --------------------------------------------------------------------------------------------
+
+
+def test_the_token_rule_is_server_tokens_validate():
+    n_vocab = 100
+    assert list(rs.invalid_token_indices([1, 2, 99], n_vocab)) == []
+    assert list(rs.invalid_token_indices([1, 100, -2], n_vocab)) == [1, 2]
+    # -1 is a media chunk's position only where a chunk starts (and the -1 words after it)
+    assert list(rs.invalid_token_indices([1, -1, -1, 5], n_vocab)) == [1, 2]
+    assert list(rs.invalid_token_indices([1, -1, -1, 5], n_vocab, media_starts=[1])) == []
+    assert list(rs.invalid_token_indices([1, -1, -1, 5, -1], n_vocab, media_starts=[1])) == [4]
+    # a chunk start that is not a -1 word
+    assert list(rs.invalid_token_indices([1, 2, 3], n_vocab, media_starts=[1])) == [1]
+
+
+def test_check_tokens_in_the_servers_order():
+    sf = open_slot_file(DATA / "srv-np1.bin")
+    tk = sf.tokens
+    assert rs.check_tokens(tk, n_ctx_slot=4096, n_vocab=10**6, has_mtmd=False).status == rs.RESTORED
+    short = rs.check_tokens(tk, n_ctx_slot=tk.n_tokens - 1, n_vocab=1, has_mtmd=False)
+    assert (short.status, short.message) == (rs.REFUSED, "Restored prompt does not fit in the slot context")
+    bad = rs.check_tokens(tk, n_ctx_slot=4096, n_vocab=1, has_mtmd=False)
+    assert (bad.status, bad.message) == (rs.REFUSED, "Invalid tokens in slot save file")
+
+
+# -- the steps, on real files --------------------------------------------------------------------------------
+
+
+def _copy_with(tmp_path, name: str, tail: bytes):
+    src = (DATA / "srv-np1.bin").read_bytes()
+    sf = open_slot_file(DATA / "srv-np1.bin", layout=_layout())
+    path = tmp_path / name
+    path.write_bytes(src[:sf.target.end] + tail)
+    return path, sf.target.end
+
+
+def _layout():
+    from slotctl.model.info import read_model_info
+
+    return read_model_info(DATA / "target.gguf").layout()
+
+
+def test_state_header_step(tmp_path):
+    size = (DATA / "srv-np1.bin").stat().st_size
+    with open(DATA / "srv-np1.bin", "rb") as f:
+        ok = rs.check_state_header(f, size)
+        old = rs.check_state_header(f, size, state_version=3)
+    assert (ok.status, ok.version) == (rs.RESTORED, 4) and ok.bytes == 12 + 4 * ok.n_words
+    assert old.status == rs.REFUSED and old.message == rs.TARGET_ERROR
+    assert old.reason.startswith("unknown (magic, version) for sequence state file: 67677371, 00000004")
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes((DATA / "srv-np1.bin").read_bytes()[:20])
+    with open(cut, "rb") as f:
+        got = rs.check_state_header(f, 20)
+    assert got.status == rs.REFUSED and "exceeds the file size" in got.reason
+
+
+def test_checkpoints_step_keeps_the_newest(tmp_path):
+    cps = [dict(n_tokens=n, pos_min=0, pos_max=n - 1, tgt=b"t" * n, dft=b"", spec=b"s") for n in (4, 8, 12)]
+    path, end = _copy_with(tmp_path, "sckp.bin", apx.build_sckp(cps))
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        got = rs.load_slot_checkpoints(f, end, size, n_ctx_checkpoints=2)
+        assert got.status == rs.RESTORED and got.bytes == size - end and got.count == 3
+        assert [c.n_tokens for c in got.kept] == [8, 12]
+        assert got.kept[0].tgt.read(f) == b"t" * 8 and got.kept[0].spec.read(f) == b"s"
+        assert "kept the last 2 of 3" in got.reason
+        assert rs.load_slot_checkpoints(f, end, size, n_ctx_checkpoints=0).kept == ()
+    # cut inside the last blob: the appendix is ignored, 0 bytes
+    path.write_bytes(path.read_bytes()[:-3])
+    with open(path, "rb") as f:
+        got = rs.load_slot_checkpoints(f, end, size - 3)
+    assert (got.status, got.bytes, got.kept) == (rs.IGNORED, 0, ())
+    with open(DATA / "srv-np1.bin", "rb") as f:
+        assert rs.load_slot_checkpoints(f, end, end).status == rs.ABSENT
+
+
+def test_draft_step_applies_the_speculative_state_as_the_seed_does(tmp_path):
+    path, end = _copy_with(tmp_path, "sdft.bin", apx.build_sdft(b"D" * 10, b"S" * 6))
+    size = path.stat().st_size
+    seen = []
+
+    def take(span):
+        seen.append(span.size)
+        return None
+
+    with open(path, "rb") as f:
+        got = rs.load_slot_draft(f, end, size, has_draft_context=True, set_draft=take)
+        assert (got.status, got.bytes, seen) == (rs.RESTORED, size - end, [10])
+        assert got.speculative.status == rs.IGNORED      # no decoder of a draft-simple server keeps one
+        # no draft context: dropped, bytes consumed, the speculative state never set
+        got = rs.load_slot_draft(f, end, size, has_draft_context=False, set_draft=take,
+                                 set_speculative=lambda s: pytest.fail("set after a drop"))
+        assert (got.status, got.bytes, got.speculative) == (rs.DROPPED, size - end, None)
+        assert got.message == "draft state does not match the draft context - dropped"
+    # an empty draft blob with a speculative state: the state is still set
+    path, end = _copy_with(tmp_path, "spec-only.bin", apx.build_sdft(b"", b"S" * 6))
+    with open(path, "rb") as f:
+        got = rs.load_slot_draft(f, end, path.stat().st_size, has_draft_context=False, set_draft=take,
+                                 set_speculative=lambda s: rs.apply_speculative_state(s, "eagle3", expected_size=6))
+    assert got.status == rs.RESTORED and got.speculative.status == rs.RESTORED
+    # a magic cut short: no draft state (the server's "return 0")
+    path, end = _copy_with(tmp_path, "magic.bin", b"SDF")
+    with open(path, "rb") as f:
+        assert rs.read_slot_draft(f, end, path.stat().st_size).status == rs.ABSENT
+    # another version: ignored
+    path, end = _copy_with(tmp_path, "v2.bin", struct.pack("<II", apx.SDFT_MAGIC, 2) + bytes(16))
+    with open(path, "rb") as f:
+        got = rs.read_slot_draft(f, end, path.stat().st_size)
+    assert (got.status, got.bytes) == (rs.IGNORED, 0)
+
+
+def test_eagle3_state_size_is_checked():
+    assert rs.apply_speculative_state(Span(0, 8), "eagle3", expected_size=8).status == rs.RESTORED
+    assert rs.apply_speculative_state(Span(0, 7), "eagle3", expected_size=8).status == rs.IGNORED
+
+
+# -- checkpoints -----------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_rules():
+    class C:
+        def __init__(self, pos_min, pos_max):
+            self.pos_min, self.pos_max = pos_min, pos_max
+
+    cps = [C(0, 10), C(5, 20), C(15, 30)]
+    assert rollback_checkpoint(cps, 25, 16) is cps[1]
+    assert rollback_checkpoint(cps, 35, 16) is cps[2]
+    assert rollback_checkpoint(cps, 35, 15) is cps[1]
+    assert rollback_checkpoint(cps, 5, 1) is None
+    assert keep_newest([1, 2, 3], 2) == [2, 3] and keep_newest([1, 2], 0) == []
+    assert requested_positions([5, 3, 5], 4, 13) == [3, 4, 5, 8, 12]
+    with pytest.raises(ValueError, match="--checkpoint-at 13"):
+        requested_positions([13], None, 13)
+    words = {"<u>": [7, 8]}
+    assert user_starts(lambda d: words[d], [1, 7, 8, 2, 7, 8], ["<u>"]) == [1, 4]
+
+
+def test_decode_tokens_feeds_the_token_step():
+    words = np.array([1, 2, 3], dtype=np.int32)
+    tk = decode_tokens(words)
+    assert rs.check_tokens(tk, n_ctx_slot=3, n_vocab=4, has_mtmd=False).status == rs.RESTORED
