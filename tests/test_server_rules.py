@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from slotctl.cli.app import app
+from slotctl.cli.options import SERVER_PANEL
 from slotctl.errors import UsageError
 from slotctl.format import appendix as apx
 from slotctl.format.common import Span
@@ -68,8 +69,8 @@ def test_every_flag_is_in_one_help_panel():
     res = _invoke("validate", "--help")
     assert res.exit_code == 0
     text = res.output
-    assert "llama-server flags" in text
-    panel = text.split("llama-server flags")[1]
+    assert SERVER_PANEL in text
+    panel = text.split(SERVER_PANEL)[1]
     for spellings in FLAGS.values():
         assert spellings[0] in panel, spellings
     assert "[on|off|auto]" in panel

@@ -81,8 +81,6 @@ def typed_flag(ctx: typer.Context | None, spellings: tuple[str, ...]) -> str:
 
 # -- llama-server's flags (b11434 names), one group shown as a panel: save, restore, validate ---------------
 
-SERVER_PANEL = "llama-server flags"
-
 _SERVER_OPTIONS: dict[str, tuple[type, dict]] = {
     "ctx_size": (int, dict(min=0, metavar="N", help="Context size in tokens over all slots; 0 = the model's "
                                                      "training context per slot, as the server picks.")),
