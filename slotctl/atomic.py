@@ -44,7 +44,7 @@ def atomic_writer(path: str | os.PathLike, *, overwrite: bool = False) -> Iterat
         else:
             os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -59,7 +59,7 @@ def _umask() -> int:
     return mask
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds

@@ -138,16 +138,32 @@ class SlotFile:
 
 
 def parse_memory(f: BinaryIO, offset: int, end: int, layout: MemoryLayout, version: int,
-                 layer: str = "target memory", lazy: bool = True) -> Memory:
-    """Parse the sections of ``layout`` from ``offset``; the reader cannot go past ``end``."""
+                 layer: str = "target memory", lazy: bool = True, memo: dict | None = None) -> Memory:
+    """Parse the sections of ``layout`` from ``offset``; the reader cannot go past ``end``.
+
+    ``memo``: sections already parsed (or failed) at an offset with the same schema, shared by the
+    candidate layouts tried on one payload, most of which begin with the same KV section.
+    """
     f.seek(offset)
     reader = TrackingReader(f, end)
     sections, spans = [], []
     for sec in layout.sections:
         what = f"{layer} ({sec.describe()})" if len(layout.sections) > 1 else layer
         at = reader.tell()
-        sections.append(parse(sec.schema(), reader, what, version=version, lazy=lazy))
-        spans.append(Span(at, reader.tell() - at))
+        key = (at, sec.type, sec.has_ext, sec.v_records, sec.n_r, sec.n_s)
+        hit = memo.get(key) if memo is not None else None
+        if hit is None:
+            try:
+                hit = (parse(sec.schema(), reader, what, version=version, lazy=lazy), reader.tell())
+            except FormatError as e:
+                hit = e
+            if memo is not None:
+                memo[key] = hit
+        if isinstance(hit, FormatError):
+            raise hit
+        sections.append(hit[0])
+        reader.seek(hit[1])
+        spans.append(Span(at, hit[1] - at))
     return Memory(offset, reader.tell(), layout, sections, spans)
 
 
@@ -194,11 +210,12 @@ def _try_layouts(f: BinaryIO, offset: int, end: int, version: int, layer: str, *
     parses far into the cells before it fails, and ext belongs to few models (M-RoPE, n-gram heads).
     """
     out = []
+    memo: dict = {}
     for cand in candidate_layouts():
         if any(s.has_ext for s in cand.sections) != ext:
             continue
         try:
-            out.append(parse_memory(f, offset, end, cand, version, layer))
+            out.append(parse_memory(f, offset, end, cand, version, layer, memo=memo))
         except FormatError:
             continue
     return out

@@ -42,6 +42,9 @@ COMMANDS: dict[str, CommandEntry] = {
                                 "files, leaving every other byte as it was."),
     "convert": CommandEntry("slotctl.cli.convert_cmd", "Rewrite a slot file so that a server started with other "
                             "flags restores it."),
+    "ls": CommandEntry("slotctl.cli.ls_cmd", "List slot files: size, age, state version, tokens, memory kind, "
+                       "checkpoints, draft-state bytes, and the verdict of validate for each (what a server does "
+                       "with it).", "Slot directories"),
     "save": CommandEntry("slotctl.cli.save", "Evaluate a prompt in a slot as llama-server would, and "
                          "write the slot file it would save.", "Run llama.cpp (pip install 'slotctl[llama]')"),
     "restore": CommandEntry("slotctl.cli.restore", "Restore a slot file as llama-server does, step by step, "

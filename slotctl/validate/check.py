@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from slotctl.paths import expand_paths
+from slotctl.paths import expand_paths, open_regular
 from slotctl.errors import FormatError
 from slotctl.server.findings import Finding, ServerRules, structural_findings
 from slotctl.format import ggml
@@ -447,7 +447,7 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
             generic = open_slot_file(path)
             if generic.target is not None:
                 sf = generic     # another memory kind: locate the layers as the file is
-    report.size, report.version = sf.size, sf.version
+    report.size, report.version, report.slot_file = sf.size, sf.version, sf
     tpred = dpred = None
     if tinfo is not None and sf.version is not None:
         tpred, dpred = models.predictions(sf.version)
@@ -514,7 +514,7 @@ def _memory_layers(sf: SlotFile, model_parse: bool, tinfo: ModelInfo | None, din
         out.append(_MemLayer(tside, LayerCheck(TARGET, sf.header_end, sf.size - sf.header_end, "target"),
                              sf.header_end, sf.size - sf.header_end, False, FLAGS_NONE, None, None,
                              prefix=True))
-    with open(sf.path, "rb") as f:
+    with open_regular(sf.path) as f:
         for i, c in enumerate(sf.checkpoints or ()):
             for kind, blob, info in (("target", c.tgt, tinfo), ("draft", c.dft, dinfo)):
                 if blob.span.size == 0:

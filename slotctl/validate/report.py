@@ -70,6 +70,8 @@ class FileReport:
     verdict: str = "restores"
     #: effects of findings on layers that are not memory layers (header, tokens, appendices)
     effects: list[str] = field(default_factory=list, repr=False)
+    #: the file as it was parsed (for callers that show its metadata too: ``slotctl ls``)
+    slot_file: object = field(default=None, repr=False)
 
     @property
     def exit_status(self) -> ExitStatus:

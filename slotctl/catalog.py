@@ -1,0 +1,184 @@
+"""One metadata row per slot file, for whole directories (``slotctl ls``, ``slotctl prune``).
+
+A row says what a file is (size, times, state version, tokens, memory kind, checkpoints, the bytes of
+draft state) and what a server does with it (``verdict``, from :func:`slotctl.validate.validate_file`:
+the structure and the server's rules always; with models, the prediction; with a load checker, the real
+check). Each file is parsed once and only its metadata is read: tensor bytes are seeked over, never read.
+
+Rows are plain dicts with the keys of docs/json.md (``ls``), so that they cross process boundaries:
+:func:`catalog` spreads the files over a process pool when there are enough of them to pay for it,
+and yields rows in the order of the paths, one at a time (memory stays flat in the number of files).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Iterable, Iterator
+
+from slotctl.errors import ExitStatus
+from slotctl.format.header import STATE_SEQ_MAGIC as STATE_MAGIC
+
+#: verdicts of files a server refuses or aborts on (``ls --broken``, ``prune --broken``)
+BROKEN_VERDICTS = ("aborts", "refused", "unreadable")
+#: below this many files the pool costs more than it saves
+POOL_MIN_FILES = 48
+#: files a worker takes at a time
+POOL_CHUNK = 32
+
+
+def iso_time(t: float) -> str:
+    """A POSIX time as ISO 8601 UTC (second precision), as every ``mtime`` in the JSON."""
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def is_slot_file(path: str) -> bool:
+    """Whether the file starts with the state magic (what a directory scan lists as a slot file)."""
+    from slotctl.errors import UsageError
+    from slotctl.paths import open_regular
+
+    try:
+        with open_regular(path) as f:
+            head = f.read(4)
+    except (OSError, UsageError):
+        return True   # unreadable: listed, with its error
+    return len(head) == 4 and int.from_bytes(head, "little") == STATE_MAGIC
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to compute for each file: the server to judge it for (``validate``'s ``ServerSetup``; None:
+    structure with the default server's rules) and whether to load layers for real."""
+
+    setup: object = None
+    real_check: bool = False
+    verbose: bool = False
+
+
+def _draft_size(sf) -> int:
+    """Bytes of draft state: the SDFT appendix plus the draft blobs of every checkpoint."""
+    n = sf.sdft.size if sf.sdft is not None else 0
+    for c in sf.checkpoints or ():
+        n += c.dft.span.size
+    return n
+
+
+def _row_from(path: str, st: os.stat_result, sf, report, now: float) -> dict:
+    tokens = sf.tokens.n_tokens if sf.tokens is not None and sf.tokens.error is None else None
+    kind = sf.target.layout.kind if sf.target is not None else None
+    checkpoints = [{"n_tokens": c.n_tokens, "pos_min": c.pos_min, "pos_max": c.pos_max,
+                    "size": c.tgt.span.size + c.dft.span.size + c.spec.size} for c in sf.checkpoints or ()]
+    row = {
+        "path": path,
+        "name": os.path.basename(path),
+        "size": st.st_size,
+        "mtime": iso_time(st.st_mtime),
+        "atime": iso_time(st.st_atime),
+        "age_seconds": max(0, int(now - st.st_mtime)),
+        "state_version": sf.version,
+        "n_tokens": tokens,
+        "memory_kind": kind,
+        "checkpoints": checkpoints,
+        "draft_size": _draft_size(sf),
+        "damaged": sf.damaged,
+        "verdict": report.verdict,
+        "predicted_reuse": _reuse(report),
+        "findings": [f.as_dict() for f in report.findings],
+        "exit_code": int(report.exit_status),
+    }
+    if sf.damaged:
+        row["error"] = {"code": "damaged", "message": sf.errors[0].one_line()}
+    elif report.verdict in BROKEN_VERDICTS:
+        first = next((f for f in report.findings if f.severity == "error"), None)
+        row["error"] = {"code": first.code if first else report.verdict,
+                        "message": f"{first.layer}: {first.message}" if first else report.verdict}
+    return row
+
+
+def _reuse(report):
+    """The predicted reuse of the restored prompt when validate computes one (else None)."""
+    value = getattr(report, "predicted_reuse", None)
+    if value is None or isinstance(value, (int, float, dict)):
+        return value
+    return value.as_dict() if hasattr(value, "as_dict") else value
+
+
+def _unreadable(path: str, e: OSError, st: os.stat_result | None) -> dict:
+    return {"path": path, "name": os.path.basename(path), "size": st.st_size if st else None,
+            "mtime": iso_time(st.st_mtime) if st else None, "atime": iso_time(st.st_atime) if st else None,
+            "age_seconds": None, "state_version": None, "n_tokens": None, "memory_kind": None, "checkpoints": [],
+            "draft_size": 0, "damaged": False, "verdict": "unreadable", "predicted_reuse": None, "findings": [],
+            "exit_code": int(ExitStatus.USAGE),
+            "error": {"code": "unreadable", "message": f"{path}: {e.strerror or e}"}}
+
+
+class _Worker:
+    """What one process needs to make rows: the models read once, the load checker started once."""
+
+    def __init__(self, request: Request):
+        from slotctl.validate import LoadChecker, Models, ServerSetup
+
+        self.request = request
+        self.setup = request.setup if request.setup is not None else ServerSetup()
+        self.models = Models(self.setup)
+        self.checker = None
+        if request.real_check and self.setup.target is not None:
+            self.checker = LoadChecker(self.setup, verbose=request.verbose)
+
+    def row(self, path: str, now: float) -> dict:
+        from slotctl.validate import validate_file
+
+        st = None
+        try:
+            st = os.stat(path)     # before reading: the access time as the server left it
+            report = validate_file(path, self.setup, self.models, self.checker)
+        except OSError as e:
+            return _unreadable(path, e, st)
+        return _row_from(path, st, report.slot_file, report, now)
+
+    def close(self) -> None:
+        if self.checker is not None:
+            self.checker.close()
+
+
+_WORKER: _Worker | None = None
+
+
+def _init_worker(request: Request) -> None:
+    global _WORKER
+    _WORKER = _Worker(request)
+
+
+def _work(args: tuple[str, float]) -> dict:
+    return _WORKER.row(*args)
+
+
+def catalog(paths: Iterable[str], request: Request = Request(), *, processes: int | None = None,
+            now: float | None = None) -> Iterator[dict]:
+    """A row per path, in order. ``processes``: worker processes (default: the CPUs, when the files are
+    many and no real check runs; the real check has a child process of its own per worker)."""
+    paths = list(paths)
+    now = time.time() if now is None else now
+    if processes is None:
+        processes = os.cpu_count() or 1
+        if len(paths) < POOL_MIN_FILES or request.real_check:
+            processes = 1
+    if processes <= 1:
+        w = _Worker(request)
+        try:
+            for p in paths:
+                yield w.row(p, now)
+        finally:
+            w.close()
+        return
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
+    with ctx.Pool(processes, initializer=_init_worker, initargs=(request,)) as pool:
+        yield from pool.imap(_work, ((p, now) for p in paths), chunksize=POOL_CHUNK)
+
+
+def is_broken(row: dict) -> bool:
+    return row["verdict"] in BROKEN_VERDICTS

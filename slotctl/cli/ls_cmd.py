@@ -1,0 +1,286 @@
+"""``slotctl ls [DIR|FILE...]``: one row per slot file, and what a server does with each."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Iterable, Optional
+
+import typer
+from rich.text import Text
+
+from slotctl.cli.common import handle_errors
+from slotctl.cli.options import (
+    BatchOpt,
+    CacheTypeKOpt,
+    CacheTypeVOpt,
+    CtxCheckpointsOpt,
+    CtxSizeOpt,
+    DraftCacheTypeKOpt,
+    DraftCacheTypeVOpt,
+    DraftModelOpt,
+    FlashAttnOpt,
+    JsonOpt,
+    KvUnifiedOpt,
+    ModelOpt,
+    ParallelOpt,
+    SlotOpt,
+    SwaFullOpt,
+    UBatchOpt,
+    VerboseOpt,
+    context_settings,
+)
+from slotctl.cli.output import Output, escape_text, human_bytes
+from slotctl.errors import ExitStatus, UsageError
+
+SORT_KEYS = ("name", "size", "age", "tokens")
+_VERDICT_STYLE = {"restores": "green", "restores_with_drops": "yellow", "aborts": "bold red",
+                  "refused": "bold red", "unreadable": "bold red"}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("ls")(ls)
+
+
+@handle_errors
+def ls(
+    paths: Annotated[Optional[list[Path]], typer.Argument(help="Slot files or directories (such as a server's "
+                                                          "--slot-save-path); default: the current directory.")
+                     ] = None,
+    sort: Annotated[str, typer.Option("--sort", metavar="KEY", help="name, size (largest first), age (oldest "
+                                      "first) or tokens (most first).")] = "name",
+    reverse: Annotated[bool, typer.Option("--reverse", "-r", help="Reverse the order.")] = False,
+    broken: Annotated[bool, typer.Option("--broken", help="Only files the server would refuse or abort on "
+                                         "(verdict refused, aborts or unreadable).")] = False,
+    has_draft: Annotated[bool, typer.Option("--has-draft", help="Only files holding draft state (SDFT or "
+                                            "checkpoint draft blobs).")] = False,
+    verdict: Annotated[Optional[list[str]], typer.Option("--verdict", metavar="V", help="Only files with this "
+                                                         "verdict (repeatable): restores, restores_with_drops, "
+                                                         "aborts, refused, unreadable.")] = None,
+    model: ModelOpt = None,
+    draft_model: DraftModelOpt = None,
+    ctx_size: CtxSizeOpt = 0,
+    parallel: ParallelOpt = 1,
+    kv_unified: KvUnifiedOpt = False,
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
+    cache_type_k_draft: DraftCacheTypeKOpt = "f16",
+    cache_type_v_draft: DraftCacheTypeVOpt = "f16",
+    flash_attn: FlashAttnOpt = "auto",
+    batch_size: BatchOpt = 2048,
+    ubatch_size: UBatchOpt = 512,
+    swa_full: SwaFullOpt = False,
+    slot: SlotOpt = 0,
+    ctx_checkpoints: CtxCheckpointsOpt = 32,
+    state_version: Annotated[int, typer.Option("--state-version", min=2, max=4,
+                                               help="The server's state version: its loader accepts no other "
+                                                    "(4: llama.cpp b11434 and later).")] = 4,
+    load: Annotated[bool, typer.Option("--load", help="With -m: also load every layer of every file into real "
+                                       "contexts (validate's real check; slow).")] = False,
+    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="Worker processes (default: the "
+                                                "CPUs, for more than a few dozen files).")] = None,
+    json_out: JsonOpt = False,
+    jsonl: Annotated[bool, typer.Option("--jsonl", help="One JSON object per file and line, then a summary line.")
+                     ] = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """List slot files: size, age, state version, tokens, memory kind, checkpoints, draft-state bytes, and
+    the verdict of validate for each (what a server does with it).
+
+    Reads metadata only, never tensor bytes, spread over the CPUs. Without -m the verdict comes from the
+    structure and the server's own rules; with -m (and -md) and the server's flags it adds validate's
+    prediction, and --load its real check. In a directory, files that are not slot files (no state
+    magic) are left out and counted. Totals at the bottom. Details: docs/directories.md.
+
+    Exit codes: 0 every listed file restores completely; 1 a listed file is damaged, refused, makes the
+    server abort or loses a layer; 2 usage or I/O error.
+    """
+    from slotctl.catalog import Request, catalog, is_broken
+    from slotctl.validate import VERDICTS as VERDICT_NAMES
+
+    out = Output(json_mode=json_out or jsonl, verbose=verbose)
+    if sort not in SORT_KEYS:
+        raise UsageError(f"--sort {sort}: expected one of {', '.join(SORT_KEYS)}")
+    for v in verdict or ():
+        if v not in VERDICT_NAMES:
+            raise UsageError(f"--verdict {v}: expected one of {', '.join(VERDICT_NAMES)}")
+    if json_out and jsonl:
+        raise UsageError("give --json or --jsonl, not both")
+    if load and model is None:
+        raise UsageError("--load needs -m (the model to load the files with)")
+    setup = None
+    if model is not None or state_version != 4 or slot or ctx_checkpoints != 32:
+        from slotctl.validate import ServerSetup
+
+        settings = context_settings(ctx_size=ctx_size, parallel=parallel, kv_unified=kv_unified,
+                                    cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn,
+                                    batch_size=batch_size, ubatch_size=ubatch_size, swa_full=swa_full)
+        setup = ServerSetup(target=model, draft=draft_model, settings=settings, draft_type_k=cache_type_k_draft,
+                            draft_type_v=cache_type_v_draft, slot=slot, n_ctx_checkpoints=ctx_checkpoints,
+                            state_version=state_version)
+        if model is not None:
+            from slotctl.validate import Models
+
+            Models(setup)   # unreadable models and settings llama.cpp refuses: usage errors before any file
+
+    files, not_slot = _expand(paths or [Path(".")])
+    request = Request(setup=setup, real_check=load, verbose=verbose)
+    want = set(verdict or ())
+
+    def keep(row: dict) -> bool:
+        if broken and not is_broken(row):
+            return False
+        if has_draft and not row["draft_size"]:
+            return False
+        return not want or row["verdict"] in want
+
+    totals = _Totals(not_slot)
+    with out.progress("reading", total=len(files)) as update:
+        def rows() -> Iterable[dict]:
+            for i, row in enumerate(catalog(files, request, processes=jobs), 1):
+                update(i)
+                totals.seen(row)
+                if keep(row):
+                    totals.add(row)
+                    yield row
+
+        if sort == "name" and not reverse and not json_out:
+            listed: Iterable[dict] = rows()        # streamed: memory stays flat in the number of files
+        else:
+            listed = sorted(rows(), key=_SORTS[sort], reverse=reverse)
+        if jsonl:
+            for row in listed:
+                out.console.file.write(json.dumps(row, separators=(",", ":")) + "\n")
+            out.console.file.write(json.dumps({"summary": totals.summary(), "exit_code": totals.exit_code},
+                                              separators=(",", ":")) + "\n")
+        elif json_out:
+            rows_list = list(listed)
+            out.json({"files": rows_list, "summary": totals.summary(), "exit_code": totals.exit_code})
+        else:
+            one_dir = len(paths or [Path(".")]) == 1 and os.path.isdir((paths or [Path(".")])[0])
+            render(out, listed, totals, show_reuse=model is not None, names=one_dir)
+    if totals.exit_code:
+        raise typer.Exit(totals.exit_code)
+
+
+def _expand(given: list[Path]) -> tuple[list[str], int]:
+    """The files to list, and how many files of the directories given are not slot files (left out).
+    A file named on the command line is always listed."""
+    from slotctl.catalog import is_slot_file
+    from slotctl.paths import expand_paths
+
+    files, seen, not_slot = [], set(), 0
+    for g in given:
+        in_dir = os.path.isdir(g)
+        for p in expand_paths([g], follow_symlinks=True):
+            key = os.path.realpath(p)
+            if key in seen:
+                continue
+            seen.add(key)
+            if in_dir and not is_slot_file(p):
+                not_slot += 1
+                continue
+            files.append(p)
+    return files, not_slot
+
+
+_SORTS = {
+    "name": lambda r: r["name"],
+    "size": lambda r: -(r["size"] or 0),
+    "age": lambda r: -(r["age_seconds"] or 0),
+    "tokens": lambda r: -(r["n_tokens"] or 0),
+}
+
+
+class _Totals:
+    def __init__(self, not_slot: int):
+        self.not_slot = not_slot
+        self.files = self.size = self.tokens = self.draft = self.checkpoints = 0
+        self.read = 0
+        self.verdicts: dict[str, int] = {}
+        self.exit_code = 0
+
+    def seen(self, row: dict) -> None:
+        self.read += 1
+
+    def add(self, row: dict) -> None:
+        self.files += 1
+        self.size += row["size"] or 0
+        self.tokens += row["n_tokens"] or 0
+        self.draft += row["draft_size"]
+        self.checkpoints += len(row["checkpoints"])
+        self.verdicts[row["verdict"]] = self.verdicts.get(row["verdict"], 0) + 1
+        self.exit_code = max(self.exit_code, row["exit_code"])
+
+    def summary(self) -> dict:
+        from slotctl.validate import VERDICTS as VERDICT_NAMES
+
+        return {"files": self.files, "read": self.read, "not_slot_files": self.not_slot, "size": self.size,
+                "n_tokens": self.tokens, "draft_size": self.draft, "n_checkpoints": self.checkpoints,
+                "verdicts": {v: self.verdicts.get(v, 0) for v in VERDICT_NAMES}}
+
+
+def human_age(seconds: int | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n:
+            return f"{seconds // n}{unit}"
+    return f"{seconds}s"
+
+
+_COLUMNS = (("size", 10), ("age", 5), ("ver", 3), ("tokens", 8), ("kind", 11), ("ckpt", 4), ("draft", 10),
+            ("verdict", 19))
+
+
+def _line(cells: list[str], name: Text | str, reuse: str | None) -> Text:
+    t = Text()
+    for (title, width), c in zip(_COLUMNS, cells):
+        if title == "verdict":
+            t.append(c.ljust(width), style=_VERDICT_STYLE.get(c, ""))
+        elif title in ("kind",):
+            t.append(c.ljust(width))
+        else:
+            t.append(c.rjust(width))
+        t.append("  ")
+    if reuse is not None:
+        t.append(reuse.rjust(8) + "  ")
+    t.append(name)
+    return t
+
+
+def render(out: Output, rows: Iterable[dict], totals: _Totals, *, show_reuse: bool, names: bool) -> None:
+    """Aligned columns, the name last (never cut: a long name runs on), then the totals. ``names``: the
+    file names (one directory listed), else the paths as given."""
+    head = [title for title, _ in _COLUMNS]
+    out.console.print(_line(head, "name" if names else "path", "reuse" if show_reuse else None), style="bold", soft_wrap=True)
+    for r in rows:
+        cells = [human_bytes(r["size"]), human_age(r["age_seconds"]), str(r["state_version"] or "-"),
+                 f"{r['n_tokens']:,}" if r["n_tokens"] is not None else "-", r["memory_kind"] or "-",
+                 str(len(r["checkpoints"])), human_bytes(r["draft_size"]) if r["draft_size"] else "-",
+                 r["verdict"]]
+        reuse = _reuse_text(r.get("predicted_reuse")) if show_reuse else None
+        out.console.print(_line(cells, escape_text(r["name" if names else "path"], keep_newlines=False), reuse), soft_wrap=True)
+        if r.get("error"):
+            out.console.print(Text("    " + escape_text(r["error"]["message"], keep_newlines=False), style="dim"),
+                              soft_wrap=True)
+    s = totals.summary()
+    verdicts = ", ".join(f"{n} {v}" for v, n in s["verdicts"].items() if n)
+    tail = (f"total: {s['files']:,} file(s), {human_bytes(s['size'])}, {s['n_tokens']:,} tokens, "
+            f"{s['n_checkpoints']:,} checkpoint(s), draft state {human_bytes(s['draft_size'])}"
+            + (f"; {verdicts}" if verdicts else ""))
+    if s["read"] != s["files"]:
+        tail += f" ({s['read'] - s['files']:,} filtered out)"
+    if s["not_slot_files"]:
+        tail += f"; {s['not_slot_files']:,} file(s) that are not slot files left out"
+    out.console.print(Text(tail, style="bold"), soft_wrap=True)
+
+
+def _reuse_text(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, dict):
+        n = value.get("n_tokens", value.get("tokens"))
+        return f"{n:,}" if isinstance(n, int) else "-"
+    return f"{value:,}" if isinstance(value, int) else str(value)

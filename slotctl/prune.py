@@ -1,0 +1,275 @@
+"""Keeping a slot directory under a budget (``slotctl prune``): which files go, in which order, and going.
+
+:func:`plan` decides from metadata alone (``os.lstat``; with ``broken``, the verdicts of
+:mod:`slotctl.catalog`); :func:`execute` deletes. Deleting is ``unlink``, one file at a time, each
+checked again just before: a process killed at any moment leaves every file either as it was or gone,
+and a file that changed since it was planned (a server saving over it) is left alone.
+
+Least recently used first: the last use of a file is its access time where the filesystem keeps one
+(the server reading a file to restore it updates it; slotctl's own reads do not,
+:func:`slotctl.paths.open_regular`), or its modification time on a ``noatime`` mount; writing counts
+as a use (the later of the two).
+
+Never touched: files matching a ``--pin`` glob, slotctl's temporary files (``.NAME.slotctl-*.tmp``),
+files modified in the last ``grace`` seconds (a server may be writing them), files that are not slot
+files (no state magic), symbolic links and anything that is not a regular file.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import stat
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from slotctl.catalog import iso_time, is_slot_file
+from slotctl.errors import UsageError
+from slotctl.paths import is_temp_file
+
+#: seconds since the last modification under which a file counts as being written
+DEFAULT_GRACE = 60.0
+
+# actions
+DELETE = "deleted"
+WOULD_DELETE = "would_delete"
+KEEP = "kept"
+PINNED = "pinned"
+SKIPPED = "skipped"
+FAILED = "failed"
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.I)
+_AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.I)
+_AGE_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_size(text: str) -> int:
+    """``20G``, ``500M``, ``1.5T``, ``4096`` (bytes; K/M/G/T/P are powers of 1024, as ``du -h`` shows them)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise UsageError(f"--max-size {text!r}: expected a size such as 20G, 500M or 4096 (bytes)")
+    unit = m.group(2).lower()
+    return int(float(m.group(1)) * (1024 ** ("kmgtp".index(unit) + 1) if unit else 1))
+
+
+def parse_age(text: str) -> float:
+    """``7d``, ``12h``, ``30m``, ``2w``, ``90`` (seconds)."""
+    m = _AGE.match(text)
+    if not m:
+        raise UsageError(f"--older-than {text!r}: expected an age such as 7d, 12h, 30m or 90 (seconds)")
+    return float(m.group(1)) * _AGE_UNITS[m.group(2).lower()]
+
+
+def time_source(directory: str) -> tuple[str, str]:
+    """("atime" or "mtime", why): whether the filesystem of ``directory`` keeps access times."""
+    opts = _mount_options(os.path.realpath(directory))
+    if opts is None:
+        return "atime", "mount options unknown; access times assumed kept"
+    if "noatime" in opts:
+        return "mtime", "the filesystem is mounted noatime: access times are not kept"
+    if "relatime" in opts:
+        return "atime", "relatime mount: a read updates the access time once after each write and at most daily"
+    return "atime", "access times kept (" + ("strictatime" if "strictatime" in opts else "default") + " mount)"
+
+
+def _mount_options(path: str) -> set[str] | None:
+    """The options of the mount holding ``path`` (Linux /proc/self/mountinfo), or None."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best, opts = -1, None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 6:
+            continue
+        point = parts[4].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, opts = len(point), set(parts[5].split(","))
+    return opts
+
+
+@dataclass(frozen=True)
+class Policy:
+    max_size: int | None = None
+    older_than: float | None = None
+    keep: int | None = None
+    pins: tuple[str, ...] = ()
+    broken: bool = False
+    grace: float = DEFAULT_GRACE
+
+    def __post_init__(self) -> None:
+        budgets = [self.max_size, self.older_than, self.keep]
+        if self.broken and any(b is not None for b in budgets):
+            raise UsageError("--broken removes only the files a server would refuse: give it without "
+                             "--max-size, --older-than and --keep")
+        if not self.broken and all(b is None for b in budgets):
+            raise UsageError("nothing to prune by: give --max-size, --older-than, --keep or --broken")
+
+
+@dataclass
+class Entry:
+    """A file of the directory and what prune does with it."""
+
+    path: str
+    size: int
+    disk_size: int
+    mtime: float
+    atime: float
+    ino: int
+    used: float = 0.0
+    action: str = KEEP
+    reason: str = ""
+    verdict: str | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        from slotctl.errors import ExitStatus
+
+        d = {"path": self.path, "size": self.size, "disk_size": self.disk_size, "mtime": iso_time(self.mtime),
+             "atime": iso_time(self.atime), "last_used": iso_time(self.used), "action": self.action,
+             "reason": self.reason, "verdict": self.verdict,
+             "exit_code": int(ExitStatus.USAGE if self.action == FAILED else ExitStatus.OK)}
+        if self.error:
+            d["error"] = {"code": "delete_failed", "message": self.error}
+        return d
+
+
+@dataclass
+class Plan:
+    directory: str
+    policy: Policy
+    source: str
+    source_reason: str
+    entries: list[Entry] = field(default_factory=list)
+    size_before: int = 0          # bytes of every regular file in the directory
+
+    def selected(self) -> list[Entry]:
+        return [e for e in self.entries if e.action in (DELETE, WOULD_DELETE)]
+
+    @property
+    def freed(self) -> int:
+        return sum(e.size for e in self.entries if e.action in (DELETE, WOULD_DELETE))
+
+    @property
+    def size_after(self) -> int:
+        return self.size_before - self.freed
+
+    @property
+    def over_budget(self) -> bool:
+        return self.policy.max_size is not None and self.size_after > self.policy.max_size
+
+
+def _scan(directory: str, now: float, policy: Policy, source: str) -> tuple[list[Entry], int]:
+    entries, total = [], 0
+    with os.scandir(directory) as it:
+        dirents = sorted(it, key=lambda d: d.name)
+    for d in dirents:
+        try:
+            st = d.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        total += st.st_size
+        e = Entry(d.path, st.st_size, st.st_blocks * 512, st.st_mtime, st.st_atime, st.st_ino)
+        e.used = max(st.st_mtime, st.st_atime) if source == "atime" else st.st_mtime
+        if is_temp_file(d.name):
+            e.action, e.reason = SKIPPED, "a slotctl temporary file (a write in progress)"
+        elif now - st.st_mtime < policy.grace:
+            e.action, e.reason = SKIPPED, f"modified {max(0, now - st.st_mtime):.0f} s ago (being written?)"
+        elif any(fnmatch.fnmatch(d.name, g) or fnmatch.fnmatch(d.path, g) for g in policy.pins):
+            e.action, e.reason = PINNED, "matches --pin"
+        elif not is_slot_file(d.path):
+            e.action, e.reason = SKIPPED, "not a slot file (no state magic)"
+        entries.append(e)
+    return entries, total
+
+
+def plan(directory: str, policy: Policy, *, now: float | None = None,
+         verdicts: Callable[[list[str]], dict[str, str]] | None = None) -> Plan:
+    """What prune would delete in ``directory``. ``verdicts(paths) -> {path: verdict}`` judges the
+    candidates for ``policy.broken`` (:mod:`slotctl.catalog` rows, made by the caller)."""
+    if not os.path.isdir(directory):
+        raise UsageError(f"{directory}: not a directory")
+    now = time.time() if now is None else now
+    source, why = time_source(directory)
+    entries, total = _scan(directory, now, policy, source)
+    p = Plan(directory, policy, source, why, entries, total)
+    cands = sorted((e for e in entries if e.action == KEEP), key=lambda e: (e.used, e.path))
+    if policy.broken:
+        from slotctl.catalog import BROKEN_VERDICTS
+
+        judged = verdicts([e.path for e in cands]) if verdicts else {}
+        for e in cands:
+            e.verdict = judged.get(e.path)
+            if e.verdict in BROKEN_VERDICTS:
+                e.action, e.reason = DELETE, f"the server would not restore it ({e.verdict})"
+            else:
+                e.reason = "restores" if e.verdict is None else e.verdict
+        return p
+    if policy.older_than is not None:
+        for e in cands:
+            if now - e.used > policy.older_than:
+                e.action, e.reason = DELETE, f"last used {_ago(now - e.used)} ago (--older-than)"
+    if policy.keep is not None:
+        left = [e for e in cands if e.action == KEEP]
+        for e in left[:max(0, len(left) - policy.keep)]:
+            e.action, e.reason = DELETE, f"beyond the {policy.keep} most recently used (--keep)"
+    if policy.max_size is not None:
+        size = total - sum(e.size for e in cands if e.action == DELETE)
+        for e in cands:
+            if size <= policy.max_size:
+                break
+            if e.action == KEEP:
+                e.action, e.reason = DELETE, "least recently used while over --max-size"
+                size -= e.size
+    for e in cands:
+        if e.action == KEEP and not e.reason:
+            e.reason = "within the budget"
+    return p
+
+
+def _ago(seconds: float) -> str:
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n:
+            return f"{seconds / n:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def execute(p: Plan, *, dry_run: bool, now_fn: Callable[[], float] = time.time,
+            on_file: Callable[[Entry], None] | None = None) -> Plan:
+    """Delete the selected files (``dry_run``: mark them ``would_delete``), each checked again first."""
+    for e in p.selected():
+        if dry_run:
+            e.action = WOULD_DELETE
+        else:
+            _delete(e, p.policy, now_fn())
+        if on_file:
+            on_file(e)
+    if not dry_run and any(e.action == DELETE for e in p.entries):
+        from slotctl.atomic import fsync_dir
+
+        fsync_dir(p.directory)
+    return p
+
+
+def _delete(e: Entry, policy: Policy, now: float) -> None:
+    try:
+        st = os.lstat(e.path)
+    except FileNotFoundError:
+        e.action, e.reason = SKIPPED, "gone before it was deleted"
+        return
+    if (st.st_ino, st.st_size, st.st_mtime) != (e.ino, e.size, e.mtime) or now - st.st_mtime < policy.grace:
+        e.action, e.reason = SKIPPED, "changed since it was planned (being written?)"
+        return
+    try:
+        os.unlink(e.path)
+    except FileNotFoundError:
+        e.action, e.reason = SKIPPED, "gone before it was deleted"
+    except OSError as err:
+        e.action, e.error = FAILED, f"{e.path}: {err.strerror or err}"
