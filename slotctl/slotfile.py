@@ -25,6 +25,7 @@ from slotctl.format import tokens as tokfmt
 from slotctl.format.common import Span, TrackingReader, parse, parse_bytes
 from slotctl.format.header import StateHeader, header_size
 from slotctl.format.memory import MemoryLayout, candidate_layouts
+from slotctl.format.recurrent import recurrent_head
 from slotctl.paths import open_regular
 
 SCAN_CHUNK = 1 << 20
@@ -152,6 +153,18 @@ def parse_memory(f: BinaryIO, offset: int, end: int, layout: MemoryLayout, versi
         at = reader.tell()
         key = (at, sec.type, sec.has_ext, sec.v_records, sec.n_r, sec.n_s)
         hit = memo.get(key) if memo is not None else None
+        if hit is None and memo is not None and sec.type == "recurrent":
+            head = memo.get((at, "recurrent head"))
+            if head is None:
+                try:
+                    parse(recurrent_head, reader, what, version=version, lazy=lazy)
+                    head = True
+                except FormatError as e:
+                    head = e
+                memo[(at, "recurrent head")] = head
+                reader.seek(at)
+            if isinstance(head, FormatError):
+                hit = head
         if hit is None:
             try:
                 hit = (parse(sec.schema(), reader, what, version=version, lazy=lazy), reader.tell())

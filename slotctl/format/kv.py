@@ -15,7 +15,7 @@ from construct import this
 
 from slotctl.format.cells import CellArray
 from slotctl.format.common import MAX_LAYERS, MAX_STREAMS, Counted, Expect
-from slotctl.format.records import element_record, row_record
+from slotctl.format.records import RecordArray
 
 
 def ext_size(version: int, has_ext: bool) -> int:
@@ -25,29 +25,22 @@ def ext_size(version: int, has_ext: bool) -> int:
     return 8 if version <= 2 else 12
 
 
-def _stream_cells(c) -> int:
-    # record (c) -> data (c._) -> stream (c._._)
-    return c._._.cell_count
-
-
 def kv_section(*, has_ext: bool = False, v_records: bool = True) -> cs.Struct:
     """Schema of one KV section.
 
     ``has_ext``: cells carry ext (M-RoPE models and n-gram-head models).
     ``v_records``: layers have V records (False for MLA models, whose layers store no V).
     """
-    k_record = row_record(_stream_cells, "K data")
-    v_rows = row_record(_stream_cells, "V data")
-    v_elems = element_record(_stream_cells, "V data (transposed)")
+    cells = lambda c: c._.cell_count  # noqa: E731 - data (c) -> stream (c._)
     data = cs.Struct(
         "v_trans" / Expect(cs.Int32ul, [0, 1], "v_trans"),
         "n_layer" / Counted(cs.Int32ul, "layer count", limit=MAX_LAYERS),
         "rot_offset" / cs.Tell,
         "n_rot_k" / cs.If(lambda c: c._params.version >= 4, cs.Int32ul),
         "n_rot_v" / cs.If(lambda c: c._params.version >= 4, cs.Int32ul),
-        "k" / cs.Array(this.n_layer, k_record),
-        "v" / cs.Array(lambda c: c.n_layer if v_records else 0,
-                       cs.IfThenElse(lambda c: c.v_trans == 1, v_elems, v_rows)),
+        "k" / RecordArray(this.n_layer, cells, "K data"),
+        "v" / RecordArray(lambda c: c.n_layer if v_records else 0, cells, "V data",
+                          transposed=lambda c: c.v_trans == 1),
     )
     stream = cs.Struct(
         "cell_count" / cs.Int32ul,

@@ -76,7 +76,8 @@ def plain_kv(has_ext: bool = False, v_records: bool = True) -> MemoryLayout:
     return MemoryLayout("kv", (SectionLayout("kv", "kv", has_ext, v_records),))
 
 
-def candidate_layouts(max_recurrent_layers: int = 8) -> list[MemoryLayout]:
+@lru_cache(maxsize=None)
+def candidate_layouts(max_recurrent_layers: int = 8) -> tuple[MemoryLayout, ...]:
     """Layouts tried when no GGUF says which applies, most common first."""
     out = [plain_kv(False), plain_kv(True), plain_kv(False, v_records=False)]
     out.append(MemoryLayout("iswa", (SectionLayout("kv", "base"), SectionLayout("kv", "swa"))))
@@ -89,4 +90,4 @@ def candidate_layouts(max_recurrent_layers: int = 8) -> list[MemoryLayout]:
     for k in range(1, max_recurrent_layers + 1):
         out.append(MemoryLayout("hybrid_iswa", (SectionLayout("kv", "base"), SectionLayout("kv", "swa"),
                                                 SectionLayout("recurrent", "recurrent", n_r=k, n_s=k))))
-    return out
+    return tuple(out)

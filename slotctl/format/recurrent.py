@@ -15,24 +15,29 @@ from construct import this
 
 from slotctl.format.cells import CellArray
 from slotctl.format.common import MAX_LAYERS, Counted, Expect
-from slotctl.format.records import element_record, row_record
+from slotctl.format.records import RecordArray
 
 
 def _section_cells(c) -> int:
-    # record (c) -> section (c._)
-    return c._.cell_count
+    return c.cell_count
+
+
+_HEAD = (
+    "type" / cs.Computed("recurrent"),
+    "cell_count" / cs.Int32ul,
+    "cells" / CellArray(this.cell_count, 0),
+    "s_trans" / Expect(cs.Int32ul, [0, 1], "s_trans"),
+    "n_layer" / Counted(cs.Int32ul, "layer count", limit=MAX_LAYERS),
+)
+
+#: the fields before the records, the same whatever the record counts (a layout tried at an offset where
+#: this does not parse fails there for every count)
+recurrent_head = cs.Struct(*_HEAD)
 
 
 def recurrent_section(*, n_r: int, n_s: int) -> cs.Struct:
-    r_record = row_record(_section_cells, "r data")
-    s_rows = row_record(_section_cells, "s data")
-    s_elems = element_record(_section_cells, "s data (transposed)")
     return cs.Struct(
-        "type" / cs.Computed("recurrent"),
-        "cell_count" / cs.Int32ul,
-        "cells" / CellArray(this.cell_count, 0),
-        "s_trans" / Expect(cs.Int32ul, [0, 1], "s_trans"),
-        "n_layer" / Counted(cs.Int32ul, "layer count", limit=MAX_LAYERS),
-        "r" / cs.Array(n_r, r_record),
-        "s" / cs.Array(n_s, cs.IfThenElse(lambda c: c.s_trans == 1, s_elems, s_rows)),
+        *_HEAD,
+        "r" / RecordArray(n_r, _section_cells, "r data"),
+        "s" / RecordArray(n_s, _section_cells, "s data", transposed=lambda c: c.s_trans == 1),
     )
