@@ -146,7 +146,7 @@ class Plan:
     source: str
     source_reason: str
     entries: list[Entry] = field(default_factory=list)
-    size_before: int = 0          # bytes of every regular file in the directory
+    size_before: int = 0          # bytes of the slot files in the directory (temporary files excluded)
 
     def selected(self) -> list[Entry]:
         return [e for e in self.entries if e.action in (DELETE, WOULD_DELETE)]
@@ -175,17 +175,18 @@ def _scan(directory: str, now: float, policy: Policy, source: str) -> tuple[list
             continue
         if not stat.S_ISREG(st.st_mode):
             continue
-        total += st.st_size
         e = Entry(d.path, st.st_size, st.st_blocks * 512, st.st_mtime, st.st_atime, st.st_ino)
         e.used = max(st.st_mtime, st.st_atime) if source == "atime" else st.st_mtime
         if is_temp_file(d.name):
             e.action, e.reason = SKIPPED, "a slotctl temporary file (a write in progress)"
-        elif now - st.st_mtime < policy.grace:
-            e.action, e.reason = SKIPPED, f"modified {max(0, now - st.st_mtime):.0f} s ago (being written?)"
-        elif any(fnmatch.fnmatch(d.name, g) or fnmatch.fnmatch(d.path, g) for g in policy.pins):
-            e.action, e.reason = PINNED, "matches --pin"
         elif not is_slot_file(d.path):
             e.action, e.reason = SKIPPED, "not a slot file (no state magic)"
+        else:
+            total += st.st_size       # the budget is of slot files, busy and pinned ones included
+            if now - st.st_mtime < policy.grace:
+                e.action, e.reason = SKIPPED, f"modified {max(0, now - st.st_mtime):.0f} s ago (being written?)"
+            elif any(fnmatch.fnmatch(d.name, g) or fnmatch.fnmatch(d.path, g) for g in policy.pins):
+                e.action, e.reason = PINNED, "matches --pin"
         entries.append(e)
     return entries, total
 

@@ -45,6 +45,9 @@ COMMANDS: dict[str, CommandEntry] = {
     "ls": CommandEntry("slotctl.cli.ls_cmd", "List slot files: size, age, state version, tokens, memory kind, "
                        "checkpoints, draft-state bytes, and the verdict of validate for each (what a server does "
                        "with it).", "Slot directories"),
+    "prune": CommandEntry("slotctl.cli.prune_cmd", "Delete slot files to keep a directory under a budget: "
+                          "--max-size, --older-than, --keep; or only the files a server would not restore "
+                          "(--broken).", "Slot directories"),
     "save": CommandEntry("slotctl.cli.save", "Evaluate a prompt in a slot as llama-server would, and "
                          "write the slot file it would save.", "Run llama.cpp (pip install 'slotctl[llama]')"),
     "restore": CommandEntry("slotctl.cli.restore", "Restore a slot file as llama-server does, step by step, "

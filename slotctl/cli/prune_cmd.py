@@ -1,0 +1,184 @@
+"""``slotctl prune DIR``: keep a slot directory under a budget, least recently used first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.text import Text
+
+from slotctl.cli.common import handle_errors
+from slotctl.cli.options import (
+    BatchOpt,
+    CacheTypeKOpt,
+    CacheTypeVOpt,
+    CtxCheckpointsOpt,
+    CtxSizeOpt,
+    DraftCacheTypeKOpt,
+    DraftCacheTypeVOpt,
+    DraftModelOpt,
+    FlashAttnOpt,
+    JsonOpt,
+    KvUnifiedOpt,
+    ModelOpt,
+    ParallelOpt,
+    SlotOpt,
+    SwaFullOpt,
+    UBatchOpt,
+    VerboseOpt,
+    context_settings,
+)
+from slotctl.cli.output import Output, escape_text, human_bytes
+from slotctl.errors import ExitStatus
+
+_STYLE = {"deleted": "red", "would_delete": "cyan", "kept": "dim", "pinned": "green", "skipped": "yellow",
+          "failed": "bold red"}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("prune")(prune)
+
+
+@handle_errors
+def prune(
+    directory: Annotated[Path, typer.Argument(help="The slot directory (a server's --slot-save-path).",
+                                              file_okay=False)],
+    max_size: Annotated[Optional[str], typer.Option("--max-size", metavar="SIZE", help="Delete least recently "
+                                                    "used files until the directory holds at most SIZE (20G, "
+                                                    "500M, bytes).")] = None,
+    older_than: Annotated[Optional[str], typer.Option("--older-than", metavar="AGE", help="Delete files not used "
+                                                      "for AGE (7d, 12h, 30m, seconds).")] = None,
+    keep: Annotated[Optional[int], typer.Option("--keep", min=0, help="Keep the N most recently used files "
+                                                "(pinned ones besides).")] = None,
+    pin: Annotated[Optional[list[str]], typer.Option("--pin", metavar="GLOB", help="Never delete files whose name "
+                                                     "(or path) matches GLOB (repeatable).")] = None,
+    broken: Annotated[bool, typer.Option("--broken", help="Delete only the files the server would not restore "
+                                         "(verdict refused, aborts or unreadable; with -m and the server's "
+                                         "flags, as validate predicts it).")] = False,
+    grace: Annotated[float, typer.Option("--grace", metavar="SECONDS", min=0, help="Files modified less than "
+                                         "this long ago are being written: never touched.")] = 60.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be deleted; delete nothing.")] = False,
+    model: ModelOpt = None,
+    draft_model: DraftModelOpt = None,
+    ctx_size: CtxSizeOpt = 0,
+    parallel: ParallelOpt = 1,
+    kv_unified: KvUnifiedOpt = False,
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
+    cache_type_k_draft: DraftCacheTypeKOpt = "f16",
+    cache_type_v_draft: DraftCacheTypeVOpt = "f16",
+    flash_attn: FlashAttnOpt = "auto",
+    batch_size: BatchOpt = 2048,
+    ubatch_size: UBatchOpt = 512,
+    swa_full: SwaFullOpt = False,
+    slot: SlotOpt = 0,
+    ctx_checkpoints: CtxCheckpointsOpt = 32,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Delete slot files to keep a directory under a budget: --max-size, --older-than, --keep; or only the
+    files a server would not restore (--broken).
+
+    Least recently used first: by access time where the filesystem keeps it (a server restoring a file
+    reads it; slotctl's own reads do not count), else by modification time; the report says which.
+    Never touched: --pin matches, slotctl's temporary files, files modified in the last --grace seconds,
+    files that are not slot files. Each deletion is one unlink, checked just before: killed at any
+    moment, every file is either as it was or gone. Details: docs/directories.md.
+
+    Exit codes: 0 done (the budget is met); 1 the directory is still over --max-size (pinned or busy
+    files); 2 usage error, or a file that could not be deleted.
+    """
+    from slotctl.prune import DEFAULT_GRACE, Policy, execute, parse_age, parse_size, plan
+
+    out = Output(json_mode=json_out, verbose=verbose)
+    policy = Policy(max_size=parse_size(max_size) if max_size is not None else None,
+                    older_than=parse_age(older_than) if older_than is not None else None,
+                    keep=keep, pins=tuple(pin or ()), broken=broken, grace=grace if grace is not None else DEFAULT_GRACE)
+    verdicts = None
+    if broken:
+        setup = None
+        if model is not None:
+            from slotctl.validate import ServerSetup
+
+            settings = context_settings(ctx_size=ctx_size, parallel=parallel, kv_unified=kv_unified,
+                                        cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                                        flash_attn=flash_attn, batch_size=batch_size, ubatch_size=ubatch_size,
+                                        swa_full=swa_full)
+            setup = ServerSetup(target=model, draft=draft_model, settings=settings, draft_type_k=cache_type_k_draft,
+                                draft_type_v=cache_type_v_draft, slot=slot, n_ctx_checkpoints=ctx_checkpoints)
+
+        def verdicts(paths: list[str]) -> dict[str, str]:
+            from slotctl.catalog import Request, catalog
+
+            with out.progress("judging", total=len(paths)) as update:
+                judged = {}
+                for i, row in enumerate(catalog(paths, Request(setup=setup, verbose=verbose)), 1):
+                    judged[row["path"]] = row["verdict"]
+                    update(i)
+                return judged
+
+    p = plan(str(directory), policy, verdicts=verdicts)
+    out.log(f"last use from {p.source}: {p.source_reason}")
+    with out.progress("deleting", total=len(p.selected())) as update:
+        done = [0]
+
+        def step(_e) -> None:
+            done[0] += 1
+            update(done[0])
+
+        execute(p, dry_run=dry_run, on_file=step)
+    failed = [e for e in p.entries if e.action == "failed"]
+    status = ExitStatus.USAGE if failed else ExitStatus.FAILED if p.over_budget else ExitStatus.OK
+    if json_out:
+        out.json(report(p, dry_run=dry_run, exit_code=int(status)))
+    else:
+        render(out, p, dry_run=dry_run)
+    for e in failed:
+        out.error(e.error)
+    if p.over_budget:
+        out.warn(f"still {human_bytes(p.size_after)}, over --max-size {human_bytes(policy.max_size)}: the rest is "
+                 "pinned or being written")
+    if status != ExitStatus.OK:
+        raise typer.Exit(int(status))
+
+
+def report(p, *, dry_run: bool, exit_code: int) -> dict:
+    """The ``--json`` document (docs/json.md, prune)."""
+    gone = [e for e in p.entries if e.action in ("deleted", "would_delete")]
+    counts = {a: sum(e.action == a for e in p.entries)
+              for a in ("deleted", "would_delete", "kept", "pinned", "skipped", "failed")}
+    pol = p.policy
+    return {
+        "directory": p.directory,
+        "dry_run": dry_run,
+        "time_source": p.source,
+        "time_source_reason": p.source_reason,
+        "policy": {"max_size": pol.max_size, "older_than_seconds": pol.older_than, "keep": pol.keep,
+                   "pins": list(pol.pins), "broken": pol.broken, "grace_seconds": pol.grace},
+        "files": [e.as_dict() for e in p.entries],
+        "summary": {"files": len(p.entries), **counts, "freed": sum(e.size for e in gone),
+                    "freed_disk": sum(e.disk_size for e in gone), "size_before": p.size_before,
+                    "size_after": p.size_after, "over_budget": p.over_budget},
+        "exit_code": exit_code,
+    }
+
+
+def render(out: Output, p, *, dry_run: bool) -> None:
+    """What went (or would go) and why, then the totals; kept files only with their count."""
+    out.console.print(Text(f"last use: {p.source} ({p.source_reason})", style="dim"), soft_wrap=True)
+    for e in p.entries:
+        if e.action in ("kept",):
+            continue
+        line = Text(f"{e.action:<13}", style=_STYLE.get(e.action, ""))
+        line.append(f"{human_bytes(e.size):>10}  ")
+        line.append(escape_text(e.path, keep_newlines=False))
+        line.append(f"  ({e.reason})", style="dim")
+        out.console.print(line, soft_wrap=True)
+    gone = [e for e in p.entries if e.action in ("deleted", "would_delete")]
+    kept = sum(e.action == "kept" for e in p.entries)
+    verb = "would delete" if dry_run else "deleted"
+    out.console.print(Text(f"{verb} {len(gone)} file(s), {'would free' if dry_run else 'freed'} "
+                           f"{human_bytes(sum(e.size for e in gone))}; kept {kept}; directory "
+                           f"{human_bytes(p.size_before)} -> {human_bytes(p.size_after)}", style="bold"),
+                      soft_wrap=True)
