@@ -1,0 +1,259 @@
+"""``slotctl ls`` and ``slotctl prune`` on directories of real slot files: files saved by llama-server
+b11434 (tests/data) and by ``slotctl save`` from real contexts, plus damaged ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from slotctl.cli.app import app
+from slotctl.testing import SAMPLE_PROMPT
+
+DATA = Path(__file__).parent / "data"
+SERVER_FILES = sorted(DATA.glob("srv-*.bin")) + sorted((DATA / "kinds").glob("srv-*.bin"))
+KINDS = {"srv-gemma2.bin": "iswa", "srv-jamba.bin": "hybrid", "srv-lfm2.bin": "hybrid", "srv-mamba.bin": "recurrent"}
+runner = CliRunner()
+DAY = 86400
+
+
+def cli(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_models, tmp_path_factory):
+    """Files from ``slotctl save`` (real contexts): one with checkpoints and a draft state, one without."""
+    d = tmp_path_factory.mktemp("ls-saved")
+    t, dr = str(tiny_models.target), str(tiny_models.draft)
+    out = {}
+    for name, extra in (("draft.bin", ["-md", dr, "--checkpoint-at", "40"]), ("plain.bin", [])):
+        res = cli("save", "-m", t, "--prompt", SAMPLE_PROMPT, "-o", d / name, "-c", "256", "-t", "1", *extra)
+        assert res.exit_code == 0, res.output
+        out[name] = d / name
+    return out
+
+
+@pytest.fixture
+def slotdir(tmp_path, saved):
+    """A slot directory: every server file, the two saved files, a truncated file, a file that is not a
+    slot file; times spread over days (access time = modification time)."""
+    d = tmp_path / "slots"
+    d.mkdir()
+    now = time.time()
+    for i, src in enumerate([*SERVER_FILES, *saved.values()]):
+        shutil.copyfile(src, d / src.name)
+        os.utime(d / src.name, (now - (i + 1) * DAY, now - (i + 1) * DAY))
+    raw = SERVER_FILES[0].read_bytes()
+    (d / "truncated.bin").write_bytes(raw[:len(raw) // 2])
+    os.utime(d / "truncated.bin", (now - 3 * DAY, now - 3 * DAY))
+    (d / "notes.txt").write_text("not a slot file\n")
+    os.utime(d / "notes.txt", (now - 90 * DAY, now - 90 * DAY))
+    return d
+
+
+def ls_json(*args):
+    res = cli("ls", *args, "--json")
+    assert res.exit_code in (0, 1), res.output
+    doc = json.loads(res.stdout)
+    assert doc["exit_code"] == res.exit_code
+    return doc
+
+
+# -- ls --------------------------------------------------------------------------------------------------
+
+
+def test_ls_rows_of_real_files(slotdir, saved):
+    doc = ls_json(slotdir)
+    rows = {r["name"]: r for r in doc["files"]}
+    assert "notes.txt" not in rows and doc["summary"]["not_slot_files"] == 1
+    for src in SERVER_FILES:
+        r = rows[src.name]
+        assert (r["state_version"], r["memory_kind"], r["verdict"], r["checkpoints"], r["draft_size"]) == \
+            (4, KINDS.get(src.name, "kv"), "restores", [], 0), r
+        assert r["n_tokens"] == (60 if src.name in KINDS else 111)
+        assert r["size"] == src.stat().st_size and r["exit_code"] == 0
+    d = rows["draft.bin"]
+    # a checkpoint at 40 tokens, and draft state: the SDFT appendix and the checkpoint's draft blob
+    assert [c["n_tokens"] for c in d["checkpoints"]] == [40]
+    from slotctl.slotfile import open_slot_file
+
+    sf = open_slot_file(saved["draft.bin"])
+    assert d["draft_size"] == sf.sdft.size + sf.checkpoints[0].dft.span.size > 0
+    assert rows["plain.bin"]["draft_size"] == 0 and rows["plain.bin"]["checkpoints"] == []
+    t = rows["truncated.bin"]
+    assert t["damaged"] and t["verdict"] == "refused" and t["exit_code"] == 1
+    assert t["error"]["code"] == "damaged" and "target memory" in t["error"]["message"]
+    assert doc["exit_code"] == 1        # a listed file would be refused
+    s = doc["summary"]
+    assert s["files"] == len(rows) and s["size"] == sum(r["size"] for r in rows.values())
+    assert s["verdicts"]["restores"] == len(rows) - 1 and s["verdicts"]["refused"] == 1
+
+
+def test_ls_filters_sort_and_jsonl(slotdir):
+    assert [r["name"] for r in ls_json(slotdir, "--broken")["files"]] == ["truncated.bin"]
+    assert [r["name"] for r in ls_json(slotdir, "--has-draft")["files"]] == ["draft.bin"]
+    ok = ls_json(slotdir, "--verdict", "restores")
+    assert ok["exit_code"] == 0 and "truncated.bin" not in {r["name"] for r in ok["files"]}
+    sizes = [r["size"] for r in ls_json(slotdir, "--sort", "size")["files"]]
+    assert sizes == sorted(sizes, reverse=True)
+    ages = [r["age_seconds"] for r in ls_json(slotdir, "--sort", "age")["files"]]
+    assert ages == sorted(ages, reverse=True)
+    res = cli("ls", slotdir, "--jsonl")
+    lines = [json.loads(x) for x in res.stdout.splitlines()]
+    assert [x["name"] for x in lines[:-1]] == sorted(x["name"] for x in lines[:-1])
+    assert lines[-1]["summary"]["files"] == len(lines) - 1 and lines[-1]["exit_code"] == res.exit_code == 1
+    assert cli("ls", slotdir, "--sort", "colour").exit_code == 2
+    assert cli("ls", slotdir, "--verdict", "fine").exit_code == 2
+
+
+def test_ls_human_table_has_every_row_and_totals(slotdir):
+    res = cli("ls", slotdir, "--sort", "tokens")
+    lines = res.stdout.splitlines()
+    assert lines[0].split()[:3] == ["size", "age", "ver"] and lines[-1].startswith("total: 13 file(s)")
+    assert sum(ln.endswith(".bin") for ln in lines) == 13
+    assert "1 refused" in lines[-1] and "1 file(s) that are not slot files left out" in lines[-1]
+
+
+def test_ls_with_the_servers_flags(slotdir):
+    """With -m and flags: validate's prediction, the same verdicts validate gives."""
+    target = DATA / "target.gguf"
+    doc = ls_json(DATA / "srv-np1.bin", DATA / "srv-kvq8.bin", "-m", target, "-c", "256", "-ctk", "q8_0",
+                  "-ctv", "q8_0")
+    v = {r["name"]: r["verdict"] for r in doc["files"]}
+    assert v == {"srv-np1.bin": "refused", "srv-kvq8.bin": "restores"}
+    f16 = next(r for r in doc["files"] if r["name"] == "srv-np1.bin")
+    assert any(f["code"] == "k_type_mismatch" for f in f16["findings"]), f16["findings"]
+    val = json.loads(cli("validate", DATA / "srv-np1.bin", "-m", target, "-c", "256", "-ctk", "q8_0",
+                         "-ctv", "q8_0", "--no-load", "--json").stdout)
+    assert val["files"][0]["verdict"] == "refused"
+
+
+def test_ls_leaves_access_times_alone(slotdir):
+    """slotctl's own reads are not uses of a file: prune orders by access time."""
+    before = {p.name: p.stat().st_atime_ns for p in slotdir.iterdir()}
+    ls_json(slotdir)
+    ls_json(slotdir, "-m", DATA / "target.gguf", "-c", "256")
+    assert {p.name: p.stat().st_atime_ns for p in slotdir.iterdir()} == before
+
+
+def test_ls_pool_over_many_files(tmp_path):
+    """Enough files for the process pool: rows in order, the same as one process makes."""
+    for i in range(60):
+        shutil.copyfile(SERVER_FILES[i % len(SERVER_FILES)], tmp_path / f"f{i:02d}.bin")
+    a = ls_json(tmp_path)
+    b = ls_json(tmp_path, "--jobs", "1")
+    strip = lambda d: [{k: v for k, v in r.items() if k != "age_seconds"} for r in d["files"]]  # noqa: E731
+    assert strip(a) == strip(b) and len(a["files"]) == 60
+
+
+def test_ls_usage_errors(tmp_path):
+    assert cli("ls", tmp_path / "missing").exit_code == 2
+    assert cli("ls", tmp_path, "--load").exit_code == 2          # --load needs -m
+    assert cli("ls", tmp_path, "-m", DATA / "srv-np1.bin").exit_code == 2   # not a GGUF
+    doc = ls_json(tmp_path)
+    assert doc["files"] == [] and doc["exit_code"] == 0
+
+
+# -- prune -----------------------------------------------------------------------------------------------
+
+
+def prune_json(*args):
+    res = cli("prune", *args, "--json")
+    doc = json.loads(res.stdout)
+    assert doc["exit_code"] == res.exit_code
+    return doc
+
+
+def test_prune_older_than_dry_run_then_for_real(slotdir):
+    names = sorted(p.name for p in slotdir.iterdir())
+    doc = prune_json(slotdir, "--older-than", "6.5d", "--dry-run")
+    gone = sorted(Path(f["path"]).name for f in doc["files"] if f["action"] == "would_delete")
+    # files aged 7..12 days (the notes file is older but not a slot file)
+    assert len(gone) == 6 and "notes.txt" not in gone
+    assert sorted(p.name for p in slotdir.iterdir()) == names      # nothing deleted
+    assert doc["summary"]["freed"] == sum(f["size"] for f in doc["files"] if f["action"] == "would_delete")
+    assert doc["time_source"] in ("atime", "mtime") and doc["time_source_reason"]
+    doc = prune_json(slotdir, "--older-than", "6.5d")
+    assert sorted(Path(f["path"]).name for f in doc["files"] if f["action"] == "deleted") == gone
+    assert not any((slotdir / n).exists() for n in gone) and (slotdir / "notes.txt").exists()
+
+
+def test_prune_max_size_least_recently_used_first_with_pins(slotdir):
+    files = {p.name: p for p in slotdir.iterdir() if p.name != "notes.txt"}
+    total = sum(p.stat().st_size for p in files.values())
+    # a recent read: the oldest file was restored a minute ago, so it is the most recently used
+    oldest = max(files.values(), key=lambda p: time.time() - p.stat().st_mtime)
+    os.utime(oldest, (time.time() - 60, oldest.stat().st_mtime))
+    budget = total // 2
+    doc = prune_json(slotdir, "--max-size", str(budget), "--pin", "srv-np1*")
+    if doc["time_source"] == "mtime":
+        pytest.skip("the filesystem does not keep access times")
+    deleted = [f for f in doc["files"] if f["action"] == "deleted"]
+    assert oldest.exists() and (slotdir / "srv-np1.bin").exists()
+    assert doc["summary"]["size_after"] <= budget and doc["exit_code"] == 0
+    used = sorted((f["last_used"], f["path"]) for f in doc["files"] if f["action"] in ("deleted", "kept"))
+    # least recently used first: everything deleted was used before everything kept
+    last_deleted = max(f["last_used"] for f in deleted)
+    assert all(u >= last_deleted for u, p in used if p not in {f["path"] for f in deleted})
+    assert sum(os.path.getsize(p) for p in slotdir.iterdir() if p.name != "notes.txt") == doc["summary"]["size_after"]
+
+
+def test_prune_keep_broken_and_busy_files(slotdir):
+    # a file being written right now and a temporary file of slotctl's own are never touched
+    shutil.copyfile(SERVER_FILES[0], slotdir / "busy.bin")
+    (slotdir / ".x.bin.slotctl-abc.tmp").write_bytes(b"partial")
+    doc = prune_json(slotdir, "--broken")
+    assert [Path(f["path"]).name for f in doc["files"] if f["action"] == "deleted"] == ["truncated.bin"]
+    doc = prune_json(slotdir, "--keep", "2")
+    kept = sorted(Path(f["path"]).name for f in doc["files"] if f["action"] == "kept")
+    assert kept == ["srv-draft.bin", "srv-fa-off.bin"]        # the two used most recently (1 and 2 days)
+    assert (slotdir / "busy.bin").exists() and (slotdir / ".x.bin.slotctl-abc.tmp").exists()
+    busy = next(f for f in doc["files"] if f["path"].endswith("busy.bin"))
+    assert busy["action"] == "skipped" and "being written" in busy["reason"]
+
+
+def test_prune_usage_errors(slotdir):
+    assert cli("prune", slotdir).exit_code == 2                                  # no budget
+    assert cli("prune", slotdir, "--max-size", "lots").exit_code == 2
+    assert cli("prune", slotdir, "--older-than", "7 fortnights").exit_code == 2
+    assert cli("prune", slotdir, "--broken", "--keep", "1").exit_code == 2
+    assert cli("prune", slotdir / "missing", "--keep", "1").exit_code == 2
+
+
+def test_prune_over_budget_exits_1(slotdir):
+    doc = prune_json(slotdir, "--max-size", "1K", "--pin", "*.bin", "--dry-run")
+    assert doc["exit_code"] == 1 and doc["summary"]["over_budget"]
+    assert doc["summary"]["would_delete"] == 0
+
+
+def test_prune_killed_leaves_every_file_whole_or_gone(tmp_path):
+    """SIGKILL in the middle of a prune: each file is either the original, byte for byte, or gone."""
+    d = tmp_path / "many"
+    d.mkdir()
+    raw = SERVER_FILES[0].read_bytes()[:4096]     # a slot file by its magic; prune reads no further
+    old = time.time() - 30 * DAY
+    for i in range(4000):
+        p = d / f"s{i:04d}.bin"
+        p.write_bytes(raw)
+        os.utime(p, (old, old))
+    proc = subprocess.Popen([sys.executable, "-m", "slotctl", "prune", str(d), "--keep", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "SLOTCTL_NO_PROGRESS": "1"})
+    deadline = time.time() + 60
+    while time.time() < deadline and len(os.listdir(d)) == 4000 and proc.poll() is None:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    left = sorted(os.listdir(d))
+    assert 0 < len(left) < 4000, "the kill did not land during the deletions"
+    for name in left:
+        assert (d / name).read_bytes() == raw, name
