@@ -40,6 +40,8 @@ COMMANDS: dict[str, CommandEntry] = {
                              "restores each slot file completely."),
     "strip-draft": CommandEntry("slotctl.cli.strip_draft", "Remove the draft state (the SDFT appendix) from slot "
                                 "files, leaving every other byte as it was."),
+    "diff": CommandEntry("slotctl.cli.diff_cmd", "Compare two slot files: header, tokens, and each memory layer "
+                         "section by section and stream by stream."),
     "convert": CommandEntry("slotctl.cli.convert_cmd", "Rewrite a slot file so that a server started with other "
                             "flags restores it."),
     "ls": CommandEntry("slotctl.cli.ls_cmd", "List slot files: size, age, state version, tokens, memory kind, "

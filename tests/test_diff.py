@@ -1,0 +1,174 @@
+"""``slotctl diff`` on real files: saved by llama-server b11434 and by ``slotctl save`` from real contexts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from conftest import DATA, start_server
+from slotctl.cli.app import app
+from slotctl.testing import SAMPLE_PROMPT
+
+runner = CliRunner()
+CTX = ["-c", "256", "-np", "1", "-fa", "on"]
+
+
+def cli(*args):
+    res = runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+    assert "Traceback" not in res.output, res.output
+    return res
+
+
+def diff_json(a, b, *extra, code: int):
+    res = cli("diff", a, b, *extra, "--json")
+    assert res.exit_code == code, res.output
+    doc = json.loads(res.stdout)
+    assert doc["exit_code"] == code and doc["equal"] == (code == 0)
+    return doc
+
+
+def save(model, out: Path, prompt: str = SAMPLE_PROMPT, *extra) -> Path:
+    res = cli("save", "-m", model, "--prompt", prompt, "-o", out, *CTX, "-t", "1", *extra)
+    assert res.exit_code == 0, res.output
+    return out
+
+
+@pytest.mark.server
+def test_a_server_file_equals_slotctl_save_with_the_same_flags(llama_server_bin, tiny_models, tmp_path):
+    """The server evaluates the prompt (n_predict 1: the sampled token is never evaluated, so the slot
+    holds the prompt alone) and saves; slotctl save with the same flags writes the same file."""
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    srv = start_server(llama_server_bin, tiny_models.target, tmp_path, "diff", args=CTX, slot_save_path=slots)
+    try:
+        srv.completion(SAMPLE_PROMPT, slot=0, n_predict=1)
+        srv.save(0, "server.bin")
+    finally:
+        srv.stop()
+    mine = save(tiny_models.target, tmp_path / "slotctl.bin")
+    doc = diff_json(slots / "server.bin", mine, code=0)
+    assert doc["differences"] == [] and doc["tokens"]["first_difference"] is None
+    (sec,) = doc["target"]["sections"]
+    (st,) = sec["streams"]
+    assert st["differing_cells"] == 0 and st["cell_count"][0] == doc["tokens"]["n_tokens"][0] > 0
+    assert all(l["k_max_abs_diff"] == 0 and l["v_max_abs_diff"] == 0 for l in st["layers"])
+    res = cli("diff", slots / "server.bin", mine)
+    assert res.exit_code == 0 and "equal" in res.stdout
+
+
+def test_f16_and_q8_0_of_one_prompt_differ_a_little_by_name():
+    """Two files the server saved for the same prompt, -ctk/-ctv f16 and q8_0 (rotated by 64)."""
+    doc = diff_json(DATA / "srv-np1.bin", DATA / "srv-kvq8.bin", code=1)
+    assert doc["tokens"]["equal"] and doc["tokens"]["n_tokens"] == [111, 111]
+    (st,) = doc["target"]["sections"][0]["streams"]
+    assert st["cell_count"] == [111, 111] and st["positions_equal"]
+    assert st["n_rot_k"] == [0, 64] and st["n_rot_v"] == [0, 64]
+    for layer in st["layers"]:
+        assert layer["k_type"] == ["f16", "q8_0"] and layer["v_type"] == ["f16", "q8_0"]
+        # q8_0 keeps about 2-3 significant digits of values of magnitude ~1: the rotation was undone
+        assert 0 < layer["k_max_abs_diff"] < 0.05 and 0 < layer["v_max_abs_diff"] < 0.05
+    msgs = [d["message"] for d in doc["differences"]]
+    assert "layer 0: K type f16 vs q8_0, values differ by at most" in msgs[2]
+    assert any(m.startswith("K rotation 0 vs 64") for m in msgs)
+
+
+def test_the_rotation_must_be_undone():
+    """Compared without undoing llama.cpp's Hadamard rotation the q8_0 values are far off: the small
+    differences above are the quantization error, not luck."""
+    from slotctl import diff as d
+    from slotctl.slotfile import open_slot_file
+
+    a, b = open_slot_file(DATA / "srv-np1.bin"), open_slot_file(DATA / "srv-kvq8.bin")
+    ka, kb = a.target.sections[0].streams[0].data.k[0], b.target.sections[0].streams[0].data.k[0]
+    ma, mb = d._Mapped(a.path, a.size), d._Mapped(b.path, b.size)
+    got = [d._compare_record(ma, ka, 111, 0, mb, kb, 111, rot, 111, np.zeros(111, bool)).max_abs for rot in (0, 64)]
+    assert got[1] < 0.05 < 1 < got[0]
+
+
+def test_flash_attention_off_transposes_v_and_the_streams_of_another_np_pair_up():
+    doc = diff_json(DATA / "srv-np1.bin", DATA / "srv-fa-off.bin", code=1)
+    (st,) = doc["target"]["sections"][0]["streams"]
+    # layer 0 holds the same numbers whether V is stored transposed or not; layer 1 differs in the last bits
+    assert st["layers"][0]["v_equal"] and st["layers"][0]["k_equal"]
+    assert 0 < st["layers"][1]["k_max_abs_diff"] < 0.01
+    # slot 1 of a -np 2 server: two streams, the first empty; the non-empty one is the same state
+    doc = diff_json(DATA / "srv-np1.bin", DATA / "srv-np2-slot1.bin", code=1)
+    assert [d["message"] for d in doc["differences"]] == ["1 vs 2 streams"]
+    (st,) = doc["target"]["sections"][0]["streams"]
+    assert st["stream"] == [0, 1] and st["equal"]
+
+
+def test_two_prompts_first_differing_token_and_cells(tiny_models, tmp_path):
+    from slotctl.runtime.model import Model
+
+    other = SAMPLE_PROMPT.replace("capital", "river", 1)
+    a = save(tiny_models.target, tmp_path / "a.bin")
+    b = save(tiny_models.target, tmp_path / "b.bin", other)
+    with Model(tiny_models.target, vocab_only=True) as m:
+        ta, tb = m.tokenize(SAMPLE_PROMPT), m.tokenize(other)
+    first = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
+    doc = diff_json(a, b, "-m", tiny_models.target, code=1)
+    assert doc["tokens"]["first_difference"] == first > 0
+    assert doc["tokens"]["n_tokens"] == [len(ta), len(tb)]
+    text = doc["tokens"]["text"]
+    assert text["a"].lstrip().startswith("capital") and text["b"].lstrip().startswith("river")
+    (st,) = doc["target"]["sections"][0]["streams"]
+    # a causal model: the cells before the first differing token hold the same keys and values
+    assert st["differing_ranges"][0][0] == first
+    assert st["differing_cells"] == min(len(ta), len(tb)) - first
+    res = cli("diff", a, b, "-m", tiny_models.target)
+    assert res.exit_code == 1 and f"first differing token: {first}" in res.stdout
+
+
+def test_checkpoints_and_draft_state_compared_the_same_way(tiny_models, tmp_path):
+    t, dr = tiny_models.target, tiny_models.draft
+    f16 = save(t, tmp_path / "f16.bin", SAMPLE_PROMPT, "-md", dr, "--checkpoint-at", "40")
+    q8 = save(t, tmp_path / "q8.bin", SAMPLE_PROMPT, "-md", dr, "--checkpoint-at", "40", "-ctkd", "q8_0",
+              "-ctvd", "q8_0")
+    assert diff_json(f16, f16, code=0)["n_checkpoints"] == [1, 1]
+    doc = diff_json(f16, q8, code=1)
+    assert doc["target"]["equal"] and doc["tokens"]["equal"]
+    (dst,) = doc["draft"]["sections"][0]["streams"]
+    assert dst["layers"][0]["k_type"] == ["f16", "q8_0"] and 0 < dst["layers"][0]["k_max_abs_diff"] < 0.05
+    (cp,) = doc["checkpoints"]
+    assert cp["n_tokens"] == [40, 40] and cp["target"]["equal"]
+    assert cp["draft"]["sections"][0]["streams"][0]["layers"][0]["k_type"] == ["f16", "q8_0"]
+    assert {d["layer"].split(",")[0] for d in doc["differences"]} == {"draft state", "checkpoint 0 draft"}
+
+
+def test_small_chunks_give_the_same_answer(monkeypatch):
+    """Rows are read in bounded chunks: a chunk of a few rows gives the same figures as one chunk."""
+    from slotctl import diff as d
+    from slotctl.slotfile import open_slot_file
+
+    a, b = open_slot_file(DATA / "srv-np1.bin"), open_slot_file(DATA / "srv-fa-off.bin")
+    whole = d.diff_files(a, b)
+    monkeypatch.setattr(d, "CHUNK", 300)
+    assert d.diff_files(a, b) == whole
+    a, b = open_slot_file(DATA / "srv-np1.bin"), open_slot_file(DATA / "srv-kvq8.bin")
+    monkeypatch.setattr(d, "CHUNK", 8 << 20)
+    whole = d.diff_files(a, b)
+    monkeypatch.setattr(d, "CHUNK", 300)
+    assert d.diff_files(a, b) == whole
+
+
+def test_damaged_and_missing_files(tmp_path):
+    raw = (DATA / "srv-np1.bin").read_bytes()
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes(raw[: len(raw) - 1000])
+    doc = diff_json(DATA / "srv-np1.bin", cut, code=1)
+    assert doc["b"]["damaged"] and doc["b"]["errors"]
+    assert any(d["layer"] == "B damaged" for d in doc["differences"])
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"\0" * 64)
+    doc = diff_json(junk, DATA / "srv-np1.bin", code=1)
+    assert doc["a"]["errors"][0].startswith("state header at 0x0 (0): state file magic")
+    assert cli("diff", DATA / "srv-np1.bin", tmp_path / "missing.bin").exit_code == 2
+    assert cli("diff", DATA / "srv-np1.bin", tmp_path).exit_code == 2
+    shutil.copyfile(DATA / "srv-np1.bin", tmp_path / "copy.bin")
+    assert cli("diff", DATA / "srv-np1.bin", tmp_path / "copy.bin").exit_code == 0
