@@ -12,26 +12,16 @@ from rich.text import Text
 
 from slotctl.cli.common import handle_errors
 from slotctl.cli.options import (
-    BatchOpt,
-    CacheTypeKOpt,
-    CacheTypeVOpt,
-    CtxCheckpointsOpt,
-    CtxSizeOpt,
-    DraftCacheTypeKOpt,
-    DraftCacheTypeVOpt,
+    ArgsCommand,
     DraftModelOpt,
-    FlashAttnOpt,
     JsonOpt,
-    KvUnifiedOpt,
     ModelOpt,
-    ParallelOpt,
     SlotOpt,
-    SwaFullOpt,
-    UBatchOpt,
     VerboseOpt,
-    context_settings,
+    with_server_flags,
 )
 from slotctl.cli.output import Output, escape_text, human_bytes
+from slotctl.server.flags import ServerFlags
 from slotctl.errors import ExitStatus, UsageError
 
 SORT_KEYS = ("name", "size", "age", "tokens")
@@ -40,11 +30,13 @@ _VERDICT_STYLE = {"restores": "green", "restores_with_drops": "yellow", "aborts"
 
 
 def register(app: typer.Typer) -> None:
-    app.command("ls")(ls)
+    app.command("ls", cls=ArgsCommand)(ls)
 
 
 @handle_errors
+@with_server_flags
 def ls(
+    ctx: typer.Context,
     paths: Annotated[Optional[list[Path]], typer.Argument(help="Slot files or directories (such as a server's "
                                                           "--slot-save-path); default: the current directory.")
                      ] = None,
@@ -60,19 +52,7 @@ def ls(
                                                          "aborts, refused, unreadable.")] = None,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
-    ctx_size: CtxSizeOpt = 0,
-    parallel: ParallelOpt = 1,
-    kv_unified: KvUnifiedOpt = False,
-    cache_type_k: CacheTypeKOpt = "f16",
-    cache_type_v: CacheTypeVOpt = "f16",
-    cache_type_k_draft: DraftCacheTypeKOpt = "f16",
-    cache_type_v_draft: DraftCacheTypeVOpt = "f16",
-    flash_attn: FlashAttnOpt = "auto",
-    batch_size: BatchOpt = 2048,
-    ubatch_size: UBatchOpt = 512,
-    swa_full: SwaFullOpt = False,
     slot: SlotOpt = 0,
-    ctx_checkpoints: CtxCheckpointsOpt = 32,
     state_version: Annotated[int, typer.Option("--state-version", min=2, max=4,
                                                help="The server's state version: its loader accepts no other "
                                                     "(4: llama.cpp b11434 and later).")] = 4,
@@ -84,6 +64,7 @@ def ls(
     jsonl: Annotated[bool, typer.Option("--jsonl", help="One JSON object per file and line, then a summary line.")
                      ] = False,
     verbose: VerboseOpt = False,
+    flags: ServerFlags = ServerFlags(),
 ) -> None:
     """List slot files: size, age, state version, tokens, memory kind, checkpoints, draft-state bytes, and
     the verdict of validate for each (what a server does with it).
@@ -110,15 +91,12 @@ def ls(
     if load and model is None:
         raise UsageError("--load needs -m (the model to load the files with)")
     setup = None
-    if model is not None or state_version != 4 or slot or ctx_checkpoints != 32:
+    if model is not None or state_version != 4 or slot or flags != ServerFlags():
+        from slotctl.server.flags import attn_rot_disable
         from slotctl.validate import ServerSetup
 
-        settings = context_settings(ctx_size=ctx_size, parallel=parallel, kv_unified=kv_unified,
-                                    cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn,
-                                    batch_size=batch_size, ubatch_size=ubatch_size, swa_full=swa_full)
-        setup = ServerSetup(target=model, draft=draft_model, settings=settings, draft_type_k=cache_type_k_draft,
-                            draft_type_v=cache_type_v_draft, slot=slot, n_ctx_checkpoints=ctx_checkpoints,
-                            state_version=state_version)
+        setup = ServerSetup.from_flags(flags, target=model, draft=draft_model, slot=slot,
+                                       state_version=state_version, attn_rot_disable=attn_rot_disable())
         if model is not None:
             from slotctl.validate import Models
 

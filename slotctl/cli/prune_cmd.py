@@ -10,26 +10,16 @@ from rich.text import Text
 
 from slotctl.cli.common import handle_errors
 from slotctl.cli.options import (
-    BatchOpt,
-    CacheTypeKOpt,
-    CacheTypeVOpt,
-    CtxCheckpointsOpt,
-    CtxSizeOpt,
-    DraftCacheTypeKOpt,
-    DraftCacheTypeVOpt,
+    ArgsCommand,
     DraftModelOpt,
-    FlashAttnOpt,
     JsonOpt,
-    KvUnifiedOpt,
     ModelOpt,
-    ParallelOpt,
     SlotOpt,
-    SwaFullOpt,
-    UBatchOpt,
     VerboseOpt,
-    context_settings,
+    with_server_flags,
 )
 from slotctl.cli.output import Output, escape_text, human_bytes
+from slotctl.server.flags import ServerFlags
 from slotctl.errors import ExitStatus
 
 _STYLE = {"deleted": "red", "would_delete": "cyan", "kept": "dim", "pinned": "green", "skipped": "yellow",
@@ -37,11 +27,13 @@ _STYLE = {"deleted": "red", "would_delete": "cyan", "kept": "dim", "pinned": "gr
 
 
 def register(app: typer.Typer) -> None:
-    app.command("prune")(prune)
+    app.command("prune", cls=ArgsCommand)(prune)
 
 
 @handle_errors
+@with_server_flags
 def prune(
+    ctx: typer.Context,
     directory: Annotated[Path, typer.Argument(help="The slot directory (a server's --slot-save-path).",
                                               file_okay=False)],
     max_size: Annotated[Optional[str], typer.Option("--max-size", metavar="SIZE", help="Delete least recently "
@@ -61,21 +53,10 @@ def prune(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be deleted; delete nothing.")] = False,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
-    ctx_size: CtxSizeOpt = 0,
-    parallel: ParallelOpt = 1,
-    kv_unified: KvUnifiedOpt = False,
-    cache_type_k: CacheTypeKOpt = "f16",
-    cache_type_v: CacheTypeVOpt = "f16",
-    cache_type_k_draft: DraftCacheTypeKOpt = "f16",
-    cache_type_v_draft: DraftCacheTypeVOpt = "f16",
-    flash_attn: FlashAttnOpt = "auto",
-    batch_size: BatchOpt = 2048,
-    ubatch_size: UBatchOpt = 512,
-    swa_full: SwaFullOpt = False,
     slot: SlotOpt = 0,
-    ctx_checkpoints: CtxCheckpointsOpt = 32,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
+    flags: ServerFlags = ServerFlags(),
 ) -> None:
     """Delete slot files to keep a directory under a budget: --max-size, --older-than, --keep; or only the
     files a server would not restore (--broken).
@@ -101,12 +82,10 @@ def prune(
         if model is not None:
             from slotctl.validate import ServerSetup
 
-            settings = context_settings(ctx_size=ctx_size, parallel=parallel, kv_unified=kv_unified,
-                                        cache_type_k=cache_type_k, cache_type_v=cache_type_v,
-                                        flash_attn=flash_attn, batch_size=batch_size, ubatch_size=ubatch_size,
-                                        swa_full=swa_full)
-            setup = ServerSetup(target=model, draft=draft_model, settings=settings, draft_type_k=cache_type_k_draft,
-                                draft_type_v=cache_type_v_draft, slot=slot, n_ctx_checkpoints=ctx_checkpoints)
+            from slotctl.server.flags import attn_rot_disable
+
+            setup = ServerSetup.from_flags(flags, target=model, draft=draft_model, slot=slot,
+                                           attn_rot_disable=attn_rot_disable())
 
         def verdicts(paths: list[str]) -> dict[str, str]:
             from slotctl.catalog import Request, catalog
