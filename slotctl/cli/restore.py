@@ -159,15 +159,9 @@ def _ms(t0: float) -> float:
 
 def _continue(out: Output, sc, restored, report: dict, text: str | None, prompt: str | None, n: int,
               n_draft_max: int, compare: bool, ctx_checkpoints: int) -> ExitStatus:
-    from slotctl.runtime.slot import evaluate_prompt
+    from slotctl.runtime.compare import compare_with_never_saved, run_request
+    from slotctl.runtime.speculative import RequestRefused, ServerSlot, request_tokens
     from slotctl.server.checkpoints import CheckpointPolicy
-    from slotctl.runtime.speculative import (
-        RequestRefused,
-        ServerSlot,
-        close_contexts,
-        fresh_contexts,
-        request_tokens,
-    )
 
     timings = report["timings"]
     # while it processes the request's prompt, the server takes checkpoints of its own
@@ -179,7 +173,7 @@ def _continue(out: Output, sc, restored, report: dict, text: str | None, prompt:
     else:
         request = request_tokens(sc.target_model, restored.tokens, text or "")
     try:
-        comp = _run(out, srv, request, n, "")
+        comp = run_request(srv, request, n, out.progress)
     except RequestRefused as e:
         raise _Refused(str(e)) from None
     timings["prompt_ms"] = round(comp.prompt_ms, 3)
@@ -189,58 +183,20 @@ def _continue(out: Output, sc, restored, report: dict, text: str | None, prompt:
     if not compare:
         return ExitStatus.OK
     t0 = time.perf_counter()
-    n_swa = sc.n_swa
-    close_contexts(sc)  # the restored slot is done with; its models serve the fresh contexts
-    fresh = fresh_contexts(sc)
     try:
-        # a slot that was never saved: it evaluated the file's prompt and took the checkpoints the file
-        # holds, at the same points
-        with out.progress("fresh: evaluating the file's prompt", total=len(restored.tokens)) as update:
-            fresh_cps = evaluate_prompt(fresh, restored.tokens, restored.slot,
-                                        checkpoint_at=[c.n_tokens for c in restored.checkpoints],
-                                        on_progress=update)
-        never_saved = ServerSlot(fresh, restored.slot, restored.tokens, fresh_cps, n_draft_max=n_draft_max,
-                                 policy=policy)
-        fcomp = _run(out, never_saved, request, n, "fresh: ")
+        cmp = compare_with_never_saved(sc, restored, comp, request, n, n_draft_max=n_draft_max, policy=policy,
+                                       progress=out.progress)
     except RequestRefused as e:
         raise _Refused(f"fresh contexts: {e}") from None
-    finally:
-        close_contexts(fresh)
     timings["compare_ms"] = _ms(t0)
-    checks = [
-        ("text", comp.text, fcomp.text),
-        ("n_evaluated", comp.n_evaluated, fcomp.n_evaluated),
-        ("n_drafted", comp.n_drafted, fcomp.n_drafted),
-        ("n_accepted", comp.n_accepted, fcomp.n_accepted),
-    ]
-    difference = None
-    for name, r, f in checks:
-        if r != f:
-            difference = _difference(name, comp, fcomp, restored)
-            break
-    note = None
-    if difference is not None and difference.startswith("prompt tokens evaluated") and n_swa > 0 \
-            and comp.n_evaluated > fcomp.n_evaluated and comp.text == fcomp.text:
-        note = (f"expected for a model with sliding-window layers (window {n_swa}): llama.cpp writes only the "
-                "cells the window still sees, while a slot that was never saved holds every cell it evaluated, "
-                "so the restored slot goes back to a checkpoint (or starts over) where the other does not; "
-                "the server does the same")
     report["compare"] = {
-        "agree": difference is None,
-        "difference": difference,
-        "note": note,
-        "checks": [{"check": name, "restored": r, "fresh": f, "equal": r == f} for name, r, f in checks],
-        "fresh": _round(fcomp.as_dict()),
+        "agree": cmp.agree,
+        "difference": _difference(cmp.first, comp, cmp.fresh, restored) if cmp.first else None,
+        "note": cmp.note,
+        "checks": [{"check": name, "restored": r, "fresh": f, "equal": r == f} for name, r, f in cmp.checks],
+        "fresh": _round(cmp.fresh.as_dict()),
     }
-    return ExitStatus.OK if difference is None else ExitStatus.FAILED
-
-
-def _run(out: Output, srv, request, n: int, label: str):
-    with out.progress(f"{label}evaluating the continuation", total=max(1, len(request))) as update:
-        comp = srv.begin(request, on_prompt=update)
-    with out.progress(f"{label}generating", total=n) as update:
-        srv.generate(comp, n, on_token=update)
-    return comp
+    return ExitStatus.OK if cmp.agree else ExitStatus.FAILED
 
 
 def _round(d: dict) -> dict:
