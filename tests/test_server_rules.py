@@ -232,3 +232,55 @@ def test_decode_tokens_feeds_the_token_step():
     words = np.array([1, 2, 3], dtype=np.int32)
     tk = decode_tokens(words)
     assert rs.check_tokens(tk, n_ctx_slot=3, n_vocab=4, has_mtmd=False).status == rs.RESTORED
+
+
+# -- source facts of the model package (b11434 llama_model_rope_type, llama_kv_cache constructor) ----------
+
+
+def _header(tmp_path, arch: str, **keys) -> str:
+    import gguf
+
+    path = str(tmp_path / f"{arch}-{len(list(tmp_path.iterdir()))}.gguf")
+    w = gguf.GGUFWriter(path, arch)
+    for key, value in {"block_count": 2, "context_length": 4096, "embedding_length": 256,
+                       "attention.head_count": 2, **keys}.items():
+        key = f"{arch}.{key.replace('__', '.')}"
+        w.add_array(key, value) if isinstance(value, list) else w.add_uint32(key, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_cell_ext_of_bailingmoe3_and_dflash(tmp_path):
+    from slotctl.model.info import read_model_info
+
+    # bailingmoe3: M-RoPE (cells with ext) only for VL files, whose first two sections are set
+    assert read_model_info(_header(tmp_path, "bailingmoe3", rope__dimension_sections=[8, 8, 0, 0])).has_cell_ext
+    assert not read_model_info(_header(tmp_path, "bailingmoe3", rope__dimension_sections=[8, 0, 0, 0])).has_cell_ext
+    assert not read_model_info(_header(tmp_path, "bailingmoe3")).has_cell_ext
+    # dflash: M-RoPE as soon as any of the four sections is set
+    assert read_model_info(_header(tmp_path, "dflash", rope__dimension_sections=[0, 0, 0, 4])).has_cell_ext
+    assert not read_model_info(_header(tmp_path, "dflash", rope__dimension_sections=[0, 0, 0, 0])).has_cell_ext
+
+
+def test_lightning_indexer_caches_always_rotate_k(tmp_path):
+    from slotctl.format import ggml
+    from slotctl.model.info import read_model_info
+    from slotctl.model.predict import rotations
+
+    f16, q8 = ggml.BY_NAME["f16"], ggml.BY_NAME["q8_0"]
+    idx = read_model_info(_header(tmp_path, "deepseek32", attention__key_length=128, attention__value_length=128,
+                                  attention__indexer__key_length=128))
+    assert idx.k_rot_forced
+    layers = (0, 1)
+    assert rotations(idx, layers, f16, f16, disable=False) == (128, 0)
+    assert rotations(idx, layers, f16, f16, disable=True) == (128, 0)      # LLAMA_ATTN_ROT_DISABLE too
+    other = read_model_info(_header(tmp_path, "deepseek32", attention__key_length=192, attention__value_length=128,
+                                    attention__indexer__key_length=128))
+    assert not other.k_rot_forced
+    assert rotations(other, layers, f16, f16, disable=False) == (0, 0)
+    assert rotations(other, layers, q8, q8, disable=False) == (64, 64)
+    plain = read_model_info(_header(tmp_path, "llama", attention__indexer__key_length=128))
+    assert not plain.k_rot_forced
