@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from slotctl.format import ggml
 from slotctl.format.records import record_size
+from slotctl.server.speculative import describe_state
 from slotctl.slotfile import Blob, Memory, SlotFile
 
 
@@ -154,11 +155,13 @@ def describe_file(sf: SlotFile, *, tokens: bool = False, text: str | None = None
     if sf.checkpoints is not None:
         checkpoints = [{"n_tokens": c.n_tokens, "pos_min": c.pos_min, "pos_max": c.pos_max,
                         "target": describe_blob(c.tgt, info), "draft": describe_blob(c.dft, draft_info),
-                        "spec_size": c.spec.size} for c in sf.checkpoints]
+                        "spec_size": c.spec.size, "speculative": describe_state(c.spec.size, info, draft_info)}
+                       for c in sf.checkpoints]
     draft = None
     if sf.draft is not None:
         draft = describe_blob(sf.draft, draft_info)
         draft["spec_size"] = sf.draft_spec.size if sf.draft_spec else 0
+        draft["speculative"] = describe_state(draft["spec_size"], info, draft_info)
     return {
         "path": sf.path,
         "size": sf.size,

@@ -189,7 +189,7 @@ def test_draft_step_applies_the_speculative_state_as_the_seed_does(tmp_path):
     path, end = _copy_with(tmp_path, "spec-only.bin", apx.build_sdft(b"", b"S" * 6))
     with open(path, "rb") as f:
         got = rs.load_slot_draft(f, end, path.stat().st_size, has_draft_context=False, set_draft=take,
-                                 set_speculative=lambda s: rs.apply_speculative_state(s, "eagle3", expected_size=6))
+                                 set_speculative=lambda s: rs.apply_speculative_state(s, keeps=True, expected_size=6))
     assert got.status == rs.RESTORED and got.speculative.status == rs.RESTORED
     # a magic cut short: no draft state (the server's "return 0")
     path, end = _copy_with(tmp_path, "magic.bin", b"SDF")
@@ -203,8 +203,9 @@ def test_draft_step_applies_the_speculative_state_as_the_seed_does(tmp_path):
 
 
 def test_eagle3_state_size_is_checked():
-    assert rs.apply_speculative_state(Span(0, 8), "eagle3", expected_size=8).status == rs.RESTORED
-    assert rs.apply_speculative_state(Span(0, 7), "eagle3", expected_size=8).status == rs.IGNORED
+    assert rs.apply_speculative_state(Span(0, 8), keeps=True, expected_size=8).status == rs.RESTORED
+    assert rs.apply_speculative_state(Span(0, 7), keeps=True, expected_size=8).status == rs.IGNORED
+    assert rs.apply_speculative_state(Span(0, 8), keeps=False, expected_size=8).status == rs.IGNORED
 
 
 # -- checkpoints -----------------------------------------------------------------------------------------------
@@ -284,3 +285,64 @@ def test_lightning_indexer_caches_always_rotate_k(tmp_path):
     assert rotations(other, layers, q8, q8, disable=False) == (64, 64)
     plain = read_model_info(_header(tmp_path, "llama", attention__indexer__key_length=128))
     assert not plain.k_rot_forced
+
+
+# -- speculative state ----------------------------------------------------------------------------------------
+
+
+def test_eagle3_state_parses_where_the_draft_model_says_so():
+    from types import SimpleNamespace
+
+    from slotctl.server.speculative import decoder_kind, describe_state, parse_state
+
+    eagle = SimpleNamespace(arch="eagle3", n_embd=4)
+    assert decoder_kind(eagle) == "eagle3" and decoder_kind(SimpleNamespace(arch="llama")) is None
+    data = struct.pack("<i4f", 17, 0.5, -1.0, 2.0, 0.0)
+    st = parse_state(data, "eagle3", eagle)
+    assert (st.kind, st.pos, st.n_embd, st.expected_size, st.error) == ("eagle3", 17, 4, 20, None)
+    assert parse_state(data[:-4], "eagle3", eagle).error == "3 values, the draft model's embedding has 4"
+    assert parse_state(data, None).as_dict()["kind"] == "opaque"
+    mamba = SimpleNamespace(memory_kind="recurrent")
+    assert describe_state(20, mamba, eagle) == {"kind": "eagle3", "size": 20, "expected_size": 20, "applied": True}
+    assert describe_state(20, SimpleNamespace(memory_kind="kv"), eagle)["applied"] is False
+    assert describe_state(7)["kind"] == "opaque" and describe_state(0) is None
+
+
+def test_validate_checks_the_speculative_state_against_the_draft_model(tmp_path):
+    from types import SimpleNamespace
+
+    from slotctl.model.info import read_model_info
+    from slotctl.validate.speculative import speculative_findings
+
+    src = DATA / "kinds" / "srv-mamba.bin"
+    tinfo = read_model_info(DATA / "kinds" / "mamba.gguf")
+    sf0 = open_slot_file(src, layout=tinfo.layout())
+    eagle = SimpleNamespace(arch="eagle3", n_embd=4)
+    for spec, want in ((struct.pack("<i4f", 3, 1, 2, 3, 4), []), (bytes(12), ["speculative_state_mismatch"])):
+        path = tmp_path / f"spec-{len(spec)}.bin"
+        path.write_bytes(src.read_bytes()[:sf0.target.end] + apx.build_sdft(b"", spec))
+        sf = open_slot_file(path, layout=tinfo.layout())
+        with open(path, "rb") as f:
+            got = speculative_findings(sf, f, tinfo, eagle)
+            assert [x.code for x in got] == want
+            if want:
+                assert got[0].severity == "drop" and got[0].layer == "draft"
+            # a draft model that is not eagle3: the server ignores the state
+            other = speculative_findings(sf, f, tinfo, read_model_info(DATA / "draft.gguf"))
+            assert [(x.code, x.severity) for x in other] == [("speculative_state_ignored", "note")]
+
+
+def test_validate_says_a_draft_simple_server_ignores_the_speculative_state(tmp_path):
+    import json
+
+    src = DATA / "srv-np1.bin"
+    sf0 = open_slot_file(src, layout=_layout())
+    path = tmp_path / "spec.bin"
+    path.write_bytes(src.read_bytes()[:sf0.target.end] + apx.build_sdft(b"", b"\x01" * 24))
+    res = _invoke("validate", path, "-m", DATA / "target.gguf", "-md", DATA / "draft.gguf", "--no-load", "--json")
+    doc = json.loads(res.stdout)
+    codes = [f["code"] for f in doc["files"][0]["findings"]]
+    assert "speculative_state_ignored" in codes
+    res = _invoke("inspect", path, "-m", DATA / "target.gguf", "-md", DATA / "draft.gguf", "--json")
+    spec = json.loads(res.stdout)["draft"]["speculative"]
+    assert spec == {"kind": "opaque", "size": 24, "expected_size": None, "applied": False}

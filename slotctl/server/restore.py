@@ -311,6 +311,7 @@ def load_slot_draft(f: BinaryIO, offset: int, size: int, *, has_draft_context: b
     match the draft context - dropped", its bytes consumed. Then, unless dropped, a non-empty speculative
     state is set (even with an empty draft blob): ``set_speculative(span)`` (default
     :func:`apply_speculative_state` with no speculative decoder that keeps one).
+    Never set after a drop: the seed change returns before it.
     """
     out = read_slot_draft(f, offset, size)
     if out.status != RESTORED:
@@ -323,17 +324,17 @@ def load_slot_draft(f: BinaryIO, offset: int, size: int, *, has_draft_context: b
                                                      f"{why}", dft=out.dft, spec=out.spec)
     spec = None
     if out.spec.size:
-        spec = (set_speculative or (lambda span: apply_speculative_state(span, None)))(out.spec)
+        spec = (set_speculative or (lambda span: apply_speculative_state(span, keeps=False)))(out.spec)
     return DraftOutcome("draft", RESTORED, out.bytes, message="restored the draft state", dft=out.dft,
                         spec=out.spec, speculative=spec)
 
 
-def apply_speculative_state(span: Span, kind: str | None, *, expected_size: int | None = None) -> Outcome:
+def apply_speculative_state(span: Span, *, keeps: bool, expected_size: int | None = None) -> Outcome:
     """``common_speculative_set_state`` (b11434 common/speculative.cpp): each speculative decoder of the
-    server is offered the state. Only eagle3 keeps one (``common_speculative_impl_draft_eagle3::set_state``:
-    for recurrent or hybrid targets, i32 position + f32[n_embd of the draft], other sizes silently
-    ignored); every other kind (``kind`` None: draft-simple, ngram, ...) ignores it."""
-    if kind != "eagle3":
+    server is offered the state. Only eagle3 keeps one, for recurrent or hybrid targets (``keeps``:
+    :func:`slotctl.server.speculative.keeps_state`), and its ``set_state`` silently ignores a state of
+    another size than ``expected_size``; every other decoder (draft-simple, ngram, ...) ignores it."""
+    if not keeps:
         return Outcome("speculative", IGNORED, 0, reason=f"{span.size:,} bytes of speculative state; no speculative "
                                                          "decoder of this server keeps one")
     if expected_size is not None and span.size != expected_size:

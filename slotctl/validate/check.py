@@ -41,6 +41,7 @@ from slotctl.validate.report import (
     Report,
 )
 from slotctl.validate.setup import Models, ServerSetup
+from slotctl.validate.speculative import speculative_findings
 
 
 # -- the sides of a comparison ---------------------------------------------------------------------------
@@ -472,6 +473,10 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
             ml.check.predicted = MISMATCH
     if tpred is not None:
         issues += _token_issues(sf, tpred, tinfo, setup)
+    if tinfo is not None and (sf.draft_spec is not None or sf.checkpoints):
+        with open(sf.path, "rb") as f:
+            issues += [_Issue(sp, EFFECT_DROPPED if sp.severity == "drop" else EFFECT_OK)
+                       for sp in speculative_findings(sf, f, tinfo, dinfo)]
 
     # the real check
     if checker is not None and tinfo is not None:
