@@ -125,3 +125,39 @@ def test_docs_name_only_commands_that_exist():
         if bad := named - commands:
             unknown[str(page.relative_to(ROOT))] = sorted(bad)
     assert not unknown, unknown
+
+
+def _example_problems(text: str) -> list[str]:
+    """Command lines in ``sh`` blocks (``slotctl CMD ...``) that name a command or an option it lacks."""
+    import shlex
+
+    import click
+    import typer
+
+    from slotctl.cli.app import app
+    group = typer.main.get_command(app)
+    ctx = click.Context(group)
+    problems = []
+    for block in re.findall(r"^```(?:sh|console|bash)\n(.*?)^```", text, re.S | re.M):
+        for line in block.splitlines():
+            line = line.strip().removeprefix("$ ").strip()
+            if not line.startswith("slotctl "):
+                continue
+            line = re.sub(r"\[[^\]]*\]", "", re.sub(r"\s#.*$", "", line))   # comments, [placeholders]
+            words = shlex.split(line)
+            cmd = group.get_command(ctx, words[1]) if len(words) > 1 else None
+            if cmd is None:
+                problems.append(f"{line}: no command {words[1:2]}")
+                continue
+            opts = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help", "-h"}
+            bad = [w for w in words[2:] if w.startswith("-") and w != "-" and w.split("=")[0] not in opts]
+            if bad:
+                problems.append(f"{line}: {words[1]} has no option {', '.join(bad)}")
+    return problems
+
+
+def test_doc_examples_use_commands_and_options_that_exist():
+    problems = {str(p.relative_to(ROOT)): b for p in _pages() if (b := _example_problems(p.read_text()))}
+    assert not problems, problems
+    assert len(_example_problems("```sh\nslotctl inspect x.bin --no-such-flag  # c\nslotctl nope\n"
+                                 "slotctl validate d/ -m m.gguf [flags] -np 4\n```\n")) == 2
