@@ -346,3 +346,24 @@ def test_validate_says_a_draft_simple_server_ignores_the_speculative_state(tmp_p
     res = _invoke("inspect", path, "-m", DATA / "target.gguf", "-md", DATA / "draft.gguf", "--json")
     spec = json.loads(res.stdout)["draft"]["speculative"]
     assert spec == {"kind": "opaque", "size": 24, "expected_size": None, "applied": False}
+
+
+# -- validate's real load: the parent sends the layer's bytes, the child opens no file ----------------------
+
+
+def test_the_real_load_gets_the_layer_through_the_pipe():
+    from slotctl.model.settings import ContextSettings
+    from slotctl.validate import LoadChecker, ServerSetup
+    from slotctl.validate.child import _layout_dict
+
+    path = DATA / "srv-np1.bin"
+    sf = open_slot_file(path, layout=_layout())
+    step = {"ctx": "target", "path": str(path), "offset": sf.target.offset, "size": sf.target.size, "blob": False,
+            "version": sf.version, "layout": _layout_dict(sf.target.layout), "flags": 0, "slot": 0, "prefix": False}
+    setup = ServerSetup(target=DATA / "target.gguf", settings=ContextSettings(n_ctx=4096))
+    with LoadChecker(setup) as checker, open(path, "rb") as f:
+        by_pipe = checker.load(step, f)
+        by_path = checker.load(step)
+        cut = checker.load({**step, "size": step["size"] - 1}, f)
+    assert by_pipe["status"] == "fits" and by_pipe == by_path
+    assert cut["status"] != "fits"

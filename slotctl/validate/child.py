@@ -10,7 +10,9 @@ import re
 import subprocess
 import sys
 import tempfile
+from typing import BinaryIO
 
+from slotctl.atomic import copy_range
 from slotctl.errors import UsageError
 from slotctl.format.memory import MemoryLayout, SectionLayout
 from slotctl.validate.report import ABORTED, SKIPPED
@@ -69,8 +71,9 @@ class ChildProcess:
         self.started += 1
         self.current_init = None
 
-    def ask(self, message: dict) -> dict | None:
-        """Send one request and wait for its reply; None when the child died first."""
+    def ask(self, message: dict, source: tuple | None = None) -> dict | None:
+        """Send one request and wait for its reply; None when the child died first. ``source``:
+        ``(file, offset, size)``, bytes sent right after the request (the request says ``"inline"``)."""
         if self._proc is None:
             self._start()
         proc = self._proc
@@ -79,10 +82,17 @@ class ChildProcess:
             self._mark = self._stderr.tell()
         try:
             proc.stdin.write((json.dumps(message) + "\n").encode())
+            if source is not None:
+                f, offset, size = source
+                copy_range(f, proc.stdin, offset, size)
             proc.stdin.flush()
             line = proc.stdout.readline()
-        except OSError:
+        except OSError:     # the child died (a broken pipe), or the file ended before the layer did
             line = b""
+            try:
+                proc.stdin.close()      # a child waiting for the rest of the layer reads the end, and exits
+            except OSError:
+                pass
         if line:
             return json.loads(line)
         proc.wait()
@@ -185,12 +195,18 @@ class LoadChecker:
         not (``failure`` says why)."""
         return self._contexts if self._ready() else None
 
-    def load(self, step: dict) -> dict:
+    def load(self, step: dict, f: BinaryIO | None = None) -> dict:
         """Load one layer; the result has ``status`` ("fits", "refused", "partial", "aborted",
-        "skipped"), ``consumed``, ``expected``, ``errors`` (llama.cpp's messages) and ``reason``."""
+        "skipped"), ``consumed``, ``expected``, ``errors`` (llama.cpp's messages) and ``reason``.
+        ``f``: the slot file, open: its bytes go to the child through the pipe (the child opens nothing);
+        without it the child reads ``step["path"]``."""
         if not self._ready():
             return {"status": SKIPPED, "reason": self.failure}
-        reply = self.child.ask(step)
+        if f is not None:
+            step = {**step, "inline": True}
+            reply = self.child.ask(step, (f, step["offset"], step["size"]))
+        else:
+            reply = self.child.ask(step)
         if reply is not None:
             return reply
         if self.child.aborted:

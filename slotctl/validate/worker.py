@@ -18,7 +18,9 @@ from slotctl.validate.report import FITS, PARTIAL, REFUSED, SKIPPED
 def worker_main() -> None:
     """The child of :class:`LoadChecker`: JSON requests on stdin, one JSON reply per line on stdout.
 
-    ``init`` requests (re)build the contexts; every other request loads one layer.
+    ``init`` requests (re)build the contexts; every other request loads one layer, whose bytes follow the
+    request on stdin when it says ``"inline": true`` (the parent read them from the file it holds open),
+    else are read from ``path`` at ``offset``.
     """
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)            # whatever llama.cpp prints goes to stderr, never into the replies
@@ -32,7 +34,8 @@ def worker_main() -> None:
     from slotctl.runtime.slot import ServerContexts
 
     sc = None
-    for line in sys.stdin:
+    stdin = sys.stdin.buffer
+    for line in iter(stdin.readline, b""):
         msg = json.loads(line)
         if msg.get("init"):
             if sc is not None:
@@ -49,7 +52,8 @@ def worker_main() -> None:
                    "draft": _ctx_info(sc.draft) if sc.draft is not None else None})
             continue
         try:
-            reply(_load_step(sc, msg, STATE_VERSION))
+            data = _layer_bytes(msg, stdin)
+            reply(_load_step(sc, msg, data, STATE_VERSION))
         except Exception as e:  # noqa: BLE001 - a failure of this process is not llama.cpp's verdict
             reply({"status": SKIPPED, "reason": f"internal error: {type(e).__name__}: {e}"})
 
@@ -58,42 +62,57 @@ def _ctx_info(c) -> dict:
     return {"n_ctx": c.n_ctx, "n_ctx_seq": c.n_ctx_seq, "n_seq_max": c.n_seq_max, "n_ctx_slot": c.n_ctx_slot}
 
 
-def _load_step(sc, step: dict, state_version: int) -> dict:
-    """Read, convert and restore one layer (in the child), holding as few copies of it as it can: one
-    for a layer of this runtime's version, three at the peak of a conversion (:func:`convert_payload`)."""
+def _layer_bytes(step: dict, stdin) -> bytearray:
+    """The layer's ``size`` bytes: from stdin right after the request (``inline``), else from the file.
+    A short read (the file ended, the parent stopped) gives fewer bytes."""
+    data = bytearray(step["size"])
+    view = memoryview(data)
+    got = 0
+    if step.get("inline"):
+        while got < len(data):
+            n = stdin.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    else:
+        with open(step["path"], "rb") as f:
+            f.seek(step["offset"])
+            got = f.readinto(view) or 0
+    view.release()
+    del data[got:]
+    return data
+
+
+def _load_step(sc, step: dict, data: bytearray, state_version: int) -> dict:
+    """Convert and restore one layer (in the child), holding as few copies of it as it can: one for a
+    layer of this runtime's version (``data`` itself, the blob header put in front), three at the peak of
+    a conversion (:func:`convert_payload`)."""
     from slotctl.format.blob import blob_header
     from slotctl.format.convert import convert_payload
     from slotctl.model.predict import rotation_rule
 
     ctx = sc.target if step["ctx"] == "target" else sc.draft
     info = sc.target_info if step["ctx"] == "target" else sc.draft_info
-    size = step["size"]
-    with open(step["path"], "rb") as f:
-        f.seek(step["offset"])
-        if step["blob"]:
-            header, size = f.read(min(size, BLOB_HEADER_SIZE)), max(size - BLOB_HEADER_SIZE, 0)
-        else:
-            header = blob_header(step["slot"])
-        if step["version"] == state_version:
-            buf = bytearray(len(header) + size)
-            buf[:len(header)] = header
-            got = f.readinto(memoryview(buf)[len(header):])
-            del buf[len(header) + got:]
-        else:
-            payload = f.read(size)
-            try:
-                payload = convert_payload(payload, _layout_from_dict(step["layout"]), step["version"], state_version,
-                                          rotations=rotation_rule(info), layer=f"{step['ctx']} layer")
-            except FormatError as e:
-                return {"status": SKIPPED, "reason": f"its conversion to state version {state_version} (this "
-                                                     f"runtime's) is refused: {e.expected}"}
-            buf = bytearray(header)
-            buf += payload
-            del payload
+    if step["blob"]:
+        n_head = min(len(data), BLOB_HEADER_SIZE)
+    else:
+        data[0:0] = blob_header(step["slot"])
+        n_head = BLOB_HEADER_SIZE
+    if step["version"] == state_version:
+        buf = data
+    else:
+        try:
+            payload = convert_payload(bytes(data[n_head:]), _layout_from_dict(step["layout"]), step["version"],
+                                      state_version, rotations=rotation_rule(info), layer=f"{step['ctx']} layer")
+        except FormatError as e:
+            return {"status": SKIPPED, "reason": f"its conversion to state version {state_version} (this "
+                                                 f"runtime's) is refused: {e.expected}"}
+        del data[n_head:]
+        buf = data
+        buf += payload
+        del payload
     slot = step["slot"]
     ctx.seq_rm(slot)
     n = ctx.state_seq_set(buf, slot, step["flags"])
     status = FITS if n == len(buf) or (n and step.get("prefix")) else (PARTIAL if n else REFUSED)
     return {"status": status, "consumed": n, "expected": len(buf), "errors": ctx.last_errors}
-
-
