@@ -31,13 +31,15 @@ Checkpoint = cs.Struct(
     "spec" / _sized("checkpoint speculative state"),
 )
 
+#: the most checkpoints an SCKP appendix holds (the server keeps --ctx-checkpoints per slot, 32 by default)
+MAX_CHECKPOINTS = 1 << 16
 #: smallest possible checkpoint: 16 bytes of positions and three empty blob lengths
 CHECKPOINT_MIN_SIZE = 16 + 3 * 8
 
 SckpAppendix = cs.Struct(
     "magic" / Expect(cs.Int32ul, [SCKP_MAGIC], "SCKP magic", hex32),
     "version" / Expect(cs.Int32ul, [SCKP_VERSION], "SCKP version"),
-    "count" / Counted(cs.Int32ul, "checkpoint count", min_item_size=CHECKPOINT_MIN_SIZE),
+    "count" / Counted(cs.Int32ul, "checkpoint count", limit=MAX_CHECKPOINTS, min_item_size=CHECKPOINT_MIN_SIZE),
     "checkpoints" / cs.Array(this.count, Checkpoint),
 )
 

@@ -159,15 +159,18 @@ class Counted(cs.Subconstruct):
     ``count * min_item_size <= remaining``.
     """
 
-    def __init__(self, subcon, what: str, limit=None, min_item_size: int = 0):
+    def __init__(self, subcon, what: str, limit=None, min_item_size: int = 0, minimum: int = 0):
         super().__init__(subcon)
         self.what = what
         self.limit = limit
         self.min_item_size = min_item_size
+        self.minimum = minimum
 
     def _parse(self, stream, context, path):
         start = stream.tell()
         value = self.subcon._parsereport(stream, context, path)
+        if value < self.minimum:
+            raise CheckError(f"{self.what} of at least {self.minimum:,}, found {value:,}", start)
         limit = cs.evaluate(self.limit, context) if self.limit is not None else None
         if limit is not None and value > limit:
             raise CheckError(f"{self.what} of at most {limit:,}, found {value:,}", start)

@@ -10,6 +10,7 @@ import numpy as np
 from construct import this
 
 from slotctl.format.arrays import NumpyArray
+from slotctl.format.cells import MAX_CELLS
 from slotctl.format.common import Counted, Expect, hex32
 
 #: ``LLAMA_STATE_SEQ_MAGIC`` ("ggsq"; bytes ``71 73 67 67``)
@@ -17,11 +18,13 @@ STATE_SEQ_MAGIC = 0x67677371
 #: state versions slotctl understands
 SUPPORTED_VERSIONS = (2, 3, 4)
 HEADER_FIXED_SIZE = 12
+#: the most token words a slot holds: one per cell of the largest context, plus 1 Mi words of media records
+MAX_TOKEN_WORDS = MAX_CELLS + (1 << 20)
 
 StateHeader = cs.Struct(
     "magic" / Expect(cs.Int32ul, [STATE_SEQ_MAGIC], "state file magic", hex32),
     "version" / Expect(cs.Int32ul, SUPPORTED_VERSIONS, "state version"),
-    "n_words" / Counted(cs.Int32ul, "token word count", min_item_size=4),
+    "n_words" / Counted(cs.Int32ul, "token word count", limit=MAX_TOKEN_WORDS, min_item_size=4),
     "words" / NumpyArray(this.n_words, np.int32, "token words"),
 )
 

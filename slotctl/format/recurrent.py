@@ -13,7 +13,7 @@ from __future__ import annotations
 import construct as cs
 from construct import this
 
-from slotctl.format.cells import CellArray
+from slotctl.format.cells import MAX_SEQ, CellArray
 from slotctl.format.common import MAX_LAYERS, Counted, Expect
 from slotctl.format.records import RecordArray
 
@@ -25,7 +25,7 @@ def _section_cells(c) -> int:
 _HEAD = (
     "type" / cs.Computed("recurrent"),
     "cell_count" / cs.Int32ul,
-    "cells" / CellArray(this.cell_count, 0),
+    "cells" / CellArray(this.cell_count, 0, limit=MAX_SEQ, what="recurrent cells (one per sequence)"),
     "s_trans" / Expect(cs.Int32ul, [0, 1], "s_trans"),
     "n_layer" / Counted(cs.Int32ul, "layer count", limit=MAX_LAYERS),
 )

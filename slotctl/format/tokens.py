@@ -11,6 +11,7 @@ import numpy as np
 from construct import this
 
 from slotctl.format.arrays import NumpyArray
+from slotctl.format.cells import MAX_CELLS
 from slotctl.format.common import CheckError, Counted, Expect, Payload, _remaining
 
 TOKEN_NULL = -1
@@ -41,7 +42,7 @@ MediaChunkRecord = cs.Struct(
 PackedTokens = cs.Struct(
     "marker" / Expect(cs.Int32sl, [TOKEN_NULL], "packed token record marker"),
     "version" / Expect(cs.Int32ul, [TOKEN_RECORD_VERSION], "token record version"),
-    "n_tokens" / Counted(cs.Int32ul, "token count", min_item_size=4),
+    "n_tokens" / Counted(cs.Int32ul, "token count", limit=MAX_CELLS, min_item_size=4),
     "tokens" / NumpyArray(this.n_tokens, np.int32, "tokens"),
     "n_media" / Counted(cs.Int32ul, "media chunk count", min_item_size=8),
     "media_start" / NumpyArray(this.n_media, np.uint32, "media start indices"),

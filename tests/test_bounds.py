@@ -1,0 +1,172 @@
+"""Every count and length field at its maximum, in a 100 GiB sparse file: one line, exit 1, bounded memory.
+
+A damaged count must cost an error, not an allocation or a read sized by it (docs/design.md, "Bounds").
+Each file is a real server file (tests/data) with checkpoints and draft state appended, one field set to
+the largest value its type holds, and the file extended with a hole to 100 GiB, so "only N bytes remain"
+never stops the count: only the check against what the layer can hold does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from slotctl.cli.app import app
+from slotctl.format.appendix import build_sckp, build_sdft
+from slotctl.format.blob import BLOB_HEADER_SIZE, blob_header
+from slotctl.format.cells import MAX_CELLS
+from slotctl.slotfile import open_slot_file
+
+from conftest import DATA
+
+runner = CliRunner()
+SPARSE = 100 << 30
+U32, U64 = 0xFFFFFFFF, (1 << 64) - 1
+#: what a command may allocate while refusing one of these files (tracemalloc peak)
+MEMORY_BOUND = 64 << 20
+
+
+def _payload(path: Path) -> bytes:
+    raw = path.read_bytes()
+    (n,) = struct.unpack_from("<I", raw, 8)
+    return raw[12 + 4 * n:]
+
+
+def chain_file(tmp_path: Path, base: Path = DATA / "srv-np1.bin") -> Path:
+    """``base`` + SCKP (one checkpoint: target, draft and speculative blobs) + SDFT."""
+    tgt = blob_header(0) + _payload(base)
+    dft = blob_header(0) + _payload(DATA / "srv-draft.bin")
+    sckp = build_sckp([dict(n_tokens=8, pos_min=0, pos_max=7, tgt=tgt, dft=dft, spec=b"spec")])
+    p = tmp_path / "chain.bin"
+    p.write_bytes(base.read_bytes() + sckp + build_sdft(dft, b"spec"))
+    return p
+
+
+def field_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """(offset, width in bytes) of each count and length field of the file at ``path``."""
+    sf = open_slot_file(path)
+    assert not sf.errors
+    out = {"header: token word count": (8, 4)}
+    if sf.tokens.format == "packed":
+        out["token record: token count"] = (20, 4)
+        out["token record: media chunk count"] = (24 + 4 * sf.tokens.n_tokens, 4)
+    t = sf.target.offset
+    sec = sf.target.sections[0]
+    if sec.type == "kv":
+        out["target: stream count"] = (t, 4)
+        out["target: cell count"] = (t + 4, 4)
+        rot = sec.streams[0].data.rot_offset
+        out["target: layer count"] = (rot - 4, 4)
+        k0 = rot + (8 if sf.version >= 4 else 0)
+        out["target: K row size"] = (k0 + 4, 8)
+    else:
+        out["target: recurrent cell count"] = (t, 4)
+        n = sec.cell_count
+        out["target: recurrent layer count"] = (t + 4 + 8 * n + 4, 4)
+        out["target: r row size"] = (t + 4 + 8 * n + 8 + 4, 8)
+    if sf.sckp is not None:
+        s = sf.sckp.offset
+        out["SCKP: checkpoint count"] = (s + 8, 4)
+        c0 = s + 12
+        out["checkpoint: target blob length"] = (c0 + 16, 8)
+        tgt = sf.checkpoints[0].tgt.span
+        out["checkpoint blob: cell count"] = (tgt.offset + BLOB_HEADER_SIZE + 4, 4)
+        out["checkpoint: draft blob length"] = (tgt.end, 8)
+        dft = sf.checkpoints[0].dft.span
+        out["checkpoint: speculative state length"] = (dft.end, 8)
+    if sf.sdft is not None:
+        d = sf.sdft.offset
+        out["SDFT: draft blob length"] = (d + 8, 8)
+        out["SDFT: speculative state length"] = (sf.draft.span.end, 8)
+    return out
+
+
+def _patch(src: Path, dst: Path, offset: int, width: int, value: int) -> Path:
+    raw = bytearray(src.read_bytes())
+    raw[offset:offset + width] = value.to_bytes(width, "little")
+    with open(dst, "wb") as f:
+        f.write(raw)
+        f.truncate(SPARSE)
+    return dst
+
+
+FILES = {"kv": lambda tmp: chain_file(tmp), "recurrent": lambda tmp: chain_file(tmp, DATA / "kinds" / "srv-mamba.bin")}
+
+
+def _cases() -> list[tuple[str, str]]:
+    names = ["header: token word count", "token record: token count", "token record: media chunk count",
+             "SCKP: checkpoint count", "checkpoint: target blob length", "checkpoint blob: cell count",
+             "checkpoint: draft blob length", "checkpoint: speculative state length", "SDFT: draft blob length",
+             "SDFT: speculative state length"]
+    kv = names + ["target: stream count", "target: cell count", "target: layer count", "target: K row size"]
+    rec = ["target: recurrent cell count", "target: recurrent layer count", "target: r row size"]
+    return [("kv", n) for n in kv] + [("recurrent", n) for n in rec]
+
+
+@pytest.mark.parametrize("kind,field", _cases())
+def test_field_at_its_maximum(tmp_path, kind, field):
+    src = FILES[kind](tmp_path)
+    offset, width = field_offsets(src)[field]
+    bad = _patch(src, tmp_path / "bad.bin", offset, width, U32 if width == 4 else U64)
+    for args in (["inspect", str(bad), "--json"], ["validate", str(bad), "--no-load", "--json"],
+                 ["strip-draft", str(bad), "--dry-run", "--json"]):
+        tracemalloc.start()
+        t0 = time.monotonic()
+        res = runner.invoke(app, args)
+        elapsed = time.monotonic() - t0
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert "Traceback" not in res.stderr, res.stderr
+        assert res.exit_code in (0, 1), (args, res.exit_code, res.stderr)
+        assert peak < MEMORY_BOUND, (args[0], field, peak)
+        assert elapsed < 30, (args[0], field, elapsed)   # a guard against a hang, not a measurement
+        assert res.exit_code == 1, (args[0], field, res.exit_code, res.stdout[-500:], res.stderr)
+        assert " at 0x" in res.stdout, (args[0], field, res.stdout[-500:])
+
+
+def test_cell_count_at_the_limit_over_a_hole_costs_bounded_time_and_memory(tmp_path):
+    """The largest cell count accepted, over 9 GiB of zeros: read in chunks, refused, within a bound."""
+    src = DATA / "srv-np1.bin"
+    off, _ = field_offsets(src)["target: cell count"]
+    raw = bytearray(src.read_bytes()[:off + 4])
+    raw[off:off + 4] = struct.pack("<I", MAX_CELLS)
+    p = tmp_path / "hole.bin"
+    with open(p, "wb") as f:
+        f.write(raw)
+        f.truncate(9 << 30)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out, err, code, maxrss_kib = run_measured([sys.executable, "-m", "slotctl", "inspect", str(p), "--json"], env)
+    assert code == 1 and b"Traceback" not in err
+    assert " at 0x" in json.loads(out)["errors"][0]
+    # the whole process (Python, numpy, rich, the cells it read) stays under 1 GiB
+    assert maxrss_kib < (1 << 20), maxrss_kib
+
+
+def run_measured(cmd: list[str], env: dict, timeout: float = 120) -> tuple[bytes, bytes, int, int]:
+    """Run ``cmd``; its stdout, stderr, exit code and peak resident memory (KiB, from wait4)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                os.wait4(proc.pid, 0)
+                pytest.fail(f"{cmd} still running after {timeout} s")
+            time.sleep(0.05)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return out.read(), err.read(), proc.returncode, usage.ru_maxrss
