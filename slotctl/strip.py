@@ -2,14 +2,24 @@
 blobs inside each context checkpoint (``slotctl strip-draft``).
 
 A strip is planned from the parse (:func:`plan_strip`): the new file is a list of pieces, each either a
-byte range of the old file or a few bytes written here (the headers of a rebuilt SCKP appendix). Every
-kept byte is copied from the old file in large chunks (:func:`~slotctl.atomic.copy_range`), so memory use
-does not grow with the payload. The new file replaces the old one atomically
-(:func:`~slotctl.atomic.atomic_writer`): killed at any moment, the old file or the new one is there,
-never a mix.
+byte range of the old file or a few bytes written here (the headers of a rebuilt SCKP appendix).
+
+Two ways to write it (docs/strip-draft.md):
+
+* **truncate** — when the new file is a prefix of the old one (the SDFT appendix is the last layer, the
+  usual case) and the file is stripped in place: one ``ftruncate`` at the appendix's offset. O(1) in time
+  and disk, and atomic in itself: a crash leaves the old length or the new one.
+* **copy** — otherwise (``--checkpoints`` rewrites the middle, ``-o`` asks for a copy, bytes follow the
+  appendix): every kept byte is copied from the old file in large chunks
+  (:func:`~slotctl.atomic.copy_range`) into a new file that replaces the old one atomically
+  (:func:`~slotctl.atomic.atomic_writer`). Rewriting only from the first changed byte is not crash-safe
+  (a kill mid-write leaves neither file), so the copy is whole, and the free space it needs is checked
+  before it starts.
 
 A file without draft state is not rewritten. A file that does not parse cleanly is refused and left as it
-was: what a strip keeps is known only from a complete parse.
+was: what a strip keeps is known only from a complete parse. The one exception is damage confined to the
+SDFT appendix (truncated, or a blob that does not parse): removing it is the repair, so the file is cut
+where the appendix starts, and the result says what was damaged.
 """
 
 from __future__ import annotations
@@ -30,6 +40,12 @@ from slotctl.slotfile import SlotFile, open_slot_file
 REMOVED_SDFT = "SDFT"
 REMOVED_CKPT_DRAFT = "checkpoint draft blobs"
 REMOVED_CKPT_SPEC = "checkpoint speculative state"
+
+#: ``method`` of a write
+TRUNCATE = "truncate"
+COPY = "copy"
+#: free space kept in reserve beyond the new file's size before a copy starts
+FREE_SPACE_MARGIN = 1 << 20
 
 #: ``status`` of a file
 STRIPPED = "stripped"
@@ -77,10 +93,19 @@ class Plan:
     identity: _Identity
     #: bytes of checkpoint draft and speculative blobs that only ``--checkpoints`` removes (0 with it)
     checkpoint_draft_bytes: int = 0
+    #: every byte of draft state in the file: the SDFT appendix and the checkpoints' draft and speculative blobs
+    draft_size: int = 0
+    #: the error of a damaged SDFT appendix that this strip removes (None for an intact file)
+    repaired: str | None = None
 
     @property
     def size_after(self) -> int:
         return sum(p.size if isinstance(p, Span) else len(p) for p in self.pieces)
+
+    @property
+    def is_prefix(self) -> bool:
+        """Whether the new file is the old file's first ``size_after`` bytes (a truncation writes it)."""
+        return len(self.pieces) == 1 and isinstance(self.pieces[0], Span) and self.pieces[0].offset == 0
 
     @property
     def changes(self) -> bool:
@@ -91,23 +116,50 @@ def plan_strip(path: str | os.PathLike, *, checkpoints: bool = False, layout: Me
                draft_layout: MemoryLayout | None = None) -> Plan:
     """Parse ``path`` (with the layouts, when given) and plan its strip.
 
-    Raises :class:`FormatError` when the file is refused: any layer that does not parse.
+    Raises :class:`FormatError` when the file is refused: any layer that does not parse, except damage
+    confined to the SDFT appendix, which the strip removes (``Plan.repaired`` says what it was).
     """
     path = os.fspath(path)
     identity = _Identity.of(os.stat(path))
     sf = open_slot_file(path, layout=layout, draft_layout=draft_layout)
-    if sf.errors or sf.target is None:
+    damage = _sdft_damage(sf)
+    if damage is None and (sf.errors or sf.target is None):
         raise sf.errors[0] if sf.errors else FormatError("target memory", sf.header_end,
                                                          "a memory payload of a known kind")
-    return _plan(sf, identity, checkpoints)
+    return _plan(sf, identity, checkpoints, damage)
 
 
-def _plan(sf: SlotFile, identity: _Identity, checkpoints: bool) -> Plan:
+def _sdft_damage(sf: SlotFile) -> tuple[int, str] | None:
+    """(where the SDFT appendix starts, what is wrong with it) when it is the only damaged layer.
+
+    Three shapes: the appendix does not parse (cut short, a bad version or length); it parses but its
+    draft blob does not; the file ends inside its magic. Everything before it must have parsed cleanly.
+    """
+    if sf.target is None or not sf.errors:
+        return None
+    if sf.sdft is not None and sf.draft is not None and sf.errors == [sf.draft.error]:
+        return sf.sdft.offset, str(sf.errors[0])
+    if sf.sdft is not None or len(sf.errors) != 1 or sf.trailing is None:
+        return None
+    err, at = sf.errors[0], sf.trailing.offset
+    with open(sf.path, "rb") as f:
+        f.seek(at)
+        head = f.read(4)
+    magic = struct.pack("<I", apx.SDFT_MAGIC)
+    if err.layer == "SDFT appendix" and head == magic:
+        return at, str(err)
+    if err.layer == "appendix" and 0 < len(head) < 4 and magic.startswith(head):
+        return at, str(err)
+    return None
+
+
+def _plan(sf: SlotFile, identity: _Identity, checkpoints: bool, damage: tuple[int, str] | None = None) -> Plan:
     """The pieces of the stripped file: the old file's ranges around what goes, and rebuilt SCKP headers.
 
     With ``checkpoints`` (and a checkpoint holding draft or speculative bytes), SCKP is rewritten from
     the parse: its header, then per checkpoint the position fields and target blob length, the target
-    blob copied as a range, and two zero lengths.
+    blob copied as a range, and two zero lengths. With ``damage`` (a damaged SDFT appendix) the file
+    ends where the appendix starts: where the damaged bytes end is not known, so none behind it is kept.
     """
     removed: list[str] = []
     pieces: list[Piece] = []
@@ -129,14 +181,23 @@ def _plan(sf: SlotFile, identity: _Identity, checkpoints: bool) -> Plan:
             removed.append(REMOVED_CKPT_DRAFT)
         if spec_bytes:
             removed.append(REMOVED_CKPT_SPEC)
-    if sf.sdft is not None:
-        _check_trailing(sf)
-        pieces.append(Span(pos, sf.sdft.offset - pos))
-        pos = sf.sdft.end
+    if damage is not None:
+        cut = damage[0]
+        pieces.append(Span(pos, cut - pos))
         removed.insert(0, REMOVED_SDFT)
-    pieces.append(Span(pos, sf.size - pos))
+        sdft_bytes = sf.size - cut
+    else:
+        sdft_bytes = 0
+        if sf.sdft is not None:
+            _check_trailing(sf)
+            pieces.append(Span(pos, sf.sdft.offset - pos))
+            pos = sf.sdft.end
+            removed.insert(0, REMOVED_SDFT)
+            sdft_bytes = sf.sdft.size
+        pieces.append(Span(pos, sf.size - pos))
     return Plan(sf.path, sf.size, tuple(removed), _coalesce(pieces), identity,
-                0 if checkpoints else dft_bytes + spec_bytes)
+                0 if checkpoints else dft_bytes + spec_bytes, draft_size=sdft_bytes + dft_bytes + spec_bytes,
+                repaired=damage[1] if damage else None)
 
 
 def _check_trailing(sf: SlotFile) -> None:
@@ -184,6 +245,7 @@ def write_plan(plan: Plan, dest: str | os.PathLike, *, overwrite: bool,
     """
     with open(plan.path, "rb") as src:
         _check_same(plan, src)
+        check_free_space(dest, plan.size_after)
         with atomic_writer(dest, overwrite=overwrite) as dst:
             _keep_owner(dest, dst)
             done = 0
@@ -198,6 +260,38 @@ def write_plan(plan: Plan, dest: str | os.PathLike, *, overwrite: bool,
                     if progress:
                         progress(done)
             _check_same(plan, src)
+
+
+def truncate_in_place(plan: Plan, path: str | os.PathLike) -> None:
+    """Cut the file at ``path`` (the one ``plan`` was made from) to ``plan.size_after`` bytes, and sync it.
+
+    One ``ftruncate``: O(1), no free space needed, and atomic in itself (a crash leaves the old length or
+    the new one). Raises :class:`SourceChanged` (nothing is cut) when the file is not the one parsed.
+    """
+    if not plan.is_prefix:
+        raise ValueError("truncate_in_place needs a plan whose result is a prefix of the file")
+    fd = os.open(os.fspath(path), os.O_WRONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if _Identity.of(os.fstat(fd)) != plan.identity:
+            raise SourceChanged(f"{plan.path}: the file changed since it was read; left as it is now, run again")
+        os.ftruncate(fd, plan.size_after)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_free_space(dest: str | os.PathLike, need: int) -> None:
+    """A one-line :class:`UsageError` when the directory of ``dest`` has not ``need`` bytes free for a copy."""
+    directory = os.path.dirname(os.path.abspath(os.fspath(dest)))
+    try:
+        st = os.statvfs(directory)
+    except OSError:   # no statvfs here: the copy itself reports a full disk
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < need + FREE_SPACE_MARGIN:
+        raise UsageError(f"{directory}: the stripped copy needs {need + FREE_SPACE_MARGIN:,} bytes free, "
+                         f"{free:,} are; free space first (strip-draft without --checkpoints and without -o "
+                         f"cuts the file in place and needs none)")
 
 
 def _keep_owner(dest: str | os.PathLike, dst) -> None:
@@ -233,6 +327,14 @@ class FileResult:
     exit_status: ExitStatus = ExitStatus.OK
     #: a note for people (draft blobs left in checkpoints without ``--checkpoints``)
     note: str | None = None
+    #: how the file was (or, with ``--dry-run``, would be) written: ``"truncate"``, ``"copy"`` or None
+    method: str | None = None
+    #: every byte of draft state in the file (SDFT and the checkpoints' draft and speculative blobs)
+    draft_size: int | None = None
+    #: draft bytes the checkpoints keep without ``--checkpoints``
+    checkpoint_draft_size: int = 0
+    #: the error of a damaged SDFT appendix that was (or would be) removed
+    repaired: str | None = None
 
     @property
     def bytes_freed(self) -> int:
@@ -243,7 +345,8 @@ class FileResult:
     def as_dict(self) -> dict:
         return {"path": self.path, "status": self.status, "size_before": self.size_before,
                 "size_after": self.size_after, "bytes_freed": self.bytes_freed, "removed": list(self.removed),
-                "error": self.error, "output": self.output}
+                "error": self.error, "output": self.output, "method": self.method, "draft_size": self.draft_size,
+                "checkpoint_draft_size": self.checkpoint_draft_size, "repaired": self.repaired}
 
 
 def check_output(output: str | os.PathLike, n_files: int, *, force: bool) -> None:
@@ -289,25 +392,33 @@ def strip_files(files: list[str], *, output: str | os.PathLike | None = None, ch
             res.error, res.exit_status = _os_error(path, e), ExitStatus.USAGE
             continue
         res.size_before, res.size_after, res.removed = plan.size_before, plan.size_after, list(plan.removed)
+        res.draft_size, res.checkpoint_draft_size, res.repaired = (plan.draft_size, plan.checkpoint_draft_bytes,
+                                                                   plan.repaired)
         if plan.checkpoint_draft_bytes:
             res.note = (f"{path}: its checkpoints hold {plan.checkpoint_draft_bytes:,} bytes of draft state; "
                         f"--checkpoints removes them too")
         written_to = path if output is None else os.fspath(output)
+        if plan.changes or output is not None:
+            res.method = TRUNCATE if output is None and plan.is_prefix else COPY
         if not plan.changes and output is None:
             res.status = UNCHANGED
         elif dry_run:
             res.status, res.output = (WOULD_STRIP if plan.changes else UNCHANGED), written_to
         else:
             plans.append((res, plan, written_to))
-    total = sum(plan.size_after for _, plan, _ in plans)
+    total = sum(plan.size_after for res, plan, _ in plans if res.method == COPY)
     written = 0
     for res, plan, written_to in plans:
         base = written
-        # in place, through a symbolic link: the file it points to is replaced, not the link
+        # in place, through a symbolic link: the file it points to is replaced (or cut), not the link
         dest = os.path.realpath(written_to) if output is None else written_to
         try:
-            write_plan(plan, dest, overwrite=force or output is None,
-                       progress=(lambda n, base=base: progress(base + n, total)) if progress else None)
+            if res.method == TRUNCATE:
+                truncate_in_place(plan, dest)
+            else:
+                written = base + plan.size_after
+                write_plan(plan, dest, overwrite=force or output is None,
+                           progress=(lambda n, base=base: progress(base + n, total)) if progress else None)
         except SourceChanged as e:
             res.status, res.size_after, res.error, res.exit_status = REFUSED, None, str(e), ExitStatus.FAILED
         except (OSError, UsageError) as e:
@@ -315,7 +426,6 @@ def strip_files(files: list[str], *, output: str | os.PathLike | None = None, ch
             res.error = _os_error(dest, e) if isinstance(e, OSError) else str(e)
         else:
             res.status, res.output = (STRIPPED if plan.changes else UNCHANGED), written_to
-        written = base + plan.size_after
     return results
 
 

@@ -123,6 +123,7 @@ def test_strips_the_sdft_appendix_and_keeps_every_other_byte(tmp_path, base):
     b = build_file(tmp_path / "slot.bin", base=DATA / base)
     before = open_slot_file(b.path)
     assert before.sdft is not None and not before.errors
+    inode = os.stat(b.path).st_ino
 
     code, d = strip_json(b.path)
     assert code == 0
@@ -139,7 +140,13 @@ def test_strips_the_sdft_appendix_and_keeps_every_other_byte(tmp_path, base):
     [f] = d["files"]
     assert f == {"path": str(b.path), "status": "stripped", "size_before": len(b.original),
                  "size_after": len(b.stripped), "bytes_freed": len(b.original) - len(b.stripped),
-                 "removed": ["SDFT"], "error": None, "output": str(b.path)}
+                 "removed": ["SDFT"], "error": None, "output": str(b.path), "method": "truncate",
+                 "draft_size": len(b.original) - len(b.stripped) + sum(len(c["dft"]) + len(c["spec"])
+                                                                       for c in b.checkpoints),
+                 "checkpoint_draft_size": sum(len(c["dft"]) + len(c["spec"]) for c in b.checkpoints),
+                 "repaired": None}
+    # the SDFT appendix ended the file: it was cut off in place, the same inode
+    assert os.stat(b.path).st_ino == inode
     assert d["total_bytes_freed"] == f["bytes_freed"] and d["n_stripped"] == 1 and d["n_refused"] == 0
 
 
@@ -219,12 +226,13 @@ def test_trailing_bytes_that_would_read_as_an_appendix_are_refused(tmp_path, mag
 
 
 def _damaged(tmp_path: Path) -> tuple[Path, bytes, int]:
+    """A file whose SCKP appendix (not its draft state) is damaged: version 7. Returns (path, bytes, SCKP offset)."""
     b = build_file(tmp_path / "damaged.bin")
-    sdft = open_slot_file(b.path).sdft.offset
+    sckp = open_slot_file(b.path).sckp.offset
     raw = bytearray(b.original)
-    raw[sdft + 4:sdft + 8] = struct.pack("<I", 7)   # SDFT version 7
+    raw[sckp + 4:sckp + 8] = struct.pack("<I", 7)   # SCKP version 7
     b.path.write_bytes(bytes(raw))
-    return b.path, bytes(raw), sdft
+    return b.path, bytes(raw), sckp
 
 
 def test_damaged_file_is_refused_untouched_and_others_still_stripped(tmp_path):
@@ -243,7 +251,7 @@ def test_damaged_file_is_refused_untouched_and_others_still_stripped(tmp_path):
     assert [f["status"] for f in d["files"]] == ["refused", "refused", "stripped"]
     assert d["n_refused"] == 2 and d["n_stripped"] == 1
     assert d["files"][0]["size_after"] is None and d["files"][0]["bytes_freed"] == 0
-    assert d["files"][0]["error"] == f"{bad}: SDFT appendix at 0x{sdft + 4:x} ({sdft + 4}): SDFT version 1, found 7"
+    assert d["files"][0]["error"] == f"{bad}: SCKP appendix at 0x{sdft + 4:x} ({sdft + 4}): SCKP version 1, found 7"
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert errors == [f"error: {d['files'][0]['error']}", f"error: {d['files'][1]['error']}"]
     assert "\n".join(res.stderr.splitlines()[2:]).startswith(f"warning: {good.path}: its checkpoints hold")
@@ -256,7 +264,7 @@ def test_damaged_file_one_line_error_in_human_mode(tmp_path):
     assert res.exit_code == 1 and bad.read_bytes() == bad_bytes
     assert "refused" in res.stdout
     assert [ln for ln in res.stderr.splitlines() if ln.strip()] == \
-        [f"error: {bad}: SDFT appendix at 0x{sdft + 4:x} ({sdft + 4}): SDFT version 1, found 7"]
+        [f"error: {bad}: SCKP appendix at 0x{sdft + 4:x} ({sdft + 4}): SCKP version 1, found 7"]
 
 
 def test_file_that_changes_after_the_parse_is_not_replaced(tmp_path):
@@ -411,7 +419,8 @@ def test_json_keys_are_stable(tmp_path):
     assert code == 1
     assert list(d) == ["files", "total_bytes_freed", "n_stripped", "n_refused"]
     for f in d["files"]:
-        assert list(f) == ["path", "status", "size_before", "size_after", "bytes_freed", "removed", "error", "output"]
+        assert list(f) == ["path", "status", "size_before", "size_after", "bytes_freed", "removed", "error", "output",
+                           "method", "draft_size", "checkpoint_draft_size", "repaired"]
     assert isinstance(d["files"][1]["error"], str) and d["files"][1]["output"] is None
 
 
@@ -574,3 +583,106 @@ def test_stripped_file_loads_in_llama_cpp(tmp_path):
         # the restored cells are the server's (tests/data/expect.json, read independently)
         expect = json.loads((DATA / "expect.json").read_text())[TARGET_SRC.name]
         assert (ctx.seq_pos_min(0), ctx.seq_pos_max(0)) == (expect["pos_min"], expect["pos_max"])
+
+
+# -- cutting the tail in place; repairing a damaged SDFT appendix; the draft cost ------------------------
+
+
+def test_sdft_at_the_end_is_cut_off_in_place_needing_no_free_space(tmp_path, monkeypatch):
+    """The SDFT appendix ends the file: one truncate, same inode, even with no free space at all."""
+    b = build_file(tmp_path / "slot.bin")
+    inode = os.stat(b.path).st_ino
+    monkeypatch.setattr(os, "statvfs", lambda p: pytest.fail("a truncation must not need free space"))
+    [res] = strip_files([str(b.path)])
+    assert (res.status, res.method) == ("stripped", "truncate")
+    assert b.path.read_bytes() == b.stripped and os.stat(b.path).st_ino == inode
+    assert not temp_files(tmp_path)
+
+
+def test_a_copy_checks_free_space_first_and_says_how_much(tmp_path, monkeypatch):
+    """--checkpoints rewrites the middle: a copy; with too little free space nothing is written."""
+    b = build_file(tmp_path / "slot.bin")
+    before = identity(b.path)
+
+    class Full:
+        f_bavail, f_frsize = 10, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Full())
+    [res] = strip_files([str(b.path)], checkpoints=True)
+    assert (res.status, res.method, res.exit_status) == ("refused", "copy", 2)
+    need = len(b.stripped_ckpt) + (1 << 20)
+    assert f"the stripped copy needs {need:,} bytes free, 40,960 are" in res.error
+    assert identity(b.path) == before and not temp_files(tmp_path)
+
+
+def test_output_is_a_copy_and_the_input_stays(tmp_path):
+    b = build_file(tmp_path / "slot.bin")
+    before = identity(b.path)
+    out = tmp_path / "out.bin"
+    [res] = strip_files([str(b.path)], output=out)
+    assert (res.status, res.method) == ("stripped", "copy")
+    assert out.read_bytes() == b.stripped and identity(b.path) == before
+
+
+def _cut_sdft(tmp_path: Path, how: str) -> tuple[Built, int, bytes]:
+    """A file whose SDFT appendix is damaged (``how``); returns it, the SDFT offset and its bytes."""
+    b = build_file(tmp_path / "slot.bin")
+    sdft = open_slot_file(b.path).sdft.offset
+    raw = bytearray(b.original)
+    if how == "truncated":
+        raw = raw[:sdft + 100]                       # cut inside the draft blob
+    elif how == "in the magic":
+        raw = raw[:sdft + 2]                         # cut inside the SDFT magic
+    elif how == "blob length":
+        raw[sdft + 8:sdft + 16] = struct.pack("<Q", 1 << 40)
+    b.path.write_bytes(bytes(raw))
+    return b, sdft, bytes(raw)
+
+
+@pytest.mark.parametrize("how", ["truncated", "in the magic", "blob length"])
+def test_a_damaged_sdft_appendix_is_removed_and_said(tmp_path, how):
+    b, sdft, raw = _cut_sdft(tmp_path, how)
+    damaged = open_slot_file(b.path)
+    assert damaged.errors   # inspect reports the file damaged ...
+    code, d = strip_json(b.path, "--dry-run")   # ... strip-draft would repair it
+    [f] = d["files"]
+    assert code == 0 and f["status"] == "would strip" and f["removed"] == ["SDFT"]
+    assert f["repaired"] and f["size_after"] == sdft and b.path.read_bytes() == raw
+
+    res = strip(b.path)
+    assert res.exit_code == 0, res.output
+    assert b.path.read_bytes() == b.stripped      # exactly the file without its draft state
+    assert "damaged draft state" in res.stderr and "it was removed" in res.stderr
+    repaired = open_slot_file(b.path)
+    assert not repaired.errors and repaired.sdft is None
+
+
+def test_damage_before_the_sdft_appendix_is_still_refused(tmp_path):
+    b = build_file(tmp_path / "slot.bin")
+    sf = open_slot_file(b.path)
+    raw = bytearray(b.original[:sf.sdft.offset + 50])   # SDFT cut short ...
+    raw[sf.sckp.offset + 4:sf.sckp.offset + 8] = struct.pack("<I", 9)   # ... and the SCKP damaged
+    b.path.write_bytes(bytes(raw))
+    res = strip(b.path)
+    assert res.exit_code == 1 and b.path.read_bytes() == bytes(raw)
+    assert "SCKP version 1, found 9" in res.stderr
+
+
+def test_dry_run_reports_the_whole_draft_cost_and_names_the_checkpoints_flag(tmp_path):
+    b = build_file(tmp_path / "slot.bin")
+    in_ckpts = sum(len(c["dft"]) + len(c["spec"]) for c in b.checkpoints)
+    sdft = len(b.original) - len(b.stripped)
+    code, d = strip_json(b.path, "--dry-run")
+    [f] = d["files"]
+    assert code == 0 and f["bytes_freed"] == sdft
+    assert f["draft_size"] == sdft + in_ckpts and f["checkpoint_draft_size"] == in_ckpts
+    assert f["method"] == "truncate"
+    res = strip(b.path, "--dry-run")
+    want = sdft + in_ckpts
+    assert f"draft state in all: " in res.stdout and f"({want:,} bytes)" in res.stdout
+    assert "--checkpoints" in res.stdout
+    # with --checkpoints everything goes, by a copy
+    code, d = strip_json(b.path, "--dry-run", "--checkpoints")
+    [f] = d["files"]
+    assert f["bytes_freed"] == len(b.original) - len(b.stripped_ckpt) and f["checkpoint_draft_size"] == 0
+    assert f["method"] == "copy"

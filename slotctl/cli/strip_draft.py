@@ -39,9 +39,13 @@ def strip_draft(
 ) -> None:
     """Remove the draft state (the SDFT appendix) from slot files, leaving every other byte as it was.
 
-    In place and atomic: killed at any moment, each file is either the old one or the stripped one.
-    A file without draft state is not rewritten. A file that does not parse is refused and left as
-    it was; the other files are still processed. --model and --draft-model name the memory layouts
+    In place and atomic: when the draft state ends the file (the usual case) it is cut off with one
+    truncate, needing no free space; otherwise (--checkpoints, -o) the file is copied without it and
+    renamed over the old one, after checking the free space the copy needs. Killed at any moment, each
+    file is either the old one or the stripped one. A file without draft state is not rewritten. A file
+    whose draft state is damaged is repaired by removing it; any other damage is refused and the file
+    left as it was; the other files are still processed. --dry-run reports the whole draft cost,
+    checkpoints included. --model and --draft-model name the memory layouts
     when the file alone does not tell them. Details: docs/strip-draft.md.
 
     Exit codes: 0 every file stripped or without draft state; 1 a file was refused; 2 usage error,
@@ -54,7 +58,10 @@ def strip_draft(
         results = strip_files(files, output=output, checkpoints=checkpoints, dry_run=dry_run, force=force,
                               progress=update, **layouts)
     for r in results:
-        if r.note:
+        if r.repaired:
+            out.warn(f"{r.path}: damaged draft state ({r.repaired}); "
+                     f"{'it would be' if dry_run else 'it was'} removed, the layers before it parsed cleanly")
+        if r.note and not dry_run:
             out.warn(r.note)
         if r.error:
             out.error(r.error)
@@ -97,3 +104,11 @@ def render(out: Output, results: list[FileResult], total: int, *, dry_run: bool)
     freed = "would be freed" if dry_run else "freed"
     out.print(Text(f"total: {', '.join(f'{n} {s}' for s, n in counts.items())}; {human_bytes(total)} {freed}",
                    style="bold"))
+    draft = sum(r.draft_size or 0 for r in results)
+    in_ckpts = sum(r.checkpoint_draft_size for r in results)
+    if dry_run and draft:
+        line = f"draft state in all: {human_bytes(draft)} ({draft:,} bytes)"
+        if in_ckpts:
+            line += (f"; {human_bytes(in_ckpts)} of it in checkpoints stays unless --checkpoints is given "
+                     f"(which copies the file instead of cutting it)")
+        out.print(Text(line))
