@@ -14,6 +14,16 @@ Endpoints (llama.cpp b11434, ``tools/server``): ``GET /health``, ``GET /props``,
 ``POST /slots/{id}?action=save|restore|erase`` (body ``{"filename": NAME}`` for save and restore; NAME is a
 plain file name inside the server's ``--slot-save-path``, see :func:`check_filename`), ``POST /completion``.
 An API key is sent as ``Authorization: Bearer KEY``. Requests to loopback addresses never go through a proxy.
+
+A hostile or broken server cannot mislead or hold a command (docs/live.md, "What slotctl trusts"):
+
+* **redirects are never followed** (:class:`ServerRedirect`, exit 2): the API key goes only to the URL
+  given, and a POST never turns into a GET somewhere else;
+* **the timeout bounds the whole request**: connecting, sending and reading together, not each read (a
+  server that drips one byte at a time is cut off when the time is up);
+* **every answer used is checked against its shape** (:data:`SHAPES`, :class:`ServerAnswerError`, exit 2):
+  ``null``, ``[]``, ``{}`` or a wrong type where an object with typed fields is expected says what was
+  wrong instead of passing for success.
 """
 
 from __future__ import annotations
@@ -28,7 +38,8 @@ from typing import Any
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
 
 __all__ = [
-    "DEFAULT_TIMEOUT", "ServerAuthError", "ServerError", "ServerRefused", "ServerUnreachable",
+    "DEFAULT_TIMEOUT", "ServerAnswerError", "ServerAuthError", "ServerError", "ServerRedirect", "ServerRefused",
+    "ServerUnreachable",
     "ServerFacts", "check_filename", "check_slot", "completion", "erase_slot", "get_health", "get_models",
     "get_props", "get_slots", "normalize_url", "request", "restore_slot", "save_slot", "server_facts",
 ]
@@ -51,6 +62,19 @@ class ServerUnreachable(ServerError):
     """No usable answer: connection refused or reset, unknown host, timeout, not a llama-server."""
 
     exit_status = ExitStatus.USAGE
+
+
+class ServerAnswerError(ServerUnreachable):
+    """The server answered, but not with what a llama-server answers there (a wrong shape or type)."""
+
+
+class ServerRedirect(ServerUnreachable):
+    """The server answered with a redirect (HTTP 3xx); slotctl never follows one."""
+
+    def __init__(self, message: str, *, status: int, location: str | None):
+        self.status = status
+        self.location = location
+        super().__init__(message)
 
 
 class ServerAuthError(ServerError):
@@ -121,13 +145,34 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _opener(url: str) -> urllib.request.OpenerDirector:
-    import urllib.request  # here, not at the top: only live mode talks HTTP (start-up)
+def _connection(base: str, timeout: float):
+    """An ``http.client`` connection for the server at ``base`` and the request target prefix.
 
-    host = urllib.parse.urlsplit(url).hostname or ""
-    if _is_loopback(host):
-        return urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    return urllib.request.build_opener()
+    Loopback addresses are reached directly; others through the proxy the environment names
+    (``http_proxy``, ``https_proxy``, ``no_proxy``), as urllib would.
+    """
+    import http.client
+    import urllib.request
+
+    parts = urllib.parse.urlsplit(base)
+    host, port = parts.hostname or "", parts.port
+    https = parts.scheme == "https"
+    proxy = None
+    if not _is_loopback(host):
+        proxy = urllib.request.getproxies().get(parts.scheme)
+        if proxy and urllib.request.proxy_bypass(host):
+            proxy = None
+    cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
+    if proxy:
+        pp = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+        if https:
+            conn = http.client.HTTPSConnection(pp.hostname, pp.port or (443 if pp.scheme == "https" else 80),
+                                               timeout=timeout)
+            conn.set_tunnel(host, port or 443)
+            return conn, parts.path
+        conn = http.client.HTTPConnection(pp.hostname, pp.port or 80, timeout=timeout)
+        return conn, f"{parts.scheme}://{parts.netloc}{parts.path}"
+    return cls(host, port, timeout=timeout), parts.path
 
 
 def _api_key(api_key: str | None) -> str | None:
@@ -144,56 +189,84 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
     """Send one request to the server at ``url`` and return its parsed JSON answer.
 
     ``path`` starts with ``/``; ``body`` (for POST) is sent as JSON; ``api_key`` (default: the
-    ``LLAMA_API_KEY`` environment variable) goes in ``Authorization: Bearer``. ``timeout`` bounds the
-    connection and every read. Raises :class:`ServerUnreachable`, :class:`ServerAuthError` or
-    :class:`ServerRefused` as described in the module docstring.
+    ``LLAMA_API_KEY`` environment variable) goes in ``Authorization: Bearer``, to this URL only: a
+    redirect is reported (:class:`ServerRedirect`), never followed. ``timeout`` bounds the whole request,
+    connection, sending and reading together. Raises :class:`ServerUnreachable`, :class:`ServerAuthError`
+    or :class:`ServerRefused` as described in the module docstring.
     """
     import http.client
     import socket
-    import urllib.error
-    import urllib.request
+    import threading
 
     if not timeout or timeout <= 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {timeout}")
     base = normalize_url(url)
-    full = base + path
+    target = path
     if query:
-        full += "?" + urllib.parse.urlencode(query)
+        target += "?" + urllib.parse.urlencode(query)
     data = None
-    headers = {"Accept": "application/json"}
+    headers = {"Accept": "application/json", "Connection": "close"}
     if body is not None:
         data = json.dumps(body).encode()
         headers["Content-Type"] = "application/json"
     key = _api_key(api_key)
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(full, data=data, headers=headers, method=method)
     what = f"{method} {base}{path}"
     try:
-        with _opener(base).open(req, timeout=timeout) as resp:
-            status = resp.status
-            raw = resp.read(MAX_ANSWER_BYTES + 1)
-    except urllib.error.HTTPError as e:
-        try:
-            raw = e.read(MAX_ANSWER_BYTES + 1)
-        except (OSError, ValueError):
-            raw = b""
-        finally:
-            e.close()
-        _raise_http_error(what, e.code, raw)
-    except urllib.error.URLError as e:
-        raise ServerUnreachable(f"{what}: {_reason(e.reason, timeout)}") from None
-    except (TimeoutError, socket.timeout):
-        raise ServerUnreachable(f"{what}: no answer within {timeout:g} s{_busy_hint(path)}") from None
-    except (ConnectionError, OSError) as e:
-        raise ServerUnreachable(f"{what}: {_reason(e, timeout)}") from None
-    except http.client.HTTPException as e:  # garbage instead of HTTP, or an answer cut short
-        raise ServerUnreachable(f"{what}: not a valid HTTP answer ({type(e).__name__}): "
-                                f"is this a llama-server?") from None
-    except ValueError as e:  # http.client: invalid URL pieces
+        conn, prefix = _connection(base, timeout)
+    except (ValueError, http.client.InvalidURL) as e:
         raise UsageError(f"{what}: {e}") from None
+    expired = threading.Event()
+    sockets = []   # the connection's socket, kept: http.client hands it to the response and forgets it
+
+    def cut_off() -> None:
+        """The time is up: shut the socket down under whatever phase is blocked on it."""
+        expired.set()
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(timeout, cut_off)
+    timer.daemon = True
+    timer.start()
+    try:
+        conn.connect()   # each attempt bounded by the socket's timeout, the whole by the timer
+        sockets.append(conn.sock)
+        if expired.is_set():
+            raise TimeoutError
+        conn.request(method, prefix + target, body=data, headers=headers)
+        resp = conn.getresponse()
+        status, location = resp.status, resp.getheader("Location")
+        raw = resp.read(MAX_ANSWER_BYTES + 1)
+        if expired.is_set():
+            raise TimeoutError
+    except BaseException as e:
+        if expired.is_set() or isinstance(e, (TimeoutError, socket.timeout)):
+            raise ServerUnreachable(f"{what}: no answer within {timeout:g} s (--timeout bounds the "
+                                    f"whole request){_busy_hint(path)}") from None
+        if isinstance(e, http.client.HTTPException):   # garbage instead of HTTP, or an answer cut short
+            raise ServerUnreachable(f"{what}: not a valid HTTP answer ({type(e).__name__}): "
+                                    f"is this a llama-server?") from None
+        if isinstance(e, OSError):
+            raise ServerUnreachable(f"{what}: {_reason(e, timeout)}") from None
+        raise
+    finally:
+        timer.cancel()
+        conn.close()
+    if 300 <= status < 400:
+        to = f" to {location}" if location else ""
+        raise ServerRedirect(f"{what}: the server answered HTTP {status}, a redirect{to}; slotctl does not follow "
+                             f"redirects (the API key goes only to the URL given): give the server's own URL",
+                             status=status, location=location)
     if len(raw) > MAX_ANSWER_BYTES:
         raise ServerUnreachable(f"{what}: answer larger than {MAX_ANSWER_BYTES >> 20} MiB: not a llama-server")
+    if status >= 400:
+        _raise_http_error(what, status, raw)
+    if not 200 <= status < 300:
+        raise ServerUnreachable(f"{what}: unexpected HTTP {status}")
     try:
         return json.loads(raw)
     except ValueError:
@@ -261,17 +334,92 @@ def _raise_http_error(what: str, status: int, raw: bytes) -> None:
                         status=status, message=message, error_type=error_type, body=body)
 
 
+# -- the shapes of the answers used ---------------------------------------------------------------------
+
+#: kinds of values: a test and how it is named in an error
+_KINDS = {
+    "object": (lambda v: isinstance(v, dict), "an object"),
+    "list": (lambda v: isinstance(v, list), "a list"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "count": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a count (an integer >= 0)"),
+    "positive": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a positive integer"),
+    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "a number >= 0"),
+}
+
+#: what each endpoint's answer must hold, as llama-server b11434 writes it (tools/server): key -> (kind,
+#: required, shape of an object value). Only what slotctl uses is checked; other keys may be anything.
+SHAPES: dict[str, dict] = {
+    "/health": {"status": ("str", True, None)},
+    "/props": {
+        "total_slots": ("positive", True, None),
+        "model_path": ("str", False, None),
+        "build_info": ("str", False, None),
+        "modalities": ("object", False, None),
+        "default_generation_settings": ("object", False, {"n_ctx": ("count", False, None)}),
+    },
+    "/slots[]": {
+        "id": ("count", True, None),
+        "n_ctx": ("count", False, None),
+        "speculative": ("bool", False, None),
+        "is_processing": ("bool", False, None),
+        "n_prompt_tokens": ("count", False, None),
+        "params": ("object", False, None),
+    },
+    "save": {"id_slot": ("count", True, None), "filename": ("str", True, None), "n_saved": ("count", True, None),
+             "n_written": ("count", True, None), "timings": ("object", False, {"save_ms": ("number", False, None)})},
+    "restore": {"id_slot": ("count", True, None), "filename": ("str", True, None),
+                "n_restored": ("count", True, None), "n_read": ("count", True, None),
+                "timings": ("object", False, {"restore_ms": ("number", False, None)})},
+    "erase": {"id_slot": ("count", True, None), "n_erased": ("count", True, None)},
+}
+
+
+def _show(v: Any, limit: int = 60) -> str:
+    text = json.dumps(v, ensure_ascii=True)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def check_shape(what: str, answer: Any, shape: dict, where: str = "") -> Any:
+    """``answer`` when it is an object holding ``shape`` (see :data:`SHAPES`); else ServerAnswerError."""
+
+    def wrong(key: str, want: str, got: Any) -> ServerAnswerError:
+        return ServerAnswerError(f"{what}: unexpected answer: {key} should be {want}, got {_show(got)} "
+                                 f"(is this a llama-server?)")
+
+    if not isinstance(answer, dict):
+        raise wrong(where or "the answer", "an object", answer)
+    for key, (kind, required, inner) in shape.items():
+        name = f"{where}.{key}" if where else key
+        if key not in answer:
+            if required:
+                raise ServerAnswerError(f"{what}: unexpected answer: {name} is missing (is this a llama-server?)")
+            continue
+        test, desc = _KINDS[kind]
+        if not test(answer[key]):
+            raise wrong(name, desc, answer[key])
+        if inner:
+            check_shape(what, answer[key], inner, name)
+    return answer
+
+
 # -- endpoints ---------------------------------------------------------------------------------------
 
 
 def get_health(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
     """``GET /health``: ``{"status": "ok"}`` once the model is loaded; ServerRefused (503) while loading."""
-    return request(url, "GET", "/health", api_key=api_key, timeout=timeout)
+    return check_shape(f"GET {normalize_url(url)}/health", request(url, "GET", "/health", api_key=api_key,
+                                                                    timeout=timeout), SHAPES["/health"])
 
 
 def get_props(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
-    """``GET /props``: model path, ``total_slots``, ``default_generation_settings.n_ctx``, build info, ..."""
-    return request(url, "GET", "/props", api_key=api_key, timeout=timeout)
+    """``GET /props``: model path, ``total_slots``, ``default_generation_settings.n_ctx``, build info, ...
+
+    Checked against ``SHAPES["/props"]`` (ServerAnswerError, exit 2): an object with a positive
+    ``total_slots``.
+    """
+    return check_shape(f"GET {normalize_url(url)}/props", request(url, "GET", "/props", api_key=api_key,
+                                                                   timeout=timeout), SHAPES["/props"])
 
 
 def get_slots(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> list:
@@ -280,9 +428,12 @@ def get_slots(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_
     ServerRefused (HTTP 501) when the server runs with ``--no-slots``.
     """
     answer = request(url, "GET", "/slots", api_key=api_key, timeout=timeout)
-    if not isinstance(answer, list):
-        raise ServerUnreachable(f"GET {normalize_url(url)}/slots: expected a list of slots, got "
-                                f"{type(answer).__name__}: is this a llama-server?")
+    what = f"GET {normalize_url(url)}/slots"
+    if not isinstance(answer, list) or not answer:
+        raise ServerAnswerError(f"{what}: unexpected answer: should be a list of one object per slot, got "
+                                f"{_show(answer)} (is this a llama-server?)")
+    for i, entry in enumerate(answer):
+        check_shape(what, entry, SHAPES["/slots[]"], f"[{i}]")
     return answer
 
 
@@ -400,9 +551,9 @@ def check_slot(url: str, slot: int, *, api_key: str | None = None, timeout: floa
     """
     if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
         raise UsageError(f"--slot must be a slot id (0, 1, ...), got {slot!r}")
-    props = get_props(url, api_key=api_key, timeout=timeout)
-    total = props.get("total_slots") if isinstance(props, dict) else None
-    if isinstance(total, int) and not isinstance(total, bool) and total > 0 and slot >= total:
+    props = get_props(url, api_key=api_key, timeout=timeout)   # its shape holds a positive total_slots
+    total = props["total_slots"]
+    if slot >= total:
         raise UsageError(f"--slot {slot}: the server at {normalize_url(url)} has {total} slot(s), "
                          f"0..{total - 1} (llama-server would quietly take slot {slot} as slot {slot % total})")
     return total
@@ -414,8 +565,16 @@ def _slot_action(url: str, slot: int, action: str, body: Any, api_key: str | Non
         raise UsageError(f"--slot must be a slot id (0, 1, ...), got {slot!r}")
     if check:
         check_slot(url, slot, api_key=api_key, timeout=timeout)
-    return request(url, "POST", f"/slots/{slot}", body, query={"action": action}, api_key=api_key,
-                   timeout=timeout)
+    answer = request(url, "POST", f"/slots/{slot}", body, query={"action": action}, api_key=api_key,
+                     timeout=timeout)
+    what = f"POST {normalize_url(url)}/slots/{slot}?action={action}"
+    check_shape(what, answer, SHAPES[action])
+    if answer["id_slot"] != slot:
+        raise ServerAnswerError(f"{what}: unexpected answer: id_slot should be {slot}, got {_show(answer['id_slot'])}")
+    if "filename" in (body or {}) and answer["filename"] != body["filename"]:
+        raise ServerAnswerError(f"{what}: unexpected answer: filename should be {_show(body['filename'])}, "
+                                f"got {_show(answer['filename'])}")
+    return answer
 
 
 def save_slot(url: str, slot: int, filename: str, *, api_key: str | None = None,

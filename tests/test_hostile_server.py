@@ -1,0 +1,234 @@
+"""Live mode against hostile servers: a few lines of ``http.server`` on 127.0.0.1 per case (docs/live.md).
+
+Each server answers every request with what its case scripts; a second server records whatever reaches it
+(where a redirect points). Commands run through the CLI in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from typer.testing import CliRunner
+
+from slotctl.cli.app import app
+
+runner = CliRunner()
+GOOD_PROPS = {"total_slots": 2, "model_path": "/models/m.gguf", "build_info": "b11434",
+              "default_generation_settings": {"n_ctx": 4096}}
+GOOD_SLOTS = [{"id": 0, "n_ctx": 4096, "speculative": False, "is_processing": False},
+              {"id": 1, "n_ctx": 4096, "speculative": False, "is_processing": False}]
+
+
+class Script:
+    """What a hostile server answers: ``answer(handler)`` writes the whole response."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.seen: list[tuple[str, str, dict]] = []
+
+
+def _handler(script: Script):
+    class H(BaseHTTPRequestHandler):
+        def _any(self):
+            n = int(self.headers.get("Content-Length") or 0)
+            if n:
+                self.rfile.read(n)
+            script.seen.append((self.command, self.path, dict(self.headers)))
+            try:
+                script.answer(self)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        do_GET = do_POST = _any
+
+        def log_message(self, *a):
+            pass
+
+    return H
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(answer) -> tuple[str, Script]:
+        script = Script(answer)
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), _handler(script))
+        srv.daemon_threads = True
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}", script
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+def send_json(h: BaseHTTPRequestHandler, obj, status: int = 200) -> None:
+    body = json.dumps(obj).encode()
+    h.send_response(status)
+    h.send_header("Content-Type", "application/json")
+    h.send_header("Content-Length", str(len(body)))
+    h.end_headers()
+    h.wfile.write(body)
+
+
+def by_path(routes: dict):
+    """An answer that looks up the path (without the query) in ``routes``: (status, JSON) pairs."""
+
+    def answer(h):
+        status, obj = routes.get(h.path.split("?")[0], (404, {"error": {"code": 404, "message": "File Not Found"}}))
+        send_json(h, obj, status)
+
+    return answer
+
+
+def one_error_line(res) -> str:
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    return lines[0]
+
+
+# -- redirects ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [301, 302, 307, 308])
+def test_redirects_are_reported_not_followed_and_the_key_stays(serve, status):
+    elsewhere, seen_there = serve(by_path({"/props": (200, GOOD_PROPS), "/slots/0": (200, {
+        "id_slot": 0, "filename": "x.bin", "n_saved": 1, "n_written": 1, "timings": {"save_ms": 1}})}))
+
+    def redirect(h):
+        h.send_response(status)
+        h.send_header("Location", elsewhere + h.path)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
+    url, _ = serve(redirect)
+    for args in (["save", "--server", url, "--slot", "0", "x.bin", "--api-key", "SECRET"],
+                 ["slots", "--server", url, "--api-key", "SECRET"]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, res.output
+        line = one_error_line(res)
+        assert f"answered HTTP {status}, a redirect to {elsewhere}" in line and "does not follow" in line
+    assert seen_there.seen == []   # nothing, and no key, went where the redirect pointed
+
+
+# -- the timeout bounds the whole request --------------------------------------------------------------------
+
+
+def drip_body(h):
+    """Headers at once, then one byte of the body every 0.2 s, for a long time."""
+    h.send_response(200)
+    h.send_header("Content-Type", "application/json")
+    h.send_header("Content-Length", "100000")
+    h.end_headers()
+    for _ in range(600):
+        h.wfile.write(b" ")
+        h.wfile.flush()
+        time.sleep(0.2)
+
+
+def drip_headers(h):
+    """The status line and headers one byte every 0.2 s."""
+    for b in b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Padding: " + b"a" * 1000:
+        h.wfile.write(bytes([b]))
+        h.wfile.flush()
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("drip", [drip_body, drip_headers], ids=["body", "headers"])
+def test_a_dripping_server_is_cut_off_at_the_timeout(serve, drip):
+    url, _ = serve(drip)
+    for args in (["slots", "--server", url, "--timeout", "1"],
+                 ["save", "--server", url, "--slot", "0", "x.bin", "--timeout", "1"]):
+        t0 = time.monotonic()
+        res = runner.invoke(app, args)
+        elapsed = time.monotonic() - t0
+        assert res.exit_code == 2, res.output
+        assert "no answer within 1 s" in one_error_line(res)
+        assert elapsed < 5, elapsed   # 1 s and the start-up of the command, not 0.2 s per byte
+
+
+# -- answers of the wrong shape ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("props,said", [
+    (None, "the answer should be an object, got null"),
+    ([], "the answer should be an object, got []"),
+    ({}, "total_slots is missing"),
+    ({"total_slots": "2"}, 'total_slots should be a positive integer, got "2"'),
+    ({"total_slots": 0}, "total_slots should be a positive integer, got 0"),
+    ({"total_slots": 2, "model_path": 7}, "model_path should be a string, got 7"),
+])
+def test_props_of_the_wrong_shape(serve, props, said):
+    url, script = serve(by_path({"/props": (200, props), "/slots": (200, GOOD_SLOTS)}))
+    res = runner.invoke(app, ["save", "--server", url, "--slot", "5", "x.bin"])
+    assert res.exit_code == 2
+    line = one_error_line(res)
+    assert f"GET {url}/props: unexpected answer: {said}" in line
+    assert not any(m == "POST" for m, _, _ in script.seen)   # the slot action was never sent
+
+
+@pytest.mark.parametrize("action,answer,said", [
+    ("save", {}, "id_slot is missing"),
+    ("save", {"id_slot": 0, "filename": "x.bin", "n_saved": "many", "n_written": 10}, 'n_saved should be a count'),
+    ("save", {"id_slot": 1, "filename": "x.bin", "n_saved": 3, "n_written": 10}, "id_slot should be 0, got 1"),
+    ("save", {"id_slot": 0, "filename": "y.bin", "n_saved": 3, "n_written": 10}, 'filename should be "x.bin"'),
+    ("save", None, "the answer should be an object, got null"),
+    ("restore", [], "the answer should be an object, got []"),
+    ("restore", {"id_slot": 0, "filename": "x.bin", "n_restored": -1, "n_read": 1}, "n_restored should be a count"),
+    ("erase", {"id_slot": 0, "n_erased": True}, "n_erased should be a count"),
+])
+def test_slot_action_answers_of_the_wrong_shape(serve, action, answer, said):
+    url, _ = serve(by_path({"/props": (200, GOOD_PROPS), "/slots/0": (200, answer)}))
+    args = {"save": ["save", "--server", url, "--slot", "0", "x.bin"],
+            "restore": ["restore", "--server", url, "--slot", "0", "x.bin"],
+            "erase": ["erase", "--server", url, "--slot", "0"]}[action]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert f"unexpected answer: {said}" in one_error_line(res)
+    assert "saved" not in res.stdout and "restored" not in res.stdout
+
+
+@pytest.mark.parametrize("slots,said", [
+    (None, "should be a list of one object per slot, got null"),
+    ({}, "should be a list of one object per slot, got {}"),
+    ([], "should be a list of one object per slot, got []"),
+    ([{"id": "zero"}], '[0].id should be a count (an integer >= 0), got "zero"'),
+    ([{"id": 0, "is_processing": "no"}], '[0].is_processing should be true or false, got "no"'),
+])
+def test_slots_of_the_wrong_shape(serve, slots, said):
+    url, _ = serve(by_path({"/props": (200, GOOD_PROPS), "/slots": (200, slots)}))
+    res = runner.invoke(app, ["slots", "--server", url])
+    assert res.exit_code == 2
+    assert f"GET {url}/slots: unexpected answer: {said}" in one_error_line(res)
+
+
+# -- server text reaches the terminal escaped -----------------------------------------------------------------
+
+
+HOSTILE = "boom\x1b[2J\x1b]0;pwned\x07\rline\nnext"
+
+
+def test_error_message_from_the_server_is_escaped(serve):
+    url, _ = serve(by_path({"/props": (200, GOOD_PROPS),
+                            "/slots/0": (500, {"error": {"code": 500, "message": HOSTILE, "type": "server_error"}})}))
+    res = runner.invoke(app, ["save", "--server", url, "--slot", "0", "x.bin"])
+    assert res.exit_code == 1
+    line = one_error_line(res)
+    assert "\x1b" not in res.stderr and "\x07" not in res.stderr and "\r" not in res.stderr
+    assert "boom\\x1b[2J\\x1b]0;pwned\\x07\\x0dline\\nnext" in line
+
+
+def test_model_path_from_the_server_is_escaped(serve):
+    props = dict(GOOD_PROPS, model_path="/m/" + HOSTILE + ".gguf", build_info=HOSTILE)
+    url, _ = serve(by_path({"/props": (200, props), "/slots": (200, GOOD_SLOTS)}))
+    res = runner.invoke(app, ["slots", "--server", url])
+    assert res.exit_code == 0, res.output
+    assert "\x1b" not in res.stdout and "\x07" not in res.stdout and "\r" not in res.stdout
+    assert "boom\\x1b[2J" in res.stdout
