@@ -130,8 +130,13 @@ def test_field_at_its_maximum(tmp_path, kind, field):
         assert res.exit_code in (0, 1), (args, res.exit_code, res.stderr)
         assert peak < MEMORY_BOUND, (args[0], field, peak)
         assert elapsed < 30, (args[0], field, elapsed)   # a guard against a hang, not a measurement
-        assert res.exit_code == 1, (args[0], field, res.exit_code, res.stdout[-500:], res.stderr)
         assert " at 0x" in res.stdout, (args[0], field, res.stdout[-500:])
+        if args[0] == "strip-draft" and field.startswith("SDFT"):
+            # damage confined to the draft state: strip-draft would repair the file by removing it
+            d = json.loads(res.stdout)
+            assert res.exit_code == 0 and d["files"][0]["repaired"], res.stdout[-500:]
+        else:
+            assert res.exit_code == 1, (args[0], field, res.exit_code, res.stdout[-500:], res.stderr)
 
 
 def test_cell_count_at_the_limit_over_a_hole_costs_bounded_time_and_memory(tmp_path):

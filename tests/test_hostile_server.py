@@ -114,7 +114,7 @@ def test_redirects_are_reported_not_followed_and_the_key_stays(serve, status):
         res = runner.invoke(app, args)
         assert res.exit_code == 2, res.output
         line = one_error_line(res)
-        assert f"answered HTTP {status}, a redirect to {elsewhere}" in line and "does not follow" in line
+        assert f"answered HTTP {status}, a redirect to {elsewhere}" in line and "which is not followed" in line
     assert seen_there.seen == []   # nothing, and no key, went where the redirect pointed
 
 

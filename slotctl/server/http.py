@@ -258,8 +258,8 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
         conn.close()
     if 300 <= status < 400:
         to = f" to {location}" if location else ""
-        raise ServerRedirect(f"{what}: the server answered HTTP {status}, a redirect{to}; slotctl does not follow "
-                             f"redirects (the API key goes only to the URL given): give the server's own URL",
+        raise ServerRedirect(f"{what}: the server answered HTTP {status}, a redirect{to}, which is not followed "
+                             f"(the API key goes only to the URL given): give the server's own URL",
                              status=status, location=location)
     if len(raw) > MAX_ANSWER_BYTES:
         raise ServerUnreachable(f"{what}: answer larger than {MAX_ANSWER_BYTES >> 20} MiB: not a llama-server")

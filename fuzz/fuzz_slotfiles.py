@@ -1,0 +1,93 @@
+"""The long adversarial run (not part of CI): mutated real slot files through every command, for a while.
+
+The same mutations and contract as ``tests/test_properties.py`` (``tests/mutate.py``), drawn at random
+(seeded, so a finding can be replayed), over every layer of each source file, with the slower commands
+too (``inspect -m``, ``validate -m``) and memory measured on every command. A finding (an exception, an
+undocumented exit code, a message that is not one line, a timeout or a memory bound broken) is printed
+with its seed and mutation and the file is kept in ``--keep``.
+
+Run: ``python fuzz/fuzz_slotfiles.py --seconds 600 [--seed N] [--keep DIR]``. Prints the number of files
+and command runs, the exit codes seen, the slowest command and the largest peak allocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+import mutate  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=600)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--keep", default="fuzz-findings")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    sources = mutate.sources()
+    files = runs = 0
+    codes: collections.Counter = collections.Counter()
+    per_layer: collections.Counter = collections.Counter()
+    slowest = (0.0, "")
+    biggest = (0, "")
+    findings = []
+    original_check = mutate.check_command
+
+    def counting(cmd, *, measure=True):
+        nonlocal runs, slowest, biggest
+        code, secs, peak = original_check(cmd, measure=measure)
+        runs += 1
+        codes[(cmd[0], code)] += 1
+        if secs > slowest[0]:
+            slowest = (secs, " ".join(cmd[:1] + cmd[2:]))
+        if peak > biggest[0]:
+            biggest = (peak, " ".join(cmd[:1] + cmd[2:]))
+        return code, secs, peak
+
+    mutate.check_command = counting
+    end = time.monotonic() + args.seconds
+    with tempfile.TemporaryDirectory() as d:
+        while time.monotonic() < end:
+            src = rng.choice(sources)
+            layer, off, size = rng.choice(src.layers)
+            muts = []
+            data = src.data
+            for _ in range(rng.choice((1, 1, 1, 2, 3))):
+                kind = rng.choice(mutate.KINDS)
+                pos = off + rng.randrange(max(1, size))
+                arg = rng.choice(mutate.EXTREMES) if rng.random() < 0.3 else rng.getrandbits(64)
+                muts.append((kind, pos, arg))
+                data = mutate.apply(data, kind, pos, arg)
+            files += 1
+            per_layer[(src.name, layer)] += 1
+            try:
+                mutate.check_file(data, src.model, Path(d), full=True)
+            except Exception:   # noqa: BLE001 - every failure is a finding
+                os.makedirs(args.keep, exist_ok=True)
+                keep = Path(args.keep) / f"finding-{len(findings)}.bin"
+                keep.write_bytes(data)
+                findings.append((src.name, layer, muts, traceback.format_exc(limit=3)))
+                print(f"FINDING {len(findings)}: {src.name} {layer} {muts} -> {keep}\n{findings[-1][3]}", flush=True)
+    print(f"files: {files:,}; command runs: {runs:,}; seed {args.seed}; {args.seconds:g} s")
+    print("files per (source, layer): " + ", ".join(f"{s}/{l}: {n}" for (s, l), n in sorted(per_layer.items())))
+    print("exit codes: " + ", ".join(f"{c} {code}: {n}" for (c, code), n in sorted(codes.items())))
+    print(f"slowest command: {slowest[0]:.2f} s ({slowest[1]}); largest peak allocation: "
+          f"{biggest[0] / 2**20:.1f} MiB ({biggest[1]})")
+    print(f"findings: {len(findings)}")
+    sys.exit(1 if findings else 0)
+
+
+if __name__ == "__main__":
+    main()

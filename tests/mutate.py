@@ -1,0 +1,168 @@
+"""Mutations of real slot files and the contract every command keeps on them.
+
+Shared by ``tests/test_properties.py`` (hypothesis, a modest number of examples in CI) and
+``fuzz/fuzz_slotfiles.py`` (the long run). The sources are real server files (tests/data) of two memory
+kinds with checkpoints and draft state appended, so every layer is there to be damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+import time
+import tracemalloc
+from dataclasses import dataclass
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from slotctl.cli.app import app
+from slotctl.format.appendix import build_sckp, build_sdft
+from slotctl.format.blob import blob_header
+from slotctl.slotfile import open_slot_file
+
+DATA = Path(__file__).resolve().parent / "data"
+runner = CliRunner()
+#: what one command may allocate (tracemalloc peak) and take on a mutated file of ~250 KB
+MEMORY_BOUND = 64 << 20
+TIME_BOUND = 20.0
+
+
+def _payload(path: Path) -> bytes:
+    raw = path.read_bytes()
+    (n,) = struct.unpack_from("<I", raw, 8)
+    return raw[12 + 4 * n:]
+
+
+def chain_bytes(base: Path) -> bytes:
+    """``base`` + SCKP (two checkpoints: target, draft and speculative blobs; one without draft) + SDFT."""
+    tgt = blob_header(0) + _payload(base)
+    dft = blob_header(0) + _payload(DATA / "srv-draft.bin")
+    sckp = build_sckp([dict(n_tokens=8, pos_min=0, pos_max=7, tgt=tgt, dft=dft, spec=b"spec"),
+                       dict(n_tokens=9, pos_min=0, pos_max=8, tgt=tgt, dft=b"", spec=b"")])
+    return base.read_bytes() + sckp + build_sdft(dft, b"spec")
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    data: bytes
+    model: Path
+    #: (layer name, offset, size) of each layer of the intact file
+    layers: tuple[tuple[str, int, int], ...]
+
+
+def sources() -> list[Source]:
+    out = []
+    for name, base, model in (("kv", DATA / "srv-np1.bin", DATA / "target.gguf"),
+                              ("recurrent", DATA / "kinds" / "srv-mamba.bin", DATA / "kinds" / "mamba.gguf")):
+        data = chain_bytes(base)
+        with tempfile.TemporaryDirectory() as d:
+            p = Path(d) / "src.bin"
+            p.write_bytes(data)
+            sf = open_slot_file(p)
+            assert not sf.errors, sf.errors
+            out.append(Source(name, data, model, tuple(sf.layers())))
+    return out
+
+
+# -- mutations: (kind, position, argument) ---------------------------------------------------------------
+
+KINDS = ("truncate", "flip", "u32", "u64", "insert", "delete", "splice")
+EXTREMES = (0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, (1 << 63) - 1, (1 << 64) - 1)
+
+
+def apply(data: bytes, kind: str, pos: int, arg: int) -> bytes:
+    """``data`` with one mutation at ``pos`` (clamped into the file); ``arg`` is the kind's parameter."""
+    pos = max(0, min(pos, len(data) - 1))
+    b = bytearray(data)
+    if kind == "truncate":
+        return bytes(b[:pos])
+    if kind == "flip":
+        b[pos] ^= 1 << (arg % 8)
+    elif kind == "u32":
+        b[pos:pos + 4] = (arg & 0xFFFFFFFF).to_bytes(4, "little")
+    elif kind == "u64":
+        b[pos:pos + 8] = (arg & ((1 << 64) - 1)).to_bytes(8, "little")
+    elif kind == "insert":
+        b[pos:pos] = (arg & 0xFFFFFFFF).to_bytes(4, "little") * (1 + arg % 3)
+    elif kind == "delete":
+        del b[pos:pos + 1 + arg % 64]
+    elif kind == "splice":   # a copy of another part of the file lands here (an appendix spliced in, ...)
+        src = arg % len(data)
+        piece = data[src:src + 1 + (arg >> 8) % 256]
+        b[pos:pos + len(piece)] = piece
+    return bytes(b)
+
+
+# -- the contract -----------------------------------------------------------------------------------------
+
+
+def commands(path: Path, model: Path, *, full: bool = False) -> list[list[str]]:
+    """The read-only commands run on a mutated file; ``full`` adds the slower ones (the fuzz run)."""
+    p = str(path)
+    out = [["inspect", p, "--json"], ["validate", p, "--no-load", "--json"],
+           ["strip-draft", p, "-m", str(model), "--dry-run", "--json"]]
+    if full:
+        out += [["inspect", p, "-m", str(model), "--json"], ["strip-draft", p, "--dry-run", "--json"],
+                ["validate", p, "-m", str(model), "--no-load", "--json"]]
+    return out
+
+
+def check_command(args: list[str], *, measure: bool = True) -> tuple[int, float, int]:
+    """Run one command in this process; assert the contract; return (exit code, seconds, peak bytes).
+
+    Contract: exit 0 or 1 (a file that is read is never a usage error), no exception, stderr holds only
+    one-line ``error:`` / ``warning:`` messages, ``--json`` output is one JSON document, within
+    :data:`TIME_BOUND` and :data:`MEMORY_BOUND`.
+    """
+    if measure:
+        tracemalloc.start()
+    t0 = time.monotonic()
+    try:
+        res = runner.invoke(app, args)
+    finally:
+        elapsed = time.monotonic() - t0
+        peak = tracemalloc.get_traced_memory()[1] if measure else 0
+        if measure:
+            tracemalloc.stop()
+    where = " ".join(args)
+    assert res.exception is None or isinstance(res.exception, SystemExit), (where, repr(res.exception))
+    assert res.exit_code in (0, 1), (where, res.exit_code, res.stderr)
+    for line in res.stderr.splitlines():
+        assert line.startswith(("error: ", "warning: ")), (where, line)
+    if "--json" in args:
+        json.loads(res.stdout)
+    assert elapsed < TIME_BOUND, (where, elapsed)
+    assert peak < MEMORY_BOUND, (where, peak)
+    return res.exit_code, elapsed, peak
+
+
+def check_strip_in_place(path: Path) -> int:
+    """strip-draft in place (and --checkpoints): the file is unchanged, or it is a clean file without draft state."""
+    before = path.read_bytes()
+    code, _, _ = check_command(["strip-draft", str(path), "--checkpoints", "--json"], measure=False)
+    after = path.read_bytes()
+    if code == 1:
+        assert after == before, "a refused file was changed"
+    elif after != before:
+        sf = open_slot_file(path)
+        assert not sf.errors and sf.sdft is None, sf.errors
+        assert after[:sf.header_end] == before[:sf.header_end]
+    assert not [n for n in os.listdir(path.parent) if n.endswith(".tmp")]
+    return code
+
+
+def check_file(data: bytes, model: Path, directory: Path, *, full: bool = False) -> list[int]:
+    """Every command on ``data`` (written to ``directory``); the exit codes.
+
+    Memory is measured (tracemalloc, which slows Python several times) on the first command, inspect;
+    with ``full`` on every command.
+    """
+    p = directory / "mutated.bin"
+    p.write_bytes(data)
+    codes = [check_command(args, measure=full or i == 0)[0] for i, args in enumerate(commands(p, model, full=full))]
+    codes.append(check_strip_in_place(p))
+    return codes
