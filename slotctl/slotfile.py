@@ -29,6 +29,8 @@ from slotctl.format.recurrent import recurrent_head
 from slotctl.paths import open_regular
 
 SCAN_CHUNK = 1 << 20
+#: how far from the end of the file an appendix chain is looked for when the payload cannot be located
+SCAN_WINDOW = 64 << 20
 
 
 @dataclass
@@ -400,10 +402,14 @@ def _read_appendices(f: BinaryIO, sf: SlotFile, offset: int, draft_layout: Memor
 
 
 def _scan_appendices(f: BinaryIO, sf: SlotFile, start: int) -> None:
-    """Find an appendix chain that parses to the end of the file, when the payload could not be located."""
+    """Find an appendix chain that parses to the end of the file, when the payload could not be located.
+
+    Bounded: only the last :data:`SCAN_WINDOW` bytes are read (an appendix chain is the end of the file,
+    and its magics start it), so a damaged payload in a large file costs at most that much reading.
+    """
     size = sf.size
     magics = [struct.pack("<I", m) for m in apx.MAGICS]
-    pos = start
+    pos = max(start, size - SCAN_WINDOW)
     while pos < size:
         f.seek(pos)
         chunk = f.read(SCAN_CHUNK + 3)
