@@ -1,0 +1,101 @@
+"""``slotctl identify`` in real llama-cpp-python contexts: files written by llama-server b11434 (tests/data) and
+by slotctl's runtime are matched to the model that wrote them among candidates of exactly the same shape
+(the tiny models of slotctl.testing with other seeds), for the target and the draft state."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import DATA
+from slotctl.cli.app import app
+from slotctl.testing import make_kind_model, make_model
+
+runner = CliRunner()
+TARGET = DATA / "target.gguf"
+
+
+def identify(*args, code: int = 0) -> dict:
+    res = runner.invoke(app, ["identify", *map(str, args), "--json"])
+    assert "Traceback" not in res.output, res.output
+    assert res.exit_code == code, res.output
+    return json.loads(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory) -> Path:
+    """A model of the target's exact shape (llama, 2 layers) with other weights."""
+    return make_model(tmp_path_factory.mktemp("other") / "other.gguf", n_layer=2, seed=5)
+
+
+@pytest.mark.parametrize("name", ["srv-np1.bin", "srv-kvq8.bin", "srv-fa-off.bin"])
+def test_the_servers_file_is_matched_to_its_model(other, name):
+    """f16, q8_0 (rotated) and transposed-V files: the writer matches (cosine ~1), the other does not (~0)."""
+    d = identify(DATA / name, "-m", other, "-m", TARGET)
+    t = d["target"]
+    assert t["best"] == str(TARGET) and d["exit_code"] == 0
+    right, wrong = t["candidates"][1], t["candidates"][0]
+    assert right["matches"] and right["score"] > 0.9999 and right["max_abs_diff"] < 0.01
+    assert not wrong["matches"] and abs(wrong["score"]) < 0.2
+    assert t["margin"] == pytest.approx(right["score"] - wrong["score"])
+    assert {(x["tensor"], x["layer"]) for x in right["layers"]} == {("K", 0), ("K", 1), ("V", 0), ("V", 1)}
+    assert all(x["n_rows"] == 32 for x in right["layers"])
+
+
+def test_no_candidate_matches(other):
+    d = identify(DATA / "srv-np1.bin", "-m", other, code=1)
+    assert d["target"]["best"] is None and d["exit_code"] == 1
+    res = runner.invoke(app, ["identify", str(DATA / "srv-np1.bin"), "-m", str(other)])
+    assert res.exit_code == 1 and "no candidate matches" in res.stdout
+
+
+def test_a_model_of_another_shape_is_no_candidate():
+    d = identify(DATA / "srv-np1.bin", "-m", DATA / "draft.gguf", "-m", TARGET)
+    bad = d["target"]["candidates"][0]
+    assert not bad["matches"] and bad["score"] is None and "shape" in bad["error"]
+
+
+def test_draft_state(tiny_models, tmp_path):
+    """The SDFT draft state of a file slotctl saved with the tiny draft (seed 2) is matched to that draft,
+    not to a draft of the same shape with other weights; the target at the same time."""
+    from slotctl.model.settings import ContextSettings
+    from slotctl.runtime.slot import ServerContexts, evaluate_prompt, write_slot_file
+    from slotctl.testing import SAMPLE_PROMPT
+
+    path = tmp_path / "spec.bin"
+    with ServerContexts.open(tiny_models.target, ContextSettings(n_ctx=256), draft_path=tiny_models.draft,
+                             draft_type_k="q8_0", draft_type_v="q8_0") as sc:
+        tokens = sc.target_model.tokenize(SAMPLE_PROMPT)
+        evaluate_prompt(sc, tokens, 0)
+        write_slot_file(path, sc, 0, tokens, with_draft=True)
+    other_draft = make_model(tmp_path / "other-draft.gguf", n_layer=1, seed=7)
+    d = identify(path, "-m", tiny_models.target, "-md", other_draft, "-md", tiny_models.draft, "-n", 16)
+    assert d["target"]["best"] == str(tiny_models.target)
+    assert d["draft"]["best"] == str(tiny_models.draft)
+    right, wrong = d["draft"]["candidates"][1], d["draft"]["candidates"][0]
+    assert right["score"] > 0.9999 and not wrong["matches"] and right["n_tokens"] == 16
+    # a file without draft state: every draft candidate says so, and nothing matches
+    d = identify(DATA / "srv-np1.bin", "-md", tiny_models.draft, code=1)
+    assert d["draft"]["candidates"][0]["error"] == "the file holds no draft state"
+
+
+def test_recurrent_state_is_compared_after_the_whole_prompt(tmp_path):
+    """A mamba file (one recurrent cell at the last position): candidates evaluate every token."""
+    other = make_kind_model("mamba", tmp_path / "other-mamba.gguf", seed=99)
+    model = DATA / "kinds" / "mamba.gguf"
+    d = identify(DATA / "kinds" / "srv-mamba.bin", "-m", other, "-m", model)
+    right = d["target"]["candidates"][1]
+    assert d["target"]["best"] == str(model) and right["score"] > 0.999 and right["n_tokens"] == 60
+    assert {x["tensor"] for x in right["layers"]} == {"r", "s"}
+
+
+def test_damaged_file_and_usage(tmp_path):
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes((DATA / "srv-np1.bin").read_bytes()[:3000])
+    d = identify(bad, "-m", TARGET, code=1)
+    assert d["target"]["candidates"][0]["error"] and d["target"]["best"] is None
+    res = runner.invoke(app, ["identify", str(DATA / "srv-np1.bin")])
+    assert res.exit_code == 2 and "-m" in res.output
