@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from slotctl.cli.common import check_file, handle_errors
+from slotctl.cli.common import check_file, handle_errors, require_llama
 from slotctl.cli.options import JsonOpt, VerboseOpt
 from slotctl.cli.output import Output, markup_safe
 from slotctl.errors import ExitStatus, UsageError
@@ -46,16 +46,17 @@ def identify(
     Exit codes: 0 a candidate matches (for the target and, with -md, the draft); 1 none does, or the
     file is damaged; 2 usage error.
     """
-    from slotctl import identify as ident
-    from slotctl.runtime.log import configure_logging
-
     out = Output(json_mode=json_out, verbose=verbose)
-    configure_logging(verbose)
     check_file(file)
     if not models and not draft_models:
         raise UsageError("give candidate models with -m (target) and/or -md (draft)")
     for m in [*(models or []), *(draft_models or [])]:
         check_file(m)
+    require_llama("identify")
+    from slotctl import identify as ident
+    from slotctl.runtime.log import configure_logging
+
+    configure_logging(verbose)
     results = []
     with out.progress("evaluating candidates", total=len(models or []) + len(draft_models or [])) as update:
         for draft, cands in ((False, models or []), (True, draft_models or [])):
