@@ -462,3 +462,14 @@ def test_checkpoints_and_draft_follow_the_slot_count_and_draft_types(tmp_path):
         with pytest.raises(Exception):
             restore_slot(sc, src, 0)   # n_stream mismatch
     assert info_of(target).memory_kind == "iswa"
+
+
+def test_quantized_to_quantized_keeps_the_rotation(tmp_path):
+    """q8_0 -> q4_0: both rotated by 64 (the model's rule does not depend on the quantized type); the values
+    stay q4_0's approximation of the f16 file's, which they would not be had the rotation been touched."""
+    convert_json(DATA / "srv-kvq8.bin", "-o", tmp_path / "q4.bin", "-ctk", "q4_0", "-ctv", "q4_0")
+    sf = open_slot_file(tmp_path / "q4.bin", layout=read_model_info(TARGET).layout())
+    d = sf.target.sections[0].streams[0].data
+    assert (d.n_rot_k, d.n_rot_v) == (64, 64) and d.k[0].type == 2
+    for a, b in zip(_rows(tmp_path / "q4.bin"), _rows(DATA / "srv-np1.bin")):
+        assert np.abs(a - b).max() < 0.5
