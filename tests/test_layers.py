@@ -16,7 +16,7 @@ LAYERS = [
     {"cli"},
     {"prune"},
     {"catalog"},
-    {"validate"},
+    {"validate", "identify"},
     {"runtime"},
     {"describe", "strip", "convert", "diff"},
     {"tensors"},
