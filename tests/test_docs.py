@@ -161,3 +161,21 @@ def test_doc_examples_use_commands_and_options_that_exist():
     assert not problems, problems
     assert len(_example_problems("```sh\nslotctl inspect x.bin --no-such-flag  # c\nslotctl nope\n"
                                  "slotctl validate d/ -m m.gguf [flags] -np 4\n```\n")) == 2
+
+
+def test_format_page_agrees_with_the_schemas():
+    """docs/format.md's constants and type table are the ones slotctl.format parses with."""
+    from slotctl.format import appendix, blob, ggml, header, tokens
+
+    text = (ROOT / "docs" / "format.md").read_text()
+    for value in (header.STATE_SEQ_MAGIC, blob.BLOB_MAGIC, appendix.SCKP_MAGIC, appendix.SDFT_MAGIC):
+        assert f"`0x{value:08x}`" in text, hex(value)
+    assert tuple(header.SUPPORTED_VERSIONS) == (2, 3, 4) and "## 8. State versions 2, 3 and 4" in text
+    assert f"version, {appendix.SCKP_VERSION}" in text and f"version, {appendix.SDFT_VERSION}" in text
+    assert f"| 4 | u32 | version | 1 (`SERVER_TOKENS_STATE_VERSION`) |" in text and tokens.TOKEN_RECORD_VERSION == 1
+    rows = dict((m[0], tuple(map(int, m[1:]))) for m in
+                re.findall(r"^\| (\w+) \| (\d+) \| (\d+) \| (\d+) \|$", text, re.M))
+    assert set(rows) == set(ggml.CACHE_TYPE_NAMES)
+    for name, (type_id, block, block_bytes) in rows.items():
+        t = ggml.BY_NAME[name]
+        assert (t.id, t.block, t.block_bytes) == (type_id, block, block_bytes), name
