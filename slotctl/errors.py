@@ -13,6 +13,8 @@ class ExitStatus(enum.IntEnum):
     FAILED = 1
     #: usage error, unreadable or unwritable path, missing model
     USAGE = 2
+    #: ``validate`` without a model cannot tell what the server does with a file (``undecided``)
+    UNDECIDED = 3
 
 
 class SlotctlError(Exception):

@@ -257,6 +257,11 @@ def _distinct(fits: list[Memory]) -> list[Memory]:
     return out
 
 
+def torn_magic(tail: bytes) -> bool:
+    """Whether ``tail`` (the bytes after the last layer) is 1-3 bytes of an appendix magic."""
+    return 0 < len(tail) < 4 and any(struct.pack("<I", m).startswith(tail) for m in apx.MAGICS)
+
+
 def _read_u32(f: BinaryIO, offset: int) -> int | None:
     f.seek(offset)
     b = f.read(4)
@@ -296,10 +301,17 @@ def _parse_chain(f: BinaryIO, offset: int, size: int) -> tuple[Appendix | None, 
 
 def _chain_fits(f: BinaryIO, offset: int, size: int) -> bool:
     """Whether a valid appendix chain (or nothing) runs from ``offset`` exactly to the end of the file."""
-    if offset == size:
+    if offset == size or _torn_to_end(f, offset, size):
         return True
     sckp, sdft, end, err = _parse_chain(f, offset, size)
-    return err is None and (sckp or sdft) is not None and end == size
+    return err is None and (sckp or sdft) is not None and (end == size or _torn_to_end(f, end, size))
+
+
+def _torn_to_end(f: BinaryIO, offset: int, size: int) -> bool:
+    if not 0 < size - offset < 4:
+        return False
+    f.seek(offset)
+    return torn_magic(f.read(size - offset))
 
 
 def _starts_appendix(f: BinaryIO, offset: int) -> bool:
@@ -376,12 +388,7 @@ def _read_appendices(f: BinaryIO, sf: SlotFile, offset: int, draft_layout: Memor
         # behind a damaged appendix nothing can be located
         sf.trailing = Span(end, size - end)
     elif end < size:
-        sf.trailing = Span(end, size - end)
-        f.seek(end)
-        head = f.read(4)
-        if len(head) < 4 and any(struct.pack("<I", m).startswith(head) for m in apx.MAGICS):
-            sf.errors.append(FormatError("appendix", end, f"an appendix magic, the file ends after "
-                                                          f"{len(head)} byte(s): the file is truncated"))
+        sf.trailing = Span(end, size - end)   # a torn appendix magic included (findings name it)
     version = sf.version
     tgt_partial = sf.target.layout.partial() if sf.target else None
     dft_partial = draft_layout.partial() if draft_layout else None

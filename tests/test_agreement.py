@@ -299,17 +299,7 @@ def _cells(spec: dict[str, tuple[str, ...]]) -> set[tuple[str, str]]:
 
 #: cells where validate disagreed with the server when this test was written (issue 9); each fix removes
 #: its cells, and the test fails on a cell listed here that agrees, so the list only shrinks
-KNOWN_B11434 = _cells({
-    "np1-cut-kv-half.bin": ("c256-np1", "kvu-np2", "other-model"),
-    "np1-one-short.bin": ("c256-np1", "kvu-np2", "other-model"),
-    "fa-off-one-short.bin": ("fa-off",),
-    "srv-gemma2-one-short.bin": ("gemma2",),
-    "srv-mamba-one-short.bin": ("mamba",),
-    "srv-mamba-cut-half.bin": ("mamba",),
-    "np1-sckp-not-a-state.bin": ("c256-np1", "kvu-np2", "other-model"),
-    "np1-torn-magic-S.bin": ("c256-np1", "kvu-np2", "other-model"),
-    "np1-torn-magic-SDF.bin": ("c256-np1", "kvu-np2", "other-model"),
-})
+KNOWN_B11434: set[tuple[str, str]] = set()
 
 
 def check_matrix(matrix: Matrix, known: set[tuple[str, str]], title: str) -> None:

@@ -61,8 +61,9 @@ def test_cut_at_every_layer_boundary_and_inside_each(tmp_path):
         p = tmp_path / f"cut{cut}.bin"
         p.write_bytes(raw[:cut])
         res = _inspect(p)
-        # cutting exactly at an appendix start leaves a valid, shorter file
-        if cut in {off for name, off, _ in layers if name in ("SCKP appendix", "SDFT appendix")}:
+        # cutting exactly at an appendix start leaves a valid, shorter file; inside its magic, a torn one
+        starts = {off for name, off, _ in layers if name in ("SCKP appendix", "SDFT appendix")}
+        if any(0 <= cut - off < 4 for off in starts):
             assert res.exit_code == 0, (cut, res.output)
             continue
         _assert_one_line_error(res)

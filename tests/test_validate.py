@@ -416,29 +416,44 @@ def test_a_draft_state_without_a_draft_model_is_dropped(child, models, made):
 # -- checkpoints -------------------------------------------------------------------------------------------
 
 
-def test_checkpoint_blobs_that_do_not_fit_abort_the_server_later(child, models, made):
-    """The appendix loader checks only lengths; common_prompt_checkpoint::load_dft aborts on a blob that
-    does not fit ("checkpoint size mismatch") when the server rolls back to the checkpoint."""
+def test_checkpoint_blobs_that_do_not_fit_are_kept_and_harmless_to_a_plain_kv_cache(child, models, made):
+    """The appendix loader checks only lengths, so the file restores with the checkpoints; only a rollback
+    to one aborts (common_prompt_checkpoint::load_dft: "checkpoint size mismatch"), and a server with a
+    plain KV cache never rolls back to a checkpoint: a note."""
     r = check(child, made.good, models.target, models.target, n_ctx=256)
     for i in (0, 1):
         f = finding(r, "layer_count_mismatch", f"checkpoint {i} draft")
-        assert f.severity == "error"
+        assert f.severity == "note" and "never rolls back" in f.message
         assert f.message.startswith(f"checkpoint {i}'s draft blob has 1 layer, the draft context 2")
-        assert layer_check(r, f"checkpoint {i} draft").effect == "aborts_later"
+        assert layer_check(r, f"checkpoint {i} draft").effect == "ok"
         assert_agree(r, f"checkpoint {i} draft")
         assert layer_check(r, f"checkpoint {i} target").effect == "ok"
     assert finding(r, "layer_count_mismatch", "draft").severity == "drop"
-    assert r.verdict == "aborts"
+    assert r.verdict == "restores_with_drops"
 
 
-def test_a_checkpoint_blob_damaged_inside_is_kept_and_aborts_later(made, tmp_path):
+def test_a_checkpoint_blob_damaged_inside_is_kept(made, tmp_path):
     sf = open_slot_file(made.good)
     blob = sf.checkpoints[1].tgt
     p = patched(made.good, tmp_path / "ckpt-magic.bin", {blob.span.offset: b"XXXX"})
     r = check(None, p)
     f = finding(r, "checkpoint_blob_damaged", "checkpoint 1 target")
-    assert f.severity == "error" and "checkpoint size mismatch" in f.message
-    assert r.verdict == "aborts"
+    assert f.severity == "note" and "checkpoint size mismatch" in f.message and "keeps this checkpoint" in f.message
+    assert r.verdict == "restores" and r.exit_status == 0
+
+
+def test_a_checkpoint_blob_that_does_not_load_is_an_error_where_the_server_rolls_back(tmp_path):
+    """An SWA cache (gemma2) rolls back to checkpoints: the file restores, the rollback hazard is an error."""
+    raw = (DATA / "kinds" / "srv-gemma2.bin").read_bytes()
+    junk = struct.pack("<Ii", 0xAF143CD8, 0) + b"\x07" * 56
+    sckp = b"SCKP" + struct.pack("<II", 1, 1) + struct.pack("<qii", 20, 4, 19)
+    sckp += b"".join(struct.pack("<Q", len(b)) + b for b in (junk, b"", b""))
+    p = tmp_path / "gemma2-bad-checkpoint.bin"
+    p.write_bytes(raw + sckp)
+    r = check(None, p, DATA / "kinds" / "gemma2.gguf", load=False, n_ctx=256)
+    f = finding(r, "checkpoint_blob_damaged", "checkpoint 0 target")
+    assert f.severity == "error" and "aborts" in f.message and "roll back" in f.message
+    assert r.verdict == "restores" and r.exit_status == 1
 
 
 def test_too_many_checkpoints_are_dropped(child, models, made):
@@ -598,8 +613,8 @@ def test_cli_json_document():
     assert res.stderr == ""
     d = json.loads(res.stdout)
     assert set(d) == {"server", "files", "summary", "exit_code"}
-    assert d["summary"] == {"files": 1, "restores": 1, "restores_with_drops": 0, "aborts": 0, "refused": 0,
-                            "unreadable": 0}
+    assert d["summary"] == {"files": 1, "restores": 1, "restores_with_drops": 0, "undecided": 0, "aborts": 0,
+                            "refused": 0, "unreadable": 0}
     (f,) = d["files"]
     assert set(f) == {"path", "size", "version", "verdict", "exit_code", "counts", "findings", "checks"}
     assert (f["verdict"], f["exit_code"], f["findings"]) == ("restores", 0, [])

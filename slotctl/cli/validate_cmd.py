@@ -27,13 +27,14 @@ from slotctl.server.flags import ServerFlags, attn_rot_disable
 from slotctl.server.http import DEFAULT_TIMEOUT
 
 _VERDICT_STYLE = {"restores": "bold green", "restores_with_drops": "bold yellow", "aborts": "bold red",
-                  "refused": "bold red", "unreadable": "bold red"}
+                  "refused": "bold red", "unreadable": "bold red", "undecided": "bold magenta"}
 _SEVERITY_STYLE = {"error": "red", "drop": "yellow", "note": "dim"}
 _VERDICT_WORDS = {"restores": "restores completely", "restores_with_drops": "restores, with layers dropped",
                   "aborts": "the server aborts on it", "refused": "the server refuses it",
-                  "unreadable": "unreadable"}
+                  "unreadable": "unreadable", "undecided": "undecided without the model (give -m)"}
 _SUMMARY_WORDS = {"restores": "restoring completely", "restores_with_drops": "restoring with layers dropped",
-                  "aborts": "making the server abort", "refused": "refused", "unreadable": "unreadable"}
+                  "aborts": "making the server abort", "refused": "refused", "unreadable": "unreadable",
+                  "undecided": "undecided without the model"}
 
 
 def register(app: typer.Typer) -> None:
@@ -81,8 +82,9 @@ def validate(
     else give -m), -c and -np taken from GET /props and /slots; flags given win, flags the server does
     not report are said in notes (docs/live.md).
 
-    Exit codes: 0 every file restores completely; 1 a file is refused, makes the server abort, or
-    loses a layer; 2 usage or I/O error. Keys and finding codes: docs/validate.md.
+    Exit codes: 0 every file restores completely; 1 a file is refused, makes the server abort, loses
+    a layer, or holds a checkpoint the server aborts on when it rolls back to it; 2 usage or I/O
+    error; 3 without -m, what the server does with a file cannot be decided (undecided). Keys and finding codes: docs/validate.md.
     """
     from slotctl.paths import expand_paths
     from slotctl.validate import ServerSetup, validate_paths
@@ -146,8 +148,8 @@ def render(out: Output, report, *, load_skipped: str | None = None) -> None:
             out.print(line)
     if len(report.files) > 1:
         s = report.summary()
-        parts = [f"{s[v]} {_SUMMARY_WORDS[v]}" for v in ("restores", "restores_with_drops", "aborts", "refused",
-                                                          "unreadable") if s[v]]
+        parts = [f"{s[v]} {_SUMMARY_WORDS[v]}" for v in ("restores", "restores_with_drops", "undecided", "aborts",
+                                                          "refused", "unreadable") if s[v]]
         out.print(Text(f"{s['files']} files: " + ", ".join(parts), style="bold"))
     if not report.real_check and report.setup.target is not None:
         why = f" ({load_skipped})" if load_skipped else " (--no-load)"

@@ -16,7 +16,7 @@ from slotctl.errors import FormatError
 from slotctl.format import tokens as tokfmt
 from slotctl.format.common import parse_bytes
 from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS
-from slotctl.slotfile import SlotFile
+from slotctl.slotfile import SlotFile, torn_magic
 
 
 
@@ -62,9 +62,8 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
         if server is not None and layer.startswith("checkpoint "):
             name = layer.removesuffix(" blob")
             out.append(Finding(name, "error", "checkpoint_blob_damaged",
-                               f"{e.one_line()}: the server keeps this checkpoint (it checks only the "
-                               "appendix's lengths) and aborts (\"checkpoint size mismatch\") when it rolls "
-                               "back to it", e.offset))
+                               f"{e.one_line()}: no state llama.cpp loads; the checkpoint appendix loader "
+                               "checks only lengths, so the server keeps this checkpoint", e.offset))
         elif layer.startswith("SCKP") or layer.startswith("checkpoint"):
             behind = (", and any draft state behind it (the draft loader looks for SDFT right after the "
                       "payload)") if server is not None else ""
@@ -124,12 +123,30 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
                            "the draft appendix holds only speculative state; the draft context starts empty",
                            sf.sdft.offset))
     if sf.trailing is not None and sf.trailing.size and not sf.errors:
-        out.append(Finding("trailing bytes", "note", "trailing_bytes",
-                           f"{sf.trailing.size:,} bytes after the last layer; the server ignores them",
-                           sf.trailing.offset))
+        tail = _head(sf, 4)
+        if torn_magic(tail):
+            # seed load_slot_draft: `if (!ckpt_read(ifs, &magic, ...) || magic != SLOT_DRAFT_MAGIC) return 0;`
+            out.append(Finding("appendix", "note", "torn_appendix_magic",
+                               f"the file ends {len(tail)} byte(s) into an appendix magic ({_printable(tail)}), what "
+                               "a torn append leaves: the server reads no complete magic there and restores the "
+                               "rest without it (no draft state, nothing dropped)", sf.trailing.offset))
+        else:
+            out.append(Finding("trailing bytes", "note", "trailing_bytes",
+                               f"{sf.trailing.size:,} bytes after the last layer; the server ignores them",
+                               sf.trailing.offset))
     if server is not None:
         out += _cell_findings(sf)
     return out
+
+
+def _head(sf: SlotFile, n: int) -> bytes:
+    with open(sf.path, "rb") as f:
+        f.seek(sf.trailing.offset)
+        return f.read(min(n, sf.trailing.size))
+
+
+def _printable(b: bytes) -> str:
+    return '"' + "".join(chr(c) if 32 <= c < 127 and c != 34 else f"\\x{c:02x}" for c in b) + '"'
 
 
 def _memories(sf: SlotFile):

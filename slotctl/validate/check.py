@@ -16,11 +16,12 @@ from slotctl.errors import FormatError
 from slotctl.server.findings import Finding, ServerRules, structural_findings
 from slotctl.format import ggml
 from slotctl.format.blob import FLAGS_NONE, FLAGS_PARTIAL_ONLY
+from slotctl.format.cut import Cut, Extended, completion, locate_cut
 from slotctl.format.memory import MemoryLayout, SectionLayout
 from slotctl.model.info import ModelInfo
 from slotctl.model.predict import Prediction, SectionPrediction
 from slotctl.server.restore import invalid_token_indices
-from slotctl.slotfile import Blob, Memory, SlotFile, open_slot_file, parse_blob
+from slotctl.slotfile import Blob, Memory, SlotFile, open_slot_file, parse_blob, parse_memory
 from slotctl.validate.child import ChildProcess, LoadChecker, _layout_dict
 from slotctl.validate.report import (
     ABORTED,
@@ -30,6 +31,7 @@ from slotctl.validate.report import (
     EFFECT_DROPPED,
     EFFECT_OK,
     EFFECT_REFUSED,
+    EFFECT_UNDECIDED,
     FITS,
     MISMATCH,
     PARTIAL,
@@ -423,6 +425,7 @@ class _MemLayer:
     memory: Memory | None       # parsed with the model's layout
     parsed_layout: MemoryLayout | None   # the layout that parsed the bytes (the model's, or another kind)
     prefix: bool = False        # the layer's end is unknown: loading a prefix of the bytes is a success
+    no_load: str | None = None  # why the real check cannot load this layer
     issues: list[_Issue] = field(default_factory=list)
 
 
@@ -454,11 +457,21 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
         tpred, dpred = models.predictions(sf.version)
 
     issues: list[_Issue] = []
+    cut = None
+    if tinfo is not None and not model_parse and sf.version == setup.state_version:
+        cut = _payload_cut(sf, tinfo)
+    if cut is not None:
+        sf, cut_error = cut[1], cut[2]
+        model_parse = sf.target is not None
     layers = _memory_layers(sf, model_parse, tinfo, dinfo, issues)
     explained = {id(e) for e in _explained_errors(sf, layers)}
+    if cut is not None:
+        explained.add(id(cut_error))
     structural = dataclasses.replace(sf, errors=[e for e in sf.errors if id(e) not in explained])
     by_layer = {ml.side.layer: ml for ml in layers}
     for f in structural_findings(structural, n_ctx_checkpoints=setup.n_ctx_checkpoints, server=rules):
+        if tinfo is None and f.layer == TARGET and f.code == "damaged" and sf.target is None:
+            f = _undecided(f)
         issue = _Issue(f, _structural_effect(f, setup))
         ml = by_layer.get(f.layer)
         (ml.issues if ml is not None else issues).append(issue)
@@ -478,19 +491,83 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
             issues += [_Issue(sp, EFFECT_DROPPED if sp.severity == "drop" else EFFECT_OK)
                        for sp in speculative_findings(sf, f, tinfo, dinfo)]
 
+    if cut is not None:
+        issues += _cut_issues(cut[0], layers[0] if layers and layers[0].side.layer == TARGET else None)
+
     # the real check
     if checker is not None and tinfo is not None:
         issues += _real_check(layers, checker, sf, setup, tpred, dpred)
 
+    kind = tinfo.layout().kind if tinfo is not None else (sf.target.layout.kind if sf.target else None)
+    issues = _weigh_rollback(issues, kind)
     for ml in layers:
+        ml.issues = _weigh_rollback(ml.issues, kind)
         issues += ml.issues
         worst = [i.effect for i in ml.issues if i.finding.severity != "note"]
         ml.check.effect = _worst_effect(worst)
         report.checks.append(ml.check)
     report.findings = [i.finding for i in issues]
-    report.effects = [i.effect for i in issues if i.finding.severity != "note"]
+    report.effects = [i.effect for i in issues if i.finding.severity != "note" or i.effect == EFFECT_UNDECIDED]
     report.verdict = _verdict(report.effects)
     return report
+
+
+def _payload_cut(sf: SlotFile, tinfo: ModelInfo) -> tuple[Cut, SlotFile, FormatError] | None:
+    """When the file ends inside the target payload (read with the model's layout): where, the file with
+    the payload as the loader sees it (completed when what it reads beyond the end repeats the record the
+    end falls in, see :func:`_cut_issues`), and the parse error the cut explains."""
+    err = next((e for e in sf.errors if e.layer.startswith("target memory")), None)
+    if err is None or sf.header_end is None or sf.version is None or sf.target is not None:
+        return None
+    layout = tinfo.layout()
+    with open(sf.path, "rb") as f:
+        cut = locate_cut(f, sf.header_end, sf.size, layout, sf.version)
+        if cut is None:
+            return None
+        target = None
+        if cut.repeats:
+            ext = Extended(f, sf.size, completion(cut))
+            try:
+                target = parse_memory(ext, sf.header_end, ext.end, layout, sf.version)
+            except FormatError:
+                target = None
+    return cut, dataclasses.replace(sf, target=target), err
+
+
+def _cut_issues(cut: Cut, target: _MemLayer | None) -> list[_Issue]:
+    """What b11434 does with a file that ends inside the target payload (``llama_state_seq_load_file``).
+
+    Its ``llama_file`` reads past the end without an error (``read_raw`` reads what is left and leaves the
+    rest of the destination as it was), so the loader goes on, checks what it reads, and at the end
+    ``GGML_ASSERT(nread <= state_size)`` kills the process. What it reads beyond the end is what its
+    variables held: measured on b11434 (x86-64), the header of the record before. So when the end falls
+    in a record's tensor data and everything after it is records of the same shape (a plain KV cache's
+    K rows and V rows of one type and size, a recurrent state's later layers), the loader's checks see
+    that record again: a context they fit is loaded "completely" and the server **aborts**; a context
+    they do not fit refuses it. When something else follows (transposed V rows after K rows, another
+    stream, another section), or the end falls in the cells or a header, the loader reads values that do
+    not continue the payload and refuses it. Checks before the end come first, in the loader's order: a
+    mismatch there refuses the file whatever the cut.
+    """
+    where = f"the file ends inside the target memory's {cut.describe()}"
+    if target is None:
+        return []
+    blocking = any(i.finding.severity != "note" for i in target.issues)
+    repeats = cut.repeats and target.memory is not None
+    target.no_load = ("the file ends inside the payload; this runtime's loader reads a buffer and stops at its "
+                      "end, b11434's file loader reads on past it: not comparable")
+    if repeats and not blocking:
+        msg = (f"{where} (at 0x{cut.offset:x}): b11434's loader reads past the end without an error, and "
+               "what it reads there repeats the record before, which fits this context, so it loads the payload "
+               "and then aborts on GGML_ASSERT(nread <= state_size): restoring this file crashes the server")
+        return [_Issue(Finding(TARGET, "error", "payload_cut", msg, cut.offset), EFFECT_ABORTS)]
+    if repeats:
+        msg = (f"{where} (at 0x{cut.offset:x}); the loader refuses it first, for the mismatch above "
+               "(had the context fitted, the server would abort on GGML_ASSERT(nread <= state_size))")
+        return [_Issue(Finding(TARGET, "note", "payload_cut", msg, cut.offset), EFFECT_OK)]
+    msg = (f"{where} (at 0x{cut.offset:x}): b11434's loader reads past the end without an error, and what "
+           "it reads there does not continue the payload: the server refuses the file")
+    return [_Issue(Finding(TARGET, "error", "payload_cut", msg, cut.offset), EFFECT_REFUSED)]
 
 
 def _memory_layers(sf: SlotFile, model_parse: bool, tinfo: ModelInfo | None, dinfo: ModelInfo | None,
@@ -582,7 +659,18 @@ def _explained_errors(sf: SlotFile, layers: list[_MemLayer]) -> list[FormatError
     return out
 
 
+def _undecided(f: Finding) -> Finding:
+    """Without the model the payload's end is known only when exactly one layout ends where the file or an
+    appendix does: otherwise what the server does (restore, refuse, abort) depends on the model."""
+    return Finding(TARGET, "note", "undecided",
+                   f"{f.message.removesuffix(' (give --model to name the layout)')}: without the model slotctl "
+                   "cannot tell where the target memory ends, so whether the server restores this file, "
+                   "refuses it or aborts on it is not decided here; give -m (and the server's flags)", f.offset)
+
+
 def _structural_effect(f: Finding, setup: ServerSetup) -> str:
+    if f.code == "undecided":
+        return EFFECT_UNDECIDED
     if f.severity == "note":
         return EFFECT_OK
     if f.severity == "drop":
@@ -593,6 +681,35 @@ def _structural_effect(f: Finding, setup: ServerSetup) -> str:
             and setup.settings.n_parallel > 1:
         return EFFECT_ABORTS
     return EFFECT_REFUSED
+
+
+#: memory kinds whose server rolls a slot back to a context checkpoint (``load_tgt`` / ``load_dft``): b11434's
+#: ``update_slots`` searches the checkpoints only when the slot's memory cannot be rolled back by removing
+#: positions (``pos_min >= pos_min_thold``): SWA caches (``n_swa`` > 0) and recurrent state. A plain KV cache
+#: keeps position 0 and ``pos_min_thold`` is ``pos_next``, so it never loads one.
+ROLLBACK_KINDS = ("iswa", "recurrent", "hybrid", "hybrid_iswa")
+
+
+def _weigh_rollback(issues: list[_Issue], kind: str | None) -> list[_Issue]:
+    """A checkpoint blob that does not fit is kept (the appendix loader checks only lengths) and the file
+    restores; the hazard is the rollback to it (``GGML_ABORT("checkpoint size mismatch")``): an error for a
+    memory kind whose server loads checkpoints, a note for one that never does."""
+    out = []
+    for i in issues:
+        if i.effect != EFFECT_ABORTS_LATER or i.finding.severity == "note":
+            out.append(i)
+            continue
+        if kind in ROLLBACK_KINDS or kind is None:
+            why = ("the file restores with it; the server aborts (GGML_ABORT(\"checkpoint size mismatch\")) when "
+                   "a request makes it roll back to this checkpoint" + ("" if kind else
+                                                                       " (give -m: a plain KV cache never does)"))
+            f = dataclasses.replace(i.finding, message=f"{i.finding.message}; {why}")
+        else:
+            f = dataclasses.replace(i.finding, severity="note", message=(
+                f"{i.finding.message}; harmless here: the file restores with it, and a server with a plain KV "
+                "cache never rolls back to a checkpoint (it would abort on this one: \"checkpoint size mismatch\")"))
+        out.append(_Issue(f, i.effect))
+    return out
 
 
 def _worst_effect(effects: Iterable[str]) -> str:
@@ -606,8 +723,8 @@ def _verdict(effects: list[str]) -> str:
         return "aborts"
     if EFFECT_REFUSED in effects:
         return "refused"
-    if EFFECT_ABORTS_LATER in effects:
-        return "aborts"
+    if EFFECT_UNDECIDED in effects:
+        return "undecided"
     if EFFECT_DROPPED in effects:
         return "restores_with_drops"
     return "restores"
@@ -675,6 +792,9 @@ def _real_check(layers: list[_MemLayer], checker: LoadChecker, sf: SlotFile, set
                 "prediction of this file cannot be trusted", None), EFFECT_REFUSED))
     for ml in layers:
         if ml.side.kind == "draft" and not ctx.get("draft"):
+            continue
+        if ml.no_load:
+            ml.check.loaded, ml.check.reason = SKIPPED, ml.no_load
             continue
         if sf.version != checker.runtime_version and ml.parsed_layout is None:
             ml.check.loaded = SKIPPED

@@ -17,9 +17,10 @@ EFFECT_DROPPED = "dropped"           # restored without this layer
 EFFECT_ABORTS_LATER = "aborts_later"  # restored; aborts when the server rolls back to this checkpoint
 EFFECT_REFUSED = "refused"           # "Unable to restore slot"
 EFFECT_ABORTS = "aborts"             # llama.cpp aborts the server while restoring
+EFFECT_UNDECIDED = "undecided"       # what the server does cannot be told without the model
 
 #: ``FileReport.verdict`` values, from best to worst
-VERDICTS = ("restores", "restores_with_drops", "aborts", "refused", "unreadable")
+VERDICTS = ("restores", "restores_with_drops", "undecided", "aborts", "refused", "unreadable")
 
 # LayerCheck.predicted / .loaded
 FITS = "fits"
@@ -77,7 +78,11 @@ class FileReport:
     def exit_status(self) -> ExitStatus:
         if self.verdict == "unreadable":
             return ExitStatus.USAGE
-        return ExitStatus.OK if self.verdict == "restores" else ExitStatus.FAILED
+        if self.verdict == "undecided":
+            return ExitStatus.UNDECIDED
+        if self.verdict != "restores" or any(f.severity == "error" for f in self.findings):
+            return ExitStatus.FAILED     # refused, aborts, loses a layer, or holds a rollback hazard
+        return ExitStatus.OK
 
     def counts(self) -> dict:
         return {s: sum(f.severity == s for f in self.findings) for s in ("error", "drop", "note")}
@@ -104,7 +109,11 @@ class Report:
 
     @property
     def exit_status(self) -> ExitStatus:
-        return max((f.exit_status for f in self.files), default=ExitStatus.OK)
+        codes = {f.exit_status for f in self.files}
+        for worst in (ExitStatus.USAGE, ExitStatus.FAILED, ExitStatus.UNDECIDED):
+            if worst in codes:
+                return worst     # a usage or I/O error first, then a file that fails, then one undecided
+        return ExitStatus.OK
 
     def summary(self) -> dict:
         out = {"files": len(self.files)}
