@@ -66,6 +66,25 @@ def n_tokens_of(data: bytes) -> int:
     return n_words
 
 
+def tokens_of(data: bytes) -> list[int]:
+    """The prompt's tokens as the server reads the token words."""
+    (n_words,) = struct.unpack_from("<I", data, 8)
+    words = list(struct.unpack_from(f"<{n_words}i", data, 12))
+    if n_words and words[0] == -1:
+        return words[3:3 + words[2]]
+    return words
+
+
+def reused_by_server(srv: LlamaServer, tokens: list[int]) -> int:
+    """Send the restored slot a request extending its prompt (token ids: no tokenization in between) and
+    return how many prompt tokens the server kept (``timings.cache_n``)."""
+    extra = tokens[:3] or [5, 6, 7]
+    answer = srv.completion(tokens + extra, slot=0, n_predict=1)
+    t = answer["timings"]
+    assert t["prompt_n"] + t["cache_n"] == len(tokens) + len(extra), t
+    return t["cache_n"]
+
+
 def restore_outcome(srv: LlamaServer, name: str) -> tuple[str, dict | str | None]:
     """What the server did restoring ``name`` into slot 0: ("restored", answer), ("refused", answer) or
     ("aborts", None) when the process died."""
@@ -80,7 +99,6 @@ def restore_outcome(srv: LlamaServer, name: str) -> tuple[str, dict | str | None
         assert srv.proc.poll() is not None, f"restore {name}: no answer and the server still runs"
         return "aborts", None
     if status == 200:
-        srv.erase(0)
         return "restored", answer
     return "refused", answer
 
@@ -169,6 +187,7 @@ class Matrix:
     """The cells of one matrix and whether validate agreed with each."""
 
     cells: list[dict] = field(default_factory=list)
+    reuse_checked: int = 0
 
     def add(self, **cell) -> None:
         self.cells.append(cell)
@@ -179,7 +198,8 @@ class Matrix:
 
     def summary(self, title: str) -> str:
         n, bad = len(self.cells), len(self.disagreements)
-        lines = [f"{title}: {n} cells, {n - bad} agree ({100 * (n - bad) / max(n, 1):.1f}%)"]
+        lines = [f"{title}: {n} cells, {n - bad} agree ({100 * (n - bad) / max(n, 1):.1f}%)"
+                 + (f"; predicted reuse checked in {self.reuse_checked}" if self.reuse_checked else "")]
         lines += [f"  DISAGREE {c['file']} x {c['flags']}: server {c['truth']}, validate {c['verdict']}"
                   f"{' (' + c['why'] + ')' if c.get('why') else ''}" for c in self.disagreements]
         return "\n".join(lines)
@@ -279,9 +299,16 @@ def b11434_matrix(llama_server_bin, models, tmp_path_factory) -> Matrix:
                     got = VERDICT_TRUTH.get(rep["verdict"], rep["verdict"])
                     agree, why = got == truth, ""
                     if truth == "restored":
-                        n = n_tokens_of(path.read_bytes())
+                        data = path.read_bytes()
+                        n = n_tokens_of(data)
                         if answer.get("n_restored") != n:
                             agree, why = False, f"n_restored {answer.get('n_restored')}, the file holds {n}"
+                        reuse = rep.get("reuse")
+                        kept = reused_by_server(srv, tokens_of(data))
+                        srv.erase(0)
+                        if agree and (reuse is None or reuse["b11434"]["n_reused"] != kept):
+                            agree, why = False, f"the server kept {kept} tokens, validate predicted {reuse}"
+                        matrix.reuse_checked += 1
                     if not agree and not why:
                         why = first_error(rep) if truth == "restored" else (
                             "server: " + str(answer)[:160] if truth == "refused" else "")

@@ -143,7 +143,7 @@ def restore(
             out.error(str(e))
             raise typer.Exit(int(ExitStatus.FAILED)) from None
     _emit(out, report, json_out)
-    if report["compare"] is not None and not report["compare"]["agree"]:
+    if report["compare"] is not None and not report["compare"]["agree"] and not report["compare"]["explained"]:
         out.error(f"compare: {report['compare']['difference']}")
     if status != ExitStatus.OK:
         raise typer.Exit(int(status))
@@ -191,12 +191,13 @@ def _continue(out: Output, sc, restored, report: dict, text: str | None, prompt:
     timings["compare_ms"] = _ms(t0)
     report["compare"] = {
         "agree": cmp.agree,
+        "explained": cmp.explained,
         "difference": _difference(cmp.first, comp, cmp.fresh, restored) if cmp.first else None,
         "note": cmp.note,
         "checks": [{"check": name, "restored": r, "fresh": f, "equal": r == f} for name, r, f in cmp.checks],
         "fresh": _round(cmp.fresh.as_dict()),
     }
-    return ExitStatus.OK if cmp.agree else ExitStatus.FAILED
+    return ExitStatus.OK if cmp.agree or cmp.explained else ExitStatus.FAILED
 
 
 def _round(d: dict) -> dict:
@@ -260,7 +261,7 @@ def render(out: Output, r: dict) -> None:
         if cmp["agree"]:
             out.print(Text("restored and fresh agree: a restored slot answers like one never saved", style="green"))
         elif cmp.get("note"):
-            out.print(Text(f"note: {cmp['note']}", style="yellow"))
+            out.print(Text(f"{cmp['difference']}: expected. {cmp['note']}", style="yellow"))
 
 
 def _note(s: dict) -> str:

@@ -16,6 +16,11 @@ SCKP_VERSION = 1
 SDFT_MAGIC = 0x54464453  # "SDFT"
 SDFT_VERSION = 1
 MAGICS = {SCKP_MAGIC: "SCKP", SDFT_MAGIC: "SDFT"}
+#: the most checkpoints the server's appendix loader accepts: it ignores an appendix with a larger count
+#: before allocating anything. From two readings of upstream ``load_slot_checkpoints`` (llama.cpp commit
+#: 033df86b6, tools/server/server-context.cpp), which neither sdist holds, and kv-rosetta's test of the
+#: same loader (tests/test_sckp_appendix.py): readings of code we do not have, not our sources.
+MAX_CHECKPOINTS = 1024
 
 
 def _sized(what: str) -> cs.Struct:

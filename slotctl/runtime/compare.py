@@ -38,6 +38,8 @@ class Comparison:
     note: str | None
     checks: list[tuple[str, object, object]]
     fresh: Completion
+    #: every difference is the server's documented behaviour (``note`` says which): exit 0
+    explained: bool = False
 
 
 def run_request(srv: ServerSlot, request: Sequence[int], n: int, progress: ProgressFactory | None = None,
@@ -58,6 +60,7 @@ def compare_with_never_saved(sc: ServerContexts, restored: RestoredSlot, comp: C
     slot's answer. The restored slot's contexts are closed first (their models serve the fresh ones)."""
     progress = progress or _no_progress
     n_swa = sc.n_swa
+    tinfo = sc.target_info
     close_contexts(sc)  # the restored slot is done with; its models serve the fresh contexts
     fresh = fresh_contexts(sc)
     try:
@@ -78,12 +81,34 @@ def compare_with_never_saved(sc: ServerContexts, restored: RestoredSlot, comp: C
         ("n_drafted", comp.n_drafted, fcomp.n_drafted),
         ("n_accepted", comp.n_accepted, fcomp.n_accepted),
     ]
-    first = next((name for name, r, f in checks if r != f), None)
-    note = None
-    if first == "n_evaluated" and n_swa > 0 \
-            and comp.n_evaluated > fcomp.n_evaluated and comp.text == fcomp.text:
-        note = (f"expected for a model with sliding-window layers (window {n_swa}): llama.cpp writes only the "
-                "cells the window still sees, while a slot that was never saved holds every cell it evaluated, "
-                "so the restored slot goes back to a checkpoint (or starts over) where the other does not; "
-                "the server does the same")
-    return Comparison(first is None, first, note, checks, fcomp)
+    first = note = None
+    for name, r, f in checks:
+        if r == f:
+            continue
+        why = _explain(name, comp, fcomp, restored, tinfo, n_swa, policy.n_ctx_checkpoints)
+        if why is None:      # the first difference nothing explains decides
+            first, note = name, None
+            break
+        if first is None:
+            first, note = name, why
+    return Comparison(first is None, first, note, checks, fcomp, explained=first is not None and note is not None)
+
+
+def _explain(name: str, comp: Completion, fcomp: Completion, restored: RestoredSlot, tinfo, n_swa: int,
+             n_ctx_checkpoints: int) -> str | None:
+    """The server's documented behaviour that explains a difference (:func:`slotctl.server.reuse.
+    explain_difference`), with validate's predicted reuse when the request extends the saved prompt."""
+    from slotctl.server.reuse import explain_difference, predict_reuse
+    from slotctl.slotfile import open_slot_file
+
+    kind = tinfo.layout().kind
+    predicted = None
+    if name == "n_evaluated" and comp.n_common == len(restored.tokens):
+        sf = open_slot_file(restored.path, layout=tinfo.layout())
+        read = restored.step("checkpoints").status != "ignored"
+        r = predict_reuse(sf, n_swa=n_swa, n_ctx_checkpoints=n_ctx_checkpoints, checkpoints_read=read)
+        predicted = r.n_reused if r is not None else None
+    draft = restored.step("draft")
+    return explain_difference(name, comp, fcomp, draft_status=draft.status, draft_reason=draft.reason,
+                              rolls_back=n_swa > 0 or kind in ("recurrent", "hybrid", "hybrid_iswa"),
+                              predicted=predicted)

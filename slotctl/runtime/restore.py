@@ -14,7 +14,8 @@ and why):
 2. **tokens** — :func:`~slotctl.server.restore.check_tokens`. A refusal empties the slot in both
    contexts, as the server's ``prompt_clear`` does.
 3. **checkpoints** — :func:`~slotctl.server.restore.load_slot_checkpoints`; the kept checkpoints' blobs
-   are converted for this runtime here and only loaded when a later request needs them.
+   are converted for this runtime here and only loaded when a later request needs them (one that cannot
+   be converted is kept as it is, as the server keeps it: a rollback to it fails as the server aborts).
 4. **draft** — :func:`~slotctl.server.restore.load_slot_draft` with this runtime's draft context (cleared
    first); the speculative state goes nowhere: this runtime drafts as draft-simple, which keeps none.
 """
@@ -288,8 +289,10 @@ def _load_checkpoints(f: BinaryIO, offset: int, size: int, version: int, tinfo: 
             if why and d_layout is None:
                 why, dft = None, b""  # no draft context: the draft half is never loaded
         if why:
-            notes.append(f"dropped: {why}")
-            continue
+            # the server's loader checks only lengths and keeps it; a rollback to it aborts the server
+            # (GGML_ABORT "checkpoint size mismatch"), as loading the unconverted bytes fails here
+            notes.append(f"kept as the server keeps it, though a rollback to it aborts: {why}")
+            tgt, dft = cp.tgt.read(f), cp.dft.read(f)
         out.append(Checkpoint(cp.n_tokens, cp.pos_min, cp.pos_max, tgt, dft, cp.spec.read(f)))
     step.details.update(kept=len(out), checkpoints=[{"n_tokens": c.n_tokens, "pos_min": c.pos_min,
                                                      "pos_max": c.pos_max} for c in out])

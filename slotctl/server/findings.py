@@ -68,10 +68,18 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
             behind = (", and any draft state behind it (the draft loader looks for SDFT right after the "
                       "payload)") if server is not None else ""
             out.append(Finding("checkpoints", "drop", "checkpoints_damaged",
-                               f"{e.one_line()}: the server ignores the checkpoint appendix{behind}", e.offset))
+                               f"{e.one_line()}: the server ignores the checkpoint appendix (\"invalid context "
+                               f"checkpoint appendix - ignored\") and reads none of it{behind}", e.offset))
+        elif layer.startswith("SDFT draft blob"):
+            # seed load_slot_draft: the appendix is well framed, llama_state_seq_set_data_ext refuses the blob
+            out.append(Finding("draft", "drop", "draft_dropped",
+                               f"{e.one_line()}: the draft blob is no state llama.cpp loads; the server drops it "
+                               "(\"draft state ... does not match the draft context - dropped\"), counts its bytes "
+                               "as read, and the draft starts empty", e.offset))
         elif layer.startswith("SDFT"):
             out.append(Finding("draft", "drop", "draft_damaged",
-                               f"{e.one_line()}: the server reports an invalid draft state and starts the draft empty",
+                               f"{e.one_line()}: the server reports an invalid draft state (\"invalid draft state ... - "
+                               "ignored\"), reads none of it, and starts the draft empty",
                                e.offset))
         else:
             out.append(Finding(layer, "error", "damaged", e.one_line(), e.offset))
@@ -114,7 +122,18 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
                 out.append(Finding("target memory", "note", "cells_tokens_differ",
                                    f"the prompt has {tk.n_tokens:,} tokens, the target memory {n_cells:,} cells",
                                    sf.target.offset))
-    if sf.checkpoints is not None and len(sf.checkpoints) > n_ctx_checkpoints:
+    empty = checkpoints_ignored(sf)
+    if empty is not None:
+        out.append(Finding("checkpoints", "drop", "checkpoints_ignored",
+                           f"checkpoint {empty} has an empty target blob: the server ignores the whole checkpoint "
+                           "appendix (\"invalid context checkpoint appendix - ignored\") and reads none of it",
+                           sf.sckp.offset))
+        if sf.sdft is not None:
+            out.append(Finding("draft", "drop", "draft_unreachable",
+                               "the draft state behind the ignored checkpoint appendix is never read: the server looks "
+                               "for it right after the payload, finds the checkpoint appendix there, and starts the "
+                               "draft empty (silently)", sf.sdft.offset))
+    elif sf.checkpoints is not None and len(sf.checkpoints) > n_ctx_checkpoints:
         out.append(Finding("checkpoints", "drop", "too_many_checkpoints",
                            f"{len(sf.checkpoints)} checkpoints: a server keeps the last {n_ctx_checkpoints} "
                            "(--ctx-checkpoints) and drops the rest", sf.sckp.offset))
@@ -137,6 +156,19 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
     if server is not None:
         out += _cell_findings(sf)
     return out
+
+
+def checkpoints_ignored(sf: SlotFile) -> int | None:
+    """The first checkpoint with an empty target blob, for which the server ignores the whole appendix.
+
+    From two readings of upstream ``load_slot_checkpoints`` (llama.cpp commit 033df86b6, in neither
+    sdist): an empty ``data_tgt`` makes it return 0 ("invalid context checkpoint appendix - ignored"),
+    so nothing of the appendix is kept and the draft loader then looks for SDFT where SCKP starts.
+    """
+    for i, c in enumerate(sf.checkpoints or ()):
+        if c.tgt.span.size == 0:
+            return i
+    return None
 
 
 def _head(sf: SlotFile, n: int) -> bytes:

@@ -224,11 +224,17 @@ def load_slot_checkpoints(f: BinaryIO, offset: int, size: int, *,
     """``load_slot_checkpoints`` (llama.cpp commit 033df86b6, tools/server/server-context.cpp; not in
     either source tree slotctl reads): the SCKP appendix at ``offset``, where the payload ends.
 
-    No SCKP magic there: absent, 0 bytes. A damaged appendix (another version, a checkpoint cut short, a
-    length beyond the file) is ignored, not fatal: 0 bytes consumed, no checkpoints ("invalid context
-    checkpoint appendix - ignored"), so the draft loader then looks for SDFT right after the payload
-    (docs/format.md). Otherwise the whole appendix is consumed and the newest ``n_ctx_checkpoints`` kept
-    (:func:`~slotctl.server.checkpoints.keep_newest`).
+    No SCKP magic there: absent, 0 bytes. A damaged appendix (another version, a count above
+    :data:`~slotctl.format.appendix.MAX_CHECKPOINTS`, refused before anything is allocated, a checkpoint
+    cut short, a length beyond the file) or a checkpoint with an empty target blob makes it ignore the
+    whole appendix, not fatal: 0 bytes consumed, no checkpoints ("invalid context checkpoint appendix -
+    ignored"), so the draft loader then looks for SDFT right after the payload, finds "SCKP", and the
+    draft starts empty (silently). Otherwise the whole appendix is consumed and the newest
+    ``n_ctx_checkpoints`` kept (:func:`~slotctl.server.checkpoints.keep_newest`), whatever their blobs
+    hold: the loader checks only lengths.
+
+    These rules are two independent readings of that upstream code, which neither sdist holds (and, for
+    the count cap, kv-rosetta's tests/test_sckp_appendix.py of the same loader), not our sources.
     """
     f.seek(offset)
     raw = _read(f, 4)
@@ -243,12 +249,17 @@ def load_slot_checkpoints(f: BinaryIO, offset: int, size: int, *,
         ver, count = struct.unpack("<II", raw)
         if ver != apx.SCKP_VERSION:
             damaged = f"version {ver}, expected {apx.SCKP_VERSION}"
+        elif count > apx.MAX_CHECKPOINTS:
+            damaged = f"{count:,} checkpoints, more than {apx.MAX_CHECKPOINTS:,}"
         else:
             for i in range(count):
                 fixed = _read(f, 16)
                 spans = [] if fixed is None else [_read_span(f, size) for _ in range(3)]
                 if fixed is None or any(s is None for s in spans):
                     damaged = f"checkpoint {i} of {count} is truncated or has a length beyond the file"
+                    break
+                if spans[0].size == 0:
+                    damaged = f"checkpoint {i} has an empty target blob"
                     break
                 n_tokens, pos_min, pos_max = struct.unpack("<qii", fixed)
                 entries.append(CheckpointEntry(n_tokens, pos_min, pos_max, *spans))

@@ -13,7 +13,7 @@ import numpy as np
 
 from slotctl.paths import expand_paths, open_regular
 from slotctl.errors import FormatError
-from slotctl.server.findings import Finding, ServerRules, structural_findings
+from slotctl.server.findings import Finding, ServerRules, checkpoints_ignored, structural_findings
 from slotctl.format import ggml
 from slotctl.format.blob import FLAGS_NONE, FLAGS_PARTIAL_ONLY
 from slotctl.format.cut import Cut, Extended, completion, locate_cut
@@ -472,6 +472,8 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
     for f in structural_findings(structural, n_ctx_checkpoints=setup.n_ctx_checkpoints, server=rules):
         if tinfo is None and f.layer == TARGET and f.code == "damaged" and sf.target is None:
             f = _undecided(f)
+        if f.code == "draft_dropped" and any(i.finding.code == "no_draft_context" for i in issues):
+            continue    # dropped for want of a draft context already: one finding
         issue = _Issue(f, _structural_effect(f, setup))
         ml = by_layer.get(f.layer)
         (ml.issues if ml is not None else issues).append(issue)
@@ -509,7 +511,60 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
     report.findings = [i.finding for i in issues]
     report.effects = [i.effect for i in issues if i.finding.severity != "note" or i.effect == EFFECT_UNDECIDED]
     report.verdict = _verdict(report.effects)
+    report.steps = _predict_steps(sf, report, setup)
+    if sf.tokens is not None and sf.tokens.error is None:
+        report.n_tokens = sf.tokens.n_tokens
+    if report.verdict in ("restores", "restores_with_drops") and sf.target is not None:
+        from slotctl.server.reuse import predict_reuse
+
+        read = not any(f.code in ("checkpoints_damaged", "checkpoints_ignored") for f in report.findings)
+        r = predict_reuse(sf, n_swa=server_n_swa(tinfo, setup) if tinfo is not None else None,
+                          n_ctx_checkpoints=setup.n_ctx_checkpoints, checkpoints_read=read)
+        report.reuse = r.as_dict() if r is not None else None
     return report
+
+
+def server_n_swa(info: ModelInfo, setup: ServerSetup) -> int:
+    """The server's ``n_swa``: the model's sliding window (``llama_model_n_swa``), 0 with ``--swa-full``."""
+    if setup.settings.swa_full or not info.swa_type:
+        return 0
+    return info.sliding_window or 0
+
+
+def _predict_steps(sf: SlotFile, report: FileReport, setup: ServerSetup) -> list[dict]:
+    """What each step of the server's restore does with the file, in the words ``slotctl restore`` reports
+    them (``step``, ``status``; checkpoints: ``count`` and ``kept``): target (``llama_state_seq_load_file``),
+    tokens (the server's checks), checkpoints (``load_slot_checkpoints``), draft (``load_slot_draft``)."""
+    errs = [f for f in report.findings if f.severity != "note"]
+    head = {"state header", TARGET, "file"}
+    if report.verdict in ("aborts", "undecided", "unreadable") and not any(
+            f.layer == "token words" for f in errs):
+        return [{"step": "target", "status": report.verdict}]
+    if any(f.layer in head for f in errs if f.code != "prediction_disagrees") and report.verdict == "refused":
+        return [{"step": "target", "status": "refused"}]
+    steps = [{"step": "target", "status": "restored"}]
+    if report.verdict == "refused":
+        return steps + [{"step": "tokens", "status": "refused"}]
+    steps.append({"step": "tokens", "status": "restored"})
+    codes = {f.code for f in report.findings}
+    ignored = "checkpoints_damaged" in codes or "checkpoints_ignored" in codes
+    if ignored:
+        steps.append({"step": "checkpoints", "status": "ignored", "count": 0, "kept": 0})
+    elif sf.checkpoints is None:
+        steps.append({"step": "checkpoints", "status": "absent", "count": 0, "kept": 0})
+    else:
+        n = len(sf.checkpoints)
+        steps.append({"step": "checkpoints", "status": "restored", "count": n,
+                      "kept": min(n, setup.n_ctx_checkpoints)})
+    if ignored or sf.sdft is None:
+        status = "ignored" if "draft_damaged" in codes and not ignored else "absent"
+    elif codes & {"no_draft_context", "draft_dropped"} or any(
+            c.layer == DRAFT and c.effect == EFFECT_DROPPED for c in report.checks):
+        status = "dropped"
+    else:
+        status = "restored"
+    steps.append({"step": "draft", "status": status})
+    return steps
 
 
 def _payload_cut(sf: SlotFile, tinfo: ModelInfo) -> tuple[Cut, SlotFile, FormatError] | None:
@@ -596,6 +651,8 @@ def _memory_layers(sf: SlotFile, model_parse: bool, tinfo: ModelInfo | None, din
         out.append(_MemLayer(tside, LayerCheck(TARGET, sf.header_end, sf.size - sf.header_end, "target"),
                              sf.header_end, sf.size - sf.header_end, False, FLAGS_NONE, None, None,
                              prefix=True))
+    if checkpoints_ignored(sf) is not None:
+        return out    # the server reads neither the checkpoints nor the draft state behind them
     with open_regular(sf.path) as f:
         for i, c in enumerate(sf.checkpoints or ()):
             for kind, blob, info in (("target", c.tgt, tinfo), ("draft", c.dft, dinfo)):

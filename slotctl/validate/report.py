@@ -69,6 +69,11 @@ class FileReport:
     findings: list[Finding] = field(default_factory=list)
     checks: list[LayerCheck] = field(default_factory=list)
     verdict: str = "restores"
+    n_tokens: int | None = None
+    #: tokens a restored slot keeps for a request extending the saved prompt (:mod:`slotctl.server.reuse`)
+    reuse: dict | None = None
+    #: what each step of the server's restore does (``slotctl restore``'s step names and statuses)
+    steps: list[dict] = field(default_factory=list)
     #: effects of findings on layers that are not memory layers (header, tokens, appendices)
     effects: list[str] = field(default_factory=list, repr=False)
     #: the file as it was parsed (for callers that show its metadata too: ``slotctl ls``)
@@ -92,11 +97,14 @@ class FileReport:
             "path": self.path,
             "size": self.size,
             "version": self.version,
+            "n_tokens": self.n_tokens,
             "verdict": self.verdict,
             "exit_code": int(self.exit_status),
             "counts": self.counts(),
             "findings": [f.as_dict() for f in self.findings],
             "checks": [c.as_dict() for c in self.checks],
+            "steps": self.steps,
+            "reuse": self.reuse,
         }
 
 

@@ -1,0 +1,166 @@
+"""How many prompt tokens a restored slot keeps for a request that extends the saved prompt.
+
+The server's rule (b11434 ``server_context::update_slots``, the prompt-cache branch): the request's common
+prefix with the slot's tokens is ``n_past`` (for an extending request, every saved token), the position
+after it ``pos_next``, and ``pos_min_thold = max(0, pos_next - n_swa)`` (``n_swa``: the model's sliding
+window, 0 with ``--swa-full`` or without SWA). When the slot's memory starts at or after that threshold
+(``llama_memory_seq_pos_min >= pos_min_thold``: the memory cannot serve the positions the new tokens
+attend to), the server looks for the newest context checkpoint with ``pos_max <= pos_next`` and
+``pos_min < pos_min_thold`` (or ``pos_min == 0``); it goes back to that checkpoint
+(``n_past = min(pos_next', n_tokens of the checkpoint)``, ``pos_next' = min(pos_next, max(pos_min + 1,
+pos_max))``), or, with none, evaluates the whole prompt again.
+
+What the restored memory's ``pos_min`` is follows from the file: a plain KV cache starts at its first
+cell (0); an iSWA cache at its SWA section's first cell (a slot file holds only the window there, so it
+starts exactly at the threshold: the server always needs a checkpoint); a recurrent state at its one
+cell (the last position, below the threshold of an extending request); a hybrid memory at the larger of
+its parts'. b11434 ignores the checkpoint appendix (it restores the target only), so it never has a
+checkpoint to go back to after a restore; the server of llama.cpp ea736c1d5 keeps the newest
+``--ctx-checkpoints`` of the file's (the readings of upstream ``load_slot_checkpoints``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slotctl.slotfile import SlotFile
+
+
+@dataclass
+class Reuse:
+    """The prediction: ``n_reused`` of the file's ``n_tokens`` kept (the server's ``cache_n``; the rest of
+    the request is evaluated: ``prompt_n``), ``checkpoint`` the ``n_tokens`` of the checkpoint gone back to,
+    ``reason`` why fewer than all; the same for b11434 (``n_reused_b11434``, ``reason_b11434``)."""
+
+    n_tokens: int
+    n_reused: int
+    checkpoint: int | None
+    reason: str | None
+    n_reused_b11434: int
+    reason_b11434: str | None
+
+    def as_dict(self) -> dict:
+        return {"n_tokens": self.n_tokens, "n_reused": self.n_reused, "checkpoint": self.checkpoint,
+                "reason": self.reason,
+                "b11434": {"n_reused": self.n_reused_b11434, "reason": self.reason_b11434}}
+
+
+def _kv_pos_min(sec) -> int | None:
+    mins = [st.cells.pos_min for st in sec.streams if st.cell_count]
+    return min(mins) if mins else None
+
+
+def memory_pos_min(sf: SlotFile) -> tuple[int | None, str]:
+    """``llama_memory_seq_pos_min`` of the restored slot, and which part decides it (in words)."""
+    mem = sf.target
+    parts = []
+    for sl, sec in zip(mem.layout.sections, mem.sections):
+        if sl.type == "kv":
+            if sl.role == "base" and any(s.role == "swa" for s in mem.layout.sections):
+                continue     # the base cache is a superset of the SWA cache (llama_kv_cache_iswa::seq_pos_min)
+            parts.append((_kv_pos_min(sec), "the SWA cache" if sl.role == "swa" else "the KV cache"))
+        else:
+            parts.append((int(sec.cells.pos_min) if sec.cell_count else None, "the recurrent state"))
+    if not parts or any(p is None for p, _ in parts):
+        return None, "the memory"
+    return max(parts, key=lambda p: p[0])
+
+
+def predict_reuse(sf: SlotFile, *, n_swa: int | None, n_ctx_checkpoints: int,
+                  checkpoints_read: bool = True) -> Reuse | None:
+    """The prediction for ``sf`` (its target memory parsed), or None when it cannot be made (no parsed
+    memory or tokens, media chunks). ``n_swa``: the server's (None: the window the file's SWA section was
+    saved with). ``checkpoints_read``: the server of ea736c1d5 reads the file's checkpoint appendix (False:
+    it ignores it, damaged or with an empty target blob)."""
+    tk = sf.tokens
+    if sf.target is None or tk is None or tk.error is not None or tk.media:
+        return None
+    n = tk.n_tokens
+    pos_min, part = memory_pos_min(sf)
+    if n == 0:
+        return Reuse(0, 0, None, None, 0, None)
+    if pos_min is None:
+        why = ("the restored memory holds no cells for the slot's tokens: the server aborts on the next request "
+               "(\"pos_min == -1, but n_past > 0\")")
+        return Reuse(n, 0, None, why, 0, why)
+    if n_swa is None:
+        n_swa = _file_window(sf)
+    pos_next = n
+    thold = max(0, pos_next - n_swa)
+    if pos_min < thold:
+        return Reuse(n, n, None, None, n, None)
+    kind = sf.target.layout.kind
+    held = _held(kind, part, pos_min, n, n_swa)
+    kept = (sf.checkpoints or [])[-n_ctx_checkpoints:] if n_ctx_checkpoints > 0 and checkpoints_read else []
+    found = next((c for c in reversed(kept) if c.pos_max <= pos_next and (c.pos_min < thold or c.pos_min == 0)),
+                 None)
+    none_early = (f"and no checkpoint of the file is early enough (one with pos_min below {thold:,}): the server "
+                  "evaluates the whole prompt again")
+    if found is not None:
+        back = min(pos_next, max(found.pos_min + 1, found.pos_max))
+        n_reused, cp = min(back, found.n_tokens), found.n_tokens
+        reason = (f"{held}: the server goes back to the checkpoint at {found.n_tokens:,} tokens and evaluates the "
+                  f"{n - n_reused:,} after it again")
+    elif sf.checkpoints and not checkpoints_read:
+        n_reused, cp = 0, None
+        reason = f"{held}, and the server ignores the file's checkpoint appendix: it evaluates the whole prompt again"
+    else:
+        n_reused, cp = 0, None
+        reason = f"{held}, {none_early}"
+    if sf.checkpoints:
+        b_reason = (f"{held}; b11434 ignores the file's checkpoint appendix (it restores the target only): it "
+                    "evaluates the whole prompt again")
+    else:
+        b_reason = reason
+    return Reuse(n, n_reused, cp, reason, 0, b_reason)
+
+
+def _file_window(sf: SlotFile) -> int:
+    """The sliding window the file's SWA section was saved with (its cell count), 0 without one."""
+    for sl, sec in zip(sf.target.layout.sections, sf.target.sections):
+        if sl.role == "swa":
+            return max((st.cell_count for st in sec.streams), default=0)
+    return 0
+
+
+def _held(kind: str, part: str, pos_min: int, n: int, n_swa: int) -> str:
+    if part == "the SWA cache":
+        return (f"the file's SWA cache holds only the window (positions {pos_min:,}..{n - 1:,}; a slot file keeps "
+                f"no masked cells), and a request after {n:,} tokens needs positions from {max(0, n - n_swa):,}")
+    if part == "the recurrent state":
+        return (f"the recurrent state is at position {pos_min:,} and cannot serve the positions a request after "
+                f"{n:,} tokens needs")
+    return f"{part} of the restored slot starts at position {pos_min:,}"
+
+
+def explain_difference(check: str, restored, fresh, *, draft_status: str, draft_reason: str | None,
+                       rolls_back: bool, predicted: int | None) -> str | None:
+    """Why a continuation from a restored slot differs from one in a slot never saved, when the server's
+    own documented behaviour explains it; None when nothing does (``restore --compare`` then fails).
+
+    ``check``: "text", "n_evaluated", "n_drafted" or "n_accepted"; ``restored`` / ``fresh``: the two
+    continuations (``n_reused``, ``n_common``, ``checkpoint``); ``draft_status`` / ``draft_reason``: the
+    restore's draft step; ``rolls_back``: the memory cannot drop positions (SWA, recurrent) so a restored
+    slot goes back to a checkpoint where a never-saved one does not; ``predicted``: :func:`predict_reuse`'s
+    ``n_reused`` for this file when the request extends the saved prompt, else None.
+    """
+    if check == "text":
+        return None     # greedy verification keeps the target's choice: the text never legitimately differs
+    if check == "n_evaluated":
+        if not rolls_back or restored.n_reused >= fresh.n_reused:
+            return None
+        if predicted is not None and restored.n_reused != predicted:
+            return None     # a count no rule predicts
+        where = (f"goes back to the checkpoint at {restored.checkpoint:,} tokens" if restored.checkpoint is not None
+                 else "evaluates the whole prompt again (no checkpoint early enough)")
+        return (f"the restored slot kept {restored.n_reused:,} of the request's tokens, the never-saved one "
+                f"{fresh.n_reused:,}: a slot file holds only what the memory still needs (an SWA cache's window, a "
+                f"recurrent state's last position), so the restored slot {where}; llama-server does the same"
+                + (" (as validate predicts)" if predicted is not None else ""))
+    if draft_status in ("absent", "dropped", "ignored"):
+        why = {"absent": "the file holds no draft state", "dropped": "its draft state was dropped",
+               "ignored": "its draft state was ignored"}[draft_status]
+        return (f"{why}{': ' + draft_reason if draft_reason and draft_status != 'absent' else ''}; the restored "
+                "slot drafts from an empty draft context until it fills again, so fewer drafts are accepted: "
+                "llama-server does the same")
+    return None
