@@ -387,35 +387,7 @@ def restore_steps(path: Path, model: Path, flags: tuple[str, ...]) -> dict[str, 
 
 def predicted_steps(rep: dict) -> dict[str, dict]:
     """validate's prediction of each restore step (``steps`` in its JSON)."""
-    if "steps" in rep:
-        return {s["step"]: s for s in rep["steps"]}
-    # validate before issue 9 predicted no steps: read them from its findings
-    codes = {f["code"]: f for f in rep["findings"]}
-    errors = {f["layer"] for f in rep["findings"] if f["severity"] == "error"}
-    out = {"target": {"status": "refused" if errors & {"state header", "target memory"} else "restored"}}
-    if out["target"]["status"] == "refused":
-        return out
-    out["tokens"] = {"status": "refused" if "token words" in errors else "restored"}
-    if out["tokens"]["status"] == "refused":
-        return out
-    apx = codes.get("appendix_needs_new_server", {}).get("message", "")
-    n_ck = len({c["layer"].split()[1] for c in rep["checks"] if c["layer"].startswith("checkpoint ")})
-    if "checkpoints_damaged" in codes:
-        out["checkpoints"] = {"status": "ignored"}
-    elif "(SCKP)" in apx:
-        out["checkpoints"] = {"status": "restored", "kept": n_ck}
-    else:
-        out["checkpoints"] = {"status": "absent"}
-    draft_checks = [c for c in rep["checks"] if c["layer"] == "draft"]
-    if "draft_damaged" in codes:
-        out["draft"] = {"status": "ignored"}
-    elif "no_draft_context" in codes or any(c["effect"] == "dropped" for c in draft_checks):
-        out["draft"] = {"status": "dropped"}
-    elif "(SDFT)" in apx:
-        out["draft"] = {"status": "restored"}
-    else:
-        out["draft"] = {"status": "absent"}
-    return out
+    return {s["step"]: s for s in rep["steps"]}
 
 
 def step_view(steps: dict[str, dict]) -> dict[str, str]:
@@ -503,16 +475,8 @@ SEED_READINGS = {
     "sckp-not-a-state+sdft.bin": ("restored 1", "restored"),
 }
 
-KNOWN_SEED = _cells({
-    "sdft-not-a-state.bin": ("no-draft", "draft", "draft-ctkd-q8_0", "draft-of-another-shape", "draft-ctx-checkpoints-1"),
-    "sckp-empty-target+sdft.bin": ("no-draft", "draft", "draft-ctkd-q8_0", "draft-of-another-shape",
-                                   "draft-ctx-checkpoints-1"),
-    "sckp-not-a-state+sdft.bin": ("no-draft", "draft", "draft-ctkd-q8_0", "draft-of-another-shape",
-                                  "draft-ctx-checkpoints-1"),
-    "sckp-sdft.bin": ("draft-ctx-checkpoints-1",),
-    "sckp-torn-SD.bin": ("draft-ctx-checkpoints-1",),
-})
-KNOWN_RESTORE = {"sckp-empty-target+sdft.bin", "sckp-not-a-state+sdft.bin"}
+KNOWN_SEED: set[tuple[str, str]] = set()
+KNOWN_RESTORE: set[str] = set()
 
 
 def test_validate_predicts_every_restore_step(seed_matrix):
