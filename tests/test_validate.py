@@ -616,7 +616,11 @@ def test_cli_json_document():
     assert d["summary"] == {"files": 1, "restores": 1, "restores_with_drops": 0, "undecided": 0, "aborts": 0,
                             "refused": 0, "unreadable": 0}
     (f,) = d["files"]
-    assert set(f) == {"path", "size", "version", "verdict", "exit_code", "counts", "findings", "checks"}
+    assert set(f) == {"path", "size", "version", "n_tokens", "verdict", "exit_code", "counts", "findings", "checks",
+                      "steps", "reuse"}
+    assert f["n_tokens"] == 111 and [s["status"] for s in f["steps"]] == ["restored", "restored", "absent", "absent"]
+    assert f["reuse"] == {"n_tokens": 111, "n_reused": 111, "checkpoint": None, "reason": None,
+                          "b11434": {"n_reused": 111, "reason": None}}
     assert (f["verdict"], f["exit_code"], f["findings"]) == ("restores", 0, [])
     assert set(f["checks"][0]) == {"layer", "offset", "size", "context", "predicted", "loaded",
                                    "loader_messages", "reason", "effect"}
