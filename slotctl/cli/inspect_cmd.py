@@ -74,9 +74,33 @@ def inspect(
             data["warnings"].append(f"{len(bad):,} token(s) outside this model's vocabulary (first: {int(bad[0])}, "
                                     f"n_vocab {target_info.n_vocab:,}): the server refuses the file "
                                     "(\"Invalid tokens in slot save file\")")
+    data["reuse"] = _reuse(sf, target_info, data)
     if json_out:
         out.json(data)
     else:
         render(out, sf, data)
     if sf.damaged:
         raise typer.Exit(int(ExitStatus.FAILED))
+
+
+def _reuse(sf, target_info, data: dict) -> dict | None:
+    """The tokens a restored slot keeps for a request extending the saved prompt (with the server's
+    defaults: ``--ctx-checkpoints`` 32, no ``--swa-full``), and a warning when it is fewer than all."""
+    from slotctl.server.findings import checkpoints_ignored
+    from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS
+    from slotctl.server.reuse import predict_reuse, server_n_swa
+
+    if sf.damaged and sf.target is None:
+        return None
+    n_swa = server_n_swa(target_info) if target_info is not None else None
+    r = predict_reuse(sf, n_swa=n_swa, n_ctx_checkpoints=DEFAULT_CTX_CHECKPOINTS,
+                      checkpoints_read=checkpoints_ignored(sf) is None and not sf.damaged)
+    if r is None:
+        return None
+    if r.n_reused < r.n_tokens:
+        data["warnings"].append(f"a restored slot keeps {r.n_reused:,} of its {r.n_tokens:,} tokens for a request "
+                                f"extending the prompt: {r.reason}")
+    elif r.n_reused_b11434 < r.n_tokens:
+        data["warnings"].append(f"llama.cpp b11434 keeps {r.n_reused_b11434:,} of {r.n_tokens:,} tokens for a request "
+                                f"extending the prompt: {r.reason_b11434}")
+    return r.as_dict()

@@ -146,6 +146,17 @@ def render(out: Output, report, *, load_skipped: str | None = None) -> None:
             line.append(f" [{f.code}] ", style="dim")
             line.append(escape_text(f.message, keep_newlines=False))
             out.print(line)
+        r = fr.reuse
+        if r is not None and r["n_tokens"]:
+            line = Text("  reuse ", style="bold")
+            line.append(f"a request extending the prompt finds {r['n_reused']:,} of its {r['n_tokens']:,} tokens "
+                        "kept")
+            if r["reason"]:
+                line.append(f": {escape_text(r['reason'], keep_newlines=False)}")
+            if r["b11434"]["n_reused"] != r["n_reused"]:
+                line.append(f" (b11434: {r['b11434']['n_reused']:,}: "
+                            f"{escape_text(r['b11434']['reason'] or '', keep_newlines=False)})")
+            out.print(line)
     if len(report.files) > 1:
         s = report.summary()
         parts = [f"{s[v]} {_SUMMARY_WORDS[v]}" for v in ("restores", "restores_with_drops", "undecided", "aborts",

@@ -104,6 +104,9 @@ def predict_reuse(sf: SlotFile, *, n_swa: int | None, n_ctx_checkpoints: int,
     elif sf.checkpoints and not checkpoints_read:
         n_reused, cp = 0, None
         reason = f"{held}, and the server ignores the file's checkpoint appendix: it evaluates the whole prompt again"
+    elif not kept:
+        n_reused, cp = 0, None
+        reason = f"{held}, and the file holds no checkpoint to go back to: the server evaluates the whole prompt again"
     else:
         n_reused, cp = 0, None
         reason = f"{held}, {none_early}"
@@ -113,6 +116,14 @@ def predict_reuse(sf: SlotFile, *, n_swa: int | None, n_ctx_checkpoints: int,
     else:
         b_reason = reason
     return Reuse(n, n_reused, cp, reason, 0, b_reason)
+
+
+def server_n_swa(info, *, swa_full: bool = False) -> int:
+    """The server's ``n_swa`` for a model (:class:`~slotctl.model.info.ModelInfo`): its sliding window
+    (``llama_model_n_swa``), 0 without sliding-window layers or with ``--swa-full``."""
+    if swa_full or not info.swa_type:
+        return 0
+    return info.sliding_window or 0
 
 
 def _file_window(sf: SlotFile) -> int:

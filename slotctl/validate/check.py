@@ -515,20 +515,14 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
     if sf.tokens is not None and sf.tokens.error is None:
         report.n_tokens = sf.tokens.n_tokens
     if report.verdict in ("restores", "restores_with_drops") and sf.target is not None:
-        from slotctl.server.reuse import predict_reuse
+        from slotctl.server.reuse import predict_reuse, server_n_swa
 
         read = not any(f.code in ("checkpoints_damaged", "checkpoints_ignored") for f in report.findings)
-        r = predict_reuse(sf, n_swa=server_n_swa(tinfo, setup) if tinfo is not None else None,
+        n_swa = server_n_swa(tinfo, swa_full=setup.settings.swa_full) if tinfo is not None else None
+        r = predict_reuse(sf, n_swa=n_swa,
                           n_ctx_checkpoints=setup.n_ctx_checkpoints, checkpoints_read=read)
         report.reuse = r.as_dict() if r is not None else None
     return report
-
-
-def server_n_swa(info: ModelInfo, setup: ServerSetup) -> int:
-    """The server's ``n_swa``: the model's sliding window (``llama_model_n_swa``), 0 with ``--swa-full``."""
-    if setup.settings.swa_full or not info.swa_type:
-        return 0
-    return info.sliding_window or 0
 
 
 def _predict_steps(sf: SlotFile, report: FileReport, setup: ServerSetup) -> list[dict]:
