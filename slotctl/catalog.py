@@ -99,7 +99,7 @@ def _row_from(path: str, st: os.stat_result, sf, report, now: float) -> dict:
 
 def _reuse(report):
     """The predicted reuse of the restored prompt when validate computes one (else None)."""
-    value = getattr(report, "predicted_reuse", None)
+    value = getattr(report, "reuse", None)
     if value is None or isinstance(value, (int, float, dict)):
         return value
     return value.as_dict() if hasattr(value, "as_dict") else value

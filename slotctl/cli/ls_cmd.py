@@ -26,7 +26,7 @@ from slotctl.errors import ExitStatus, UsageError
 
 SORT_KEYS = ("name", "size", "age", "tokens")
 _VERDICT_STYLE = {"restores": "green", "restores_with_drops": "yellow", "aborts": "bold red",
-                  "refused": "bold red", "unreadable": "bold red"}
+                  "undecided": "magenta", "refused": "bold red", "unreadable": "bold red"}
 
 
 def register(app: typer.Typer) -> None:

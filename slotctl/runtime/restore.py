@@ -210,7 +210,8 @@ def restore_slot(sc: ServerContexts, path: str | os.PathLike, slot: int, *,
             except FormatError as e:
                 step.ms = _ms(t0)
                 raise refuse(step, TARGET_ERROR, f"state version {version} for this runtime's version "
-                                                 f"{STATE_VERSION}: {e.one_line()}") from None
+                                                 f"{STATE_VERSION}: {e.one_line()}{_cut_note(f, size, tinfo, version)}"
+                             ) from None
             blob = blob_header(slot) + payload
             n = sc.target.state_seq_set(blob, slot)
             if n != len(blob):
@@ -267,6 +268,26 @@ def restore_slot(sc: ServerContexts, path: str | os.PathLike, slot: int, *,
         steps.append(step)
 
     return RestoredSlot(path, slot, version, tk.format, tokens, checkpoints, steps, _ms(t_start))
+
+
+def _cut_note(f: BinaryIO, size: int, tinfo: ModelInfo, version: int) -> str:
+    """When the file ends inside the payload: b11434's loader reads on past the end and may abort
+    (slotctl validate decides it, :mod:`slotctl.validate.check`, ``payload_cut``)."""
+    from slotctl.format.cut import locate_cut
+
+    try:
+        f.seek(0)
+        hdr = parse(StateHeader, f, "state header", size=size)
+        cut = locate_cut(f, header_size(hdr.n_words), size, tinfo.layout(), version)
+    except FormatError:
+        return ""
+    if cut is None:
+        return ""
+    if cut.repeats:
+        return (f"; the file ends inside the payload's {cut.describe()}: llama-server b11434 reads past the end "
+                "and, when its context fits what it reads, aborts (GGML_ASSERT(nread <= state_size)); slotctl "
+                "validate says which")
+    return f"; the file ends inside the payload's {cut.describe()}: llama-server b11434 refuses it too"
 
 
 def _load_checkpoints(f: BinaryIO, offset: int, size: int, version: int, tinfo: ModelInfo,
