@@ -23,6 +23,8 @@ from slotctl.format.header import STATE_SEQ_MAGIC as STATE_MAGIC
 
 #: verdicts of files a server refuses or aborts on (``ls --broken``, ``prune --broken``)
 BROKEN_VERDICTS = ("aborts", "refused", "unreadable")
+#: what prune reports for an ``undecided`` file whose payload no layout fits: the server refuses it or aborts
+CUT_SHORT = "undecided: cut short (refused or aborts)"
 #: below this many files the pool costs more than it saves
 POOL_MIN_FILES = 48
 #: files a worker takes at a time
@@ -86,8 +88,11 @@ def _row_from(path: str, st: os.stat_result, sf, report, now: float) -> dict:
         "verdict": report.verdict,
         "predicted_reuse": _reuse(report),
         "findings": [f.as_dict() for f in report.findings],
-        "exit_code": int(report.exit_status),
+        # a listing counts a file whose payload it cannot place as damaged (1); validate says undecided (3)
+        "exit_code": int(ExitStatus.FAILED if report.verdict == "undecided" else report.exit_status),
     }
+    if report.verdict == "undecided" and sf.payload_cut:
+        row["payload_cut"] = True    # refused or aborts, whichever: broken (ls/prune --broken)
     if sf.damaged:
         row["error"] = {"code": "damaged", "message": sf.errors[0].one_line()}
     elif report.verdict in BROKEN_VERDICTS:
@@ -181,4 +186,4 @@ def catalog(paths: Iterable[str], request: Request = Request(), *, processes: in
 
 
 def is_broken(row: dict) -> bool:
-    return row["verdict"] in BROKEN_VERDICTS
+    return row["verdict"] in BROKEN_VERDICTS or row.get("payload_cut", False)

@@ -203,12 +203,12 @@ def plan(directory: str, policy: Policy, *, now: float | None = None,
     p = Plan(directory, policy, source, why, entries, total)
     cands = sorted((e for e in entries if e.action == KEEP), key=lambda e: (e.used, e.path))
     if policy.broken:
-        from slotctl.catalog import BROKEN_VERDICTS
+        from slotctl.catalog import BROKEN_VERDICTS, CUT_SHORT
 
         judged = verdicts([e.path for e in cands]) if verdicts else {}
         for e in cands:
             e.verdict = judged.get(e.path)
-            if e.verdict in BROKEN_VERDICTS:
+            if e.verdict in BROKEN_VERDICTS or e.verdict == CUT_SHORT:
                 e.action, e.reason = DELETE, f"the server would not restore it ({e.verdict})"
             else:
                 e.reason = "restores" if e.verdict is None else e.verdict

@@ -111,6 +111,8 @@ class SlotFile:
     draft: Blob | None = None
     draft_spec: Span | None = None
     trailing: Span | None = None
+    #: located without a model: no known layout parses within the file (the payload is cut short)
+    payload_cut: bool = False
     errors: list[FormatError] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -360,6 +362,7 @@ def _walk(f: BinaryIO, sf: SlotFile, layout: MemoryLayout | None, draft_layout: 
             strict = [m for m in fits if _chain_fits(f, m.end, size)]
         loose = _distinct(strict or [m for m in fits if _starts_appendix(f, m.end)])
         sf.target_candidates = [m.layout for m in loose]
+        sf.payload_cut = not fits
         if len(loose) == 1:
             sf.target = loose[0]
             if not strict:

@@ -88,12 +88,12 @@ def prune(
                                            attn_rot_disable=attn_rot_disable())
 
         def verdicts(paths: list[str]) -> dict[str, str]:
-            from slotctl.catalog import Request, catalog
+            from slotctl.catalog import CUT_SHORT, Request, catalog
 
             with out.progress("judging", total=len(paths)) as update:
                 judged = {}
                 for i, row in enumerate(catalog(paths, Request(setup=setup, verbose=verbose)), 1):
-                    judged[row["path"]] = row["verdict"]
+                    judged[row["path"]] = CUT_SHORT if row.get("payload_cut") else row["verdict"]
                     update(i)
                 return judged
 

@@ -15,6 +15,7 @@ import numpy as np
 from slotctl.errors import FormatError
 from slotctl.format import tokens as tokfmt
 from slotctl.format.common import parse_bytes
+from slotctl.paths import open_regular
 from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS
 from slotctl.slotfile import SlotFile, torn_magic
 
@@ -172,7 +173,7 @@ def checkpoints_ignored(sf: SlotFile) -> int | None:
 
 
 def _head(sf: SlotFile, n: int) -> bytes:
-    with open(sf.path, "rb") as f:
+    with open_regular(sf.path) as f:
         f.seek(sf.trailing.offset)
         return f.read(min(n, sf.trailing.size))
 

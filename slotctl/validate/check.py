@@ -471,7 +471,7 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
     by_layer = {ml.side.layer: ml for ml in layers}
     for f in structural_findings(structural, n_ctx_checkpoints=setup.n_ctx_checkpoints, server=rules):
         if tinfo is None and f.layer == TARGET and f.code == "damaged" and sf.target is None:
-            f = _undecided(f)
+            f = _undecided(f, sf.payload_cut)
         if f.code == "draft_dropped" and any(i.finding.code == "no_draft_context" for i in issues):
             continue    # dropped for want of a draft context already: one finding
         issue = _Issue(f, _structural_effect(f, setup))
@@ -569,7 +569,7 @@ def _payload_cut(sf: SlotFile, tinfo: ModelInfo) -> tuple[Cut, SlotFile, FormatE
     if err is None or sf.header_end is None or sf.version is None or sf.target is not None:
         return None
     layout = tinfo.layout()
-    with open(sf.path, "rb") as f:
+    with open_regular(sf.path) as f:
         cut = locate_cut(f, sf.header_end, sf.size, layout, sf.version)
         if cut is None:
             return None
@@ -710,13 +710,17 @@ def _explained_errors(sf: SlotFile, layers: list[_MemLayer]) -> list[FormatError
     return out
 
 
-def _undecided(f: Finding) -> Finding:
+def _undecided(f: Finding, cut: bool) -> Finding:
     """Without the model the payload's end is known only when exactly one layout ends where the file or an
-    appendix does: otherwise what the server does (restore, refuse, abort) depends on the model."""
+    appendix does: otherwise what the server does (restore, refuse, abort) depends on the model. When no
+    known layout even fits within the file, the payload is cut short: refused or aborts, never restored."""
+    what = ("no known layout fits within the file: the payload is cut short, so the server refuses this file "
+            "or aborts on it (which depends on the model and flags)" if cut else
+            "without the model slotctl cannot tell where the target memory ends, so whether the server "
+            "restores this file, refuses it or aborts on it is not decided here")
     return Finding(TARGET, "note", "undecided",
-                   f"{f.message.removesuffix(' (give --model to name the layout)')}: without the model slotctl "
-                   "cannot tell where the target memory ends, so whether the server restores this file, "
-                   "refuses it or aborts on it is not decided here; give -m (and the server's flags)", f.offset)
+                   f"{f.message.removesuffix(' (give --model to name the layout)')}: {what}; give -m (and the "
+                   "server's flags)", f.offset)
 
 
 def _structural_effect(f: Finding, setup: ServerSetup) -> str:
