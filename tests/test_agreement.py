@@ -13,7 +13,8 @@ Two matrices, each of slot files x server flag sets:
   ``validate --json`` with the same model and flags must say the same of every cell, and ``n_restored``
   must equal the file's token count. One server per flag set and many restores per server; a server is
   started again only after it died.
-* **seed**: b11434 ignores the appendices (SCKP, SDFT) that the server change of the seed reads. For them,
+* **appendices**: b11434 ignores the appendices (SCKP, SDFT) that the draft-state change (llama.cpp
+  ea736c1d5) and the upstream checkpoint loader read. For them,
   ``slotctl restore --json`` (real llama-cpp-python contexts, the draft context included) is the reference:
   validate's prediction of every step (``target``, ``tokens``, ``checkpoints`` with the count kept,
   ``draft``) must equal what the restore did, for files with valid, damaged and unusable appendices under
@@ -347,7 +348,7 @@ def test_the_b11434_matrix_covers_every_outcome(b11434_matrix):
     assert len(b11434_matrix.cells) >= 200
 
 
-# -- the seed matrix: the appendices, against slotctl restore in real llama-cpp-python contexts ----------------
+# -- the appendix matrix: against slotctl restore in real llama-cpp-python contexts -------------------------
 
 
 def split_appendices(data: bytes, payload_end: int) -> tuple[bytes, bytes]:
@@ -367,7 +368,7 @@ def split_appendices(data: bytes, payload_end: int) -> tuple[bytes, bytes]:
 COMMON = ("-c", "256", "-np", "1", "-fa", "on")
 
 
-def seed_flag_sets(models: dict[str, Path]) -> list[tuple[str, tuple[str, ...]]]:
+def appendix_flag_sets(models: dict[str, Path]) -> list[tuple[str, tuple[str, ...]]]:
     d, t = str(models["draft"]), str(models["target"])
     return [
         ("no-draft", ()),
@@ -403,8 +404,8 @@ def step_view(steps: dict[str, dict]) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def seed_matrix(models, tmp_path_factory) -> Matrix:
-    tmp = tmp_path_factory.mktemp("agreement-seed")
+def appendix_matrix(models, tmp_path_factory) -> Matrix:
+    tmp = tmp_path_factory.mktemp("agreement-appendix")
     t, d = models["target"], str(models["draft"])
     _slotctl_save(tmp / "base.bin", t, *COMMON)
     _slotctl_save(tmp / "draft.bin", t, *COMMON, "-md", d)
@@ -440,24 +441,24 @@ def seed_matrix(models, tmp_path_factory) -> Matrix:
         (tmp / f"{name}.bin").write_bytes(data)
         paths.append(tmp / f"{name}.bin")
     matrix = Matrix()
-    for fs_name, flags in seed_flag_sets(models):
+    for fs_name, flags in appendix_flag_sets(models):
         verdicts = validate_json(paths, "-m", str(t), *COMMON, *flags)
         for p in paths:
             truth = step_view(restore_steps(p, t, flags))
             got = step_view(predicted_steps(verdicts[p.name]))
             matrix.add(file=p.name, flags=fs_name, truth=truth, verdict=got, agree=truth == got,
                        why=first_error(verdicts[p.name]))
-    print("\n" + matrix.summary("seed (appendix) agreement matrix"))
+    print("\n" + matrix.summary("appendix agreement matrix"))
     return matrix
 
 
-#: what the server of the seed change does with each file under ``-md draft`` (the draft of the save), by
-#: the seed's ``load_slot_draft`` and the two readings of upstream ``load_slot_checkpoints`` (llama.cpp
+#: what the server of the draft-state change does with each file under ``-md draft`` (the draft of the
+#: save), by its ``load_slot_draft`` (llama.cpp ea736c1d5) and the two readings of upstream ``load_slot_checkpoints`` (llama.cpp
 #: commit 033df86b6, in neither sdist): a damaged SCKP appendix, one with an empty target blob or a count
 #: above 1024 is ignored and consumes 0 bytes, so the draft loader finds "SCKP" where it looks for "SDFT":
 #: the draft state is absent; a torn magic is no appendix; a well-framed blob that does not load is
 #: dropped (the draft) or kept (a checkpoint: the loader checks only lengths)
-SEED_READINGS = {
+DRAFT_CHANGE_READINGS = {
     "base.bin": ("absent", "absent"),
     "saved-sdft.bin": ("absent", "restored"),
     "sdft.bin": ("absent", "restored"),
@@ -475,28 +476,28 @@ SEED_READINGS = {
     "sckp-not-a-state+sdft.bin": ("restored 1", "restored"),
 }
 
-KNOWN_SEED: set[tuple[str, str]] = set()
+KNOWN_APPENDIX: set[tuple[str, str]] = set()
 KNOWN_RESTORE: set[str] = set()
 
 
-def test_validate_predicts_every_restore_step(seed_matrix):
-    check_matrix(seed_matrix, KNOWN_SEED, "seed (appendix) agreement matrix")
+def test_validate_predicts_every_restore_step(appendix_matrix):
+    check_matrix(appendix_matrix, KNOWN_APPENDIX, "appendix agreement matrix")
 
 
-def test_restore_follows_the_seed_and_the_sckp_readings(seed_matrix):
-    """The reference of the seed matrix is itself checked against the readings of the server's code."""
+def test_restore_follows_the_draft_change_and_the_sckp_readings(appendix_matrix):
+    """The reference of the appendix matrix is itself checked against the readings of the server's code."""
     wrong = set()
-    for c in seed_matrix.cells:
+    for c in appendix_matrix.cells:
         if c["flags"] == "draft":
-            ck, dr = SEED_READINGS[c["file"]]
+            ck, dr = DRAFT_CHANGE_READINGS[c["file"]]
             if (c["truth"].get("checkpoints"), c["truth"].get("draft")) != (ck, dr):
                 wrong.add(c["file"])
-    assert wrong == KNOWN_RESTORE, [(c["file"], c["truth"]) for c in seed_matrix.cells
+    assert wrong == KNOWN_RESTORE, [(c["file"], c["truth"]) for c in appendix_matrix.cells
                                     if c["flags"] == "draft" and c["file"] in wrong ^ KNOWN_RESTORE]
 
 
-def test_the_seed_matrix_covers_every_step_outcome(seed_matrix):
-    seen = {(step, status.split()[0]) for c in seed_matrix.cells for step, status in c["truth"].items()}
+def test_the_appendix_matrix_covers_every_step_outcome(appendix_matrix):
+    seen = {(step, status.split()[0]) for c in appendix_matrix.cells for step, status in c["truth"].items()}
     for want in [("checkpoints", "absent"), ("checkpoints", "ignored"), ("checkpoints", "restored"),
                  ("draft", "absent"), ("draft", "ignored"), ("draft", "dropped"), ("draft", "restored")]:
         assert want in seen, want

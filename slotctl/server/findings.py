@@ -72,7 +72,7 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
                                f"{e.one_line()}: the server ignores the checkpoint appendix (\"invalid context "
                                f"checkpoint appendix - ignored\") and reads none of it{behind}", e.offset))
         elif layer.startswith("SDFT draft blob"):
-            # seed load_slot_draft: the appendix is well framed, llama_state_seq_set_data_ext refuses the blob
+            # load_slot_draft (llama.cpp ea736c1d5): the appendix is well framed, llama_state_seq_set_data_ext refuses the blob
             out.append(Finding("draft", "drop", "draft_dropped",
                                f"{e.one_line()}: the draft blob is no state llama.cpp loads; the server drops it "
                                "(\"draft state ... does not match the draft context - dropped\"), counts its bytes "
@@ -145,7 +145,7 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
     if sf.trailing is not None and sf.trailing.size and not sf.errors:
         tail = _head(sf, 4)
         if torn_magic(tail):
-            # seed load_slot_draft: `if (!ckpt_read(ifs, &magic, ...) || magic != SLOT_DRAFT_MAGIC) return 0;`
+            # load_slot_draft (llama.cpp ea736c1d5): `if (!ckpt_read(ifs, &magic, ...) || magic != SLOT_DRAFT_MAGIC) return 0;`
             out.append(Finding("appendix", "note", "torn_appendix_magic",
                                f"the file ends {len(tail)} byte(s) into an appendix magic ({_printable(tail)}), what "
                                "a torn append leaves: the server reads no complete magic there and restores the "
