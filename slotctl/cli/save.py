@@ -15,6 +15,7 @@ from slotctl.cli.common import handle_errors, read_prompt, require_llama, runtim
 from slotctl.cli.options import ArgsCommand, DraftModelOpt, JsonOpt, SlotOpt, VerboseOpt, with_server_flags
 from slotctl.cli.output import Output
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
+from slotctl.paths import check_readable
 from slotctl.server.flags import ServerFlags, check_slot
 
 #: state versions ``save`` writes: 4 (current llama-server) and 3 (this llama-cpp-python)
@@ -110,9 +111,9 @@ def save(
         raise UsageError(f"{output}: exists (use --force to overwrite)")
     if not os.path.isdir(os.path.dirname(os.path.abspath(output))):
         raise UsageError(f"{os.path.dirname(os.path.abspath(output))}: no such directory")
-    for path in (model, draft_model):
-        if path is not None and not Path(path).is_file():
-            raise UsageError(f"{path}: no such file")
+    for path, what in ((model, "model "), (draft_model, "draft model ")):
+        if path is not None:
+            check_readable(path, what=what)   # missing, a FIFO, a device, a symlink loop: one line
     settings = flags.context_settings()
     check_slot(slot, flags.parallel)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -90,8 +89,10 @@ def validate(
     from slotctl.validate import ServerSetup, validate_paths
 
     out = Output(json_mode=json_out, verbose=verbose)
-    if mmproj is not None and not os.path.isfile(mmproj):
-        raise UsageError(f"{mmproj}: no such file")
+    if mmproj is not None:
+        from slotctl.paths import check_readable
+
+        check_readable(mmproj, what="mmproj ")
     lv = None
     if server is not None:  # live mode: the server's own flags where it says them (docs/live.md)
         from slotctl.server.http import server_facts

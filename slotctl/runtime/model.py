@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import llama_cpp
 
-from slotctl.errors import SlotctlError
+from slotctl.errors import SlotctlError, UsageError
+from slotctl.paths import check_readable
 from slotctl.runtime.log import capture_errors, ensure_backend
 
 if TYPE_CHECKING:
@@ -50,8 +51,10 @@ class Model:
         so no context can be built on it). ``on_progress(done, LOAD_STEPS)`` follows the loading
         of the tensors; an exception it raises cancels loading and propagates."""
         self.path = Path(path)
-        if not self.path.is_file():
-            raise LlamaError(f"cannot load model {self.path}: no such file")
+        try:
+            check_readable(self.path)   # a FIFO would hang the loader; a loop is named as one
+        except UsageError as e:
+            raise LlamaError(f"cannot load model {e}") from None
         ensure_backend()
         #: loaded without weights
         self.vocab_only = vocab_only
