@@ -325,9 +325,15 @@ def open_slot_file(path: str | os.PathLike, *, layout: MemoryLayout | None = Non
     """Parse every layer of the slot file at ``path`` that can be found (see the module docstring)."""
     path = os.fspath(path)
     with open_regular(path) as f:   # a FIFO or a device is refused, never read
-        size = os.fstat(f.fileno()).st_size
-        sf = SlotFile(path, size)
-        _walk(f, sf, layout, draft_layout)
+        return read_slot_file(f, path, layout=layout, draft_layout=draft_layout)
+
+
+def read_slot_file(f: BinaryIO, path: str | os.PathLike, *, layout: MemoryLayout | None = None,
+                   draft_layout: MemoryLayout | None = None) -> SlotFile:
+    """:func:`open_slot_file` on a file the caller holds open (``path``: its name), so that a command that
+    reads a file more than once (another layout, its media chunks, a layer's bytes) opens it once."""
+    sf = SlotFile(os.fspath(path), os.fstat(f.fileno()).st_size)
+    _walk(f, sf, layout, draft_layout)
     return sf
 
 
