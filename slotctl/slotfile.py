@@ -333,6 +333,7 @@ def read_slot_file(f: BinaryIO, path: str | os.PathLike, *, layout: MemoryLayout
     """:func:`open_slot_file` on a file the caller holds open (``path``: its name), so that a command that
     reads a file more than once (another layout, its media chunks, a layer's bytes) opens it once."""
     sf = SlotFile(os.fspath(path), os.fstat(f.fileno()).st_size)
+    f.seek(0)
     _walk(f, sf, layout, draft_layout)
     return sf
 

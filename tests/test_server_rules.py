@@ -6,7 +6,9 @@ contexts, with appendices built by the same code the runtime writes them with.
 
 from __future__ import annotations
 
+import os
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -367,3 +369,34 @@ def test_the_real_load_gets_the_layer_through_the_pipe():
         cut = checker.load({**step, "size": step["size"] - 1}, f)
     assert by_pipe["status"] == "fits" and by_pipe == by_path
     assert cut["status"] != "fits"
+
+
+# -- validate opens each file once --------------------------------------------------------------------------
+
+_OPENED: list | None = None
+
+
+def _count_opens(event, args):
+    if _OPENED is not None and event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        _OPENED.append(os.fspath(args[0]))
+
+
+def test_validate_opens_each_file_once(tmp_path):
+    global _OPENED
+    from slotctl.model.settings import ContextSettings
+    from slotctl.validate import ServerSetup, validate_paths
+
+    sys.addaudithook(_count_opens)
+    whole = tmp_path / "draft.bin"
+    whole.write_bytes((DATA / "srv-draft.bin").read_bytes())
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes(whole.read_bytes()[:-1000])
+    setup = ServerSetup(target=DATA / "target.gguf", draft=DATA / "draft.gguf", settings=ContextSettings(n_ctx=4096))
+    for path in (whole, cut):
+        _OPENED = []
+        try:
+            report = validate_paths([path], setup, real_check=True)
+        finally:
+            opened, _OPENED = _OPENED, None
+        assert report.files[0].checks, report.files[0].findings
+        assert opened.count(str(path)) == 1, opened

@@ -8,7 +8,9 @@ and adds what only the models and contexts can tell (:mod:`slotctl.validate`).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from typing import BinaryIO
 
 import numpy as np
 
@@ -55,8 +57,9 @@ class ServerRules:
 
 def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
                         n_ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS,
-                        server: ServerRules | None = None) -> list[Finding]:
-    """Findings from the parsed layers (no models needed); with ``server``, its rules too."""
+                        server: ServerRules | None = None, f: BinaryIO | None = None) -> list[Finding]:
+    """Findings from the parsed layers (no models needed); with ``server``, its rules too. ``f``: the file,
+    open (the few bytes read again come from it; without it the file is opened for them)."""
     out: list[Finding] = []
     for e in sf.errors:
         layer = e.layer.split(":")[0].split(" (")[0]
@@ -112,7 +115,7 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
                                f"{len(tk.media)} media chunk(s) and the server has no mmproj: it refuses the file "
                                "(\"Cannot restore media tokens without an mmproj\"): start it with --mmproj", 12))
         elif tk.media and server is not None:
-            out += _media_findings(sf)
+            out += _media_findings(sf, f)
         elif tk.media:
             out.append(Finding("token words", "note", "media",
                                f"{len(tk.media)} media chunk(s): the server restores them only with an mmproj "
@@ -143,7 +146,7 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
                            "the draft appendix holds only speculative state; the draft context starts empty",
                            sf.sdft.offset))
     if sf.trailing is not None and sf.trailing.size and not sf.errors:
-        tail = _head(sf, 4)
+        tail = _head(sf, 4, f)
         if torn_magic(tail):
             # load_slot_draft (llama.cpp ea736c1d5): `if (!ckpt_read(ifs, &magic, ...) || magic != SLOT_DRAFT_MAGIC) return 0;`
             out.append(Finding("appendix", "note", "torn_appendix_magic",
@@ -172,10 +175,15 @@ def checkpoints_ignored(sf: SlotFile) -> int | None:
     return None
 
 
-def _head(sf: SlotFile, n: int) -> bytes:
-    with open_regular(sf.path) as f:
+def _head(sf: SlotFile, n: int, f: BinaryIO | None = None) -> bytes:
+    with _opened(sf, f) as f:
         f.seek(sf.trailing.offset)
         return f.read(min(n, sf.trailing.size))
+
+
+def _opened(sf: SlotFile, f: BinaryIO | None):
+    """``f`` when the caller holds the file open, else the file opened for one read."""
+    return nullcontext(f) if f is not None else open_regular(sf.path)
 
 
 def _printable(b: bytes) -> str:
@@ -227,10 +235,10 @@ def _cell_findings(sf: SlotFile) -> list[Finding]:
     return out
 
 
-def _media_findings(sf: SlotFile) -> list[Finding]:
+def _media_findings(sf: SlotFile, f: BinaryIO | None = None) -> list[Finding]:
     """Media chunks the server's ``mtmd_input_chunk_load`` cannot read ("Cannot load media chunk")."""
     out: list[Finding] = []
-    with open(sf.path, "rb") as f:
+    with _opened(sf, f) as f:
         for start, chunk in sf.tokens.media:
             data = chunk.read(f) if hasattr(chunk, "read") else bytes(chunk)
             try:

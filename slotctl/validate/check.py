@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import BinaryIO, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from slotctl.format.memory import MemoryLayout, SectionLayout
 from slotctl.model.info import ModelInfo
 from slotctl.model.predict import Prediction, SectionPrediction
 from slotctl.server.restore import invalid_token_indices
-from slotctl.slotfile import Blob, Memory, SlotFile, open_slot_file, parse_blob, parse_memory
+from slotctl.slotfile import Blob, Memory, SlotFile, parse_blob, parse_memory, read_slot_file
 from slotctl.validate.child import ChildProcess, LoadChecker, _layout_dict
 from slotctl.validate.report import (
     ABORTED,
@@ -434,21 +435,27 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
     """Validate one slot file against ``setup`` (see the module docstring).
 
     ``models``: the setup's :class:`Models` (made here when None). ``checker``: a :class:`LoadChecker`
-    for the real check, or None to predict only. OSError when the file cannot be read.
+    for the real check, or None to predict only. OSError when the file cannot be read. The file is opened
+    once: every later read (another layout, media chunks, a cut payload, the real load's bytes) uses it.
     """
     path = os.fspath(path)
-    models = models or Models(setup)
+    with open_regular(path) as f:
+        return _validate_open(f, path, setup, models or Models(setup), checker)
+
+
+def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
+                   checker: LoadChecker | None) -> FileReport:
     tinfo, dinfo = models.target, models.draft
     rules = ServerRules(state_version=setup.state_version, mmproj=setup.mmproj)
     report = FileReport(path)
     model_parse = False     # whether the target payload parsed with the model's layout
     if tinfo is None:
-        sf = open_slot_file(path)
+        sf = read_slot_file(f, path)
     else:
-        sf = open_slot_file(path, layout=tinfo.layout(), draft_layout=dinfo.layout() if dinfo else None)
+        sf = read_slot_file(f, path, layout=tinfo.layout(), draft_layout=dinfo.layout() if dinfo else None)
         model_parse = sf.target is not None
         if not model_parse and sf.header_end is not None:
-            generic = open_slot_file(path)
+            generic = read_slot_file(f, path)
             if generic.target is not None:
                 sf = generic     # another memory kind: locate the layers as the file is
     report.size, report.version, report.slot_file = sf.size, sf.version, sf
@@ -459,23 +466,23 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
     issues: list[_Issue] = []
     cut = None
     if tinfo is not None and not model_parse and sf.version == setup.state_version:
-        cut = _payload_cut(sf, tinfo)
+        cut = _payload_cut(sf, tinfo, f)
     if cut is not None:
         sf, cut_error = cut[1], cut[2]
         model_parse = sf.target is not None
-    layers = _memory_layers(sf, model_parse, tinfo, dinfo, issues)
+    layers = _memory_layers(sf, f, model_parse, tinfo, dinfo, issues)
     explained = {id(e) for e in _explained_errors(sf, layers)}
     if cut is not None:
         explained.add(id(cut_error))
     structural = dataclasses.replace(sf, errors=[e for e in sf.errors if id(e) not in explained])
     by_layer = {ml.side.layer: ml for ml in layers}
-    for f in structural_findings(structural, n_ctx_checkpoints=setup.n_ctx_checkpoints, server=rules):
-        if tinfo is None and f.layer == TARGET and f.code == "damaged" and sf.target is None:
-            f = _undecided(f, sf.payload_cut)
-        if f.code == "draft_dropped" and any(i.finding.code == "no_draft_context" for i in issues):
+    for found in structural_findings(structural, n_ctx_checkpoints=setup.n_ctx_checkpoints, server=rules, f=f):
+        if tinfo is None and found.layer == TARGET and found.code == "damaged" and sf.target is None:
+            found = _undecided(found, sf.payload_cut)
+        if found.code == "draft_dropped" and any(i.finding.code == "no_draft_context" for i in issues):
             continue    # dropped for want of a draft context already: one finding
-        issue = _Issue(f, _structural_effect(f, setup))
-        ml = by_layer.get(f.layer)
+        issue = _Issue(found, _structural_effect(found, setup))
+        ml = by_layer.get(found.layer)
         (ml.issues if ml is not None else issues).append(issue)
 
     # prediction: what the loader checks, then anything else that keeps the layer out
@@ -489,16 +496,15 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
     if tpred is not None:
         issues += _token_issues(sf, tpred, tinfo, setup)
     if tinfo is not None and (sf.draft_spec is not None or sf.checkpoints):
-        with open(sf.path, "rb") as f:
-            issues += [_Issue(sp, EFFECT_DROPPED if sp.severity == "drop" else EFFECT_OK)
-                       for sp in speculative_findings(sf, f, tinfo, dinfo)]
+        issues += [_Issue(sp, EFFECT_DROPPED if sp.severity == "drop" else EFFECT_OK)
+                   for sp in speculative_findings(sf, f, tinfo, dinfo)]
 
     if cut is not None:
         issues += _cut_issues(cut[0], layers[0] if layers and layers[0].side.layer == TARGET else None)
 
     # the real check
     if checker is not None and tinfo is not None:
-        issues += _real_check(layers, checker, sf, setup, tpred, dpred)
+        issues += _real_check(layers, checker, sf, f, setup, tpred, dpred)
 
     kind = tinfo.layout().kind if tinfo is not None else (sf.target.layout.kind if sf.target else None)
     issues = _weigh_rollback(issues, kind)
@@ -561,7 +567,7 @@ def _predict_steps(sf: SlotFile, report: FileReport, setup: ServerSetup) -> list
     return steps
 
 
-def _payload_cut(sf: SlotFile, tinfo: ModelInfo) -> tuple[Cut, SlotFile, FormatError] | None:
+def _payload_cut(sf: SlotFile, tinfo: ModelInfo, f: BinaryIO) -> tuple[Cut, SlotFile, FormatError] | None:
     """When the file ends inside the target payload (read with the model's layout): where, the file with
     the payload as the loader sees it (completed when what it reads beyond the end repeats the record the
     end falls in, see :func:`_cut_issues`), and the parse error the cut explains."""
@@ -569,7 +575,7 @@ def _payload_cut(sf: SlotFile, tinfo: ModelInfo) -> tuple[Cut, SlotFile, FormatE
     if err is None or sf.header_end is None or sf.version is None or sf.target is not None:
         return None
     layout = tinfo.layout()
-    with open_regular(sf.path) as f:
+    with nullcontext(f):
         cut = locate_cut(f, sf.header_end, sf.size, layout, sf.version)
         if cut is None:
             return None
@@ -619,8 +625,8 @@ def _cut_issues(cut: Cut, target: _MemLayer | None) -> list[_Issue]:
     return [_Issue(Finding(TARGET, "error", "payload_cut", msg, cut.offset), EFFECT_REFUSED)]
 
 
-def _memory_layers(sf: SlotFile, model_parse: bool, tinfo: ModelInfo | None, dinfo: ModelInfo | None,
-                   issues: list[_Issue]) -> list[_MemLayer]:
+def _memory_layers(sf: SlotFile, f: BinaryIO, model_parse: bool, tinfo: ModelInfo | None,
+                   dinfo: ModelInfo | None, issues: list[_Issue]) -> list[_MemLayer]:
     """The memory layers of ``sf`` to check, each parsed with its model's layout when there is a model
     (``model_parse``: the target payload was; else it is of another kind, or there is no model)."""
     out: list[_MemLayer] = []
@@ -647,7 +653,7 @@ def _memory_layers(sf: SlotFile, model_parse: bool, tinfo: ModelInfo | None, din
                              prefix=True))
     if checkpoints_ignored(sf) is not None:
         return out    # the server reads neither the checkpoints nor the draft state behind them
-    with open_regular(sf.path) as f:
+    with nullcontext(f):
         for i, c in enumerate(sf.checkpoints or ()):
             for kind, blob, info in (("target", c.tgt, tinfo), ("draft", c.dft, dinfo)):
                 if blob.span.size == 0:
@@ -822,9 +828,10 @@ def _token_issues(sf: SlotFile, tpred: Prediction, tinfo: ModelInfo, setup: Serv
 # -- the real check ---------------------------------------------------------------------------------------
 
 
-def _real_check(layers: list[_MemLayer], checker: LoadChecker, sf: SlotFile, setup: ServerSetup,
+def _real_check(layers: list[_MemLayer], checker: LoadChecker, sf: SlotFile, f: BinaryIO, setup: ServerSetup,
                 tpred: Prediction | None, dpred: Prediction | None) -> list[_Issue]:
-    """Load each layer (results on the layers); returns the findings about the file as a whole."""
+    """Load each layer (results on the layers; its bytes read from ``f``, the open file); returns the
+    findings about the file as a whole."""
     if not layers:
         return []
     ctx = checker.contexts()
@@ -859,7 +866,7 @@ def _real_check(layers: list[_MemLayer], checker: LoadChecker, sf: SlotFile, set
         step = {"ctx": ml.side.kind, "path": sf.path, "offset": ml.span_offset, "size": ml.span_size,
                 "blob": ml.is_blob, "version": sf.version, "layout": _layout_dict(ml.parsed_layout),
                 "flags": ml.flags, "slot": setup.slot, "prefix": ml.prefix}
-        res = checker.load(step)
+        res = checker.load(step, f)
         _judge(ml, res)
     return out
 
