@@ -69,6 +69,11 @@ def field_offsets(path: Path) -> dict[str, tuple[int, int]]:
         out["target: layer count"] = (rot - 4, 4)
         k0 = rot + (8 if sf.version >= 4 else 0)
         out["target: K row size"] = (k0 + 4, 8)
+        data = sec.streams[0].data
+        if data.v_trans == 1:   # element-major V records: i32 type; u32 el_size; u32 n_embd
+            v0 = data.v[0].data.offset
+            out["target: V element size"] = (v0 - 8, 4)
+            out["target: V n_embd"] = (v0 - 4, 4)
     else:
         out["target: recurrent cell count"] = (t, 4)
         n = sec.cell_count
@@ -100,7 +105,8 @@ def _patch(src: Path, dst: Path, offset: int, width: int, value: int) -> Path:
     return dst
 
 
-FILES = {"kv": lambda tmp: chain_file(tmp), "recurrent": lambda tmp: chain_file(tmp, DATA / "kinds" / "srv-mamba.bin")}
+FILES = {"kv": lambda tmp: chain_file(tmp), "recurrent": lambda tmp: chain_file(tmp, DATA / "kinds" / "srv-mamba.bin"),
+         "kv, V transposed": lambda tmp: chain_file(tmp, DATA / "srv-fa-off.bin")}
 
 
 def _cases() -> list[tuple[str, str]]:
@@ -110,7 +116,8 @@ def _cases() -> list[tuple[str, str]]:
              "SDFT: speculative state length"]
     kv = names + ["target: stream count", "target: cell count", "target: layer count", "target: K row size"]
     rec = ["target: recurrent cell count", "target: recurrent layer count", "target: r row size"]
-    return [("kv", n) for n in kv] + [("recurrent", n) for n in rec]
+    vt = ["target: V element size", "target: V n_embd"]
+    return [("kv", n) for n in kv] + [("recurrent", n) for n in rec] + [("kv, V transposed", n) for n in vt]
 
 
 @pytest.mark.parametrize("kind,field", _cases())
@@ -127,7 +134,7 @@ def test_field_at_its_maximum(tmp_path, kind, field):
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         assert "Traceback" not in res.stderr, res.stderr
-        assert res.exit_code in (0, 1), (args, res.exit_code, res.stderr)
+        assert res.exit_code in ((0, 1, 3) if args[0] == "validate" else (0, 1)), (args, res.exit_code, res.stderr)
         assert peak < MEMORY_BOUND, (args[0], field, peak)
         assert elapsed < 30, (args[0], field, elapsed)   # a guard against a hang, not a measurement
         assert " at 0x" in res.stdout, (args[0], field, res.stdout[-500:])
@@ -135,6 +142,10 @@ def test_field_at_its_maximum(tmp_path, kind, field):
             # damage confined to the draft state: strip-draft would repair the file by removing it
             d = json.loads(res.stdout)
             assert res.exit_code == 0 and d["files"][0]["repaired"], res.stdout[-500:]
+        elif args[0] == "validate":
+            # a verdict about the server: refused or damaged (1), undecided without the model (3), or
+            # restores (0) when the damage is in a layer b11434 does not read (docs/exit-codes.md)
+            assert res.exit_code in (0, 1, 3), (field, res.exit_code, res.stdout[-500:], res.stderr)
         else:
             assert res.exit_code == 1, (args[0], field, res.exit_code, res.stdout[-500:], res.stderr)
 
