@@ -133,19 +133,29 @@ def _sdft_damage(sf: SlotFile) -> tuple[int, str] | None:
     """(where the SDFT appendix starts, what is wrong with it) when it is the only damaged layer.
 
     Three shapes: the appendix does not parse (cut short, a bad version or length); it parses but its
-    draft blob does not; the file ends inside its magic. Everything before it must have parsed cleanly.
+    draft blob does not; the file ends inside its magic (1 to 3 bytes of ``SDFT`` where an appendix may
+    start: a server ignores them, and they are what is left of a draft state). Everything before it must
+    have parsed cleanly.
     """
-    if sf.target is None or not sf.errors:
+    if sf.target is None or sf.sdft is not None and not sf.errors:
         return None
-    if sf.sdft is not None and sf.draft is not None and sf.errors == [sf.draft.error]:
-        return sf.sdft.offset, str(sf.errors[0])
-    if sf.sdft is not None or len(sf.errors) != 1 or sf.trailing is None:
+    if sf.sdft is not None:
+        if sf.draft is not None and sf.errors == [sf.draft.error]:
+            return sf.sdft.offset, str(sf.errors[0])
         return None
-    err, at = sf.errors[0], sf.trailing.offset
+    if len(sf.errors) > 1 or sf.trailing is None or not sf.trailing.size:
+        return None
+    at = sf.trailing.offset
     with open(sf.path, "rb") as f:
         f.seek(at)
         head = f.read(4)
     magic = struct.pack("<I", apx.SDFT_MAGIC)
+    if not sf.errors:
+        if sf.trailing.size < 4 and magic.startswith(head):
+            return at, (f"SDFT appendix at 0x{at:x} ({at}): the file ends {len(head)} byte(s) into its magic "
+                        f"(a draft state cut short)")
+        return None
+    err = sf.errors[0]
     if err.layer == "SDFT appendix" and head == magic:
         return at, str(err)
     if err.layer == "appendix" and 0 < len(head) < 4 and magic.startswith(head):

@@ -643,7 +643,8 @@ def _cut_sdft(tmp_path: Path, how: str) -> tuple[Built, int, bytes]:
 def test_a_damaged_sdft_appendix_is_removed_and_said(tmp_path, how):
     b, sdft, raw = _cut_sdft(tmp_path, how)
     damaged = open_slot_file(b.path)
-    assert damaged.errors   # inspect reports the file damaged ...
+    # inspect reports the file damaged, or (cut inside the magic) holding a torn magic a server ignores ...
+    assert damaged.errors or (how == "in the magic" and damaged.trailing.size == 2)
     code, d = strip_json(b.path, "--dry-run")   # ... strip-draft would repair it
     [f] = d["files"]
     assert code == 0 and f["status"] == "would strip" and f["removed"] == ["SDFT"]
