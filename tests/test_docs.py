@@ -22,6 +22,8 @@ def test_readme_quick_start_matches_ci():
     ci = (ROOT / ".ci" / "run").read_text()
     commands = re.findall(r"```sh\n(.+?)\n```", readme)
     assert commands[0] == "pip install . && slotctl demo"
+    # the first command's install (the core: no llama-cpp-python) and its demo, in a fresh venv
+    assert '-m pip install -q .\n' in ci and 'slotctl" demo' in ci
     test_cmd = commands[1]
     assert test_cmd.replace("pip ", "python3 -m pip ").replace("python -m pytest", "python3 -m pytest") in ci
 

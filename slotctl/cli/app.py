@@ -23,6 +23,10 @@ from slotctl.cli.params import lighten
 from slotctl.errors import ExitStatus, SlotctlError
 
 
+#: the heading of the commands that run llama.cpp
+_LLAMA = "Run llama.cpp (the [llama] extra: llama-cpp-python)"
+
+
 class CommandEntry(NamedTuple):
     #: the module whose ``register(app)`` adds the command
     module: str
@@ -44,6 +48,8 @@ COMMANDS: dict[str, CommandEntry] = {
                          "section by section and stream by stream."),
     "convert": CommandEntry("slotctl.cli.convert_cmd", "Rewrite a slot file so that a server started with other "
                             "flags restores it."),
+    "demo": CommandEntry("slotctl.cli.demo", "Run slotctl on a built-in sample: inspect and validate it; with "
+                         "llama-cpp-python also save and restore."),
     "ls": CommandEntry("slotctl.cli.ls_cmd", "List slot files: size, age, state version, tokens, memory kind, "
                        "checkpoints, draft-state bytes, and the verdict of validate for each (what a server does "
                        "with it).", "Slot directories"),
@@ -53,11 +59,9 @@ COMMANDS: dict[str, CommandEntry] = {
     "identify": CommandEntry("slotctl.cli.identify_cmd", "Which of the candidate models wrote this slot file "
                              "(and its draft state)?", "Run llama.cpp (pip install 'slotctl[llama]')"),
     "save": CommandEntry("slotctl.cli.save", "Evaluate a prompt in a slot as llama-server would, and "
-                         "write the slot file it would save.", "Run llama.cpp (pip install 'slotctl[llama]')"),
+                         "write the slot file it would save.", _LLAMA),
     "restore": CommandEntry("slotctl.cli.restore", "Restore a slot file as llama-server does, step by step, "
-                            "and optionally continue from it.", "Run llama.cpp (pip install 'slotctl[llama]')"),
-    "demo": CommandEntry("slotctl.cli.demo", "Make tiny models and run save, inspect, validate and restore "
-                         "--compare on a sample slot file.", "Run llama.cpp (pip install 'slotctl[llama]')"),
+                            "and optionally continue from it.", _LLAMA),
     "slots": CommandEntry("slotctl.cli.live", "List a running llama-server's slots: id, context size, "
                           "speculative decoding, busy, cached tokens.",
                           "A running llama-server"),
