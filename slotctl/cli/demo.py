@@ -95,7 +95,7 @@ def demo(
             out.print(Text(f"\n# {step.what}\n$ {_cmdline(args)}", style="bold cyan"))
             code, output = _invoke(args), None
             if step.expected_verdict is not None:  # what validate said, to check it against what the demo says
-                _, output = _invoke_json(args)
+                _, output = _invoke_json(args, quiet=True)
         r["exit_code"] = code
         r["ok"] = code == step.expected_exit_code
         if step.expected_verdict is not None:
@@ -201,10 +201,12 @@ def _invoke(args: list[str]) -> int:
     return int(code or 0)
 
 
-def _invoke_json(args: list[str]) -> tuple[int, object]:
-    """Run a command with --json and return its exit code and its document (stdout captured)."""
+def _invoke_json(args: list[str], *, quiet: bool = False) -> tuple[int, object]:
+    """Run a command with --json and return its exit code and its document (stdout captured; with ``quiet``
+    stderr too: a second run, to read what the command said)."""
     buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
+    silence = contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext()
+    with contextlib.redirect_stdout(buf), silence:
         code = _invoke([*args, "--json"])
     text = buf.getvalue()
     try:
