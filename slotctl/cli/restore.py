@@ -61,23 +61,14 @@ def restore(
 ) -> None:
     """Restore a slot file as llama-server does, step by step, and optionally continue from it.
 
-    Takes the flags the server is started with (-m, -md, -c, -np, -kvu, -ctk/-ctv, -ctkd/-ctvd, -fa,
-    --spec-draft-n-max). Steps, in the server's order: the target payload (a version-4 file is
-    converted for this runtime when that is exact), the token checks, the checkpoints (SCKP), the draft
-    state (SDFT): each with bytes, milliseconds, and restored / absent / ignored / dropped and why.
-    --continue TEXT (and/or -n N) then sends a request: the saved text followed by TEXT, tokenized as
-    the server does, only the new tokens evaluated, N tokens generated greedily; with -md by
-    speculative decoding (the draft proposes up to --spec-draft-n-max tokens, the target verifies).
-    --prompt / --prompt-file send a whole new prompt instead: where it diverges from the saved one, a
-    memory that cannot be rolled back (SWA, recurrent, hybrid) goes back to the last checkpoint at or
-    before that point, as the server does, and the report says which and how many tokens were evaluated
-    again.
+    Takes the server's flags. Each layer in the server's order (target memory, token checks,
+    checkpoints, draft state): restored, absent, ignored or dropped, and why. --continue TEXT / -n N
+    then go on from it (with -md by speculative decoding); --prompt sends a new prompt, rolled back to
+    a checkpoint as the server does; --compare runs a slot that was never saved beside it.
+    With --server URL --slot N NAME: a running llama-server restores NAME (docs/live.md).
+    Details: docs/save-restore.md.
 
-    With --server URL --slot N NAME instead: a running llama-server restores NAME from its
-    --slot-save-path into its slot N (POST /slots/N?action=restore) and its answer is shown (--json: as
-    it came); the local options do not apply (docs/live.md).
-
-    Exit codes: 0 restored (a dropped draft state is reported, not fatal), and with --compare all
+    Exit codes: 0 restored (a dropped draft state is reported, not fatal) and with --compare all
     agreed; 1 the server would refuse the file or the request, or --compare found a difference;
     2 usage or I/O error.
     """

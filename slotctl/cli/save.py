@@ -77,21 +77,14 @@ def save(
 ) -> None:
     """Evaluate a prompt in a slot as llama-server would, and write the slot file it would save.
 
-    Takes the flags the server is started with (-m, -md, -c, -np, -kvu, -ctk/-ctv, -ctkd/-ctvd, -fa;
-    the draft context gets the target's size, slots and flash attention). The file holds the header,
-    the packed token record, the target payload, an SCKP appendix with the context checkpoints
-    (PARTIAL_ONLY blobs of both contexts) taken at each --checkpoint-at, every --checkpoint-every
-    tokens, and (unless --no-server-checkpoints) where llama-server would take them itself: for models
-    whose memory cannot be rolled back, near the end of the prompt and at user messages (--user-delimiter); and with -md the SDFT appendix with the draft context's state. Written atomically; an
-    existing file is kept unless --force.
-    --spec-draft-n-max is accepted for symmetry with restore and has no effect here.
-
-    With --server URL --slot N NAME instead: a running llama-server saves its slot N to NAME in its
-    --slot-save-path (POST /slots/N?action=save) and its answer is shown (--json: as it came); the
-    local options do not apply (docs/live.md).
+    Takes the server's flags. The file holds the prompt's tokens, the target memory, the context
+    checkpoints (at --checkpoint-at / --checkpoint-every, and where the server takes them itself) and,
+    with -md, the draft state. Written atomically; an existing file is kept unless --force.
+    With --server URL --slot N NAME: a running llama-server saves its slot N to NAME (docs/live.md).
+    Details: docs/save-restore.md.
 
     Exit codes: 0 written; 1 the server would refuse the prompt (it does not fit the slot); 2 usage
-    or I/O error (existing output without --force, unreadable model or prompt).
+    or I/O error.
     """
     out = Output(json_mode=json_out, verbose=verbose)
     if server is not None:  # live mode: docs/live.md

@@ -70,16 +70,11 @@ def validate(
 ) -> None:
     """Check that a llama-server started with these flags restores each slot file completely.
 
-    Without models: every layer as inspect parses it, and the server's own rules (token record,
-    appendix integrity, cells, state version). With -m (and -md): what the target and draft contexts
-    hold, predicted from the GGUFs and the flags, compared with the target memory, each checkpoint's
-    blobs and the draft state, and the token checks the server makes; then each layer is loaded into
-    real contexts built with the same flags, in a child process. Each finding is an error (the server
-    refuses the file or aborts on it), a drop (the server restores it without a layer) or a note.
-
-    With --server URL: for that running llama-server, its model (when the path it reports exists here;
-    else give -m), -c and -np taken from GET /props and /slots; flags given win, flags the server does
-    not report are said in notes (docs/live.md).
+    Without -m: every layer parsed and the server's own rules checked. With -m (and -md): what the
+    contexts hold, predicted from the GGUFs and the flags, compared layer by layer; then each layer is
+    loaded into real contexts in a child process (needs llama-cpp-python; --no-load: predict only).
+    Each finding is an error (refused or aborts), a drop (restored without a layer) or a note.
+    With --server URL: for that running llama-server's model and flags (docs/live.md).
 
     Exit codes: 0 every file restores completely; 1 a file is refused, makes the server abort, loses
     a layer, or holds a checkpoint the server aborts on when it rolls back to it; 2 usage or I/O
