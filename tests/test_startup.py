@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from slotctl.cli.app import COMMANDS
 from slotctl.sample import MODEL, SLOT_FILE
 
 #: modules no command loads unless it needs them: llama.cpp, HTTP (and ssl), pydantic (typer's converter)
@@ -50,7 +51,7 @@ def test_slotctl_help_imports_no_command(tmp_path, args):
     assert heavy == set()
 
 
-@pytest.mark.parametrize("command", ["inspect", "validate", "strip-draft", "save", "restore", "demo", "slots"])
+@pytest.mark.parametrize("command", list(COMMANDS))
 def test_command_help_loads_no_llama_cpp_and_no_http(tmp_path, command):
     code, heavy = loaded(tmp_path, command, "--help")
     assert code in (0, None)
