@@ -27,7 +27,7 @@ def run(*args: str, columns: int = 80):
     (["validate", "x", "--parallel", "300"], "error: --parallel 300: expected 256 or less "
                                              "(see: slotctl validate --help)"),
     (["validate", "x", "-np", "0"], "error: -np 0: expected 1 or more (see: slotctl validate --help)"),
-    (["validate"], "error: missing FILES... (see: slotctl validate --help)"),
+    (["validate"], "error: missing argument FILES... (see: slotctl validate --help)"),
     (["inspect", "--jsno", "x"], "error: No such option: --jsno (Possible options: --json) "
                                  "(see: slotctl inspect --help)"),
     (["inspect", "--json", "true", str(SLOT_FILE)], "error: Got unexpected extra argument(s) "

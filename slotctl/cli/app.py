@@ -150,9 +150,8 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
                                        help="Show the version and exit.")):
     """Inspect, validate, save, restore and strip llama.cpp server slot files.
 
-    inspect, validate (without its real load), strip-draft and the live commands need only the core
-    install; save, restore, the demo's full run and validate's real load need llama-cpp-python
-    (pip install 'slotctl[llama]').
+    Only save, restore, validate's real load and the demo's full tour run llama.cpp (llama-cpp-python,
+    the [llama] extra); every other command needs only the core install.
 
     Exit codes: 0 ok; 1 the file is damaged, will not restore or loses a layer; 2 usage or I/O error.
     """

@@ -189,7 +189,7 @@ def usage_error_line(e: click.exceptions.UsageError, argv: list[str]) -> str:
     param = getattr(e, "param", None)
     if isinstance(e, click.exceptions.MissingParameter) and param is not None:
         if _is_argument(param):
-            msg = f"missing {_arg_name(param)}"
+            msg = f"missing argument {_arg_name(param)}"
         else:
             msg = f"missing option {option_names(param)}"
     elif isinstance(e, click.exceptions.BadParameter) and param is not None:
