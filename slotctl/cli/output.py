@@ -16,7 +16,6 @@ from typing import Any, Iterator
 
 from rich.console import Console
 from rich.markup import escape as _markup_escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 # C0 and C1 controls (not tab and newline), and the format characters that reorder or break a line
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
@@ -115,6 +114,8 @@ class Output:
         if not self.interactive:
             yield lambda completed, total=None: None
             return
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn  # start-up
+
         columns = [TextColumn("{task.description}"), BarColumn()]
         if bytes_:
             columns.append(DownloadColumn())
