@@ -79,3 +79,10 @@ def test_commands_that_run_llama_cpp_say_what_to_install(tmp_path):
         (line,) = r.stderr.splitlines()
         assert line.startswith(f"error: {argv[0]} runs llama.cpp, and llama-cpp-python is not installed: "
                                "pip install 'llama-cpp-python==")
+
+
+def test_live_mode_needs_no_llama_cpp(tmp_path):
+    """save --server asks the running server: nothing of llama.cpp here (nothing listens on port 9)."""
+    r = _run(["save", "--server", "http://127.0.0.1:9", "--slot", "0", "x.bin", "--timeout", "2"], llama=False)
+    assert r.returncode == 2
+    assert "llama-cpp-python" not in r.stderr and "127.0.0.1:9" in r.stderr
