@@ -48,9 +48,11 @@ def test_demo_narration_matches_what_it_runs(tmp_path):
     """The human run says what each step shows and ends by saying every step behaved so."""
     r = _run(["demo", "--dir", str(tmp_path)])
     assert r.returncode == 0, r.stderr
-    assert "$ slotctl save -m " in r.stdout and "tiny-draft.gguf" in r.stdout.split("$ slotctl save")[1].split("\n")[0]
-    assert "the server drops the draft state" in r.stdout
-    assert "restores, with layers dropped" in r.stdout  # what validate itself printed
+    text = " ".join(r.stdout.split())  # as read, whatever the width it was wrapped at
+    save_line = text.split("$ slotctl save ")[1].split(" --prompt ")[0]
+    assert save_line.split(" -md ")[1].split()[0].endswith("tiny-draft.gguf")  # the real 1-layer draft
+    assert "the server drops the draft state and restores the rest" in text
+    assert "restores, with layers dropped" in text  # what validate itself printed
     assert r.stdout.rstrip().endswith("every step behaved as said above")
 
 
