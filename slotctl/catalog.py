@@ -86,7 +86,7 @@ def _row_from(path: str, st: os.stat_result, sf, report, now: float) -> dict:
         "draft_size": _draft_size(sf),
         "damaged": sf.damaged,
         "verdict": report.verdict,
-        "predicted_reuse": _reuse(report),
+        "reuse": _reuse(report),
         "findings": [f.as_dict() for f in report.findings],
         # a listing counts a file whose payload it cannot place as damaged (1); validate says undecided (3)
         "exit_code": int(ExitStatus.FAILED if report.verdict == "undecided" else report.exit_status),
@@ -102,19 +102,18 @@ def _row_from(path: str, st: os.stat_result, sf, report, now: float) -> dict:
     return row
 
 
-def _reuse(report):
-    """The predicted reuse of the restored prompt when validate computes one (else None)."""
+def _reuse(report) -> dict | None:
+    """The reuse validate predicts for a request extending the saved prompt (``{"n_tokens", "n_reused",
+    "checkpoint", "reason", ...}``), when it predicts one; else None."""
     value = getattr(report, "reuse", None)
-    if value is None or isinstance(value, (int, float, dict)):
-        return value
-    return value.as_dict() if hasattr(value, "as_dict") else value
+    return value if isinstance(value, dict) else None
 
 
 def _unreadable(path: str, e: OSError, st: os.stat_result | None) -> dict:
     return {"path": path, "name": os.path.basename(path), "size": st.st_size if st else None,
             "mtime": iso_time(st.st_mtime) if st else None, "atime": iso_time(st.st_atime) if st else None,
             "age_seconds": None, "state_version": None, "n_tokens": None, "memory_kind": None, "checkpoints": [],
-            "draft_size": 0, "damaged": False, "verdict": "unreadable", "predicted_reuse": None, "findings": [],
+            "draft_size": 0, "damaged": False, "verdict": "unreadable", "reuse": None, "findings": [],
             "exit_code": int(ExitStatus.USAGE),
             "error": {"code": "unreadable", "message": f"{path}: {e.strerror or e}"}}
 

@@ -258,3 +258,26 @@ def test_prune_killed_leaves_every_file_whole_or_gone(tmp_path):
     assert 0 < len(left) < 4000, "the kill did not land during the deletions"
     for name in left:
         assert (d / name).read_bytes() == raw, name
+
+
+@pytest.mark.server
+def test_ls_for_a_running_server(llama_server_bin, tiny_models, tmp_path):
+    """--server URL: the files judged for that server's own model and flags (learned from /props, /slots)."""
+    from conftest import start_server
+
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    srv = start_server(llama_server_bin, tiny_models.target, tmp_path, "ls", args=["-c", "256", "-np", "1", "-fa", "on"],
+                       slot_save_path=slots)
+    try:
+        srv.completion(SAMPLE_PROMPT, slot=0, n_predict=4)
+        srv.save(0, "mine.bin")
+        shutil.copyfile(DATA / "srv-kvq8.bin", slots / "q8.bin")
+        doc = ls_json(slots, "--server", srv.url)
+    finally:
+        srv.stop()
+    v = {r["name"]: r["verdict"] for r in doc["files"]}
+    assert v == {"mine.bin": "restores", "q8.bin": "refused"}
+    live = doc["summary"]["server"]
+    assert live["url"] and live["sources"]["parallel"] == "server"
+    assert cli("ls", slots, "--api-key", "x").exit_code == 2      # live-only option without --server

@@ -10,6 +10,7 @@ from typing import Annotated, Iterable, Optional
 import typer
 from rich.text import Text
 
+from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
 from slotctl.cli.options import (
     ArgsCommand,
@@ -22,6 +23,7 @@ from slotctl.cli.options import (
 )
 from slotctl.cli.output import Output, escape_text, human_bytes
 from slotctl.server.flags import ServerFlags
+from slotctl.server.http import DEFAULT_TIMEOUT
 from slotctl.errors import ExitStatus, UsageError
 
 SORT_KEYS = ("name", "size", "age", "tokens")
@@ -58,6 +60,12 @@ def ls(
                                                     "(4: llama.cpp b11434 and later).")] = 4,
     load: Annotated[bool, typer.Option("--load", help="With -m: also load every layer of every file into real "
                                        "contexts (validate's real check; slow).")] = False,
+    server: Annotated[Optional[str], typer.Option("--server", metavar="URL",
+                                                  help="Judge the files for the running llama-server at this URL: "
+                                                       "its model, -c and -np from GET /props and /slots (flags "
+                                                       "given here win; docs/live.md).")] = None,
+    api_key: remote.LiveApiKeyOpt = None,
+    timeout: remote.LiveTimeoutOpt = DEFAULT_TIMEOUT,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="Worker processes (default: the "
                                                 "CPUs, for more than a few dozen files).")] = None,
     json_out: JsonOpt = False,
@@ -90,12 +98,25 @@ def ls(
         raise UsageError("give --json or --jsonl, not both")
     if load and model is None:
         raise UsageError("--load needs -m (the model to load the files with)")
+    lv = None
+    if server is not None:  # the running server's own model and flags where it says them (docs/live.md)
+        from slotctl.server.http import server_facts
+        from slotctl.server.live import learn_flags
+
+        facts = server_facts(server, slot, api_key=api_key, timeout=timeout)
+        lv = learn_flags(facts, flags, given=remote.given_params(ctx), model=model, draft_model=draft_model,
+                         slot=slot, mmproj=False, state_version=state_version)
+        model, draft_model, flags, slot = lv.model, lv.draft_model, lv.server_flags, lv.slot
+        remote.render_live(out, lv)
+    else:
+        remote.require_local(ctx, "ls")    # --api-key / --timeout typed without --server
     setup = None
     if model is not None or state_version != 4 or slot or flags != ServerFlags():
         from slotctl.server.flags import attn_rot_disable
         from slotctl.validate import ServerSetup
 
         setup = ServerSetup.from_flags(flags, target=model, draft=draft_model, slot=slot,
+                                       mmproj=lv.mmproj if lv is not None else False,
                                        state_version=state_version, attn_rot_disable=attn_rot_disable())
         if model is not None:
             from slotctl.validate import Models
@@ -134,7 +155,10 @@ def ls(
                                               separators=(",", ":")) + "\n")
         elif json_out:
             rows_list = list(listed)
-            out.json({"files": rows_list, "summary": totals.summary(), "exit_code": totals.exit_code})
+            summary = totals.summary()
+            if lv is not None:
+                summary["server"] = lv.as_dict()
+            out.json({"files": rows_list, "summary": summary, "exit_code": totals.exit_code})
         else:
             one_dir = len(paths or [Path(".")]) == 1 and os.path.isdir((paths or [Path(".")])[0])
             render(out, listed, totals, show_reuse=model is not None, names=one_dir)
@@ -223,7 +247,7 @@ def _line(cells: list[str], name: Text | str, reuse: str | None) -> Text:
             t.append(c.rjust(width))
         t.append("  ")
     if reuse is not None:
-        t.append(reuse.rjust(8) + "  ")
+        t.append(reuse.rjust(13) + "  ")
     t.append(name)
     return t
 
@@ -238,7 +262,7 @@ def render(out: Output, rows: Iterable[dict], totals: _Totals, *, show_reuse: bo
                  f"{r['n_tokens']:,}" if r["n_tokens"] is not None else "-", r["memory_kind"] or "-",
                  str(len(r["checkpoints"])), human_bytes(r["draft_size"]) if r["draft_size"] else "-",
                  r["verdict"]]
-        reuse = _reuse_text(r.get("predicted_reuse")) if show_reuse else None
+        reuse = _reuse_text(r.get("reuse")) if show_reuse else None
         out.console.print(_line(cells, escape_text(r["name" if names else "path"], keep_newlines=False), reuse), soft_wrap=True)
         if r.get("error"):
             out.console.print(Text("    " + escape_text(r["error"]["message"], keep_newlines=False), style="dim"),
@@ -256,9 +280,7 @@ def render(out: Output, rows: Iterable[dict], totals: _Totals, *, show_reuse: bo
 
 
 def _reuse_text(value) -> str:
-    if value is None:
+    """Tokens a restored slot keeps for the next request, of those saved (``n_reused/n_tokens``)."""
+    if not isinstance(value, dict) or not isinstance(value.get("n_reused"), int):
         return "-"
-    if isinstance(value, dict):
-        n = value.get("n_tokens", value.get("tokens"))
-        return f"{n:,}" if isinstance(n, int) else "-"
-    return f"{value:,}" if isinstance(value, int) else str(value)
+    return f"{value['n_reused']:,}/{value.get('n_tokens', 0):,}"
