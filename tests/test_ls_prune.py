@@ -281,3 +281,74 @@ def test_ls_for_a_running_server(llama_server_bin, tiny_models, tmp_path):
     live = doc["summary"]["server"]
     assert live["url"] and live["sources"]["parallel"] == "server"
     assert cli("ls", slots, "--api-key", "x").exit_code == 2      # live-only option without --server
+
+
+def _sparse_file_with_a_big_checkpoint(path: Path) -> None:
+    """A small payload, then a checkpoint whose blob holds 16 GiB of (sparse) tensor rows."""
+    import struct
+
+    from slotctl.format.appendix import SCKP_MAGIC
+    from slotctl.format.blob import blob_header
+
+    def kv(cells: int, row: int) -> bytes:
+        out = struct.pack("<II", 1, cells) + b"".join(struct.pack("<iIi", p, 1, 0) for p in range(cells))
+        return out + struct.pack("<IIII", 0, 1, 0, 0)
+
+    row = 1 << 31
+    with open(path, "wb") as f:
+        f.write(struct.pack("<III", 0x67677371, 4, 4) + struct.pack("<4i", 1, 2, 3, 4))
+        f.write(kv(4, 8) + struct.pack("<iQ", 1, 8) + b"\0" * 32 + struct.pack("<iQ", 1, 8) + b"\0" * 32)
+        body = kv(4, row)
+        blob_len = len(blob_header(0)) + len(body) + 2 * (12 + 4 * row)
+        f.write(struct.pack("<II", SCKP_MAGIC, 1) + struct.pack("<Iqii", 1, 4, 0, 3) + struct.pack("<Q", blob_len))
+        f.write(blob_header(0) + body)
+        for _ in range(2):
+            f.write(struct.pack("<iQ", 1, row))
+            f.seek(4 * row, os.SEEK_CUR)
+        f.write(struct.pack("<QQ", 0, 0))
+
+
+def test_ls_of_a_huge_sparse_file_reads_metadata_only(tmp_path):
+    """Bytes a candidate layout misreads as a count (an appendix magic read as a recurrent cell count)
+    must not become a read or an allocation: ls of a 16 GiB file runs in a process limited to 2 GiB."""
+    import resource
+
+    p = tmp_path / "big.bin"
+    _sparse_file_with_a_big_checkpoint(p)
+    assert p.stat().st_size > 16 << 30
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    r = subprocess.run([sys.executable, "-m", "slotctl", "ls", str(p), "--json", "--jobs", "1"],
+                       capture_output=True, text=True, preexec_fn=limit, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)["files"]
+    assert (row["memory_kind"], row["verdict"], row["n_tokens"]) == ("kv", "restores", 4)
+    assert [c["n_tokens"] for c in row["checkpoints"]] == [4]
+
+
+def test_a_recurrent_cell_count_beyond_llama_max_seq_is_not_read():
+    """A recurrent memory holds max(1, n_seq_max) <= 256 cells and llama.cpp's loader refuses more: a larger
+    count is refused before any cell is read (it was an appendix magic read as a count: 10 GiB of reads)."""
+    import io
+    import struct
+
+    from slotctl.errors import FormatError
+    from slotctl.format.common import parse
+    from slotctl.format.recurrent import recurrent_head
+
+    class Counting(io.BytesIO):
+        asked = 0
+
+        def read(self, n=-1):
+            Counting.asked += max(n, 0)
+            return super().read(n)
+
+    data = struct.pack("<I", 0x504B4353) + b"\0" * (1 << 20)
+    with pytest.raises(FormatError) as e:
+        parse(recurrent_head, Counting(data), "target memory", version=4)
+    assert "a cell count of at most 256" in str(e.value)
+    assert Counting.asked < 64
+    ok = parse(recurrent_head, io.BytesIO(struct.pack("<IiIII", 1, 59, 0, 0, 2)), "target memory", version=4)
+    assert (ok.cell_count, ok.n_layer) == (1, 2)
