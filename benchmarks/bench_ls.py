@@ -218,8 +218,10 @@ def drop_caches() -> bool:
         return False
 
 
-def timed(cmd: list[str]) -> tuple[float, int, int]:
-    """Wall seconds, peak RSS in bytes (the process or its largest worker), exit code."""
+def timed(cmd: list[str]) -> tuple[float, int, int, float]:
+    """Wall seconds, peak RSS in bytes (the process or its largest worker), exit code, and CPU seconds
+    (user + system, the workers included: on a busy machine the wall time says little, the CPU time
+    divided by the cores is the wall time of an idle one)."""
     print(f"  running {' '.join(os.path.basename(c) for c in cmd[:6])} ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryFile() as errf:
         t = time.perf_counter()
@@ -233,7 +235,7 @@ def timed(cmd: list[str]) -> tuple[float, int, int]:
     code = proc.returncode
     if code not in (0, 1):
         raise SystemExit(f"{' '.join(cmd)}: exit {code}: {err.strip()[-500:]}")
-    return secs, ru.ru_maxrss * 1024, code
+    return secs, ru.ru_maxrss * 1024, code, ru.ru_utime + ru.ru_stime
 
 
 BASELINE = ("import os,sys\nd=sys.argv[1]\nfor n in sorted(os.listdir(d)):\n"
@@ -287,11 +289,15 @@ def main() -> None:
             ("ls --sort size warm (human)", sort_warm, base_warm[0]),
             (f"ls --jsonl warm, {len(os.listdir(small)):,} files", tenth, None),
         ]
-        print(f"{'run':<55} {'seconds':>8} {'files/s':>8} {'peak RSS':>10} {'vs baseline':>12}")
-        for name, (secs, rss, _code), base in results:
+        cores = os.cpu_count() or 1
+        print(f"load average {os.getloadavg()[0]:.1f} on {cores} cores (other processes share them)")
+        print(f"{'run':<48} {'wall s':>7} {'CPU s':>7} {'CPU/cores':>9} {'files/s':>8} {'peak RSS':>10} "
+              f"{'vs baseline':>11}")
+        for name, (secs, rss, _code, cpu), base in results:
             n = len(os.listdir(small)) if "files" in name.split(",")[-1] else a.files
             ratio = f"{secs / base:.1f}x" if base else "-"
-            print(f"{name:<55} {secs:>8.2f} {n / secs:>8,.0f} {rss / 2**20:>7.0f} MiB {ratio:>12}")
+            print(f"{name:<48} {secs:>7.2f} {cpu:>7.2f} {cpu / cores:>9.2f} {n / secs:>8,.0f} "
+                  f"{rss / 2**20:>7.0f} MiB {ratio:>11}")
         print(f"memory: {ls_warm[1] / 2**20:.0f} MiB for {a.files:,} files, {tenth[1] / 2**20:.0f} MiB for a tenth")
     finally:
         if a.keep:
