@@ -473,3 +473,32 @@ def test_quantized_to_quantized_keeps_the_rotation(tmp_path):
     assert (d.n_rot_k, d.n_rot_v) == (64, 64) and d.k[0].type == 2
     for a, b in zip(_rows(tmp_path / "q4.bin"), _rows(DATA / "srv-np1.bin")):
         assert np.abs(a - b).max() < 0.5
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("kind,sections", [("gemma2", {"base", "swa"}), ("jamba", {"attention"})])
+def test_other_kinds_to_q8_0_restore(llama_server_bin, tmp_path_factory, kind, sections):
+    """gemma2 (iSWA: base and SWA caches, each rotated by its own rule) and jamba (hybrid: the attention
+    cache; the recurrent state stays f32) converted to q8_0 restore in a -ctk q8_0 -ctv q8_0 server: the
+    loader checks every type, row size and rotation. jamba's next request evaluates only the new tokens
+    and continues like a never-saved slot; gemma2's evaluates the prompt again (SWA without checkpoints)."""
+    model = DATA / "kinds" / f"{kind}.gguf"
+    srv = _server(llama_server_bin, tmp_path_factory, f"{kind}-q8",
+                  ["-c", "256", "-np", "1", "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"], model)
+    try:
+        src = DATA / "kinds" / f"srv-{kind}.bin"
+        d = convert_json(src, "-o", srv.save_dir / "q8.bin", "-ctk", "q8_0", "-ctv", "q8_0", "-m", model)
+        assert {(c["section"], c["what"]) for c in d["changes"]} == {(s, w) for s in sections
+                                                                      for w in ("K type", "V type")}
+        assert d["layers"] and all(e["max_abs_error"] < 0.05 for e in d["layers"])
+        tokens = file_tokens(src)
+        ref = srv.reference(tokens)
+        status, ans = srv.server.restore(0, "q8.bin")
+        assert status == 200 and ans["n_restored"] == len(tokens), ans
+        suffix = srv.server.tokenize(SUFFIX, add_special=False)
+        turn = srv.server.completion(tokens + suffix, slot=0, n_predict=N_PREDICT, return_tokens=True)
+        if kind == "jamba":
+            assert turn["timings"]["prompt_n"] == len(suffix), turn["timings"]
+        assert turn["tokens"] == ref["tokens"]
+    finally:
+        srv.server.stop()
