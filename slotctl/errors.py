@@ -28,7 +28,10 @@ class FormatError(SlotctlError):
 
     ``layer`` names the layer ("state header", "token words", "target memory",
     "SCKP appendix", ...), ``offset`` is the absolute byte offset in the file where
-    the problem was found, ``expected`` says what should have been there.
+    the problem was found, ``expected`` says what should have been there. ``part``: the
+    layer of the slot file the error belongs to, as a name code can compare ("target memory",
+    "checkpoint 2 draft blob", "SDFT appendix", ...), set where the file's walk records it
+    (:meth:`slotctl.slotfile.SlotFile.add_error`); ``layer`` is for people and may be nested.
     """
 
     exit_status = ExitStatus.FAILED
@@ -37,6 +40,7 @@ class FormatError(SlotctlError):
         self.layer = layer
         self.offset = offset
         self.expected = expected
+        self.part: str | None = None
         super().__init__(self.one_line())
 
     def one_line(self) -> str:
@@ -46,7 +50,9 @@ class FormatError(SlotctlError):
     def within(self, layer: str, base: int = 0) -> "FormatError":
         """The same error seen from an enclosing layer starting at ``base``."""
         off = None if self.offset is None else self.offset + base
-        return FormatError(f"{layer}: {self.layer}" if layer else self.layer, off, self.expected)
+        e = FormatError(f"{layer}: {self.layer}" if layer else self.layer, off, self.expected)
+        e.part = self.part
+        return e
 
 
 class UsageError(SlotctlError):

@@ -120,6 +120,13 @@ class SlotFile:
     def damaged(self) -> bool:
         return bool(self.errors)
 
+    def add_error(self, part: str, e: FormatError) -> None:
+        """Record ``e`` as damage of the layer ``part`` ("state header", "token words", "target memory",
+        "SCKP appendix", "SDFT appendix", "checkpoint N target blob", "checkpoint N draft blob",
+        "SDFT draft blob"): readers of ``errors`` compare ``e.part``, never parse ``e.layer``."""
+        e.part = part
+        self.errors.append(e)
+
     @property
     def payload_end(self) -> int | None:
         return self.target.end if self.target else None
@@ -285,6 +292,7 @@ def _parse_chain(f: BinaryIO, offset: int, size: int) -> tuple[Appendix | None, 
         try:
             parsed = parse(apx.SckpAppendix, r, "SCKP appendix", lazy=True)
         except FormatError as e:
+            e.part = "SCKP appendix"
             return None, None, pos, e
         sckp = Appendix("SCKP", pos, r.tell(), parsed)
         pos = r.tell()
@@ -295,6 +303,7 @@ def _parse_chain(f: BinaryIO, offset: int, size: int) -> tuple[Appendix | None, 
         try:
             parsed = parse(apx.SdftAppendix, r, "SDFT appendix", lazy=True)
         except FormatError as e:
+            e.part = "SDFT appendix"
             return sckp, None, pos, e
         sdft = Appendix("SDFT", pos, r.tell(), parsed)
         pos = r.tell()
@@ -343,14 +352,14 @@ def _walk(f: BinaryIO, sf: SlotFile, layout: MemoryLayout | None, draft_layout: 
     try:
         hdr = parse(StateHeader, TrackingReader(f, size), "state header")
     except FormatError as e:
-        sf.errors.append(e)
+        sf.add_error("state header", e)
         return
     sf.version = hdr.version
     sf.words = hdr.words
     sf.header_end = header_size(hdr.n_words)
     sf.tokens = decode_tokens(hdr.words)
     if sf.tokens.error:
-        sf.errors.append(sf.tokens.error)
+        sf.add_error("token words", sf.tokens.error)
 
     # layer 2: the payload
     start = sf.header_end
@@ -358,7 +367,7 @@ def _walk(f: BinaryIO, sf: SlotFile, layout: MemoryLayout | None, draft_layout: 
         try:
             sf.target = parse_memory(f, start, size, layout, sf.version)
         except FormatError as e:
-            sf.errors.append(e)
+            sf.add_error("target memory", e)
             _scan_appendices(f, sf, start)
             return
     else:
@@ -382,7 +391,7 @@ def _walk(f: BinaryIO, sf: SlotFile, layout: MemoryLayout | None, draft_layout: 
             else:
                 kinds = ", ".join(sorted({m.layout.describe() for m in loose}))
                 msg = f"one memory layout, but {len(loose)} fit: {kinds} (give --model to tell them apart)"
-            sf.errors.append(FormatError("target memory", start, msg))
+            sf.add_error("target memory", FormatError("target memory", start, msg))
             _scan_appendices(f, sf, start)
             return
 
@@ -394,7 +403,7 @@ def _read_appendices(f: BinaryIO, sf: SlotFile, offset: int, draft_layout: Memor
     sckp, sdft, end, err = _parse_chain(f, offset, size)
     sf.sckp, sf.sdft = sckp, sdft
     if err is not None:
-        sf.errors.append(err)
+        sf.add_error(err.part, err)
         # behind a damaged appendix nothing can be located
         sf.trailing = Span(end, size - end)
     elif end < size:
@@ -407,15 +416,15 @@ def _read_appendices(f: BinaryIO, sf: SlotFile, offset: int, draft_layout: Memor
         for i, c in enumerate(sckp.parsed.checkpoints):
             tgt = parse_blob(f, c.tgt.data, tgt_partial, version, f"checkpoint {i} target blob")
             dft = parse_blob(f, c.dft.data, dft_partial, version, f"checkpoint {i} draft blob")
-            for b in (tgt, dft):
+            for kind, b in (("target", tgt), ("draft", dft)):
                 if b.error:
-                    sf.errors.append(b.error)
+                    sf.add_error(f"checkpoint {i} {kind} blob", b.error)
             sf.checkpoints.append(CheckpointEntry(c.n_tokens, c.pos_min, c.pos_max, tgt, dft, c.spec.data))
     if sdft is not None:
         sf.draft = parse_blob(f, sdft.parsed.dft.data, draft_layout, version, "SDFT draft blob")
         sf.draft_spec = sdft.parsed.spec.data
         if sf.draft.error:
-            sf.errors.append(sf.draft.error)
+            sf.add_error("SDFT draft blob", sf.draft.error)
 
 
 def _scan_appendices(f: BinaryIO, sf: SlotFile, start: int) -> None:

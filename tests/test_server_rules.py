@@ -400,3 +400,22 @@ def test_validate_opens_each_file_once(tmp_path):
             opened, _OPENED = _OPENED, None
         assert report.files[0].checks, report.files[0].findings
         assert opened.count(str(path)) == 1, opened
+
+
+def test_damage_is_recorded_with_its_layer_as_a_name(tmp_path):
+    src = (DATA / "srv-np1.bin").read_bytes()
+    sf0 = open_slot_file(DATA / "srv-np1.bin", layout=_layout())
+    end = sf0.target.end
+    cps = [dict(n_tokens=4, pos_min=0, pos_max=3, tgt=b"t" * 40, dft=b"", spec=b"")]
+    cases = {
+        "state header": src[:10],
+        "target memory": src[:end - 7],
+        "SCKP appendix": src[:end] + apx.build_sckp(cps)[:-5],
+        "checkpoint 0 target blob": src[:end] + apx.build_sckp(cps),
+        "SDFT appendix": src[:end] + apx.build_sdft(b"D" * 20, b"")[:-3],
+    }
+    for want, data in cases.items():
+        path = tmp_path / "f.bin"
+        path.write_bytes(data)
+        sf = open_slot_file(path, layout=_layout())
+        assert [e.part for e in sf.errors] == [want], (want, [e.one_line() for e in sf.errors])

@@ -62,7 +62,7 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
     open (the few bytes read again come from it; without it the file is opened for them)."""
     out: list[Finding] = []
     for e in sf.errors:
-        layer = e.layer.split(":")[0].split(" (")[0]
+        layer = e.part or e.layer       # the slot file's layer the walk recorded it for
         if server is not None and layer.startswith("checkpoint "):
             name = layer.removesuffix(" blob")
             out.append(Finding(name, "error", "checkpoint_blob_damaged",

@@ -571,7 +571,7 @@ def _payload_cut(sf: SlotFile, tinfo: ModelInfo, f: BinaryIO) -> tuple[Cut, Slot
     """When the file ends inside the target payload (read with the model's layout): where, the file with
     the payload as the loader sees it (completed when what it reads beyond the end repeats the record the
     end falls in, see :func:`_cut_issues`), and the parse error the cut explains."""
-    err = next((e for e in sf.errors if e.layer.startswith("target memory")), None)
+    err = next((e for e in sf.errors if e.part == "target memory"), None)
     if err is None or sf.header_end is None or sf.version is None or sf.target is not None:
         return None
     layout = tinfo.layout()
@@ -709,7 +709,7 @@ def _explained_errors(sf: SlotFile, layers: list[_MemLayer]) -> list[FormatError
                         if any(i.finding.code == "memory_kind_mismatch" for i in ml.issues)}
     out = []
     for e in sf.errors:
-        name = e.layer.split(" (")[0].split(":")[0]
+        name = e.part or e.layer
         name = {"SDFT draft blob": DRAFT}.get(name, name.removesuffix(" blob"))
         if name in explained_layers:
             out.append(e)
