@@ -186,3 +186,48 @@ def run_measured(cmd: list[str], env: dict, timeout: float = 120) -> tuple[bytes
         out.seek(0)
         err.seek(0)
         return out.read(), err.read(), proc.returncode, usage.ru_maxrss
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs /proc/self/io (Linux)")
+def test_the_appendix_scan_reads_only_the_end_of_the_file(tmp_path):
+    """A payload no layout fits, in a 4 GiB file: the scan for an appendix chain reads the last 64 MiB,
+    not the file; a chain inside that window is found, one that starts before it is not (docs/inspect.md)."""
+    from slotctl.slotfile import SCAN_WINDOW
+
+    src = DATA / "srv-np1.bin"
+    raw = src.read_bytes()
+    start = open_slot_file(src).target.offset
+    blob = blob_header(0) + _payload(DATA / "srv-draft.bin")
+
+    def build(path: Path, spec_size: int) -> Path:
+        """Header and tokens, 4 GiB of zeros no layout fits (a hole), then an SDFT whose speculative
+        state is ``spec_size`` bytes (a hole too), ending the file."""
+        with open(path, "wb") as f:
+            f.write(raw[:start] + b"\xff" * 64)
+            f.seek(4 << 30)
+            f.write(build_sdft(blob, b"\0" * 8)[:-8 - 8])   # the SDFT up to its speculative state ...
+            f.write(struct.pack("<Q", spec_size))          # ... whose length we set
+            f.seek(spec_size - 1, os.SEEK_CUR)
+            f.write(b"\0")
+        return path
+
+    near = build(tmp_path / "near.bin", 1 << 20)
+    before = _rchar()
+    sf = open_slot_file(near)
+    read = _rchar() - before
+    assert sf.target is None and sf.errors and sf.sdft is not None
+    assert any("by scanning" in w for w in sf.warnings)
+    assert read < SCAN_WINDOW + (8 << 20), read   # the window and a few chunks, not 4 GiB
+
+    far = build(tmp_path / "far.bin", SCAN_WINDOW + (1 << 20))
+    os.unlink(near)
+    before = _rchar()
+    sf = open_slot_file(far)
+    read = _rchar() - before
+    assert sf.target is None and sf.errors and sf.sdft is None   # outside the window: not looked for
+    assert read < SCAN_WINDOW + (8 << 20), read
