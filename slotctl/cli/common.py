@@ -47,8 +47,8 @@ def llama_install() -> str:
         import importlib.metadata
 
         for r in importlib.metadata.requires("slotctl") or []:
-            spec, _, marker = r.partition(";")
-            if spec.strip().startswith("llama-cpp-python") and "llama" in marker:
+            spec = r.partition(";")[0]  # the [llama] extra's pin (or, in older metadata, a plain dependency)
+            if spec.strip().startswith("llama-cpp-python"):
                 req = spec.strip()
                 break
     except Exception:  # noqa: BLE001 - not installed as a distribution (PYTHONPATH): the bare name
