@@ -29,9 +29,10 @@ What a finding costs depends on the layer (llama.cpp ea736c1d5's ``load_slot_dra
 Each checked layer has a :class:`LayerCheck` saying what the prediction and the load found and what the
 server does (its ``effect``); the file's ``verdict`` follows from the effects (:data:`VERDICTS`).
 
-Modules: ``setup`` (the server: models, flags, predictions), ``check`` (one file: layers, comparison,
-verdict), ``report`` (results), ``child`` (the real check's parent side) and ``worker`` (the child process,
-the only part that imports llama.cpp, through :mod:`slotctl.runtime`).
+Modules: ``setup`` (the server: models, flags, predictions), ``check`` (one file: layers, verdict),
+``compare`` (a layer against its prediction), ``wording`` (how layouts and layers are named),
+``speculative`` (speculative states), ``report`` (results), ``child`` (the real check's parent side) and
+``worker`` (the child process, the only part that imports llama.cpp, through :mod:`slotctl.runtime`).
 """
 
 from __future__ import annotations
