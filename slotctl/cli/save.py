@@ -118,6 +118,7 @@ def save(
     from slotctl.runtime.log import configure_logging
     from slotctl.runtime.slot import ServerContexts, evaluate_prompt, write_slot_file
     from slotctl.server.checkpoints import CheckpointPolicy, requested_positions, user_starts
+    from slotctl.server.requests import request_refusal
 
     configure_logging(verbose)
     t0 = time.perf_counter()
@@ -130,10 +131,9 @@ def save(
     with sc:
         t_load = time.perf_counter() - t0
         tokens = sc.target_model.tokenize(text)
-        n_ctx = sc.target.n_ctx_slot
-        if len(tokens) >= n_ctx:
-            raise PromptRefused(f"request ({len(tokens)} tokens) exceeds the available context size ({n_ctx} "
-                                "tokens), try increasing it")
+        refusal = request_refusal(len(tokens), sc.target.n_ctx_slot)
+        if refusal:
+            raise PromptRefused(refusal)
         try:
             at = requested_positions(checkpoint_at or [], checkpoint_every, len(tokens))
         except ValueError as e:

@@ -50,6 +50,7 @@ from slotctl.runtime.context import STATE_FLAGS_PARTIAL_ONLY, Context
 from slotctl.runtime.model import LlamaError, Model
 from slotctl.runtime.slot import ServerContexts, process_prompt
 from slotctl.server.checkpoints import SEQ_RM_FULL, Checkpoint, CheckpointPolicy, rollback_checkpoint
+from slotctl.server.requests import request_refusal
 
 Progress = Callable[[int, int], None]
 
@@ -262,9 +263,9 @@ class ServerSlot:
         n = len(request)
         if n == 0:
             raise UsageError("empty prompt: the server releases the slot without evaluating anything")
-        if n >= self.n_ctx:
-            raise RequestRefused(f"request ({n} tokens) exceeds the available context size ({self.n_ctx} tokens), "
-                                 "try increasing it")
+        refusal = request_refusal(n, self.n_ctx)
+        if refusal:
+            raise RequestRefused(refusal)
         self._task += 1
         n_past, used, self.last_common = self._reuse(request)
         self.tokens = self.tokens[:n_past]

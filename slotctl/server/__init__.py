@@ -7,6 +7,7 @@
   llama.cpp function it follows; the token-validity rule;
 - ``checkpoints``: what a context checkpoint is, how many the server keeps, where it takes them and which
   one it rolls back to;
+- ``requests``: what it refuses of a completion request before evaluating it;
 - ``findings``: what the server refuses, drops or ignores in a file, found from its structure alone;
 - ``http``: a running server's API (``/slots``, ``/props``, ``/health``) and its file-name rules;
 - ``live``: the flags to validate with for a running server, from what it reports.
