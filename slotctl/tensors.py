@@ -56,11 +56,19 @@ def can_write(type_id: int) -> bool:
     return True
 
 
+def _traits(type_id: int):
+    """gguf's quantization class of ``type_id`` (its block functions run on all blocks at once, where
+    ``gguf.quants.quantize`` goes 16 rows at a time)."""
+    import gguf.quants as q
+
+    traits = q._type_traits[_quant_type(type_id)]  # noqa: SLF001 - gguf keeps its type table there
+    traits.init_grid()
+    return traits
+
+
 def dequantize(raw, type_id: int, n_per_row: int) -> np.ndarray:
     """``raw`` bytes holding whole rows of ``n_per_row`` elements of type ``type_id``, as float32
     ``[rows, n_per_row]``."""
-    import gguf.quants as q
-
     t = ggml.BY_ID[type_id]
     buf = np.frombuffer(raw, dtype=np.uint8)
     row_bytes = t.row_size(n_per_row)
@@ -69,19 +77,23 @@ def dequantize(raw, type_id: int, n_per_row: int) -> np.ndarray:
         return rows.view("<f4").astype(np.float32)
     if type_id == 1:
         return rows.view("<f2").astype(np.float32)
-    return np.asarray(q.dequantize(rows, _quant_type(type_id)), dtype=np.float32).reshape(-1, n_per_row)
+    traits = _traits(type_id)
+    blocks = rows.reshape(-1, t.block_bytes)
+    return np.asarray(traits.dequantize_blocks(blocks), dtype=np.float32).reshape(-1, n_per_row)
 
 
 def quantize(values: np.ndarray, type_id: int) -> bytes:
     """float32 rows ``[rows, n]`` written in type ``type_id`` (``n`` a multiple of its block)."""
-    import gguf.quants as q
-
     values = np.ascontiguousarray(values, dtype=np.float32)
     if type_id == 0:
         return values.astype("<f4").tobytes()
     if type_id == 1:
         return values.astype("<f2").tobytes()
-    return np.asarray(q.quantize(values, _quant_type(type_id)), dtype=np.uint8).tobytes()
+    t = ggml.BY_ID[type_id]
+    if values.shape[-1] % t.block:
+        raise ValueError(f"rows of {values.shape[-1]} elements do not split into {t.name} blocks of {t.block}")
+    blocks = np.asarray(_traits(type_id).quantize_blocks(values.reshape(-1, t.block)), dtype=np.uint8)
+    return blocks.tobytes()
 
 
 @functools.lru_cache(maxsize=None)
