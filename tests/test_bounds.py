@@ -231,3 +231,26 @@ def test_the_appendix_scan_reads_only_the_end_of_the_file(tmp_path):
     read = _rchar() - before
     assert sf.target is None and sf.errors and sf.sdft is None   # outside the window: not looked for
     assert read < SCAN_WINDOW + (8 << 20), read
+
+
+@pytest.mark.parametrize("field,value", [("target: stream count", U32), ("target: cell count", U32),
+                                         ("target: cell count", MAX_CELLS), ("target: layer count", U32)])
+def test_a_cut_payload_with_an_absurd_count_is_walked_within_bounds(tmp_path, field, value):
+    """validate -m on a file cut inside its payload walks the loader's order to the end (format.cut): a count
+    on the way beyond what the layer holds is refused there, not walked (found by fuzz/fuzz_slotfiles.py:
+    a stream count of billions built a list of billions)."""
+    src = DATA / "srv-np1.bin"
+    offset, width = field_offsets(src)[field]
+    raw = bytearray(src.read_bytes()[:-1000])   # cut inside the last V record
+    raw[offset:offset + width] = value.to_bytes(width, "little")
+    p = tmp_path / "cut.bin"
+    p.write_bytes(bytes(raw))
+    tracemalloc.start()
+    t0 = time.monotonic()
+    res = runner.invoke(app, ["validate", str(p), "-m", str(DATA / "target.gguf"), "--no-load", "--json"])
+    elapsed = time.monotonic() - t0
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert res.exit_code == 1, (res.stdout[-400:], res.stderr)
+    assert json.loads(res.stdout)["summary"]["refused"] == 1
+    assert peak < MEMORY_BOUND and elapsed < 30, (peak, elapsed)

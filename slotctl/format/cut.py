@@ -19,6 +19,10 @@ import struct
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+import numpy as np
+
+from slotctl.format.cells import MAX_CELLS, MAX_SEQ
+from slotctl.format.common import MAX_LAYERS, MAX_STREAMS
 from slotctl.format.kv import ext_size
 from slotctl.format.memory import MemoryLayout
 
@@ -60,6 +64,17 @@ class _End(Exception):
         self.in_data = in_data
 
 
+class _Beyond(Exception):
+    """A count beyond what its layer can hold (docs/design.md, "Bounds"): the loader refuses the payload
+    there, so it is no payload cut short; and walking it would cost time and memory by an untrusted count."""
+
+
+def _bounded(value: int, limit: int) -> int:
+    if value > limit:
+        raise _Beyond
+    return value
+
+
 class _Walker:
     def __init__(self, f: BinaryIO, pos: int, size: int):
         self.f, self.pos, self.size = f, pos, size
@@ -80,7 +95,9 @@ class _Walker:
 
 def locate_cut(f: BinaryIO, offset: int, size: int, layout: MemoryLayout, version: int) -> Cut | None:
     """Walk ``layout`` from ``offset`` in the loader's order; the :class:`Cut` where the file (``size``
-    bytes) ends, or None when the payload is complete."""
+    bytes) ends, or None when the payload is complete, or when a count on the way is beyond what its
+    layer can hold (streams, cells, layers: the bounds of :mod:`slotctl.format.cells` and
+    :mod:`slotctl.format.common`), which the loader refuses before any end."""
     w = _Walker(f, offset, size)
     secs = layout.sections
     cut: Cut | None = None
@@ -91,6 +108,8 @@ def locate_cut(f: BinaryIO, offset: int, size: int, layout: MemoryLayout, versio
                 _walk_kv(w, sec, version, state)
             else:
                 _walk_recurrent(w, sec, state)
+        except _Beyond:
+            return None
         except _End as e:
             cut = Cut(size, e.what, si, in_data=e.in_data)
             rec = state.get("record")
@@ -124,20 +143,41 @@ def _records(w: _Walker, what: str, n: int, shape: str, cells: int, state: dict,
 
 
 def _cells(w: _Walker, n: int, ext: int) -> None:
-    for i in range(n):
-        _pos, n_seq = w.fixed("<iI", f"cell {i}")
-        w.skip(ext + 4 * n_seq, f"cell {i}", False)
+    """Skip ``n`` cells (``i32 pos; u32 n_seq_id; ext; i32 seq_id[n_seq_id]``), runs of one size at a time
+    read in chunks of at most 1 MiB; ``_End`` names the cell the file ends in."""
+    i = 0
+    while i < n:
+        if w.pos + 8 > w.size:
+            raise _End(f"cell {i}")
+        w.f.seek(w.pos)
+        (n_seq,) = struct.unpack_from("<I", w.f.read(8), 4)
+        rec = 8 + ext + 4 * n_seq
+        m = min(n - i, max(1, (1 << 20) // rec), (w.size - w.pos) // rec)
+        if m == 0:
+            w.pos += 8
+            w.skip(rec - 8, f"cell {i}", False)   # the file ends inside this cell
+        fields = [("pos", "<i4"), ("n_seq_id", "<u4")] + ([("rest", f"V{rec - 8}")] if rec > 8 else [])
+        w.f.seek(w.pos)
+        arr = np.frombuffer(w.f.read(m * rec), dtype=np.dtype(fields))
+        same = arr["n_seq_id"] == n_seq
+        r = m if bool(same.all()) else int(np.argmin(same))
+        w.pos += r * rec
+        i += r
 
 
 def _walk_kv(w: _Walker, sec, version: int, state: dict) -> None:
     (n_stream,) = w.fixed("<I", "n_stream")
+    _bounded(n_stream, MAX_STREAMS)
+    total = 0
     for s in range(n_stream):
         later_streams = [(f"stream {t}", 0) for t in range(s + 1, n_stream)]
         (cells,) = w.fixed("<I", f"stream {s} cell_count")
         if not cells:
             continue
+        total = _bounded(total + cells, MAX_CELLS)
         _cells(w, cells, ext_size(version, sec.has_ext))
         v_trans, n_layer = w.fixed("<II", "v_trans and n_layer")
+        _bounded(n_layer, MAX_LAYERS)
         if version >= 4:
             w.fixed("<II", "n_rot_k and n_rot_v")
         v_shape = ELEMENTS if v_trans else ROW
@@ -149,7 +189,7 @@ def _walk_kv(w: _Walker, sec, version: int, state: dict) -> None:
 
 def _walk_recurrent(w: _Walker, sec, state: dict) -> None:
     (cells,) = w.fixed("<I", "cell_count")
-    _cells(w, cells, 0)
+    _cells(w, _bounded(cells, MAX_SEQ), 0)
     s_trans, _n_layer = w.fixed("<II", "s_trans and n_layer")
     s_shape = ELEMENTS if s_trans else ROW
     _records(w, "r data", sec.n_r, ROW, cells, state, [(s_shape, 0)] * sec.n_s)
