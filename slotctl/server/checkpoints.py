@@ -103,6 +103,13 @@ def keep_newest(entries: list, n_ctx_checkpoints: int) -> list:
     return entries[-n_ctx_checkpoints:] if n_ctx_checkpoints > 0 else []
 
 
+#: memory kinds whose server ever loads a checkpoint (``load_tgt`` / ``load_dft``): b11434's ``update_slots``
+#: searches the checkpoints only when the slot's memory starts at or after ``pos_min_thold`` (SWA caches,
+#: ``n_swa`` > 0, and recurrent state); a plain KV cache starts at 0 and ``pos_min_thold`` is ``pos_next``,
+#: so it never rolls back to one, and a checkpoint blob that does not fit is harmless there
+ROLLBACK_KINDS = ("iswa", "recurrent", "hybrid", "hybrid_iswa")
+
+
 def rollback_checkpoint(checkpoints: Sequence, pos_next: int, pos_min_thold: int):
     """The checkpoint a slot goes back to when its memory no longer holds what the reused prompt needs
     (``update_slots``, SLOT_STATE_STARTED, b11434): the newest one that ends at or before ``pos_next`` and

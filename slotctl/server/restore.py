@@ -119,6 +119,33 @@ def target_outcome(nread: int, reason: str | None = None) -> Outcome:
     return Outcome("target", RESTORED, nread)
 
 
+def cut_payload_outcome(field: str, offset: int, *, repeats: bool, fits: bool) -> Outcome:
+    """``llama_state_seq_load_file`` on a file that ends inside the payload (b11434).
+
+    Its ``llama_file::read_raw`` reads past the end of the file without an error: it reads what is left
+    and leaves the rest of each field as it was. The loader goes on, checks what it reads, and finally
+    ``GGML_ASSERT(nread <= state_size)`` kills the process. What it reads beyond the end is what its
+    variables held: measured on b11434 (x86-64), the header of the record before. ``repeats``: the end falls
+    in a record's tensor data and only records of the same shape follow (:func:`slotctl.format.cut.locate_cut`),
+    so the loader sees that record again; ``fits``: those checks, and every check before the end, pass in
+    this context. Then the server aborts; otherwise the loader refuses the file (a mismatch before the end,
+    in the loader's order, or values that do not continue the payload).
+    """
+    where = f"the file ends inside the target memory's {field} (at 0x{offset:x})"
+    if repeats and fits:
+        return Outcome("target", ABORTS, message="GGML_ASSERT(nread <= state_size)", reason=(
+            f"{where}: b11434's loader reads past the end without an error, and what it reads there repeats the "
+            "record before, which fits this context, so it loads the payload and then aborts on "
+            "GGML_ASSERT(nread <= state_size): restoring this file crashes the server"))
+    if repeats:
+        return Outcome("target", REFUSED, message=TARGET_ERROR, reason=(
+            f"{where}; the loader refuses it first, for the mismatch above (had the context fitted, the server "
+            "would abort on GGML_ASSERT(nread <= state_size))"))
+    return Outcome("target", REFUSED, message=TARGET_ERROR, reason=(
+        f"{where}: b11434's loader reads past the end without an error, and what it reads there does not "
+        "continue the payload: the server refuses the file"))
+
+
 # -- 3. the tokens -------------------------------------------------------------------------------------------
 
 

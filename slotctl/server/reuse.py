@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slotctl.server.checkpoints import keep_newest, rollback_checkpoint
 from slotctl.slotfile import SlotFile
 
 
@@ -91,9 +92,8 @@ def predict_reuse(sf: SlotFile, *, n_swa: int | None, n_ctx_checkpoints: int,
         return Reuse(n, n, None, None, n, None)
     kind = sf.target.layout.kind
     held = _held(kind, part, pos_min, n, n_swa)
-    kept = (sf.checkpoints or [])[-n_ctx_checkpoints:] if n_ctx_checkpoints > 0 and checkpoints_read else []
-    found = next((c for c in reversed(kept) if c.pos_max <= pos_next and (c.pos_min < thold or c.pos_min == 0)),
-                 None)
+    kept = keep_newest(list(sf.checkpoints or []), n_ctx_checkpoints) if checkpoints_read else []
+    found = rollback_checkpoint(kept, pos_next, thold)
     none_early = (f"and no checkpoint of the file is early enough (one with pos_min below {thold:,}): the server "
                   "evaluates the whole prompt again")
     if found is not None:

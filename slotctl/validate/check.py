@@ -21,7 +21,8 @@ from slotctl.format.cut import Cut, Extended, completion, locate_cut
 from slotctl.format.memory import MemoryLayout
 from slotctl.model.info import ModelInfo
 from slotctl.model.predict import Prediction
-from slotctl.server.restore import invalid_token_indices
+from slotctl.server.checkpoints import ROLLBACK_KINDS
+from slotctl.server.restore import cut_payload_outcome, invalid_token_indices
 from slotctl.slotfile import Blob, Memory, SlotFile, parse_blob, parse_memory, read_slot_file
 from slotctl.validate.child import ChildProcess, LoadChecker, _layout_dict
 from slotctl.validate.compare import (
@@ -238,39 +239,21 @@ def _payload_cut(sf: SlotFile, tinfo: ModelInfo, f: BinaryIO) -> tuple[Cut, Slot
 
 
 def _cut_issues(cut: Cut, target: _MemLayer | None) -> list[_Issue]:
-    """What b11434 does with a file that ends inside the target payload (``llama_state_seq_load_file``).
-
-    Its ``llama_file`` reads past the end without an error (``read_raw`` reads what is left and leaves the
-    rest of the destination as it was), so the loader goes on, checks what it reads, and at the end
-    ``GGML_ASSERT(nread <= state_size)`` kills the process. What it reads beyond the end is what its
-    variables held: measured on b11434 (x86-64), the header of the record before. So when the end falls
-    in a record's tensor data and everything after it is records of the same shape (a plain KV cache's
-    K rows and V rows of one type and size, a recurrent state's later layers), the loader's checks see
-    that record again: a context they fit is loaded "completely" and the server **aborts**; a context
-    they do not fit refuses it. When something else follows (transposed V rows after K rows, another
-    stream, another section), or the end falls in the cells or a header, the loader reads values that do
-    not continue the payload and refuses it. Checks before the end come first, in the loader's order: a
-    mismatch there refuses the file whatever the cut.
-    """
-    where = f"the file ends inside the target memory's {cut.describe()}"
+    """What b11434 does with a file that ends inside the target payload
+    (:func:`slotctl.server.restore.cut_payload_outcome`), as a finding on the target memory: the checks
+    before the end (and of the records read again beyond it) are the comparison's issues already."""
     if target is None:
         return []
     blocking = any(i.finding.severity != "note" for i in target.issues)
-    repeats = cut.repeats and target.memory is not None
     target.no_load = ("the file ends inside the payload; this runtime's loader reads a buffer and stops at its "
                       "end, b11434's file loader reads on past it: not comparable")
-    if repeats and not blocking:
-        msg = (f"{where} (at 0x{cut.offset:x}): b11434's loader reads past the end without an error, and "
-               "what it reads there repeats the record before, which fits this context, so it loads the payload "
-               "and then aborts on GGML_ASSERT(nread <= state_size): restoring this file crashes the server")
-        return [_Issue(Finding(TARGET, "error", "payload_cut", msg, cut.offset), EFFECT_ABORTS)]
-    if repeats:
-        msg = (f"{where} (at 0x{cut.offset:x}); the loader refuses it first, for the mismatch above "
-               "(had the context fitted, the server would abort on GGML_ASSERT(nread <= state_size))")
-        return [_Issue(Finding(TARGET, "note", "payload_cut", msg, cut.offset), EFFECT_OK)]
-    msg = (f"{where} (at 0x{cut.offset:x}): b11434's loader reads past the end without an error, and what "
-           "it reads there does not continue the payload: the server refuses the file")
-    return [_Issue(Finding(TARGET, "error", "payload_cut", msg, cut.offset), EFFECT_REFUSED)]
+    repeats = cut.repeats and target.memory is not None
+    got = cut_payload_outcome(cut.describe(), cut.offset, repeats=repeats, fits=not blocking)
+    if got.status == "aborts":
+        return [_Issue(Finding(TARGET, "error", "payload_cut", got.reason, cut.offset), EFFECT_ABORTS)]
+    if repeats:     # the mismatch refuses it already
+        return [_Issue(Finding(TARGET, "note", "payload_cut", got.reason, cut.offset), EFFECT_OK)]
+    return [_Issue(Finding(TARGET, "error", "payload_cut", got.reason, cut.offset), EFFECT_REFUSED)]
 
 
 def _memory_layers(sf: SlotFile, f: BinaryIO, model_parse: bool, tinfo: ModelInfo | None,
@@ -390,13 +373,6 @@ def _structural_effect(f: Finding, setup: ServerSetup) -> str:
             and setup.settings.n_parallel > 1:
         return EFFECT_ABORTS
     return EFFECT_REFUSED
-
-
-#: memory kinds whose server rolls a slot back to a context checkpoint (``load_tgt`` / ``load_dft``): b11434's
-#: ``update_slots`` searches the checkpoints only when the slot's memory cannot be rolled back by removing
-#: positions (``pos_min >= pos_min_thold``): SWA caches (``n_swa`` > 0) and recurrent state. A plain KV cache
-#: keeps position 0 and ``pos_min_thold`` is ``pos_next``, so it never loads one.
-ROLLBACK_KINDS = ("iswa", "recurrent", "hybrid", "hybrid_iswa")
 
 
 def _weigh_rollback(issues: list[_Issue], kind: str | None) -> list[_Issue]:
