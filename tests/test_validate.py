@@ -620,6 +620,8 @@ def test_cli_json_document():
                       "steps", "reuse"}
     assert f["n_tokens"] == 111 and [s["status"] for s in f["steps"]] == ["restored", "restored", "absent", "absent"]
     assert f["reuse"] == {"n_tokens": 111, "n_reused": 111, "checkpoint": None, "reason": None,
+                          "divergence": "a request that diverges after k tokens keeps those k: the positions after "
+                                        "them are removed",
                           "b11434": {"n_reused": 111, "reason": None}}
     assert (f["verdict"], f["exit_code"], f["findings"]) == ("restores", 0, [])
     assert set(f["checks"][0]) == {"layer", "offset", "size", "context", "predicted", "loaded",

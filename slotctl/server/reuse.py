@@ -39,10 +39,12 @@ class Reuse:
     reason: str | None
     n_reused_b11434: int
     reason_b11434: str | None
+    #: what a request that diverges from the saved prompt keeps, in words
+    divergence: str | None = None
 
     def as_dict(self) -> dict:
         return {"n_tokens": self.n_tokens, "n_reused": self.n_reused, "checkpoint": self.checkpoint,
-                "reason": self.reason,
+                "reason": self.reason, "divergence": self.divergence,
                 "b11434": {"n_reused": self.n_reused_b11434, "reason": self.reason_b11434}}
 
 
@@ -86,13 +88,14 @@ def predict_reuse(sf: SlotFile, *, n_swa: int | None, n_ctx_checkpoints: int,
         return Reuse(n, 0, None, why, 0, why)
     if n_swa is None:
         n_swa = _file_window(sf)
+    kind = sf.target.layout.kind
+    kept = keep_newest(list(sf.checkpoints or []), n_ctx_checkpoints) if checkpoints_read else []
+    divergence = _divergence(kind, n_swa, [c.n_tokens for c in kept])
     pos_next = n
     thold = max(0, pos_next - n_swa)
     if pos_min < thold:
-        return Reuse(n, n, None, None, n, None)
-    kind = sf.target.layout.kind
+        return Reuse(n, n, None, None, n, None, divergence)
     held = _held(kind, part, pos_min, n, n_swa)
-    kept = keep_newest(list(sf.checkpoints or []), n_ctx_checkpoints) if checkpoints_read else []
     found = rollback_checkpoint(kept, pos_next, thold)
     none_early = (f"and no checkpoint of the file is early enough (one with pos_min below {thold:,}): the server "
                   "evaluates the whole prompt again")
@@ -115,7 +118,7 @@ def predict_reuse(sf: SlotFile, *, n_swa: int | None, n_ctx_checkpoints: int,
                     "evaluates the whole prompt again")
     else:
         b_reason = reason
-    return Reuse(n, n_reused, cp, reason, 0, b_reason)
+    return Reuse(n, n_reused, cp, reason, 0, b_reason, divergence)
 
 
 def server_n_swa(info, *, swa_full: bool = False) -> int:
@@ -124,6 +127,23 @@ def server_n_swa(info, *, swa_full: bool = False) -> int:
     if swa_full or not info.swa_type:
         return 0
     return info.sliding_window or 0
+
+
+def _divergence(kind: str, n_swa: int, checkpoints: list[int]) -> str:
+    """What a request that diverges from the saved prompt after k tokens keeps (``update_slots``)."""
+    if kind == "kv" and not n_swa:
+        return "a request that diverges after k tokens keeps those k: the positions after them are removed"
+    what = {"recurrent": "a recurrent state holds only its last position",
+            "hybrid": "the recurrent part holds only its last position",
+            "hybrid_iswa": "the recurrent part holds only its last position",
+            "iswa": f"the SWA cache holds only the last {n_swa:,} positions"}.get(kind, "the memory cannot drop positions")
+    if not checkpoints:
+        return (f"{what}: a request that diverges from the saved prompt needs a checkpoint to go back to, and "
+                "the file holds none: the server evaluates the whole prompt again")
+    at = ", ".join(f"{c:,}" for c in checkpoints)
+    return (f"{what}: a request that diverges from the saved prompt goes back to the newest of the file's "
+            f"checkpoints (at {at} tokens) early enough for the divergence, or with none evaluates the whole "
+            "prompt again; b11434 ignores the file's checkpoints and always evaluates it again")
 
 
 def _file_window(sf: SlotFile) -> int:
