@@ -181,3 +181,18 @@ def test_format_page_agrees_with_the_schemas():
     for name, (type_id, block, block_bytes) in rows.items():
         t = ggml.BY_NAME[name]
         assert (t.id, t.block, t.block_bytes) == (type_id, block, block_bytes), name
+
+
+def test_every_doc_page_is_reachable_from_the_readme():
+    seen, todo = set(), [ROOT / "README.md"]
+    while todo:
+        page = todo.pop()
+        if page in seen:
+            continue
+        seen.add(page)
+        for m in re.finditer(r"\[[^\]]*\]\(([^)\s#]+)(?:#[^)\s]*)?\)", _prose(page.read_text())):
+            dest = (page.parent / m.group(1)).resolve()
+            if dest.suffix == ".md" and dest.is_file() and ROOT in dest.parents:
+                todo.append(dest)
+    orphans = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.resolve() not in seen)
+    assert not orphans, f"docs pages no link from README leads to: {orphans}"
