@@ -25,7 +25,7 @@ from slotctl.format import tokens as tokfmt
 from slotctl.format.common import Span, TrackingReader, parse, parse_bytes
 from slotctl.format.header import StateHeader, header_size
 from slotctl.format.memory import MemoryLayout, candidate_layouts
-from slotctl.format.recurrent import recurrent_head
+from slotctl.format.recurrent import records_fit, recurrent_head
 from slotctl.paths import open_regular
 
 SCAN_CHUNK = 1 << 20
@@ -168,14 +168,16 @@ def parse_memory(f: BinaryIO, offset: int, end: int, layout: MemoryLayout, versi
             head = memo.get((at, "recurrent head"))
             if head is None:
                 try:
-                    parse(recurrent_head, reader, what, version=version, lazy=lazy)
-                    head = True
+                    head = parse(recurrent_head, reader, what, version=version, lazy=lazy)
                 except FormatError as e:
                     head = e
                 memo[(at, "recurrent head")] = head
                 reader.seek(at)
             if isinstance(head, FormatError):
                 hit = head
+            elif not records_fit(sec.n_r, sec.n_s, head.n_layer):
+                hit = FormatError(what, at, f"a recurrent section of {sec.n_r} r and {sec.n_s} s records, but its "
+                                            f"layer count is {head.n_layer}")
         if hit is None:
             try:
                 hit = (parse(sec.schema(), reader, what, version=version, lazy=lazy), reader.tell())

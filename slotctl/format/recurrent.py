@@ -14,7 +14,7 @@ import construct as cs
 from construct import this
 
 from slotctl.format.cells import MAX_SEQ, CellArray
-from slotctl.format.common import MAX_LAYERS, Counted, Expect
+from slotctl.format.common import MAX_LAYERS, CheckError, Counted, Expect
 from slotctl.format.records import RecordArray
 
 
@@ -35,9 +35,28 @@ _HEAD = (
 recurrent_head = cs.Struct(*_HEAD)
 
 
+def records_fit(n_r: int, n_s: int, n_layer: int) -> bool:
+    """Whether ``n_r`` r and ``n_s`` s records can follow a head saying ``n_layer``: the memory writes one
+    of each per layer that has it (``state_write_data`` skips the others), so never more than ``n_layer``."""
+    return n_r <= n_layer and n_s <= n_layer
+
+
+def _records_fit(n_r: int, n_s: int) -> cs.Construct:
+    def check(c) -> bool:
+        if not records_fit(n_r, n_s, c.n_layer):
+            raise CheckError(f"a layer count of at least {max(n_r, n_s)} (records of {n_r} r and {n_s} s layers), "
+                             f"found {c.n_layer}", c.n_layer_at)
+        return True
+
+    return cs.Computed(check)
+
+
 def recurrent_section(*, n_r: int, n_s: int) -> cs.Struct:
     return cs.Struct(
-        *_HEAD,
+        *_HEAD[:-1],
+        "n_layer_at" / cs.Tell,
+        _HEAD[-1],
+        "records_fit" / _records_fit(n_r, n_s),
         "r" / RecordArray(n_r, _section_cells, "r data"),
         "s" / RecordArray(n_s, _section_cells, "s data", transposed=lambda c: c.s_trans == 1),
     )
