@@ -129,14 +129,18 @@ def describe_blob(b: Blob | None, info=None) -> dict | None:
         "size": b.span.size,
         "seq_id": b.seq_id,
         "memory": describe_memory(b.memory, info),
-        "error": b.error.one_line() if b.error else None,
+        "error": {"code": b.error.error_code, "message": b.error.one_line()} if b.error else None,
     }
 
 
-def describe_file(sf: SlotFile, *, tokens: bool = False, text: str | None = None,
-                  runtime_version: int | None = None, info=None, draft_info=None) -> dict:
-    """The whole file, as ``slotctl inspect --json`` prints it. ``info`` / ``draft_info``: the target and
-    draft models' :class:`~slotctl.model.info.ModelInfo`, which name the layers of each section."""
+def describe_file(sf: SlotFile, *, tokens: bool = False, text: str | None = None, info=None,
+                  draft_info=None, findings=()) -> dict:
+    """The whole file, as ``slotctl inspect --json`` prints it for each file (docs/schemas/inspect.schema.json).
+
+    ``info`` / ``draft_info``: the target and draft models' :class:`~slotctl.model.info.ModelInfo`, which
+    name the layers of each section. ``findings``: what was found (:mod:`slotctl.findings`), as the file's
+    ``findings`` list.
+    """
     tk = sf.tokens
     prompt = None
     if tk is not None:
@@ -151,7 +155,7 @@ def describe_file(sf: SlotFile, *, tokens: bool = False, text: str | None = None
     if sf.target is not None:
         target = {"offset": sf.target.offset, "size": sf.target.size, "memory": describe_memory(sf.target, info),
                   "tensor_bytes": tensor_bytes(sf.target)}
-    checkpoints = None
+    checkpoints = []
     if sf.checkpoints is not None:
         checkpoints = [{"n_tokens": c.n_tokens, "pos_min": c.pos_min, "pos_max": c.pos_max,
                         "target": describe_blob(c.tgt, info), "draft": describe_blob(c.dft, draft_info),
@@ -165,19 +169,17 @@ def describe_file(sf: SlotFile, *, tokens: bool = False, text: str | None = None
     return {
         "path": sf.path,
         "size": sf.size,
-        "version": sf.version,
-        "loadable_by_runtime": (sf.version == runtime_version) if runtime_version is not None else None,
-        "runtime_state_version": runtime_version,
+        "state_version": sf.version,
+        "exit_code": 1 if sf.damaged else 0,
+        "damaged": sf.damaged,
         "layers": [{"name": n, "offset": o, "size": s} for n, o, s in sf.layers()],
         "prompt": prompt,
         "target": target,
-        "target_candidates": [l.describe() for l in sf.target_candidates] if sf.target is None else None,
+        "target_candidates": [l.describe() for l in sf.target_candidates] if sf.target is None else [],
         "checkpoints": checkpoints,
         "sckp": {"offset": sf.sckp.offset, "size": sf.sckp.size} if sf.sckp else None,
         "draft": draft,
         "sdft": {"offset": sf.sdft.offset, "size": sf.sdft.size} if sf.sdft else None,
         "trailing_bytes": sf.trailing.size if sf.trailing else 0,
-        "warnings": list(sf.warnings),
-        "errors": [e.one_line() for e in sf.errors],
-        "damaged": sf.damaged,
+        "findings": [f.as_dict() for f in findings],
     }

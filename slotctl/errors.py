@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import errno
+import re
 
 
 class ExitStatus(enum.IntEnum):
@@ -18,9 +20,18 @@ class ExitStatus(enum.IntEnum):
 
 
 class SlotctlError(Exception):
-    """Base of every error slotctl reports as one line."""
+    """Base of every error slotctl reports as one line.
+
+    ``code`` names the error for scripts (``--json``: ``{"error": {"code", "message"}}``): a class may
+    set it, an instance may override it; else it is the class name in snake_case without ``Error``.
+    """
 
     exit_status = ExitStatus.USAGE
+    code: str | None = None
+
+    @property
+    def error_code(self) -> str:
+        return self.code or snake_case(type(self).__name__.removesuffix("Error"))
 
 
 class FormatError(SlotctlError):
@@ -35,6 +46,7 @@ class FormatError(SlotctlError):
     """
 
     exit_status = ExitStatus.FAILED
+    code = "damaged"
 
     def __init__(self, layer: str, offset: int | None, expected: str):
         self.layer = layer
@@ -56,4 +68,22 @@ class FormatError(SlotctlError):
 
 
 class UsageError(SlotctlError):
+    """A usage or I/O error (exit 2); ``code`` says which when a script may care (``no_such_file``)."""
+
     exit_status = ExitStatus.USAGE
+
+    def __init__(self, message: str, *, code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+def snake_case(name: str) -> str:
+    """``ServerUnreachable`` -> ``server_unreachable``."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def os_error_code(e: OSError) -> str:
+    """The ``--json`` error code of an I/O error."""
+    return {errno.ENOENT: "no_such_file", errno.EACCES: "permission_denied", errno.EISDIR: "is_a_directory",
+            errno.ENOSPC: "no_space"}.get(e.errno, "io_error")

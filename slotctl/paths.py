@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
-from typing import BinaryIO, Iterable
+import sys
+import tempfile
+from contextlib import contextmanager
+from typing import BinaryIO, Iterable, Iterator
 
 from slotctl.errors import UsageError
 
@@ -39,7 +43,8 @@ def _stat_error(p: str, e: OSError, what: str) -> UsageError:
     reason = {errno.ENOENT: "no such file or directory", errno.ELOOP: "too many levels of symbolic links",
               errno.EACCES: "permission denied", errno.ENOTDIR: "not a directory (a component of the path)",
               errno.ENAMETOOLONG: "file name too long"}.get(e.errno, e.strerror or str(e))
-    return UsageError(f"{what}{p}: {reason}")
+    code = {errno.ENOENT: "no_such_file", errno.EACCES: "permission_denied"}.get(e.errno, "unreadable")
+    return UsageError(f"{what}{p}: {reason}", code=code)
 
 
 def check_readable(path: str | os.PathLike, *, what: str = "") -> os.stat_result:
@@ -53,11 +58,11 @@ def check_readable(path: str | os.PathLike, *, what: str = "") -> os.stat_result
     except OSError as e:
         raise _stat_error(p, e, what) from None
     if stat.S_ISDIR(st.st_mode):
-        raise UsageError(f"{what}{p}: is a directory")
+        raise UsageError(f"{what}{p}: is a directory", code="is_a_directory")
     if not stat.S_ISREG(st.st_mode):
-        raise UsageError(f"{what}{p}: {_kind(st.st_mode)}, not a regular file")
+        raise UsageError(f"{what}{p}: {_kind(st.st_mode)}, not a regular file", code="not_a_regular_file")
     if not os.access(p, os.R_OK):
-        raise UsageError(f"{what}{p}: permission denied")
+        raise UsageError(f"{what}{p}: permission denied", code="permission_denied")
     return st
 
 
@@ -76,9 +81,9 @@ def open_regular(path: str | os.PathLike, *, what: str = "") -> BinaryIO:
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
-            raise UsageError(f"{what}{p}: is a directory")
+            raise UsageError(f"{what}{p}: is a directory", code="is_a_directory")
         if not stat.S_ISREG(mode):
-            raise UsageError(f"{what}{p}: {_kind(mode)}, not a regular file")
+            raise UsageError(f"{what}{p}: {_kind(mode)}, not a regular file", code="not_a_regular_file")
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
@@ -98,6 +103,28 @@ def _open_noatime(p: str, flags: int) -> int:
         except PermissionError:
             pass
     return os.open(p, flags)
+
+
+STDIN = "-"
+
+
+@contextmanager
+def stdin_copy() -> Iterator[str]:
+    """Standard input copied to a temporary file, for ``-`` (a slot file is read with seeks); removed after."""
+    fd, tmp = tempfile.mkstemp(prefix="slotctl-stdin-", suffix=".bin")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            shutil.copyfileobj(sys.stdin.buffer, f, 1 << 20)
+        yield tmp
+    finally:
+        os.unlink(tmp)
+
+
+def directory_files(p: str, follow_symlinks: bool) -> list[str]:
+    """The names of the regular files directly in directory ``p``, sorted, without slotctl's temporary files;
+    symbolic links only with ``follow_symlinks``."""
+    with os.scandir(p) as it:
+        return sorted(e.name for e in it if e.is_file(follow_symlinks=follow_symlinks) and not is_temp_file(e.name))
 
 
 def expand_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> list[str]:
@@ -121,10 +148,7 @@ def expand_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = 
     for raw in paths:
         p = os.fspath(raw)
         if os.path.isdir(p):
-            with os.scandir(p) as it:
-                names = sorted(e.name for e in it
-                               if e.is_file(follow_symlinks=follow_symlinks) and not is_temp_file(e.name))
-            for name in names:
+            for name in directory_files(p, follow_symlinks):
                 add(os.path.join(p, name))
         elif os.path.isfile(p):
             add(p)

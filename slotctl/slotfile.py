@@ -14,19 +14,19 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, Iterable
 
 import numpy as np
 
-from slotctl.errors import FormatError
+from slotctl.errors import FormatError, UsageError
 from slotctl.format import appendix as apx
 from slotctl.format import blob as blobfmt
 from slotctl.format import tokens as tokfmt
-from slotctl.format.common import Span, TrackingReader, parse, parse_bytes
-from slotctl.format.header import StateHeader, header_size
+from slotctl.format.common import Span, TrackingReader, hex32, parse, parse_bytes
+from slotctl.format.header import STATE_SEQ_MAGIC, StateHeader, file_kind, header_size
 from slotctl.format.memory import MemoryLayout, candidate_layouts
 from slotctl.format.recurrent import records_fit, recurrent_head
-from slotctl.paths import open_regular
+from slotctl.paths import STDIN, directory_files, open_regular
 
 SCAN_CHUNK = 1 << 20
 #: how far from the end of the file an appendix chain is looked for when the payload cannot be located
@@ -354,6 +354,11 @@ def _walk(f: BinaryIO, sf: SlotFile, layout: MemoryLayout | None, draft_layout: 
     try:
         hdr = parse(StateHeader, TrackingReader(f, size), "state header")
     except FormatError as e:
+        f.seek(0)
+        if file_kind(f.read(4)) == "gguf":
+            e = FormatError("state header", 0, "this is a GGUF model, not a slot file (a slot file begins with "
+                            f"the state magic {hex32(STATE_SEQ_MAGIC)}, a model with \"GGUF\")")
+            e.code = "gguf_model"
         sf.add_error("state header", e)
         return
     sf.version = hdr.version
@@ -510,3 +515,61 @@ def rebuild(sf: SlotFile) -> bytes:
         if sf.trailing is not None and sf.trailing.size:
             parts.append(sf.trailing.read(f))
     return b"".join(parts)
+
+
+# -- many slot files: the FILE... arguments of inspect, validate and strip-draft ----------------------------
+
+
+@dataclass
+class Expansion:
+    """The files a command over many slot files works on, and what it passed over.
+
+    ``files``: each path given (as given, even when missing or unreadable: the command reports it as
+    that file's error and goes on; ``-`` is standard input), then each directory's slot files.
+    ``skipped``: the regular files in the directories that do not begin with the state magic (a README,
+    a model, a JSON sidecar): they are not slot files and are only counted.
+    """
+
+    files: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+def begins_with_state_magic(path: str) -> bool:
+    """Whether the file at ``path`` begins with the state magic (what makes a directory entry a slot file).
+
+    A file that cannot be read is kept (True): the command then says why it cannot be read.
+    """
+    try:
+        with open_regular(path) as f:
+            return file_kind(f.read(4)) == "slot"
+    except (OSError, UsageError):
+        return True
+
+
+def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> Expansion:
+    """Each path given, and each directory's slot files (not recursive, sorted; see :class:`Expansion`).
+
+    Like :func:`expand_paths`, but a path that is missing or not a regular file is kept for the command to
+    report, and in a directory only files that begin with the state magic are taken.
+    """
+    out = Expansion()
+    seen: set[str] = set()
+
+    def add(p: str) -> None:
+        key = p if p == STDIN else os.path.realpath(p)
+        if key not in seen:
+            seen.add(key)
+            out.files.append(p)
+
+    for raw in paths:
+        p = os.fspath(raw)
+        if p != STDIN and os.path.isdir(p):
+            for name in directory_files(p, follow_symlinks):
+                full = os.path.join(p, name)
+                if begins_with_state_magic(full):
+                    add(full)
+                elif os.path.realpath(full) not in seen:
+                    out.skipped.append(full)
+        else:
+            add(p)
+    return out

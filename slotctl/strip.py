@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Union
 
 from slotctl.atomic import atomic_writer, copy_range
-from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError
+from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError, os_error_code
 from slotctl.format import appendix as apx
 from slotctl.format.common import Span
 from slotctl.format.memory import MemoryLayout
+from slotctl.paths import check_readable
 from slotctl.slotfile import SlotFile, open_slot_file
 
 #: what ``removed`` lists
@@ -51,7 +52,7 @@ FREE_SPACE_MARGIN = 1 << 20
 STRIPPED = "stripped"
 UNCHANGED = "unchanged"
 REFUSED = "refused"
-WOULD_STRIP = "would strip"
+WOULD_STRIP = "would_strip"
 
 _SCKP_HEAD = struct.Struct("<III")         # magic, version, count
 _CKPT_HEAD = struct.Struct("<qiiQ")        # n_tokens, pos_min, pos_max, target blob length
@@ -335,8 +336,6 @@ class FileResult:
     output: str | None = None
     #: the exit status this file calls for: FAILED when refused, USAGE when it could not be read or written
     exit_status: ExitStatus = ExitStatus.OK
-    #: a note for people (draft blobs left in checkpoints without ``--checkpoints``)
-    note: str | None = None
     #: how the file was (or, with ``--dry-run``, would be) written: ``"truncate"``, ``"copy"`` or None
     method: str | None = None
     #: every byte of draft state in the file (SDFT and the checkpoints' draft and speculative blobs)
@@ -345,6 +344,8 @@ class FileResult:
     checkpoint_draft_size: int = 0
     #: the error of a damaged SDFT appendix that was (or would be) removed
     repaired: str | None = None
+    #: what kind of error ``error`` is, for scripts (``damaged``, ``no_such_file``, ...)
+    error_code: str | None = None
 
     @property
     def bytes_freed(self) -> int:
@@ -353,10 +354,14 @@ class FileResult:
         return self.size_before - self.size_after
 
     def as_dict(self) -> dict:
-        return {"path": self.path, "status": self.status, "size_before": self.size_before,
-                "size_after": self.size_after, "bytes_freed": self.bytes_freed, "removed": list(self.removed),
-                "error": self.error, "output": self.output, "method": self.method, "draft_size": self.draft_size,
-                "checkpoint_draft_size": self.checkpoint_draft_size, "repaired": self.repaired}
+        out = {"path": self.path, "status": self.status, "size": self.size_before, "size_after": self.size_after,
+               "bytes_freed": self.bytes_freed, "removed": list(self.removed), "output": self.output,
+               "method": self.method, "draft_size": self.draft_size,
+               "checkpoint_draft_size": self.checkpoint_draft_size, "repaired": self.repaired,
+               "exit_code": int(self.exit_status)}
+        if self.error is not None:
+            out["error"] = {"code": self.error_code or "refused", "message": self.error}
+        return out
 
 
 def check_output(output: str | os.PathLike, n_files: int, *, force: bool) -> None:
@@ -393,20 +398,20 @@ def strip_files(files: list[str], *, output: str | os.PathLike | None = None, ch
         res = FileResult(path, REFUSED)
         results.append(res)
         try:
-            res.size_before = os.stat(path).st_size
+            res.size_before = check_readable(path).st_size
             plan = plan_strip(path, checkpoints=checkpoints, layout=layout, draft_layout=draft_layout)
         except FormatError as e:
-            res.error, res.exit_status = f"{path}: {e}", ExitStatus.FAILED
+            res.error, res.error_code, res.exit_status = f"{path}: {e}", e.error_code, ExitStatus.FAILED
+            continue
+        except UsageError as e:
+            res.error, res.error_code, res.exit_status = str(e), e.error_code, ExitStatus.USAGE
             continue
         except OSError as e:
-            res.error, res.exit_status = _os_error(path, e), ExitStatus.USAGE
+            res.error, res.error_code, res.exit_status = _os_error(path, e), os_error_code(e), ExitStatus.USAGE
             continue
         res.size_before, res.size_after, res.removed = plan.size_before, plan.size_after, list(plan.removed)
         res.draft_size, res.checkpoint_draft_size, res.repaired = (plan.draft_size, plan.checkpoint_draft_bytes,
                                                                    plan.repaired)
-        if plan.checkpoint_draft_bytes:
-            res.note = (f"{path}: its checkpoints hold {plan.checkpoint_draft_bytes:,} bytes of draft state; "
-                        f"--checkpoints removes them too")
         written_to = path if output is None else os.fspath(output)
         if plan.changes or output is not None:
             res.method = TRUNCATE if output is None and plan.is_prefix else COPY
@@ -431,9 +436,11 @@ def strip_files(files: list[str], *, output: str | os.PathLike | None = None, ch
                            progress=(lambda n, base=base: progress(base + n, total)) if progress else None)
         except SourceChanged as e:
             res.status, res.size_after, res.error, res.exit_status = REFUSED, None, str(e), ExitStatus.FAILED
+            res.error_code = e.error_code
         except (OSError, UsageError) as e:
             res.status, res.size_after, res.exit_status = REFUSED, None, ExitStatus.USAGE
             res.error = _os_error(dest, e) if isinstance(e, OSError) else str(e)
+            res.error_code = os_error_code(e) if isinstance(e, OSError) else e.error_code
         else:
             res.status, res.output = (STRIPPED if plan.changes else UNCHANGED), written_to
     return results

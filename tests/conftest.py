@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from pathlib import Path
 
@@ -12,6 +13,53 @@ DATA = Path(__file__).parent / "data"
 sys.path.insert(0, str(Path(__file__).parent))
 
 from llama_server import BuildError, LlamaServer, ServerStartError, server_binary  # noqa: E402
+
+import json_schemas  # noqa: E402
+
+# -- every --json document a command prints in a test is checked against its schema (docs/schemas) -----
+
+_schema_failures: list[str] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _watch_json_output():
+    """Wrap Output.json and Output.json_line: each document is validated against its command's schema."""
+    from slotctl.cli.output import Output
+
+    plain_json, plain_line = Output.json, Output.json_line
+
+    def check(doc, part):
+        command = json_schemas.command_name()
+        if command is None:
+            return
+        try:
+            _schema_failures.extend(json_schemas.errors(command, json.loads(json.dumps(doc, default=str)), part))
+        except AssertionError as e:
+            _schema_failures.append(str(e))
+
+    def json_doc(self, data):
+        if not self.jsonl:
+            check(data, None)
+        return plain_json(self, data)
+
+    def json_line(self, data):
+        check(data, "line")
+        return plain_line(self, data)
+
+    Output.json, Output.json_line = json_doc, json_line
+    yield
+    Output.json, Output.json_line = plain_json, plain_line
+
+
+@pytest.fixture(autouse=True)
+def _json_output_conforms():
+    """A test fails when a command printed a --json document its schema does not allow."""
+    del _schema_failures[:]
+    yield
+    if _schema_failures:
+        failures = list(dict.fromkeys(_schema_failures))
+        del _schema_failures[:]
+        pytest.fail("--json output does not match docs/schemas:\n" + "\n".join(failures[:20]), pytrace=False)
 
 
 @pytest.fixture(scope="session")

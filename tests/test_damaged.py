@@ -40,6 +40,23 @@ def _inspect(path, *extra):
     return runner.invoke(app, ["inspect", str(path), "--json", *extra])
 
 
+def _file(res) -> dict:
+    """The one file's object of ``inspect --json``."""
+    return json.loads(res.stdout)["files"][0]
+
+
+_DAMAGE = {"damaged", "gguf_model", "checkpoints_damaged", "draft_damaged"}
+
+
+def _errors(d: dict) -> list[str]:
+    """What broke, layer and offset first (a damaged appendix is a drop: the server restores without it)."""
+    return [f["message"] for f in d["findings"] if f["code"] in _DAMAGE]
+
+
+def _warnings(d: dict) -> list[str]:
+    return [f["message"] for f in d["findings"] if f["severity"] != "error"]
+
+
 def _assert_one_line_error(res, code=1):
     assert res.exit_code == code, res.output
     assert "Traceback" not in res.output and "Traceback" not in (res.stderr or "")
@@ -67,9 +84,9 @@ def test_cut_at_every_layer_boundary_and_inside_each(tmp_path):
             assert res.exit_code == 0, (cut, res.output)
             continue
         _assert_one_line_error(res)
-        d = json.loads(res.stdout)
-        assert d["errors"], cut
-        err = d["errors"][0]
+        d = _file(res)
+        assert _errors(d), cut
+        err = _errors(d)[0]
         assert " at 0x" in err and "\n" not in err, err
 
 
@@ -84,12 +101,13 @@ def test_error_names_layer_offset_and_expectation(tmp_path):
     assert errors, res.stderr
     # without a model no layout fits; with the model the exact field is named
     res = runner.invoke(app, ["inspect", str(p), "--model", str(DATA / "target.gguf"), "--json"])
-    err = json.loads(res.stdout)["errors"][0]
+    err = _errors(_file(res))[0]
     assert err.startswith("target memory at 0x1d8 (472): expected n_stream"), err
 
 
 @pytest.mark.parametrize("patch,expect", [
-    ((0, b"GGUF"), "state header at 0x0 (0): state file magic 0x67677371, found 0x46554747"),
+    ((0, b"GGUF"), "state header at 0x0 (0): this is a GGUF model, not a slot file"),
+    ((0, b"GGUG"), "state header at 0x0 (0): state file magic 0x67677371, found 0x47554747"),
     ((4, struct.pack("<I", 9)), "state header at 0x4 (4): state version 2 or 3 or 4, found 9"),
     ((8, struct.pack("<I", 0xFFFFFFF0)), "state header at 0x8 (8): token word count of at most 17,825,792, found 4,294,967,280"),
 ])
@@ -101,7 +119,7 @@ def test_header_damage(tmp_path, patch, expect):
     p.write_bytes(bytes(raw))
     res = _inspect(p)
     _assert_one_line_error(res)
-    assert json.loads(res.stdout)["errors"][0].startswith(expect)
+    assert _errors(_file(res))[0].startswith(expect)
 
 
 def test_absurd_lengths_allocate_nothing_big(tmp_path):
@@ -144,7 +162,7 @@ def test_random_bytes_and_empty_files(tmp_path):
     p.write_bytes(raw[: sf.target.offset] + bytes(rng.getrandbits(8) for _ in range(5000)))
     res = _inspect(p)
     _assert_one_line_error(res)
-    d = json.loads(res.stdout)
+    d = _file(res)
     assert d["prompt"]["n_tokens"] == 111  # what parsed is still shown
 
 
@@ -156,10 +174,11 @@ def test_damaged_appendix_keeps_the_rest(tmp_path):
     p.write_bytes(bytes(raw))
     res = _inspect(p)
     _assert_one_line_error(res)
-    d = json.loads(res.stdout)
+    d = _file(res)
     assert d["target"] is not None and len(d["checkpoints"]) == 1
-    assert d["errors"] == [f"SDFT appendix at 0x{sf.sdft.offset + 4:x} ({sf.sdft.offset + 4}): SDFT version 1, found 7"]
-    assert any("invalid draft state" in w for w in d["warnings"])
+    [err] = _errors(d)
+    assert err.startswith(f"SDFT appendix at 0x{sf.sdft.offset + 4:x} ({sf.sdft.offset + 4}): SDFT version 1, found 7")
+    assert "invalid draft state" in err
 
 
 def test_usage_errors_exit_2(tmp_path):
@@ -196,8 +215,8 @@ def test_appendices_are_found_by_a_scan_when_the_payload_cannot_be_placed(tmp_pa
     p.write_bytes(raw[:sf.target.offset] + garbage + build_sdft(blob, b"spec"))
     res = _inspect(p)
     _assert_one_line_error(res)
-    d = json.loads(res.stdout)
+    d = _file(res)
     assert d["prompt"]["n_tokens"] == 111 and d["target"] is None
     assert d["sdft"]["offset"] == sf.target.offset + len(garbage)
     assert d["draft"]["memory"]["kind"] == "kv" and d["draft"]["spec_size"] == 4
-    assert any("by scanning" in w for w in d["warnings"])
+    assert any("by scanning" in w for w in _warnings(d))

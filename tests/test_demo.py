@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import json_schemas
 from slotctl.sample import SLOT_FILE
 
 #: slotctl in a process that cannot import llama_cpp (as after the core install: find_spec finds nothing)
@@ -25,12 +26,15 @@ def test_demo_runs_every_step_as_it_says(tmp_path):
     assert "Traceback" not in r.stderr
     d = json.loads(r.stdout)
     assert d["mode"] == "full" and d["ok"] is True and d["exit_code"] == 0
+    json_schemas.check("demo", d)
+    for s in d["steps"]:   # each step's own document follows its command's schema
+        json_schemas.check(s["command"].split()[1], s["output"])
     steps = {s["step"]: s for s in d["steps"]}
     assert [s["step"] for s in d["steps"]] == ["save", "inspect", "validate", "validate-other-draft", "restore"]
     # save uses the real 1-layer draft
     assert steps["save"]["command"].split("-md ")[1].split()[0] == d["models"]["draft"]
-    insp = steps["inspect"]["output"]
-    assert insp["version"] == 4 and len(insp["checkpoints"]) == 2
+    insp = steps["inspect"]["output"]["files"][0]
+    assert insp["state_version"] == 4 and len(insp["checkpoints"]) == 2
     assert insp["draft"]["memory"]["sections"][0]["n_layer"] == 1
     assert steps["validate"]["verdict"] == "restores"
     # another draft model (the 2-layer target): the draft state is dropped, the rest restores
@@ -61,9 +65,10 @@ def test_demo_without_llama_cpp_shows_the_server_written_sample(tmp_path):
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["mode"] == "core" and d["ok"] is True
+    json_schemas.check("demo", d)
     assert [(s["step"], s["exit_code"], s.get("verdict")) for s in d["steps"]] == [
         ("inspect", 0, None), ("validate", 0, "restores"), ("validate-other-cache", 1, "refused")]
-    assert d["steps"][0]["output"]["prompt"]["n_tokens"] == 111  # what the server saved (n_saved 111)
+    assert d["steps"][0]["output"]["files"][0]["prompt"]["n_tokens"] == 111  # what the server saved (n_saved 111)
     assert "pip install 'llama-cpp-python==" in d["next"]
     assert (tmp_path / "server-slot.bin").read_bytes() == SLOT_FILE.read_bytes()  # shown where the user can rerun
     h = _run(["demo", "--dir", str(tmp_path)], llama=False)

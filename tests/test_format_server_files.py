@@ -35,7 +35,7 @@ def test_inspect_matches_independent_reader(name):
     d = describe_file(open_slot_file(DATA / name))
     sec = _section(d)
     assert d["size"] == e["size"]
-    assert d["version"] == e["version"]
+    assert d["state_version"] == e["version"]
     assert d["prompt"]["n_words"] == e["n_words"]
     assert d["prompt"]["format"] == e["format"]
     assert d["prompt"]["n_tokens"] == e["n_tokens"]
@@ -52,8 +52,8 @@ def test_inspect_matches_independent_reader(name):
     filled = [s for s in sec["streams"] if s["cell_count"]]
     assert min(s["pos_min"] for s in filled) == e["pos_min"]
     assert max(s["pos_max"] for s in filled) == e["pos_max"]
-    assert d["checkpoints"] is None and d["draft"] is None and d["trailing_bytes"] == 0
-    assert d["errors"] == []
+    assert d["checkpoints"] == [] and d["draft"] is None and d["trailing_bytes"] == 0
+    assert d["findings"] == [] and not d["damaged"]
 
 
 @pytest.mark.parametrize("name", SERVER_FILES + [f"kinds/{n}" for n in KIND_FILES])

@@ -27,7 +27,7 @@ def inspect_json(path, *args):
     res = runner.invoke(app, ["inspect", str(path), "--json", *args])
     assert res.exit_code == 0, res.output
     assert "Traceback" not in res.stderr
-    return json.loads(res.stdout)
+    return json.loads(res.stdout)["files"][0]
 
 
 CASES = {
@@ -63,7 +63,7 @@ def test_inspect_reports_the_true_numbers(files, tiny_models, name, version):
     path, settings, slot, n = files[(name, version)]
     for extra in ([], ["--model", str(tiny_models.target), "--draft-model", str(tiny_models.draft)]):
         d = inspect_json(path, *extra)
-        assert d["version"] == version
+        assert d["state_version"] == version
         assert d["prompt"]["format"] == "packed" and d["prompt"]["n_tokens"] == n
         sec = d["target"]["memory"]["sections"][0]
         n_stream = 1 if settings.kv_unified else settings.n_parallel
@@ -97,7 +97,7 @@ def test_inspect_reports_the_true_numbers(files, tiny_models, name, version):
         dsec = dr["memory"]["sections"][0]
         assert dsec["n_layer"] == 1 and sum(s["cell_count"] for s in dsec["streams"]) == n
         assert [l["k_type"] for l in dsec["layers"]] == ["f16"]
-        assert d["trailing_bytes"] == 0 and d["errors"] == []
+        assert d["trailing_bytes"] == 0 and not d["damaged"]
         if extra:
             assert d["prompt"]["text"] == "<s>" + SAMPLE_PROMPT
 
@@ -128,7 +128,7 @@ def test_runtime_file_converted_to_version_4_equals_ours(files, tiny_models, nam
     with open(conv, "wb") as f:
         f.write(build_header(4, sf.words) + v4)
     d = inspect_json(conv)
-    assert d["version"] == 4 and d["target"]["size"] == len(v4)
+    assert d["state_version"] == 4 and d["target"]["size"] == len(v4)
 
 
 def test_prompt_text_is_escaped_on_a_terminal(tiny_models, tmp_path):

@@ -230,11 +230,11 @@ PARTIAL_ROLES = {"llama": ["kv"], "gemma2": ["swa"], "mamba": ["recurrent"], "lf
 def test_save_writes_the_servers_checkpoints_and_inspect_dissects_every_kind(models, files, kind):
     saved = files[kind + "_json"]
     assert saved["n_tokens"] == 42
-    assert saved["checkpoints"] == ([12, 24, 36] if kind == "llama" else [12, 24, 36, 38])
+    assert [c["n_tokens"] for c in saved["checkpoints"]] == ([12, 24, 36] if kind == "llama" else [12, 24, 36, 38])
     for args in ([], ["-m", models[kind]]):   # without a model the layout is found all the same
         res = cli("inspect", files[kind], *args, "--json")
         assert res.exit_code == 0, res.stdout
-        d = json.loads(res.stdout)
+        d = json.loads(res.stdout)["files"][0]
         assert d["target"]["memory"]["kind"] == MEMORY_KINDS[kind]
         assert _sections(d["target"]["memory"]) == EXPECTED_SECTIONS[kind]
         for cp in d["checkpoints"]:
@@ -291,9 +291,9 @@ def test_inspect_names_the_kinds_it_cannot_tell_apart(files, tmp_path):
     bad = tmp_path / "cut.bin"
     bad.write_bytes(raw[:sf.target.end - 4] + raw[sf.target.end:])
     res = cli("inspect", bad, "--json")
-    d = json.loads(res.stdout)
+    d = json.loads(res.stdout)["files"][0]
     assert res.exit_code == 1 and d["target"] is None
-    assert any("none fits (give --model to name the layout)" in e for e in d["errors"])
+    assert any("none fits (give --model to name the layout)" in f["message"] for f in d["findings"])
     assert d["sckp"] is not None  # the appendix is still found, by a scan
 
 
@@ -423,13 +423,14 @@ def test_user_delimiters_checkpoint_each_turn_and_an_edited_last_turn_rolls_back
     assert first == 1     # right after BOS
     # the first user message (no checkpoint yet), the last one, and 4 + n_ubatch and 4 before the end
     n = saved["n_tokens"]
-    assert saved["checkpoints"] == [first, last, n - 12, n - 4]
+    saved_at = [c["n_tokens"] for c in saved["checkpoints"]]
+    assert saved_at == [first, last, n - 12, n - 4]
     for edited in ("".join(turns[:2]) + "Q: Which bridge is old?", "Q: What is the capital of Spain?"):
         d, code = restore(models["jamba"], path, "--prompt", edited, "-n", "4", "--compare")
         c = d["continuation"]
         assert code == 0 and d["compare"]["agree"]
         # back to the last checkpoint at or before the point where the request diverges
-        back = max(n for n in saved["checkpoints"] if n <= c["n_common"])
+        back = max(n for n in saved_at if n <= c["n_common"])
         assert (c["checkpoint"], c["n_reused"], c["n_reevaluated"]) == (back, back, c["n_common"] - back)
     assert back == first  # the edit in the first message went back to the first checkpoint
 
@@ -470,7 +471,7 @@ def test_the_server_aborts_with_a_recurrent_draft_for_a_target_that_removes_posi
     d, code = restore(models["llama"], path, "--continue", " And the", "-n", "16", draft=models["mamba"])
     assert code == 1 and not d["ok"]
     assert re.search(r"llama-server aborts here: failed to remove sequence 0 with p0=\d+, p1=-1 from the draft "
-                     r"context", d["error"])
+                     r"context", d["error"]["message"])
 
 
 def test_greedy_decoding_agrees_with_a_restored_recurrent_slot(models, files):

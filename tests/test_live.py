@@ -121,17 +121,19 @@ def keyed_file(keyed) -> Path:
 @server
 def test_save_then_restore_round_trip(live):
     res = slotctl("save", "--server", live.url, "--slot", "1", "round.bin", "--json", *TIMEOUT, code=OK)
-    saved = json.loads(res.stdout)
+    doc = json.loads(res.stdout)
+    assert (doc["server"], doc["slot"], doc["name"], doc["exit_code"]) == (live.url, 1, "round.bin", 0)
+    saved = doc["answer"]
     assert saved["id_slot"] == 1 and saved["filename"] == "round.bin"
     path = live.save_dir / "round.bin"
     assert path.is_file() and saved["n_written"] == path.stat().st_size
     # slotctl inspect of the file agrees with the server's count
-    doc = json.loads(slotctl("inspect", path, "--json", code=OK).stdout)
+    doc = json.loads(slotctl("inspect", path, "--json", code=OK).stdout)["files"][0]
     assert doc["prompt"]["n_tokens"] == saved["n_saved"] > 0
 
     slotctl("erase", "--server", live.url, "--slot", "0", code=OK)
     res = slotctl("restore", "--server", live.url, "--slot", "0", "round.bin", "--json", *TIMEOUT, code=OK)
-    restored = json.loads(res.stdout)
+    restored = json.loads(res.stdout)["answer"]
     assert (restored["id_slot"], restored["filename"]) == (0, "round.bin")
     assert restored["n_restored"] == saved["n_saved"] and restored["n_read"] == saved["n_written"]
     # the restored slot (erased before) serves the saved prompt from its cache; the saved tokens beyond it
@@ -143,7 +145,7 @@ def test_save_then_restore_round_trip(live):
 @server
 def test_json_is_the_servers_answer(live):
     res = slotctl("save", "--server", live.url, "--slot", "1", "answer.bin", "--json", code=OK)
-    ours = json.loads(res.stdout)
+    ours = json.loads(res.stdout)["answer"]
     theirs = live.save(1, "answer-raw.bin")  # the same slot, saved directly
     assert set(ours) == set(theirs) == {"id_slot", "filename", "n_saved", "n_written", "timings"}
     assert set(ours["timings"]) == {"save_ms"}
@@ -156,7 +158,7 @@ def test_human_output_is_a_table_of_the_answer(live):
     name = "human[1].bin"  # brackets: shown as they are, not read as rich markup
     res = slotctl("save", "--server", live.url.removeprefix("http://"), "--slot", "1", name, code=OK,
                   env={"COLUMNS": "200"})
-    n_saved = json.loads(slotctl("inspect", live.save_dir / name, "--json").stdout)["prompt"]["n_tokens"]
+    n_saved = json.loads(slotctl("inspect", live.save_dir / name, "--json").stdout)["files"][0]["prompt"]["n_tokens"]
     assert f"slot 1 saved to {name}" in res.stdout and "\\[" not in res.stdout, res.stdout
     assert any("n_saved" in line and f"{n_saved:,}" in line for line in res.stdout.splitlines()), res.stdout
     assert any("filename" in line and name in line for line in res.stdout.splitlines()), res.stdout
@@ -173,7 +175,7 @@ def test_restore_a_file_slotctl_wrote(live, tiny_models):
                   "-fa", "on", "--slot", "1", "--json", code=OK)
     n_tokens = json.loads(res.stdout)["n_tokens"]
     res = slotctl("restore", "--server", live.url, "--slot", "1", "by-slotctl.bin", "--json", *TIMEOUT, code=OK)
-    assert json.loads(res.stdout)["n_restored"] == n_tokens
+    assert json.loads(res.stdout)["answer"]["n_restored"] == n_tokens
     turn = live.completion(SAMPLE_PROMPT + " The river", slot=1, n_predict=2)
     assert turn["timings"]["cache_n"] == n_tokens
 
@@ -231,10 +233,10 @@ def test_api_key(keyed, monkeypatch):
     assert "HTTP 401" in one_error_line(res)
     assert not (keyed.save_dir / "k.bin").exists()
     res = slotctl("save", "--server", keyed.url, "--slot", "0", "k.bin", "--api-key", API_KEY, "--json", code=OK)
-    assert json.loads(res.stdout)["n_saved"] > 0 and (keyed.save_dir / "k.bin").is_file()
+    assert json.loads(res.stdout)["answer"]["n_saved"] > 0 and (keyed.save_dir / "k.bin").is_file()
     monkeypatch.setenv("LLAMA_API_KEY", API_KEY)
     res = slotctl("restore", "--server", keyed.url, "--slot", "0", "k.bin", "--json", code=OK)
-    assert json.loads(res.stdout)["n_restored"] > 0
+    assert json.loads(res.stdout)["answer"]["n_restored"] > 0
     res = slotctl("validate", keyed.save_dir / "k.bin", "--server", keyed.url, "--no-load", "--json", code=OK)
     assert json.loads(res.stdout)["server"]["live"]["learned"]["total_slots"] == 1
 

@@ -48,7 +48,7 @@ def inspect_json(path: Path, *args: str, code: int = 0) -> dict:
     res = runner.invoke(app, ["inspect", str(path), "--json", *args])
     assert res.exit_code == code, res.output
     assert "Traceback" not in res.output
-    return json.loads(res.stdout)
+    return json.loads(res.stdout)["files"][0]
 
 
 # -- server configurations ---------------------------------------------------------------------------------
@@ -165,8 +165,8 @@ def test_inspect_reports_what_the_server_saved(served):
     assert served.saved["n_written"] == served.file.stat().st_size
 
     d = inspect_json(served.file, "--tokens")
-    assert d["version"] == 4
-    assert d["damaged"] is False and d["errors"] == []
+    assert d["state_version"] == 4
+    assert d["damaged"] is False
     p = d["prompt"]
     assert p["format"] == "packed"
     assert p["n_tokens"] == n_stored
@@ -388,7 +388,7 @@ def test_token_outside_vocabulary_server_refuses(plain):
     status, ans = plain.server.restore(0, "bad-token.bin")
     assert status == 400 and "Invalid tokens" in ans["error"]["message"], ans
     d = inspect_json(plain.save_dir / "bad-token.bin", "--model", str(plain.target))
-    assert any("outside this model's vocabulary" in w for w in d["warnings"])
+    assert any("outside this model's vocabulary" in f["message"] for f in d["findings"])
     res = runner.invoke(app, ["validate", str(plain.save_dir / "bad-token.bin"), "-m", str(plain.target),
                               "-c", "256", "-np", "1", "-fa", "on", "--json"])
     assert res.exit_code == int(ExitStatus.FAILED), res.output
@@ -468,7 +468,8 @@ def test_erase_cli(plain):
     assert cached > 0
     res = runner.invoke(app, ["erase", "--server", srv.url, "--slot", "0", "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout) == {"id_slot": 0, "n_erased": cached}
+    assert json.loads(res.stdout) == {"server": srv.url, "slot": 0, "answer": {"id_slot": 0, "n_erased": cached},
+                                      "exit_code": 0}
     _, slots = srv.get("/slots")
     assert slots[0]["n_prompt_tokens"] == 0
     res = runner.invoke(app, ["erase", "--server", srv.url, "--slot", "0"])
@@ -672,7 +673,8 @@ def test_slots_disabled(fake_server):
     routes["/slots"] = (501, "application/json", json.dumps(body).encode())
     res = runner.invoke(app, ["slots", "--server", url, "--json"])
     assert res.exit_code == int(ExitStatus.FAILED) and "--slots" in res.stderr, res.output
-    assert res.stdout == ""
+    doc = json.loads(res.stdout)   # with --json, the failure is a document too
+    assert doc["exit_code"] == 1 and doc["error"]["code"] == "server_refused" and "--slots" in doc["error"]["message"]
 
 
 # -- slot file names (llama-server's fs_validate_filename) --------------------------------------------------------

@@ -53,11 +53,11 @@ def test_server_file_inspects_and_validates_cleanly(kind_server):
     for extra in ([], ["-m", model]):
         res = cli("inspect", path, "--json", *extra)
         assert res.exit_code == 0, res.output
-        d = json.loads(res.stdout)
-        assert d["version"] == 4 and d["prompt"]["format"] == "packed"
+        d = json.loads(res.stdout)["files"][0]
+        assert d["state_version"] == 4 and d["prompt"]["format"] == "packed"
         assert d["prompt"]["n_tokens"] == saved["n_saved"]
         assert d["target"]["memory"]["kind"] == MEMORY_KINDS[kind]
-        assert d["checkpoints"] is None and d["draft"] is None and d["errors"] == []
+        assert d["checkpoints"] == [] and d["draft"] is None and not d["damaged"]
     assert saved["n_saved"] == answer["tokens_evaluated"] + N_PREDICT - 1
     res = cli("validate", path, "-m", model, *FLAGS, "--json")
     d = json.loads(res.stdout)

@@ -346,7 +346,7 @@ def test_validate_says_a_draft_simple_server_ignores_the_speculative_state(tmp_p
     codes = [f["code"] for f in doc["files"][0]["findings"]]
     assert "speculative_state_ignored" in codes
     res = _invoke("inspect", path, "-m", DATA / "target.gguf", "-md", DATA / "draft.gguf", "--json")
-    spec = json.loads(res.stdout)["draft"]["speculative"]
+    spec = json.loads(res.stdout)["files"][0]["draft"]["speculative"]
     assert spec == {"kind": "opaque", "size": 24, "expected_size": None, "applied": False}
 
 

@@ -138,16 +138,18 @@ def test_strips_the_sdft_appendix_and_keeps_every_other_byte(tmp_path, base):
     assert not temp_files(tmp_path)
 
     [f] = d["files"]
-    assert f == {"path": str(b.path), "status": "stripped", "size_before": len(b.original),
+    assert f == {"path": str(b.path), "status": "stripped", "size": len(b.original),
                  "size_after": len(b.stripped), "bytes_freed": len(b.original) - len(b.stripped),
-                 "removed": ["SDFT"], "error": None, "output": str(b.path), "method": "truncate",
+                 "removed": ["SDFT"], "output": str(b.path), "method": "truncate",
                  "draft_size": len(b.original) - len(b.stripped) + sum(len(c["dft"]) + len(c["spec"])
                                                                        for c in b.checkpoints),
                  "checkpoint_draft_size": sum(len(c["dft"]) + len(c["spec"]) for c in b.checkpoints),
-                 "repaired": None}
+                 "repaired": None, "exit_code": 0}
+    assert f["checkpoint_draft_size"] > 0
     # the SDFT appendix ended the file: it was cut off in place, the same inode
     assert os.stat(b.path).st_ino == inode
-    assert d["total_bytes_freed"] == f["bytes_freed"] and d["n_stripped"] == 1 and d["n_refused"] == 0
+    s = d["summary"]
+    assert s["bytes_freed"] == f["bytes_freed"] and s["stripped"] == 1 and s["refused"] == 0 and d["exit_code"] == 0
 
 
 def test_checkpoints_option_empties_draft_and_spec_blobs_keeps_target_blobs(tmp_path):
@@ -190,7 +192,7 @@ def test_second_run_changes_nothing(tmp_path):
         code, d = strip_json(b.path, *extra)
         assert code == 0
         assert d["files"][0]["status"] == "unchanged" and d["files"][0]["output"] is None
-        assert d["total_bytes_freed"] == 0 and d["n_stripped"] == 0
+        assert d["summary"]["bytes_freed"] == 0 and d["summary"]["stripped"] == 0
         assert identity(b.path) == before
     assert b.path.read_bytes() == b.stripped_ckpt
 
@@ -249,11 +251,12 @@ def test_damaged_file_is_refused_untouched_and_others_still_stripped(tmp_path):
     assert good.path.read_bytes() == good.stripped
     d = json.loads(res.stdout)
     assert [f["status"] for f in d["files"]] == ["refused", "refused", "stripped"]
-    assert d["n_refused"] == 2 and d["n_stripped"] == 1
+    assert d["summary"]["refused"] == 2 and d["summary"]["stripped"] == 1
     assert d["files"][0]["size_after"] is None and d["files"][0]["bytes_freed"] == 0
-    assert d["files"][0]["error"] == f"{bad}: SCKP appendix at 0x{sdft + 4:x} ({sdft + 4}): SCKP version 1, found 7"
+    assert d["files"][0]["error"] == {
+        "code": "damaged", "message": f"{bad}: SCKP appendix at 0x{sdft + 4:x} ({sdft + 4}): SCKP version 1, found 7"}
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
-    assert errors == [f"error: {d['files'][0]['error']}", f"error: {d['files'][1]['error']}"]
+    assert errors == [f"error: {d['files'][0]['error']['message']}", f"error: {d['files'][1]['error']['message']}"]
     assert "\n".join(res.stderr.splitlines()[2:]).startswith(f"warning: {good.path}: its checkpoints hold")
     assert not temp_files(tmp_path)
 
@@ -321,12 +324,20 @@ def test_output_with_several_inputs_or_a_directory_is_a_usage_error(tmp_path):
 def test_usage_errors_touch_nothing(tmp_path):
     b = build_file(tmp_path / "slot.bin")
     before = identity(b.path)
-    res = strip(b.path, tmp_path / "missing.bin")
-    assert res.exit_code == 2 and res.stderr == f"error: {tmp_path / 'missing.bin'}: no such file or directory\n"
-    assert identity(b.path) == before
     assert strip().exit_code == 2
     assert strip(b.path, "--model", b.path).exit_code == 2   # not a GGUF
     assert identity(b.path) == before
+
+
+def test_a_missing_path_is_its_own_error_and_the_others_are_stripped(tmp_path):
+    b = build_file(tmp_path / "slot.bin")
+    missing = tmp_path / "missing.bin"
+    res = strip(b.path, missing, "--json")
+    assert res.exit_code == 2 and f"error: {missing}: no such file or directory\n" in res.stderr
+    d = json.loads(res.stdout)
+    assert [(f["status"], f["exit_code"]) for f in d["files"]] == [("stripped", 0), ("refused", 2)]
+    assert d["files"][1]["error"] == {"code": "no_such_file", "message": f"{missing}: no such file or directory"}
+    assert b.path.read_bytes() == b.stripped and not missing.exists()
 
 
 def test_model_options_name_the_layouts(tmp_path):
@@ -375,16 +386,17 @@ def test_directory_mode(tmp_path):
 
     assert expand_paths([d_]) == [str(d_ / n) for n in ("a-plain.bin", "b-draft.bin", "c-ckpt.bin", "notes.txt")]
     code, d = strip_json(d_, "--checkpoints")
-    assert code == 1   # notes.txt is refused
+    assert code == 0   # notes.txt does not begin with the state magic: not a slot file, skipped
     assert [(Path(f["path"]).name, f["status"]) for f in d["files"]] == [
-        ("a-plain.bin", "unchanged"), ("b-draft.bin", "stripped"), ("c-ckpt.bin", "stripped"), ("notes.txt", "refused")]
+        ("a-plain.bin", "unchanged"), ("b-draft.bin", "stripped"), ("c-ckpt.bin", "stripped")]
+    assert d["summary"]["skipped"] == 1
     assert with_draft.path.read_bytes() == with_draft.stripped_ckpt
     assert ckpt_only.path.read_bytes() == ckpt_only.stripped_ckpt
     assert {p: identity(p) for p in untouched} == untouched
     freed = (len(with_draft.original) - len(with_draft.stripped_ckpt)
              + len(ckpt_only.original) - len(ckpt_only.stripped_ckpt))
-    assert d["total_bytes_freed"] == freed == sum(f["bytes_freed"] for f in d["files"])
-    assert d["n_stripped"] == 2 and d["n_refused"] == 1
+    assert d["summary"]["bytes_freed"] == freed == sum(f["bytes_freed"] for f in d["files"])
+    assert d["summary"]["stripped"] == 2 and d["summary"]["refused"] == 0
     assert temp_files(d_) == [tmp]
 
     # a directory given with one of its files: each file once
@@ -399,10 +411,10 @@ def test_dry_run_writes_nothing(tmp_path):
     code, d = strip_json(b.path, plain, "--dry-run", "--checkpoints")
     assert code == 0
     assert {p: identity(p) for p in (b.path, plain)} == before and b.path.read_bytes() == b.original
-    assert [f["status"] for f in d["files"]] == ["would strip", "unchanged"]
+    assert [f["status"] for f in d["files"]] == ["would_strip", "unchanged"]
     assert d["files"][0]["size_after"] == len(b.stripped_ckpt)
     assert d["files"][0]["output"] == str(b.path) and d["files"][1]["output"] is None
-    assert d["total_bytes_freed"] == len(b.original) - len(b.stripped_ckpt) and d["n_stripped"] == 1
+    assert d["summary"]["bytes_freed"] == len(b.original) - len(b.stripped_ckpt) and d["summary"]["would_strip"] == 1
 
     out = tmp_path / "out.bin"
     res = strip(b.path, "--dry-run", "-o", out)
@@ -417,11 +429,11 @@ def test_json_keys_are_stable(tmp_path):
     cut.write_bytes(b"\x71\x73\x67\x67")
     code, d = strip_json(b.path, cut)
     assert code == 1
-    assert list(d) == ["files", "total_bytes_freed", "n_stripped", "n_refused"]
-    for f in d["files"]:
-        assert list(f) == ["path", "status", "size_before", "size_after", "bytes_freed", "removed", "error", "output",
-                           "method", "draft_size", "checkpoint_draft_size", "repaired"]
-    assert isinstance(d["files"][1]["error"], str) and d["files"][1]["output"] is None
+    assert list(d) == ["files", "summary", "exit_code"]
+    keys = ["path", "status", "size", "size_after", "bytes_freed", "removed", "output", "method", "draft_size",
+            "checkpoint_draft_size", "repaired", "exit_code"]
+    assert list(d["files"][0]) == keys and list(d["files"][1]) == keys + ["error"]
+    assert d["files"][1]["error"]["code"] == "damaged" and d["files"][1]["output"] is None
 
 
 def test_human_output(tmp_path):
@@ -550,7 +562,7 @@ def test_killed_at_any_moment_leaves_the_old_file_or_the_new_one(big_dir, checkp
     write_sparse_file(victim, **sizes)
     r = subprocess.run(cmd + ["--json"], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["total_bytes_freed"] == os.path.getsize(old) - os.path.getsize(new)
+    assert json.loads(r.stdout)["summary"]["bytes_freed"] == os.path.getsize(old) - os.path.getsize(new)
     assert same_bytes(victim, new) and not temp_files(work)
 
 
@@ -647,7 +659,7 @@ def test_a_damaged_sdft_appendix_is_removed_and_said(tmp_path, how):
     assert damaged.errors or (how == "in the magic" and damaged.trailing.size == 2)
     code, d = strip_json(b.path, "--dry-run")   # ... strip-draft would repair it
     [f] = d["files"]
-    assert code == 0 and f["status"] == "would strip" and f["removed"] == ["SDFT"]
+    assert code == 0 and f["status"] == "would_strip" and f["removed"] == ["SDFT"]
     assert f["repaired"] and f["size_after"] == sdft and b.path.read_bytes() == raw
 
     res = strip(b.path)

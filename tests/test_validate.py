@@ -216,6 +216,11 @@ def test_a_file_that_is_not_a_slot_file(child, tmp_path):
     p.write_bytes(b"GGUF" + bytes(100))
     r = check(child, p, DATA / "target.gguf", n_ctx=256)
     assert r.verdict == "refused" and r.checks == []
+    assert finding(r, "gguf_model", "state header").message.startswith(
+        "state header at 0x0 (0): this is a GGUF model, not a slot file")
+    p.write_bytes(b"GGUG" + bytes(100))
+    r = check(child, p, DATA / "target.gguf", n_ctx=256)
+    assert r.verdict == "refused" and r.checks == []
     assert finding(r, "damaged", "state header").message.startswith("state header at 0x0 (0): state file magic")
 
 
@@ -614,10 +619,10 @@ def test_cli_json_document():
     d = json.loads(res.stdout)
     assert set(d) == {"server", "files", "summary", "exit_code"}
     assert d["summary"] == {"files": 1, "restores": 1, "restores_with_drops": 0, "undecided": 0, "aborts": 0,
-                            "refused": 0, "unreadable": 0}
+                            "refused": 0, "unreadable": 0, "skipped": 0}
     (f,) = d["files"]
-    assert set(f) == {"path", "size", "version", "n_tokens", "verdict", "exit_code", "counts", "findings", "checks",
-                      "steps", "reuse"}
+    assert set(f) == {"path", "size", "state_version", "n_tokens", "verdict", "exit_code", "counts", "findings",
+                      "checks", "steps", "reuse"}
     assert f["n_tokens"] == 111 and [s["status"] for s in f["steps"]] == ["restored", "restored", "absent", "absent"]
     assert f["reuse"] == {"n_tokens": 111, "n_reused": 111, "checkpoint": None, "reason": None,
                           "divergence": "a request that diverges after k tokens keeps those k: the positions after "
@@ -669,7 +674,7 @@ def test_cli_many_files_and_a_directory(made, tmp_path):
     assert doc["summary"]["files"] == 3 and doc["summary"]["restores"] == 2
     assert doc["server"]["real_check"] is False   # no model: structure only
     res = _invoke(d, DATA / "srv-np1.bin")
-    assert "3 files: 2 restoring completely, 1 restoring with layers dropped" in res.stdout
+    assert "3 file(s): 2 restoring completely, 1 restoring with layers dropped" in res.stdout
 
 
 def test_cli_escapes_what_it_did_not_write(tmp_path):

@@ -38,7 +38,7 @@ class CommandEntry(NamedTuple):
 
 #: every command: name -> where it lives and how ``slotctl --help`` lists it (without importing it)
 COMMANDS: dict[str, CommandEntry] = {
-    "inspect": CommandEntry("slotctl.cli.inspect_cmd", "Show every layer of a slot file: header, prompt, target "
+    "inspect": CommandEntry("slotctl.cli.inspect_cmd", "Show every layer of slot files: header, prompt, target "
                             "memory, checkpoints, draft state."),
     "validate": CommandEntry("slotctl.cli.validate_cmd", "Check that a llama-server started with these flags "
                              "restores each slot file completely."),
@@ -117,15 +117,25 @@ class LazyGroup(HelpGroup, TyperGroup):
             print(e.ctx.get_help() if e.ctx else "", file=sys.stderr)
             sys.exit(int(ExitStatus.USAGE))
         except click.exceptions.UsageError as e:  # also BadParameter, NoSuchOption, MissingParameter
-            print(f"error: {usage_error_line(e, argv)}", file=sys.stderr)
-            sys.exit(int(ExitStatus.USAGE))
+            _fail(argv, usage_error_line(e, argv), int(ExitStatus.USAGE))
         except click.exceptions.ClickException as e:
-            print(f"error: {e.format_message()}", file=sys.stderr)
-            sys.exit(e.exit_code)
+            _fail(argv, e.format_message(), e.exit_code)
         except typer.Abort:
             print("error: aborted", file=sys.stderr)
             sys.exit(130)
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _fail(argv: list[str], message: str, exit_code: int):
+    """A failure before the command ran: one ``error:`` line; with ``--json``/``--jsonl`` also the error
+    document on stdout (docs/json.md), so a script reading stdout always gets one."""
+    print(f"error: {message}", file=sys.stderr)
+    if "--json" in argv or "--jsonl" in argv:
+        import json
+
+        doc = {"error": {"code": "usage", "message": message}, "exit_code": exit_code}
+        print(json.dumps(doc, indent=None if "--jsonl" in argv else 2))
+    sys.exit(exit_code)
 
 
 app = typer.Typer(

@@ -2,33 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from pathlib import Path
+from typing import Iterator
 
 import typer
 
 from slotctl.cli.output import Output
-from slotctl.errors import ExitStatus, SlotctlError, UsageError
+from slotctl.errors import ExitStatus, SlotctlError, UsageError, os_error_code
 
 
 def handle_errors(fn):
-    """Known errors become one line on stderr and their exit code (also under typer's CliRunner)."""
+    """Known errors become one line on stderr and their exit code (also under typer's CliRunner).
+
+    With ``--json`` (or ``--jsonl``) the error is also a document on stdout:
+    ``{"error": {"code", "message"}, "exit_code"}``.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        out = Output(json_mode=bool(kwargs.get("json_out")), jsonl=bool(kwargs.get("jsonl")))
         try:
             return fn(*args, **kwargs)
         except SlotctlError as e:
-            Output().error(str(e))
-            raise typer.Exit(int(e.exit_status)) from None
+            fail(out, e.error_code, str(e), e.exit_status)
         except ModuleNotFoundError as e:
             if (e.name or "").partition(".")[0] != "llama_cpp":
                 raise
-            Output().error(llama_missing(fn.__name__.replace("_", "-")))
-            raise typer.Exit(int(ExitStatus.USAGE)) from None
+            fail(out, "llama_missing", llama_missing(fn.__name__.replace("_", "-")), ExitStatus.USAGE)
         except OSError as e:
-            Output().error(f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
-            raise typer.Exit(int(ExitStatus.USAGE)) from None
+            fail(out, os_error_code(e), f"{e.filename or ''}: {e.strerror or e}".lstrip(": "), ExitStatus.USAGE)
 
     return wrapper
 
@@ -71,6 +76,14 @@ def llama_hint() -> str:
     return f"{llama_install()} (slotctl's [llama] extra; it compiles llama.cpp: a C/C++ compiler and a few minutes)"
 
 
+def fail(out: Output, code: str, message: str, status: int):
+    """End the command: one line on stderr, the error document on stdout in JSON mode, exit ``status``."""
+    out.error(message)
+    if out.json_mode:
+        out.json_error(code, message, int(status))
+    raise typer.Exit(int(status)) from None
+
+
 def runtime_state_version() -> int | None:
     """The state version this llama-cpp-python reads and writes, or None when it is not installed."""
     if not llama_available():
@@ -102,3 +115,95 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
         return prompt_file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise UsageError(f"{prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+@contextlib.contextmanager
+def readable(path: str | os.PathLike) -> Iterator[str]:
+    """The path to read for ``path``: ``-`` is standard input, copied to a temporary file for the time of
+    the block; any other path must be a regular file this process may read (else a one-line UsageError)."""
+    from slotctl.paths import STDIN, check_readable, stdin_copy
+
+    p = os.fspath(path)
+    if p == STDIN:
+        with stdin_copy() as tmp:
+            yield tmp
+        return
+    check_readable(p)
+    yield p
+
+
+def file_error(path: str | os.PathLike, e: Exception) -> dict:
+    """The entry of a file that could not be read at all, in a command over many files."""
+    if isinstance(e, SlotctlError):
+        code, message, status = e.error_code, str(e), e.exit_status
+    elif isinstance(e, OSError):
+        code, message, status = os_error_code(e), f"{os.fspath(path)}: {e.strerror or e}", ExitStatus.USAGE
+    else:  # pragma: no cover - callers pass only these
+        raise TypeError(type(e).__name__)
+    return {"path": os.fspath(path), "exit_code": int(status), "error": {"code": code, "message": message}}
+
+
+class FileRun:
+    """A command over many files: the per-file objects, streamed with ``--jsonl``; the document at the end.
+
+    ``--json``: ``{"files": [...], "summary": {...}, "exit_code"}``; ``--jsonl``: one per-file object per
+    line as each is added, then ``{"summary": {...}, "exit_code"}`` (docs/json.md). The exit code is the
+    highest of the files'.
+    """
+
+    def __init__(self, out: Output, expansion, *, what: str):
+        self.out = out
+        self.expansion = expansion
+        self.files: list[dict] = []
+        if not expansion.files:
+            skipped = len(expansion.skipped)
+            raise UsageError(f"no slot files to {what}" + (f" ({skipped} file(s) skipped: they do not begin with "
+                                                            "the state magic)" if skipped else
+                                                            " (the directories given are empty)"),
+                             code="no_slot_files")
+
+    @property
+    def n_files(self) -> int:
+        return len(self.files)
+
+    def add(self, entry: dict) -> None:
+        self.files.append(entry)
+        if self.out.jsonl:
+            self.out.json_line(entry)
+
+    def count(self, exit_code: int) -> int:
+        return sum(f["exit_code"] == exit_code for f in self.files)
+
+    @property
+    def exit_code(self) -> int:
+        return max((f["exit_code"] for f in self.files), default=0)
+
+    def finish(self, summary: dict, **extra) -> None:
+        """Print the document (JSON modes) and exit with the run's exit code."""
+        if self.out.jsonl:
+            self.out.json_line({"summary": summary, **extra, "exit_code": self.exit_code})
+        elif self.out.json_mode:
+            self.out.json({**extra, "files": self.files, "summary": summary, "exit_code": self.exit_code})
+        if self.exit_code:
+            raise typer.Exit(self.exit_code)
+
+
+class NoteCounter:
+    """Notes of a run over many files, shown once each at the end, with the number of files that had them."""
+
+    def __init__(self):
+        self._notes: dict[tuple[str, str], list[str]] = {}
+
+    def add(self, finding: dict, path: str = "") -> bool:
+        """Keep ``finding`` for the end when it is a note (True); other severities are not kept."""
+        if finding["severity"] != "note":
+            return False
+        self._notes.setdefault((finding["code"], finding["message"]), []).append(path)
+        return True
+
+    def render(self, out: Output) -> None:
+        for (_code, message), paths in self._notes.items():
+            if len(paths) == 1:
+                out.warn(f"{paths[0]}: {message}" if paths[0] else message)
+            else:
+                out.warn(f"({len(paths)} files) {message}")

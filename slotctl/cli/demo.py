@@ -136,7 +136,7 @@ def _full_steps(directory: Path, doc: dict) -> tuple[list[Step], str]:
     make_ms = round((time.perf_counter() - t) * 1000, 1)
     slot = str(directory / "sample-slot.bin")
     tgt, dft = str(models.target), str(models.draft)
-    doc.update(models={"target": tgt, "draft": dft}, slot_file=slot, make_models_ms=make_ms)
+    doc.update(models={"target": tgt, "draft": dft}, path=slot, make_models_ms=make_ms)
     steps = [
         Step("save", ["save", "-m", tgt, "-md", dft, *SERVER_FLAGS, "--prompt", SAMPLE_PROMPT,
                       "--checkpoint-at", "32", "--checkpoint-at", "64", "-o", slot, "--force"],
@@ -163,7 +163,7 @@ def _core_steps(directory: Path, doc: dict) -> tuple[list[Step], str]:
     directory.mkdir(parents=True, exist_ok=True)
     slot, model = (str(_copy(src, directory)) for src in (sample.SLOT_FILE, sample.MODEL))
     flags = list(sample.SERVER_FLAGS)
-    doc.update(models={"target": model, "draft": None}, slot_file=slot)
+    doc.update(models={"target": model, "draft": None}, path=slot)
     steps = [
         Step("inspect", ["inspect", slot], "every layer of a slot file llama-server wrote (its tiny model, "
              f"{' '.join(flags)})"),

@@ -1,4 +1,4 @@
-"""``slotctl inspect FILE``: every layer of a slot file, for people (rich) or scripts (``--json``)."""
+"""``slotctl inspect PATH...``: every layer of slot files, for people (rich) or scripts (``--json``, ``--jsonl``)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,17 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.text import Text
 
-from slotctl.cli.common import (check_file, handle_errors, llama_available, llama_install,
-                                runtime_state_version)
-from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt, VerboseOpt
+from slotctl.cli.common import (FileRun, NoteCounter, file_error, handle_errors, llama_available, llama_install,
+                                readable)
 from slotctl.cli.inspect_view import render
+from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt, VerboseOpt
 from slotctl.cli.output import Output
 from slotctl.describe import describe_file
-from slotctl.errors import ExitStatus
-from slotctl.slotfile import open_slot_file
-from slotctl.server.findings import file_warnings
+from slotctl.errors import SlotctlError
+from slotctl.server.findings import Finding, file_findings
+from slotctl.slotfile import expand_slot_paths, open_slot_file
 
 
 def register(app: typer.Typer) -> None:
@@ -24,68 +25,101 @@ def register(app: typer.Typer) -> None:
 
 @handle_errors
 def inspect(
-    file: Annotated[Path, typer.Argument(help="The slot file.", dir_okay=False)],
+    files: Annotated[list[Path], typer.Argument(help="Slot files, directories (their slot files: those that begin "
+                                                     "with the state magic), or - for standard input.")],
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     json_out: JsonOpt = False,
+    jsonl: JsonlOpt = False,
+    quiet: QuietOpt = False,
     tokens: Annotated[bool, typer.Option("--tokens", help="Include the token ids.")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Show every layer of a slot file: header, prompt, target memory, checkpoints, draft state.
+    """Show every layer of slot files: header, prompt, target memory, checkpoints, draft state.
 
     Reads metadata only and seeks over tensor bytes. With --model the GGUF names the memory layout and
     the prompt is decoded; with --draft-model the draft blobs are dissected with the draft's layout.
+    In a directory, only files that begin with the state magic are slot files; the others are counted
+    as skipped.
 
-    Exit codes: 0 parsed; 1 damaged (what parsed is still shown, with the layer and offset where it
-    broke); 2 usage or I/O error.
+    Exit codes: 0 parsed; 1 a file is damaged (what parsed is still shown, with the layer and offset
+    where it broke); 2 usage or I/O error (a file that cannot be read; the others are still shown).
     """
-    out = Output(json_mode=json_out, verbose=verbose)
-    check_file(file)
-    layout = draft_layout = None
+    out = Output(json_mode=json_out, jsonl=jsonl, quiet=quiet, verbose=verbose)
     target_info = draft_info = None
     if model is not None:
         from slotctl.model.info import read_model_info
 
         target_info = read_model_info(model)
-        layout = target_info.layout()
     if draft_model is not None:
         from slotctl.model.info import read_model_info
 
         draft_info = read_model_info(draft_model)
-        draft_layout = draft_info.layout()
-    sf = open_slot_file(file, layout=layout, draft_layout=draft_layout)
-    text = rt = None
-    if model is not None and llama_available():  # slotctl's runtime: only when -m asks for the prompt text
-        rt = runtime_state_version()
-        if sf.tokens is not None and not sf.tokens.error:
-            from slotctl.runtime.vocab import detokenize
-
-            text = detokenize(model, sf.tokens.tokens, verbose=verbose)
-    elif model is not None:
+    decode = model is not None and llama_available()   # slotctl's runtime: only for the prompt text of -m
+    if model is not None and not decode:
         out.warn(f"the prompt text is not shown: decoding it needs llama-cpp-python ({llama_install()})")
-    data = describe_file(sf, tokens=tokens, text=text, runtime_version=rt, info=target_info, draft_info=draft_info)
-    data["warnings"] = file_warnings(sf, runtime_version=rt)
+    run = FileRun(out, expand_slot_paths(files, follow_symlinks=True), what="inspect")
+    notes = NoteCounter()
+    for path in run.expansion.files:
+        try:
+            with readable(path) as real:
+                data = _inspect_one(real, path, target_info, draft_info, model if decode else None, tokens=tokens,
+                                    verbose=verbose)
+        except (SlotctlError, OSError) as e:
+            data = file_error(path, e)
+        run.add(data)
+        if json_out or jsonl:
+            continue
+        if quiet and data["exit_code"] == 0:
+            continue
+        if data.get("error"):
+            out.error(data["error"]["message"])
+            continue
+        if len(run.expansion.files) > 1:
+            out.print("")
+        render(out, data, notes=notes if len(run.expansion.files) > 1 else None)
+    summary = {"files": run.n_files, "parsed": run.count(0), "damaged": run.count(1), "unreadable": run.count(2),
+               "skipped": len(run.expansion.skipped)}
+    if not (json_out or jsonl):
+        notes.render(out)
+        if len(run.expansion.files) > 1 or run.expansion.skipped:
+            out.print(Text(f"{summary['files']} file(s): {summary['parsed']} parsed, {summary['damaged']} damaged, "
+                           f"{summary['unreadable']} unreadable; {summary['skipped']} skipped (not slot files)",
+                           style="bold"))
+    run.finish(summary)
+
+
+def _inspect_one(real: str, path: str, target_info, draft_info, model, *, tokens: bool, verbose: bool):
+    """The file at ``real`` (shown as ``path``) parsed and described (its JSON object); with ``model``, the
+    prompt decoded with its vocabulary."""
+    sf = open_slot_file(real, layout=target_info.layout() if target_info else None,
+                        draft_layout=draft_info.layout() if draft_info else None)
+    sf.path = path
+    text = None
+    if model is not None and sf.tokens is not None and not sf.tokens.error:
+        from slotctl.runtime.vocab import detokenize
+
+        text = detokenize(model, sf.tokens.tokens, verbose=verbose)
+    found = file_findings(sf)
     if target_info is not None and sf.tokens is not None and not sf.tokens.error:
         from slotctl.server.restore import invalid_token_indices
 
         toks = sf.tokens.tokens
         bad = toks[invalid_token_indices(toks, target_info.n_vocab, [start for start, _ in sf.tokens.media])]
         if len(bad):
-            data["warnings"].append(f"{len(bad):,} token(s) outside this model's vocabulary (first: {int(bad[0])}, "
-                                    f"n_vocab {target_info.n_vocab:,}): the server refuses the file "
-                                    "(\"Invalid tokens in slot save file\")")
-    data["reuse"] = _reuse(sf, target_info, data)
-    if json_out:
-        out.json(data)
-    else:
-        render(out, sf, data)
-    if sf.damaged:
-        raise typer.Exit(int(ExitStatus.FAILED))
+            found.append(Finding("token words", "error", "token_outside_vocab",
+                                 f"{len(bad):,} token(s) outside this model's vocabulary (first: {int(bad[0])}, "
+                                 f"n_vocab {target_info.n_vocab:,}): the server refuses the file "
+                                 "(\"Invalid tokens in slot save file\")", 12))
+    reuse = _reuse(sf, target_info, found)
+    data = describe_file(sf, tokens=tokens, text=text, info=target_info, draft_info=draft_info, findings=found)
+    data["reuse"] = reuse
+    return data
 
 
-def _reuse(sf, target_info, data: dict) -> dict | None:
+def _reuse(sf, target_info, found: list) -> dict | None:
     """The tokens a restored slot keeps for a request extending the saved prompt (with the server's
-    defaults: ``--ctx-checkpoints`` 32, no ``--swa-full``), and a warning when it is fewer than all."""
+    defaults: ``--ctx-checkpoints`` 32, no ``--swa-full``), and a note in ``found`` when it is fewer than all."""
     from slotctl.server.findings import checkpoints_ignored
     from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS
     from slotctl.server.reuse import predict_reuse, server_n_swa
@@ -98,9 +132,11 @@ def _reuse(sf, target_info, data: dict) -> dict | None:
     if r is None:
         return None
     if r.n_reused < r.n_tokens:
-        data["warnings"].append(f"a restored slot keeps {r.n_reused:,} of its {r.n_tokens:,} tokens for a request "
-                                f"extending the prompt: {r.reason}")
+        found.append(Finding("target memory", "note", "partial_reuse",
+                             f"a restored slot keeps {r.n_reused:,} of its {r.n_tokens:,} tokens for a request "
+                             f"extending the prompt: {r.reason}"))
     elif r.n_reused_b11434 < r.n_tokens:
-        data["warnings"].append(f"llama.cpp b11434 keeps {r.n_reused_b11434:,} of {r.n_tokens:,} tokens for a request "
-                                f"extending the prompt: {r.reason_b11434}")
+        found.append(Finding("target memory", "note", "partial_reuse_b11434",
+                             f"llama.cpp b11434 keeps {r.n_reused_b11434:,} of {r.n_tokens:,} tokens for a request "
+                             f"extending the prompt: {r.reason_b11434}"))
     return r.as_dict()

@@ -2,37 +2,39 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from slotctl.cli.output import Output, elide, human_bytes, markup_safe
-from slotctl.slotfile import SlotFile
+from slotctl.cli.output import Output, elide, human_bytes, keep_whole, markup_safe
+
+if TYPE_CHECKING:
+    from slotctl.cli.common import NoteCounter
 
 
-def render(out: Output, sf: SlotFile, d: dict) -> None:
-    """The human view of ``describe_file``'s dict."""
+def render(out: Output, d: dict, notes: "NoteCounter | None" = None) -> None:
+    """The human view of ``describe_file``'s dict; with ``notes``, notes met in other files are counted there
+    and shown once at the end of the run instead."""
     head = Text.assemble((markup_safe(d["path"]), "bold"), f"  {d['size']:,} bytes")
-    if d["version"] is not None:
-        head.append(f"  state version {d['version']}")
-        if d["runtime_state_version"] is not None:
-            ok = d["version"] == d["runtime_state_version"]
-            head.append(f"  ({'loads in' if ok else 'not loadable by'} this llama-cpp-python, "
-                        f"state version {d['runtime_state_version']})", style="green" if ok else "yellow")
+    if d["state_version"] is not None:
+        head.append(f"  state version {d['state_version']}")
     out.print(head)
-    out.print(_byte_map(d))
+    if d["layers"]:
+        out.table(_byte_map(d), keep=("layer", "offset", "bytes", "share"))
     if d["prompt"]:
         out.print(_prompt(d["prompt"]))
     if d["target"]:
         out.print(_memory_panel("target memory", d["target"]["memory"], d["target"]["size"]))
-    elif d.get("target_candidates") is not None:
+    elif d["state_version"] is not None:
         cands = d["target_candidates"]
         out.print(Text(f"target memory: layout not determined ({len(cands)} candidate(s) fit"
                        + (": " + "; ".join(cands) if cands else "") + ")", style="yellow"))
-    if d["checkpoints"] is not None:
+    if d["sckp"] is not None:
         kind = d["target"]["memory"]["kind"] if d["target"] else None
-        out.print(_checkpoints(d["checkpoints"], kind))
+        out.table(_checkpoints(d["checkpoints"], kind), keep=_CHECKPOINT_COLUMNS)
     if d["draft"] is not None:
         dr = d["draft"]
         title = f"draft state (SDFT), seq {dr['seq_id']}, speculative state {human_bytes(dr['spec_size'])}"
@@ -40,15 +42,16 @@ def render(out: Output, sf: SlotFile, d: dict) -> None:
             out.print(_memory_panel(title, dr["memory"], dr["size"]))
         else:
             out.print(Text(f"{title}: {dr['size']:,} bytes, layout not determined"
-                           + (f" ({dr['error']})" if dr["error"] else ""), style="yellow"))
-    elif d["sdft"] is None and not sf.damaged:
+                           + (f" ({dr['error']['message']})" if dr["error"] else ""), style="yellow"))
+    elif d["sdft"] is None and not d["damaged"]:
         out.print(Text("draft state: none (a restored slot drafts from an empty draft context)", style="dim"))
     if d["trailing_bytes"]:
         out.print(Text(f"trailing bytes: {d['trailing_bytes']:,}", style="yellow"))
-    for w in d["warnings"]:
-        out.warn(w)
-    for e in d["errors"]:
-        out.error(e)
+    for f in d["findings"]:
+        if f["severity"] == "error":
+            out.error(f["message"])
+        elif notes is None or not notes.add(f, d["path"]):
+            out.warn(f["message"])
 
 
 def _byte_map(d: dict) -> Table:
@@ -72,14 +75,14 @@ def _prompt(p: dict) -> Panel:
         body.append(Text(markup_safe(elide(p["text"])), style="italic"))
     if p.get("tokens") is not None:
         body.append(Text(" ".join(str(t) for t in p["tokens"]), style="dim"))
-    return Panel(Group(*body), title="prompt", title_align="left")
+    return Panel(Group(*body), title="prompt", title_align="left", expand=False)
 
 
 def _memory_panel(title: str, mem: dict, size: int) -> Panel:
     parts = [Text(f"kind: {mem['kind']}, {len(mem['sections'])} section(s), {size:,} bytes")]
     for sec in mem["sections"]:
         parts.append(_section(sec))
-    return Panel(Group(*parts), title=title, title_align="left")
+    return Panel(Group(*parts), title=title, title_align="left", expand=False)
 
 
 _ROLE_WORDS = {
@@ -100,14 +103,14 @@ def _section(sec: dict) -> Group:
         words = _ROLE_WORDS[sec["role"]]
         desc += (f" ({words} {_ids_text(ids)})" if ids else f" (no {words} layers: it lists its cells only)")
     items = [Text(desc, style="bold")]
-    streams = Table(show_edge=False, box=None, padding=(0, 2))
+    streams = Table(show_edge=False, box=None, padding=(0, 1))
     streams.add_column("stream")
     streams.add_column("cells", justify="right")
     streams.add_column("positions")
     for i, s in enumerate(sec["streams"]):
         rng = f"{s['pos_min']}..{s['pos_max']}" if s["pos_min"] is not None else "-"
         streams.add_row(str(i), f"{s['cell_count']:,}", rng)
-    items.append(streams)
+    items.append(keep_whole(streams))
     facts = []
     if sec["type"] == "kv":
         facts.append(f"n_stream {sec['n_stream']}")
@@ -137,7 +140,7 @@ def _layers(sec: dict) -> Table:
     rows = sec["layers"]
     ids = sec.get("layer_ids")
     keys = [k for k in rows[0] if not k.startswith("v_el") and k != "v_n_embd"]
-    t = Table(show_edge=False, box=None, padding=(0, 2))
+    t = Table(show_edge=False, box=None, padding=(0, 1))
     t.add_column("layers")
     for k in keys:
         t.add_column(k, justify="right")
@@ -147,7 +150,7 @@ def _layers(sec: dict) -> Table:
     else:
         for i, r in enumerate(rows):
             t.add_row(str(ids[i]) if ids else str(i), *[_cell(r.get(k)) for k in keys])
-    return t
+    return keep_whole(t, keys)
 
 
 def _cell(v) -> str:
@@ -166,12 +169,15 @@ _PARTIAL_WORDS = {
 }
 
 
+_CHECKPOINT_COLUMNS = ("#", "n_tokens", "positions", "target blob", "draft blob", "spec")
+
+
 def _checkpoints(cps: list[dict], kind: str | None = None) -> Table:
     title = f"context checkpoints (SCKP): {len(cps)}"
     if kind in _PARTIAL_WORDS:
         title += f"; each target blob holds {_PARTIAL_WORDS[kind]}"
     t = Table(title=title, title_justify="left", show_edge=False)
-    for c in ("#", "n_tokens", "positions", "target blob", "draft blob", "spec"):
+    for c in _CHECKPOINT_COLUMNS:
         t.add_column(c, justify="right" if c != "positions" else "left")
     for i, c in enumerate(cps):
         t.add_row(str(i), f"{c['n_tokens']:,}", f"{c['pos_min']}..{c['pos_max']}",
@@ -189,7 +195,7 @@ def _blob_cell(b: dict | None) -> str:
         for sec in mem["sections"]:
             cells = sum(s["cell_count"] for s in sec["streams"])
             parts.append(f"{sec['role']} {cells} cell{'' if cells == 1 else 's'}")
-        desc += f" ({' + '.join(parts)})"
+        desc += f"\n{' + '.join(parts)}"
     elif b.get("error"):
         desc += " (damaged)"
     return desc

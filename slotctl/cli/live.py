@@ -51,6 +51,7 @@ def slots(
         "total_slots": props.get("total_slots", len(slot_list)),
         "props": props,
         "slots": slot_list,
+        "exit_code": 0,
     }
     if json_out:
         out.json(doc)
@@ -112,7 +113,7 @@ def erase(
     url = server_api.normalize_url(server)
     answer = server_api.erase_slot(url, slot, api_key=api_key, timeout=timeout)
     if json_out:
-        out.json(answer)
+        out.json({"server": url, "slot": slot, "answer": answer, "exit_code": 0})
         return
     n = answer.get("n_erased") if isinstance(answer, dict) else None
     out.print(f"slot {slot}: erased" + (f" {n:,} cached token(s)" if isinstance(n, int) else ""))

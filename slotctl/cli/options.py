@@ -21,8 +21,13 @@ OUTPUT_PANEL = "Output"
 #: llama-server's own flags, as the server takes them
 SERVER_PANEL = "Server flags"
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (keys in docs/json.md).",
-                                       rich_help_panel=OUTPUT_PANEL)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (docs/json.md); a failure "
+                                                     "is one too.", rich_help_panel=OUTPUT_PANEL)]
+JsonlOpt = Annotated[bool, typer.Option("--jsonl", help="Print one JSON object per file, one per line, as each is "
+                                                       "done, then a summary line (docs/json.md).",
+                                        rich_help_panel=OUTPUT_PANEL)]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Show only the files that are not fine, and the "
+                                                              "summary.", rich_help_panel=OUTPUT_PANEL)]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Let logs and llama.cpp's own output through to "
                                           "stderr.", rich_help_panel=OUTPUT_PANEL)]
 ModelOpt = Annotated[Optional[Path], typer.Option("--model", "-m", help="The target model's GGUF.",

@@ -12,10 +12,20 @@ import os
 import re
 import sys
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from rich.console import Console
 from rich.markup import escape as _markup_escape
+from rich.measure import Measurement
+from rich.table import Table
+from rich.text import Text
+
+#: the width output is laid out for when stdout is not a terminal: wide enough that nothing is wrapped
+#: or cut (a line is as long as its content; nothing pads lines to this width)
+PIPE_WIDTH = 1 << 20
+#: the narrowest a column of text (a name, a path, a description) is folded to before a table is shown as
+#: one ``column: value`` block per row instead
+FOLD_WIDTH = 12
 
 # C0 and C1 controls (not tab and newline), and the format characters that reorder or break a line
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
@@ -63,25 +73,90 @@ def human_bytes(n: int | None) -> str:
 
 
 class Output:
-    """Human (rich) or JSON output; ``verbose`` lets llama.cpp's and slotctl's logs through to stderr."""
+    """Human (rich) or JSON output; ``verbose`` lets llama.cpp's and slotctl's logs through to stderr.
 
-    def __init__(self, *, json_mode: bool = False, verbose: bool = False, stdout=None, stderr=None):
-        self.json_mode = json_mode
+    ``jsonl``: documents are written one per line (``--jsonl``; :meth:`json` then writes one line too).
+    ``quiet``: commands over many files show only the files that are not fine, and the summary.
+    On a terminal, rich lays out for its width; on a pipe nothing is wrapped or cut (:data:`PIPE_WIDTH`).
+    """
+
+    def __init__(self, *, json_mode: bool = False, jsonl: bool = False, quiet: bool = False, verbose: bool = False,
+                 stdout=None, stderr=None):
+        self.json_mode = json_mode or jsonl
+        self.jsonl = jsonl
+        self.quiet = quiet
         self.verbose = verbose
         self._stdout = stdout or sys.stdout
         self._stderr = stderr or sys.stderr
         self.console = Console(file=self._stdout, highlight=False, soft_wrap=False)
-        self.err = Console(file=self._stderr, highlight=False, soft_wrap=True)
+        if not self.console.is_terminal:
+            self.console = Console(file=self._stdout, highlight=False, soft_wrap=False, width=PIPE_WIDTH)
+        self.err = Console(file=self._stderr, highlight=False)
+        # a message is one line on a pipe (grep finds it whole); a terminal gets it wrapped between words
+        self.err.soft_wrap = not self.err.is_terminal
 
     # -- data -----------------------------------------------------------------------------------
     def json(self, data: Any) -> None:
-        """One JSON document on stdout."""
+        """One JSON document on stdout (one line with ``jsonl``)."""
+        if self.jsonl:
+            self.json_line(data)
+            return
         self._stdout.write(json.dumps(data, indent=2, default=_json_default) + "\n")
         self._stdout.flush()
+
+    def json_line(self, data: Any) -> None:
+        """One JSON object on one line of stdout, flushed (``--jsonl`` streams them as they come)."""
+        self._stdout.write(json.dumps(data, default=_json_default) + "\n")
+        self._stdout.flush()
+
+    def json_error(self, code: str, message: str, exit_code: int) -> None:
+        """The document of a command that failed as a whole: ``{"error": {"code", "message"}, "exit_code"}``."""
+        self.json({"error": {"code": code, "message": message}, "exit_code": int(exit_code)})
 
     def print(self, *renderables: Any) -> None:
         """Rich renderables on stdout (human mode)."""
         self.console.print(*renderables)
+
+    def table(self, table: Table, keep: Iterable[str] = ()) -> None:
+        """A table whose ``keep`` columns (numbers, offsets, verdicts, paths) are never wrapped or cut.
+
+        The other columns wrap (folding a word longer than the column). When even that does not fit the
+        terminal, each row is shown as ``column: value`` lines instead, so no value is ever cut.
+        """
+        keep_whole(table, keep, self.console)
+        # the width the table needs when the other columns fold down to FOLD_WIDTH cells, measured without
+        # the terminal's limit (rich clamps a measurement to the width it is given)
+        folding = [c for c in table.columns if not c.no_wrap]
+        for col in folding:
+            col.max_width = FOLD_WIDTH
+        need = Measurement.get(self.console, self.console.options.update_width(PIPE_WIDTH), table).minimum
+        for col in folding:
+            col.max_width = None
+        if need <= self.console.width:
+            self.print(table)
+            return
+        if table.title:
+            self.print(table.title if isinstance(table.title, Text) else Text(str(table.title)))
+        for row in zip(*[list(c.cells) for c in table.columns]):
+            self._record(list(zip(table.columns, row)))
+
+    def _record(self, cells: list) -> None:
+        """One table row as ``column: value`` items packed into lines of the terminal's width; an item is
+        never split (one longer than a line is a line of its own, which the terminal wraps)."""
+        items = []
+        for col, cell in cells:
+            value = cell if isinstance(cell, Text) else self.console.render_str(str(cell), style="")
+            value = Text(" ").join(value.split("\n"))   # a cell of several lines, on one
+            items.append(Text.assemble((f"{col.header}: ", "bold"), value))
+        line = Text()
+        for item in items:
+            if line.cell_len and line.cell_len + 2 + item.cell_len > self.console.width:
+                self.print(line)
+                line = Text("  ")
+            elif line.cell_len:
+                line.append("  ")
+            line.append_text(item)
+        self.print(line)
 
     # -- messages -------------------------------------------------------------------------------
     # Messages are one line each: whatever they quote (paths, file content, server text) is escaped,
@@ -130,6 +205,26 @@ class Output:
                 p.update(task, completed=completed, **({"total": total} if total is not None else {}))
 
             yield update
+
+
+def keep_whole(table: Table, keep: Iterable[str] | None = None, console: Console | None = None) -> Table:
+    """Mark the ``keep`` columns of ``table`` (all when None) as never wrapped or cut: each is as wide as its
+    widest cell or header. The other columns fold. For a table nested in a panel (the panel is what wraps)."""
+    console = console or Console()
+    names = None if keep is None else set(keep)
+    for col in table.columns:
+        if names is None or col.header in names:
+            col.no_wrap = True
+            col.min_width = max([_cell_width(console, c) for c in col.cells] + [_cell_width(console, col.header)])
+        else:
+            col.overflow = "fold"
+    return table
+
+
+def _cell_width(console: Console, cell: Any) -> int:
+    """The widest line of a table cell, in terminal cells."""
+    text = cell if isinstance(cell, Text) else console.render_str(str(cell))
+    return max((Text(line).cell_len for line in text.plain.split("\n")), default=0)
 
 
 def _json_default(o: Any):

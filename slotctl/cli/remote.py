@@ -153,7 +153,7 @@ def save_on_server(ctx: typer.Context | None, out: Output, server: str, name: st
                          "NAME` (the server writes it into its --slot-save-path)")
     url = server_api.normalize_url(server)
     answer = server_api.save_slot(url, slot, name, api_key=api_key, timeout=timeout)
-    _answer(out, answer, json_out, url, f"slot {slot} saved to {name}")
+    _answer(out, answer, json_out, url, f"slot {slot} saved to {name}", slot=slot, name=name)
 
 
 def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name: str, *, slot: int,
@@ -166,12 +166,12 @@ def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name:
     name = raw_value(ctx, "file", name)
     url = server_api.normalize_url(server)
     answer = server_api.restore_slot(url, slot, name, api_key=api_key, timeout=timeout)
-    _answer(out, answer, json_out, url, f"{name} restored into slot {slot}")
+    _answer(out, answer, json_out, url, f"{name} restored into slot {slot}", slot=slot, name=name)
 
 
-def _answer(out: Output, answer: Any, json_out: bool, url: str, head: str) -> None:
-    if json_out:
-        out.json(answer)
+def _answer(out: Output, answer: Any, json_out: bool, url: str, head: str, *, slot: int, name: str) -> None:
+    if json_out:   # the server's answer as it came, under "answer" (docs/json.md)
+        out.json({"server": url, "slot": slot, "name": name, "answer": answer, "exit_code": 0})
         return
     out.print(Text.assemble((_plain(url), "bold"), "  ", _plain(head)))
     if not isinstance(answer, dict):

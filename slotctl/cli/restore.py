@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -101,8 +102,9 @@ def restore(
 
     configure_logging(verbose)
     report: dict = {"path": str(file), "slot": slot, "state_version": None, "runtime_state_version": STATE_VERSION,
-                    "ok": False, "error": None, "n_tokens": None, "token_format": None, "n_bytes": None,
-                    "steps": [], "draft": None, "timings": {}, "continuation": None, "compare": None}
+                    "size": os.path.getsize(file), "ok": False, "n_tokens": None, "token_format": None,
+                    "bytes_read": None,
+                    "steps": [], "draft_status": None, "timings": {}, "continuation": None, "compare": None}
     timings = report["timings"]
     t0 = time.perf_counter()
     with out.progress("loading models", total=1000) as update:
@@ -114,26 +116,26 @@ def restore(
         try:
             restored = restore_slot(sc, file, slot, n_ctx_checkpoints=flags.ctx_checkpoints)
         except RestoreRefused as e:
-            report.update(error=str(e), steps=[s.as_dict() for s in e.steps])
+            report.update(error={"code": e.error_code, "message": str(e)}, steps=[s.as_dict() for s in e.steps])
             if e.steps:
                 report["state_version"] = e.steps[0].details.get("state_version")
-            _emit(out, report, json_out)
+            _emit(out, report, json_out, ExitStatus.FAILED)
             out.error(str(e))
             raise typer.Exit(int(ExitStatus.FAILED)) from None
         timings["restore_ms"] = round(restored.ms, 3)
         report.update(ok=True, state_version=restored.version, n_tokens=len(restored.tokens),
-                      token_format=restored.token_format, n_bytes=restored.n_bytes,
-                      steps=[s.as_dict() for s in restored.steps], draft=restored.draft_status)
+                      token_format=restored.token_format, bytes_read=restored.n_bytes,
+                      steps=[s.as_dict() for s in restored.steps], draft_status=restored.draft_status)
         try:
             if go_on:
                 status = _continue(out, sc, restored, report, continue_text, prompt, n, flags.spec_draft_n_max,
                                    compare, flags.ctx_checkpoints)
         except _Refused as e:
-            report.update(ok=False, error=str(e))
-            _emit(out, report, json_out)
+            report.update(ok=False, error={"code": "request_refused", "message": str(e)})
+            _emit(out, report, json_out, ExitStatus.FAILED)
             out.error(str(e))
             raise typer.Exit(int(ExitStatus.FAILED)) from None
-    _emit(out, report, json_out)
+    _emit(out, report, json_out, status)
     if report["compare"] is not None and not report["compare"]["agree"] and not report["compare"]["explained"]:
         out.error(f"compare: {report['compare']['difference']}")
     if status != ExitStatus.OK:
@@ -212,7 +214,8 @@ def _difference(name: str, r, f, restored) -> str:
 
 # -- output ---------------------------------------------------------------------------------------
 
-def _emit(out: Output, report: dict, json_out: bool) -> None:
+def _emit(out: Output, report: dict, json_out: bool, status: int) -> None:
+    report["exit_code"] = int(status)
     if json_out:
         out.json(report)
     else:
@@ -227,7 +230,7 @@ def render(out: Output, r: dict) -> None:
         if r["state_version"] != r["runtime_state_version"]:
             head.append(f" (this runtime reads {r['runtime_state_version']})")
     if r["n_tokens"] is not None:
-        head.append(f", {r['n_tokens']:,} tokens ({r['token_format']}), {r['n_bytes']:,} bytes read")
+        head.append(f", {r['n_tokens']:,} tokens ({r['token_format']}), {r['bytes_read']:,} bytes read")
     out.print(head)
     t = Table(show_edge=False)
     for c in ("step", "status", "bytes", "ms", "note"):

@@ -11,7 +11,7 @@ import typer
 from rich.text import Text
 
 from slotctl.cli import remote
-from slotctl.cli.common import handle_errors, read_prompt, require_llama, runtime_state_version
+from slotctl.cli.common import handle_errors, read_prompt, require_llama
 from slotctl.cli.options import ArgsCommand, DraftModelOpt, JsonOpt, SlotOpt, VerboseOpt, with_server_flags
 from slotctl.cli.output import Output
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
@@ -157,13 +157,11 @@ def save(
         draft_layout = dinfo.layout() if dinfo is not None else None
 
     from slotctl.describe import describe_file
-    from slotctl.server.findings import file_warnings
+    from slotctl.server.findings import file_findings
     from slotctl.slotfile import open_slot_file
 
     sf = open_slot_file(output, layout=layout, draft_layout=draft_layout)
-    rt = runtime_state_version()
-    described = describe_file(sf, text=prompt_text, runtime_version=rt, info=tinfo, draft_info=dinfo)
-    described["warnings"] = file_warnings(sf, runtime_version=rt)
+    described = describe_file(sf, text=prompt_text, info=tinfo, draft_info=dinfo, findings=file_findings(sf))
     timings = {"load_ms": round(t_load * 1000, 3), "evaluate_ms": round(t_eval * 1000, 3),
                "write_ms": round(t_write * 1000, 3)}
     if json_out:
@@ -176,16 +174,17 @@ def save(
             "payload_size": written.payload_size,
             "sckp_size": written.sckp_size,
             "sdft_size": written.sdft_size,
-            "checkpoints": [c.n_tokens for c in checkpoints],
+            "checkpoints": [{"n_tokens": c.n_tokens} for c in checkpoints],
             "user_starts": starts,
-            "draft": draft_model is not None,
+            "draft_model": os.fspath(draft_model) if draft_model is not None else None,
             "timings": timings,
             "file": described,
+            "exit_code": 0,
         })
         return
     from slotctl.cli.inspect_view import render
 
-    render(out, sf, described)
+    render(out, described)
     out.print(Text(f"wrote {written.size:,} bytes, {written.n_tokens:,} tokens from slot {slot}, state version "
                    f"{written.version}; model load {timings['load_ms']:,.0f} ms, evaluate "
                    f"{timings['evaluate_ms']:,.0f} ms, write {timings['write_ms']:,.0f} ms", style="bold"))

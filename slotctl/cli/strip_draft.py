@@ -9,11 +9,10 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from slotctl.cli.common import handle_errors
-from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt
+from slotctl.cli.common import FileRun, handle_errors
+from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt
 from slotctl.cli.output import Output, human_bytes, markup_safe
-from slotctl.errors import ExitStatus
-from slotctl.paths import expand_paths
+from slotctl.slotfile import expand_slot_paths
 from slotctl.strip import REFUSED, STRIPPED, UNCHANGED, WOULD_STRIP, FileResult, strip_files
 
 _STATUS_STYLE = {STRIPPED: "green", WOULD_STRIP: "cyan", UNCHANGED: "dim", REFUSED: "bold red"}
@@ -26,7 +25,8 @@ def register(app: typer.Typer) -> None:
 @handle_errors
 def strip_draft(
     paths: Annotated[list[Path], typer.Argument(help="Slot files, or directories (such as a server's "
-                                                     "--slot-save-path): every regular file in them.")],
+                                                     "--slot-save-path): the files in them that begin with the "
+                                                     "state magic.")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the stripped file here "
                                                    "instead of in place (one input file only).")] = None,
     checkpoints: Annotated[bool, typer.Option("--checkpoints", help="Also empty the draft and speculative "
@@ -36,6 +36,8 @@ def strip_draft(
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     json_out: JsonOpt = False,
+    jsonl: JsonlOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Remove the draft state (the SDFT appendix) from slot files, leaving every other byte as it was.
 
@@ -51,30 +53,37 @@ def strip_draft(
     Exit codes: 0 every file stripped or without draft state; 1 a file was refused; 2 usage error,
     or a file that could not be read or written.
     """
-    out = Output(json_mode=json_out)
-    files = expand_paths(paths)
+    out = Output(json_mode=json_out, jsonl=jsonl, quiet=quiet)
+    expansion = expand_slot_paths(paths)
+    run = FileRun(out, expansion, what="strip")
     layouts = dict(layout=_layout(model), draft_layout=_layout(draft_model))
     with out.progress("stripping", bytes_=True) as update:
-        results = strip_files(files, output=output, checkpoints=checkpoints, dry_run=dry_run, force=force,
-                              progress=update, **layouts)
+        results = strip_files(expansion.files, output=output, checkpoints=checkpoints, dry_run=dry_run,
+                              force=force, progress=update, **layouts)
     for r in results:
+        run.add(r.as_dict())
         if r.repaired:
             out.warn(f"{r.path}: damaged draft state ({r.repaired}); "
                      f"{'it would be' if dry_run else 'it was'} removed, the layers before it parsed cleanly")
-        if r.note and not dry_run:
-            out.warn(r.note)
         if r.error:
             out.error(r.error)
+    left = [] if dry_run else [r for r in results if r.checkpoint_draft_size]   # --dry-run: in the total line
+    if len(left) == 1:
+        out.warn(f"{left[0].path}: its checkpoints hold {left[0].checkpoint_draft_size:,} bytes of draft state; "
+                 "--checkpoints removes them too")
+    elif left:
+        out.warn(f"({len(left)} files) their checkpoints hold {sum(r.checkpoint_draft_size for r in left):,} bytes "
+                 "of draft state in all; --checkpoints removes them too")
     total = sum(r.bytes_freed for r in results)
-    if json_out:
-        out.json({"files": [r.as_dict() for r in results], "total_bytes_freed": total,
-                  "n_stripped": sum(r.status in (STRIPPED, WOULD_STRIP) for r in results),
-                  "n_refused": sum(r.status == REFUSED for r in results)})
-    else:
+    summary = {"files": len(results), ("would_strip" if dry_run else "stripped"):
+               sum(r.status in (STRIPPED, WOULD_STRIP) for r in results),
+               "unchanged": sum(r.status == UNCHANGED for r in results),
+               "refused": sum(r.status == REFUSED for r in results),
+               "skipped": len(expansion.skipped), "bytes_freed": total,
+               "checkpoint_draft_size": sum(r.checkpoint_draft_size for r in results)}
+    if not out.json_mode:
         render(out, results, total, dry_run=dry_run)
-    status = max((r.exit_status for r in results), default=ExitStatus.OK)
-    if status != ExitStatus.OK:
-        raise typer.Exit(int(status))
+    run.finish(summary)
 
 
 def _layout(model: Path | None):
@@ -95,14 +104,18 @@ def render(out: Output, results: list[FileResult], total: int, *, dry_run: bool)
         t.add_column(c, justify="right")
     t.add_column("removed")
     for r in results:
-        t.add_row(markup_safe(r.path), Text(r.status, style=_STATUS_STYLE[r.status]), human_bytes(r.size_before),
+        if out.quiet and r.status != REFUSED:
+            continue
+        t.add_row(markup_safe(r.path), Text(r.status.replace("_", " "), style=_STATUS_STYLE[r.status]), human_bytes(r.size_before),
                   human_bytes(r.size_after), human_bytes(r.bytes_freed) if r.size_after is not None else "-",
                   ", ".join(r.removed) or "-")
-    out.print(t)
+    if t.row_count:
+        out.table(t, keep=("status", "before", "after", "freed"))   # a long path folds, whole
     statuses = (WOULD_STRIP if dry_run else STRIPPED, UNCHANGED, REFUSED)
     counts = {s: sum(r.status == s for r in results) for s in statuses}
     freed = "would be freed" if dry_run else "freed"
-    out.print(Text(f"total: {', '.join(f'{n} {s}' for s, n in counts.items())}; {human_bytes(total)} {freed}",
+    said = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in counts.items())
+    out.print(Text(f"total: {said}; {human_bytes(total)} {freed}",
                    style="bold"))
     draft = sum(r.draft_size or 0 for r in results)
     in_ckpts = sum(r.checkpoint_draft_size for r in results)

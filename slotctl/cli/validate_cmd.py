@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -10,12 +11,14 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.cli import remote
-from slotctl.cli.common import handle_errors, llama_available, llama_install
+from slotctl.cli.common import FileRun, NoteCounter, handle_errors, llama_available, llama_install
 from slotctl.cli.options import (
     ArgsCommand,
     DraftModelOpt,
+    JsonlOpt,
     JsonOpt,
     ModelOpt,
+    QuietOpt,
     SlotOpt,
     VerboseOpt,
     with_server_flags,
@@ -44,8 +47,9 @@ def register(app: typer.Typer) -> None:
 @with_server_flags
 def validate(
     ctx: typer.Context,
-    files: Annotated[list[Path], typer.Argument(help="Slot files, or directories (such as a server's "
-                                                     "--slot-save-path): every regular file in them.")],
+    files: Annotated[list[Path], typer.Argument(help="Slot files, directories (such as a server's "
+                                                     "--slot-save-path: the files in them that begin with the "
+                                                     "state magic), or - for standard input.")],
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     slot: SlotOpt = 0,
@@ -65,6 +69,8 @@ def validate(
     api_key: remote.LiveApiKeyOpt = None,
     timeout: remote.LiveTimeoutOpt = DEFAULT_TIMEOUT,
     json_out: JsonOpt = False,
+    jsonl: JsonlOpt = False,
+    quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
     flags: ServerFlags = ServerFlags(),
 ) -> None:
@@ -80,10 +86,11 @@ def validate(
     a layer, or holds a checkpoint the server aborts on when it rolls back to it; 2 usage or I/O
     error; 3 without -m, what the server does with a file cannot be decided (undecided). Keys and finding codes: docs/validate.md.
     """
-    from slotctl.paths import expand_paths
+    from slotctl.paths import STDIN, stdin_copy
+    from slotctl.slotfile import expand_slot_paths
     from slotctl.validate import ServerSetup, validate_paths
 
-    out = Output(json_mode=json_out, verbose=verbose)
+    out = Output(json_mode=json_out, jsonl=jsonl, quiet=quiet, verbose=verbose)
     if mmproj is not None:
         from slotctl.paths import check_readable
 
@@ -103,27 +110,43 @@ def validate(
     setup = ServerSetup.from_flags(flags, target=model, draft=draft_model, slot=slot,
                                    mmproj=mmproj is not None if lv is None else lv.mmproj,
                                    state_version=state_version, attn_rot_disable=attn_rot_disable())
-    paths = expand_paths(files, follow_symlinks=True)
-    if not paths:
-        raise UsageError("no files to validate (the directories given are empty)")
-    skipped = None
+    expansion = expand_slot_paths(files, follow_symlinks=True)
+    run = FileRun(out, expansion, what="validate")
+    paths = expansion.files
+    load_skipped = None
     if load and model is not None and not llama_available():  # the core install: the prediction decides
         load = False
-        skipped = f"llama-cpp-python is not installed: {llama_install()}"
-        if json_out:
-            out.warn(f"real load skipped ({skipped}): the prediction from the GGUFs and the flags decides")
-    with out.progress("validating", total=len(paths)) as update:
-        report = validate_paths(paths, setup, real_check=load, verbose=verbose,
-                                on_file=lambda done, total, _p: update(done))
-    if json_out:
-        out.json(report.as_dict() if lv is None else lv.annotate(report.as_dict()))
-    else:
-        render(out, report, load_skipped=skipped)
-    raise typer.Exit(int(report.exit_status))
+        load_skipped = f"llama-cpp-python is not installed: {llama_install()}"
+        if out.json_mode:
+            out.warn(f"real load skipped ({load_skipped}): the prediction from the GGUFs and the flags decides")
+
+    def one_done(fr) -> None:
+        if fr.path == stdin_path:
+            fr.path = STDIN
+        run.add(fr.as_dict())
+
+    with contextlib.ExitStack() as stack:
+        stdin_path = stack.enter_context(stdin_copy()) if STDIN in paths else None
+        if stdin_path is not None:
+            paths = [stdin_path if p == STDIN else p for p in paths]
+        with out.progress("validating", total=len(paths)) as update:
+            report = validate_paths(paths, setup, real_check=load, verbose=verbose,
+                                    on_file=lambda done, total, _p: update(done), on_report=one_done)
+    doc = report.as_dict() if lv is None else lv.annotate(report.as_dict())
+    summary = {**doc["summary"], "skipped": len(expansion.skipped)}
+    if not out.json_mode:
+        render(out, report, skipped=len(expansion.skipped), load_skipped=load_skipped)
+    run.finish(summary, server=doc["server"])
 
 
-def render(out: Output, report, *, load_skipped: str | None = None) -> None:
+def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = None) -> None:
+    many = len(report.files) > 1
+    notes = NoteCounter()
     for fr in report.files:
+        if out.quiet and fr.verdict == "restores":
+            continue
+        if fr.error is not None:   # not read at all: said on stderr too, as every command says it
+            out.error(fr.error["message"])
         head = Text.assemble((escape_text(fr.path, keep_newlines=False), "bold"), "  ")
         head.append(_VERDICT_WORDS[fr.verdict], style=_VERDICT_STYLE[fr.verdict])
         if fr.size is not None:
@@ -132,8 +155,10 @@ def render(out: Output, report, *, load_skipped: str | None = None) -> None:
             head.append(f", state version {fr.version}", style="dim")
         out.print(head)
         if fr.checks and any(c.predicted or c.loaded for c in fr.checks):
-            out.print(_checks(fr.checks))
+            out.table(_checks(fr.checks), keep=("offset", "bytes", "predicted", "loaded", "server"))
         for f in fr.findings:
+            if many and notes.add(f.as_dict(), fr.path):
+                continue
             line = Text("  ")
             line.append(f"{f.severity:<5}", style=_SEVERITY_STYLE[f.severity])
             line.append(f" {f.layer}", style="bold")
@@ -153,11 +178,14 @@ def render(out: Output, report, *, load_skipped: str | None = None) -> None:
                 line.append(f" (b11434: {r['b11434']['n_reused']:,}: "
                             f"{escape_text(r['b11434']['reason'] or '', keep_newlines=False)})")
             out.print(line)
-    if len(report.files) > 1:
+    notes.render(out)
+    if many or skipped:
         s = report.summary()
         parts = [f"{s[v]} {_SUMMARY_WORDS[v]}" for v in ("restores", "restores_with_drops", "undecided", "aborts",
                                                           "refused", "unreadable") if s[v]]
-        out.print(Text(f"{s['files']} files: " + ", ".join(parts), style="bold"))
+        if skipped:
+            parts.append(f"{skipped} skipped (not slot files)")
+        out.print(Text(f"{s['files']} file(s): " + ", ".join(parts), style="bold"))
     if not report.real_check and report.setup.target is not None:
         why = f" ({load_skipped})" if load_skipped else " (--no-load)"
         out.print(Text(f"real load not run{why}: the prediction alone decides", style="dim"))

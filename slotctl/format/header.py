@@ -15,6 +15,10 @@ from slotctl.format.common import Counted, Expect, hex32
 
 #: ``LLAMA_STATE_SEQ_MAGIC`` ("ggsq"; bytes ``71 73 67 67``)
 STATE_SEQ_MAGIC = 0x67677371
+#: the first four bytes of a slot file (``STATE_SEQ_MAGIC`` little-endian)
+STATE_MAGIC_BYTES = STATE_SEQ_MAGIC.to_bytes(4, "little")
+#: the first four bytes of a GGUF model file
+GGUF_MAGIC_BYTES = b"GGUF"
 #: state versions slotctl understands
 SUPPORTED_VERSIONS = (2, 3, 4)
 HEADER_FIXED_SIZE = 12
@@ -31,3 +35,13 @@ StateHeader = cs.Struct(
 
 def header_size(n_words: int) -> int:
     return HEADER_FIXED_SIZE + 4 * n_words
+
+
+def file_kind(first_bytes: bytes) -> str:
+    """What a file is by its first four bytes: ``"slot"`` (the state magic), ``"gguf"`` (a model) or ``"other"``."""
+    head = bytes(first_bytes[:4])
+    if head == STATE_MAGIC_BYTES:
+        return "slot"
+    if head == GGUF_MAGIC_BYTES:
+        return "gguf"
+    return "other"

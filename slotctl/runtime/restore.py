@@ -340,7 +340,7 @@ def _load_draft(sc: ServerContexts, f: BinaryIO, offset: int, size: int, slot: i
 
     got = load_slot_draft(f, offset, size, has_draft_context=sc.draft is not None, set_draft=set_draft)
     step = Step("draft", got.status, got.bytes, reason=got.reason,
-                details={"draft_bytes": got.dft.size if got.dft else 0, "spec_bytes": got.spec.size if got.spec else 0,
+                details={"draft_size": got.dft.size if got.dft else 0, "spec_size": got.spec.size if got.spec else 0,
                          "positions": None, "speculative": got.speculative.status if got.speculative else None})
     if got.status == RESTORED and got.dft.size:
         step.details["positions"] = [sc.draft.seq_pos_min(slot), sc.draft.seq_pos_max(slot)]

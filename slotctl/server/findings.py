@@ -55,11 +55,14 @@ class ServerRules:
     mmproj: bool = False
 
 
-def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
-                        n_ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS,
+def structural_findings(sf: SlotFile, *, n_ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS,
                         server: ServerRules | None = None, f: BinaryIO | None = None) -> list[Finding]:
     """Findings from the parsed layers (no models needed); with ``server``, its rules too. ``f``: the file,
-    open (the few bytes read again come from it; without it the file is opened for them)."""
+    open (the few bytes read again come from it; without it the file is opened for them).
+
+    They are about what a server does with the file; what slotctl's own llama-cpp-python can load is
+    said only where it loads the file (``restore``, validate's real check).
+    """
     out: list[Finding] = []
     for e in sf.errors:
         layer = e.part or e.layer       # the slot file's layer the walk recorded it for
@@ -86,7 +89,7 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
                                "ignored\"), reads none of it, and starts the draft empty",
                                e.offset))
         else:
-            out.append(Finding(layer, "error", "damaged", e.one_line(), e.offset))
+            out.append(Finding(layer, "error", e.error_code, e.one_line(), e.offset))
     if sf.version is None:
         return out
     if server is not None and server.state_version is not None and sf.version != server.state_version:
@@ -94,10 +97,6 @@ def structural_findings(sf: SlotFile, *, runtime_version: int | None = None,
                            f"state version {sf.version}: a server of state version {server.state_version} loads no "
                            "other (\"unknown (magic, version)\"); a server of state version "
                            f"{sf.version} restores it", 4))
-    if runtime_version is not None and sf.version != runtime_version:
-        out.append(Finding("state header", "note", "version_mismatch",
-                           f"state version {sf.version}: this llama-cpp-python reads only version {runtime_version}"
-                           " (slotctl restore converts when that is exact)", 4))
     if sf.sckp or sf.sdft:
         names = " and ".join(n for n, a in (("checkpoints (SCKP)", sf.sckp), ("draft state (SDFT)", sf.sdft)) if a)
         out.append(Finding("appendix", "note", "appendix_needs_new_server",
@@ -258,8 +257,6 @@ def _max_cells(sf: SlotFile) -> int | None:
     return sum(s.cell_count for s in sec.streams)
 
 
-def file_warnings(sf: SlotFile, *, runtime_version: int | None = None) -> list[str]:
-    """What the walk through the layers noticed, then the non-error findings, as warning lines (errors are
-    reported separately)."""
-    return list(sf.warnings) + [f.message for f in structural_findings(sf, runtime_version=runtime_version)
-                                if f.code != "damaged"]
+def file_findings(sf: SlotFile) -> list[Finding]:
+    """What ``inspect`` reports: the notes of the walk through the layers, then the structural findings."""
+    return [Finding("file", "note", "walk_note", w) for w in sf.warnings] + structural_findings(sf)

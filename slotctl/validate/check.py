@@ -13,8 +13,8 @@ from typing import BinaryIO, Callable, Iterable, Sequence
 
 import numpy as np
 
-from slotctl.paths import expand_paths, open_regular
-from slotctl.errors import FormatError
+from slotctl.paths import open_regular
+from slotctl.errors import FormatError, UsageError, os_error_code
 from slotctl.server.findings import Finding, ServerRules, checkpoints_ignored, structural_findings
 from slotctl.format.blob import FLAGS_NONE, FLAGS_PARTIAL_ONLY
 from slotctl.format.cut import Cut, Extended, completion, locate_cut
@@ -23,7 +23,7 @@ from slotctl.model.info import ModelInfo
 from slotctl.model.predict import Prediction
 from slotctl.server.checkpoints import ROLLBACK_KINDS
 from slotctl.server.restore import cut_payload_outcome, invalid_token_indices
-from slotctl.slotfile import Blob, Memory, SlotFile, parse_blob, parse_memory, read_slot_file
+from slotctl.slotfile import Blob, Memory, SlotFile, expand_slot_paths, parse_blob, parse_memory, read_slot_file
 from slotctl.validate.child import ChildProcess, LoadChecker, _layout_dict
 from slotctl.validate.compare import (
     _checkpoint_side,
@@ -593,14 +593,17 @@ def _disagree(ml: _MemLayer, message: str) -> _Issue:
 
 def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, real_check: bool = True,
                    verbose: bool = False, on_file: Callable[[int, int, str], None] | None = None,
+                   on_report: Callable[[FileReport], None] | None = None,
                    child: ChildProcess | None = None) -> Report:
-    """Validate every file of ``paths`` (directories expanded) against ``setup``.
+    """Validate every file of ``paths`` (directories expanded to their slot files) against ``setup``.
 
     The real check runs when there is a target model and ``real_check``: one child process for all
-    files (a new one after an abort). ``on_file(done, total, path)`` is called before each file.
-    ``child``: a :class:`ChildProcess` to run the real check in (left open), instead of a new one.
+    files (a new one after an abort). ``on_file(done, total, path)`` is called before each file,
+    ``on_report(report)`` after it. A file that cannot be read is an "unreadable" report; the others
+    are still validated. ``child``: a :class:`ChildProcess` to run the real check in (left open),
+    instead of a new one.
     """
-    files = expand_paths(paths, follow_symlinks=True)
+    files = expand_slot_paths(paths, follow_symlinks=True).files
     models = Models(setup)
     own = checker = None
     if real_check and setup.target is not None:
@@ -612,10 +615,15 @@ def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, re
                 on_file(i, len(files), p)
             try:
                 reports.append(validate_file(p, setup, models, checker))
-            except OSError as e:
-                r = FileReport(p, verdict="unreadable")
-                r.findings.append(Finding("file", "error", "unreadable", f"{e.strerror or e}", None))
+            except (OSError, UsageError) as e:
+                message = str(e) if isinstance(e, UsageError) else f"{p}: {e.strerror or e}"
+                r = FileReport(p, verdict="unreadable",
+                               error={"code": e.error_code if isinstance(e, UsageError) else os_error_code(e),
+                                      "message": message})
+                r.findings.append(Finding("file", "error", "unreadable", message, None))
                 reports.append(r)
+            if on_report:
+                on_report(reports[-1])
     finally:
         if own is not None:
             own.close()

@@ -78,6 +78,8 @@ class FileReport:
     effects: list[str] = field(default_factory=list, repr=False)
     #: the file as it was parsed (for callers that show its metadata too: ``slotctl ls``)
     slot_file: object = field(default=None, repr=False)
+    #: why the file could not be read at all (verdict "unreadable"): {"code", "message"}
+    error: dict | None = None
 
     @property
     def exit_status(self) -> ExitStatus:
@@ -93,10 +95,10 @@ class FileReport:
         return {s: sum(f.severity == s for f in self.findings) for s in ("error", "drop", "note")}
 
     def as_dict(self) -> dict:
-        return {
+        out = {
             "path": self.path,
             "size": self.size,
-            "version": self.version,
+            "state_version": self.version,
             "n_tokens": self.n_tokens,
             "verdict": self.verdict,
             "exit_code": int(self.exit_status),
@@ -106,6 +108,9 @@ class FileReport:
             "steps": self.steps,
             "reuse": self.reuse,
         }
+        if self.error is not None:
+            out["error"] = dict(self.error)
+        return out
 
 
 @dataclass

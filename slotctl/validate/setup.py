@@ -115,7 +115,7 @@ class Models:
         out: dict = {"target_context": None, "draft_context": None, "n_ctx_slot": None}
         for key, p, info in (("target_context", tp, self.target), ("draft_context", dp, self.draft)):
             if p is not None:
-                out[key] = {"arch": info.arch, "memory": info.layout().describe(), "n_ctx": p.n_ctx,
+                out[key] = {"arch": info.arch, "layout": info.layout().describe(), "n_ctx": p.n_ctx,
                             "n_ctx_seq": p.n_ctx_seq, "n_stream": p.n_stream, "flash_attn": p.flash_attn,
                             "type_k": p.settings.type_k, "type_v": p.settings.type_v}
         if tp is not None:
