@@ -176,10 +176,10 @@ def test_on_a_pipe_nothing_is_wrapped(tmp_path):
     deep.mkdir()
     for i in range(2):
         (deep / f"damaged-slot-file-{i}.bin").write_bytes(SLOT.read_bytes()[:1000])
-    r = slotctl("validate", deep, env={"COLUMNS": "60"})
+    r = slotctl("validate", deep, "-m", DATA / "target.gguf", "--no-load", env={"COLUMNS": "60"})
     lines = r.stdout.decode().splitlines()
     findings = [line for line in lines if line.startswith("  error")]
     # one finding per line, whole: the message ends on the line it starts on
-    assert len(findings) == 2 and all(f.endswith("(give --model to name the layout)") for f in findings)
+    assert len(findings) == 2 and all(f.endswith("the server refuses the file") for f in findings), lines
     assert all(line.startswith(str(deep)) for line in lines if "damaged-slot-file" in line)
     assert max(map(len, lines)) > 120   # long lines stay whole
