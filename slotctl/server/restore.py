@@ -349,7 +349,7 @@ def load_slot_draft(f: BinaryIO, offset: int, size: int, *, has_draft_context: b
     match the draft context - dropped", its bytes consumed. Then, unless dropped, a non-empty speculative
     state is set (even with an empty draft blob): ``set_speculative(span)`` (default
     :func:`apply_speculative_state` with no speculative decoder that keeps one).
-    Never set after a drop: the seed change returns before it.
+    Never set after a drop: load_slot_draft (llama.cpp ea736c1d5) returns before it.
     """
     out = read_slot_draft(f, offset, size)
     if out.status != RESTORED:
