@@ -43,7 +43,7 @@ from slotctl.atomic import atomic_writer, copy_range
 from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError
 from slotctl.format import ggml
 from slotctl.format.blob import BLOB_HEADER_SIZE
-from slotctl.format.common import Span
+from slotctl.format.common import Span, coalesce
 from slotctl.format.convert import (ConversionRefused, RotationRule, added_rotation, check_dropped_rotation,
                                     check_ext)
 from slotctl.format.memory import MemoryLayout
@@ -217,7 +217,7 @@ def plan_convert(path: str | os.PathLike, req: Request, *, layout: MemoryLayout 
     pieces += _appendices(sf, req, planner)
     if sf.trailing is not None and sf.trailing.size:
         pieces.append(sf.trailing)
-    return Plan(path, sf.size, vin, vout, _coalesce(pieces), changes, identity)
+    return Plan(path, sf.size, vin, vout, coalesce(pieces), changes, identity)
 
 
 def _appendices(sf: SlotFile, req: Request, planner: "_Planner") -> list[Piece]:
@@ -404,21 +404,6 @@ def _row_elements(type_id: int, row_size: int, part: str, at: int) -> int:
     if row_size % t.block_bytes:
         raise FormatError(part, at, f"a row size that is a multiple of {t.block_bytes} for {t.name}, found {row_size}")
     return row_size // t.block_bytes * t.block
-
-
-def _coalesce(pieces: list[Piece]) -> list[Piece]:
-    out: list[Piece] = []
-    for p in pieces:
-        if piece_size(p) == 0 and not isinstance(p, Recode):
-            continue
-        last = out[-1] if out else None
-        if isinstance(p, Span) and isinstance(last, Span) and last.end == p.offset:
-            out[-1] = Span(last.offset, last.size + p.size)
-        elif isinstance(p, bytes) and isinstance(last, bytes):
-            out[-1] = last + p
-        else:
-            out.append(p)
-    return out
 
 
 # -- writing ----------------------------------------------------------------------------------------------

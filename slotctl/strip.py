@@ -32,7 +32,7 @@ from typing import Callable, Union
 from slotctl.atomic import atomic_writer, copy_range
 from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError, os_error_code
 from slotctl.format import appendix as apx
-from slotctl.format.common import Span
+from slotctl.format.common import Span, coalesce
 from slotctl.format.memory import MemoryLayout
 from slotctl.paths import check_readable
 from slotctl.slotfile import SlotFile, open_slot_file
@@ -206,7 +206,7 @@ def _plan(sf: SlotFile, identity: _Identity, checkpoints: bool, damage: tuple[in
             removed.insert(0, REMOVED_SDFT)
             sdft_bytes = sf.sdft.size
         pieces.append(Span(pos, sf.size - pos))
-    return Plan(sf.path, sf.size, tuple(removed), _coalesce(pieces), identity,
+    return Plan(sf.path, sf.size, tuple(removed), tuple(coalesce(pieces)), identity,
                 0 if checkpoints else dft_bytes + spec_bytes, draft_size=sdft_bytes + dft_bytes + spec_bytes,
                 repaired=damage[1] if damage else None)
 
@@ -227,22 +227,6 @@ def _check_trailing(sf: SlotFile) -> None:
         raise FormatError("trailing bytes", t.offset,
                           f"bytes a server ignores; they start with an {apx.MAGICS[word]} magic, which a server "
                           f"would read as an appendix once the SDFT appendix before them is removed")
-
-
-def _coalesce(pieces: list[Piece]) -> tuple[Piece, ...]:
-    """Drop empty pieces, join neighbouring bytes and contiguous spans."""
-    out: list[Piece] = []
-    for p in pieces:
-        if (p.size if isinstance(p, Span) else len(p)) == 0:
-            continue
-        last = out[-1] if out else None
-        if isinstance(p, Span) and isinstance(last, Span) and last.end == p.offset:
-            out[-1] = Span(last.offset, last.size + p.size)
-        elif isinstance(p, bytes) and isinstance(last, bytes):
-            out[-1] = last + p
-        else:
-            out.append(p)
-    return tuple(out)
 
 
 def write_plan(plan: Plan, dest: str | os.PathLike, *, overwrite: bool,

@@ -115,6 +115,24 @@ class Span:
         return data
 
 
+def coalesce(pieces) -> list:
+    """A file's pieces (``Span``s of an existing file, ``bytes`` to write, anything else passed through as
+    it is) with empty spans and bytes dropped, neighbouring bytes joined and contiguous spans merged."""
+    out: list = []
+    for p in pieces:
+        size = p.size if isinstance(p, Span) else len(p) if isinstance(p, bytes) else None
+        if size == 0:
+            continue
+        last = out[-1] if out else None
+        if isinstance(p, Span) and isinstance(last, Span) and last.end == p.offset:
+            out[-1] = Span(last.offset, last.size + p.size)
+        elif isinstance(p, bytes) and isinstance(last, bytes):
+            out[-1] = last + p
+        else:
+            out.append(p)
+    return out
+
+
 class Payload(cs.Construct):
     """Opaque bytes whose length comes from elsewhere (``length``: an int or a context lambda).
 
