@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -563,6 +564,57 @@ def test_media_needs_an_mmproj(tmp_path):
     p.write_bytes(build_header(4, words) + raw[sf.target.offset:])
     assert finding(check(None, p), "media_without_mmproj").severity == "error"
     assert finding(check(None, p, mmproj=True), "media_damaged").severity == "error"
+
+
+def _image_chunk(**over) -> bytes:
+    from slotctl.format.tokens import MediaChunk
+
+    batch = dict(is_audio=0, n=1, entries=[dict(add_viewsep=0, add_newline=0, lead_pad=0, nx=4, ny=4)])
+    chunk = dict(version=2, type=1, n_text_tokens=0, text_tokens=np.zeros(0, np.int32), has_image=1,
+                 image=dict(nx=2, ny=1, pos_type=0, image_idx=0, n_temporal_merge=1, id=b"img", batch=batch),
+                 has_audio=0, audio=None, trailing=b"")
+    chunk.update(over)
+    return MediaChunk.build(chunk)
+
+
+@pytest.mark.parametrize("chunk, code", [
+    (dict(), None),
+    (dict(trailing=b"\x00" * 7), "media_trailing_bytes"),      # mtmd_input_chunk::deserialize never reads them
+    (dict(has_image=0, image=None), "media_damaged"),         # "type is IMAGE but tokens_image is missing"
+    (dict(type=2), "media_damaged"),                          # audio type, no audio tokens
+])
+def test_media_chunks_as_the_servers_chunk_loader_reads_them(tmp_path, chunk, code):
+    from slotctl.format.tokens import pack_tokens
+    from slotctl.slotfile import build_header
+
+    raw = (DATA / "srv-np1.bin").read_bytes()
+    sf = open_slot_file(DATA / "srv-np1.bin")
+    p = tmp_path / "media.bin"
+    words = pack_tokens([1, -1, -1, 5], media=[(1, _image_chunk(**chunk))])
+    p.write_bytes(build_header(4, words) + raw[sf.target.offset:])
+    r = check(None, p, mmproj=True)
+    media = [f for f in r.findings if f.code.startswith("media_")]
+    assert [f.code for f in media] == ([code] if code else [])
+    if code == "media_trailing_bytes":
+        assert media[0].severity == "note" and "7 bytes" in media[0].message
+    if code == "media_damaged":
+        assert media[0].severity == "error"
+        assert f"no {'audio' if chunk.get('type') == 2 else 'image'} tokens" in media[0].message
+
+
+def test_an_image_position_type_the_loader_does_not_know(tmp_path):
+    from slotctl.format.tokens import pack_tokens
+    from slotctl.slotfile import build_header
+
+    good = _image_chunk()
+    # pos_type sits after version (8), type (4), n_text_tokens (8), has_image (1), nx, ny (8)
+    bad = good[:29] + struct.pack("<I", 3) + good[33:]
+    raw = (DATA / "srv-np1.bin").read_bytes()
+    sf = open_slot_file(DATA / "srv-np1.bin")
+    p = tmp_path / "media.bin"
+    p.write_bytes(build_header(4, pack_tokens([1, -1, -1, 5], media=[(1, bad)])) + raw[sf.target.offset:])
+    f = finding(check(None, p, mmproj=True), "media_damaged")
+    assert f.severity == "error" and "image position type" in f.message
 
 
 def test_a_state_version_the_server_does_not_load(models, tmp_path):

@@ -51,7 +51,8 @@ PackedTokens = cs.Struct(
 )
 
 # mtmd_input_chunk_save, serialization version 2 (tools/mtmd/mtmd.cpp). No pixel data is stored.
-_String = cs.PascalString(Counted(cs.Int64ul, "string length", min_item_size=1), "utf8")
+# the loader takes any bytes as an id (a std::string), UTF-8 or not
+_String = cs.Prefixed(Counted(cs.Int64ul, "string length", min_item_size=1), cs.GreedyBytes)
 _BatchEntry = cs.Struct("add_viewsep" / cs.Int8ul, "add_newline" / cs.Int8ul, "lead_pad" / cs.Int32sl,
                         "nx" / cs.Int32sl, "ny" / cs.Int32sl)
 _Batch = cs.Struct("is_audio" / cs.Int8ul, "n" / Counted(cs.Int64ul, "batch entry count", min_item_size=14),
@@ -64,11 +65,14 @@ MediaChunk = cs.Struct(
     "text_tokens" / NumpyArray(this.n_text_tokens, np.int32, "text tokens"),
     "has_image" / cs.Int8ul,
     "image" / cs.If(this.has_image != 0, cs.Struct(
-        "nx" / cs.Int32ul, "ny" / cs.Int32ul, "pos_type" / cs.Int32ul, "image_idx" / cs.Int32ul,
+        "nx" / cs.Int32ul, "ny" / cs.Int32ul,
+        # mtmd_image_tokens::deserialize: below MTMD_POS_TYPE_COUNT (normal, mrope, hunyuanvl), else "invalid pos type"
+        "pos_type" / Expect(cs.Int32ul, [0, 1, 2], "image position type"), "image_idx" / cs.Int32ul,
         "n_temporal_merge" / cs.Int32ul, "id" / _String, "batch" / _Batch)),
     "has_audio" / cs.Int8ul,
     "audio" / cs.If(this.has_audio != 0, cs.Struct("n_tokens" / cs.Int32ul, "id" / _String, "batch" / _Batch)),
-    cs.Terminated,
+    # mtmd_input_chunk::deserialize reads what it needs and never looks at the rest of the buffer
+    "trailing" / cs.GreedyBytes,
 )
 
 

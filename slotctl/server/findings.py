@@ -240,14 +240,29 @@ def _media_findings(sf: SlotFile, f: BinaryIO | None = None) -> list[Finding]:
     with _opened(sf, f) as f:
         for start, chunk in sf.tokens.media:
             data = chunk.read(f) if hasattr(chunk, "read") else bytes(chunk)
+            where = f"media chunk at token {start}"
             try:
-                parse_bytes(tokfmt.MediaChunk, data, f"media chunk at token {start}")
+                chunk = parse_bytes(tokfmt.MediaChunk, data, where)
             except FormatError as e:
-                out.append(Finding("token words", "error", "media_damaged",
-                                   f"{e.one_line()}: the server refuses the file (\"Cannot load "
-                                   "media chunk from server tokens state\")", 12))
+                out.append(_media_refused(e.one_line()))
                 break
+            # mtmd_input_chunk::deserialize (b11434 tools/mtmd/mtmd.cpp): a chunk whose type names a payload
+            # it does not carry is refused; bytes after the payload are never read
+            missing = {1: ("image", chunk.has_image), 2: ("audio", chunk.has_audio)}.get(chunk.type)
+            if missing and not missing[1]:
+                out.append(_media_refused(f"{where}: type {missing[0]} but no {missing[0]} tokens "
+                                          f"(\"type is {missing[0].upper()} but tokens_{missing[0]} is missing\")"))
+                break
+            if chunk.trailing:
+                out.append(Finding("token words", "note", "media_trailing_bytes",
+                                   f"{where}: {len(chunk.trailing):,} bytes after its payload, which the "
+                                   "server's chunk loader never reads", 12))
     return out
+
+
+def _media_refused(why: str) -> Finding:
+    return Finding("token words", "error", "media_damaged",
+                   f"{why}: the server refuses the file (\"Cannot load media chunk from server tokens state\")", 12)
 
 
 def _max_cells(sf: SlotFile) -> int | None:
