@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Annotated, Iterable, Optional
@@ -150,9 +149,8 @@ def ls(
             listed = sorted(rows(), key=_SORTS[sort], reverse=reverse)
         if jsonl:
             for row in listed:
-                out.console.file.write(json.dumps(row, separators=(",", ":")) + "\n")
-            out.console.file.write(json.dumps({"summary": totals.summary(), "exit_code": totals.exit_code},
-                                              separators=(",", ":")) + "\n")
+                out.json_line(row)
+            out.json_line({"summary": totals.summary(), "exit_code": totals.exit_code})
         elif json_out:
             rows_list = list(listed)
             summary = totals.summary()
@@ -218,7 +216,7 @@ class _Totals:
     def summary(self) -> dict:
         from slotctl.validate import VERDICTS as VERDICT_NAMES
 
-        return {"files": self.files, "read": self.read, "not_slot_files": self.not_slot, "size": self.size,
+        return {"files": self.files, "read": self.read, "skipped": self.not_slot, "size": self.size,
                 "n_tokens": self.tokens, "draft_size": self.draft, "n_checkpoints": self.checkpoints,
                 "verdicts": {v: self.verdicts.get(v, 0) for v in VERDICT_NAMES}}
 
@@ -274,8 +272,8 @@ def render(out: Output, rows: Iterable[dict], totals: _Totals, *, show_reuse: bo
             + (f"; {verdicts}" if verdicts else ""))
     if s["read"] != s["files"]:
         tail += f" ({s['read'] - s['files']:,} filtered out)"
-    if s["not_slot_files"]:
-        tail += f"; {s['not_slot_files']:,} file(s) that are not slot files left out"
+    if s["skipped"]:
+        tail += f"; {s['skipped']:,} file(s) that are not slot files left out"
     out.console.print(Text(tail, style="bold"), soft_wrap=True)
 
 
