@@ -317,10 +317,8 @@ def diff_files(a: SlotFile, b: SlotFile) -> dict:
         for e in sf.errors:
             diffs.add(f"{side} damaged", e.one_line())
     return {
-        "a": {"path": a.path, "size": a.size, "state_version": a.version, "damaged": a.damaged,
-              "errors": [e.one_line() for e in a.errors]},
-        "b": {"path": b.path, "size": b.size, "state_version": b.version, "damaged": b.damaged,
-              "errors": [e.one_line() for e in b.errors]},
+        "a": _side(a),
+        "b": _side(b),
         "equal": not diffs.items,
         "header": head,
         "tokens": tokens,
@@ -349,3 +347,10 @@ def same_file(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return False
+
+
+def _side(sf: SlotFile) -> dict:
+    """One file of the pair, its damage as findings (the same keys as every command's findings)."""
+    return {"path": sf.path, "size": sf.size, "state_version": sf.version, "damaged": sf.damaged,
+            "findings": [{"code": e.error_code, "severity": "error", "layer": e.part or e.layer,
+                          "offset": e.offset, "message": e.one_line()} for e in sf.errors]}

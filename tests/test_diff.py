@@ -162,12 +162,14 @@ def test_damaged_and_missing_files(tmp_path):
     cut = tmp_path / "cut.bin"
     cut.write_bytes(raw[: len(raw) - 1000])
     doc = diff_json(DATA / "srv-np1.bin", cut, code=1)
-    assert doc["b"]["damaged"] and doc["b"]["errors"]
+    assert doc["b"]["damaged"] and doc["b"]["findings"][0]["severity"] == "error"
     assert any(d["layer"] == "B damaged" for d in doc["differences"])
     junk = tmp_path / "junk.bin"
     junk.write_bytes(b"\0" * 64)
     doc = diff_json(junk, DATA / "srv-np1.bin", code=1)
-    assert doc["a"]["errors"][0].startswith("state header at 0x0 (0): state file magic")
+    f = doc["a"]["findings"][0]
+    assert (f["layer"], f["offset"]) == ("state header", 0)
+    assert f["message"].startswith("state header at 0x0 (0): state file magic")
     assert cli("diff", DATA / "srv-np1.bin", tmp_path / "missing.bin").exit_code == 2
     assert cli("diff", DATA / "srv-np1.bin", tmp_path).exit_code == 2
     shutil.copyfile(DATA / "srv-np1.bin", tmp_path / "copy.bin")
