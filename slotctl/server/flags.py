@@ -96,6 +96,9 @@ def flash_attn_value(value: str) -> str:
         raise FlagError("flash_attn", value, "expected on, off or auto") from None
 
 
+_CONTEXT = ContextSettings()
+
+
 @dataclass(frozen=True)
 class ServerFlags:
     """The flags of a llama-server that decide what a slot file restores into (see the module docstring).
@@ -109,22 +112,24 @@ class ServerFlags:
     ``threads``: ``-t``, 0 = every core (speed only).
     """
 
-    ctx_size: int = 0
-    parallel: int = 1
-    kv_unified: bool = False
-    kv_unified_per_slot: int = 0
-    cache_type_k: str = "f16"
-    cache_type_v: str = "f16"
+    # the flags that build the target context default to the context's own defaults, written once in
+    # slotctl.model.settings.ContextSettings (the server's values, not llama.cpp's library defaults)
+    ctx_size: int = _CONTEXT.n_ctx
+    parallel: int = _CONTEXT.n_parallel
+    kv_unified: bool = _CONTEXT.kv_unified
+    kv_unified_per_slot: int = _CONTEXT.kv_unified_per_slot
+    cache_type_k: str = _CONTEXT.type_k
+    cache_type_v: str = _CONTEXT.type_v
     spec_draft_type_k: str = DRAFT_CACHE_TYPE_DEFAULT
     spec_draft_type_v: str = DRAFT_CACHE_TYPE_DEFAULT
-    flash_attn: str = "auto"
-    batch_size: int = 2048
-    ubatch_size: int = 512
-    swa_full: bool = False
+    flash_attn: str = _CONTEXT.flash_attn
+    batch_size: int = _CONTEXT.n_batch
+    ubatch_size: int = _CONTEXT.n_ubatch
+    swa_full: bool = _CONTEXT.swa_full
     ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS
     checkpoint_min_step: int = DEFAULT_CHECKPOINT_MIN_STEP
     spec_draft_n_max: int = DEFAULT_SPEC_DRAFT_N_MAX
-    threads: int = 0
+    threads: int = _CONTEXT.n_threads
 
     def __post_init__(self) -> None:
         for name in ("cache_type_k", "cache_type_v", "spec_draft_type_k", "spec_draft_type_v"):
