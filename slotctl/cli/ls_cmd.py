@@ -20,14 +20,12 @@ from slotctl.cli.options import (
     VerboseOpt,
     with_server_flags,
 )
-from slotctl.cli.output import Output, escape_text, human_bytes
+from slotctl.cli.output import VERDICT_STYLE, Output, escape_text, human_bytes
 from slotctl.server.flags import ServerFlags
 from slotctl.server.http import DEFAULT_TIMEOUT
 from slotctl.errors import ExitStatus, UsageError
 
 SORT_KEYS = ("name", "size", "age", "tokens")
-_VERDICT_STYLE = {"restores": "green", "restores_with_drops": "yellow", "aborts": "bold red",
-                  "undecided": "magenta", "refused": "bold red", "unreadable": "bold red"}
 
 
 def register(app: typer.Typer) -> None:
@@ -238,7 +236,7 @@ def _line(cells: list[str], name: Text | str, reuse: str | None) -> Text:
     t = Text()
     for (title, width), c in zip(_COLUMNS, cells):
         if title == "verdict":
-            t.append(c.ljust(width), style=_VERDICT_STYLE.get(c, ""))
+            t.append(c.ljust(width), style=VERDICT_STYLE.get(c, ""))
         elif title in ("kind",):
             t.append(c.ljust(width))
         else:

@@ -35,6 +35,11 @@ def _escape_char(c: str) -> str:
     return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
 
 
+#: the colour of each verdict of validate (and of ls, which shows validate's verdicts)
+VERDICT_STYLE = {"restores": "green", "restores_with_drops": "yellow", "aborts": "bold red", "refused": "bold red",
+                 "unreadable": "bold red", "undecided": "magenta"}
+
+
 def escape_text(text: str, *, keep_newlines: bool = True) -> str:
     """Untrusted text made safe for a terminal: control characters as ``\\xNN`` (as gguf_dump does).
 

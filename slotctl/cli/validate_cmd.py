@@ -23,13 +23,11 @@ from slotctl.cli.options import (
     VerboseOpt,
     with_server_flags,
 )
-from slotctl.cli.output import Output, escape_text, human_bytes
+from slotctl.cli.output import VERDICT_STYLE, Output, escape_text, human_bytes
 from slotctl.errors import UsageError
 from slotctl.server.flags import ServerFlags, attn_rot_disable
 from slotctl.server.http import DEFAULT_TIMEOUT
 
-_VERDICT_STYLE = {"restores": "bold green", "restores_with_drops": "bold yellow", "aborts": "bold red",
-                  "refused": "bold red", "unreadable": "bold red", "undecided": "bold magenta"}
 _SEVERITY_STYLE = {"error": "red", "drop": "yellow", "note": "dim"}
 _VERDICT_WORDS = {"restores": "restores completely", "restores_with_drops": "restores, with layers dropped",
                   "aborts": "the server aborts on it", "refused": "the server refuses it",
@@ -148,7 +146,7 @@ def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = 
         if fr.error is not None:   # not read at all: said on stderr too, as every command says it
             out.error(fr.error["message"])
         head = Text.assemble((escape_text(fr.path, keep_newlines=False), "bold"), "  ")
-        head.append(_VERDICT_WORDS[fr.verdict], style=_VERDICT_STYLE[fr.verdict])
+        head.append(_VERDICT_WORDS[fr.verdict], style=f"bold {VERDICT_STYLE[fr.verdict]}")
         if fr.size is not None:
             head.append(f"  {fr.size:,} bytes", style="dim")
         if fr.version is not None:
