@@ -64,8 +64,8 @@ def _json_output_conforms():
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """The tiny target (2 layers) and draft (1 layer) from slotctl.testing, made once per session."""
-    from slotctl.testing import make_models
+    """The tiny target (2 layers) and draft (1 layer) from slotctl.tinymodels, made once per session."""
+    from slotctl.tinymodels import make_models
 
     return make_models(tmp_path_factory.mktemp("models"))
 

@@ -42,7 +42,7 @@ from typer.testing import CliRunner
 from conftest import DATA, start_server
 from llama_server import LlamaServer
 from slotctl.cli.app import app
-from slotctl.testing import make_model
+from slotctl.tinymodels import make_model
 
 pytestmark = pytest.mark.server
 runner = CliRunner()

@@ -432,7 +432,7 @@ def test_checkpoints_and_draft_follow_the_slot_count_and_draft_types(tmp_path):
     from slotctl.runtime.context import STATE_FLAGS_PARTIAL_ONLY
     from slotctl.runtime.restore import RESTORED, restore_slot
     from slotctl.runtime.slot import ServerContexts, evaluate_prompt, write_slot_file
-    from slotctl.testing import SAMPLE_PROMPT, make_kind_model, make_model
+    from slotctl.tinymodels import SAMPLE_PROMPT, make_kind_model, make_model
 
     target = make_kind_model("gemma2", tmp_path / "gemma2.gguf")
     draft = make_model(tmp_path / "draft.gguf", n_layer=1, seed=2)

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from conftest import DATA, start_server
 from slotctl.cli.app import app
-from slotctl.testing import SAMPLE_PROMPT
+from slotctl.tinymodels import SAMPLE_PROMPT
 
 runner = CliRunner()
 CTX = ["-c", "256", "-np", "1", "-fa", "on"]

@@ -1,6 +1,6 @@
 """``slotctl identify`` in real llama-cpp-python contexts: files written by llama-server b11434 (tests/data) and
 by slotctl's runtime are matched to the model that wrote them among candidates of exactly the same shape
-(the tiny models of slotctl.testing with other seeds), for the target and the draft state."""
+(the tiny models of slotctl.tinymodels with other seeds), for the target and the draft state."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from conftest import DATA
 from slotctl.cli.app import app
-from slotctl.testing import make_kind_model, make_model
+from slotctl.tinymodels import make_kind_model, make_model
 
 runner = CliRunner()
 TARGET = DATA / "target.gguf"
@@ -63,7 +63,7 @@ def test_draft_state(tiny_models, tmp_path):
     not to a draft of the same shape with other weights; the target at the same time."""
     from slotctl.model.settings import ContextSettings
     from slotctl.runtime.slot import ServerContexts, evaluate_prompt, write_slot_file
-    from slotctl.testing import SAMPLE_PROMPT
+    from slotctl.tinymodels import SAMPLE_PROMPT
 
     path = tmp_path / "spec.bin"
     with ServerContexts.open(tiny_models.target, ContextSettings(n_ctx=256), draft_path=tiny_models.draft,

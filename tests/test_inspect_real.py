@@ -15,7 +15,7 @@ from slotctl.runtime.context import STATE_VERSION
 from slotctl.model.settings import ContextSettings
 from slotctl.runtime.slot import ServerContexts, evaluate_prompt, write_slot_file
 from slotctl.slotfile import build_header, open_slot_file, rebuild
-from slotctl.testing import SAMPLE_PROMPT
+from slotctl.tinymodels import SAMPLE_PROMPT
 
 runner = CliRunner()
 
@@ -134,7 +134,7 @@ def test_runtime_file_converted_to_version_4_equals_ours(files, tiny_models, nam
 def test_prompt_text_is_escaped_on_a_terminal(tiny_models, tmp_path):
     """A prompt is untrusted: control characters (an ANSI escape here) are shown as \\xNN, never sent raw."""
     from slotctl.format.tokens import pack_tokens
-    from slotctl.testing import vocabulary
+    from slotctl.tinymodels import vocabulary
 
     vocab = vocabulary()
     esc = [vocab.index(p) for p in ("<0x1B>", "[", "3", "1", "m")] + [vocab.index("Paris")]

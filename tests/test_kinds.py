@@ -1,6 +1,6 @@
 """Every memory kind: sliding-window (iSWA), recurrent and hybrid models, and checkpoints as the server makes them.
 
-The tiny models of ``slotctl.testing.make_kind_model`` (one per kind, made once per module) are saved,
+The tiny models of ``slotctl.tinymodels.make_kind_model`` (one per kind, made once per module) are saved,
 inspected, validated and restored in real llama.cpp contexts; a restored slot answers a request that
 extends the saved prompt, and one that diverges from it (the server then rolls back to a checkpoint), and
 ``--compare`` checks it against a slot that was never saved. Where a test asserts a number, it is what
@@ -29,7 +29,7 @@ from slotctl.server.checkpoints import (
     seq_rm_type,
 )
 from slotctl.slotfile import open_slot_file, rebuild
-from slotctl.testing import KINDS, MEMORY_KINDS, SAMPLE_PROMPT, make_kind_model, make_models
+from slotctl.tinymodels import KINDS, MEMORY_KINDS, SAMPLE_PROMPT, make_kind_model, make_models
 from slotctl.validate import ChildProcess, ServerSetup, validate_paths
 
 runner = CliRunner()

@@ -14,6 +14,7 @@ PKG = ROOT / "slotctl"
 LAYERS = [
     {"__main__"},
     {"cli"},
+    {"remote"},
     {"prune"},
     {"catalog"},
     {"validate", "identify"},
@@ -23,7 +24,7 @@ LAYERS = [
     {"server"},
     {"model", "slotfile"},
     {"format"},
-    {"atomic", "paths", "testing", "sample"},
+    {"atomic", "paths", "tinymodels", "sample"},
     {"errors"},
 ]
 RANK = {u: i for i, layer in enumerate(LAYERS) for u in layer}

@@ -23,7 +23,7 @@ from conftest import start_server
 from llama_server import free_port
 from slotctl.cli.app import app
 from slotctl.errors import ExitStatus
-from slotctl.testing import SAMPLE_PROMPT
+from slotctl.tinymodels import SAMPLE_PROMPT
 
 server = pytest.mark.server
 runner = CliRunner()

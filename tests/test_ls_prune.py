@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from slotctl.cli.app import app
-from slotctl.testing import SAMPLE_PROMPT
+from slotctl.tinymodels import SAMPLE_PROMPT
 
 DATA = Path(__file__).parent / "data"
 SERVER_FILES = sorted(DATA.glob("srv-*.bin")) + sorted((DATA / "kinds").glob("srv-*.bin"))

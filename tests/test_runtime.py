@@ -29,7 +29,7 @@ from slotctl.runtime import (
     configure_logging,
     generate_greedy,
 )
-from slotctl.testing import SAMPLE_PROMPT, TinyModels, make_models
+from slotctl.tinymodels import SAMPLE_PROMPT, TinyModels, make_models
 
 #: the prompt and the server options of tests/data/srv-*.bin (see tests/data/README.md)
 SERVER_PROMPT = ("what is the capital of france? paris is the capital of france. "

@@ -20,7 +20,7 @@ from slotctl.cli.app import app
 from slotctl.format.tokens import pack_tokens
 from slotctl.runtime import STATE_VERSION, Context, ContextSettings, Model, generate_greedy
 from slotctl.slotfile import open_slot_file
-from slotctl.testing import SAMPLE_PROMPT, make_model, make_models
+from slotctl.tinymodels import SAMPLE_PROMPT, make_model, make_models
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,7 +1,7 @@
 """Every memory kind against a real llama-server b11434: its files for SWA, recurrent and hybrid models inspect
 and validate cleanly, and files slotctl saves for them restore in it and continue like a never-saved slot.
 
-One server per kind (module-scoped), `-c 256 -np 1 -fa on`, the tiny models of ``slotctl.testing``.
+One server per kind (module-scoped), `-c 256 -np 1 -fa on`, the tiny models of ``slotctl.tinymodels``.
 b11434 writes no checkpoint appendix and ignores one it finds (docs/kinds.md).
 """
 
@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from slotctl.cli.app import app
-from slotctl.testing import KINDS, MEMORY_KINDS, SAMPLE_PROMPT, make_kind_model
+from slotctl.tinymodels import KINDS, MEMORY_KINDS, SAMPLE_PROMPT, make_kind_model
 from conftest import start_server
 from test_server_integration import N_PREDICT, SUFFIX
 

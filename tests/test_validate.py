@@ -25,7 +25,7 @@ from slotctl.model.info import read_model_info
 from slotctl.model.settings import ContextSettings
 from slotctl.runtime.slot import ServerContexts, evaluate_prompt, write_slot_file
 from slotctl.slotfile import open_slot_file
-from slotctl.testing import SAMPLE_PROMPT, make_model, make_models
+from slotctl.tinymodels import SAMPLE_PROMPT, make_model, make_models
 from slotctl.validate import ChildProcess, FileReport, ServerSetup, validate_paths
 
 from conftest import DATA

@@ -1,6 +1,6 @@
 """``slotctl demo``: the tool at work on a built-in default, with nothing to download.
 
-With llama-cpp-python (``slotctl[llama]``) it makes the tiny models (``slotctl.testing``: a 2-layer target
+With llama-cpp-python (``slotctl[llama]``) it makes the tiny models (``slotctl.tinymodels``: a 2-layer target
 and a 1-layer draft sharing a vocabulary) and runs the real commands one after the other, showing each
 command line: ``save`` a slot file from real target and draft contexts (a prompt, two context checkpoints,
 the draft state), ``inspect`` it, ``validate`` it for the server it was saved for (it restores completely)
@@ -128,7 +128,7 @@ def demo(
 
 def _full_steps(directory: Path, doc: dict) -> tuple[list[Step], str]:
     """save with the 1-layer draft, inspect, validate (own server; another draft model), restore --compare."""
-    from slotctl.testing import SAMPLE_PROMPT, make_models
+    from slotctl.tinymodels import SAMPLE_PROMPT, make_models
 
     directory.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()

@@ -22,7 +22,7 @@ from slotctl.cli.options import (
 )
 from slotctl.cli.output import VERDICT_STYLE, Output, escape_text, human_bytes
 from slotctl.server.flags import ServerFlags
-from slotctl.server.http import DEFAULT_TIMEOUT
+from slotctl.remote.http import DEFAULT_TIMEOUT
 from slotctl.errors import ExitStatus, UsageError
 
 SORT_KEYS = ("name", "size", "age", "tokens")
@@ -97,8 +97,8 @@ def ls(
         raise UsageError("--load needs -m (the model to load the files with)")
     lv = None
     if server is not None:  # the running server's own model and flags where it says them (docs/live.md)
-        from slotctl.server.http import server_facts
-        from slotctl.server.live import learn_flags
+        from slotctl.remote.http import server_facts
+        from slotctl.remote.live import learn_flags
 
         facts = server_facts(server, slot, api_key=api_key, timeout=timeout)
         lv = learn_flags(facts, flags, given=remote.given_params(ctx), model=model, draft_model=draft_model,

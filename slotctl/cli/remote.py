@@ -3,9 +3,9 @@
 Options (``--server``, ``--api-key``, ``--timeout``), the checks that keep local and live options apart,
 ``save --server`` and ``restore --server`` (:func:`save_on_server`, :func:`restore_on_server`) and what
 ``validate --server`` prints (:func:`render_live`; the flags it learns come from
-:func:`slotctl.server.live.learn_flags`). The commands ``slots`` and ``erase`` are in :mod:`slotctl.cli.live`.
+:func:`slotctl.remote.live.learn_flags`). The commands ``slots`` and ``erase`` are in :mod:`slotctl.cli.live`.
 
-Every request goes through :mod:`slotctl.server.http`: bounded by ``--timeout``, the API key from
+Every request goes through :mod:`slotctl.remote.http`: bounded by ``--timeout``, the API key from
 ``--api-key`` or ``LLAMA_API_KEY``; a refusal by the server exits 1, an unreachable server, a wrong key
 or a usage error exits 2, always with one line on stderr.
 """
@@ -19,7 +19,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from slotctl.server import http as server_api
+from slotctl.remote import http as server_api
 from slotctl.cli.options import ArgsCommand, raw_value
 from slotctl.cli.output import Output, escape_text, markup_safe
 from slotctl.errors import UsageError
@@ -200,7 +200,7 @@ def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 def render_live(out: Output, lv) -> None:
     """The lines ``validate --server`` prints before its verdicts (``lv``: a
-    :class:`~slotctl.server.live.LiveValidate`): the server and the flags used, notes.
+    :class:`~slotctl.remote.live.LiveValidate`): the server and the flags used, notes.
 
     Warnings go to stderr in both modes; with ``--json`` nothing else is printed (it is all in ``server.live``).
     """

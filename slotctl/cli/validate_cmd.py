@@ -26,7 +26,7 @@ from slotctl.cli.options import (
 from slotctl.cli.output import VERDICT_STYLE, Output, escape_text, human_bytes
 from slotctl.errors import UsageError
 from slotctl.server.flags import ServerFlags, attn_rot_disable
-from slotctl.server.http import DEFAULT_TIMEOUT
+from slotctl.remote.http import DEFAULT_TIMEOUT
 
 _SEVERITY_STYLE = {"error": "red", "drop": "yellow", "note": "dim"}
 _VERDICT_WORDS = {"restores": "restores completely", "restores_with_drops": "restores, with layers dropped",
@@ -95,8 +95,8 @@ def validate(
         check_readable(mmproj, what="mmproj ")
     lv = None
     if server is not None:  # live mode: the server's own flags where it says them (docs/live.md)
-        from slotctl.server.http import server_facts
-        from slotctl.server.live import learn_flags
+        from slotctl.remote.http import server_facts
+        from slotctl.remote.live import learn_flags
 
         facts = server_facts(server, slot, api_key=api_key, timeout=timeout)
         lv = learn_flags(facts, flags, given=remote.given_params(ctx), model=model, draft_model=draft_model,

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from slotctl.errors import UsageError
 from slotctl.format import ggml
-from slotctl.model.info import CTX_PAD, LLAMA_MAX_SEQ, ROT_MIN, SWA_SYMMETRIC, VERSIONS, ModelInfo
+from slotctl.model.archs import SWA_SYMMETRIC
+from slotctl.model.info import CTX_PAD, LLAMA_MAX_SEQ, ROT_MIN, VERSIONS, ModelInfo
 from slotctl.model.settings import ContextSettings
 
 

@@ -9,8 +9,12 @@
   one it rolls back to;
 - ``requests``: what it refuses of a completion request before evaluating it;
 - ``findings``: what the server refuses, drops or ignores in a file, found from its structure alone;
-- ``http``: a running server's API (``/slots``, ``/props``, ``/health``) and its file-name rules;
-- ``live``: the flags to validate with for a running server, from what it reports.
+- ``reuse``: how many prompt tokens a restored slot keeps for the next request;
+- ``speculative``: the draft model's live state;
+- ``filenames``: the slot file names the server accepts (``fs_validate_filename``).
+
+Talking to a running server (its HTTP API, what slotctl learns from it) is :mod:`slotctl.remote`, above
+this package: these are the server's rules, that is how slotctl reaches one.
 
 The rule for where a server rule goes: here, once, in the module of the step it belongs to, with a comment
 naming the llama.cpp function (or upstream change) it follows. :mod:`slotctl.runtime` executes these

@@ -30,7 +30,7 @@ Each checked layer has a :class:`LayerCheck` saying what the prediction and the 
 server does (its ``effect``); the file's ``verdict`` follows from the effects (:data:`VERDICTS`).
 
 Modules: ``setup`` (the server: models, flags, predictions), ``check`` (one file: layers, verdict),
-``compare`` (a layer against its prediction), ``wording`` (how layouts and layers are named),
+``compare`` (a layer against its prediction), ``load`` (the real check's results judged), ``wording`` (how layouts and layers are named),
 ``speculative`` (speculative states), ``report`` (results), ``child`` (the real check's parent side) and
 ``worker`` (the child process, the only part that imports llama.cpp, through :mod:`slotctl.runtime`).
 """

@@ -6,7 +6,7 @@ server does with the layer (its effect).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -17,6 +17,7 @@ from slotctl.model.predict import Prediction, SectionPrediction
 from slotctl.server.findings import Finding
 from slotctl.slotfile import Memory
 from slotctl.validate.report import (
+    LayerCheck,
     DRAFT,
     EFFECT_ABORTS_LATER,
     EFFECT_DROPPED,
@@ -89,6 +90,23 @@ def _issue(side: _Side, code: str, message: str, offset: int | None) -> _Issue:
 
 
 # -- prediction vs file -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _MemLayer:
+    """A memory layer to compare and load: the target payload or a blob."""
+
+    side: _Side
+    check: LayerCheck
+    span_offset: int            # where the bytes to load start (payload: after the header)
+    span_size: int
+    is_blob: bool               # the bytes start with a blob header (else one is made for the payload)
+    flags: int
+    memory: Memory | None       # parsed with the model's layout
+    parsed_layout: MemoryLayout | None   # the layout that parsed the bytes (the model's, or another kind)
+    prefix: bool = False        # the layer's end is unknown: loading a prefix of the bytes is a success
+    no_load: str | None = None  # why the real check cannot load this layer
+    issues: list[_Issue] = field(default_factory=list)
 
 
 def compare_memory(mem: Memory, preds: Sequence[SectionPrediction], side: _Side,

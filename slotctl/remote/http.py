@@ -12,7 +12,7 @@ Standard library only (``urllib``). Every request has a timeout, and every failu
 
 Endpoints (llama.cpp b11434, ``tools/server``): ``GET /health``, ``GET /props``, ``GET /slots``,
 ``POST /slots/{id}?action=save|restore|erase`` (body ``{"filename": NAME}`` for save and restore; NAME is a
-plain file name inside the server's ``--slot-save-path``, see :func:`check_filename`), ``POST /completion``.
+plain file name inside the server's ``--slot-save-path``, see :func:`slotctl.server.filenames.check_filename`), ``POST /completion``.
 An API key is sent as ``Authorization: Bearer KEY``. Requests to loopback addresses never go through a proxy.
 
 A hostile or broken server cannot mislead or hold a command (docs/live.md, "What slotctl trusts"):
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
+from slotctl.server.filenames import check_filename
 
 __all__ = [
     "DEFAULT_TIMEOUT", "ServerAnswerError", "ServerAuthError", "ServerError", "ServerRedirect", "ServerRefused",
@@ -609,72 +610,3 @@ def erase_slot(url: str, slot: int, *, api_key: str | None = None, timeout: floa
 def completion(url: str, body: dict, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
     """``POST /completion`` (not streamed): ``content``, ``tokens``, ``timings``, ``id_slot``, ..."""
     return request(url, "POST", "/completion", dict(body, stream=False), api_key=api_key, timeout=timeout)
-
-
-# -- slot file names -----------------------------------------------------------------------------------
-
-#: code points llama-server refuses besides control characters: look-alikes of separators and oddities
-_FORBIDDEN_LOOKALIKES = {
-    0xFF0E: "a full-width full stop",
-    0x2215: "a division slash (looks like '/')",
-    0x2216: "a set minus (looks like '\\')",
-    0xFFFD: "the replacement character",
-    0xFEFF: "a byte order mark",
-}
-_FORBIDDEN_ASCII = ':*?"<>|'
-MAX_FILENAME_BYTES = 255
-
-
-def check_filename(name: str) -> str:
-    """Check a slot file name as llama-server b11434 does (``fs_validate_filename`` in common/common.cpp).
-
-    The server saves and restores only plain file names inside its ``--slot-save-path`` folder and
-    answers "Invalid filename" to anything else; this says why. Rules: 1 to 255 bytes of valid UTF-8;
-    no control character (U+0000-U+001F, U+007F, U+0080-U+009F); none of ``: * ? " < > |``; no ``/`` or
-    ``\\`` (no folders); no U+FF0E, U+2215, U+2216, U+FFFD, U+FEFF, no surrogate; no leading or trailing
-    space, no trailing ``.``; no ``..`` anywhere; not ``.``.
-
-    Returns ``name``; raises UsageError naming the first rule broken.
-    """
-    if isinstance(name, bytes):
-        try:
-            name = name.decode("utf-8")
-        except UnicodeDecodeError:
-            raise UsageError(f"invalid slot file name {name!r}: not valid UTF-8") from None
-    if not isinstance(name, str):
-        raise UsageError(f"invalid slot file name {name!r}: not a string")
-
-    def bad(reason: str) -> UsageError:
-        return UsageError(f"invalid slot file name {name!r}: {reason} (llama-server accepts only a plain "
-                          f"file name inside its --slot-save-path folder)")
-
-    if not name:
-        raise bad("it is empty")
-    try:
-        encoded = name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad("not valid UTF-8 (it holds a lone surrogate)") from None
-    if len(encoded) > MAX_FILENAME_BYTES:
-        raise bad(f"{len(encoded)} bytes long, at most {MAX_FILENAME_BYTES} are allowed")
-    for ch in name:
-        c = ord(ch)
-        if c <= 0x1F or c == 0x7F or 0x80 <= c <= 0x9F:
-            raise bad(f"it contains the control character U+{c:04X}")
-        if c in _FORBIDDEN_LOOKALIKES:
-            raise bad(f"it contains U+{c:04X}, {_FORBIDDEN_LOOKALIKES[c]}")
-        if 0xD800 <= c <= 0xDFFF:  # pragma: no cover - caught by the UTF-8 encoding above
-            raise bad(f"it contains the surrogate U+{c:04X}")
-        if ch in _FORBIDDEN_ASCII:
-            raise bad(f"it contains {ch!r}")
-        if ch in "/\\":
-            raise bad(f"it contains the path separator {ch!r}: folders are not allowed")
-    if name[0] == " ":
-        raise bad("it starts with a space")
-    if name[-1] == " ":
-        raise bad("it ends with a space")
-    if name[-1] == ".":
-        raise bad("it ends with '.'")
-    if ".." in name:
-        raise bad("it contains '..'")
-    return name
-

@@ -1,4 +1,4 @@
-"""Tests of slotctl.testing: the tiny models load, tokenize English and decode in llama.cpp."""
+"""Tests of slotctl.tinymodels: the tiny models load, tokenize English and decode in llama.cpp."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from slotctl.testing import SAMPLE_PROMPT, TinyModels, make_model, make_models, vocabulary
+from slotctl.tinymodels import SAMPLE_PROMPT, TinyModels, make_model, make_models, vocabulary
 
 ROUND_TRIP_TEXTS = [
     SAMPLE_PROMPT,
