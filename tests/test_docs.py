@@ -133,12 +133,11 @@ def _example_problems(text: str) -> list[str]:
     """Command lines in ``sh`` blocks (``slotctl CMD ...``) that name a command or an option it lacks."""
     import shlex
 
-    import click
     import typer
 
     from slotctl.cli.app import app
     group = typer.main.get_command(app)
-    ctx = click.Context(group)
+    ctx = typer.Context(group)
     problems = []
     for block in re.findall(r"^```(?:sh|console|bash)\n(.*?)^```", text, re.S | re.M):
         for line in block.splitlines():
