@@ -24,8 +24,13 @@ def test_readme_quick_start_matches_ci():
     assert commands[0] == "pip install . && slotctl demo"
     # the first command's install (the core: no llama-cpp-python) and its demo, in a fresh venv
     assert '-m pip install -q .\n' in ci and 'slotctl" demo' in ci
-    test_cmd = commands[1]
-    assert test_cmd.replace("pip ", "python3 -m pip ").replace("python -m pytest", "python3 -m pytest") in ci
+    # the second command as written, each half a line of its own, in a fresh venv whose python comes first
+    install, run = commands[1].split(" && ")
+    lines = ci.splitlines()
+    assert install in lines and run in lines and lines.index(install) < lines.index(run), commands[1]
+    fresh = lines.index('python3 -m venv "$full"')
+    assert fresh < lines.index('PATH="$full/bin:$PATH"') < lines.index(install)
+    assert not any(line.startswith("python3 -m pip") or line.startswith("python3 -m pytest") for line in lines)
 
 
 # -- links and citations -------------------------------------------------------------------------
