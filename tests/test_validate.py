@@ -633,7 +633,8 @@ def test_a_state_version_the_server_does_not_load(models, tmp_path):
 
 def test_a_load_that_contradicts_the_prediction_is_a_finding():
     from slotctl.validate import LayerCheck
-    from slotctl.validate.check import _draft_side, _judge, _MemLayer, _target_side
+    from slotctl.validate.compare import _draft_side, _MemLayer, _target_side
+    from slotctl.validate.load import _judge
 
     def layer(side, predicted, issues=()):
         ml = _MemLayer(side, LayerCheck(side.layer, 0, 10, side.kind, predicted=predicted), 0, 10, False, 0,
