@@ -42,19 +42,19 @@ import numpy as np
 from slotctl.atomic import atomic_writer, copy_range
 from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError
 from slotctl.format import ggml
+from slotctl.format.header import HEADER_FIXED_SIZE, fixed_header
 from slotctl.format.blob import BLOB_HEADER_SIZE
 from slotctl.format.common import Span, coalesce
 from slotctl.format.convert import (ConversionRefused, RotationRule, added_rotation, check_dropped_rotation,
                                     check_ext)
 from slotctl.format.memory import MemoryLayout
 from slotctl.paths import open_regular
-from slotctl.slotfile import Blob, Memory, SlotFile, open_slot_file
+from slotctl.slotfile import Blob, Memory, SlotFile, is_checkpoint_layer, open_slot_file
 
 _ROW_HEADER = struct.Struct("<iQ")      # type, row size
 _ELEM_HEADER = struct.Struct("<iII")    # type, element size, n_embd
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-_STATE_MAGIC = 0x67677371
 
 
 class ModelNeeded(UsageError):
@@ -209,8 +209,8 @@ def plan_convert(path: str | os.PathLike, req: Request, *, layout: MemoryLayout 
     planner = _Planner(vin, vout, changes)
     pieces: list[Piece] = []
     if vout != vin:
-        pieces.append(struct.pack("<III", _STATE_MAGIC, vout, len(sf.words)))
-        pieces.append(Span(12, sf.header_end - 12))
+        pieces.append(fixed_header(vout, len(sf.words)))
+        pieces.append(Span(HEADER_FIXED_SIZE, sf.header_end - HEADER_FIXED_SIZE))
     else:
         pieces.append(Span(0, sf.header_end))
     pieces += planner.memory(sf.target, req.target, "target memory")
@@ -247,9 +247,9 @@ class _Planner:
         self.vin, self.vout, self.changes = vin, vout, changes
 
     def _note(self, change: Change) -> None:
-        key = (change.part.split(" ")[0] if change.part.startswith("checkpoint") else change.part,
+        key = ("checkpoint" if is_checkpoint_layer(change.part) else change.part,
                change.section, change.what, change.old, change.new)
-        if not any((c.part.split(" ")[0] if c.part.startswith("checkpoint") else c.part, c.section, c.what,
+        if not any(("checkpoint" if is_checkpoint_layer(c.part) else c.part, c.section, c.what,
                     c.old, c.new) == key for c in self.changes):
             self.changes.append(change)
 

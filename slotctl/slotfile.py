@@ -33,6 +33,17 @@ SCAN_CHUNK = 1 << 20
 SCAN_WINDOW = 64 << 20
 
 
+def checkpoint_layer(i: int, kind: str) -> str:
+    """The name of checkpoint ``i``'s ``kind`` ("target" or "draft") layer, as findings, damage records
+    (with " blob") and diffs name it: ``checkpoint 3 target``."""
+    return f"checkpoint {i} {kind}"
+
+
+def is_checkpoint_layer(name: str) -> bool:
+    """Whether a layer's name (a finding's, a damage record's, a change's) is one of a checkpoint's."""
+    return name.startswith("checkpoint ")
+
+
 @dataclass
 class Tokens:
     """The token words, decoded."""
@@ -421,11 +432,11 @@ def _read_appendices(f: BinaryIO, sf: SlotFile, offset: int, draft_layout: Memor
     if sckp is not None:
         sf.checkpoints = []
         for i, c in enumerate(sckp.parsed.checkpoints):
-            tgt = parse_blob(f, c.tgt.data, tgt_partial, version, f"checkpoint {i} target blob")
-            dft = parse_blob(f, c.dft.data, dft_partial, version, f"checkpoint {i} draft blob")
+            tgt = parse_blob(f, c.tgt.data, tgt_partial, version, f"{checkpoint_layer(i, 'target')} blob")
+            dft = parse_blob(f, c.dft.data, dft_partial, version, f"{checkpoint_layer(i, 'draft')} blob")
             for kind, b in (("target", tgt), ("draft", dft)):
                 if b.error:
-                    sf.add_error(f"checkpoint {i} {kind} blob", b.error)
+                    sf.add_error(f"{checkpoint_layer(i, kind)} blob", b.error)
             sf.checkpoints.append(CheckpointEntry(c.n_tokens, c.pos_min, c.pos_max, tgt, dft, c.spec.data))
     if sdft is not None:
         sf.draft = parse_blob(f, sdft.parsed.dft.data, draft_layout, version, "SDFT draft blob")
@@ -493,7 +504,7 @@ def build_blob(f: BinaryIO, b: Blob, version: int) -> bytes:
 
 
 def build_header(version: int, words) -> bytes:
-    return StateHeader.build(dict(magic=0x67677371, version=version, n_words=len(words), words=words))
+    return StateHeader.build(dict(magic=STATE_SEQ_MAGIC, version=version, n_words=len(words), words=words))
 
 
 def rebuild(sf: SlotFile) -> bytes:

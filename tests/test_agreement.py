@@ -41,6 +41,7 @@ from typer.testing import CliRunner
 
 from conftest import DATA, start_server
 from llama_server import LlamaServer
+from slotctl.format.blob import BLOB_MAGIC
 from slotctl.cli.app import app
 from slotctl.tinymodels import make_model
 
@@ -48,7 +49,6 @@ pytestmark = pytest.mark.server
 runner = CliRunner()
 
 SCKP, SDFT = b"SCKP", b"SDFT"
-STATE_BLOB_MAGIC = 0xAF143CD8
 
 #: the prompt of tests/data's files (their models know these words), and the one the servers of the matrix
 #: save after
@@ -127,7 +127,7 @@ def sdft(dft: bytes, spec: bytes = b"", version: int = 1) -> bytes:
 
 def not_a_state(n: int) -> bytes:
     """A well-framed blob that is no state llama.cpp loads: the blob magic, then zeros."""
-    return struct.pack("<Ii", STATE_BLOB_MAGIC, 0) + b"\x07" * (n - 8)
+    return struct.pack("<Ii", BLOB_MAGIC, 0) + b"\x07" * (n - 8)
 
 
 def with_version(data: bytes, version: int) -> bytes:

@@ -37,6 +37,11 @@ def header_size(n_words: int) -> int:
     return HEADER_FIXED_SIZE + 4 * n_words
 
 
+def fixed_header(version: int, n_words: int) -> bytes:
+    """The first :data:`HEADER_FIXED_SIZE` bytes of a slot file: magic, version, token word count."""
+    return STATE_SEQ_MAGIC.to_bytes(4, "little") + version.to_bytes(4, "little") + n_words.to_bytes(4, "little")
+
+
 def file_kind(first_bytes: bytes) -> str:
     """What a file is by its first four bytes: ``"slot"`` (the state magic), ``"gguf"`` (a model) or ``"other"``."""
     head = bytes(first_bytes[:4])

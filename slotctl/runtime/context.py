@@ -22,9 +22,11 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
-from slotctl.format.blob import FLAGS_NONE, FLAGS_ON_DEVICE, FLAGS_PARTIAL_ONLY
+from slotctl.format.blob import BLOB_MAGIC, FLAGS_NONE, FLAGS_ON_DEVICE, FLAGS_PARTIAL_ONLY
+from slotctl.format.header import STATE_SEQ_MAGIC
 from slotctl.runtime.log import capture_errors
-from slotctl.runtime.model import LlamaError, Model, Progress
+from slotctl.progress import Progress
+from slotctl.runtime.model import LlamaError, Model
 from slotctl.model.settings import DRAFT_CACHE_TYPE_DEFAULT, FLASH_ATTN_TYPES, ContextSettings
 
 #: ``llama_state_seq_flags`` (one copy, :mod:`slotctl.format.blob`): the whole state of the sequence; only the
@@ -37,10 +39,12 @@ assert (llama_cpp.LLAMA_STATE_SEQ_FLAGS_NONE, llama_cpp.LLAMA_STATE_SEQ_FLAGS_PA
 
 #: ``LLAMA_STATE_SEQ_VERSION`` of the linked llama.cpp: the only version its state files load with
 STATE_VERSION: int = llama_cpp.LLAMA_STATE_SEQ_VERSION
-#: first word of a state file (``LLAMA_STATE_SEQ_MAGIC``, "ggsq")
-STATE_FILE_MAGIC: int = llama_cpp.LLAMA_STATE_SEQ_MAGIC
-#: first word of an in-memory state blob (llama-context.cpp's ``io_magic``; not in the bindings)
-STATE_BLOB_MAGIC = 0xAF143CD8
+#: first word of a state file (``LLAMA_STATE_SEQ_MAGIC``, "ggsq"; one copy, :mod:`slotctl.format.header`)
+STATE_FILE_MAGIC: int = STATE_SEQ_MAGIC
+assert llama_cpp.LLAMA_STATE_SEQ_MAGIC == STATE_SEQ_MAGIC
+#: first word of an in-memory state blob (llama-context.cpp's ``io_magic``; not in the bindings; one copy,
+#: :mod:`slotctl.format.blob`)
+STATE_BLOB_MAGIC = BLOB_MAGIC
 
 #: what ``llama_decode`` returns besides 0 (``include/llama.h``)
 _DECODE_ERRORS = {
