@@ -29,6 +29,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
+from slotctl.progress import Progress
 from slotctl.atomic import atomic_writer, copy_range
 from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError, os_error_code
 from slotctl.format import appendix as apx
@@ -58,8 +59,6 @@ _SCKP_HEAD = struct.Struct("<III")         # magic, version, count
 _CKPT_HEAD = struct.Struct("<qiiQ")        # n_tokens, pos_min, pos_max, target blob length
 _EMPTY_BLOBS = struct.pack("<QQ", 0, 0)    # draft blob length 0, speculative state length 0
 
-#: ``progress(bytes written so far, bytes to write in all)``
-Progress = Callable[[int, int], None]
 Piece = Union[Span, bytes]
 
 

@@ -24,7 +24,7 @@ LAYERS = [
     {"server"},
     {"model", "slotfile"},
     {"format"},
-    {"atomic", "paths", "tinymodels", "sample"},
+    {"atomic", "paths", "progress", "tinymodels", "sample"},
     {"errors"},
 ]
 RANK = {u: i for i, layer in enumerate(LAYERS) for u in layer}

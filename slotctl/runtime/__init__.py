@@ -21,7 +21,7 @@ _MODULE_OF = {
     "LOAD_STEPS": "model",
     "LlamaError": "model",
     "Model": "model",
-    "Progress": "model",
+    "Progress": "model",  # slotctl.progress.Progress, re-exported
     "Context": "context",
     "STATE_BLOB_MAGIC": "context",
     "STATE_FILE_MAGIC": "context",

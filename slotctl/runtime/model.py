@@ -5,12 +5,13 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import llama_cpp
 
+from slotctl.progress import Progress
 from slotctl.errors import SlotctlError, UsageError
 from slotctl.paths import check_readable
 from slotctl.runtime.log import capture_errors, ensure_backend
@@ -18,8 +19,6 @@ from slotctl.runtime.log import capture_errors, ensure_backend
 if TYPE_CHECKING:
     from slotctl.runtime.context import Context
 
-#: ``on_progress(done, total)``: called during long work; model loading counts in thousandths
-Progress = Callable[[int, int], None]
 
 #: the steps model loading reports its progress in
 LOAD_STEPS = 1000

@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 
 import llama_cpp
 
+from slotctl.progress import Progress
 from slotctl.atomic import atomic_writer
 from slotctl.format import appendix as apx
 from slotctl.format.blob import BLOB_HEADER_SIZE
@@ -57,7 +58,6 @@ from slotctl.server.checkpoints import (
 )
 from slotctl.slotfile import build_header
 
-Progress = Callable[[int, int], None]
 
 
 @dataclass

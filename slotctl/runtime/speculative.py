@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import llama_cpp
 
+from slotctl.progress import Progress
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
 from slotctl.runtime.context import STATE_FLAGS_PARTIAL_ONLY, Context
 from slotctl.runtime.model import LlamaError, Model
@@ -52,7 +53,6 @@ from slotctl.runtime.slot import ServerContexts, process_prompt
 from slotctl.server.checkpoints import SEQ_RM_FULL, Checkpoint, CheckpointPolicy, rollback_checkpoint
 from slotctl.server.requests import request_refusal
 
-Progress = Callable[[int, int], None]
 
 #: ``--spec-draft-n-max`` default (``common_params_speculative_draft::n_max``, b11434)
 DEFAULT_DRAFT_N_MAX = 3
