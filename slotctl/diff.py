@@ -20,7 +20,7 @@ import numpy as np
 
 from slotctl import tensors
 from slotctl.format import ggml
-from slotctl.slotfile import Blob, Memory, SlotFile
+from slotctl.slotfile import Blob, Memory, SlotFile, checkpoint_layer
 
 #: bytes of tensor rows read at a time from each file
 CHUNK = 8 << 20
@@ -300,8 +300,8 @@ def diff_files(a: SlotFile, b: SlotFile) -> dict:
         if (ca.n_tokens, ca.pos_min, ca.pos_max) != (cb.n_tokens, cb.pos_min, cb.pos_max):
             diffs.add(f"checkpoint {i}", f"at {ca.n_tokens} tokens [{ca.pos_min}, {ca.pos_max}] vs "
                                          f"{cb.n_tokens} tokens [{cb.pos_min}, {cb.pos_max}]")
-        c["target"] = diff_memory(f"checkpoint {i} target", _blob_memory(ca.tgt), _blob_memory(cb.tgt), ma, mb, diffs)
-        c["draft"] = diff_memory(f"checkpoint {i} draft", _blob_memory(ca.dft), _blob_memory(cb.dft), ma, mb, diffs)
+        c["target"] = diff_memory(checkpoint_layer(i, "target"), _blob_memory(ca.tgt), _blob_memory(cb.tgt), ma, mb, diffs)
+        c["draft"] = diff_memory(checkpoint_layer(i, "draft"), _blob_memory(ca.dft), _blob_memory(cb.dft), ma, mb, diffs)
         c["spec_equal"] = _span_equal(ma, ca.spec, mb, cb.spec)
         if not c["spec_equal"]:
             diffs.add(f"checkpoint {i}", "speculative state differs")

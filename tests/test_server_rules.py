@@ -169,6 +169,38 @@ def test_checkpoints_step_keeps_the_newest(tmp_path):
         assert rs.load_slot_checkpoints(f, end, end).status == rs.ABSENT
 
 
+def _appendix_variants():
+    """SCKP appendices the loader keeps or ignores: well formed, another version, a count beyond the cap,
+    cut short, a length beyond the file, an empty target blob, a blob llama.cpp would not load."""
+    cps = [dict(n_tokens=n, pos_min=0, pos_max=n - 1, tgt=b"t" * n, dft=b"", spec=b"") for n in (4, 8)]
+    good = apx.build_sckp(cps)
+    empty_tgt = apx.build_sckp([dict(cps[0], tgt=b""), cps[1]])
+    sdft = apx.build_sdft(b"d" * 8)
+    yield "good", good
+    yield "good+sdft", good + sdft
+    yield "version", good[:4] + struct.pack("<I", apx.SCKP_VERSION + 1) + good[8:]
+    yield "count", good[:8] + struct.pack("<I", apx.MAX_CHECKPOINTS + 1) + good[12:]
+    yield "cut", good[:-3]
+    yield "length", good[:-4] + struct.pack("<I", 1 << 30)
+    yield "empty-target", empty_tgt
+    yield "empty-target+sdft", empty_tgt + sdft
+
+
+@pytest.mark.parametrize("name,tail", list(_appendix_variants()), ids=[n for n, _ in _appendix_variants()])
+def test_checkpoints_read_is_the_loaders_rule(tmp_path, name, tail):
+    """``findings.checkpoints_read`` (what inspect, validate and ls read) says what ``load_slot_checkpoints``
+    does with the same bytes: one rule, the parsed file's form of the step."""
+    from slotctl.server.findings import checkpoints_read
+
+    path, end = _copy_with(tmp_path, f"{name}.bin", tail)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        step = rs.load_slot_checkpoints(f, end, size)
+    sf = open_slot_file(path, layout=_layout())
+    assert checkpoints_read(sf) == (step.status != rs.IGNORED), (step, sf.errors)
+    assert step.status == (rs.RESTORED if name.startswith("good") else rs.IGNORED)
+
+
 def test_draft_step_applies_the_speculative_state_as_the_seed_does(tmp_path):
     path, end = _copy_with(tmp_path, "sdft.bin", apx.build_sdft(b"D" * 10, b"S" * 6))
     size = path.stat().st_size

@@ -120,7 +120,7 @@ def _inspect_one(real: str, path: str, target_info, draft_info, model, *, tokens
 def _reuse(sf, target_info, found: list) -> dict | None:
     """The tokens a restored slot keeps for a request extending the saved prompt (with the server's
     defaults: ``--ctx-checkpoints`` 32, no ``--swa-full``), and a note in ``found`` when it is fewer than all."""
-    from slotctl.server.findings import checkpoints_ignored
+    from slotctl.server.findings import checkpoints_read
     from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS
     from slotctl.server.reuse import predict_reuse, server_n_swa
 
@@ -128,7 +128,7 @@ def _reuse(sf, target_info, found: list) -> dict | None:
         return None
     n_swa = server_n_swa(target_info) if target_info is not None else None
     r = predict_reuse(sf, n_swa=n_swa, n_ctx_checkpoints=DEFAULT_CTX_CHECKPOINTS,
-                      checkpoints_read=checkpoints_ignored(sf) is None and not sf.damaged)
+                      checkpoints_read=checkpoints_read(sf))
     if r is None:
         return None
     if r.n_reused < r.n_tokens:

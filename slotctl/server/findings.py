@@ -19,7 +19,7 @@ from slotctl.format import tokens as tokfmt
 from slotctl.format.common import parse_bytes
 from slotctl.paths import open_regular
 from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS
-from slotctl.slotfile import SlotFile, torn_magic
+from slotctl.slotfile import SlotFile, checkpoint_layer, is_checkpoint_layer, torn_magic
 
 
 
@@ -66,12 +66,12 @@ def structural_findings(sf: SlotFile, *, n_ctx_checkpoints: int = DEFAULT_CTX_CH
     out: list[Finding] = []
     for e in sf.errors:
         layer = e.part or e.layer       # the slot file's layer the walk recorded it for
-        if server is not None and layer.startswith("checkpoint "):
+        if server is not None and is_checkpoint_layer(layer):
             name = layer.removesuffix(" blob")
             out.append(Finding(name, "error", "checkpoint_blob_damaged",
                                f"{e.one_line()}: no state llama.cpp loads; the checkpoint appendix loader "
                                "checks only lengths, so the server keeps this checkpoint", e.offset))
-        elif layer.startswith("SCKP") or layer.startswith("checkpoint"):
+        elif layer.startswith("SCKP") or is_checkpoint_layer(layer):
             behind = (", and any draft state behind it (the draft loader looks for SDFT right after the "
                       "payload)") if server is not None else ""
             out.append(Finding("checkpoints", "drop", "checkpoints_damaged",
@@ -161,6 +161,18 @@ def structural_findings(sf: SlotFile, *, n_ctx_checkpoints: int = DEFAULT_CTX_CH
     return out
 
 
+def checkpoints_read(sf: SlotFile) -> bool:
+    """Whether the server keeps this file's checkpoints (or it has none to keep): the parsed-file form of
+    :func:`slotctl.server.restore.load_slot_checkpoints`' rule, which every command reads here. The
+    appendix is ignored whole when its framing is damaged (another version, too many checkpoints, one cut
+    short or with a length beyond the file: an error recorded for the "SCKP appendix" layer) or a
+    checkpoint has an empty target blob (:func:`checkpoints_ignored`); a blob llama.cpp would not load is
+    still kept, since the loader checks only lengths."""
+    if checkpoints_ignored(sf) is not None:
+        return False
+    return not any((e.part or e.layer).startswith("SCKP") for e in sf.errors)
+
+
 def checkpoints_ignored(sf: SlotFile) -> int | None:
     """The first checkpoint with an empty target blob, for which the server ignores the whole appendix.
 
@@ -196,7 +208,7 @@ def _memories(sf: SlotFile):
     for i, c in enumerate(sf.checkpoints or ()):
         for kind, b in (("target", c.tgt), ("draft", c.dft)):
             if b.memory is not None:
-                yield f"checkpoint {i} {kind}", b.memory, "error"
+                yield checkpoint_layer(i, kind), b.memory, "error"
     if sf.draft is not None and sf.draft.memory is not None:
         yield "draft", sf.draft.memory, "drop"
 

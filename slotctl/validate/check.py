@@ -14,14 +14,15 @@ import numpy as np
 
 from slotctl.paths import open_regular
 from slotctl.errors import FormatError, UsageError, os_error_code
-from slotctl.server.findings import Finding, ServerRules, checkpoints_ignored, structural_findings
+from slotctl.server.findings import Finding, ServerRules, checkpoints_read, structural_findings
 from slotctl.format.blob import FLAGS_NONE, FLAGS_PARTIAL_ONLY
 from slotctl.format.cut import Cut, Extended, completion, locate_cut
 from slotctl.model.info import ModelInfo
 from slotctl.model.predict import Prediction
 from slotctl.server.checkpoints import ROLLBACK_KINDS
 from slotctl.server.restore import cut_payload_outcome, invalid_token_indices
-from slotctl.slotfile import Blob, SlotFile, expand_slot_paths, parse_blob, parse_memory, read_slot_file
+from slotctl.slotfile import (Blob, SlotFile, expand_slot_paths, is_checkpoint_layer, parse_blob, parse_memory,
+                              read_slot_file)
 from slotctl.validate.child import ChildProcess, LoadChecker
 from slotctl.validate.compare import (
     _checkpoint_side,
@@ -151,10 +152,9 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
     if report.verdict in ("restores", "restores_with_drops") and sf.target is not None:
         from slotctl.server.reuse import predict_reuse, server_n_swa
 
-        read = not any(f.code in ("checkpoints_damaged", "checkpoints_ignored") for f in report.findings)
         n_swa = server_n_swa(tinfo, swa_full=setup.settings.swa_full) if tinfo is not None else None
         r = predict_reuse(sf, n_swa=n_swa,
-                          n_ctx_checkpoints=setup.n_ctx_checkpoints, checkpoints_read=read)
+                          n_ctx_checkpoints=setup.n_ctx_checkpoints, checkpoints_read=checkpoints_read(sf))
         report.reuse = r.as_dict() if r is not None else None
     return report
 
@@ -175,7 +175,7 @@ def _predict_steps(sf: SlotFile, report: FileReport, setup: ServerSetup) -> list
         return steps + [{"step": "tokens", "status": "refused"}]
     steps.append({"step": "tokens", "status": "restored"})
     codes = {f.code for f in report.findings}
-    ignored = "checkpoints_damaged" in codes or "checkpoints_ignored" in codes
+    ignored = not checkpoints_read(sf)
     if ignored:
         steps.append({"step": "checkpoints", "status": "ignored", "count": 0, "kept": 0})
     elif sf.checkpoints is None:
@@ -261,7 +261,7 @@ def _memory_layers(sf: SlotFile, f: BinaryIO, model_parse: bool, tinfo: ModelInf
         out.append(_MemLayer(tside, LayerCheck(TARGET, sf.header_end, sf.size - sf.header_end, "target"),
                              sf.header_end, sf.size - sf.header_end, False, FLAGS_NONE, None, None,
                              prefix=True))
-    if checkpoints_ignored(sf) is not None:
+    if not checkpoints_read(sf):
         return out    # the server reads neither the checkpoints nor the draft state behind them
     with nullcontext(f):
         for i, c in enumerate(sf.checkpoints or ()):
@@ -346,7 +346,7 @@ def _structural_effect(f: Finding, setup: ServerSetup) -> str:
         return EFFECT_OK
     if f.severity == "drop":
         return EFFECT_DROPPED
-    if f.layer.startswith("checkpoint "):
+    if is_checkpoint_layer(f.layer):
         return EFFECT_ABORTS_LATER
     if f.code == "recurrent_cells" and f.layer == TARGET and setup.target is not None \
             and setup.settings.n_parallel > 1:

@@ -15,7 +15,7 @@ from slotctl.format.memory import MemoryLayout, SectionLayout
 from slotctl.model.info import ModelInfo
 from slotctl.model.predict import Prediction, SectionPrediction
 from slotctl.server.findings import Finding
-from slotctl.slotfile import Memory
+from slotctl.slotfile import Memory, checkpoint_layer, is_checkpoint_layer
 from slotctl.validate.report import (
     LayerCheck,
     DRAFT,
@@ -60,7 +60,7 @@ class _Side:
     @property
     def main(self) -> bool:
         """The target payload or the SDFT draft state (not a checkpoint blob)."""
-        return not self.layer.startswith("checkpoint ")
+        return not is_checkpoint_layer(self.layer)
 
     def prefix(self, label: str) -> str:
         """What a message starts with to say where: nothing for a one-section target or draft state."""
@@ -76,7 +76,7 @@ def _draft_side() -> _Side:
 
 
 def _checkpoint_side(i: int, kind: str) -> _Side:
-    return _Side(f"checkpoint {i} {kind}", f"checkpoint {i}'s {kind} blob", kind, "error", EFFECT_ABORTS_LATER)
+    return _Side(checkpoint_layer(i, kind), f"checkpoint {i}'s {kind} blob", kind, "error", EFFECT_ABORTS_LATER)
 
 
 @dataclass

@@ -87,9 +87,9 @@ def _judge(ml: _MemLayer, res: dict) -> None:
     why = "; ".join(check.loader_messages) or "llama.cpp said nothing"
     if status == ABORTED:
         what = "the server crashes restoring this file" if side.kind == "target" and side.layer == TARGET \
-            else ("the server aborts when it rolls back to this checkpoint" if side.layer.startswith("checkpoint")
+            else ("the server aborts when it rolls back to this checkpoint" if not side.main
                   else "the server aborts restoring the draft state")
-        effect = EFFECT_ABORTS if not side.layer.startswith("checkpoint") else EFFECT_ABORTS_LATER
+        effect = EFFECT_ABORTS if side.main else EFFECT_ABORTS_LATER
         ml.issues.append(_Issue(Finding(side.layer, "error", "load_aborted",
                                         f"llama.cpp aborted loading {side.what} into {side.context} ({why}): {what}",
                                         ml.span_offset), effect))
@@ -159,7 +159,7 @@ def _loader_reasons(ml: _MemLayer) -> set[str]:
 
 
 def _disagree(ml: _MemLayer, message: str) -> _Issue:
-    effect = EFFECT_ABORTS_LATER if ml.side.layer.startswith("checkpoint") else ml.side.effect
-    if ml.side.kind == "draft" and not ml.side.layer.startswith("checkpoint"):
+    effect = EFFECT_ABORTS_LATER if not ml.side.main else ml.side.effect
+    if ml.side.kind == "draft" and ml.side.main:
         effect = EFFECT_DROPPED
     return _Issue(Finding(ml.side.layer, "error", "prediction_disagrees", message, ml.span_offset), effect)
