@@ -19,7 +19,6 @@ from datetime import datetime, timezone
 from typing import Iterable, Iterator
 
 from slotctl.errors import ExitStatus
-from slotctl.format.header import STATE_SEQ_MAGIC as STATE_MAGIC
 
 #: verdicts of files a server refuses or aborts on (``ls --broken``, ``prune --broken``)
 BROKEN_VERDICTS = ("aborts", "refused", "unreadable")
@@ -34,19 +33,6 @@ POOL_CHUNK = 32
 def iso_time(t: float) -> str:
     """A POSIX time as ISO 8601 UTC (second precision), as every ``mtime`` in the JSON."""
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def is_slot_file(path: str) -> bool:
-    """Whether the file starts with the state magic (what a directory scan lists as a slot file)."""
-    from slotctl.errors import UsageError
-    from slotctl.paths import open_regular
-
-    try:
-        with open_regular(path) as f:
-            head = f.read(4)
-    except (OSError, UsageError):
-        return True   # unreadable: listed, with its error
-    return len(head) == 4 and int.from_bytes(head, "little") == STATE_MAGIC
 
 
 @dataclass(frozen=True)

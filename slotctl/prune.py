@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from slotctl.catalog import iso_time, is_slot_file
+from slotctl.slotfile import begins_with_state_magic
+from slotctl.catalog import iso_time
 from slotctl.errors import UsageError
 from slotctl.paths import is_temp_file
 
@@ -179,7 +180,7 @@ def _scan(directory: str, now: float, policy: Policy, source: str) -> tuple[list
         e.used = max(st.st_mtime, st.st_atime) if source == "atime" else st.st_mtime
         if is_temp_file(d.name):
             e.action, e.reason = SKIPPED, "a slotctl temporary file (a write in progress)"
-        elif not is_slot_file(d.path):
+        elif not begins_with_state_magic(d.path):
             e.action, e.reason = SKIPPED, "not a slot file (no state magic)"
         else:
             total += st.st_size       # the budget is of slot files, busy and pinned ones included

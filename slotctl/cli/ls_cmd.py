@@ -57,10 +57,7 @@ def ls(
                                                     "(4: llama.cpp b11434 and later).")] = 4,
     load: Annotated[bool, typer.Option("--load", help="With -m: also load every layer of every file into real "
                                        "contexts (validate's real check; slow).")] = False,
-    server: Annotated[Optional[str], typer.Option("--server", metavar="URL",
-                                                  help="Judge the files for the running llama-server at this URL: "
-                                                       "its model, -c and -np from GET /props and /slots (flags "
-                                                       "given here win; docs/live.md).")] = None,
+    server: remote.JudgeServerOpt = None,
     api_key: remote.LiveApiKeyOpt = None,
     timeout: remote.LiveTimeoutOpt = DEFAULT_TIMEOUT,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="Worker processes (default: the "
@@ -95,18 +92,11 @@ def ls(
         raise UsageError("give --json or --jsonl, not both")
     if load and model is None:
         raise UsageError("--load needs -m (the model to load the files with)")
-    lv = None
-    if server is not None:  # the running server's own model and flags where it says them (docs/live.md)
-        from slotctl.remote.http import server_facts
-        from slotctl.remote.live import learn_flags
-
-        facts = server_facts(server, slot, api_key=api_key, timeout=timeout)
-        lv = learn_flags(facts, flags, given=remote.given_params(ctx), model=model, draft_model=draft_model,
-                         slot=slot, mmproj=False, state_version=state_version)
+    lv = remote.learn_from_server(ctx, out, "ls", server, api_key=api_key, timeout=timeout, flags=flags,
+                                  model=model, draft_model=draft_model, slot=slot, mmproj=False,
+                                  state_version=state_version)
+    if lv is not None:
         model, draft_model, flags, slot = lv.model, lv.draft_model, lv.server_flags, lv.slot
-        remote.render_live(out, lv)
-    else:
-        remote.require_local(ctx, "ls")    # --api-key / --timeout typed without --server
     setup = None
     if model is not None or state_version != 4 or slot or flags != ServerFlags():
         from slotctl.server.flags import attn_rot_disable
@@ -120,7 +110,10 @@ def ls(
 
             Models(setup)   # unreadable models and settings llama.cpp refuses: usage errors before any file
 
-    files, not_slot = _expand(paths or [Path(".")])
+    from slotctl.slotfile import expand_slot_paths
+
+    expansion = expand_slot_paths(paths or [Path(".")], follow_symlinks=True)
+    files, not_slot = expansion.files, len(expansion.skipped)
     request = Request(setup=setup, real_check=load, verbose=verbose)
     want = set(verdict or ())
 
@@ -160,27 +153,6 @@ def ls(
             render(out, listed, totals, show_reuse=model is not None, names=one_dir)
     if totals.exit_code:
         raise typer.Exit(totals.exit_code)
-
-
-def _expand(given: list[Path]) -> tuple[list[str], int]:
-    """The files to list, and how many files of the directories given are not slot files (left out).
-    A file named on the command line is always listed."""
-    from slotctl.catalog import is_slot_file
-    from slotctl.paths import expand_paths
-
-    files, seen, not_slot = [], set(), 0
-    for g in given:
-        in_dir = os.path.isdir(g)
-        for p in expand_paths([g], follow_symlinks=True):
-            key = os.path.realpath(p)
-            if key in seen:
-                continue
-            seen.add(key)
-            if in_dir and not is_slot_file(p):
-                not_slot += 1
-                continue
-            files.append(p)
-    return files, not_slot
 
 
 _SORTS = {
