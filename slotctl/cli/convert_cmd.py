@@ -9,9 +9,10 @@ import typer
 from rich.table import Table
 
 from slotctl.cli.common import check_file, handle_errors
-from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt
+from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt, flag_option
 from slotctl.cli.output import Output, human_bytes, markup_safe
 from slotctl.errors import ExitStatus, FormatError, UsageError
+from slotctl.server.flags import flag_name
 
 _TYPE_HELP = "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 (iq4_nl read only)"
 
@@ -26,18 +27,17 @@ def convert(
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the converted file.")],
     state_version: Annotated[Optional[int], typer.Option("--state-version", min=2, max=4,
                                                          help="Write this state version (exact, or refused).")] = None,
-    parallel: Annotated[Optional[int], typer.Option("--parallel", "-np", min=1, max=256,
-                                                    help="For a server with this many slots (KV streams).")] = None,
-    kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu",
-                                             help="For a server with one KV stream for all slots.")] = False,
-    cache_type_k: Annotated[Optional[str], typer.Option("--cache-type-k", "-ctk",
-                                                        help=f"K cache type to convert to: {_TYPE_HELP}.")] = None,
-    cache_type_v: Annotated[Optional[str], typer.Option("--cache-type-v", "-ctv",
-                                                        help="V cache type to convert to.")] = None,
-    cache_type_k_draft: Annotated[Optional[str], typer.Option("--spec-draft-type-k", "-ctkd", "--cache-type-k-draft",
-                                                              help="Draft K cache type to convert to.")] = None,
-    cache_type_v_draft: Annotated[Optional[str], typer.Option("--spec-draft-type-v", "-ctvd", "--cache-type-v-draft",
-                                                              help="Draft V cache type to convert to.")] = None,
+    parallel: Annotated[Optional[int], flag_option("parallel", min=1, max=256,
+                                                   help="For a server with this many slots (KV streams).")] = None,
+    kv_unified: Annotated[bool, flag_option("kv_unified", help="For a server with one KV stream for all slots.")
+                          ] = False,
+    cache_type_k: Annotated[Optional[str], flag_option("cache_type_k",
+                                                       help=f"K cache type to convert to: {_TYPE_HELP}.")] = None,
+    cache_type_v: Annotated[Optional[str], flag_option("cache_type_v", help="V cache type to convert to.")] = None,
+    spec_draft_type_k: Annotated[Optional[str], flag_option("spec_draft_type_k",
+                                                            help="Draft K cache type to convert to.")] = None,
+    spec_draft_type_v: Annotated[Optional[str], flag_option("spec_draft_type_v",
+                                                            help="Draft V cache type to convert to.")] = None,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
@@ -60,7 +60,7 @@ def convert(
     out = Output(json_mode=json_out)
     check_file(file)
     if parallel is None and not kv_unified and state_version is None and not any(
-            (cache_type_k, cache_type_v, cache_type_k_draft, cache_type_v_draft)):
+            (cache_type_k, cache_type_v, spec_draft_type_k, spec_draft_type_v)):
         raise UsageError("nothing to convert: give --state-version, -np/-kvu or a cache type")
     if not dry_run and output.exists() and not force:
         raise UsageError(f"{output}: exists (use --force to overwrite)")
@@ -68,10 +68,10 @@ def convert(
     n_stream = conv.stream_count(parallel, kv_unified)
     req = conv.Request(
         version=state_version,
-        target=conv.Target(n_stream, conv.cache_type_id(cache_type_k, "-ctk"), conv.cache_type_id(cache_type_v, "-ctv"),
-                           _rule(tinfo)),
-        draft=conv.Target(n_stream, conv.cache_type_id(cache_type_k_draft, "-ctkd"),
-                          conv.cache_type_id(cache_type_v_draft, "-ctvd"), _rule(dinfo)))
+        target=conv.Target(n_stream, conv.cache_type_id(cache_type_k, flag_name("cache_type_k")),
+                           conv.cache_type_id(cache_type_v, flag_name("cache_type_v")), _rule(tinfo)),
+        draft=conv.Target(n_stream, conv.cache_type_id(spec_draft_type_k, flag_name("spec_draft_type_k")),
+                          conv.cache_type_id(spec_draft_type_v, flag_name("spec_draft_type_v")), _rule(dinfo)))
     layouts = dict(layout=tinfo.layout() if tinfo else None, draft_layout=dinfo.layout() if dinfo else None)
     try:
         plan = conv.plan_convert(file, req, **layouts)

@@ -111,18 +111,26 @@ _SERVER_OPTIONS: dict[str, tuple[type, dict]] = {
 }
 
 
+def flag_option(field: str, **opts: Any) -> Any:
+    """A typer option spelled as llama-server spells the :class:`~slotctl.server.flags.ServerFlags` field
+    ``field`` (every spelling of :data:`~slotctl.server.flags.FLAGS`, the long one shown first): the server
+    panel and a command that takes some of the same flags with another meaning (``convert``'s targets)."""
+    from slotctl.server.flags import FLAGS
+
+    spellings = FLAGS[field]
+    long = spellings[1] if len(spellings) > 1 else spellings[0]
+    return typer.Option(long, *[x for x in spellings if x != long], **opts)
+
+
 def server_flag_params() -> list[inspect.Parameter]:
     """The group's parameters, one per :class:`~slotctl.server.flags.ServerFlags` field, defaulting to
     the server's defaults."""
-    from slotctl.server.flags import FLAGS, ServerFlags
+    from slotctl.server.flags import ServerFlags
 
     defaults = ServerFlags()
     params = []
     for name, (kind, opts) in _SERVER_OPTIONS.items():
-        spellings = FLAGS[name]
-        long, others = spellings[1] if len(spellings) > 1 else spellings[0], spellings
-        option = typer.Option(long, *[x for x in others if x != long], rich_help_panel=SERVER_PANEL,
-                              show_default=True, **opts)
+        option = flag_option(name, rich_help_panel=SERVER_PANEL, show_default=True, **opts)
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=getattr(defaults, name),
                                         annotation=Annotated[kind, option]))
     return params

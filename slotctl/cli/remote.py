@@ -198,6 +198,33 @@ def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
 # -- validate --server ------------------------------------------------------------------------------------------
 
 
+#: validate and ls: judge the files for a running server (its model and flags) instead of flags given
+JudgeServerOpt = Annotated[Optional[str], typer.Option("--server", metavar="URL",
+                                                       help="Judge the files for the running llama-server at this "
+                                                            "URL: its model, -c and -np from GET /props and /slots "
+                                                            "(flags given here win; docs/live.md).")]
+
+
+def learn_from_server(ctx: typer.Context, out: Output, command: str, server: str | None, *, api_key: str | None,
+                      timeout: float, flags, model: Path | None, draft_model: Path | None, slot: int,
+                      mmproj: bool, state_version: int):
+    """``--server`` of validate and ls: the running server's model and flags where it says them, flags given
+    on the command line winning (:func:`slotctl.remote.live.learn_flags`), its lines printed
+    (:func:`render_live`); a :class:`~slotctl.remote.live.LiveValidate`, or None without ``--server``
+    (then no live-only option may have been typed)."""
+    if server is None:
+        require_local(ctx, command)  # --api-key / --timeout typed without --server
+        return None
+    from slotctl.remote.http import server_facts
+    from slotctl.remote.live import learn_flags
+
+    facts = server_facts(server, slot, api_key=api_key, timeout=timeout)
+    lv = learn_flags(facts, flags, given=given_params(ctx), model=model, draft_model=draft_model, slot=slot,
+                     mmproj=mmproj, state_version=state_version)
+    render_live(out, lv)  # warnings on stderr; the rest in human mode only
+    return lv
+
+
 def render_live(out: Output, lv) -> None:
     """The lines ``validate --server`` prints before its verdicts (``lv``: a
     :class:`~slotctl.remote.live.LiveValidate`): the server and the flags used, notes.

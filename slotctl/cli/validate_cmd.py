@@ -60,10 +60,7 @@ def validate(
     load: Annotated[bool, typer.Option("--load/--no-load",
                                        help="With -m: also load every layer into real contexts built with these "
                                             "flags, in a child process (--no-load: predict only).")] = True,
-    server: Annotated[Optional[str], typer.Option("--server", metavar="URL",
-                                                  help="Validate for the running llama-server at this URL: its "
-                                                       "model, -c and -np from GET /props and /slots (flags given "
-                                                       "here win; docs/live.md).")] = None,
+    server: remote.JudgeServerOpt = None,
     api_key: remote.LiveApiKeyOpt = None,
     timeout: remote.LiveTimeoutOpt = DEFAULT_TIMEOUT,
     json_out: JsonOpt = False,
@@ -93,18 +90,11 @@ def validate(
         from slotctl.paths import check_readable
 
         check_readable(mmproj, what="mmproj ")
-    lv = None
-    if server is not None:  # live mode: the server's own flags where it says them (docs/live.md)
-        from slotctl.remote.http import server_facts
-        from slotctl.remote.live import learn_flags
-
-        facts = server_facts(server, slot, api_key=api_key, timeout=timeout)
-        lv = learn_flags(facts, flags, given=remote.given_params(ctx), model=model, draft_model=draft_model,
-                         slot=slot, mmproj=mmproj is not None, state_version=state_version)
-        model, flags, slot = lv.model, lv.server_flags, lv.slot
-        remote.render_live(out, lv)  # warnings on stderr; the rest in human mode only
-    else:
-        remote.require_local(ctx, "validate")  # --api-key / --timeout typed without --server
+    lv = remote.learn_from_server(ctx, out, "validate", server, api_key=api_key, timeout=timeout, flags=flags,
+                                  model=model, draft_model=draft_model, slot=slot, mmproj=mmproj is not None,
+                                  state_version=state_version)
+    if lv is not None:
+        model, draft_model, flags, slot = lv.model, lv.draft_model, lv.server_flags, lv.slot
     setup = ServerSetup.from_flags(flags, target=model, draft=draft_model, slot=slot,
                                    mmproj=mmproj is not None if lv is None else lv.mmproj,
                                    state_version=state_version, attn_rot_disable=attn_rot_disable())
