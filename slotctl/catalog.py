@@ -19,9 +19,10 @@ from datetime import datetime, timezone
 from typing import Iterable, Iterator
 
 from slotctl.errors import ExitStatus
+from slotctl.validate.report import Verdict
 
 #: verdicts of files a server refuses or aborts on (``ls --broken``, ``prune --broken``)
-BROKEN_VERDICTS = ("aborts", "refused", "unreadable")
+BROKEN_VERDICTS = tuple(v for v in Verdict if v.broken)
 #: what prune reports for an ``undecided`` file whose payload no layout fits: the server refuses it or aborts
 CUT_SHORT = "undecided: cut short (refused or aborts)"
 #: below this many files the pool costs more than it saves

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Callable, Union
 
 from slotctl.progress import Progress
@@ -49,11 +50,17 @@ COPY = "copy"
 #: free space kept in reserve beyond the new file's size before a copy starts
 FREE_SPACE_MARGIN = 1 << 20
 
-#: ``status`` of a file
-STRIPPED = "stripped"
-UNCHANGED = "unchanged"
-REFUSED = "refused"
-WOULD_STRIP = "would_strip"
+class StripStatus(StrEnum):
+    """``status`` of a file: what strip-draft did with it. ``refused`` is slotctl's own refusal to change
+    the file (it is damaged, or changed under the command), not a server's."""
+
+    STRIPPED = "stripped"
+    UNCHANGED = "unchanged"
+    REFUSED = "refused"
+    WOULD_STRIP = "would_strip"
+
+
+STRIPPED, UNCHANGED, REFUSED, WOULD_STRIP = StripStatus
 
 _SCKP_HEAD = struct.Struct("<III")         # magic, version, count
 _CKPT_HEAD = struct.Struct("<qiiQ")        # n_tokens, pos_min, pos_max, target blob length

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import BinaryIO, Callable, Sequence
 
 import numpy as np
@@ -39,13 +40,19 @@ from slotctl.format.header import HEADER_FIXED_SIZE, STATE_SEQ_MAGIC
 from slotctl.server.checkpoints import keep_newest
 from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS, SERVER_STATE_VERSION
 
-# step statuses
-RESTORED = "restored"   # the step did what it is for
-ABSENT = "absent"       # nothing to do: the file holds no such layer
-IGNORED = "ignored"     # the layer is there and the server skips it (0 bytes consumed)
-DROPPED = "dropped"     # the layer is read (its bytes consumed) and not applied
-REFUSED = "refused"     # "Unable to restore slot: ..."; the slot is emptied
-ABORTS = "aborts"       # llama.cpp aborts the server process
+class Status(StrEnum):
+    """What one step of the restore did (:attr:`Outcome.status`); the words every command reports."""
+
+    RESTORED = "restored"   # the step did what it is for
+    ABSENT = "absent"       # nothing to do: the file holds no such layer
+    IGNORED = "ignored"     # the layer is there and the server skips it (0 bytes consumed)
+    DROPPED = "dropped"     # the layer is read (its bytes consumed) and not applied
+    REFUSED = "refused"     # "Unable to restore slot: ..."; the slot is emptied
+    ABORTS = "aborts"       # llama.cpp aborts the server process
+
+
+# the members by their names, as the steps below and their callers write them
+RESTORED, ABSENT, IGNORED, DROPPED, REFUSED, ABORTS = Status
 
 #: what the server answers when ``llama_state_seq_load_file`` returns 0
 TARGET_ERROR = "No available space in KV cache or invalid slot save file"
@@ -55,9 +62,8 @@ TARGET_ERROR = "No available space in KV cache or invalid slot save file"
 class Outcome:
     """What one step of the restore did.
 
-    ``step``: "state header", "target", "tokens", "checkpoints", "draft" or "speculative". ``status``: one
-    of :data:`RESTORED`, :data:`ABSENT`, :data:`IGNORED`, :data:`DROPPED`, :data:`REFUSED`,
-    :data:`ABORTS`. ``bytes``: the bytes of the file the step consumed (the server's ``n_read`` adds
+    ``step``: "state header", "target", "tokens", "checkpoints", "draft" or "speculative". ``status``: a
+    :class:`Status`. ``bytes``: the bytes of the file the step consumed (the server's ``n_read`` adds
     them up). ``message``: the server's own words (its error answer, or its log line). ``reason``: what
     slotctl found, in its words.
     """

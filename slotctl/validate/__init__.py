@@ -39,8 +39,8 @@ from __future__ import annotations
 
 from slotctl.validate.check import validate_file, validate_paths
 from slotctl.validate.child import ChildProcess, LoadChecker
-from slotctl.validate.report import VERDICTS, FileReport, LayerCheck, Report
+from slotctl.validate.report import VERDICTS, Effect, FileReport, LayerCheck, Load, Report, Verdict
 from slotctl.validate.setup import Models, ServerSetup
 
-__all__ = ["VERDICTS", "ChildProcess", "FileReport", "LayerCheck", "LoadChecker", "Models", "Report",
-           "ServerSetup", "validate_file", "validate_paths"]
+__all__ = ["VERDICTS", "ChildProcess", "Effect", "FileReport", "LayerCheck", "Load", "LoadChecker", "Models", "Report",
+           "ServerSetup", "Verdict", "validate_file", "validate_paths"]

@@ -49,6 +49,7 @@ from slotctl.validate.report import (
     FileReport,
     LayerCheck,
     Report,
+    Verdict,
 )
 from slotctl.validate.load import _real_check
 from slotctl.validate.setup import Models, ServerSetup
@@ -381,17 +382,17 @@ def _worst_effect(effects: Iterable[str]) -> str:
     return max(effects, key=order.index, default=EFFECT_OK)
 
 
-def _verdict(effects: list[str]) -> str:
+def _verdict(effects: list[str]) -> Verdict:
     """The target decides first: a refused or aborting target leaves nothing else to restore."""
     if EFFECT_ABORTS in effects:
-        return "aborts"
+        return Verdict.ABORTS
     if EFFECT_REFUSED in effects:
-        return "refused"
+        return Verdict.REFUSED
     if EFFECT_UNDECIDED in effects:
-        return "undecided"
+        return Verdict.UNDECIDED
     if EFFECT_DROPPED in effects:
-        return "restores_with_drops"
-    return "restores"
+        return Verdict.RESTORES_WITH_DROPS
+    return Verdict.RESTORES
 
 
 def _token_issues(sf: SlotFile, tpred: Prediction, tinfo: ModelInfo, setup: ServerSetup) -> list[_Issue]:
@@ -457,7 +458,7 @@ def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, re
                 reports.append(validate_file(p, setup, models, checker))
             except (OSError, UsageError) as e:
                 message = str(e) if isinstance(e, UsageError) else f"{p}: {e.strerror or e}"
-                r = FileReport(p, verdict="unreadable",
+                r = FileReport(p, verdict=Verdict.UNREADABLE,
                                error={"code": e.error_code if isinstance(e, UsageError) else os_error_code(e),
                                       "message": message})
                 r.findings.append(Finding("file", "error", "unreadable", message, None))

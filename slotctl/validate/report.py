@@ -5,30 +5,59 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from slotctl.errors import ExitStatus
 from slotctl.server.findings import Finding
+from slotctl.server.restore import Status
 from slotctl.validate.setup import ServerSetup
 
 
-# what a layer's problems make the server do (LayerCheck.effect), worst last
-EFFECT_OK = "ok"
-EFFECT_DROPPED = "dropped"           # restored without this layer
-EFFECT_ABORTS_LATER = "aborts_later"  # restored; aborts when the server rolls back to this checkpoint
-EFFECT_REFUSED = "refused"           # "Unable to restore slot"
-EFFECT_ABORTS = "aborts"             # llama.cpp aborts the server while restoring
-EFFECT_UNDECIDED = "undecided"       # what the server does cannot be told without the model
+class Effect(StrEnum):
+    """What a layer's problems make the server do (:attr:`LayerCheck.effect`), worst last; the words shared
+    with the restore's steps are :class:`~slotctl.server.restore.Status`'s."""
+
+    OK = "ok"
+    DROPPED = Status.DROPPED.value          # restored without this layer
+    ABORTS_LATER = "aborts_later"           # restored; aborts when the server rolls back to this checkpoint
+    REFUSED = Status.REFUSED.value          # "Unable to restore slot"
+    ABORTS = Status.ABORTS.value            # llama.cpp aborts the server while restoring
+    UNDECIDED = "undecided"                 # what the server does cannot be told without the model
+
+
+class Verdict(StrEnum):
+    """What the server does with a whole file (:attr:`FileReport.verdict`), from best to worst."""
+
+    RESTORES = "restores"
+    RESTORES_WITH_DROPS = "restores_with_drops"
+    UNDECIDED = Effect.UNDECIDED.value
+    ABORTS = Status.ABORTS.value
+    REFUSED = Status.REFUSED.value
+    UNREADABLE = "unreadable"
+
+    @property
+    def broken(self) -> bool:
+        """The server refuses the file or aborts on it, or it cannot be read (``ls --broken``, ``prune --broken``)."""
+        return self in (Verdict.ABORTS, Verdict.REFUSED, Verdict.UNREADABLE)
+
+
+class Load(StrEnum):
+    """What the prediction and the real load say of a layer (:attr:`LayerCheck.predicted`, ``.loaded``)."""
+
+    FITS = "fits"
+    MISMATCH = "mismatch"
+    REFUSED = Status.REFUSED.value   # llama.cpp's loader refused it
+    PARTIAL = "partial"
+    ABORTED = "aborted"
+    SKIPPED = "skipped"
+
 
 #: ``FileReport.verdict`` values, from best to worst
-VERDICTS = ("restores", "restores_with_drops", "undecided", "aborts", "refused", "unreadable")
+VERDICTS = tuple(Verdict)
 
-# LayerCheck.predicted / .loaded
-FITS = "fits"
-MISMATCH = "mismatch"
-REFUSED = "refused"
-PARTIAL = "partial"
-ABORTED = "aborted"
-SKIPPED = "skipped"
+# the members by the names the checks write them with
+EFFECT_OK, EFFECT_DROPPED, EFFECT_ABORTS_LATER, EFFECT_REFUSED, EFFECT_ABORTS, EFFECT_UNDECIDED = Effect
+FITS, MISMATCH, REFUSED, PARTIAL, ABORTED, SKIPPED = Load
 
 TARGET = "target memory"
 DRAFT = "draft"
@@ -68,7 +97,7 @@ class FileReport:
     version: int | None = None
     findings: list[Finding] = field(default_factory=list)
     checks: list[LayerCheck] = field(default_factory=list)
-    verdict: str = "restores"
+    verdict: Verdict = Verdict.RESTORES
     n_tokens: int | None = None
     #: tokens a restored slot keeps for a request extending the saved prompt (:mod:`slotctl.server.reuse`)
     reuse: dict | None = None
@@ -83,11 +112,11 @@ class FileReport:
 
     @property
     def exit_status(self) -> ExitStatus:
-        if self.verdict == "unreadable":
+        if self.verdict == Verdict.UNREADABLE:
             return ExitStatus.USAGE
-        if self.verdict == "undecided":
+        if self.verdict == Verdict.UNDECIDED:
             return ExitStatus.UNDECIDED
-        if self.verdict != "restores" or any(f.severity == "error" for f in self.findings):
+        if self.verdict != Verdict.RESTORES or any(f.severity == "error" for f in self.findings):
             return ExitStatus.FAILED     # refused, aborts, loses a layer, or holds a rollback hazard
         return ExitStatus.OK
 
