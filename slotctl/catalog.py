@@ -73,6 +73,8 @@ def _row_from(path: str, st: os.stat_result, sf, report, now: float) -> dict:
         "draft_size": _draft_size(sf),
         "damaged": sf.damaged,
         "verdict": report.verdict,
+        "certain": report.certain,
+        "uncertain": list(report.uncertain),
         "reuse": _reuse(report),
         "findings": [f.as_dict() for f in report.findings],
         # a listing counts a file whose payload it cannot place as damaged (1); validate says undecided (3)
@@ -100,7 +102,7 @@ def _unreadable(path: str, e: OSError, st: os.stat_result | None) -> dict:
     return {"path": path, "name": os.path.basename(path), "size": st.st_size if st else None,
             "mtime": iso_time(st.st_mtime) if st else None, "atime": iso_time(st.st_atime) if st else None,
             "age_seconds": None, "state_version": None, "n_tokens": None, "memory_kind": None, "checkpoints": [],
-            "draft_size": 0, "damaged": False, "verdict": "unreadable", "reuse": None, "findings": [],
+            "draft_size": 0, "damaged": False, "verdict": "unreadable", "certain": True, "uncertain": [], "reuse": None, "findings": [],
             "exit_code": int(ExitStatus.USAGE),
             "error": {"code": "unreadable", "message": f"{path}: {e.strerror or e}"}}
 

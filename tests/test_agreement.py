@@ -5,7 +5,7 @@ Two matrices, each of slot files x server flag sets:
 * **b11434**: files written by llama-server b11434 (tests/data and files saved here by the servers of the
   matrix), by ``slotctl save``, and damaged copies (cut inside the tokens, inside the cell metadata, inside
   the KV data, one byte short, a torn appendix magic, bytes after the payload, another state version, a
-  checkpoint appendix with an empty target blob or a count beyond 1024, a draft blob that is no state, a
+  checkpoint appendix with an empty target blob or a count beyond its entries, a draft blob that is no state, a
   checkpoint blob that is no state) are restored by a real llama-server (``POST /slots/0?action=restore``)
   under each flag set: ``-c``, ``-np``, ``-kvu``, ``-ctk/-ctv``, ``-fa``, another model of the same shape,
   and for the other memory kinds their own models. The truth of a cell: ``restored`` (200, with

@@ -451,3 +451,43 @@ def test_damage_is_recorded_with_its_layer_as_a_name(tmp_path):
         path.write_bytes(data)
         sf = open_slot_file(path, layout=_layout())
         assert [e.part for e in sf.errors] == [want], (want, [e.one_line() for e in sf.errors])
+
+
+def test_an_appendix_of_2000_checkpoints_keeps_the_newest_and_the_draft_behind_it(tmp_path):
+    """Correction 1 of issue 15: the checkpoint loader (a reading of 033df86b6) has no count cap; the 1024 of
+    PR #26004's description is not in it. 2,000 checkpoints: read, the newest --ctx-checkpoints kept, the SDFT
+    behind them read; the verdict rests on that reading (certain: false). Above slotctl's own bound of
+    65,536, slotctl reads none and says so."""
+    import json
+
+    empty_kv = struct.pack("<IiII", 0xAF143CD8, 0, 1, 0)    # a state blob of one empty KV stream
+    cps = [dict(n_tokens=n, pos_min=0, pos_max=n - 1, tgt=empty_kv, dft=b"", spec=b"") for n in range(1, 2001)]
+    path, end = _copy_with(tmp_path, "2000.bin", apx.build_sckp(cps) + apx.build_sdft(b"", b"\x01" * 8))
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        got = rs.load_slot_checkpoints(f, end, size, n_ctx_checkpoints=32)
+        assert (got.status, got.count, len(got.kept)) == (rs.RESTORED, 2000, 32)
+        assert [c.n_tokens for c in got.kept] == list(range(1969, 2001))
+        draft = rs.read_slot_draft(f, end + got.bytes, size)
+        assert draft.status == rs.RESTORED and draft.spec.size == 8
+    res = _invoke("validate", path, "-m", DATA / "target.gguf", "-c", "256", "-fa", "on", "--no-load", "--json")
+    (rep,) = json.loads(res.stdout)["files"]
+    codes = {f["code"]: f for f in rep["findings"]}
+    assert "keeps the last 32" in codes["too_many_checkpoints"]["message"]
+    assert "checkpoints_damaged" not in codes and "draft_unreachable" not in codes
+    steps = {s["step"]: s for s in rep["steps"]}
+    assert (steps["checkpoints"]["status"], steps["checkpoints"]["count"], steps["checkpoints"]["kept"]) == \
+        ("restored", 2000, 32)
+    assert steps["draft"]["status"] == "restored"
+    assert rep["verdict"] == "restores_with_drops" and rep["certain"] is False
+    assert any("033df86b6" in why for why in rep["uncertain"])
+    # beyond slotctl's bound: nothing read, nothing claimed but the reading
+    head = apx.SckpAppendix.build(dict(magic=apx.SCKP_MAGIC, version=1, count=0, checkpoints=[]))[:8]
+    big = head + struct.pack("<I", apx.MAX_CHECKPOINTS + 1) + bytes(40 * (apx.MAX_CHECKPOINTS + 1))
+    path, end = _copy_with(tmp_path, "big.bin", big)
+    with open(path, "rb") as f, pytest.raises(rs.FormatError, match="at most 65,536"):
+        rs.load_slot_checkpoints(f, end, path.stat().st_size)
+    res = _invoke("validate", path, "-m", DATA / "target.gguf", "-c", "256", "-fa", "on", "--no-load", "--json")
+    (rep,) = json.loads(res.stdout)["files"]
+    assert [f["code"] for f in rep["findings"] if f["layer"] == "checkpoints"] == ["checkpoints_unread"]
+    assert rep["certain"] is False

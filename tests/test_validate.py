@@ -674,7 +674,7 @@ def test_cli_json_document():
     assert d["summary"] == {"files": 1, "restores": 1, "restores_with_drops": 0, "undecided": 0, "aborts": 0,
                             "refused": 0, "unreadable": 0, "skipped": 0}
     (f,) = d["files"]
-    assert set(f) == {"path", "size", "state_version", "n_tokens", "verdict", "exit_code", "counts", "findings",
+    assert set(f) == {"path", "size", "state_version", "n_tokens", "verdict", "certain", "uncertain", "exit_code", "counts", "findings",
                       "checks", "steps", "reuse"}
     assert f["n_tokens"] == 111 and [s["status"] for s in f["steps"]] == ["restored", "restored", "absent", "absent"]
     assert f["reuse"] == {"n_tokens": 111, "n_reused": 111, "checkpoint": None, "reason": None,

@@ -142,6 +142,10 @@ def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = 
         if fr.version is not None:
             head.append(f", state version {fr.version}", style="dim")
         out.print(head)
+        for why in fr.uncertain:
+            line = Text("  not certain ", style="bold yellow")
+            line.append(escape_text(why, keep_newlines=False))
+            out.print(line)
         if fr.checks and any(c.predicted or c.loaded for c in fr.checks):
             out.table(_checks(fr.checks), keep=("offset", "bytes", "predicted", "loaded", "server"))
         for f in fr.findings:

@@ -16,11 +16,6 @@ SCKP_VERSION = 1
 SDFT_MAGIC = 0x54464453  # "SDFT"
 SDFT_VERSION = 1
 MAGICS = {SCKP_MAGIC: "SCKP", SDFT_MAGIC: "SDFT"}
-#: the most checkpoints the server's appendix loader accepts: it ignores an appendix with a larger count
-#: before allocating anything. From two readings of upstream ``load_slot_checkpoints`` (llama.cpp commit
-#: 033df86b6, tools/server/server-context.cpp), which neither sdist holds, and kv-rosetta's test of the
-#: same loader (tests/test_sckp_appendix.py): readings of code we do not have, not our sources.
-MAX_CHECKPOINTS = 1024
 
 
 def _sized(what: str) -> cs.Struct:
@@ -36,7 +31,12 @@ Checkpoint = cs.Struct(
     "spec" / _sized("checkpoint speculative state"),
 )
 
-#: the most checkpoints an SCKP appendix holds (the server keeps --ctx-checkpoints per slot, 32 by default)
+#: the most checkpoints slotctl reads in an SCKP appendix: slotctl's own bound (docs/design.md, "Bounds"),
+#: not a server rule. A reading of upstream ``load_slot_checkpoints`` (llama.cpp 033df86b6,
+#: tools/server/server-context.cpp; in neither sdist) finds no cap on the count: the loader reads every
+#: checkpoint, each blob length checked against the bytes left, and keeps the newest ``--ctx-checkpoints``.
+#: The cap of 1024 that PR #26004's description states, and a patched fork applies, is not in that commit.
+#: A server writes at most its ``--ctx-checkpoints`` per slot (32 by default), far below this bound.
 MAX_CHECKPOINTS = 1 << 16
 #: smallest possible checkpoint: 16 bytes of positions and three empty blob lengths
 CHECKPOINT_MIN_SIZE = 16 + 3 * 8

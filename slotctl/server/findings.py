@@ -9,7 +9,7 @@ and adds what only the models and contexts can tell (:mod:`slotctl.validate`).
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import BinaryIO
 
 import numpy as np
@@ -23,16 +23,27 @@ from slotctl.slotfile import SlotFile, checkpoint_layer, is_checkpoint_layer, to
 
 
 
+#: why a verdict that rests on the checkpoint loader is not certain (``Finding.doubt``)
+READING_033DF86B6 = ("the checkpoint appendix is judged by a reading of upstream load_slot_checkpoints "
+                     "(llama.cpp 033df86b6), code that neither sdist holds")
+
+
 @dataclass(frozen=True)
 class Finding:
+    """One thing found in a file. ``doubt``: why what the finding says the server does is not settled by
+    the sources slotctl reads (undefined behaviour in b11434's loader, or a reading of code neither sdist
+    holds), or None; it makes the file's verdict uncertain (``certain: false``) and is not one of the
+    finding's JSON keys."""
+
     layer: str
     severity: str      # "error", "drop" or "note"
     code: str
     message: str
     offset: int | None = None
+    doubt: str | None = field(default=None, compare=False, repr=False)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "doubt"}
 
 
 @dataclass(frozen=True)
@@ -70,13 +81,21 @@ def structural_findings(sf: SlotFile, *, n_ctx_checkpoints: int = DEFAULT_CTX_CH
             name = layer.removesuffix(" blob")
             out.append(Finding(name, "error", "checkpoint_blob_damaged",
                                f"{e.one_line()}: no state llama.cpp loads; the checkpoint appendix loader "
-                               "checks only lengths, so the server keeps this checkpoint", e.offset))
+                               "checks only lengths, so the server keeps this checkpoint", e.offset,
+                               doubt=READING_033DF86B6))
+        elif layer.startswith("SCKP") and e.expected.startswith("checkpoint count of at most"):
+            out.append(Finding("checkpoints", "note", "checkpoints_unread",
+                               f"{e.one_line()}: more checkpoints than slotctl reads (its own bound; a server "
+                               "writes at most its --ctx-checkpoints); the server's loader has no such cap: "
+                               "it reads them and keeps the newest --ctx-checkpoints, unchecked here", e.offset,
+                               doubt=f"{READING_033DF86B6}, and the checkpoints were not read"))
         elif layer.startswith("SCKP") or is_checkpoint_layer(layer):
             behind = (", and any draft state behind it (the draft loader looks for SDFT right after the "
                       "payload)") if server is not None else ""
             out.append(Finding("checkpoints", "drop", "checkpoints_damaged",
                                f"{e.one_line()}: the server ignores the checkpoint appendix (\"invalid context "
-                               f"checkpoint appendix - ignored\") and reads none of it{behind}", e.offset))
+                               f"checkpoint appendix - ignored\") and reads none of it{behind}", e.offset,
+                               doubt=READING_033DF86B6))
         elif layer.startswith("SDFT draft blob"):
             # load_slot_draft (llama.cpp ea736c1d5): the appendix is well framed, llama_state_seq_set_data_ext refuses the blob
             out.append(Finding("draft", "drop", "draft_dropped",
@@ -98,12 +117,16 @@ def structural_findings(sf: SlotFile, *, n_ctx_checkpoints: int = DEFAULT_CTX_CH
                            "other (\"unknown (magic, version)\"); a server of state version "
                            f"{sf.version} restores it", 4))
     if sf.sckp or sf.sdft:
-        names = " and ".join(n for n, a in (("checkpoints (SCKP)", sf.sckp), ("draft state (SDFT)", sf.sdft)) if a)
+        # SCKP: the checkpoint change (PR #26004, llama.cpp 033df86b6); SDFT: the draft-state change
+        # (ea736c1d5) on top of it. b11434 predates both: it restores the target and reads no appendix.
+        names = " and ".join(n for n, a in (("checkpoints (SCKP) need a server with the checkpoint change "
+                                              "(PR #26004, llama.cpp 033df86b6)", sf.sckp),
+                                             ("draft state (SDFT) needs one with the draft-state change "
+                                              "(llama.cpp ea736c1d5)", sf.sdft)) if a)
         out.append(Finding("appendix", "note", "appendix_needs_new_server",
-                           f"the {names} {'need' if sf.sckp else 'needs'} a server with the slot draft-state "
-                           "change; llama.cpp b11434 and "
-                           "older restore the target and silently ignore them",
-                           (sf.sckp or sf.sdft).offset))
+                           f"the {names}; llama.cpp b11434 and older restore the target and silently ignore "
+                           f"{'them' if sf.sckp and sf.sdft else 'it'}",
+                           (sf.sckp or sf.sdft).offset, doubt=READING_033DF86B6 if sf.sckp else None))
     tk = sf.tokens
     if tk is not None and not tk.error:
         if tk.format == "legacy":
@@ -130,16 +153,16 @@ def structural_findings(sf: SlotFile, *, n_ctx_checkpoints: int = DEFAULT_CTX_CH
         out.append(Finding("checkpoints", "drop", "checkpoints_ignored",
                            f"checkpoint {empty} has an empty target blob: the server ignores the whole checkpoint "
                            "appendix (\"invalid context checkpoint appendix - ignored\") and reads none of it",
-                           sf.sckp.offset))
+                           sf.sckp.offset, doubt=READING_033DF86B6))
         if sf.sdft is not None:
             out.append(Finding("draft", "drop", "draft_unreachable",
                                "the draft state behind the ignored checkpoint appendix is never read: the server looks "
                                "for it right after the payload, finds the checkpoint appendix there, and starts the "
-                               "draft empty (silently)", sf.sdft.offset))
+                               "draft empty (silently)", sf.sdft.offset, doubt=READING_033DF86B6))
     elif sf.checkpoints is not None and len(sf.checkpoints) > n_ctx_checkpoints:
         out.append(Finding("checkpoints", "drop", "too_many_checkpoints",
                            f"{len(sf.checkpoints)} checkpoints: a server keeps the last {n_ctx_checkpoints} "
-                           "(--ctx-checkpoints) and drops the rest", sf.sckp.offset))
+                           "(--ctx-checkpoints) and drops the rest", sf.sckp.offset, doubt=READING_033DF86B6))
     if sf.sdft is not None and sf.draft is not None and sf.draft.span.size == 0:
         out.append(Finding("draft", "note", "draft_empty",
                            "the draft appendix holds only speculative state; the draft context starts empty",

@@ -34,6 +34,7 @@ from typing import BinaryIO, Callable, Sequence
 
 import numpy as np
 
+from slotctl.errors import FormatError
 from slotctl.format import appendix as apx
 from slotctl.format.common import Span
 from slotctl.format.header import HEADER_FIXED_SIZE, STATE_SEQ_MAGIC
@@ -257,17 +258,18 @@ def load_slot_checkpoints(f: BinaryIO, offset: int, size: int, *,
     """``load_slot_checkpoints`` (llama.cpp commit 033df86b6, tools/server/server-context.cpp; not in
     either source tree slotctl reads): the SCKP appendix at ``offset``, where the payload ends.
 
-    No SCKP magic there: absent, 0 bytes. A damaged appendix (another version, a count above
-    :data:`~slotctl.format.appendix.MAX_CHECKPOINTS`, refused before anything is allocated, a checkpoint
-    cut short, a length beyond the file) or a checkpoint with an empty target blob makes it ignore the
-    whole appendix, not fatal: 0 bytes consumed, no checkpoints ("invalid context checkpoint appendix -
-    ignored"), so the draft loader then looks for SDFT right after the payload, finds "SCKP", and the
-    draft starts empty (silently). Otherwise the whole appendix is consumed and the newest
-    ``n_ctx_checkpoints`` kept (:func:`~slotctl.server.checkpoints.keep_newest`), whatever their blobs
-    hold: the loader checks only lengths.
+    No SCKP magic there: absent, 0 bytes. A damaged appendix (another version, a checkpoint cut short, a
+    length beyond the file) or a checkpoint with an empty target blob makes it ignore the whole appendix,
+    not fatal: 0 bytes consumed, no checkpoints ("invalid context checkpoint appendix - ignored"), so the
+    draft loader then looks for SDFT right after the payload, finds "SCKP", and the draft starts empty
+    (silently). Otherwise the whole appendix is consumed and the newest ``n_ctx_checkpoints`` kept
+    (:func:`~slotctl.server.checkpoints.keep_newest`), whatever their blobs hold: the loader checks only
+    lengths. The count has no cap of its own: each checkpoint's lengths are checked against the bytes left
+    (the cap of 1024 in PR #26004's description and a patched fork is not in 033df86b6 as read).
 
-    These rules are two independent readings of that upstream code, which neither sdist holds (and, for
-    the count cap, kv-rosetta's tests/test_sckp_appendix.py of the same loader), not our sources.
+    These rules are readings of that upstream code, which neither sdist holds, not our sources. A count
+    above :data:`~slotctl.format.appendix.MAX_CHECKPOINTS` is beyond what slotctl reads (its own bound,
+    never reached by a server, which writes at most its ``--ctx-checkpoints``): :class:`FormatError`.
     """
     f.seek(offset)
     raw = _read(f, 4)
@@ -283,7 +285,8 @@ def load_slot_checkpoints(f: BinaryIO, offset: int, size: int, *,
         if ver != apx.SCKP_VERSION:
             damaged = f"version {ver}, expected {apx.SCKP_VERSION}"
         elif count > apx.MAX_CHECKPOINTS:
-            damaged = f"{count:,} checkpoints, more than {apx.MAX_CHECKPOINTS:,}"
+            raise FormatError("SCKP appendix", offset + 8, f"a checkpoint count slotctl reads (at most "
+                              f"{apx.MAX_CHECKPOINTS:,}, its own bound), found {count:,}")
         else:
             for i in range(count):
                 fixed = _read(f, 16)

@@ -147,6 +147,7 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
     report.findings = [i.finding for i in issues]
     report.effects = [i.effect for i in issues if i.finding.severity != "note" or i.effect == EFFECT_UNDECIDED]
     report.verdict = _verdict(report.effects)
+    report.uncertain = _doubts(issues, report.verdict)
     report.steps = _predict_steps(sf, report, setup)
     if sf.tokens is not None and sf.tokens.error is None:
         report.n_tokens = sf.tokens.n_tokens
@@ -158,6 +159,21 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
                           n_ctx_checkpoints=setup.n_ctx_checkpoints, checkpoints_read=checkpoints_read(sf))
         report.reuse = r.as_dict() if r is not None else None
     return report
+
+
+#: the layers whose refusal or abort the server meets first: a certain one there settles the verdict
+_FIRST_LAYERS = ("state header", "token words", TARGET, "file")
+
+
+def _doubts(issues: list[_Issue], verdict: str) -> list[str]:
+    """Why ``verdict`` is not settled by the sources (each finding's ``doubt``, once each); none when a
+    finding that is certain refuses the file, or makes the server abort, at a step the server meets
+    before any doubtful one (the header, the tokens, the target memory)."""
+    effect = {"refused": EFFECT_REFUSED, "aborts": EFFECT_ABORTS}.get(verdict)
+    if effect is not None and any(i.effect == effect and i.finding.doubt is None and i.finding.severity != "note"
+                                  and i.finding.layer in _FIRST_LAYERS for i in issues):
+        return []
+    return list(dict.fromkeys(i.finding.doubt for i in issues if i.finding.doubt))
 
 
 def _predict_steps(sf: SlotFile, report: FileReport, setup: ServerSetup) -> list[dict]:

@@ -109,6 +109,13 @@ class FileReport:
     slot_file: object = field(default=None, repr=False)
     #: why the file could not be read at all (verdict "unreadable"): {"code", "message"}
     error: dict | None = None
+    #: why the verdict is not settled by the sources slotctl reads (undefined behaviour in b11434's loader,
+    #: a reading of code neither sdist holds); empty: the verdict is certain
+    uncertain: list[str] = field(default_factory=list)
+
+    @property
+    def certain(self) -> bool:
+        return not self.uncertain
 
     @property
     def exit_status(self) -> ExitStatus:
@@ -130,6 +137,8 @@ class FileReport:
             "state_version": self.version,
             "n_tokens": self.n_tokens,
             "verdict": self.verdict,
+            "certain": self.certain,
+            "uncertain": list(self.uncertain),
             "exit_code": int(self.exit_status),
             "counts": self.counts(),
             "findings": [f.as_dict() for f in self.findings],
