@@ -170,7 +170,7 @@ def test_checkpoints_step_keeps_the_newest(tmp_path):
 
 
 def _appendix_variants():
-    """SCKP appendices the loader keeps or ignores: well formed, another version, a count beyond the cap,
+    """SCKP appendices the loader keeps or ignores: well formed, another version, a count the bytes cannot hold,
     cut short, a length beyond the file, an empty target blob, a blob llama.cpp would not load."""
     cps = [dict(n_tokens=n, pos_min=0, pos_max=n - 1, tgt=b"t" * n, dft=b"", spec=b"") for n in (4, 8)]
     good = apx.build_sckp(cps)

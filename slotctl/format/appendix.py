@@ -44,7 +44,10 @@ CHECKPOINT_MIN_SIZE = 16 + 3 * 8
 SckpAppendix = cs.Struct(
     "magic" / Expect(cs.Int32ul, [SCKP_MAGIC], "SCKP magic", hex32),
     "version" / Expect(cs.Int32ul, [SCKP_VERSION], "SCKP version"),
-    "count" / Counted(cs.Int32ul, "checkpoint count", limit=MAX_CHECKPOINTS, min_item_size=CHECKPOINT_MIN_SIZE),
+    # the bytes first (a count the file cannot hold is a damaged appendix, which the server ignores), then
+    # slotctl's own bound (a count it could hold but slotctl does not read)
+    "count" / Counted(Counted(cs.Int32ul, "checkpoint count", min_item_size=CHECKPOINT_MIN_SIZE),
+                      "checkpoint count", limit=MAX_CHECKPOINTS),
     "checkpoints" / cs.Array(this.count, Checkpoint),
 )
 

@@ -284,6 +284,8 @@ def load_slot_checkpoints(f: BinaryIO, offset: int, size: int, *,
         ver, count = struct.unpack("<II", raw)
         if ver != apx.SCKP_VERSION:
             damaged = f"version {ver}, expected {apx.SCKP_VERSION}"
+        elif count * apx.CHECKPOINT_MIN_SIZE > size - f.tell():
+            damaged = f"{count:,} checkpoints do not fit in the {size - f.tell():,} bytes left"
         elif count > apx.MAX_CHECKPOINTS:
             raise FormatError("SCKP appendix", offset + 8, f"a checkpoint count slotctl reads (at most "
                               f"{apx.MAX_CHECKPOINTS:,}, its own bound), found {count:,}")
