@@ -35,7 +35,7 @@ COMMANDS = {
     "slotctl validate FILE": [PY, "-m", "slotctl", "validate", str(SLOT_FILE), "-c", "256", "-fa", "on"],
     "slotctl validate FILE -m T --no-load": [PY, "-m", "slotctl", "validate", str(SLOT_FILE), "-m", str(MODEL),
                                              "-c", "256", "-fa", "on", "--no-load"],
-    "slotctl strip-draft --dry-run FILE": [PY, "-m", "slotctl", "strip-draft", "--dry-run", str(SLOT_FILE)],
+    "slotctl strip-draft --dry-run FILE": [PY, "-m", "slotctl", "strip-draft", "--dry-run", "--grace", "0", str(SLOT_FILE)],
 }
 #: the commands issue 12 sets a target for, and the target (times the numpy baseline)
 TARGETS = {"slotctl --help": 2.0, "slotctl inspect FILE": 2.0}

@@ -66,14 +66,14 @@ def main() -> None:
         for _ in range(args.repeat):
             runs["python -c pass"].append(timed([sys.executable, "-c", "pass"]))
             runs["truncate"].append(timed(["truncate", "-s", str(cut), fresh()]))
-            runs["strip-draft"].append(timed([*slotctl, "strip-draft", fresh()]))
+            runs["strip-draft"].append(timed([*slotctl, "strip-draft", "--grace", "0", fresh()]))
             assert os.path.getsize(work) == cut
             fresh()
             runs["cp"].append(timed(["cp", "--sparse=never", work, os.path.join(d, "copy.bin")]))
             os.unlink(os.path.join(d, "copy.bin"))
             if args.copy:
                 out = os.path.join(d, "out.bin")
-                runs["strip-draft -o (copy)"].append(timed([*slotctl, "strip-draft", fresh(), "-o", out]))
+                runs["strip-draft -o (copy)"].append(timed([*slotctl, "strip-draft", "--grace", "0", fresh(), "-o", out]))
                 os.unlink(out)
         med = {k: statistics.median(v) for k, v in runs.items()}
         print(f"file: {size / 2**30:.2f} GiB; SDFT appendix {(size - cut) / 2**20:.1f} MiB at the end")

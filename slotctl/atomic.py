@@ -3,11 +3,20 @@
 An interrupted write (an error, Ctrl-C, a kill) leaves the destination as it was: either the old file
 or, once the rename happened, the complete new one. A killed process may leave its temporary file
 (``.NAME.slotctl-*.tmp``) behind, never a half-written destination.
+
+What a write may replace (:func:`check_destination`): nothing, or a regular file. A directory, a device
+node, a FIFO or a socket is refused (renaming over ``/dev/null`` would replace it); a symbolic link is
+refused unless the caller follows it explicitly, and then its target is what is replaced. A regular
+file is replaced only by a process that may write it (the check ``open(O_WRONLY)`` makes, as a truncate
+in place would), and keeps its mode, owner and group: when the owner cannot be kept the write is refused.
+Errors name the destination, never the temporary file.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from contextlib import contextmanager
 from typing import BinaryIO, Iterator
@@ -17,33 +26,97 @@ from slotctl.errors import UsageError
 #: chunk size for streamed copies
 COPY_CHUNK = 8 << 20
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def check_destination(path: str | os.PathLike, *, overwrite: bool, follow_symlinks: bool = False,
+                      option: str = "--force") -> str:
+    """The path a write to ``path`` replaces (its target when it is a followed symbolic link), or a
+    one-line UsageError: its directory missing, something other than a regular file there, an existing
+    file without ``overwrite`` (``option`` names the flag that allows it), a symbolic link without
+    ``follow_symlinks``."""
+    path = os.fspath(path)
+    try:
+        lst = os.lstat(path)
+    except FileNotFoundError:
+        lst = None
+    except OSError as e:
+        raise UsageError(f"{path}: {e.strerror or e}") from None
+    if lst is not None and stat.S_ISLNK(lst.st_mode):
+        if not follow_symlinks:
+            raise UsageError(f"{path}: a symbolic link (to {os.readlink(path)}); --follow-symlinks writes the file "
+                             f"it points to, or remove the link", code="not_a_regular_file")
+        target = os.path.realpath(path)
+        return check_destination(target, overwrite=overwrite, option=option) if target != path else target
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UsageError(f"{directory}: no such directory", code="no_such_file")
+    if lst is None:
+        return path
+    if not stat.S_ISREG(lst.st_mode):
+        raise UsageError(f"{path}: {_kind(lst.st_mode)}; only a regular file is ever replaced",
+                         code="is_a_directory" if stat.S_ISDIR(lst.st_mode) else "not_a_regular_file")
+    if not overwrite:
+        raise UsageError(f"{path}: exists (use {option} to overwrite)", code="exists")
+    _check_writable(path)
+    return path
+
+
+def _check_writable(path: str) -> None:
+    """UsageError unless this process may write the regular file ``path`` (opened, never truncated)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except PermissionError:
+        raise UsageError(f"{path}: permission denied (this user may not write it, so it is not replaced either)",
+                         code="permission_denied") from None
+    except OSError as e:
+        raise UsageError(f"{path}: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(f"{path}: {_kind(os.fstat(fd).st_mode)}; only a regular file is ever replaced",
+                             code="not_a_regular_file")
+    finally:
+        os.close(fd)
+
 
 @contextmanager
-def atomic_writer(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[BinaryIO]:
+def atomic_writer(path: str | os.PathLike, *, overwrite: bool = False,
+                  follow_symlinks: bool = False) -> Iterator[BinaryIO]:
     """Yield a file to write; on a clean exit it replaces ``path`` atomically.
 
-    Without ``overwrite`` an existing ``path`` is a usage error (checked before and at the rename).
+    ``path`` is checked by :func:`check_destination` before the temporary file is made and again just
+    before the rename (a FIFO or a symbolic link put there meanwhile is not replaced). Without
+    ``overwrite`` an existing ``path`` is a usage error. An I/O error names ``path`` (a full disk, a
+    refused rename), never the temporary file.
     """
-    path = os.fspath(path)
+    path = check_destination(path, overwrite=overwrite, follow_symlinks=follow_symlinks)
     directory = os.path.dirname(os.path.abspath(path))
-    if not overwrite and os.path.exists(path):
-        raise UsageError(f"{path}: exists (use --force to overwrite)")
-    if not os.path.isdir(directory):
-        raise UsageError(f"{directory}: no such directory")
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.slotctl-", suffix=".tmp", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.slotctl-", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise _named(e, path, "cannot create a temporary file beside it") from None
     try:
         with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(path):
-            if not overwrite:
-                raise UsageError(f"{path}: exists (use --force to overwrite)")
-            # keep the mode of the file being replaced
-            os.chmod(tmp, os.stat(path).st_mode & 0o7777)
-        else:
-            os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
+            try:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+                check_destination(path, overwrite=overwrite)
+                _keep_metadata(path, f.fileno())
+            except OSError as e:
+                if e.errno is None or e.filename not in (None, tmp):
+                    raise   # not the write's own error (the source ended early, ...)
+                raise _named(e, path) from None
+        try:
+            os.replace(tmp, path)
+        except OSError as e:
+            raise _named(e, path, "cannot rename the new file over it") from None
         fsync_dir(directory)
     except BaseException:
         try:
@@ -51,6 +124,31 @@ def atomic_writer(path: str | os.PathLike, *, overwrite: bool = False) -> Iterat
         except FileNotFoundError:
             pass
         raise
+
+
+def _named(e: OSError, path: str, doing: str = "") -> OSError:
+    """``e`` naming ``path`` (with what was being done) instead of a temporary file or nothing."""
+    reason = e.strerror or str(e)
+    return OSError(e.errno or errno.EIO, f"{doing}: {reason}" if doing else reason, path)
+
+
+def _keep_metadata(path: str, fd: int) -> None:
+    """Give the new file the mode, owner and group of the regular file at ``path`` it replaces (a new file:
+    0666 less the umask). UsageError when the owner or group cannot be kept (not root, another's file)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        os.fchmod(fd, 0o666 & ~_umask())
+        return
+    mine = os.fstat(fd)
+    if (mine.st_uid, mine.st_gid) != (st.st_uid, st.st_gid):
+        try:
+            os.fchown(fd, st.st_uid, st.st_gid)
+        except PermissionError:
+            raise UsageError(f"{path}: owned by uid {st.st_uid} gid {st.st_gid}; replacing it would give it this "
+                             f"user's uid {mine.st_uid} gid {mine.st_gid}: run as its owner (or root)",
+                             code="permission_denied") from None
+    os.fchmod(fd, st.st_mode & 0o7777)
 
 
 def _umask() -> int:

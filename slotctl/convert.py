@@ -409,13 +409,14 @@ def _row_elements(type_id: int, row_size: int, part: str, at: int) -> int:
 # -- writing ----------------------------------------------------------------------------------------------
 
 
-def write_converted(plan: Plan, dest: str | os.PathLike, *, overwrite: bool = False,
+def write_converted(plan: Plan, dest: str | os.PathLike, *, overwrite: bool = False, follow_symlinks: bool = False,
                     layout: MemoryLayout | None = None, draft_layout: MemoryLayout | None = None,
                     progress: Callable[[int], None] | None = None) -> list[LayerError]:
     """Write the converted file to ``dest`` atomically; the errors of every re-encoded record.
 
     The new file is parsed before it replaces anything (with the layouts, when given); SourceChanged
-    when the input changed during the copy. ``progress(bytes written)``.
+    when the input changed during the copy. ``progress(bytes written)``. What ``dest`` may be (a regular
+    file with ``overwrite``, a symbolic link with ``follow_symlinks``): :func:`~slotctl.atomic.check_destination`.
     """
     errors: dict[tuple, LayerError] = {}
     done = 0
@@ -426,7 +427,7 @@ def write_converted(plan: Plan, dest: str | os.PathLike, *, overwrite: bool = Fa
 
     with open_regular(plan.path) as src:
         _check_same(plan, src)
-        with atomic_writer(dest, overwrite=overwrite) as dst:
+        with atomic_writer(dest, overwrite=overwrite, follow_symlinks=follow_symlinks) as dst:
             for p in plan.pieces:
                 if isinstance(p, Span):
                     copy_range(src, dst, p.offset, p.size, progress=tick)

@@ -22,6 +22,20 @@ from typing import BinaryIO, Iterable, Iterator
 from slotctl.errors import UsageError
 
 
+#: seconds since the last modification under which a file counts as being written (``prune``,
+#: ``strip-draft``: a server saving a slot writes the file from its start to its end)
+DEFAULT_GRACE = 60.0
+
+
+def being_written(st: os.stat_result, grace: float, now: float) -> str | None:
+    """Why the file of ``st`` may still be being written (modified less than ``grace`` seconds before
+    ``now``, or stamped in the future), or None. The one rule of ``prune`` and ``strip-draft``."""
+    age = now - st.st_mtime
+    if age < grace:
+        return f"modified {max(0.0, age):.0f} s ago, within --grace {grace:g} s (being written?)"
+    return None
+
+
 def is_temp_file(name: str) -> bool:
     """Whether ``name`` is a temporary file of :func:`~slotctl.atomic.atomic_writer` (``.NAME.slotctl-*.tmp``)."""
     return name.startswith(".") and ".slotctl-" in name and name.endswith(".tmp")

@@ -1,9 +1,11 @@
 """Keeping a slot directory under a budget (``slotctl prune``): which files go, in which order, and going.
 
 :func:`plan` decides from metadata alone (``os.lstat``; with ``broken``, the verdicts of
-:mod:`slotctl.catalog`); :func:`execute` deletes. Deleting is ``unlink``, one file at a time, each
-checked again just before: a process killed at any moment leaves every file either as it was or gone,
-and a file that changed since it was planned (a server saving over it) is left alone.
+:mod:`slotctl.catalog`); :func:`execute` deletes, one file at a time (:func:`delete_checked`): each is
+renamed to a private name, checked again there and only then unlinked, so that a file a server saves
+over it (in place or by a rename) meanwhile is never the one deleted. A file that changed since it was
+planned is put back and left alone; a process killed at any moment leaves every file as it was, gone,
+or under its private name, which the next prune puts back.
 
 Least recently used first: the last use of a file is its access time where the filesystem keeps one
 (the server reading a file to restore it updates it; slotctl's own reads do not,
@@ -28,10 +30,7 @@ from typing import Callable
 from slotctl.slotfile import begins_with_state_magic
 from slotctl.catalog import iso_time
 from slotctl.errors import UsageError
-from slotctl.paths import is_temp_file
-
-#: seconds since the last modification under which a file counts as being written
-DEFAULT_GRACE = 60.0
+from slotctl.paths import DEFAULT_GRACE, being_written, is_temp_file
 
 # actions
 DELETE = "deleted"
@@ -184,8 +183,9 @@ def _scan(directory: str, now: float, policy: Policy, source: str) -> tuple[list
             e.action, e.reason = SKIPPED, "not a slot file (no state magic)"
         else:
             total += st.st_size       # the budget is of slot files, busy and pinned ones included
-            if now - st.st_mtime < policy.grace:
-                e.action, e.reason = SKIPPED, f"modified {max(0, now - st.st_mtime):.0f} s ago (being written?)"
+            busy = being_written(st, policy.grace, now)
+            if busy:
+                e.action, e.reason = SKIPPED, busy
             elif any(fnmatch.fnmatch(d.name, g) or fnmatch.fnmatch(d.path, g) for g in policy.pins):
                 e.action, e.reason = PINNED, "matches --pin"
         entries.append(e)
@@ -199,6 +199,7 @@ def plan(directory: str, policy: Policy, *, now: float | None = None,
     if not os.path.isdir(directory):
         raise UsageError(f"{directory}: not a directory")
     now = time.time() if now is None else now
+    restore_set_aside(directory)   # what a killed prune left under a private name
     source, why = time_source(directory)
     entries, total = _scan(directory, now, policy, source)
     p = Plan(directory, policy, source, why, entries, total)
@@ -245,12 +246,13 @@ def _ago(seconds: float) -> str:
 
 def execute(p: Plan, *, dry_run: bool, now_fn: Callable[[], float] = time.time,
             on_file: Callable[[Entry], None] | None = None) -> Plan:
-    """Delete the selected files (``dry_run``: mark them ``would_delete``), each checked again first."""
+    """Delete the selected files (``dry_run``: mark them ``would_delete``), each checked again first
+    (:func:`delete_checked`)."""
     for e in p.selected():
         if dry_run:
             e.action = WOULD_DELETE
         else:
-            _delete(e, p.policy, now_fn())
+            delete_checked(e, p.policy.grace, now_fn)
         if on_file:
             on_file(e)
     if not dry_run and any(e.action == DELETE for e in p.entries):
@@ -260,18 +262,106 @@ def execute(p: Plan, *, dry_run: bool, now_fn: Callable[[], float] = time.time,
     return p
 
 
-def _delete(e: Entry, policy: Policy, now: float) -> None:
+# -- the deletion step: only what was checked is deleted --------------------------------------------------
+
+#: the private name a file is set aside under while it is checked for the last time
+_ASIDE = re.compile(r"^\.(?P<name>.+)\.slotctl-prune-(?P<pid>\d+)\.tmp$")
+
+
+def _aside_name(path: str) -> str:
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.slotctl-prune-{os.getpid()}.tmp")
+
+
+def delete_checked(e: Entry, grace: float, now_fn: Callable[[], float] = time.time) -> None:
+    """Delete ``e.path`` only if it is still the file planned (inode, size, modification time) and still
+    older than ``grace`` seconds, in steps the filesystem makes atomic.
+
+    1. ``rename`` it to a private name in the same directory: from then on a writer that opens the name
+       creates a new file there, and one that renames a file onto the name puts a new file there; neither
+       touches the file set aside.
+    2. Check the file set aside: its identity and age (a writer that opened it before the rename has
+       changed its modification time when it truncated or wrote it).
+    3. ``unlink`` it; or, when it changed, put it back with ``link`` (which never replaces a file a writer
+       made under the name meanwhile) and remove the private name.
+
+    A check and an unlink of the same name, in two steps, would delete whatever a writer had put there in
+    between. A process killed between 1 and 3 leaves the file under its private name, which the next
+    prune of the directory puts back (:func:`restore_set_aside`).
+    """
+    aside = _aside_name(e.path)
     try:
-        st = os.lstat(e.path)
+        os.rename(e.path, aside)
     except FileNotFoundError:
         e.action, e.reason = SKIPPED, "gone before it was deleted"
         return
-    if (st.st_ino, st.st_size, st.st_mtime) != (e.ino, e.size, e.mtime) or now - st.st_mtime < policy.grace:
-        e.action, e.reason = SKIPPED, "changed since it was planned (being written?)"
-        return
-    try:
-        os.unlink(e.path)
-    except FileNotFoundError:
-        e.action, e.reason = SKIPPED, "gone before it was deleted"
     except OSError as err:
         e.action, e.error = FAILED, f"{e.path}: {err.strerror or err}"
+        return
+    try:
+        st = os.lstat(aside)
+        changed = (st.st_ino, st.st_size, st.st_mtime) != (e.ino, e.size, e.mtime) or not stat.S_ISREG(st.st_mode)
+        busy = being_written(st, grace, now_fn())
+        if not changed and not busy:
+            os.unlink(aside)
+            return
+    except OSError as err:
+        _put_back(e, aside)
+        if e.action != FAILED:
+            e.action, e.error = FAILED, f"{e.path}: {err.strerror or err}"
+        return
+    _put_back(e, aside)
+    if e.action != FAILED:
+        e.action, e.reason = SKIPPED, "changed since it was planned (being written?)"
+
+
+def _put_back(e: Entry, aside: str) -> None:
+    """The file set aside at ``aside`` back under ``e.path``, without replacing a file made there since."""
+    try:
+        os.link(aside, e.path)
+    except FileExistsError:
+        e.action, e.error = FAILED, (f"{e.path}: changed while it was being deleted, and a new file took its "
+                                     f"name meanwhile; the older one is kept as {aside}")
+        return
+    except OSError:
+        try:
+            os.rename(aside, e.path)   # no hard links here: a rename onto the (still free) name
+        except OSError as err:
+            e.action, e.error = FAILED, f"{e.path}: could not be put back, kept as {aside}: {err.strerror or err}"
+        return
+    os.unlink(aside)
+
+
+def restore_set_aside(directory: str) -> list[str]:
+    """Put back the files a killed prune left under their private names in ``directory`` (where the name
+    is free and the prune that set them aside is gone); the paths put back."""
+    back = []
+    try:
+        with os.scandir(directory) as it:
+            names = [d.name for d in it]
+    except OSError:
+        return back
+    for name in names:
+        m = _ASIDE.match(name)
+        if not m or _alive(int(m.group("pid"))):
+            continue
+        src, dst = os.path.join(directory, name), os.path.join(directory, m.group("name"))
+        try:
+            os.link(src, dst)
+            os.unlink(src)
+        except OSError:
+            continue
+        back.append(dst)
+    return back
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True

@@ -26,17 +26,18 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Callable, Union
 
 from slotctl.progress import Progress
-from slotctl.atomic import atomic_writer, copy_range
+from slotctl.atomic import atomic_writer, check_destination, copy_range
 from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError, os_error_code
 from slotctl.format import appendix as apx
 from slotctl.format.common import Span, coalesce
 from slotctl.format.memory import MemoryLayout
-from slotctl.paths import check_readable
+from slotctl.paths import DEFAULT_GRACE, being_written, check_readable
 from slotctl.slotfile import SlotFile, open_slot_file
 
 #: what ``removed`` lists
@@ -67,6 +68,12 @@ _CKPT_HEAD = struct.Struct("<qiiQ")        # n_tokens, pos_min, pos_max, target 
 _EMPTY_BLOBS = struct.pack("<QQ", 0, 0)    # draft blob length 0, speculative state length 0
 
 Piece = Union[Span, bytes]
+
+
+class BeingWritten(SlotctlError):
+    """The file was modified within the grace period: a server may still be writing it; it is left alone."""
+
+    exit_status = ExitStatus.FAILED
 
 
 class SourceChanged(SlotctlError):
@@ -104,6 +111,8 @@ class Plan:
     draft_size: int = 0
     #: the error of a damaged SDFT appendix that this strip removes (None for an intact file)
     repaired: str | None = None
+    #: the file's names (hard links) when it was parsed; more than 1: cutting it in place changes them all
+    links: int = 1
 
     @property
     def size_after(self) -> int:
@@ -133,7 +142,7 @@ def plan_strip(path: str | os.PathLike, *, checkpoints: bool = False, layout: Me
     if damage is None and (sf.errors or sf.target is None):
         raise sf.errors[0] if sf.errors else FormatError("target memory", sf.header_end,
                                                          "a memory payload of a known kind")
-    return _plan(sf, identity, checkpoints, damage)
+    return _plan(sf, identity, checkpoints, damage, links=os.stat(path).st_nlink)
 
 
 def _sdft_damage(sf: SlotFile) -> tuple[int, str] | None:
@@ -170,7 +179,8 @@ def _sdft_damage(sf: SlotFile) -> tuple[int, str] | None:
     return None
 
 
-def _plan(sf: SlotFile, identity: _Identity, checkpoints: bool, damage: tuple[int, str] | None = None) -> Plan:
+def _plan(sf: SlotFile, identity: _Identity, checkpoints: bool, damage: tuple[int, str] | None = None, *,
+          links: int = 1) -> Plan:
     """The pieces of the stripped file: the old file's ranges around what goes, and rebuilt SCKP headers.
 
     With ``checkpoints`` (and a checkpoint holding draft or speculative bytes), SCKP is rewritten from
@@ -214,7 +224,7 @@ def _plan(sf: SlotFile, identity: _Identity, checkpoints: bool, damage: tuple[in
         pieces.append(Span(pos, sf.size - pos))
     return Plan(sf.path, sf.size, tuple(removed), tuple(coalesce(pieces)), identity,
                 0 if checkpoints else dft_bytes + spec_bytes, draft_size=sdft_bytes + dft_bytes + spec_bytes,
-                repaired=damage[1] if damage else None)
+                repaired=damage[1] if damage else None, links=links)
 
 
 def _check_trailing(sf: SlotFile) -> None:
@@ -235,20 +245,21 @@ def _check_trailing(sf: SlotFile) -> None:
                           f"would read as an appendix once the SDFT appendix before them is removed")
 
 
-def write_plan(plan: Plan, dest: str | os.PathLike, *, overwrite: bool,
+def write_plan(plan: Plan, dest: str | os.PathLike, *, overwrite: bool, follow_symlinks: bool = False,
                progress: Callable[[int], None] | None = None) -> None:
     """Write the stripped file to ``dest`` atomically, streaming the kept ranges of ``plan.path``.
 
     ``progress(bytes written)`` follows the copy. Raises :class:`SourceChanged` (nothing is replaced) when
-    the file is not the one that was parsed, before or during the copy. A file that is replaced keeps its
-    mode, and its owner and group where the process may set them (a root run must not leave a server's
-    slot file owned by root).
+    the file is not the one that was parsed, before or during the copy. ``dest`` is replaced only when it
+    is a regular file this process may write, and keeps its mode, owner and group (a root run must not
+    leave a server's slot file owned by root; a user who may not write it is refused, as a truncate would
+    be): :func:`~slotctl.atomic.atomic_writer`.
     """
     with open(plan.path, "rb") as src:
         _check_same(plan, src)
+        check_destination(dest, overwrite=overwrite, follow_symlinks=follow_symlinks)
         check_free_space(dest, plan.size_after)
-        with atomic_writer(dest, overwrite=overwrite) as dst:
-            _keep_owner(dest, dst)
+        with atomic_writer(dest, overwrite=overwrite, follow_symlinks=follow_symlinks) as dst:
             done = 0
             for piece in plan.pieces:
                 if isinstance(piece, Span):
@@ -263,18 +274,23 @@ def write_plan(plan: Plan, dest: str | os.PathLike, *, overwrite: bool,
             _check_same(plan, src)
 
 
-def truncate_in_place(plan: Plan, path: str | os.PathLike) -> None:
+def truncate_in_place(plan: Plan, path: str | os.PathLike, *, all_links: bool = False) -> None:
     """Cut the file at ``path`` (the one ``plan`` was made from) to ``plan.size_after`` bytes, and sync it.
 
     One ``ftruncate``: O(1), no free space needed, and atomic in itself (a crash leaves the old length or
-    the new one). Raises :class:`SourceChanged` (nothing is cut) when the file is not the one parsed.
+    the new one). Raises :class:`SourceChanged` (nothing is cut) when the file is not the one parsed, or
+    when it has gained other names (hard links) since, unless ``all_links``: a cut changes every name.
     """
     if not plan.is_prefix:
         raise ValueError("truncate_in_place needs a plan whose result is a prefix of the file")
     fd = os.open(os.fspath(path), os.O_WRONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
-        if _Identity.of(os.fstat(fd)) != plan.identity:
+        st = os.fstat(fd)
+        if _Identity.of(st) != plan.identity:
             raise SourceChanged(f"{plan.path}: the file changed since it was read; left as it is now, run again")
+        if st.st_nlink > 1 and not all_links:
+            raise SourceChanged(f"{plan.path}: the file was given other names (hard links) since it was read; "
+                                f"left as it is now, run again")
         os.ftruncate(fd, plan.size_after)
         os.fsync(fd)
     finally:
@@ -293,18 +309,6 @@ def check_free_space(dest: str | os.PathLike, need: int) -> None:
         raise UsageError(f"{directory}: the stripped copy needs {need + FREE_SPACE_MARGIN:,} bytes free, "
                          f"{free:,} are; free space first (strip-draft without --checkpoints and without -o "
                          f"cuts the file in place and needs none)")
-
-
-def _keep_owner(dest: str | os.PathLike, dst) -> None:
-    """Give the new file ``dst`` the owner and group of the file at ``dest`` it replaces, where allowed."""
-    try:
-        st = os.stat(dest)
-    except FileNotFoundError:
-        return
-    try:
-        os.fchown(dst.fileno(), st.st_uid, st.st_gid)
-    except PermissionError:   # not root and not our file: the new file is ours
-        pass
 
 
 def _check_same(plan: Plan, src) -> None:
@@ -336,6 +340,8 @@ class FileResult:
     repaired: str | None = None
     #: what kind of error ``error`` is, for scripts (``damaged``, ``no_such_file``, ...)
     error_code: str | None = None
+    #: the file's names besides this one (hard links); in place, such a file is copied unless --all-links
+    other_links: int = 0
 
     @property
     def bytes_freed(self) -> int:
@@ -348,39 +354,43 @@ class FileResult:
                "bytes_freed": self.bytes_freed, "removed": list(self.removed), "output": self.output,
                "method": self.method, "draft_size": self.draft_size,
                "checkpoint_draft_size": self.checkpoint_draft_size, "repaired": self.repaired,
-               "exit_code": int(self.exit_status)}
+               "other_links": self.other_links, "exit_code": int(self.exit_status)}
         if self.error is not None:
             out["error"] = {"code": self.error_code or "refused", "message": self.error}
         return out
 
 
-def check_output(output: str | os.PathLike, n_files: int, *, force: bool) -> None:
-    """Usage errors of ``-o OUT``: several input files, a directory, an existing file without ``force``."""
+def check_output(output: str | os.PathLike, n_files: int, *, force: bool, follow_symlinks: bool = False) -> str:
+    """The file ``-o OUT`` writes (OUT, or its target with ``follow_symlinks``), or a usage error: several
+    input files, or what :func:`~slotctl.atomic.check_destination` refuses (a directory, a device, a FIFO,
+    a socket, a symbolic link not followed, an existing file without ``force``)."""
     out = os.fspath(output)
     if n_files != 1:
         raise UsageError(f"-o {out}: needs exactly one input file, {n_files} given")
-    if os.path.isdir(out):
-        raise UsageError(f"{out}: is a directory")
-    if os.path.lexists(out) and not force:
-        raise UsageError(f"{out}: exists (use --force to overwrite)")
-    directory = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(directory):
-        raise UsageError(f"{directory}: no such directory")
+    return check_destination(out, overwrite=force, follow_symlinks=follow_symlinks)
 
 
 def strip_files(files: list[str], *, output: str | os.PathLike | None = None, checkpoints: bool = False,
                 dry_run: bool = False, force: bool = False, progress: Progress | None = None,
-                layout: MemoryLayout | None = None, draft_layout: MemoryLayout | None = None) -> list[FileResult]:
+                layout: MemoryLayout | None = None, draft_layout: MemoryLayout | None = None,
+                grace: float = DEFAULT_GRACE, all_links: bool = False, follow_symlinks: bool = False,
+                now: Callable[[], float] = time.time) -> list[FileResult]:
     """Strip each of ``files`` (already expanded, see :func:`expand_paths`); one result per file.
 
     ``layout`` / ``draft_layout``: the target and draft memory layouts, when known from the models.
-    In place unless ``output`` is given (one file only; see :func:`check_output`). Every file is parsed
-    first, then the files with draft state are written; ``progress(done, total)`` counts bytes written
-    over all files. A refused or unreadable file does not stop the others.
+    In place unless ``output`` is given (one file only; see :func:`check_output`; ``follow_symlinks``
+    lets it write through a symbolic link). Every file is parsed first, then the files with draft state
+    are written; ``progress(done, total)`` counts bytes written over all files. A refused or unreadable
+    file does not stop the others.
+
+    A file modified less than ``grace`` seconds ago is refused (a server may still be writing it: a cut
+    under a writer leaves a hole). A file with other names (hard links) is not changed behind them: in
+    place it is copied, so only this name gets the stripped file, unless ``all_links`` (then it is cut in
+    place, and every name sees the cut; a strip that needs a copy is refused).
     """
     if output is not None:
-        check_output(output, len(files), force=force)
-        if os.path.exists(output) and os.path.samefile(output, files[0]):
+        dest = check_output(output, len(files), force=force, follow_symlinks=follow_symlinks)
+        if os.path.exists(dest) and os.path.samefile(dest, files[0]):
             output = None   # -o naming the file itself (with --force): in place
     results: list[FileResult] = []
     plans: list[tuple[FileResult, Plan, str]] = []
@@ -388,10 +398,18 @@ def strip_files(files: list[str], *, output: str | os.PathLike | None = None, ch
         res = FileResult(path, REFUSED)
         results.append(res)
         try:
-            res.size_before = check_readable(path).st_size
+            st = check_readable(path)
+            res.size_before = st.st_size
+            busy = being_written(st, grace, now())
+            if busy:
+                raise BeingWritten(f"{path}: {busy}; left as it is: strip it once the writer is done "
+                                   f"(or give a shorter --grace)")
             plan = plan_strip(path, checkpoints=checkpoints, layout=layout, draft_layout=draft_layout)
         except FormatError as e:
             res.error, res.error_code, res.exit_status = f"{path}: {e}", e.error_code, ExitStatus.FAILED
+            continue
+        except BeingWritten as e:
+            res.error, res.error_code, res.exit_status = str(e), e.error_code, ExitStatus.FAILED
             continue
         except UsageError as e:
             res.error, res.error_code, res.exit_status = str(e), e.error_code, ExitStatus.USAGE
@@ -403,8 +421,16 @@ def strip_files(files: list[str], *, output: str | os.PathLike | None = None, ch
         res.draft_size, res.checkpoint_draft_size, res.repaired = (plan.draft_size, plan.checkpoint_draft_bytes,
                                                                    plan.repaired)
         written_to = path if output is None else os.fspath(output)
+        res.other_links = plan.links - 1
         if plan.changes or output is not None:
-            res.method = TRUNCATE if output is None and plan.is_prefix else COPY
+            res.method = TRUNCATE if output is None and plan.is_prefix and (plan.links == 1 or all_links) else COPY
+        if plan.changes and output is None and plan.links > 1 and all_links and res.method == COPY:
+            res.error = (f"{path}: --all-links: this strip rewrites the middle of the file (--checkpoints, or bytes "
+                         f"after the draft state), which only a copy does, and a copy cannot change the file's "
+                         f"{plan.links - 1} other name(s); left as it is")
+            res.error_code, res.exit_status, res.removed, res.method = "hard_links", ExitStatus.FAILED, [], None
+            res.size_after = None
+            continue
         if not plan.changes and output is None:
             res.status = UNCHANGED
         elif dry_run:
@@ -419,21 +445,27 @@ def strip_files(files: list[str], *, output: str | os.PathLike | None = None, ch
         dest = os.path.realpath(written_to) if output is None else written_to
         try:
             if res.method == TRUNCATE:
-                truncate_in_place(plan, dest)
+                truncate_in_place(plan, dest, all_links=all_links)
             else:
                 written = base + plan.size_after
-                write_plan(plan, dest, overwrite=force or output is None,
+                write_plan(plan, dest, overwrite=force or output is None, follow_symlinks=follow_symlinks,
                            progress=(lambda n, base=base: progress(base + n, total)) if progress else None)
         except SourceChanged as e:
-            res.status, res.size_after, res.error, res.exit_status = REFUSED, None, str(e), ExitStatus.FAILED
-            res.error_code = e.error_code
+            _refused(res, str(e), e.error_code, ExitStatus.FAILED)
         except (OSError, UsageError) as e:
-            res.status, res.size_after, res.exit_status = REFUSED, None, ExitStatus.USAGE
-            res.error = _os_error(dest, e) if isinstance(e, OSError) else str(e)
-            res.error_code = os_error_code(e) if isinstance(e, OSError) else e.error_code
+            if isinstance(e, OSError):
+                _refused(res, _os_error(dest, e), os_error_code(e), ExitStatus.USAGE)
+            else:
+                _refused(res, str(e), e.error_code, ExitStatus.USAGE)
         else:
             res.status, res.output = (STRIPPED if plan.changes else UNCHANGED), written_to
     return results
+
+
+def _refused(res: FileResult, error: str, code: str, status: ExitStatus) -> None:
+    """``res`` refused at the write: nothing was removed, and no method wrote it."""
+    res.status, res.size_after, res.removed, res.method = REFUSED, None, [], None
+    res.error, res.error_code, res.exit_status = error, code, status
 
 
 def _os_error(path: str, e: OSError) -> str:

@@ -104,9 +104,9 @@ def commands(path: Path, model: Path, *, full: bool = False) -> list[list[str]]:
     """The read-only commands run on a mutated file; ``full`` adds the slower ones (the fuzz run)."""
     p = str(path)
     out = [["inspect", p, "--json"], ["validate", p, "--no-load", "--json"],
-           ["strip-draft", p, "-m", str(model), "--dry-run", "--json"]]
+           ["strip-draft", p, "-m", str(model), "--dry-run", "--grace", "0", "--json"]]
     if full:
-        out += [["inspect", p, "-m", str(model), "--json"], ["strip-draft", p, "--dry-run", "--json"],
+        out += [["inspect", p, "-m", str(model), "--json"], ["strip-draft", p, "--dry-run", "--grace", "0", "--json"],
                 ["validate", p, "-m", str(model), "--no-load", "--json"]]
     return out
 
@@ -147,7 +147,7 @@ def check_command(args: list[str], *, measure: bool = True) -> tuple[int, float,
 def check_strip_in_place(path: Path) -> int:
     """strip-draft in place (and --checkpoints): the file is unchanged, or it is a clean file without draft state."""
     before = path.read_bytes()
-    code, _, _ = check_command(["strip-draft", str(path), "--checkpoints", "--json"], measure=False)
+    code, _, _ = check_command(["strip-draft", str(path), "--checkpoints", "--grace", "0", "--json"], measure=False)
     after = path.read_bytes()
     if code == 1:
         assert after == before, "a refused file was changed"

@@ -126,7 +126,7 @@ def test_field_at_its_maximum(tmp_path, kind, field):
     offset, width = field_offsets(src)[field]
     bad = _patch(src, tmp_path / "bad.bin", offset, width, U32 if width == 4 else U64)
     for args in (["inspect", str(bad), "--json"], ["validate", str(bad), "--no-load", "--json"],
-                 ["strip-draft", str(bad), "--dry-run", "--json"]):
+                 ["strip-draft", str(bad), "--dry-run", "--grace", "0", "--json"]):
         tracemalloc.start()
         t0 = time.monotonic()
         res = runner.invoke(app, args)

@@ -86,7 +86,7 @@ def test_a_missing_path_among_many_is_one_entry_not_the_loss_of_the_run(tmp_path
         assert [f["path"] for f in doc["files"]] == [str(tmp_path / "a.bin"), str(tmp_path / "b.bin"), "nope.bin"]
         assert [f["exit_code"] for f in doc["files"]] == [0, 0, 2]
         assert doc["files"][2]["error"]["code"] == "no_such_file"
-    doc = json.loads(cli("strip-draft", tmp_path, "nope.bin", "--dry-run", "--json").stdout)
+    doc = json.loads(cli("strip-draft", tmp_path, "nope.bin", "--dry-run", "--grace", "0", "--json").stdout)
     assert [f["exit_code"] for f in doc["files"]] == [0, 0, 2] and doc["exit_code"] == 2
 
 
@@ -145,7 +145,7 @@ def test_jsonl_streams_one_object_per_file_then_the_summary(tmp_path):
     for name in ("a.bin", "b.bin"):
         shutil.copy(SLOT, tmp_path / name)
     for command in ("inspect", "validate", "strip-draft"):
-        res = cli(command, tmp_path, "nope.bin", "--jsonl", *(["--dry-run"] if command == "strip-draft" else []))
+        res = cli(command, tmp_path, "nope.bin", "--jsonl", *(["--dry-run", "--grace", "0"] if command == "strip-draft" else []))
         lines = json_schemas.check_jsonl(command, res.stdout)
         assert [line.get("path") for line in lines] == [str(tmp_path / "a.bin"), str(tmp_path / "b.bin"),
                                                         "nope.bin", None]

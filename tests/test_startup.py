@@ -73,7 +73,7 @@ def test_validate_and_strip_draft_run_no_llama_cpp_and_no_http(tmp_path):
                          "--no-load")
     assert code in (0, None)
     assert "gguf" in heavy and heavy.isdisjoint({"llama_cpp", "ssl", "http.client", "urllib.request", "pydantic"})
-    code, heavy = loaded(tmp_path, "strip-draft", "--dry-run", str(SLOT_FILE))
+    code, heavy = loaded(tmp_path, "strip-draft", "--dry-run", "--grace", "0", str(SLOT_FILE))
     assert code in (0, None)
     assert heavy.isdisjoint({"llama_cpp", "ssl", "http.client", "urllib.request", "pydantic"})
 

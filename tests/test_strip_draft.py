@@ -96,7 +96,9 @@ def build_file(path: Path, *, base: Path = TARGET_SRC, checkpoints: list[dict] |
 
 
 def strip(*args: str | Path):
-    return runner.invoke(app, ["strip-draft", *map(str, args)])
+    """strip-draft ARGS; the files the tests build are fresh, so without a --grace of the test's own: 0."""
+    grace = [] if "--grace" in map(str, args) else ["--grace", "0"]
+    return runner.invoke(app, ["strip-draft", *map(str, args), *grace])
 
 
 def strip_json(*args: str | Path) -> tuple[int, dict]:
@@ -144,7 +146,7 @@ def test_strips_the_sdft_appendix_and_keeps_every_other_byte(tmp_path, base):
                  "draft_size": len(b.original) - len(b.stripped) + sum(len(c["dft"]) + len(c["spec"])
                                                                        for c in b.checkpoints),
                  "checkpoint_draft_size": sum(len(c["dft"]) + len(c["spec"]) for c in b.checkpoints),
-                 "repaired": None, "exit_code": 0}
+                 "repaired": None, "other_links": 0, "exit_code": 0}
     assert f["checkpoint_draft_size"] > 0
     # the SDFT appendix ended the file: it was cut off in place, the same inode
     assert os.stat(b.path).st_ino == inode
@@ -431,14 +433,14 @@ def test_json_keys_are_stable(tmp_path):
     assert code == 1
     assert list(d) == ["files", "summary", "exit_code"]
     keys = ["path", "status", "size", "size_after", "bytes_freed", "removed", "output", "method", "draft_size",
-            "checkpoint_draft_size", "repaired", "exit_code"]
+            "checkpoint_draft_size", "repaired", "other_links", "exit_code"]
     assert list(d["files"][0]) == keys and list(d["files"][1]) == keys + ["error"]
     assert d["files"][1]["error"]["code"] == "damaged" and d["files"][1]["output"] is None
 
 
 def test_human_output(tmp_path):
     b = build_file(tmp_path / "slot.bin", checkpoints=[])
-    res = runner.invoke(app, ["strip-draft", str(b.path)], env={"COLUMNS": "200"})
+    res = runner.invoke(app, ["strip-draft", str(b.path), "--grace", "0"], env={"COLUMNS": "200"})
     assert res.exit_code == 0 and res.stderr == ""
     row = next(ln for ln in res.stdout.splitlines() if "slot.bin" in ln)
     for cell in ("stripped", "SDFT"):
@@ -499,7 +501,7 @@ def test_copies_stream_and_report_progress(big_dir):
     seen = []
     tracemalloc.start()
     try:
-        [res] = strip_files([str(p)], progress=lambda done, total: seen.append((done, total)))
+        [res] = strip_files([str(p)], grace=0, progress=lambda done, total: seen.append((done, total)))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -524,7 +526,7 @@ def test_killed_at_any_moment_leaves_the_old_file_or_the_new_one(big_dir, checkp
     work = big_dir / "work"
     work.mkdir()
     victim = work / "slot.bin"
-    cmd = [sys.executable, "-m", "slotctl", "strip-draft", str(victim)] + (["--checkpoints"] if checkpoints else [])
+    cmd = [sys.executable, "-m", "slotctl", "strip-draft", str(victim), "--grace", "0"] + (["--checkpoints"] if checkpoints else [])
     env = {**os.environ, "SLOTCTL_NO_PROGRESS": "1"}
 
     def run_and_kill(delay: float | None) -> tuple[bool, bool]:
@@ -605,7 +607,7 @@ def test_sdft_at_the_end_is_cut_off_in_place_needing_no_free_space(tmp_path, mon
     b = build_file(tmp_path / "slot.bin")
     inode = os.stat(b.path).st_ino
     monkeypatch.setattr(os, "statvfs", lambda p: pytest.fail("a truncation must not need free space"))
-    [res] = strip_files([str(b.path)])
+    [res] = strip_files([str(b.path)], grace=0)
     assert (res.status, res.method) == ("stripped", "truncate")
     assert b.path.read_bytes() == b.stripped and os.stat(b.path).st_ino == inode
     assert not temp_files(tmp_path)
@@ -620,8 +622,9 @@ def test_a_copy_checks_free_space_first_and_says_how_much(tmp_path, monkeypatch)
         f_bavail, f_frsize = 10, 4096
 
     monkeypatch.setattr(os, "statvfs", lambda p: Full())
-    [res] = strip_files([str(b.path)], checkpoints=True)
-    assert (res.status, res.method, res.exit_status) == ("refused", "copy", 2)
+    [res] = strip_files([str(b.path)], checkpoints=True, grace=0)
+    # refused: nothing was removed and no method wrote it (issue 19, item 11)
+    assert (res.status, res.method, res.removed, res.exit_status) == ("refused", None, [], 2)
     need = len(b.stripped_ckpt) + (1 << 20)
     assert f"the stripped copy needs {need:,} bytes free, 40,960 are" in res.error
     assert identity(b.path) == before and not temp_files(tmp_path)
@@ -631,7 +634,7 @@ def test_output_is_a_copy_and_the_input_stays(tmp_path):
     b = build_file(tmp_path / "slot.bin")
     before = identity(b.path)
     out = tmp_path / "out.bin"
-    [res] = strip_files([str(b.path)], output=out)
+    [res] = strip_files([str(b.path)], output=out, grace=0)
     assert (res.status, res.method) == ("stripped", "copy")
     assert out.read_bytes() == b.stripped and identity(b.path) == before
 

@@ -11,6 +11,7 @@ from rich.table import Table
 from slotctl.cli.common import check_file, handle_errors
 from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt, flag_option
 from slotctl.cli.output import Output, human_bytes, markup_safe
+from slotctl.atomic import check_destination
 from slotctl.errors import ExitStatus, FormatError, UsageError
 from slotctl.server.flags import flag_name
 
@@ -40,7 +41,10 @@ def convert(
                                                             help="Draft V cache type to convert to.")] = None,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it is an existing regular file (never "
+                                        "a device, a FIFO or a socket).")] = False,
+    follow_symlinks: Annotated[bool, typer.Option("--follow-symlinks", help="OUT may be a symbolic link: the "
+                                                  "file it points to is written (refused otherwise).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would change; write nothing.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -50,7 +54,8 @@ def convert(
     (exact). -ctk/-ctv/-ctkd/-ctvd re-encode the cache rows in another type, rotating quantized caches as
     llama.cpp does (lossy: the largest error per layer is reported). Checkpoints and the draft state are
     converted too. -m/-md name the memory layouts and give the head sizes that decide the rotations.
-    The input is never changed; OUT is written atomically. Details: docs/convert.md.
+    The input is never changed; OUT is written atomically, and replaces only a regular file this user may
+    write (--force), keeping its mode and owner. Details: docs/convert.md.
 
     Exit codes: 0 converted; 1 the file is damaged or cannot be converted as asked (the reason in one
     line); 2 usage or I/O error.
@@ -62,8 +67,8 @@ def convert(
     if parallel is None and not kv_unified and state_version is None and not any(
             (cache_type_k, cache_type_v, spec_draft_type_k, spec_draft_type_v)):
         raise UsageError("nothing to convert: give --state-version, -np/-kvu or a cache type")
-    if not dry_run and output.exists() and not force:
-        raise UsageError(f"{output}: exists (use --force to overwrite)")
+    if not dry_run:   # a device, FIFO, socket or unfollowed symbolic link is refused before any work
+        check_destination(output, overwrite=force, follow_symlinks=follow_symlinks)
     tinfo, dinfo = _info(model), _info(draft_model)
     n_stream = conv.stream_count(parallel, kv_unified)
     req = conv.Request(
@@ -78,7 +83,8 @@ def convert(
         errors = []
         if not dry_run:
             with out.progress("converting", bytes_=True) as update:
-                errors = conv.write_converted(plan, output, overwrite=force, progress=update, **layouts)
+                errors = conv.write_converted(plan, output, overwrite=force, follow_symlinks=follow_symlinks,
+                                              progress=update, **layouts)
     except FormatError as e:
         _fail(out, json_out, file, output, "refused" if isinstance(e, conv.ConversionRefused) else "damaged",
               f"{file}: {e}")

@@ -13,7 +13,8 @@ from slotctl.cli.common import FileRun, handle_errors
 from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt
 from slotctl.cli.output import Output, human_bytes, markup_safe
 from slotctl.slotfile import expand_slot_paths
-from slotctl.strip import REFUSED, STRIPPED, UNCHANGED, WOULD_STRIP, FileResult, strip_files
+from slotctl.paths import DEFAULT_GRACE
+from slotctl.strip import COPY, REFUSED, STRIPPED, UNCHANGED, WOULD_STRIP, FileResult, strip_files
 
 _STATUS_STYLE = {STRIPPED: "green", WOULD_STRIP: "cyan", UNCHANGED: "dim", REFUSED: "bold red"}
 
@@ -32,7 +33,17 @@ def strip_draft(
     checkpoints: Annotated[bool, typer.Option("--checkpoints", help="Also empty the draft and speculative "
                                               "blobs inside each context checkpoint.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be removed; write nothing.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Let -o overwrite an existing file.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Let -o overwrite an existing regular file (never a "
+                                        "device, a FIFO or a socket).")] = False,
+    follow_symlinks: Annotated[bool, typer.Option("--follow-symlinks", help="Let -o write through a symbolic "
+                                                  "link: the file it points to is written (refused "
+                                                  "otherwise).")] = False,
+    grace: Annotated[float, typer.Option("--grace", metavar="SECONDS", min=0, help="Refuse files modified less "
+                                         "than this many seconds ago: a server may still be writing them.")
+                     ] = DEFAULT_GRACE,
+    all_links: Annotated[bool, typer.Option("--all-links", help="A file with other names (hard links) is cut "
+                                            "in place, changing every name; without it such a file is "
+                                            "copied and only the name given is stripped.")] = False,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     json_out: JsonOpt = False,
@@ -59,7 +70,8 @@ def strip_draft(
     layouts = dict(layout=_layout(model), draft_layout=_layout(draft_model))
     with out.progress("stripping", bytes_=True) as update:
         results = strip_files(expansion.files, output=output, checkpoints=checkpoints, dry_run=dry_run,
-                              force=force, progress=update, **layouts)
+                              force=force, progress=update, grace=grace, all_links=all_links,
+                              follow_symlinks=follow_symlinks, **layouts)
     for r in results:
         run.add(r.as_dict())
         if r.repaired:
@@ -67,6 +79,10 @@ def strip_draft(
                      f"{'it would be' if dry_run else 'it was'} removed, the layers before it parsed cleanly")
         if r.error:
             out.error(r.error)
+        elif r.other_links and output is None and r.method == COPY and not all_links:
+            out.warn(f"{r.path}: has {r.other_links} other name(s) (hard links); "
+                     f"{'it would be' if dry_run else 'it was'} copied, so they keep the draft state "
+                     f"(--all-links cuts the file itself, for every name)")
     left = [] if dry_run else [r for r in results if r.checkpoint_draft_size]   # --dry-run: in the total line
     if len(left) == 1:
         out.warn(f"{left[0].path}: its checkpoints hold {left[0].checkpoint_draft_size:,} bytes of draft state; "
