@@ -20,6 +20,7 @@ from typing import Iterable, Iterator
 
 from slotctl.errors import ExitStatus
 from slotctl.validate.report import Verdict
+from slotctl.sources import remote_url
 
 #: verdicts of files a server refuses or aborts on (``ls --broken``, ``prune --broken``)
 BROKEN_VERDICTS = tuple(v for v in Verdict if v.broken)
@@ -54,7 +55,7 @@ def _draft_size(sf) -> int:
     return n
 
 
-def _row_from(path: str, st: os.stat_result, sf, report, now: float) -> dict:
+def _row_from(path: str, st, sf, report, now: float) -> dict:
     tokens = sf.tokens.n_tokens if sf.tokens is not None and sf.tokens.error is None else None
     kind = sf.target.layout.kind if sf.target is not None else None
     checkpoints = [{"n_tokens": c.n_tokens, "pos_min": c.pos_min, "pos_max": c.pos_max,
@@ -62,10 +63,10 @@ def _row_from(path: str, st: os.stat_result, sf, report, now: float) -> dict:
     row = {
         "path": path,
         "name": os.path.basename(path),
-        "size": st.st_size,
-        "mtime": iso_time(st.st_mtime),
-        "atime": iso_time(st.st_atime),
-        "age_seconds": max(0, int(now - st.st_mtime)),
+        "size": st.size,
+        "mtime": iso_time(st.mtime),
+        "atime": iso_time(st.used) if st.used is not None else None,
+        "age_seconds": max(0, int(now - st.mtime)),
         "state_version": sf.version,
         "n_tokens": tokens,
         "memory_kind": kind,
@@ -98,13 +99,17 @@ def _reuse(report) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def _unreadable(path: str, e: OSError, st: os.stat_result | None) -> dict:
-    return {"path": path, "name": os.path.basename(path), "size": st.st_size if st else None,
-            "mtime": iso_time(st.st_mtime) if st else None, "atime": iso_time(st.st_atime) if st else None,
+def _unreadable(path: str, e: Exception, st) -> dict:
+    from slotctl.errors import SlotctlError
+
+    message = str(e) if isinstance(e, SlotctlError) else f"{path}: {e.strerror or e}"
+    code = e.error_code if isinstance(e, SlotctlError) else "unreadable"
+    return {"path": path, "name": os.path.basename(path), "size": st.size if st else None,
+            "mtime": iso_time(st.mtime) if st else None,
+            "atime": iso_time(st.used) if st and st.used is not None else None,
             "age_seconds": None, "state_version": None, "n_tokens": None, "memory_kind": None, "checkpoints": [],
-            "draft_size": 0, "damaged": False, "verdict": "unreadable", "certain": True, "uncertain": [], "reuse": None, "findings": [],
-            "exit_code": int(ExitStatus.USAGE),
-            "error": {"code": "unreadable", "message": f"{path}: {e.strerror or e}"}}
+            "draft_size": 0, "damaged": False, "verdict": "unreadable", "certain": True, "uncertain": [], "reuse": None,
+            "findings": [], "exit_code": int(ExitStatus.USAGE), "error": {"code": code, "message": message}}
 
 
 class _Worker:
@@ -121,13 +126,21 @@ class _Worker:
             self.checker = LoadChecker(self.setup, verbose=request.verbose)
 
     def row(self, path: str, now: float) -> dict:
+        from slotctl.errors import UsageError
+        from slotctl.sources import Entry, open_input, remote_url
         from slotctl.validate import validate_file
 
         st = None
         try:
-            st = os.stat(path)     # before reading: the access time as the server left it
-            report = validate_file(path, self.setup, self.models, self.checker)
-        except OSError as e:
+            if remote_url(path) is not None:   # size and times from the object's first read: no HEAD
+                with open_input(path) as f:
+                    st = Entry(path, f.size, f.mtime, f.etag, getattr(f, "used", None))
+                    report = validate_file(path, self.setup, self.models, self.checker, f=f)
+            else:
+                s = os.stat(path)     # before reading: the access time as the server left it
+                st = Entry(path, s.st_size, s.st_mtime, None, s.st_atime)
+                report = validate_file(path, self.setup, self.models, self.checker)
+        except (OSError, UsageError) as e:
             return _unreadable(path, e, st)
         return _row_from(path, st, report.slot_file, report, now)
 
@@ -154,6 +167,9 @@ def catalog(paths: Iterable[str], request: Request = Request(), *, processes: in
     many and no real check runs; the real check has a child process of its own per worker)."""
     paths = list(paths)
     now = time.time() if now is None else now
+    if any(remote_url(p) for p in paths):
+        yield from _remote_rows(paths, request, now)
+        return
     if processes is None:
         processes = os.cpu_count() or 1
         if len(paths) < POOL_MIN_FILES or request.real_check:
@@ -171,6 +187,23 @@ def catalog(paths: Iterable[str], request: Request = Request(), *, processes: in
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
     with ctx.Pool(processes, initializer=_init_worker, initargs=(request,)) as pool:
         yield from pool.imap(_work, ((p, now) for p in paths), chunksize=POOL_CHUNK)
+
+
+#: objects read at once from a store (each read waits on the network, not on a CPU)
+STORE_THREADS = 16
+
+
+def _remote_rows(paths: list[str], request: Request, now: float) -> Iterator[dict]:
+    """Rows of files some of which are objects in a store: threads, not processes (a forked child cannot use
+    the store's client made in the parent, and the time goes to round trips)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    w = _Worker(request)
+    try:
+        with ThreadPoolExecutor(STORE_THREADS) as pool:
+            yield from pool.map(lambda p: w.row(p, now), paths)
+    finally:
+        w.close()
 
 
 def is_broken(row: dict) -> bool:

@@ -27,6 +27,7 @@ from slotctl.format.header import STATE_SEQ_MAGIC, StateHeader, file_kind, heade
 from slotctl.format.memory import MemoryLayout, candidate_layouts
 from slotctl.format.recurrent import records_fit, recurrent_head
 from slotctl.paths import STDIN, directory_files, open_regular
+from slotctl.sources import first_bytes, input_size, list_prefix, open_input, raise_failure, remote_url
 
 SCAN_CHUNK = 1 << 20
 #: how far from the end of the file an appendix chain is looked for when the payload cannot be located
@@ -346,17 +347,18 @@ def open_slot_file(path: str | os.PathLike, *, layout: MemoryLayout | None = Non
                    draft_layout: MemoryLayout | None = None) -> SlotFile:
     """Parse every layer of the slot file at ``path`` that can be found (see the module docstring)."""
     path = os.fspath(path)
-    with open_regular(path) as f:   # a FIFO or a device is refused, never read
-        return read_slot_file(f, path, layout=layout, draft_layout=draft_layout)
+    with open_input(path) as f:   # a FIFO or a device is refused, never read; s3:// read in ranges
+        return read_slot_file(f, remote_url(path) or path, layout=layout, draft_layout=draft_layout)
 
 
 def read_slot_file(f: BinaryIO, path: str | os.PathLike, *, layout: MemoryLayout | None = None,
                    draft_layout: MemoryLayout | None = None) -> SlotFile:
     """:func:`open_slot_file` on a file the caller holds open (``path``: its name), so that a command that
     reads a file more than once (another layout, its media chunks, a layer's bytes) opens it once."""
-    sf = SlotFile(os.fspath(path), os.fstat(f.fileno()).st_size)
+    sf = SlotFile(os.fspath(path), input_size(f))
     f.seek(0)
     _walk(f, sf, layout, draft_layout)
+    raise_failure(f)   # a store that failed mid-read: its error, not damage
     return sf
 
 
@@ -551,7 +553,7 @@ def begins_with_state_magic(path: str) -> bool:
     A file that cannot be read is kept (True): the command then says why it cannot be read.
     """
     try:
-        with open_regular(path) as f:
+        with open_input(path) as f:
             return file_kind(f.read(4)) == "slot"
     except (OSError, UsageError):
         return True
@@ -567,13 +569,26 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
     seen: set[str] = set()
 
     def add(p: str) -> None:
-        key = p if p == STDIN else os.path.realpath(p)
+        key = p if p == STDIN or remote_url(p) else os.path.realpath(p)
         if key not in seen:
             seen.add(key)
             out.files.append(p)
 
     for raw in paths:
         p = os.fspath(raw)
+        url = remote_url(p)
+        if url is not None:
+            entries = list_prefix(url)
+            if entries is None or (not entries and not url.endswith("/")):
+                add(url)   # an object; or nothing there: the command says "no such object"
+                continue
+            entries = [e for e in entries if e.path not in seen]
+            for e, head in zip(entries, first_bytes([e.path for e in entries])):
+                if head is None or file_kind(head) == "slot":
+                    add(e.path)
+                else:
+                    out.skipped.append(e.path)
+            continue
         if p != STDIN and os.path.isdir(p):
             for name in directory_files(p, follow_symlinks):
                 full = os.path.join(p, name)

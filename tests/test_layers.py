@@ -24,6 +24,7 @@ LAYERS = [
     {"server"},
     {"model", "slotfile"},
     {"format"},
+    {"sources"},
     {"atomic", "paths", "progress", "tinymodels", "sample"},
     {"errors"},
 ]

@@ -25,6 +25,7 @@ def handle_errors(fn):
     def wrapper(*args, **kwargs):
         out = Output(json_mode=bool(kwargs.get("json_out")), jsonl=bool(kwargs.get("jsonl")))
         try:
+            use_store(kwargs.values())
             return fn(*args, **kwargs)
         except SlotctlError as e:
             fail(out, e.error_code, str(e), e.exit_status)
@@ -36,6 +37,28 @@ def handle_errors(fn):
             fail(out, os_error_code(e), f"{e.filename or ''}: {e.strerror or e}".lstrip(": "), ExitStatus.USAGE)
 
     return wrapper
+
+
+def use_store(values) -> None:
+    """Import the object store (``slotctl.remote.store``: obstore) when a value names an ``s3://`` object:
+    only then, so that local commands keep their start-up. Without obstore, a usage error naming the extra."""
+    from slotctl.sources import remote_url
+
+    def paths(v):
+        if isinstance(v, (list, tuple)):
+            for x in v:
+                yield from paths(x)
+        elif isinstance(v, (str, os.PathLike)):
+            yield v
+
+    if not any(remote_url(p) for v in values for p in paths(v)):
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("obstore") is None:
+        raise UsageError("s3:// paths need obstore, which is not installed: pip install 'slotctl[s3]'",
+                         code="store_missing")
+    import slotctl.remote.store  # noqa: F401 - registers the s3 scheme with slotctl.sources
 
 
 def llama_available() -> bool:
@@ -122,8 +145,13 @@ def readable(path: str | os.PathLike) -> Iterator[str]:
     """The path to read for ``path``: ``-`` is standard input, copied to a temporary file for the time of
     the block; any other path must be a regular file this process may read (else a one-line UsageError)."""
     from slotctl.paths import STDIN, check_readable, stdin_copy
+    from slotctl.sources import remote_url
 
     p = os.fspath(path)
+    url = remote_url(p)
+    if url is not None:   # an object in a store: read in ranges where it is
+        yield url
+        return
     if p == STDIN:
         with stdin_copy() as tmp:
             yield tmp

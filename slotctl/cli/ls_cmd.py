@@ -149,10 +149,20 @@ def ls(
                 summary["server"] = lv.as_dict()
             out.json({"files": rows_list, "summary": summary, "exit_code": totals.exit_code})
         else:
-            one_dir = len(paths or [Path(".")]) == 1 and os.path.isdir((paths or [Path(".")])[0])
+            one_dir = len(paths or [Path(".")]) == 1 and _is_dir((paths or [Path(".")])[0])
             render(out, listed, totals, show_reuse=model is not None, names=one_dir)
     if totals.exit_code:
         raise typer.Exit(totals.exit_code)
+
+
+def _is_dir(p) -> bool:
+    """A directory, or a prefix of objects in a store (its rows show names, not paths)."""
+    from slotctl.sources import list_prefix, remote_url
+
+    url = remote_url(p)
+    if url is None:
+        return os.path.isdir(p)
+    return list_prefix(url) is not None
 
 
 _SORTS = {

