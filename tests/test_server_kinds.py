@@ -87,3 +87,19 @@ def test_slotctl_file_restores_and_continues_like_a_never_saved_slot(kind_server
         assert turn["timings"]["prompt_n"] == n_all  # the window alone cannot be extended: all again
     else:
         assert turn["timings"]["prompt_n"] == n_all - written["n_tokens"]  # only the new tokens
+
+
+def test_prove_predicts_the_servers_own_counts(kind_server):
+    """restore --prove's prediction for the file's own prompt is the server's count for every memory kind: a
+    plain cache evaluates the last token again, a memory holding only the last position or the window (no
+    checkpoint to go back to in b11434) the whole prompt."""
+    kind, model, srv, save_dir = kind_server
+    srv.completion(SAMPLE_PROMPT, slot=0, n_predict=N_PREDICT)
+    n = srv.save(0, "prove.bin")["n_saved"]
+    assert srv.erase(0)[0] == 200
+    res = cli("restore", "--server", srv.url, "--slot", "0", "prove.bin", "--prove", "--slot-dir", save_dir, "--json")
+    assert res.exit_code == 0, res.output
+    p = json.loads(res.stdout)["proof"]
+    assert p["verdict"] == "proven" and p["n_prompt"] == n
+    assert (p["n_reused"], p["n_evaluated"]) == (p["predicted_reused"], p["predicted_evaluated"]), p
+    assert p["n_evaluated"] == (1 if MEMORY_KINDS[kind] == "kv" else n), p

@@ -53,8 +53,16 @@ LocalModelOpt = Annotated[Optional[Path], typer.Option("--model", "-m", dir_okay
                                                        help="The target model's GGUF (llama-server -m); needed "
                                                             "unless --server.")]
 
+ProveOpt = Annotated[bool, typer.Option("--prove", help="With --server: after the restore, send the file's own "
+                                        "prompt (nothing generated) and check the server's own counts (timings "
+                                        "cache_n, prompt_n) against validate's predicted reuse; needs --slot-dir.")]
+SlotDirOpt = Annotated[Optional[Path], typer.Option("--slot-dir", file_okay=False, metavar="DIR",
+                                                    help="With --prove: the server's --slot-save-path as this "
+                                                         "machine sees it (the file is read there).")]
+
 #: parameters save and restore take in live mode; any other one given is a usage error there
-_LIVE_PARAMS = frozenset({"server", "api_key", "timeout", "slot", "json_out", "verbose", "name", "file"})
+_LIVE_PARAMS = frozenset({"server", "api_key", "timeout", "slot", "json_out", "verbose", "name", "file", "prove",
+                          "slot_dir"})
 #: parameters that only live mode takes
 _SERVER_ONLY = ("api_key", "timeout")
 
@@ -157,23 +165,53 @@ def save_on_server(ctx: typer.Context | None, out: Output, server: str, name: st
 
 
 def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name: str, *, slot: int,
-                      api_key: str | None, timeout: float, json_out: bool) -> None:
-    """``slotctl restore --server URL --slot N NAME``: the server restores NAME from its --slot-save-path.
+                      api_key: str | None, timeout: float, json_out: bool, prove: bool = False,
+                      slot_dir: Path | None = None) -> None:
+    """``slotctl restore --server URL --slot N NAME [--prove --slot-dir DIR]``: the server restores NAME
+    from its --slot-save-path; with ``prove``, the proving request (:mod:`slotctl.remote.prove`) follows.
 
     NAME is taken as typed (:func:`raw_value`), not as the ``Path`` typer made of it.
     """
     refuse_local_options(ctx, "restore", "the server restores the file with its own model and flags")
     name = raw_value(ctx, "file", name)
     url = server_api.normalize_url(server)
+    local = None
+    if prove:
+        if slot_dir is None:
+            raise UsageError("--prove needs --slot-dir DIR, the server's --slot-save-path as this machine sees it "
+                             "(the file's prompt and memory are read there)")
+        server_api.check_filename(name)
+        local = Path(slot_dir) / name
+        from slotctl.paths import check_readable
+
+        check_readable(local, what="slot file ")
+    elif slot_dir is not None:
+        raise UsageError("--slot-dir goes with --prove")
     answer = server_api.restore_slot(url, slot, name, api_key=api_key, timeout=timeout)
-    _answer(out, answer, json_out, url, f"{name} restored into slot {slot}", slot=slot, name=name)
+    proof = None
+    if local is not None:
+        from slotctl.remote.prove import local_setup, prove as run_proof
+
+        facts = server_api.server_facts(url, slot, api_key=api_key, timeout=timeout)
+        setup, _notes = local_setup(facts, slot)
+        proof = run_proof(url, slot, local, setup, build_info=facts.build_info, api_key=api_key, timeout=timeout)
+    _answer(out, answer, json_out, url, f"{name} restored into slot {slot}", slot=slot, name=name, proof=proof)
+    if proof is not None and proof.exit_status:
+        out.error(f"--prove: {proof.verdict}: {proof.reason}")
+        raise typer.Exit(int(proof.exit_status))
 
 
-def _answer(out: Output, answer: Any, json_out: bool, url: str, head: str, *, slot: int, name: str) -> None:
+def _answer(out: Output, answer: Any, json_out: bool, url: str, head: str, *, slot: int, name: str,
+            proof=None) -> None:
     if json_out:   # the server's answer as it came, under "answer" (docs/json.md)
-        out.json({"server": url, "slot": slot, "name": name, "answer": answer, "exit_code": 0})
+        doc = {"server": url, "slot": slot, "name": name, "answer": answer, "exit_code": 0}
+        if proof is not None:
+            doc.update(proof=proof.as_dict(), exit_code=int(proof.exit_status))
+        out.json(doc)
         return
     out.print(Text.assemble((_plain(url), "bold"), "  ", _plain(head)))
+    if proof is not None:
+        render_proof(out, proof.as_dict())
     if not isinstance(answer, dict):
         out.print(markup_safe(str(answer)))
         return
@@ -183,6 +221,26 @@ def _answer(out: Output, answer: Any, json_out: bool, url: str, head: str, *, sl
     for key, value in _flatten(answer):
         t.add_row(markup_safe(key), _cell(value), Text(_ANSWER_KEYS.get(key, ""), style="dim"))
     out.print(t)
+
+
+_PROOF_STYLE = {"proven": "green", "reevaluated": "bold red", "undecided": "yellow"}
+
+
+def render_proof(out: Output, p: dict, indent: str = "  ") -> None:
+    """The lines of a proof (:meth:`slotctl.remote.prove.Proof.as_dict`): the server's counts against the
+    prediction, and why when they differ."""
+    line = Text(indent + "proof ", style="bold")
+    line.append(p["verdict"], style=_PROOF_STYLE.get(p["verdict"], ""))
+    line.append(f": of the file's {p['n_prompt']:,} prompt tokens the server reused {p['n_reused']:,} and "
+                f"evaluated {p['n_evaluated']:,} (timings cache_n, prompt_n)")
+    if p["predicted_evaluated"] is not None:
+        line.append(f"; predicted for {p['rule']}: {p['predicted_reused']:,} reused, "
+                    f"{p['predicted_evaluated']:,} evaluated")
+    out.print(line)
+    if p["reason"]:
+        out.print(Text(f"{indent}  {_plain(p['reason'])}", style="dim" if p["verdict"] == "proven" else ""))
+    for n in p["notes"]:
+        out.print(Text(f"{indent}  note: {_plain(n)}", style="dim"))
 
 
 def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:

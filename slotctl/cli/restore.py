@@ -54,6 +54,8 @@ def restore(
                                           "tokens evaluated, drafted and accepted counts all agree.")] = False,
     slot: SlotOpt = 0,
     server: remote.LiveServerOpt = None,
+    prove: remote.ProveOpt = False,
+    slot_dir: remote.SlotDirOpt = None,
     api_key: remote.LiveApiKeyOpt = None,
     timeout: remote.SlotFileTimeoutOpt = remote.SLOT_FILE_TIMEOUT,
     json_out: JsonOpt = False,
@@ -66,18 +68,22 @@ def restore(
     checkpoints, draft state): restored, absent, ignored or dropped, and why. --continue TEXT / -n N
     then go on from it (with -md by speculative decoding); --prompt sends a new prompt, rolled back to
     a checkpoint as the server does; --compare runs a slot that was never saved beside it.
-    With --server URL --slot N NAME: a running llama-server restores NAME (docs/live.md).
-    Details: docs/save-restore.md.
+    With --server URL --slot N NAME: a running llama-server restores NAME (docs/live.md); with --prove
+    --slot-dir DIR it then sends the file's own prompt (nothing generated) and checks the server's own
+    counts against validate's predicted reuse (docs/fleet.md). Details: docs/save-restore.md.
 
     Exit codes: 0 restored (a dropped draft state is reported, not fatal) and with --compare all
-    agreed; 1 the server would refuse the file or the request, or --compare found a difference;
-    2 usage or I/O error.
+    agreed (with --prove: the server evaluated no more than predicted); 1 the server would refuse the
+    file or the request, --compare found a difference, or --prove: the server evaluated more prompt
+    tokens than predicted; 2 usage or I/O error; 3 --prove cannot predict for the file.
     """
     out = Output(json_mode=json_out, verbose=verbose)
     if server is not None:  # live mode: docs/live.md
         return remote.restore_on_server(ctx, out, server, str(file), slot=slot, api_key=api_key, timeout=timeout,
-                                      json_out=json_out)
+                                        json_out=json_out, prove=prove, slot_dir=slot_dir)
     remote.require_local(ctx, "restore", model=model)
+    if prove or slot_dir is not None:
+        raise UsageError("--prove and --slot-dir go with --server URL (a running llama-server restores the file)")
     require_llama("restore")
     check_file(file)
     for path in (model, draft_model):

@@ -70,11 +70,24 @@ def memory_pos_min(sf: SlotFile) -> tuple[int | None, str]:
 
 
 def predict_reuse(sf: SlotFile, *, n_swa: int | None, n_ctx_checkpoints: int,
-                  checkpoints_read: bool = True) -> Reuse | None:
+                  checkpoints_read: bool = True, extends: bool = True) -> Reuse | None:
     """The prediction for ``sf`` (its target memory parsed), or None when it cannot be made (no parsed
     memory or tokens, media chunks). ``n_swa``: the server's (None: the window the file's SWA section was
     saved with). ``checkpoints_read``: the server of ea736c1d5 reads the file's checkpoint appendix (False:
-    it ignores it, damaged or with an empty target blob)."""
+    it ignores it, damaged or with an empty target blob).
+
+    ``extends``: the request extends the saved prompt (validate's question). False: the request is the
+    saved prompt itself and nothing more (``restore --prove``'s proving request): b11434's
+    ``update_slots`` then lowers the threshold by one (``has_new_tokens`` false: the last position must be
+    evaluated again, so a memory starting at it needs a checkpoint too) and, when every token matched,
+    evaluates the last one again for its logits (``[TAG_PROMPT_LOGITS]``: ``n_past--``)."""
+    r = _predict(sf, n_swa, n_ctx_checkpoints, checkpoints_read, 0 if extends else 1)
+    return r if extends else _same_prompt(r)
+
+
+def _predict(sf: SlotFile, n_swa: int | None, n_ctx_checkpoints: int, checkpoints_read: bool,
+             thold_shift: int) -> Reuse | None:
+    """:func:`predict_reuse` with the threshold lowered by ``thold_shift`` (1: no new tokens)."""
     tk = sf.tokens
     if sf.target is None or tk is None or tk.error is not None or tk.media:
         return None
@@ -92,7 +105,7 @@ def predict_reuse(sf: SlotFile, *, n_swa: int | None, n_ctx_checkpoints: int,
     kept = keep_newest(list(sf.checkpoints or []), n_ctx_checkpoints) if checkpoints_read else []
     divergence = _divergence(kind, n_swa, [c.n_tokens for c in kept])
     pos_next = n
-    thold = max(0, pos_next - n_swa)
+    thold = max(0, pos_next - n_swa - thold_shift)
     if pos_min < thold:
         return Reuse(n, n, None, None, n, None, divergence)
     held = _held(kind, part, pos_min, n, n_swa)
@@ -119,6 +132,21 @@ def predict_reuse(sf: SlotFile, *, n_swa: int | None, n_ctx_checkpoints: int,
     else:
         b_reason = reason
     return Reuse(n, n_reused, cp, reason, 0, b_reason, divergence)
+
+
+def _same_prompt(r: Reuse | None) -> Reuse | None:
+    """``r`` for a request that is the saved prompt itself: b11434 keeps at most ``n - 1`` tokens and
+    evaluates the last one again, for the logits of the next token (``[TAG_PROMPT_LOGITS]``)."""
+    if r is None:
+        return None
+    last = ("the request is the saved prompt itself: the server evaluates its last token again for the logits "
+            "([TAG_PROMPT_LOGITS])")
+    n = r.n_tokens
+    if r.n_reused >= n:
+        r.n_reused, r.reason = n - 1, r.reason or last
+    if r.n_reused_b11434 >= n:
+        r.n_reused_b11434, r.reason_b11434 = n - 1, r.reason_b11434 or last
+    return r
 
 
 def server_n_swa(info, *, swa_full: bool = False) -> int:

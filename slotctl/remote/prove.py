@@ -1,0 +1,174 @@
+"""``restore --prove``: after a restore, the server's own counts for one request of the file's own prompt.
+
+The proving request is ``POST /completion`` with the file's tokens as the prompt (token ids, sent as they
+are: nothing added), ``n_predict`` 0, ``cache_prompt`` on, in the restored slot. The server answers with
+``timings.cache_n`` (prompt tokens it reused from the slot) and ``timings.prompt_n`` (prompt tokens it
+evaluated). Against them: what validate predicts for that request and that server
+(:func:`slotctl.server.reuse.predict_reuse` with ``extends=False``: the saved prompt itself, nothing more;
+the rule of b11434 or of a later server by ``/props`` ``build_info``, :func:`server_reads_checkpoints`).
+
+The proof fails (exit 1) when the server evaluated more prompt tokens than predicted; it is undecided
+(exit 3) when no prediction can be made for the file (media chunks, a memory that does not parse).
+
+What the proving request changes in the slot: the slot's tokens stay the file's (nothing generated);
+the last prompt token is evaluated again (``[TAG_PROMPT_LOGITS]``: the server needs its logits), or more
+when the server re-evaluates (the reason says why); a server that takes context checkpoints while it
+evaluates a prompt (SWA, recurrent and hybrid models) may take one; the slot's statistics (its last
+task) are those of the proving request.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+from slotctl.errors import ExitStatus
+from slotctl.remote import http
+from slotctl.server.flags import ServerFlags
+from slotctl.server.reuse import predict_reuse, server_n_swa
+from slotctl.validate.setup import Models, ServerSetup
+
+#: the shape of a /completion answer the proof reads (llama-server b11434: ``server_task_result_cmpl_final``)
+COMPLETION_SHAPE = {
+    "id_slot": ("count", False, None),
+    "timings": ("object", True, {"cache_n": ("count", True, None), "prompt_n": ("count", True, None),
+                                 "prompt_ms": ("number", False, None)}),
+}
+
+#: the newest llama.cpp build whose server ignores a slot file's checkpoint appendix after a restore
+LAST_BUILD_IGNORING_CHECKPOINTS = 11434
+
+
+def server_reads_checkpoints(build_info: str | None) -> bool:
+    """Whether the server restores a file's checkpoint appendix (``/props`` ``build_info``, ``bNNNN-...``).
+
+    b11434 restores the target only (``load_slot``); the draft-state change ea736c1d5 on top of it reads
+    the appendix too. A build number above b11434 is taken as that later server; an unknown build, or
+    one up to b11434, as b11434 (the rule that predicts the least reuse).
+    """
+    m = re.match(r"b(\d+)", build_info or "")
+    return bool(m) and int(m.group(1)) > LAST_BUILD_IGNORING_CHECKPOINTS
+
+
+@dataclass
+class Proof:
+    """What the proving request found. ``verdict``: "proven" (the server evaluated no more than predicted),
+    "reevaluated" (it evaluated more), "undecided" (no prediction). ``predicted_*``: for this request
+    and this server's rule (``rule``); ``extending``: validate's prediction for a request that extends
+    the saved prompt (its ``reuse`` object)."""
+
+    n_prompt: int
+    n_reused: int
+    n_evaluated: int
+    predicted_reused: int | None
+    predicted_evaluated: int | None
+    rule: str
+    reason: str | None
+    verdict: str
+    ms: float
+    prompt_ms: float | None = None
+    extending: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exit_status(self) -> ExitStatus:
+        return {"proven": ExitStatus.OK, "reevaluated": ExitStatus.FAILED}.get(self.verdict, ExitStatus.UNDECIDED)
+
+    def as_dict(self) -> dict:
+        return {"verdict": self.verdict, "n_prompt": self.n_prompt, "n_reused": self.n_reused,
+                "n_evaluated": self.n_evaluated, "predicted_reused": self.predicted_reused,
+                "predicted_evaluated": self.predicted_evaluated, "rule": self.rule, "reason": self.reason,
+                "extending": self.extending, "ms": round(self.ms, 3),
+                "prompt_ms": round(self.prompt_ms, 3) if self.prompt_ms is not None else None,
+                "notes": list(self.notes)}
+
+
+def local_setup(facts: http.ServerFacts, slot: int, flags: ServerFlags | None = None,
+                given: frozenset[str] = frozenset()) -> tuple[ServerSetup, list[str]]:
+    """The :class:`ServerSetup` to predict with for the server ``facts`` describe: what it reports
+    (:func:`slotctl.remote.live.learn_flags`: ``-np``, the slot context, its model when ``/props``
+    ``model_path`` is a file on this machine), ``flags`` for the fields named in ``given`` (what it does not
+    report: ``-kvu``, cache types), llama-server's defaults for the rest. When the model is not on this
+    machine, the file's structure and its own sliding window decide (said in the notes)."""
+    from slotctl.errors import UsageError
+    from slotctl.remote.live import learn_flags
+    from slotctl.server.flags import SERVER_STATE_VERSION
+
+    flags = flags or ServerFlags()
+    try:
+        lv = learn_flags(facts, flags, given=set(given), model=None, draft_model=None, slot=slot,
+                         mmproj=facts.mmproj, state_version=SERVER_STATE_VERSION)
+    except UsageError as e:   # the server's model is not on this machine: structure and the file decide
+        parallel = facts.total_slots or flags.parallel
+        n_stream = 1 if flags.kv_unified else parallel
+        flags = flags.replace(parallel=parallel, ctx_size=(facts.n_ctx_slot or 0) * n_stream or flags.ctx_size)
+        return ServerSetup.from_flags(flags, slot=slot, mmproj=facts.mmproj), [str(e)]
+    return (ServerSetup.from_flags(lv.server_flags, target=lv.model, slot=slot, mmproj=lv.mmproj),
+            lv.notes + lv.warnings)
+
+
+def predict_proof(path: str | os.PathLike, setup: ServerSetup, *, reads_checkpoints: bool):
+    """validate's report of ``path`` for ``setup`` (no real load) and the prediction for the proving
+    request (a :class:`~slotctl.server.reuse.Reuse`, or None when none can be made)."""
+    from slotctl.server.findings import checkpoints_read
+    from slotctl.validate.check import validate_file
+
+    models = Models(setup)
+    report = validate_file(path, setup, models)
+    sf = report.slot_file
+    if sf is None or sf.target is None:
+        return report, None
+    n_swa = server_n_swa(models.target, swa_full=setup.settings.swa_full) if models.target is not None else None
+    r = predict_reuse(sf, n_swa=n_swa, n_ctx_checkpoints=setup.n_ctx_checkpoints,
+                      checkpoints_read=reads_checkpoints and checkpoints_read(sf), extends=False)
+    return report, r
+
+
+def prove(url: str, slot: int, path: str | os.PathLike, setup: ServerSetup, *, build_info: str | None,
+          api_key: str | None = None, timeout: float = http.DEFAULT_TIMEOUT) -> Proof:
+    """Send the proving request for the file at ``path`` (the file the server just restored into ``slot``)
+    and judge the server's counts against the prediction (see the module docstring).
+
+    The server's errors propagate (:mod:`slotctl.remote.http`); an answer without ``timings.cache_n`` /
+    ``prompt_n`` is ServerAnswerError (exit 2).
+    """
+    reads = server_reads_checkpoints(build_info)
+    rule = "ea736c1d5" if reads else "b11434"
+    report, r = predict_proof(path, setup, reads_checkpoints=reads)
+    sf = report.slot_file
+    tokens = [int(t) for t in sf.tokens.tokens] if sf is not None and sf.tokens is not None else []
+    if not tokens or (sf.tokens.error is not None) or sf.tokens.media:
+        why = ("the file holds media chunks: its prompt cannot be sent as tokens" if tokens and sf.tokens.media
+               else "the file holds no prompt tokens to send")
+        return Proof(len(tokens), 0, 0, None, None, rule, why, "undecided", 0.0)
+    base = http.normalize_url(url)
+    what = f"POST {base}/completion"
+    body = {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True, "temperature": 0}
+    t0 = time.perf_counter()
+    answer = http.completion(base, body, api_key=api_key, timeout=timeout)
+    ms = (time.perf_counter() - t0) * 1000
+    http.check_shape(what, answer, COMPLETION_SHAPE)
+    if "id_slot" in answer and answer["id_slot"] != slot:
+        raise http.ServerAnswerError(f"{what}: unexpected answer: id_slot should be {slot}, got {answer['id_slot']}")
+    tm = answer["timings"]
+    n_reused, n_evaluated = tm["cache_n"], tm["prompt_n"]
+    extending = report.reuse
+    if r is None:
+        return Proof(len(tokens), n_reused, n_evaluated, None, None, rule,
+                     "no prediction for this file (its memory does not parse)", "undecided", ms,
+                     tm.get("prompt_ms"), extending)
+    predicted = r.n_reused if reads else r.n_reused_b11434
+    reason = r.reason if reads else r.reason_b11434
+    verdict = "proven" if n_evaluated <= len(tokens) - predicted else "reevaluated"
+    notes = []
+    if verdict == "reevaluated":
+        reason = (f"the server evaluated {n_evaluated:,} of the {len(tokens):,} prompt tokens where "
+                  f"{len(tokens) - predicted:,} were predicted" + (f" ({reason})" if reason else "")
+                  + ": no rule slotctl knows explains it (another build, other flags than the server reports, "
+                    "or the slot was used between the restore and the proof)")
+    elif n_reused > predicted:
+        notes.append(f"the server reused {n_reused - predicted:,} token(s) more than predicted")
+    return Proof(len(tokens), n_reused, n_evaluated, predicted, len(tokens) - predicted, rule, reason, verdict, ms,
+                 tm.get("prompt_ms"), extending, notes)
