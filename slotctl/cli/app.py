@@ -67,6 +67,8 @@ COMMANDS: dict[str, CommandEntry] = {
                           "A running llama-server"),
     "erase": CommandEntry("slotctl.cli.live", "Erase a slot of a running llama-server: it forgets its "
                           "cached prompt (POST /slots/N?action=erase).", "A running llama-server"),
+    "migrate": CommandEntry("slotctl.cli.migrate_cmd", "Move a slot from one running llama-server to another: "
+                            "save, check, convert, place, restore, prove.", "A running llama-server"),
 }
 
 

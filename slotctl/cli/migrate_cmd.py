@@ -1,0 +1,103 @@
+"""``slotctl migrate``: move a slot from one running llama-server to another (:mod:`slotctl.remote.migrate`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from slotctl.cli import remote
+from slotctl.cli.common import handle_errors
+from slotctl.cli.options import JsonOpt
+from slotctl.cli.output import Output
+from slotctl.format.ggml import CACHE_TYPE_NAMES
+
+_STATUS_STYLE = {"ok": "green", "refused": "bold red", "failed": "bold red", "skipped": "dim"}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("migrate")(migrate)
+
+
+@handle_errors
+def migrate(
+    ctx: typer.Context,
+    from_url: Annotated[str, typer.Option("--from", metavar="URL", help="The source llama-server's base URL.")],
+    slot: Annotated[int, typer.Option("--slot", min=0, help="The source's slot.")],
+    to_url: Annotated[str, typer.Option("--to", metavar="URL", help="The destination llama-server's base URL.")],
+    from_dir: Annotated[Path, typer.Option("--from-dir", file_okay=False, metavar="DIR",
+                                           help="The source's --slot-save-path as this machine sees it.")],
+    to_dir: Annotated[Path, typer.Option("--to-dir", file_okay=False, metavar="DIR",
+                                         help="The destination's --slot-save-path as this machine sees it.")],
+    to_slot: Annotated[Optional[int], typer.Option("--to-slot", min=0, help="The destination's slot (default: "
+                                                   "the source's).")] = None,
+    name: Annotated[Optional[str], typer.Option("--name", help="The file name to save and place under (default "
+                                                "migrate-slotN-TIME-PID.bin).")] = None,
+    kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The destination runs with -kvu (not "
+                                             "reported by the server).")] = False,
+    cache_type_k: Annotated[Optional[str], typer.Option("--cache-type-k", "-ctk", help="The destination's -ctk "
+                                                        f"(not reported; default f16): {', '.join(CACHE_TYPE_NAMES)}."
+                                                        )] = None,
+    cache_type_v: Annotated[Optional[str], typer.Option("--cache-type-v", "-ctv", help="The destination's -ctv "
+                                                        "(not reported; default f16).")] = None,
+    allow_lossy: Annotated[bool, typer.Option("--allow-lossy", help="Re-encode the cache rows when the "
+                                              "destination's cache types differ (lossy; measured).")] = False,
+    api_key: remote.ApiKeyOpt = None,
+    to_api_key: Annotated[Optional[str], typer.Option("--to-api-key", help="The destination's API key (default: "
+                                                      "--api-key).")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
+                                           help="Give up on a request after this many seconds.")] = remote.SLOT_FILE_TIMEOUT,
+    json_out: JsonOpt = False,
+) -> None:
+    """Move a slot from one running llama-server to another: save, check, convert, place, restore, prove.
+
+    Saves the source's slot, reads the file in --from-dir, refuses it before touching the destination
+    when it cannot work there (another model by /v1/models, a context too small, flags validate says
+    the server refuses), converts it for the destination's -np/-kvu (exact) and cache types (lossy, only
+    with --allow-lossy), writes it into --to-dir atomically, restores it into the destination's slot and
+    proves it (the file's own prompt, the server's own counts, as restore --prove). The source's slot is
+    never changed. One line per step; --json: one document with each step's outcome. Details: docs/fleet.md.
+
+    Exit codes: 0 migrated and proven; 1 refused (nothing sent to the destination), the destination
+    refused the file, or the proof found more prompt tokens evaluated than predicted; 2 usage error, a
+    server unreachable or an I/O error (the step that failed says which); 3 the proof cannot predict.
+    """
+    from slotctl.remote.migrate import migrate as run
+    from slotctl.server.flags import ServerFlags
+
+    out = Output(json_mode=json_out)
+    given = remote.given_params(ctx) & {"kv_unified", "cache_type_k", "cache_type_v"}
+    flags = ServerFlags(kv_unified=kv_unified, cache_type_k=cache_type_k or ServerFlags().cache_type_k,
+                        cache_type_v=cache_type_v or ServerFlags().cache_type_v)
+    m = run(from_url, slot, to_url, slot if to_slot is None else to_slot, from_dir=from_dir, to_dir=to_dir,
+            name=name, dst_flags=flags, given=frozenset(given), allow_lossy=allow_lossy, api_key=api_key,
+            to_api_key=to_api_key, timeout=timeout)
+    doc = m.as_dict()
+    if json_out:
+        out.json(doc)
+    else:
+        render(out, doc)
+    failed = next((s for s in doc["steps"] if s["status"] in ("refused", "failed")), None)
+    if failed is not None:
+        out.error(f"migrate: {failed['step']}: {failed['message']}")
+    if doc["exit_code"]:
+        raise typer.Exit(doc["exit_code"])
+
+
+def render(out: Output, doc: dict) -> None:
+    src, dst = doc["from"], doc["to"]
+    out.print(Text.assemble((remote._plain(f"{src['server']} slot {src['slot']}"), "bold"), " -> ",
+                            (remote._plain(f"{dst['server']} slot {dst['slot']}"), "bold"),
+                            f"  ({remote._plain(doc['name'])})"))
+    t = Table(show_edge=False)
+    for col, just in (("step", "left"), ("status", "left"), ("ms", "right"), ("what happened", "left")):
+        t.add_column(col, justify=just)
+    for s in doc["steps"]:
+        t.add_row(s["step"], Text(s["status"], style=_STATUS_STYLE.get(s["status"], "")),
+                  f"{s['ms']:,.1f}" if s["ms"] is not None else "-", remote._plain(s["message"] or ""))
+    out.print(t)
+    if doc["proof"] is not None:
+        remote.render_proof(out, doc["proof"], indent="")

@@ -1,0 +1,283 @@
+"""``slotctl migrate``: move a slot from one running llama-server to another, proven by the destination.
+
+The steps, each with its outcome (:class:`Step`), stopping at the first that does not succeed:
+
+1. ``source``: the source's facts (``/props``, ``/slots``, ``/v1/models``); the slot exists;
+2. ``destination``: the destination's facts; the slot exists; the destination runs the source's model as far
+   as the servers report it (``/v1/models`` meta: vocabulary, embedding size, parameters, tensor bytes,
+   training context), else refused (:func:`other_model`);
+3. ``save``: the source saves the slot into its ``--slot-save-path`` (``--from-dir`` here);
+4. ``fetch``: the saved file parses and holds the slot's tokens;
+5. ``check``: the conversion the destination's flags need (:mod:`slotctl.convert`: ``-np``/``-kvu`` streams,
+   exact; cache types, lossy, only with ``allow_lossy``), then validate's verdict for the converted file
+   and the destination's own model and flags (:func:`slotctl.remote.prove.local_setup`): refused when the
+   destination would refuse it (another model, a context too small, ...);
+6. ``place``: the (converted) file written into ``--to-dir`` atomically, under the same name;
+7. ``restore``: the destination restores it into its slot;
+8. ``prove``: the proving request (:mod:`slotctl.remote.prove`).
+
+Nothing reaches the destination before step 6: a refusal leaves it untouched. The source's slot is only
+saved (``action=save`` reads the slot, changes nothing), so a failure anywhere leaves it as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from slotctl.errors import ExitStatus, SlotctlError, UsageError
+from slotctl.remote import http
+from slotctl.remote.prove import Proof, local_setup, prove
+from slotctl.server.flags import ServerFlags
+
+#: the /v1/models meta keys that tell two models apart (llama_model_n_vocab, n_embd, n_params, size, n_ctx_train)
+IDENTITY_KEYS = ("n_vocab", "n_embd", "n_params", "size", "n_ctx_train")
+
+STEPS = ("source", "destination", "save", "fetch", "check", "place", "restore", "prove")
+
+
+class Refused(SlotctlError):
+    """The migration cannot work; nothing was sent to the destination."""
+
+    exit_status = ExitStatus.FAILED
+    code = "refused"
+
+
+@dataclass
+class Step:
+    """One step: ``status`` "ok", "refused" (cannot work: exit 1), "failed" (an error: its exit code),
+    "skipped" (an earlier step did not succeed); ``message`` what happened; ``details`` the step's figures."""
+
+    step: str
+    status: str = "skipped"
+    message: str | None = None
+    ms: float | None = None
+    details: dict = field(default_factory=dict)
+    error: dict | None = None
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "status": self.status, "message": self.message,
+                "ms": round(self.ms, 3) if self.ms is not None else None, "details": self.details,
+                "error": self.error}
+
+
+@dataclass
+class Migration:
+    """What :func:`migrate` did: every step, the proof (when it got that far), the exit status."""
+
+    source: dict
+    destination: dict
+    name: str
+    steps: list[Step]
+    proof: Proof | None = None
+    exit_status: ExitStatus = ExitStatus.OK
+
+    def as_dict(self) -> dict:
+        return {"from": self.source, "to": self.destination, "name": self.name,
+                "steps": [s.as_dict() for s in self.steps],
+                "proof": self.proof.as_dict() if self.proof is not None else None,
+                "exit_code": int(self.exit_status)}
+
+
+def other_model(src: http.ServerFacts, dst: http.ServerFacts) -> str | None:
+    """Why the destination does not run the source's model, as far as the two servers report their
+    models (``/v1/models`` meta); None when they agree or neither says."""
+    a, b = src.model_meta or {}, dst.model_meta or {}
+    diffs = [f"{k} {a[k]:,} there, {b[k]:,} here" for k in IDENTITY_KEYS
+             if isinstance(a.get(k), int) and isinstance(b.get(k), int) and a[k] != b[k]]
+    if not diffs:
+        return None
+    names = f" ({os.path.basename(src.model_path or '?')} -> {os.path.basename(dst.model_path or '?')})"
+    return f"the destination runs another model than the source{names}: {'; '.join(diffs)} (GET /v1/models)"
+
+
+def default_name(slot: int) -> str:
+    """The file name a migration saves under when none is given."""
+    return f"migrate-slot{slot}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}.bin"
+
+
+def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_dir: str | os.PathLike,
+            to_dir: str | os.PathLike, name: str | None = None, dst_flags: ServerFlags | None = None,
+            given: frozenset[str] = frozenset(), allow_lossy: bool = False, api_key: str | None = None,
+            to_api_key: str | None = None, timeout: float = 600.0, progress=None) -> Migration:
+    """Run the steps of the module docstring. ``dst_flags`` / ``given``: the destination's flags it does not
+    report (``-kvu``, ``-ctk``, ``-ctv``), for the fields named in ``given``. ``progress(step name)`` is called
+    as each step starts. Errors become the failing step's outcome; UsageError for arguments (before any
+    request)."""
+    name = name or default_name(src_slot)
+    http.check_filename(name)
+    from_dir, to_dir = Path(from_dir), Path(to_dir)
+    for flag, d in (("--from-dir", from_dir), ("--to-dir", to_dir)):
+        if not d.is_dir():
+            raise UsageError(f"{flag} {d}: not a directory")
+    src_url, dst_url = http.normalize_url(src_url), http.normalize_url(dst_url)
+    to_key = api_key if to_api_key is None else to_api_key
+    if (to_dir / name).exists() and not _same_dir(from_dir, to_dir):
+        raise UsageError(f"{to_dir / name}: exists in --to-dir (give another --name)")
+    steps = {s: Step(s) for s in STEPS}
+    m = Migration({"server": src_url, "slot": src_slot, "dir": os.fspath(from_dir)},
+                  {"server": dst_url, "slot": dst_slot, "dir": os.fspath(to_dir)}, name, list(steps.values()))
+    state: dict = {}
+    staging = tempfile.mkdtemp(prefix="slotctl-migrate-")
+
+    def run(step: str, fn) -> bool:
+        s = steps[step]
+        if progress:
+            progress(step)
+        t0 = time.perf_counter()
+        try:
+            s.message = fn(s)
+            s.status = "ok"
+        except Refused as e:
+            s.status, s.message, s.error = "refused", str(e), {"code": e.error_code, "message": str(e)}
+            m.exit_status = ExitStatus.FAILED
+        except SlotctlError as e:
+            s.status, s.message, s.error = "failed", str(e), {"code": e.error_code, "message": str(e)}
+            m.exit_status = e.exit_status
+        except OSError as e:
+            msg = f"{e.filename or ''}: {e.strerror or e}".lstrip(": ")
+            s.status, s.message, s.error = "failed", msg, {"code": "io_error", "message": msg}
+            m.exit_status = ExitStatus.USAGE
+        s.ms = (time.perf_counter() - t0) * 1000
+        return s.status == "ok"
+
+    def source(s: Step) -> str:
+        http.check_slot(src_url, src_slot, api_key=api_key, timeout=timeout)
+        f = state["src"] = http.server_facts(src_url, src_slot, api_key=api_key, timeout=timeout)
+        s.details = {"model": f.model_path, "total_slots": f.total_slots, "n_ctx_slot": f.n_ctx_slot,
+                     "build_info": f.build_info}
+        return f"{src_url}: slot {src_slot} of {f.total_slots}, model {f.model_path}"
+
+    def destination(s: Step) -> str:
+        http.check_slot(dst_url, dst_slot, api_key=to_key, timeout=timeout)
+        f = state["dst"] = http.server_facts(dst_url, dst_slot, api_key=to_key, timeout=timeout)
+        s.details = {"model": f.model_path, "total_slots": f.total_slots, "n_ctx_slot": f.n_ctx_slot,
+                     "build_info": f.build_info}
+        why = other_model(state["src"], f)
+        if why:
+            raise Refused(why)
+        setup, notes = local_setup(f, dst_slot, dst_flags, given)
+        state["setup"] = setup
+        s.details["notes"] = notes
+        return f"{dst_url}: slot {dst_slot} of {f.total_slots}, model {f.model_path}"
+
+    def save(s: Step) -> str:
+        answer = http.save_slot(src_url, src_slot, name, api_key=api_key, timeout=timeout, check=False)
+        s.details = {"answer": answer}
+        return f"slot {src_slot} saved to {name}: {answer['n_saved']:,} tokens, {answer['n_written']:,} bytes"
+
+    def fetch(s: Step) -> str:
+        from slotctl.slotfile import open_slot_file
+
+        path = from_dir / name
+        if not path.is_file():
+            raise UsageError(f"{path}: the source answered that it saved {name}, but --from-dir holds no such "
+                             "file (is --from-dir the source's --slot-save-path?)")
+        sf = open_slot_file(path)
+        if sf.errors:
+            raise Refused(f"{path}: {sf.errors[0]}")
+        saved = steps["save"].details["answer"]
+        n = sf.tokens.n_tokens if sf.tokens is not None else 0
+        if n != saved["n_saved"] or sf.size != saved["n_written"]:
+            raise Refused(f"{path}: holds {n:,} tokens in {sf.size:,} bytes, the source saved {saved['n_saved']:,} "
+                          f"in {saved['n_written']:,} (another file under that name?)")
+        state["path"] = path
+        s.details = {"path": os.fspath(path), "size": sf.size, "n_tokens": n, "state_version": sf.version}
+        return f"{path}: {n:,} tokens, {sf.size:,} bytes"
+
+    def check(s: Step) -> str:
+        from slotctl import convert as conv
+        from slotctl.validate.check import validate_file
+        from slotctl.validate.setup import Models
+
+        setup = state["setup"]
+        models = Models(setup)
+        flags = setup.flags
+        rule = None
+        layout = None
+        if models.target is not None:
+            from slotctl.model.predict import rotation_rule
+
+            rule, layout = rotation_rule(models.target), models.target.layout()
+        req = conv.Request(target=conv.Target(conv.stream_count(flags.parallel, flags.kv_unified),
+                                              conv.cache_type_id(flags.cache_type_k, "-ctk"),
+                                              conv.cache_type_id(flags.cache_type_v, "-ctv"), rule))
+        try:
+            plan = conv.plan_convert(state["path"], req, layout=layout)
+        except conv.ConversionRefused as e:
+            raise Refused(f"the file cannot be converted for the destination: {e}") from None
+        changes = [c.describe() for c in plan.changes]
+        lossy = [c.describe() for c in plan.changes if c.what in ("K type", "V type")]
+        s.details = {"changes": changes, "lossy": lossy, "converted": bool(plan.changes)}
+        if lossy and not allow_lossy:
+            raise Refused(f"the destination's cache types differ ({'; '.join(lossy)}): re-encoding is lossy, "
+                          "pass --allow-lossy to accept it")
+        path = state["path"]
+        if plan.changes:
+            path = Path(staging) / name
+            errors = conv.write_converted(plan, path, layout=layout)
+            worst = max((e.max_abs_error for e in errors), default=None)
+            s.details["max_abs_error"] = worst
+        state["placed_from"] = path
+        report = validate_file(path, setup, models)
+        s.details["verdict"] = report.verdict
+        s.details["findings"] = [f.as_dict() for f in report.findings if f.severity != "note"]
+        if report.verdict not in ("restores", "restores_with_drops", "undecided"):
+            worst = next((f for f in report.findings if f.severity == "error"),
+                         next(iter(report.findings), None))
+            raise Refused(f"the destination would not restore the file ({report.verdict})"
+                          + (f": {worst.layer}: {worst.message}" if worst is not None else ""))
+        done = "converted (" + "; ".join(changes) + ")" if changes else "no conversion needed"
+        return f"{done}; validate for the destination: {report.verdict}"
+
+    def place(s: Step) -> str:
+        src, dest = state["placed_from"], to_dir / name
+        if src == state["path"] and _same_dir(from_dir, to_dir):
+            s.details = {"path": os.fspath(dest), "copied": False}
+            return f"{dest}: already there (--from-dir and --to-dir are one directory)"
+        _copy_atomic(src, dest)
+        s.details = {"path": os.fspath(dest), "copied": True, "size": os.path.getsize(dest)}
+        return f"{dest}: written ({s.details['size']:,} bytes)"
+
+    def restore(s: Step) -> str:
+        answer = http.restore_slot(dst_url, dst_slot, name, api_key=to_key, timeout=timeout, check=False)
+        s.details = {"answer": answer}
+        return f"{name} restored into slot {dst_slot}: {answer['n_restored']:,} tokens, {answer['n_read']:,} bytes"
+
+    def proof(s: Step) -> str:
+        p = m.proof = prove(dst_url, dst_slot, state["placed_from"], state["setup"],
+                            build_info=state["dst"].build_info, api_key=to_key, timeout=timeout)
+        if p.exit_status:
+            m.exit_status = p.exit_status
+        s.details = {"verdict": p.verdict}
+        return (f"{p.verdict}: the destination reused {p.n_reused:,} and evaluated {p.n_evaluated:,} of "
+                f"{p.n_prompt:,} prompt tokens")
+
+    try:
+        for step, fn in (("source", source), ("destination", destination), ("save", save), ("fetch", fetch),
+                         ("check", check), ("place", place), ("restore", restore), ("prove", proof)):
+            if not run(step, fn):
+                break
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return m
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _copy_atomic(src: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """``src`` copied to ``dest`` through :func:`slotctl.atomic.atomic_writer` (never a torn ``dest``)."""
+    from slotctl.atomic import atomic_writer, copy_range
+    from slotctl.paths import open_regular
+
+    with open_regular(os.fspath(src)) as f, atomic_writer(dest) as out:
+        copy_range(f, out, 0, os.fstat(f.fileno()).st_size)

@@ -1,0 +1,263 @@
+"""Slots that outlive a server and move between servers: ``restore --prove``, ``migrate`` (docs/fleet.md).
+
+Against real llama-server b11434 processes, module-scoped: ``one`` (``-c 512 -np 2``: two KV streams, 256
+tokens a slot), ``three`` (``-c 1536 -np 3 -kvu``: one stream, 1536 tokens a slot) and ``other`` (another
+model). Every proof is the server's own ``timings``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import os
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import start_server
+from slotctl.cli.app import app
+from slotctl.errors import ExitStatus
+from slotctl.slotfile import open_slot_file
+from slotctl.tinymodels import SAMPLE_PROMPT
+
+server = pytest.mark.server
+runner = CliRunner()
+OK, FAILED, USAGE = int(ExitStatus.OK), int(ExitStatus.FAILED), int(ExitStatus.USAGE)
+TIMEOUT = ["--timeout", "60"]
+#: a prompt longer than the 256 tokens a slot of ``one`` holds
+LONG_PROMPT = " ".join([SAMPLE_PROMPT] * 3)
+
+
+def slotctl(*args, code: int | None = None):
+    res = runner.invoke(app, [str(a) for a in args])
+    assert "Traceback" not in res.output, res.output
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        raise res.exception
+    if code is not None:
+        assert res.exit_code == code, f"exit {res.exit_code}, expected {code}\n{res.stdout}\n{res.stderr}"
+    return res
+
+
+@contextlib.contextmanager
+def serving(binary, model, tmp: Path, name: str, args: list[str]):
+    (tmp / "slots").mkdir()
+    srv = start_server(binary, model, tmp, name, args=args, slot_save_path=tmp / "slots")
+    srv.save_dir = tmp / "slots"
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def one(llama_server_bin, tiny_models, tmp_path_factory):
+    with serving(llama_server_bin, tiny_models.target, tmp_path_factory.mktemp("one"), "one",
+                 ["-c", "512", "-np", "2", "-fa", "on"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def three(llama_server_bin, tiny_models, tmp_path_factory):
+    with serving(llama_server_bin, tiny_models.target, tmp_path_factory.mktemp("three"), "three",
+                 ["-c", "1536", "-np", "3", "-kvu", "-fa", "on"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def other(llama_server_bin, tiny_models, tmp_path_factory):
+    """Another model (the 1-layer draft) with room enough."""
+    with serving(llama_server_bin, tiny_models.draft, tmp_path_factory.mktemp("other"), "other",
+                 ["-c", "512", "-np", "2", "-fa", "on"]) as srv:
+        yield srv
+
+
+def tokens_of(path: Path) -> list[int]:
+    return [int(t) for t in open_slot_file(path).tokens.tokens]
+
+
+def cached(srv, slot: int) -> int | None:
+    """The slot's cached prompt tokens (GET /slots n_prompt_tokens)."""
+    status, slots = srv.get("/slots")
+    assert status == 200
+    return next(s for s in slots if s["id"] == slot).get("n_prompt_tokens")
+
+
+def counts(srv, slot: int, prompt) -> tuple[int, int]:
+    """(cache_n, prompt_n) of a request of ``prompt`` (text or token ids) in ``slot``, one token generated."""
+    answer = srv.completion(prompt, slot=slot, n_predict=1)
+    return answer["timings"]["cache_n"], answer["timings"]["prompt_n"]
+
+
+# -- restore --prove ---------------------------------------------------------------------------------------
+
+
+@server
+def test_prove_after_restore(one):
+    one.completion(SAMPLE_PROMPT, slot=1, n_predict=8)
+    one.save(1, "prove.bin")
+    n = len(tokens_of(one.save_dir / "prove.bin"))
+    one.erase(1)
+    res = slotctl("restore", "--server", one.url, "--slot", "1", "prove.bin", "--prove", "--slot-dir", one.save_dir,
+                  "--json", *TIMEOUT, code=OK)
+    doc = json.loads(res.stdout)
+    p = doc["proof"]
+    assert doc["answer"]["n_restored"] == n and doc["exit_code"] == 0
+    # the server's own counts: all but the last token reused (it evaluates the last again for its logits)
+    assert (p["verdict"], p["n_prompt"], p["n_reused"], p["n_evaluated"]) == ("proven", n, n - 1, 1)
+    assert (p["predicted_reused"], p["predicted_evaluated"], p["rule"]) == (n - 1, 1, "b11434")
+    assert p["extending"]["n_reused"] == n     # validate's prediction for a request that extends the prompt
+    # the proving request generated nothing the slot keeps: it still holds the file's tokens
+    assert cached(one, 1) == n
+    assert counts(one, 1, tokens_of(one.save_dir / "prove.bin")) == (n - 1, 1)
+
+    res = slotctl("restore", "--server", one.url, "--slot", "1", "prove.bin", "--prove", "--slot-dir", one.save_dir,
+                  code=OK)
+    assert "proof proven" in " ".join(res.stdout.split()), res.stdout
+
+
+@server
+def test_prove_finds_a_slot_that_reuses_nothing(one):
+    """The slot loses what was restored before the proof (erased by another client): the server evaluates the
+    whole prompt, more than predicted, and the proof fails with the counts."""
+    from slotctl.remote import http
+    from slotctl.remote.prove import local_setup, prove
+
+    one.completion(SAMPLE_PROMPT, slot=0, n_predict=4)
+    one.save(0, "lost.bin")
+    n = len(tokens_of(one.save_dir / "lost.bin"))
+    assert one.restore(0, "lost.bin")[0] == 200
+    one.erase(0)
+    facts = http.server_facts(one.url, 0)
+    setup, _ = local_setup(facts, 0)
+    p = prove(one.url, 0, one.save_dir / "lost.bin", setup, build_info=facts.build_info, timeout=60)
+    assert (p.verdict, p.n_reused, p.n_evaluated, p.predicted_evaluated) == ("reevaluated", 0, n, 1)
+    assert p.exit_status == ExitStatus.FAILED and f"evaluated {n:,} of the {n:,}" in p.reason
+
+
+def test_prove_needs_slot_dir_and_a_server(tmp_path):
+    res = slotctl("restore", "--server", "http://127.0.0.1:9", "--slot", "0", "x.bin", "--prove", code=USAGE)
+    assert "--prove needs --slot-dir" in res.stderr
+    res = slotctl("restore", "--server", "http://127.0.0.1:9", "--slot", "0", "x.bin", "--prove", "--slot-dir",
+                  tmp_path, code=USAGE)
+    assert "x.bin" in res.stderr and "no such file" in res.stderr.lower()
+    res = slotctl("restore", tmp_path / "x.bin", "-m", tmp_path / "m.gguf", "--prove", code=USAGE)
+    assert "go with --server" in res.stderr
+
+
+# -- migrate -----------------------------------------------------------------------------------------------
+
+
+def migrate(src, slot, dst, to_slot, *more, code):
+    res = slotctl("migrate", "--from", src.url, "--slot", slot, "--to", dst.url, "--to-slot", to_slot,
+                  "--from-dir", src.save_dir, "--to-dir", dst.save_dir, "--json", *TIMEOUT, *more, code=code)
+    return json.loads(res.stdout), res
+
+
+def steps(doc) -> dict:
+    return {s["step"]: s for s in doc["steps"]}
+
+
+@server
+def test_migrate_between_servers_with_other_np_and_kvu(one, three):
+    one.completion(SAMPLE_PROMPT, slot=1, n_predict=8)
+    doc, _ = migrate(one, 1, three, 2, "--name", "moved.bin", "-kvu", code=OK)
+    st = steps(doc)
+    assert [s["status"] for s in doc["steps"]] == ["ok"] * 8, doc["steps"]
+    assert st["check"]["details"]["converted"] and any("n_stream 2 -> 1" in c for c in st["check"]["details"]["changes"])
+    placed = three.save_dir / "moved.bin"
+    assert placed.is_file() and open_slot_file(placed).target.sections[0].n_stream == 1
+    tokens = tokens_of(placed)
+    n = len(tokens)
+    assert doc["proof"]["verdict"] == "proven" and (doc["proof"]["n_reused"], doc["proof"]["n_evaluated"]) == (n - 1, 1)
+    # the destination's own timings: a request extending the prompt evaluates only the new tokens there,
+    # where a fresh slot of the same server evaluates all of them
+    more = tokens + three.tokenize(" The river Seine", add_special=False)
+    assert counts(three, 2, more) == (n, len(more) - n)
+    three.erase(0)
+    assert counts(three, 0, more) == (0, len(more))
+    # the source slot is as it was
+    assert cached(one, 1) == n
+
+
+@server
+def test_migrate_refuses_another_model_before_touching_it(one, other):
+    one.completion(SAMPLE_PROMPT, slot=1, n_predict=2)
+    before = sorted(os.listdir(other.save_dir))
+    doc, res = migrate(one, 1, other, 0, "--name", "foreign.bin", code=FAILED)
+    st = steps(doc)
+    assert st["destination"]["status"] == "refused" and "another model" in st["destination"]["message"]
+    assert all(st[s]["status"] == "skipped" for s in ("save", "fetch", "check", "place", "restore", "prove"))
+    assert sorted(os.listdir(other.save_dir)) == before and cached(other, 0) in (None, 0)
+    assert "another model" in res.stderr
+
+
+@server
+def test_migrate_refuses_a_context_too_small(one, three):
+    three.completion(LONG_PROMPT, slot=0, n_predict=2)
+    n = cached(three, 0)
+    assert n > 256
+    before = sorted(os.listdir(one.save_dir))
+    doc, _ = migrate(three, 0, one, 0, "--name", "long.bin", code=FAILED)
+    st = steps(doc)
+    assert st["check"]["status"] == "refused", doc["steps"]
+    assert "would not restore" in st["check"]["message"] and "256" in st["check"]["message"]
+    assert st["place"]["status"] == st["restore"]["status"] == "skipped"
+    assert sorted(os.listdir(one.save_dir)) == before
+    assert cached(three, 0) == n
+
+
+class _DyingAtRestore(http.server.BaseHTTPRequestHandler):
+    """Forwards every request to ``upstream``, but drops the connection on a slot restore: a destination
+    that goes away mid-migrate."""
+
+    upstream = ""
+
+    def _forward(self):
+        if "action=restore" in self.path:
+            self.close_connection = True
+            self.connection.close()
+            return
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
+        req = urllib.request.Request(self.upstream + self.path, data=body, method=self.command,
+                                     headers={"Content-Type": "application/json"})
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(req, timeout=60) as r:
+                status, raw = r.status, r.read()
+        except urllib.error.HTTPError as e:
+            status, raw = e.code, e.read()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    do_GET = do_POST = _forward
+
+    def log_message(self, *a):
+        pass
+
+
+@server
+def test_a_destination_gone_mid_migrate_leaves_the_source_slot(one, three):
+    one.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
+    n = cached(one, 0)
+    handler = type("H", (_DyingAtRestore,), {"upstream": three.url})
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        res = slotctl("migrate", "--from", one.url, "--slot", "0", "--to", f"http://127.0.0.1:{proxy.server_port}",
+                      "--to-slot", "1", "--from-dir", one.save_dir, "--to-dir", three.save_dir, "--name", "gone.bin",
+                      "-kvu", "--json", *TIMEOUT, code=USAGE)
+    finally:
+        proxy.shutdown()
+    st = steps(json.loads(res.stdout))
+    assert st["place"]["status"] == "ok" and st["restore"]["status"] == "failed", st
+    assert st["prove"]["status"] == "skipped"
+    # the file placed is whole (written atomically) and the source slot is as it was
+    assert len(tokens_of(three.save_dir / "gone.bin")) == n and cached(one, 0) == n
+    assert counts(one, 0, tokens_of(one.save_dir / "gone.bin")) == (n - 1, 1)
