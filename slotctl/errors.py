@@ -19,6 +19,20 @@ class ExitStatus(enum.IntEnum):
     UNDECIDED = 3
 
 
+#: which exit code a run over many things reports: a usage or I/O error first, then one that failed,
+#: then one undecided (docs/exit-codes.md)
+PRECEDENCE = (ExitStatus.USAGE, ExitStatus.FAILED, ExitStatus.UNDECIDED)
+
+
+def worst(codes) -> ExitStatus:
+    """The exit code of a run whose parts exited with ``codes``: 2, then 1, then 3, else 0 (:data:`PRECEDENCE`).
+
+    Not the highest: 3 (undecided) ranks below 1 (failed), so a broken file is never hidden by one that
+    could not be decided."""
+    seen = {int(c) for c in codes}
+    return next((c for c in PRECEDENCE if int(c) in seen), ExitStatus.OK)
+
+
 class SlotctlError(Exception):
     """Base of every error slotctl reports as one line.
 

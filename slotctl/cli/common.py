@@ -11,7 +11,7 @@ from typing import Iterator
 import typer
 
 from slotctl.cli.output import Output
-from slotctl.errors import ExitStatus, SlotctlError, UsageError, os_error_code
+from slotctl.errors import ExitStatus, SlotctlError, UsageError, os_error_code, worst
 
 
 def handle_errors(fn):
@@ -176,7 +176,7 @@ class FileRun:
 
     ``--json``: ``{"files": [...], "summary": {...}, "exit_code"}``; ``--jsonl``: one per-file object per
     line as each is added, then ``{"summary": {...}, "exit_code"}`` (docs/json.md). The exit code is the
-    highest of the files'.
+    worst of the files' (:func:`slotctl.errors.worst`: 2, then 1, then 3).
     """
 
     def __init__(self, out: Output, expansion, *, what: str):
@@ -204,7 +204,7 @@ class FileRun:
 
     @property
     def exit_code(self) -> int:
-        return max((f["exit_code"] for f in self.files), default=0)
+        return int(worst(f["exit_code"] for f in self.files))
 
     def finish(self, summary: dict, **extra) -> None:
         """Print the document (JSON modes) and exit with the run's exit code."""

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from slotctl.errors import ExitStatus
+from slotctl.errors import ExitStatus, worst
 from slotctl.server.findings import Finding
 from slotctl.server.restore import Status
 from slotctl.validate.setup import ServerSetup
@@ -160,11 +160,7 @@ class Report:
 
     @property
     def exit_status(self) -> ExitStatus:
-        codes = {f.exit_status for f in self.files}
-        for worst in (ExitStatus.USAGE, ExitStatus.FAILED, ExitStatus.UNDECIDED):
-            if worst in codes:
-                return worst     # a usage or I/O error first, then a file that fails, then one undecided
-        return ExitStatus.OK
+        return worst(f.exit_status for f in self.files)   # 2, then 1, then 3
 
     def summary(self) -> dict:
         out = {"files": len(self.files)}
