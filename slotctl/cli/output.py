@@ -20,9 +20,11 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-#: the width output is laid out for when stdout is not a terminal: wide enough that nothing is wrapped
-#: or cut (a line is as long as its content; nothing pads lines to this width)
-PIPE_WIDTH = 1 << 20
+#: the width output is laid out for when stdout is not a terminal and ``COLUMNS`` does not say one: prose
+#: and tables wrap there, a value longer than a line folds onto the next (never cut)
+PIPE_WIDTH = 80
+#: a width no line reaches: what a table is measured against to learn the width it needs
+_UNBOUNDED = 1 << 20
 #: the narrowest a column of text (a name, a path, a description) is folded to before a table is shown as
 #: one ``column: value`` block per row instead
 FOLD_WIDTH = 12
@@ -65,6 +67,12 @@ def elide(text: str, limit: int = 600) -> str:
     return f"{text[:half]} [… {len(text) - 2 * half:,} characters …] {text[-half:]}"
 
 
+def pipe_width() -> int:
+    """The width of stdout when it is not a terminal: ``COLUMNS`` when it is a positive number, else 80."""
+    value = os.environ.get("COLUMNS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else PIPE_WIDTH
+
+
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "-"
@@ -82,7 +90,9 @@ class Output:
 
     ``jsonl``: documents are written one per line (``--jsonl``; :meth:`json` then writes one line too).
     ``quiet``: commands over many files show only the files that are not fine, and the summary.
-    On a terminal, rich lays out for its width; on a pipe nothing is wrapped or cut (:data:`PIPE_WIDTH`).
+    On a terminal, rich lays out for its width; on a pipe for :func:`pipe_width` (``COLUMNS``, else 80):
+    no line of stdout is longer, and no value is cut (a value longer than a line folds onto the next).
+    Messages on stderr are one line each on a pipe (grep finds them whole).
     """
 
     def __init__(self, *, json_mode: bool = False, jsonl: bool = False, quiet: bool = False, verbose: bool = False,
@@ -95,7 +105,7 @@ class Output:
         self._stderr = stderr or sys.stderr
         self.console = Console(file=self._stdout, highlight=False, soft_wrap=False)
         if not self.console.is_terminal:
-            self.console = Console(file=self._stdout, highlight=False, soft_wrap=False, width=PIPE_WIDTH)
+            self.console = Console(file=self._stdout, highlight=False, soft_wrap=False, width=pipe_width())
         self.err = Console(file=self._stderr, highlight=False)
         # a message is one line on a pipe (grep finds it whole); a terminal gets it wrapped between words
         self.err.soft_wrap = not self.err.is_terminal
@@ -122,6 +132,14 @@ class Output:
         """Rich renderables on stdout (human mode)."""
         self.console.print(*renderables)
 
+    def indented(self, text: Text | str, indent: int) -> None:
+        """``text`` wrapped at the output's width less ``indent``, every line indented (a word longer than a
+        line folds: nothing is cut)."""
+        text = text if isinstance(text, Text) else Text(str(text))
+        for line in text.wrap(self.console, max(1, self.console.width - indent), overflow="fold"):
+            line.rstrip()
+            self.print(Text(" " * indent) + line)
+
     def table(self, table: Table, keep: Iterable[str] = ()) -> None:
         """A table whose ``keep`` columns (numbers, offsets, verdicts, paths) are never wrapped or cut.
 
@@ -134,7 +152,7 @@ class Output:
         folding = [c for c in table.columns if not c.no_wrap]
         for col in folding:
             col.max_width = FOLD_WIDTH
-        need = Measurement.get(self.console, self.console.options.update_width(PIPE_WIDTH), table).minimum
+        need = Measurement.get(self.console, self.console.options.update_width(_UNBOUNDED), table).minimum
         for col in folding:
             col.max_width = None
         if need <= self.console.width:
@@ -146,22 +164,33 @@ class Output:
             self._record(list(zip(table.columns, row)))
 
     def _record(self, cells: list) -> None:
-        """One table row as ``column: value`` items packed into lines of the terminal's width; an item is
-        never split (one longer than a line is a line of its own, which the terminal wraps)."""
+        """One table row as ``column: value`` items (:meth:`record`)."""
         items = []
         for col, cell in cells:
             value = cell if isinstance(cell, Text) else self.console.render_str(str(cell), style="")
+            items.append((str(col.header), value))
+        self.record(items)
+
+    def record(self, items: Iterable[tuple[str, Text | str]], *, indent: int = 0, hang: int = 2) -> None:
+        """``name: value`` items packed into lines of the output's width: the first line indented by
+        ``indent``, the others by ``indent + hang``.
+
+        An item is never split between lines unless it is longer than a line by itself: then it has lines
+        of its own, folded at the width (wrapped, never cut)."""
+        width = self.console.width
+        line = Text(" " * indent, overflow="fold")
+        for name, value in items:
+            value = value if isinstance(value, Text) else Text(str(value))
             value = Text(" ").join(value.split("\n"))   # a cell of several lines, on one
-            items.append(Text.assemble((f"{col.header}: ", "bold"), value))
-        line = Text()
-        for item in items:
-            if line.cell_len and line.cell_len + 2 + item.cell_len > self.console.width:
+            item = Text.assemble((f"{name}: ", "bold"), value) if name else value
+            if line.plain.strip() and line.cell_len + 2 + item.cell_len > width:
                 self.print(line)
-                line = Text("  ")
-            elif line.cell_len:
+                line = Text(" " * (indent + hang), overflow="fold")
+            elif line.plain.strip():
                 line.append("  ")
             line.append_text(item)
-        self.print(line)
+        if line.plain.strip():
+            self.print(line)
 
     # -- messages -------------------------------------------------------------------------------
     # Messages are one line each: whatever they quote (paths, file content, server text) is escaped,
@@ -183,6 +212,8 @@ class Output:
         """Whether stderr is a terminal (progress bars are shown only then)."""
         if os.environ.get("SLOTCTL_NO_PROGRESS"):
             return False
+        if self.jsonl and self.console.is_terminal:
+            return False    # lines stream to the same terminal as they come: a bar between them would tear
         return self.err.is_terminal
 
     @contextmanager

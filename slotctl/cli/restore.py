@@ -16,7 +16,7 @@ from rich.text import Text
 from slotctl.cli import remote
 from slotctl.cli.common import check_file, handle_errors, read_prompt, require_llama
 from slotctl.cli.options import ArgsCommand, DraftModelOpt, JsonOpt, SlotOpt, VerboseOpt, with_server_flags
-from slotctl.cli.output import Output, elide, markup_safe
+from slotctl.cli.output import Output, elide, escape_text, markup_safe
 from slotctl.errors import ExitStatus, UsageError
 from slotctl.server.flags import ServerFlags, check_slot
 
@@ -244,7 +244,7 @@ def render(out: Output, r: dict) -> None:
     for s in r["steps"]:
         t.add_row(s["step"], Text(s["status"], style=_STATUS_STYLE.get(s["status"], "")), f"{s['bytes']:,}",
                   f"{s['ms']:.1f}", markup_safe(_note(s)))
-    out.print(t)
+    out.table(t, keep=("step", "status", "bytes", "ms"))   # the note folds; no value is cut
     for s in r["steps"]:
         if s["status"] in ("dropped", "ignored") and s["reason"]:
             out.warn(f"{s['step']}: {s['reason']}")
@@ -257,7 +257,7 @@ def render(out: Output, r: dict) -> None:
         out.print(_completion_panel("continuation", c))
     cmp = r["compare"]
     if cmp is not None:
-        out.print(_compare_table(cmp))
+        out.table(_compare_table(cmp), keep=("check", ""))   # the texts fold, whole
         if cmp["agree"]:
             out.print(Text("restored and fresh agree: a restored slot answers like one never saved", style="green"))
         elif cmp.get("note"):
@@ -294,7 +294,8 @@ def _completion_panel(title: str, c: dict) -> Panel:
                      f"{c['n_verify_steps']:,} verification step(s) (up to {c['n_draft_max']} per step)"
                      + (f"; {c['n_replayed']:,} token(s) replayed after speculative checkpoint restores"
                         if c["n_replayed"] else ""))
-    body = [Text("\n".join(lines)), Text(markup_safe(elide(c["text"])), style="italic")]
+    # the generated text whole, wrapped at the width (a word longer than a line folds): never cut
+    body = [Text("\n".join(lines)), Text(escape_text(c["text"]), style="italic", overflow="fold")]
     return Panel(Group(*body), title=title, title_align="left")
 
 
@@ -303,7 +304,7 @@ def _compare_table(cmp: dict) -> Table:
     for col in ("check", "restored", "fresh", ""):
         t.add_column(col)
     for ch in cmp["checks"]:
-        fmt = (lambda v: markup_safe(elide(v, 160))) if ch["check"] == "text" else str
+        fmt = (lambda v: Text(escape_text(v), overflow="fold")) if ch["check"] == "text" else str
         t.add_row(ch["check"], fmt(ch["restored"]), fmt(ch["fresh"]),
                   Text("same", style="green") if ch["equal"] else Text("differs", style="bold red"))
     return t
