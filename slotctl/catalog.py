@@ -78,8 +78,9 @@ def _row_from(path: str, st, sf, report, now: float) -> dict:
         "uncertain": list(report.uncertain),
         "reuse": _reuse(report),
         "findings": [f.as_dict() for f in report.findings],
-        # a listing counts a file whose payload it cannot place as damaged (1); validate says undecided (3)
-        "exit_code": int(ExitStatus.FAILED if report.verdict == "undecided" else report.exit_status),
+        # undecided: 3, as validate says; but a payload cut short is refused or aborts, whichever (1)
+        "exit_code": int(ExitStatus.FAILED if report.verdict == "undecided" and sf.payload_cut
+                         else report.exit_status),
     }
     if report.verdict == "undecided" and sf.payload_cut:
         row["payload_cut"] = True    # refused or aborts, whichever: broken (ls/prune --broken)
@@ -100,10 +101,11 @@ def _reuse(report) -> dict | None:
 
 
 def _unreadable(path: str, e: Exception, st) -> dict:
-    from slotctl.errors import SlotctlError
+    """The row of a file that could not be read at all (missing, not a regular file, no permission)."""
+    from slotctl.errors import SlotctlError, os_error_code
 
-    message = str(e) if isinstance(e, SlotctlError) else f"{path}: {e.strerror or e}"
-    code = e.error_code if isinstance(e, SlotctlError) else "unreadable"
+    message = str(e) if isinstance(e, SlotctlError) else f"{path}: {(e.strerror or str(e)).lower()}"
+    code = e.error_code if isinstance(e, SlotctlError) else os_error_code(e)
     return {"path": path, "name": os.path.basename(path), "size": st.size if st else None,
             "mtime": iso_time(st.mtime) if st else None,
             "atime": iso_time(st.used) if st and st.used is not None else None,
@@ -207,4 +209,11 @@ def _remote_rows(paths: list[str], request: Request, now: float) -> Iterator[dic
 
 
 def is_broken(row: dict) -> bool:
+    """Whether the server refuses or aborts on the file of ``row`` (a payload cut short: one or the other)."""
     return row["verdict"] in BROKEN_VERDICTS or row.get("payload_cut", False)
+
+
+def is_undecided(row: dict) -> bool:
+    """Whether what the server does with the file cannot be told without the model (and it is not cut short:
+    that one is broken either way). ``ls --broken`` lists these too; ``prune --broken`` leaves them."""
+    return row["verdict"] == "undecided" and not row.get("payload_cut", False)

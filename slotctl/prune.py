@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from slotctl.slotfile import begins_with_state_magic
 from slotctl.catalog import iso_time
+from slotctl.slotfile import is_slot_file
 from slotctl.errors import UsageError
 from slotctl.paths import DEFAULT_GRACE, being_written, is_temp_file
 
@@ -39,6 +39,10 @@ KEEP = "kept"
 PINNED = "pinned"
 SKIPPED = "skipped"
 FAILED = "failed"
+
+#: why ``--broken`` keeps a file that validate cannot decide without the model
+UNDECIDED_REASON = ("undecided without -m: the server may restore it, refuse it or abort on it; give -m with the "
+                    "server's model and flags to decide")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.I)
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.I)
@@ -127,13 +131,24 @@ class Entry:
     verdict: str | None = None
     error: str | None = None
 
-    def as_dict(self) -> dict:
+    @property
+    def undecided(self) -> bool:
+        """Kept by ``--broken`` because its verdict cannot be told without the model."""
+        return self.action == KEEP and self.verdict == "undecided"
+
+    @property
+    def exit_status(self):
         from slotctl.errors import ExitStatus
+
+        if self.action == FAILED:
+            return ExitStatus.USAGE
+        return ExitStatus.UNDECIDED if self.undecided else ExitStatus.OK
+
+    def as_dict(self) -> dict:
 
         d = {"path": self.path, "size": self.size, "disk_size": self.disk_size, "mtime": iso_time(self.mtime),
              "atime": iso_time(self.atime), "last_used": iso_time(self.used), "action": self.action,
-             "reason": self.reason, "verdict": self.verdict,
-             "exit_code": int(ExitStatus.USAGE if self.action == FAILED else ExitStatus.OK)}
+             "reason": self.reason, "verdict": self.verdict, "exit_code": int(self.exit_status)}
         if self.error:
             d["error"] = {"code": "delete_failed", "message": self.error}
         return d
@@ -179,8 +194,8 @@ def _scan(directory: str, now: float, policy: Policy, source: str) -> tuple[list
         e.used = max(st.st_mtime, st.st_atime) if source == "atime" else st.st_mtime
         if is_temp_file(d.name):
             e.action, e.reason = SKIPPED, "a slotctl temporary file (a write in progress)"
-        elif not begins_with_state_magic(d.path):
-            e.action, e.reason = SKIPPED, "not a slot file (no state magic)"
+        elif not is_slot_file(d.path):
+            e.action, e.reason = SKIPPED, "not a slot file (no state magic, not named *.bin)"
         else:
             total += st.st_size       # the budget is of slot files, busy and pinned ones included
             busy = being_written(st, policy.grace, now)
@@ -212,6 +227,8 @@ def plan(directory: str, policy: Policy, *, now: float | None = None,
             e.verdict = judged.get(e.path)
             if e.verdict in BROKEN_VERDICTS or e.verdict == CUT_SHORT:
                 e.action, e.reason = DELETE, f"the server would not restore it ({e.verdict})"
+            elif e.verdict == "undecided":     # it may restore: never deleted on a guess
+                e.reason = UNDECIDED_REASON
             else:
                 e.reason = "restores" if e.verdict is None else e.verdict
         return p

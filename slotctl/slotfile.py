@@ -538,32 +538,52 @@ class Expansion:
     """The files a command over many slot files works on, and what it passed over.
 
     ``files``: each path given (as given, even when missing or unreadable: the command reports it as
-    that file's error and goes on; ``-`` is standard input), then each directory's slot files.
-    ``skipped``: the regular files in the directories that do not begin with the state magic (a README,
-    a model, a JSON sidecar): they are not slot files and are only counted.
+    that file's error and goes on; ``-`` is standard input), then each directory's slot files
+    (:func:`is_slot_file`). ``skipped``: the regular files in the directories that are not slot files (a
+    README, a model, a JSON sidecar): they are only counted.
     """
 
     files: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
 
-def begins_with_state_magic(path: str) -> bool:
-    """Whether the file at ``path`` begins with the state magic (what makes a directory entry a slot file).
+#: the ending of a file name that makes a directory entry a slot file whatever its first bytes: the name
+#: llama-server's documentation gives slot files (``"filename": "slot_save_file.bin"``) and slotctl too
+SLOT_FILE_SUFFIX = ".bin"
 
-    A file that cannot be read is kept (True): the command then says why it cannot be read.
+
+def is_slot_entry(name: str, head: bytes | None) -> bool:
+    """Whether a file found in a directory (or under an object-store prefix) is a slot file: one a command
+    over a slot directory reads. ``name``: its name; ``head``: its first 4 bytes, None when it cannot be read.
+
+    The rule (docs/directories.md): a file is a slot file when it begins with the state magic, or when its
+    name ends in ``.bin`` (any case) and it is not a GGUF model. So an empty ``.bin`` (what a save that died
+    leaves) or one whose first bytes are not the magic (a header overwritten, a file of zeros after a
+    crash) is a slot file the server refuses, reported as broken, never passed over as "not a slot file".
+    Any other file (a README, a JSON sidecar, a model) is not one. A file that cannot be read is kept: the
+    command then says why it cannot be read.
     """
+    if head is None:
+        return True
+    kind = file_kind(head)
+    return kind == "slot" or (kind != "gguf" and name.lower().endswith(SLOT_FILE_SUFFIX))
+
+
+def is_slot_file(path: str) -> bool:
+    """:func:`is_slot_entry` for the file at ``path``."""
     try:
         with open_input(path) as f:
-            return file_kind(f.read(4)) == "slot"
+            head = f.read(4)
     except (OSError, UsageError):
-        return True
+        head = None
+    return is_slot_entry(os.path.basename(path), head)
 
 
 def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> Expansion:
     """Each path given, and each directory's slot files (not recursive, sorted; see :class:`Expansion`).
 
     Like :func:`expand_paths`, but a path that is missing or not a regular file is kept for the command to
-    report, and in a directory only files that begin with the state magic are taken.
+    report, and in a directory only slot files (:func:`is_slot_file`) are taken.
     """
     out = Expansion()
     seen: set[str] = set()
@@ -584,7 +604,7 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
                 continue
             entries = [e for e in entries if e.path not in seen]
             for e, head in zip(entries, first_bytes([e.path for e in entries])):
-                if head is None or file_kind(head) == "slot":
+                if is_slot_entry(e.path.rstrip("/").rsplit("/", 1)[-1], head):
                     add(e.path)
                 else:
                     out.skipped.append(e.path)
@@ -592,7 +612,7 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
         if p != STDIN and os.path.isdir(p):
             for name in directory_files(p, follow_symlinks):
                 full = os.path.join(p, name)
-                if begins_with_state_magic(full):
+                if is_slot_file(full):
                     add(full)
                 elif os.path.realpath(full) not in seen:
                     out.skipped.append(full)

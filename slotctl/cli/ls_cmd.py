@@ -20,10 +20,12 @@ from slotctl.cli.options import (
     VerboseOpt,
     with_server_flags,
 )
-from slotctl.cli.output import VERDICT_STYLE, Output, escape_text, human_bytes
+from rich.cells import cell_len
+
+from slotctl.cli.output import FOLD_WIDTH, VERDICT_STYLE, Output, escape_text, human_bytes
 from slotctl.server.flags import ServerFlags
 from slotctl.remote.http import DEFAULT_TIMEOUT
-from slotctl.errors import ExitStatus, UsageError
+from slotctl.errors import UsageError, worst
 
 SORT_KEYS = ("name", "size", "age", "tokens")
 
@@ -43,7 +45,8 @@ def ls(
                                       "first) or tokens (most first).")] = "name",
     reverse: Annotated[bool, typer.Option("--reverse", "-r", help="Reverse the order.")] = False,
     broken: Annotated[bool, typer.Option("--broken", help="Only files the server would refuse or abort on "
-                                         "(verdict refused, aborts or unreadable).")] = False,
+                                         "(verdict refused, aborts or unreadable), and those it may: undecided "
+                                         "without -m (give -m to decide them).")] = False,
     has_draft: Annotated[bool, typer.Option("--has-draft", help="Only files holding draft state (SDFT or "
                                             "checkpoint draft blobs).")] = False,
     verdict: Annotated[Optional[list[str]], typer.Option("--verdict", metavar="V", help="Only files with this "
@@ -73,13 +76,16 @@ def ls(
 
     Reads metadata only, never tensor bytes, spread over the CPUs. Without -m the verdict comes from the
     structure and the server's own rules; with -m (and -md) and the server's flags it adds validate's
-    prediction, and --load its real check. In a directory, files that are not slot files (no state
-    magic) are left out and counted. Totals at the bottom. Details: docs/directories.md.
+    prediction, and --load its real check. In a directory, the slot files are the files that begin with
+    the state magic and the files named *.bin (an empty or overwritten one is listed as refused); the
+    others are left out and counted. A file named that cannot be read is a row of its own. Totals at the
+    bottom. Details: docs/directories.md.
 
     Exit codes: 0 every listed file restores completely; 1 a listed file is damaged, refused, makes the
-    server abort or loses a layer; 2 usage or I/O error.
+    server abort or loses a layer; 2 usage or I/O error (a file that cannot be read); 3 without -m, a
+    listed file is undecided and none failed. A run reports the worst: 2, then 1, then 3.
     """
-    from slotctl.catalog import Request, catalog, is_broken
+    from slotctl.catalog import Request, catalog, is_broken, is_undecided
     from slotctl.validate import VERDICTS as VERDICT_NAMES
 
     out = Output(json_mode=json_out or jsonl, verbose=verbose)
@@ -118,13 +124,15 @@ def ls(
     want = set(verdict or ())
 
     def keep(row: dict) -> bool:
-        if broken and not is_broken(row):
+        if broken and not (is_broken(row) or is_undecided(row)):
             return False
         if has_draft and not row["draft_size"]:
             return False
         return not want or row["verdict"] in want
 
     totals = _Totals(not_slot)
+    names = len(paths or [Path(".")]) == 1 and _is_dir((paths or [Path(".")])[0])
+    human = _Cells(show_reuse=model is not None, names=names) if not (json_out or jsonl) else None
     with out.progress("reading", total=len(files)) as update:
         def rows() -> Iterable[dict]:
             for i, row in enumerate(catalog(files, request, processes=jobs), 1):
@@ -135,7 +143,7 @@ def ls(
                     yield row
 
         if sort == "name" and not reverse and not json_out:
-            listed: Iterable[dict] = rows()        # streamed: memory stays flat in the number of files
+            listed: Iterable[dict] = rows()        # streamed (--jsonl): memory stays flat in the number of files
         else:
             listed = sorted(rows(), key=_SORTS[sort], reverse=reverse)
         if jsonl:
@@ -149,8 +157,10 @@ def ls(
                 summary["server"] = lv.as_dict()
             out.json({"files": rows_list, "summary": summary, "exit_code": totals.exit_code})
         else:
-            one_dir = len(paths or [Path(".")]) == 1 and _is_dir((paths or [Path(".")])[0])
-            render(out, listed, totals, show_reuse=model is not None, names=one_dir)
+            for row in listed:
+                human.add(row)     # a few short strings per file, laid out once every width is known
+    if human is not None:          # printed once the progress bar is gone (it is never left on screen)
+        human.render(out, totals, broken=broken)
     if totals.exit_code:
         raise typer.Exit(totals.exit_code)
 
@@ -179,7 +189,7 @@ class _Totals:
         self.files = self.size = self.tokens = self.draft = self.checkpoints = 0
         self.read = 0
         self.verdicts: dict[str, int] = {}
-        self.exit_code = 0
+        self.codes: set[int] = set()
 
     def seen(self, row: dict) -> None:
         self.read += 1
@@ -191,7 +201,11 @@ class _Totals:
         self.draft += row["draft_size"]
         self.checkpoints += len(row["checkpoints"])
         self.verdicts[row["verdict"]] = self.verdicts.get(row["verdict"], 0) + 1
-        self.exit_code = max(self.exit_code, row["exit_code"])
+        self.codes.add(row["exit_code"])
+
+    @property
+    def exit_code(self) -> int:
+        return int(worst(self.codes))
 
     def summary(self) -> dict:
         from slotctl.validate import VERDICTS as VERDICT_NAMES
@@ -210,41 +224,98 @@ def human_age(seconds: int | None) -> str:
     return f"{seconds}s"
 
 
-_COLUMNS = (("size", 10), ("age", 5), ("ver", 3), ("tokens", 8), ("kind", 11), ("ckpt", 4), ("draft", 10),
-            ("verdict", 19))
+#: the columns before the name, and whether each is aligned left (the others right)
+_COLUMNS = (("size", False), ("age", False), ("ver", False), ("tokens", False), ("kind", True), ("ckpt", False),
+            ("draft", False), ("verdict", True))
+#: columns between each other
+_GAP = 2
 
 
-def _line(cells: list[str], name: Text | str, reuse: str | None) -> Text:
-    t = Text()
-    for (title, width), c in zip(_COLUMNS, cells):
-        if title == "verdict":
-            t.append(c.ljust(width), style=VERDICT_STYLE.get(c, ""))
-        elif title in ("kind",):
-            t.append(c.ljust(width))
-        else:
-            t.append(c.rjust(width))
-        t.append("  ")
-    if reuse is not None:
-        t.append(reuse.rjust(13) + "  ")
-    t.append(name)
-    return t
+class _Cells:
+    """The human listing: each row's cells as short strings, laid out when every width is known.
 
+    As a table when it fits the output's width: the columns as wide as their widest cell, the name last
+    (folded onto lines of its own below its column when it is longer than the room left, never cut).
+    When even a name column of :data:`~slotctl.cli.output.FOLD_WIDTH` does not fit, each file is its name
+    on a line, then its ``column: value`` items packed into lines (as inspect and validate show a table
+    that does not fit)."""
 
-def render(out: Output, rows: Iterable[dict], totals: _Totals, *, show_reuse: bool, names: bool) -> None:
-    """Aligned columns, the name last (never cut: a long name runs on), then the totals. ``names``: the
-    file names (one directory listed), else the paths as given."""
-    head = [title for title, _ in _COLUMNS]
-    out.console.print(_line(head, "name" if names else "path", "reuse" if show_reuse else None), style="bold", soft_wrap=True)
-    for r in rows:
+    def __init__(self, *, show_reuse: bool, names: bool):
+        self.names = names
+        self.columns = list(_COLUMNS) + ([("reuse", False)] if show_reuse else [])
+        self.rows: list[tuple[list[str], str, str | None]] = []
+
+    def add(self, r: dict) -> None:
         cells = [human_bytes(r["size"]), human_age(r["age_seconds"]), str(r["state_version"] or "-"),
                  f"{r['n_tokens']:,}" if r["n_tokens"] is not None else "-", r["memory_kind"] or "-",
                  str(len(r["checkpoints"])), human_bytes(r["draft_size"]) if r["draft_size"] else "-",
                  r["verdict"]]
-        reuse = _reuse_text(r.get("reuse")) if show_reuse else None
-        out.console.print(_line(cells, escape_text(r["name" if names else "path"], keep_newlines=False), reuse), soft_wrap=True)
-        if r.get("error"):
-            out.console.print(Text("    " + escape_text(r["error"]["message"], keep_newlines=False), style="dim"),
-                              soft_wrap=True)
+        if len(self.columns) > len(_COLUMNS):
+            cells.append(_reuse_text(r.get("reuse")))
+        error = r["error"]["message"] if r.get("error") else None
+        self.rows.append((cells, escape_text(r["name" if self.names else "path"], keep_newlines=False),
+                          None if error is None else escape_text(error, keep_newlines=False)))
+
+    def render(self, out: Output, totals: _Totals, *, broken: bool) -> None:
+        width = out.console.width
+        heads = [title for title, _ in self.columns]
+        widths = [max([cell_len(h)] + [cell_len(cells[i]) for cells, _, _ in self.rows])
+                  for i, h in enumerate(heads)]
+        fixed = sum(widths) + _GAP * len(widths)
+        room = width - fixed
+        name_head = "name" if self.names else "path"
+        if room >= min(FOLD_WIDTH, max([cell_len(name_head)] + [cell_len(n) for _, n, _ in self.rows])):
+            out.print(self._line(heads, widths, name_head, room, head=True))
+            for cells, name, error in self.rows:
+                out.print(self._line(cells, widths, name, room))
+                if error is not None:
+                    out.indented(Text(error, style="dim"), 4)
+        else:
+            for cells, name, error in self.rows:
+                verdict = cells[heads.index("verdict")]
+                out.print(Text.assemble((name, "bold"), "  ", self._cell("verdict", verdict), overflow="fold"))
+                out.record([(h, self._cell(h, c)) for h, c in zip(heads, cells) if h != "verdict"], indent=2, hang=0)
+                if error is not None:
+                    out.indented(Text(error, style="dim"), 4)
+        out.print(_tail(totals, broken=broken))
+
+    def _cell(self, title: str, value: str) -> Text:
+        return Text(value, style=VERDICT_STYLE.get(value, "") if title == "verdict" else "")
+
+    def _line(self, cells: list[str], widths: list[int], name: str, room: int, *, head: bool = False) -> Text:
+        t = Text(style="bold" if head else "")
+        for (title, left), w, c in zip(self.columns, widths, cells):
+            pad = " " * (w - cell_len(c))
+            cell = Text(c) if head else self._cell(title, c)
+            if left:
+                t.append_text(cell)
+                t.append(pad)
+            else:
+                t.append(pad)
+                t.append_text(cell)
+            t.append(" " * _GAP)
+        indent = Text(" " * cell_len(t.plain))
+        pieces = _fold(name, room)
+        t.append(pieces[0])
+        for piece in pieces[1:]:
+            t.append("\n")
+            t.append_text(indent)
+            t.append(piece)
+        return t
+
+
+def _fold(text: str, width: int) -> list[str]:
+    """``text`` in pieces of at most ``width`` terminal cells (all of it: nothing is cut)."""
+    pieces, piece = [], ""
+    for ch in text:
+        if piece and cell_len(piece + ch) > width:
+            pieces.append(piece)
+            piece = ""
+        piece += ch
+    return pieces + [piece]
+
+
+def _tail(totals: _Totals, *, broken: bool) -> Text:
     s = totals.summary()
     verdicts = ", ".join(f"{n} {v}" for v, n in s["verdicts"].items() if n)
     tail = (f"total: {s['files']:,} file(s), {human_bytes(s['size'])}, {s['n_tokens']:,} tokens, "
@@ -254,7 +325,11 @@ def render(out: Output, rows: Iterable[dict], totals: _Totals, *, show_reuse: bo
         tail += f" ({s['read'] - s['files']:,} filtered out)"
     if s["skipped"]:
         tail += f"; {s['skipped']:,} file(s) that are not slot files left out"
-    out.console.print(Text(tail, style="bold"), soft_wrap=True)
+    if s["verdicts"]["undecided"]:
+        tail += ("; undecided: the server may restore, refuse or abort on "
+                 f"{'them (listed with --broken)' if broken else 'them'}: give -m with the server's model and "
+                 "flags to decide")
+    return Text(tail, style="bold")
 
 
 def _reuse_text(value) -> str:

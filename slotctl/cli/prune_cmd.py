@@ -20,7 +20,7 @@ from slotctl.cli.options import (
 )
 from slotctl.cli.output import Output, escape_text, human_bytes
 from slotctl.server.flags import ServerFlags
-from slotctl.errors import ExitStatus
+from slotctl.errors import ExitStatus, worst
 
 _STYLE = {"deleted": "red", "would_delete": "cyan", "kept": "dim", "pinned": "green", "skipped": "yellow",
           "failed": "bold red"}
@@ -47,7 +47,8 @@ def prune(
                                                      "(or path) matches GLOB (repeatable).")] = None,
     broken: Annotated[bool, typer.Option("--broken", help="Delete only the files the server would not restore "
                                          "(verdict refused, aborts or unreadable; with -m and the server's "
-                                         "flags, as validate predicts it).")] = False,
+                                         "flags, as validate predicts it). Undecided files are kept and "
+                                         "counted: -m decides them.")] = False,
     grace: Annotated[float, typer.Option("--grace", metavar="SECONDS", min=0, help="Files modified less than "
                                          "this long ago are being written: never touched.")] = 60.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be deleted; delete nothing.")] = False,
@@ -67,8 +68,14 @@ def prune(
     files that are not slot files. Each deletion is one unlink, checked just before: killed at any
     moment, every file is either as it was or gone. Details: docs/directories.md.
 
+    With --broken and without -m, a file whose verdict cannot be told without the model (undecided) is
+    kept, and counted in one line: give -m with the server's model and flags to decide it. In the
+    directory, the slot files are those that begin with the state magic and those named *.bin (an empty
+    or overwritten .bin is one the server refuses).
+
     Exit codes: 0 done (the budget is met); 1 the directory is still over --max-size (pinned or busy
-    files); 2 usage error, or a file that could not be deleted.
+    files); 2 usage error, or a file that could not be deleted; 3 --broken without -m kept undecided
+    files. A run reports the worst: 2, then 1, then 3.
     """
     from slotctl.prune import DEFAULT_GRACE, Policy, execute, parse_age, parse_size, plan
 
@@ -108,13 +115,17 @@ def prune(
 
         execute(p, dry_run=dry_run, on_file=step)
     failed = [e for e in p.entries if e.action == "failed"]
-    status = ExitStatus.USAGE if failed else ExitStatus.FAILED if p.over_budget else ExitStatus.OK
+    undecided = [e for e in p.entries if e.undecided]
+    status = worst([e.exit_status for e in p.entries] + [ExitStatus.FAILED if p.over_budget else ExitStatus.OK])
     if json_out:
         out.json(report(p, dry_run=dry_run, exit_code=int(status)))
     else:
         render(out, p, dry_run=dry_run)
     for e in failed:
         out.error(e.error)
+    if undecided:
+        out.warn(f"{len(undecided)} undecided file(s) kept: without -m the server's verdict cannot be told "
+                 "(they may restore); give -m with the server's model and flags to decide them")
     if p.over_budget:
         out.warn(f"still {human_bytes(p.size_after)}, over --max-size {human_bytes(policy.max_size)}: the rest is "
                  "pinned or being written")
@@ -136,7 +147,8 @@ def report(p, *, dry_run: bool, exit_code: int) -> dict:
         "policy": {"max_size": pol.max_size, "older_than_seconds": pol.older_than, "keep": pol.keep,
                    "pins": list(pol.pins), "broken": pol.broken, "grace_seconds": pol.grace},
         "files": [e.as_dict() for e in p.entries],
-        "summary": {"files": len(p.entries), **counts, "freed": sum(e.size for e in gone),
+        "summary": {"files": len(p.entries), **counts, "undecided": sum(e.undecided for e in p.entries),
+                    "freed": sum(e.size for e in gone),
                     "freed_disk": sum(e.disk_size for e in gone), "size_before": p.size_before,
                     "size_after": p.size_after, "over_budget": p.over_budget},
         "exit_code": exit_code,
@@ -144,20 +156,20 @@ def report(p, *, dry_run: bool, exit_code: int) -> dict:
 
 
 def render(out: Output, p, *, dry_run: bool) -> None:
-    """What went (or would go) and why, then the totals; kept files only with their count."""
-    out.console.print(Text(f"last use: {p.source} ({p.source_reason})", style="dim"), soft_wrap=True)
+    """What went (or would go) and why, then the totals; kept files only with their count (and the undecided
+    ones --broken kept, by name). Lines wrap at the output's width."""
+    out.print(Text(f"last use: {p.source} ({p.source_reason})", style="dim"))
     for e in p.entries:
-        if e.action in ("kept",):
+        if e.action in ("kept",) and not e.undecided:
             continue
-        line = Text(f"{e.action:<13}", style=_STYLE.get(e.action, ""))
+        line = Text(f"{e.action:<13}", style=_STYLE.get(e.action, ""), overflow="fold")
         line.append(f"{human_bytes(e.size):>10}  ")
         line.append(escape_text(e.path, keep_newlines=False))
         line.append(f"  ({e.reason})", style="dim")
-        out.console.print(line, soft_wrap=True)
+        out.print(line)
     gone = [e for e in p.entries if e.action in ("deleted", "would_delete")]
     kept = sum(e.action == "kept" for e in p.entries)
     verb = "would delete" if dry_run else "deleted"
-    out.console.print(Text(f"{verb} {len(gone)} file(s), {'would free' if dry_run else 'freed'} "
-                           f"{human_bytes(sum(e.size for e in gone))}; kept {kept}; directory "
-                           f"{human_bytes(p.size_before)} -> {human_bytes(p.size_after)}", style="bold"),
-                      soft_wrap=True)
+    out.print(Text(f"{verb} {len(gone)} file(s), {'would free' if dry_run else 'freed'} "
+                   f"{human_bytes(sum(e.size for e in gone))}; kept {kept}; directory "
+                   f"{human_bytes(p.size_before)} -> {human_bytes(p.size_after)}", style="bold"))
