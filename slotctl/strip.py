@@ -53,15 +53,17 @@ FREE_SPACE_MARGIN = 1 << 20
 
 class StripStatus(StrEnum):
     """``status`` of a file: what strip-draft did with it. ``refused`` is slotctl's own refusal to change
-    the file (it is damaged, or changed under the command), not a server's."""
+    the file (it is damaged, or changed under the command), not a server's; ``unreadable``: the file could
+    not be read at all (missing, not a regular file, no permission), nothing was done to it."""
 
     STRIPPED = "stripped"
     UNCHANGED = "unchanged"
     REFUSED = "refused"
     WOULD_STRIP = "would_strip"
+    UNREADABLE = "unreadable"
 
 
-STRIPPED, UNCHANGED, REFUSED, WOULD_STRIP = StripStatus
+STRIPPED, UNCHANGED, REFUSED, WOULD_STRIP, UNREADABLE = StripStatus
 
 _SCKP_HEAD = struct.Struct("<III")         # magic, version, count
 _CKPT_HEAD = struct.Struct("<qiiQ")        # n_tokens, pos_min, pos_max, target blob length
@@ -412,10 +414,11 @@ def strip_files(files: list[str], *, output: str | os.PathLike | None = None, ch
             res.error, res.error_code, res.exit_status = str(e), e.error_code, ExitStatus.FAILED
             continue
         except UsageError as e:
-            res.error, res.error_code, res.exit_status = str(e), e.error_code, ExitStatus.USAGE
+            res.status, res.error, res.error_code, res.exit_status = UNREADABLE, str(e), e.error_code, ExitStatus.USAGE
             continue
         except OSError as e:
-            res.error, res.error_code, res.exit_status = _os_error(path, e), os_error_code(e), ExitStatus.USAGE
+            res.status, res.error, res.error_code = UNREADABLE, _os_error(path, e), os_error_code(e)
+            res.exit_status = ExitStatus.USAGE
             continue
         res.size_before, res.size_after, res.removed = plan.size_before, plan.size_after, list(plan.removed)
         res.draft_size, res.checkpoint_draft_size, res.repaired = (plan.draft_size, plan.checkpoint_draft_bytes,

@@ -14,9 +14,9 @@ from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, Quie
 from slotctl.cli.output import Output, human_bytes, markup_safe
 from slotctl.slotfile import expand_slot_paths
 from slotctl.paths import DEFAULT_GRACE
-from slotctl.strip import COPY, REFUSED, STRIPPED, UNCHANGED, WOULD_STRIP, FileResult, strip_files
+from slotctl.strip import COPY, REFUSED, STRIPPED, UNCHANGED, UNREADABLE, WOULD_STRIP, FileResult, strip_files
 
-_STATUS_STYLE = {STRIPPED: "green", WOULD_STRIP: "cyan", UNCHANGED: "dim", REFUSED: "bold red"}
+_STATUS_STYLE = {STRIPPED: "green", WOULD_STRIP: "cyan", UNCHANGED: "dim", REFUSED: "bold red", UNREADABLE: "bold red"}
 
 
 def register(app: typer.Typer) -> None:
@@ -61,6 +61,9 @@ def strip_draft(
     checkpoints included. --model and --draft-model name the memory layouts
     when the file alone does not tell them. Details: docs/strip-draft.md.
 
+    A file that cannot be read (missing, no permission) is an entry of its own (status unreadable);
+    the other files are still processed.
+
     Exit codes: 0 every file stripped or without draft state; 1 a file was refused; 2 usage error,
     or a file that could not be read or written.
     """
@@ -95,6 +98,7 @@ def strip_draft(
                sum(r.status in (STRIPPED, WOULD_STRIP) for r in results),
                "unchanged": sum(r.status == UNCHANGED for r in results),
                "refused": sum(r.status == REFUSED for r in results),
+               "unreadable": sum(r.status == UNREADABLE for r in results),
                "skipped": len(expansion.skipped), "bytes_freed": total,
                "checkpoint_draft_size": sum(r.checkpoint_draft_size for r in results)}
     if not out.json_mode:
@@ -120,15 +124,17 @@ def render(out: Output, results: list[FileResult], total: int, *, dry_run: bool)
         t.add_column(c, justify="right")
     t.add_column("removed")
     for r in results:
-        if out.quiet and r.status != REFUSED:
+        if out.quiet and r.status not in (REFUSED, UNREADABLE):
             continue
         t.add_row(markup_safe(r.path), Text(r.status.replace("_", " "), style=_STATUS_STYLE[r.status]), human_bytes(r.size_before),
                   human_bytes(r.size_after), human_bytes(r.bytes_freed) if r.size_after is not None else "-",
                   ", ".join(r.removed) or "-")
     if t.row_count:
         out.table(t, keep=("status", "before", "after", "freed"))   # a long path folds, whole
-    statuses = (WOULD_STRIP if dry_run else STRIPPED, UNCHANGED, REFUSED)
+    statuses = (WOULD_STRIP if dry_run else STRIPPED, UNCHANGED, REFUSED, UNREADABLE)
     counts = {s: sum(r.status == s for r in results) for s in statuses}
+    if not counts[UNREADABLE]:
+        del counts[UNREADABLE]
     freed = "would be freed" if dry_run else "freed"
     said = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in counts.items())
     out.print(Text(f"total: {said}; {human_bytes(total)} {freed}",
