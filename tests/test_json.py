@@ -130,7 +130,7 @@ def test_a_gguf_given_as_a_slot_file_is_named_as_such():
     assert res.exit_code == 1 and f["findings"][0]["code"] == "gguf_model"
     assert "this is a GGUF model, not a slot file" in f["findings"][0]["message"]
     res = cli("validate", DATA / "target.gguf")
-    assert "this is a GGUF model, not a slot file" in res.output
+    assert "this is a GGUF model, not a slot file" in " ".join(res.output.split())   # wrapped at 80
 
 
 def test_stdin_is_read_for_dash():
@@ -171,15 +171,20 @@ def test_quiet_shows_only_the_files_that_are_not_fine_and_the_summary(tmp_path):
     assert lines[0].startswith(str(tmp_path / "bad.bin")) and lines[-1].startswith("6 file(s): 5 restoring completely")
 
 
-def test_on_a_pipe_nothing_is_wrapped(tmp_path):
+def test_on_a_pipe_lines_fit_columns_and_no_value_is_cut(tmp_path):
+    """On a pipe the output is laid out for COLUMNS (else 80): no line is longer; a path or a message
+    longer than a line wraps (folds), whole."""
     deep = tmp_path / ("a-very-long-directory-name-" * 4)
     deep.mkdir()
     for i in range(2):
         (deep / f"damaged-slot-file-{i}.bin").write_bytes(SLOT.read_bytes()[:1000])
-    r = slotctl("validate", deep, "-m", DATA / "target.gguf", "--no-load", env={"COLUMNS": "60"})
-    lines = r.stdout.decode().splitlines()
-    findings = [line for line in lines if line.startswith("  error")]
-    # one finding per line, whole: the message ends on the line it starts on
-    assert len(findings) == 2 and all(f.endswith("the server refuses the file") for f in findings), lines
-    assert all(line.startswith(str(deep)) for line in lines if "damaged-slot-file" in line)
-    assert max(map(len, lines)) > 120   # long lines stay whole
+    for env, width in (({"COLUMNS": "60"}, 60), ({"COLUMNS": ""}, 80)):
+        r = slotctl("validate", deep, "-m", DATA / "target.gguf", "--no-load", env=env)
+        lines = r.stdout.decode().splitlines()
+        assert r.returncode == 1 and max(map(len, lines)) <= width, lines
+        flat = "".join("".join(lines).split())     # every value whole once the wrapping is undone
+        for i in range(2):
+            assert "".join(str(deep / f"damaged-slot-file-{i}.bin").split()) in flat
+        assert flat.count("theserverrefusesthefile") == 2
+        # stderr: one line per message, whole (grep finds it)
+        assert all(len(x.split("error:")) <= 2 for x in r.stderr.decode().splitlines())

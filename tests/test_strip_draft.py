@@ -337,7 +337,8 @@ def test_a_missing_path_is_its_own_error_and_the_others_are_stripped(tmp_path):
     res = strip(b.path, missing, "--json")
     assert res.exit_code == 2 and f"error: {missing}: no such file or directory\n" in res.stderr
     d = json.loads(res.stdout)
-    assert [(f["status"], f["exit_code"]) for f in d["files"]] == [("stripped", 0), ("refused", 2)]
+    assert [(f["status"], f["exit_code"]) for f in d["files"]] == [("stripped", 0), ("unreadable", 2)]
+    assert d["summary"]["unreadable"] == 1 and d["summary"]["refused"] == 0
     assert d["files"][1]["error"] == {"code": "no_such_file", "message": f"{missing}: no such file or directory"}
     assert b.path.read_bytes() == b.stripped and not missing.exists()
 

@@ -227,10 +227,6 @@ def human_age(seconds: int | None) -> str:
 #: the columns before the name, and whether each is aligned left (the others right)
 _COLUMNS = (("size", False), ("age", False), ("ver", False), ("tokens", False), ("kind", True), ("ckpt", False),
             ("draft", False), ("verdict", True))
-#: columns between each other
-_GAP = 2
-
-
 class _Cells:
     """The human listing: each row's cells as short strings, laid out when every width is known.
 
@@ -261,13 +257,15 @@ class _Cells:
         heads = [title for title, _ in self.columns]
         widths = [max([cell_len(h)] + [cell_len(cells[i]) for cells, _, _ in self.rows])
                   for i, h in enumerate(heads)]
-        fixed = sum(widths) + _GAP * len(widths)
-        room = width - fixed
         name_head = "name" if self.names else "path"
-        if room >= min(FOLD_WIDTH, max([cell_len(name_head)] + [cell_len(n) for _, n, _ in self.rows])):
-            out.print(self._line(heads, widths, name_head, room, head=True))
+        longest = max([cell_len(name_head)] + [cell_len(n) for _, n, _ in self.rows])
+        # two spaces between columns when every name fits that way, else one; else the names fold
+        gap = next((g for g in (2, 1) if sum(widths) + g * len(widths) + longest <= width), 1)
+        room = width - sum(widths) - gap * len(widths)
+        if room >= min(FOLD_WIDTH, longest):
+            out.print(self._line(heads, widths, gap, name_head, room, head=True))
             for cells, name, error in self.rows:
-                out.print(self._line(cells, widths, name, room))
+                out.print(self._line(cells, widths, gap, name, room))
                 if error is not None:
                     out.indented(Text(error, style="dim"), 4)
         else:
@@ -282,7 +280,8 @@ class _Cells:
     def _cell(self, title: str, value: str) -> Text:
         return Text(value, style=VERDICT_STYLE.get(value, "") if title == "verdict" else "")
 
-    def _line(self, cells: list[str], widths: list[int], name: str, room: int, *, head: bool = False) -> Text:
+    def _line(self, cells: list[str], widths: list[int], gap: int, name: str, room: int, *,
+              head: bool = False) -> Text:
         t = Text(style="bold" if head else "")
         for (title, left), w, c in zip(self.columns, widths, cells):
             pad = " " * (w - cell_len(c))
@@ -293,7 +292,7 @@ class _Cells:
             else:
                 t.append(pad)
                 t.append_text(cell)
-            t.append(" " * _GAP)
+            t.append(" " * gap)
         indent = Text(" " * cell_len(t.plain))
         pieces = _fold(name, room)
         t.append(pieces[0])
