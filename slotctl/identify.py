@@ -289,8 +289,7 @@ def _candidate(path: str, model: str, draft: bool, n_tokens: int) -> Candidate:
     except (SlotctlError, ValueError, OSError) as e:
         cand.error = f"cannot evaluate the prompt: {e}"
         return cand
-    with open(path, "rb") as f:
-        mine = rows_by_position(f, mem, sf.version, rule, below=n)
+    mine = rows_by_position(sf.stream, mem, sf.version, rule, below=n)
     cand.layers = compare(mine, rows_by_position(cf, cmem, version, rule))
     if not cand.layers:
         cand.error = "no rows at the same positions to compare"

@@ -7,10 +7,18 @@ objects, so the cost grows with cells and layers, not with bytes.
 
 Damage does not stop the walk: what parsed is kept, the first error per layer is recorded in
 ``SlotFile.errors`` and the layers behind a broken one are left unknown.
+
+A parsed file owns its open stream (as pyelftools' ``ELFFile`` does): every later read of its bytes (a
+layer's tensor data, a media chunk, a trailing magic, a rebuild) goes through :meth:`SlotFile.read_at` or
+``SlotFile.stream``, never through its name, so ``-`` (standard input), a file renamed or replaced
+meanwhile, or a ranged remote object read the same bytes the parse located. The stream needs only
+``read``, ``seek`` and ``tell`` (``fileno`` when it is a local file: then reads are ``pread``s and
+:meth:`SlotFile.changed` can tell that the file changed under the command).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 from dataclasses import dataclass, field
@@ -26,7 +34,7 @@ from slotctl.format.common import Span, TrackingReader, hex32, parse, parse_byte
 from slotctl.format.header import STATE_SEQ_MAGIC, StateHeader, file_kind, header_size
 from slotctl.format.memory import MemoryLayout, candidate_layouts
 from slotctl.format.recurrent import records_fit, recurrent_head
-from slotctl.paths import STDIN, directory_files, open_regular
+from slotctl.paths import STDIN, directory_files
 from slotctl.sources import first_bytes, input_size, list_prefix, open_input, raise_failure, remote_url
 
 SCAN_CHUNK = 1 << 20
@@ -107,6 +115,19 @@ class Appendix:
         return self.end - self.offset
 
 
+#: the most one :meth:`SlotFile.read_at` call reads at once (larger reads are made of such pieces)
+READ_CHUNK = 8 << 20
+
+
+def stream_identity(f) -> tuple | None:
+    """(device, inode, size, modification time in ns) of an open local file; None for other streams."""
+    try:
+        st = os.fstat(f.fileno())
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 @dataclass
 class SlotFile:
     path: str
@@ -127,10 +148,73 @@ class SlotFile:
     payload_cut: bool = False
     errors: list[FormatError] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    #: the open stream the file was parsed from (see the module docstring); closed by :meth:`close` when
+    #: :func:`open_slot_file` opened it, left to the caller when :func:`read_slot_file` was given it
+    stream: BinaryIO | None = field(default=None, repr=False, compare=False)
+    #: :func:`stream_identity` of the stream when it was parsed
+    identity: tuple | None = field(default=None, repr=False, compare=False)
+    owns_stream: bool = field(default=False, repr=False, compare=False)
 
     @property
     def damaged(self) -> bool:
         return bool(self.errors)
+
+    def read_at(self, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` of the parsed stream (fewer at its end), read in pieces of at
+        most :data:`READ_CHUNK` bytes: a ``pread`` on a local file (the stream's position is left alone)."""
+        if self.stream is None:
+            raise ValueError(f"{self.path}: the slot file is closed")
+        n = max(0, min(n, self.size - offset))
+        try:
+            fd = self.stream.fileno()
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            fd = None
+        parts, done = [], 0
+        while done < n:
+            want = min(READ_CHUNK, n - done)
+            if fd is not None:
+                b = os.pread(fd, want, offset + done)
+            else:
+                self.stream.seek(offset + done)
+                b = self.stream.read(want)
+            if not b:
+                break
+            parts.append(b)
+            done += len(b)
+        return b"".join(parts)
+
+    def changed(self) -> str | None:
+        """Why the file is no longer the one that was parsed (its size, its modification time, or its name
+        now naming another file), or None when it is the same (or when a stream cannot tell)."""
+        if self.identity is None or self.stream is None:
+            return None
+        now = stream_identity(self.stream)
+        if now is None:
+            return None
+        if now[2] != self.identity[2]:
+            return f"its size changed from {self.identity[2]:,} to {now[2]:,} bytes while it was read"
+        if now[3] != self.identity[3]:
+            return "it was written to while it was read (its modification time changed)"
+        if self.path != STDIN:
+            try:
+                st = os.stat(self.path)
+            except OSError:
+                return None   # removed: what was read is still the file that was parsed
+            if (st.st_dev, st.st_ino) != self.identity[:2]:
+                return "its name now names another file (it was replaced while it was read)"
+        return None
+
+    def close(self) -> None:
+        """Close the stream when this object opened it."""
+        if self.owns_stream and self.stream is not None:
+            self.stream.close()
+        self.stream = None
+
+    def __enter__(self) -> "SlotFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def add_error(self, part: str, e: FormatError) -> None:
         """Record ``e`` as damage of the layer ``part`` ("state header", "token words", "target memory",
@@ -345,17 +429,30 @@ def _starts_appendix(f: BinaryIO, offset: int) -> bool:
 
 def open_slot_file(path: str | os.PathLike, *, layout: MemoryLayout | None = None,
                    draft_layout: MemoryLayout | None = None) -> SlotFile:
-    """Parse every layer of the slot file at ``path`` that can be found (see the module docstring)."""
+    """Parse every layer of the slot file at ``path`` that can be found (see the module docstring).
+
+    The returned file holds ``path`` open (its :attr:`SlotFile.stream`) until :meth:`SlotFile.close` (or
+    the end of a ``with`` block over it, or its collection)."""
     path = os.fspath(path)
-    with open_input(path) as f:   # a FIFO or a device is refused, never read; s3:// read in ranges
-        return read_slot_file(f, remote_url(path) or path, layout=layout, draft_layout=draft_layout)
+    f = open_input(path)   # a FIFO or a device is refused, never read; s3:// read in ranges
+    try:
+        sf = read_slot_file(f, remote_url(path) or path, layout=layout, draft_layout=draft_layout)
+    except BaseException:
+        f.close()
+        raise
+    sf.owns_stream = True
+    return sf
 
 
 def read_slot_file(f: BinaryIO, path: str | os.PathLike, *, layout: MemoryLayout | None = None,
                    draft_layout: MemoryLayout | None = None) -> SlotFile:
-    """:func:`open_slot_file` on a file the caller holds open (``path``: its name), so that a command that
-    reads a file more than once (another layout, its media chunks, a layer's bytes) opens it once."""
-    sf = SlotFile(os.fspath(path), input_size(f))
+    """:func:`open_slot_file` on a stream the caller holds open (``path``: its name, as shown), so that a
+    command that reads a file more than once (another layout, its media chunks, a layer's bytes) opens it
+    once. ``f`` needs ``read``, ``seek`` and ``tell`` (a local file or a
+    :class:`~slotctl.sources.RangedFile`); it stays the caller's to close."""
+    identity = stream_identity(f)
+    sf = SlotFile(os.fspath(path), identity[2] if identity is not None else input_size(f), stream=f,
+                  identity=identity)
     f.seek(0)
     _walk(f, sf, layout, draft_layout)
     raise_failure(f)   # a store that failed mid-read: its error, not damage
@@ -516,17 +613,17 @@ def rebuild(sf: SlotFile) -> bytes:
     """
     if sf.damaged or sf.target is None:
         raise FormatError("file", None, "a file that parsed without errors")
-    with open(sf.path, "rb") as f:
-        parts = [build_header(sf.version, sf.words), build_memory(f, sf.target, sf.version)]
-        if sf.checkpoints is not None:
-            parts.append(apx.build_sckp([
-                dict(n_tokens=c.n_tokens, pos_min=c.pos_min, pos_max=c.pos_max,
-                     tgt=build_blob(f, c.tgt, sf.version), dft=build_blob(f, c.dft, sf.version),
-                     spec=c.spec.read(f)) for c in sf.checkpoints]))
-        if sf.sdft is not None:
-            parts.append(apx.build_sdft(build_blob(f, sf.draft, sf.version), sf.draft_spec.read(f)))
-        if sf.trailing is not None and sf.trailing.size:
-            parts.append(sf.trailing.read(f))
+    f = sf.stream
+    parts = [build_header(sf.version, sf.words), build_memory(f, sf.target, sf.version)]
+    if sf.checkpoints is not None:
+        parts.append(apx.build_sckp([
+            dict(n_tokens=c.n_tokens, pos_min=c.pos_min, pos_max=c.pos_max,
+                 tgt=build_blob(f, c.tgt, sf.version), dft=build_blob(f, c.dft, sf.version),
+                 spec=c.spec.read(f)) for c in sf.checkpoints]))
+    if sf.sdft is not None:
+        parts.append(apx.build_sdft(build_blob(f, sf.draft, sf.version), sf.draft_spec.read(f)))
+    if sf.trailing is not None and sf.trailing.size:
+        parts.append(sf.trailing.read(f))
     return b"".join(parts)
 
 

@@ -29,7 +29,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Callable, Union
+from typing import BinaryIO, Callable, Union
 
 from slotctl.progress import Progress
 from slotctl.atomic import atomic_writer, check_destination, copy_range
@@ -115,6 +115,8 @@ class Plan:
     repaired: str | None = None
     #: the file's names (hard links) when it was parsed; more than 1: cutting it in place changes them all
     links: int = 1
+    #: the open stream the plan was made from (the parsed file's): the copy reads it, never the name
+    source: BinaryIO | None = field(default=None, compare=False, repr=False)
 
     @property
     def size_after(self) -> int:
@@ -138,8 +140,8 @@ def plan_strip(path: str | os.PathLike, *, checkpoints: bool = False, layout: Me
     confined to the SDFT appendix, which the strip removes (``Plan.repaired`` says what it was).
     """
     path = os.fspath(path)
-    identity = _Identity.of(os.stat(path))
     sf = open_slot_file(path, layout=layout, draft_layout=draft_layout)
+    identity = _Identity(*sf.identity)
     damage = _sdft_damage(sf)
     if damage is None and (sf.errors or sf.target is None):
         raise sf.errors[0] if sf.errors else FormatError("target memory", sf.header_end,
@@ -164,9 +166,7 @@ def _sdft_damage(sf: SlotFile) -> tuple[int, str] | None:
     if len(sf.errors) > 1 or sf.trailing is None or not sf.trailing.size:
         return None
     at = sf.trailing.offset
-    with open(sf.path, "rb") as f:
-        f.seek(at)
-        head = f.read(4)
+    head = sf.read_at(at, 4)
     magic = struct.pack("<I", apx.SDFT_MAGIC)
     if not sf.errors:
         if sf.trailing.size < 4 and magic.startswith(head):
@@ -226,7 +226,7 @@ def _plan(sf: SlotFile, identity: _Identity, checkpoints: bool, damage: tuple[in
         pieces.append(Span(pos, sf.size - pos))
     return Plan(sf.path, sf.size, tuple(removed), tuple(coalesce(pieces)), identity,
                 0 if checkpoints else dft_bytes + spec_bytes, draft_size=sdft_bytes + dft_bytes + spec_bytes,
-                repaired=damage[1] if damage else None, links=links)
+                repaired=damage[1] if damage else None, links=links, source=sf.stream)
 
 
 def _check_trailing(sf: SlotFile) -> None:
@@ -238,9 +238,7 @@ def _check_trailing(sf: SlotFile) -> None:
     t = sf.trailing
     if t is None or t.size < 4:
         return
-    with open(sf.path, "rb") as f:
-        f.seek(t.offset)
-        (word,) = struct.unpack("<I", f.read(4))
+    (word,) = struct.unpack("<I", sf.read_at(t.offset, 4))
     if word in apx.MAGICS:
         raise FormatError("trailing bytes", t.offset,
                           f"bytes a server ignores; they start with an {apx.MAGICS[word]} magic, which a server "
@@ -257,23 +255,23 @@ def write_plan(plan: Plan, dest: str | os.PathLike, *, overwrite: bool, follow_s
     leave a server's slot file owned by root; a user who may not write it is refused, as a truncate would
     be): :func:`~slotctl.atomic.atomic_writer`.
     """
-    with open(plan.path, "rb") as src:
+    src = plan.source
+    _check_same(plan, src)
+    check_destination(dest, overwrite=overwrite, follow_symlinks=follow_symlinks)
+    check_free_space(dest, plan.size_after)
+    with atomic_writer(dest, overwrite=overwrite, follow_symlinks=follow_symlinks) as dst:
+        done = 0
+        for piece in plan.pieces:
+            if isinstance(piece, Span):
+                copy_range(src, dst, piece.offset, piece.size,
+                           progress=(lambda n, base=done: progress(base + n)) if progress else None)
+                done += piece.size
+            else:
+                dst.write(piece)
+                done += len(piece)
+                if progress:
+                    progress(done)
         _check_same(plan, src)
-        check_destination(dest, overwrite=overwrite, follow_symlinks=follow_symlinks)
-        check_free_space(dest, plan.size_after)
-        with atomic_writer(dest, overwrite=overwrite, follow_symlinks=follow_symlinks) as dst:
-            done = 0
-            for piece in plan.pieces:
-                if isinstance(piece, Span):
-                    copy_range(src, dst, piece.offset, piece.size,
-                               progress=(lambda n, base=done: progress(base + n)) if progress else None)
-                    done += piece.size
-                else:
-                    dst.write(piece)
-                    done += len(piece)
-                    if progress:
-                        progress(done)
-            _check_same(plan, src)
 
 
 def truncate_in_place(plan: Plan, path: str | os.PathLike, *, all_links: bool = False) -> None:

@@ -255,3 +255,53 @@ def test_a_cut_payload_with_an_absurd_count_is_walked_within_bounds(tmp_path, fi
     assert res.exit_code == 1, (res.stdout[-400:], res.stderr)
     assert json.loads(res.stdout)["summary"]["refused"] == 1
     assert peak < MEMORY_BOUND and elapsed < 30, (peak, elapsed)
+
+
+# -- a parsed file owns its stream: nothing reopens a file by its name ---------------------------------
+
+def _stdin_cases() -> list[tuple[Path, Path]]:
+    """(slot file, its model) for every slot file of tests/data."""
+    out = [(p, DATA / "target.gguf") for p in sorted(DATA.glob("*.bin"))]
+    out += [(p, DATA / "kinds" / (p.stem.removeprefix("srv-") + ".gguf")) for p in sorted((DATA / "kinds").glob("*.bin"))]
+    return out
+
+
+def _without_path(doc: dict) -> dict:
+    for f in doc["files"]:
+        f.pop("path")
+    return doc
+
+
+@pytest.mark.parametrize("trailing", [b"", b"NOT AN APPENDIX"], ids=["as saved", "trailing bytes"])
+@pytest.mark.parametrize("src,model", _stdin_cases(), ids=lambda p: p.name)
+def test_standard_input_reads_as_the_file_does(tmp_path, src, model, trailing):
+    """``inspect -m MODEL -`` and ``validate -m MODEL -`` say what they say of the file by name (but the
+    path): once, findings reopened the file by its name and ``-`` ended in "-: no such file or directory"."""
+    p = tmp_path / src.name
+    p.write_bytes(src.read_bytes() + trailing)
+    for cmd in (["inspect", "-m", str(model)], ["validate", "-m", str(model), "--no-load"]):
+        by_name = runner.invoke(app, [*cmd, str(p), "--json"])
+        piped = runner.invoke(app, [*cmd, "-", "--json"], input=p.read_bytes())
+        assert by_name.exit_code == piped.exit_code, (cmd, by_name.stdout[-400:], piped.stdout[-400:], piped.stderr)
+        assert _without_path(json.loads(piped.stdout)) == _without_path(json.loads(by_name.stdout)), cmd
+        assert json.loads(piped.stdout)["files"][0].get("error") is None, piped.stdout[-400:]
+
+
+def test_a_parsed_file_reads_through_its_stream_after_its_name_is_gone(tmp_path):
+    """Every later read of a parsed file (findings' trailing bytes, a rebuild) uses the stream it was parsed
+    from: the name may be removed or name another file meanwhile."""
+    from slotctl.server.findings import file_findings
+    from slotctl.slotfile import rebuild
+
+    p = tmp_path / "a.bin"
+    raw = (DATA / "srv-np1.bin").read_bytes()
+    p.write_bytes(raw + b"SDF")       # a torn SDFT magic: findings read the trailing bytes
+    sf = open_slot_file(p)
+    os.unlink(p)
+    p.write_bytes(b"something else entirely")
+    assert "torn_appendix_magic" in {f.code for f in file_findings(sf)}
+    sf.trailing = None
+    assert rebuild(sf) == raw
+    assert sf.changed() is not None     # the name names another file now
+    sf.close()
+    assert sf.stream is None

@@ -17,7 +17,6 @@ import numpy as np
 from slotctl.errors import FormatError
 from slotctl.format import tokens as tokfmt
 from slotctl.format.common import parse_bytes
-from slotctl.paths import open_regular
 from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS
 from slotctl.slotfile import SlotFile, checkpoint_layer, is_checkpoint_layer, torn_magic
 
@@ -216,8 +215,8 @@ def _head(sf: SlotFile, n: int, f: BinaryIO | None = None) -> bytes:
 
 
 def _opened(sf: SlotFile, f: BinaryIO | None):
-    """``f`` when the caller holds the file open, else the file opened for one read."""
-    return nullcontext(f) if f is not None else open_regular(sf.path)
+    """``f`` when the caller gives a stream, else the stream the file was parsed from (never its name)."""
+    return nullcontext(f if f is not None else sf.stream)
 
 
 def _printable(b: bytes) -> str:
