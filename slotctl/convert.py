@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
-from typing import Callable, Union
+from dataclasses import dataclass, field
+from typing import BinaryIO, Callable, Union
 
 import numpy as np
 
@@ -48,7 +48,7 @@ from slotctl.format.common import Span, coalesce
 from slotctl.format.convert import (ConversionRefused, RotationRule, added_rotation, check_dropped_rotation,
                                     check_ext)
 from slotctl.format.memory import MemoryLayout
-from slotctl.paths import open_regular
+from slotctl.format.records import check_rotation, row_elements
 from slotctl.slotfile import Blob, Memory, SlotFile, is_checkpoint_layer, open_slot_file
 
 _ROW_HEADER = struct.Struct("<iQ")      # type, row size
@@ -174,6 +174,8 @@ class Plan:
     pieces: list
     changes: list
     identity: tuple
+    #: the open stream the plan was made from (the parsed file's): the copy reads it, never the name
+    source: BinaryIO | None = field(default=None, compare=False, repr=False)
 
     @property
     def output_size(self) -> int:
@@ -196,8 +198,8 @@ def plan_convert(path: str | os.PathLike, req: Request, *, layout: MemoryLayout 
     """Parse ``path`` and plan its conversion. FormatError when it does not parse, ConversionRefused
     (a FormatError) with the reason when it cannot be converted as asked."""
     path = os.fspath(path)
-    identity = _identity(os.stat(path))
     sf = open_slot_file(path, layout=layout, draft_layout=draft_layout)
+    identity = sf.identity
     if sf.errors or sf.target is None:
         raise sf.errors[0] if sf.errors else FormatError("target memory", sf.header_end,
                                                          "a memory payload of a known kind")
@@ -217,7 +219,7 @@ def plan_convert(path: str | os.PathLike, req: Request, *, layout: MemoryLayout 
     pieces += _appendices(sf, req, planner)
     if sf.trailing is not None and sf.trailing.size:
         pieces.append(sf.trailing)
-    return Plan(path, sf.size, vin, vout, coalesce(pieces), changes, identity)
+    return Plan(path, sf.size, vin, vout, coalesce(pieces), changes, identity, source=sf.stream)
 
 
 def _appendices(sf: SlotFile, req: Request, planner: "_Planner") -> list[Piece]:
@@ -317,7 +319,8 @@ class _Planner:
         if self.vout >= 4:
             out.append(_U32.pack(rot_k[2] or 0) + _U32.pack(rot_v[2] or 0))
         end = rec_start
-        for tensor, recs, (t_in, t_out, _rec_rot, r_in, r_out) in (("K", d.k, rot_k), ("V", d.v, rot_v)):
+        for tensor, recs, (t_in, t_out, _rec_rot, r_in, r_out), rot_at in (("K", d.k, rot_k, head_end),
+                                                                            ("V", d.v, rot_v, head_end + 4)):
             for i, rec in enumerate(recs):
                 data = rec.data
                 end = data.end
@@ -327,6 +330,7 @@ class _Planner:
                     continue
                 new = ggml.BY_ID[t_out]
                 where = (part, role, s, i, tensor)
+                n = row_elements(rec, part)      # the record's sizes hold whole rows of its type
                 if transposed:
                     if new.block > 1:
                         raise ConversionRefused(part, data.offset - 12, f"V stored untransposed for a {new.name} "
@@ -335,7 +339,8 @@ class _Planner:
                     out.append(_ELEM_HEADER.pack(t_out, new.block_bytes, rec.n_embd))
                     out.append(Recode(data, t_in, t_out, 1, 0, 0, where))
                     continue
-                n = _row_elements(t_in, rec.row_size, part, data.offset - 12)
+                for r in (r_in, r_out):          # the file's rotation (or the one copied from it)
+                    check_rotation(r or 0, n, tensor, part, rot_at if self.vin >= 4 else None)
                 if n % new.block:
                     raise ConversionRefused(part, data.offset - 12, f"rows that split into {new.name} blocks of "
                                                                     f"{new.block}; a {tensor} row has {n} elements")
@@ -399,13 +404,6 @@ class _Planner:
         return t_in, t_out, r_out, r_in, r_out
 
 
-def _row_elements(type_id: int, row_size: int, part: str, at: int) -> int:
-    t = ggml.BY_ID[type_id]
-    if row_size % t.block_bytes:
-        raise FormatError(part, at, f"a row size that is a multiple of {t.block_bytes} for {t.name}, found {row_size}")
-    return row_size // t.block_bytes * t.block
-
-
 # -- writing ----------------------------------------------------------------------------------------------
 
 
@@ -425,23 +423,23 @@ def write_converted(plan: Plan, dest: str | os.PathLike, *, overwrite: bool = Fa
         if progress:
             progress(done + n)
 
-    with open_regular(plan.path) as src:
+    src = plan.source
+    _check_same(plan, src)
+    with atomic_writer(dest, overwrite=overwrite, follow_symlinks=follow_symlinks) as dst:
+        for p in plan.pieces:
+            if isinstance(p, Span):
+                copy_range(src, dst, p.offset, p.size, progress=tick)
+            elif isinstance(p, bytes):
+                dst.write(p)
+            else:
+                _recode(src, dst, p, errors, tick)
+            done += piece_size(p)
+            tick(0)
         _check_same(plan, src)
-        with atomic_writer(dest, overwrite=overwrite, follow_symlinks=follow_symlinks) as dst:
-            for p in plan.pieces:
-                if isinstance(p, Span):
-                    copy_range(src, dst, p.offset, p.size, progress=tick)
-                elif isinstance(p, bytes):
-                    dst.write(p)
-                else:
-                    _recode(src, dst, p, errors, tick)
-                done += piece_size(p)
-                tick(0)
-            _check_same(plan, src)
-            dst.flush()
-            if dst.tell() != plan.output_size:   # pragma: no cover - a planning bug
-                raise FormatError("output", dst.tell(), f"{plan.output_size:,} bytes as planned")
-            _check_parses(dst, layout, draft_layout)
+        dst.flush()
+        if dst.tell() != plan.output_size:   # pragma: no cover - a planning bug
+            raise FormatError("output", dst.tell(), f"{plan.output_size:,} bytes as planned")
+        _check_parses(dst, layout, draft_layout)
     return list(errors.values())
 
 
@@ -450,9 +448,9 @@ def _check_parses(dst, layout: MemoryLayout | None, draft_layout: MemoryLayout |
     fd_path = f"/proc/self/fd/{dst.fileno()}"
     if not os.path.exists(fd_path):   # pragma: no cover - systems without /proc
         return
-    check = open_slot_file(fd_path, layout=layout, draft_layout=draft_layout)
-    if check.errors:   # pragma: no cover - a planning bug; nothing is replaced
-        raise FormatError("converted file", None, f"a file that parses; {check.errors[0]}")
+    with open_slot_file(fd_path, layout=layout, draft_layout=draft_layout) as check:
+        if check.errors:   # pragma: no cover - a planning bug; nothing is replaced
+            raise FormatError("converted file", None, f"a file that parses; {check.errors[0]}")
 
 
 def _recode(src, dst, r: Recode, errors: dict, tick) -> None:

@@ -7,8 +7,8 @@ difference of K and V (r and s for recurrent sections) after dequantizing with g
 (:mod:`slotctl.tensors`) and undoing llama.cpp's Hadamard rotation of quantized caches, so that an f16
 cache and a q8_0 one of the same prompt compare as numbers.
 
-Tensor data is read in bounded chunks of rows (``CHUNK`` bytes a side) through a read-only memory map;
-the rest of each file is metadata, parsed as ``inspect`` parses it.
+Tensor data is read in bounded chunks of rows (``CHUNK`` bytes a side) with ``pread``s on each file's own
+stream (never a memory map); the rest of each file is metadata, parsed as ``inspect`` parses it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from slotctl import tensors
+from slotctl.errors import FormatError
 from slotctl.format import ggml
+from slotctl.format.records import check_rotation, row_elements
 from slotctl.slotfile import Blob, Memory, SlotFile, checkpoint_layer
 
 #: bytes of tensor rows read at a time from each file
@@ -66,22 +68,67 @@ def _ranges(idx: np.ndarray, pos: np.ndarray) -> list[list[int]]:
     return out
 
 
-class _Mapped:
-    """A read-only memory map of a file (tensor rows are sliced out of it chunk by chunk)."""
+class _Unreadable(Exception):
+    """A record whose rows cannot be read: the damage (or the change) is already a finding of its file."""
 
-    def __init__(self, path: str, size: int):
-        self.mm = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
 
-    def rows(self, rec, n_cells: int, c0: int, c1: int) -> tuple[np.ndarray, int]:
-        """Cells ``c0:c1`` of a record as raw rows ``[c1 - c0, row bytes]`` and the elements per row."""
+class _Rows:
+    """Tensor rows of one parsed file, read through its own stream in bounded ``pread``s (never a memory
+    map: a file that shrinks under a map kills the process with SIGBUS). Damage found while reading (a
+    field that cannot hold whole rows, a file that changed under the diff) becomes a finding of the file:
+    :meth:`damage` adds it to ``sf.errors``, as the parse adds what it finds."""
+
+    def __init__(self, sf: SlotFile):
+        self.sf = sf
+
+    def damage(self, part: str, e: FormatError) -> None:
+        if not any(x.one_line() == e.one_line() for x in self.sf.errors):
+            self.sf.add_error(part, e)
+
+    def read(self, offset: int, n: int, part: str = "file") -> bytes:
+        """Exactly ``n`` bytes at ``offset``; a ``file_changed`` finding and :class:`_Unreadable` when the
+        file ends first or is no longer the one that was parsed."""
+        b = self.sf.read_at(offset, n)
+        why = self.sf.changed()
+        if len(b) != n or why:
+            e = FormatError(part, offset, f"the {n:,} bytes that were there when the file was parsed; "
+                                          + (why or "the file ends first"))
+            e.code = "file_changed"
+            self.damage(part, e)
+            raise _Unreadable(e.one_line())
+        return b
+
+    def elements(self, rec, part: str) -> int:
+        """Elements per row of ``rec`` (:func:`slotctl.format.records.row_elements`); a finding and
+        :class:`_Unreadable` when its header cannot hold whole rows."""
+        try:
+            return row_elements(rec, part)
+        except FormatError as e:
+            self.damage(part, e)
+            raise _Unreadable(e.one_line()) from None
+
+    def rotation(self, n_rot: int, width: int, what: str, part: str, offset: int | None) -> int:
+        try:
+            return check_rotation(n_rot, width, what, part, offset)
+        except FormatError as e:
+            self.damage(part, e)
+            raise _Unreadable(e.one_line()) from None
+
+    def rows(self, rec, n_cells: int, c0: int, c1: int, part: str) -> np.ndarray:
+        """Cells ``c0:c1`` of a record as raw rows ``[c1 - c0, row bytes]`` (``rec`` checked by
+        :meth:`elements`)."""
         off = rec.data.offset
         if "row_size" in rec:
             rs = rec.row_size
-            raw = self.mm[off + c0 * rs: off + c1 * rs].reshape(c1 - c0, rs)
-            return raw, tensors.row_elements(rec.type, rs)
+            raw = np.frombuffer(self.read(off + c0 * rs, (c1 - c0) * rs, part), np.uint8)
+            return raw.reshape(c1 - c0, rs)
         el, n_embd = rec.el_size, rec.n_embd          # element-major: n_embd rows of n_cells elements
-        block = self.mm[off: off + n_embd * n_cells * el].reshape(n_embd, n_cells, el)[:, c0:c1, :]
-        return np.ascontiguousarray(block.transpose(1, 0, 2)).reshape(c1 - c0, n_embd * el), n_embd
+        width = (c1 - c0) * el
+        block = np.empty((n_embd, width), np.uint8)
+        for i in range(n_embd):
+            block[i] = np.frombuffer(self.read(off + (i * n_cells + c0) * el, width, part), np.uint8)
+        block = block.reshape(n_embd, c1 - c0, el)
+        return np.ascontiguousarray(block.transpose(1, 0, 2)).reshape(c1 - c0, n_embd * el)
 
 
 def _row_bytes(rec) -> int:
@@ -100,12 +147,37 @@ class _RecordResult:
     note: str | None = None
 
 
-def _compare_record(ma: _Mapped, ra, na: int, rot_a: int, mb: _Mapped, rb, nb: int, rot_b: int, n: int,
-                    cell_mask: np.ndarray) -> _RecordResult:
-    """Records ``ra`` / ``rb`` over their first ``n`` cells; cells whose rows differ set ``cell_mask``."""
+@dataclass
+class _Record:
+    """One side of a record pair: its file's rows, the record, its stream's cell count, the rotation its
+    stream records (and where), and the layer it belongs to (for findings)."""
+
+    rows: _Rows
+    rec: object
+    n_cells: int
+    rot: int
+    rot_at: int | None
+    what: str
+    part: str
+
+
+def _compare_record(a: _Record, b: _Record, n: int, cell_mask: np.ndarray) -> _RecordResult:
+    """Records ``a`` / ``b`` over their first ``n`` cells; cells whose rows differ set ``cell_mask``. A side
+    whose rows cannot be read (damage, or a file changed under the diff) is a finding of its file and
+    leaves the record not compared."""
+    try:
+        with np.errstate(all="ignore"):   # garbage rows dequantize to inf and nan: values, not warnings
+            return _compare_rows(a, b, n, cell_mask)
+    except _Unreadable as e:
+        return _RecordResult(None, False, False, f"unreadable ({e})")
+
+
+def _compare_rows(a: _Record, b: _Record, n: int, cell_mask: np.ndarray) -> _RecordResult:
+    ma, ra, na, mb, rb, nb = a.rows, a.rec, a.n_cells, b.rows, b.rec, b.n_cells
     res = _RecordResult()
-    ea = tensors.row_elements(ra.type, _row_bytes(ra)) if "row_size" in ra else ra.n_embd
-    eb = tensors.row_elements(rb.type, _row_bytes(rb)) if "row_size" in rb else rb.n_embd
+    ea, eb = ma.elements(ra, a.part), mb.elements(rb, b.part)
+    rot_a = ma.rotation(a.rot, ea, a.what, a.part, a.rot_at)
+    rot_b = mb.rotation(b.rot, eb, b.what, b.part, b.rot_at)
     if ea != eb:
         return _RecordResult(None, False, False, f"rows of {ea} and {eb} elements")
     same_form = (ra.type == rb.type and rot_a == rot_b and ("row_size" in ra) == ("row_size" in rb))
@@ -114,8 +186,7 @@ def _compare_record(ma: _Mapped, ra, na: int, rot_a: int, mb: _Mapped, rb, nb: i
     step = tensors.rows_per_chunk(max(_row_bytes(ra), _row_bytes(rb)), CHUNK)
     for c0 in range(0, n, step):
         c1 = min(n, c0 + step)
-        xa, ka = ma.rows(ra, na, c0, c1)
-        xb, kb = mb.rows(rb, nb, c0, c1)
+        xa, xb = ma.rows(ra, na, c0, c1, a.part), mb.rows(rb, nb, c0, c1, b.part)
         if same_form:
             neq = (xa != xb).any(axis=1)
             if not neq.any():
@@ -126,11 +197,11 @@ def _compare_record(ma: _Mapped, ra, na: int, rot_a: int, mb: _Mapped, rb, nb: i
                 res.max_abs, res.comparable = None, False
                 continue
             sel = np.flatnonzero(neq)
-            va = tensors.dequantize(xa[sel].tobytes(), ra.type, ka)
-            vb = tensors.dequantize(xb[sel].tobytes(), rb.type, kb)
+            va = tensors.dequantize(xa[sel].tobytes(), ra.type, ea)
+            vb = tensors.dequantize(xb[sel].tobytes(), rb.type, eb)
         else:
-            va = tensors.rotate(tensors.dequantize(xa.tobytes(), ra.type, ka), rot_a)
-            vb = tensors.rotate(tensors.dequantize(xb.tobytes(), rb.type, kb), rot_b)
+            va = tensors.rotate(tensors.dequantize(xa.tobytes(), ra.type, ea), rot_a)
+            vb = tensors.rotate(tensors.dequantize(xb.tobytes(), rb.type, eb), rot_b)
         d = np.abs(va.astype(np.float64) - vb.astype(np.float64))
         per_row = np.where(np.isnan(d).any(axis=1), np.inf, np.nan_to_num(d, nan=0.0).max(axis=1))
         if same_form:
@@ -146,18 +217,19 @@ def _compare_record(ma: _Mapped, ra, na: int, rot_a: int, mb: _Mapped, rb, nb: i
     return res
 
 
-def _kv_records(data) -> tuple[list, list, int, int]:
+def _kv_records(data) -> tuple[list, list, int, int, int | None]:
     if data is None:
-        return [], [], 0, 0
+        return [], [], 0, 0, None
     return list(data.k), list(data.v), (data.n_rot_k or 0) if "n_rot_k" in data else 0, \
-        (data.n_rot_v or 0) if "n_rot_v" in data else 0
+        (data.n_rot_v or 0) if "n_rot_v" in data else 0, data.rot_offset if "n_rot_k" in data else None
 
 
 def _streams(sec) -> list[tuple[int, object, tuple[list, list, int, int]]]:
-    """(cell count, cells, (first records, second records, rotation of the first, of the second))."""
+    """(cell count, cells, (first records, second records, rotation of the first, of the second, offset
+    of the first rotation field))."""
     if sec.type == "kv":
         return [(st.cell_count, st.cells, _kv_records(st.data)) for st in sec.streams]
-    return [(sec.cell_count, sec.cells, (list(sec.r), list(sec.s), 0, 0))]
+    return [(sec.cell_count, sec.cells, (list(sec.r), list(sec.s), 0, 0, None))]
 
 
 def _pair_streams(sa: list, sb: list) -> list[tuple[int, int]]:
@@ -171,9 +243,10 @@ def _pair_streams(sa: list, sb: list) -> list[tuple[int, int]]:
     return [(i, i) for i in range(min(len(sa), len(sb)))]
 
 
-def diff_memory(layer: str, a: Memory | None, b: Memory | None, ma: _Mapped, mb: _Mapped,
-                diffs: Differences) -> dict | None:
-    """One memory layer of each file, compared (None when neither has it)."""
+def diff_memory(layer: str, a: Memory | None, b: Memory | None, ma: _Rows, mb: _Rows,
+                diffs: Differences, part: str | None = None) -> dict | None:
+    """One memory layer of each file, compared (None when neither has it). ``part``: the layer's name in
+    the files' findings (``SlotFile.add_error``), when it is not ``layer``."""
     if a is None and b is None:
         return None
     if a is None or b is None:
@@ -199,7 +272,7 @@ def diff_memory(layer: str, a: Memory | None, b: Memory | None, ma: _Mapped, mb:
         sec["n_stream"] = _pair(len(streams_a), len(streams_b))
         for ia, ib in _pair_streams(streams_a, streams_b):
             st = _diff_stream(f"{where}, stream {ia}" + (f"/{ib}" if ia != ib else ""), streams_a[ia],
-                              streams_b[ib], sa.type, ma, mb, diffs)
+                              streams_b[ib], sa.type, ma, mb, diffs, part or layer)
             st["stream"] = _pair(ia, ib)
             sec["streams"].append(st)
             sec["equal"] = sec["equal"] and st["equal"]
@@ -211,8 +284,8 @@ def diff_memory(layer: str, a: Memory | None, b: Memory | None, ma: _Mapped, mb:
     return out
 
 
-def _diff_stream(where: str, sa, sb, kind: str, ma: _Mapped, mb: _Mapped, diffs: Differences) -> dict:
-    (na, cells_a, (ka, va, rka, rva)), (nb, cells_b, (kb, vb, rkb, rvb)) = sa, sb
+def _diff_stream(where: str, sa, sb, kind: str, ma: _Rows, mb: _Rows, diffs: Differences, part: str) -> dict:
+    (na, cells_a, (ka, va, rka, rva, at_a)), (nb, cells_b, (kb, vb, rkb, rvb, at_b)) = sa, sb
     n = min(na, nb)
     out: dict = {"cell_count": _pair(na, nb), "equal": True}
     if na != nb:
@@ -235,7 +308,8 @@ def _diff_stream(where: str, sa, sb, kind: str, ma: _Mapped, mb: _Mapped, diffs:
                 diffs.add(where, f"{what} {x} vs {y} (undone before comparing values)")
     mask = np.zeros(n, bool)
     layers = []
-    for recs_a, recs_b, name, rot_a, rot_b in ((ka, kb, names[0], rka, rkb), (va, vb, names[1], rva, rvb)):
+    for recs_a, recs_b, name, rot_a, rot_b, delta in ((ka, kb, names[0], rka, rkb, 0),
+                                                      (va, vb, names[1], rva, rvb, 4)):
         if len(recs_a) != len(recs_b):
             diffs.add(where, f"{len(recs_a)} vs {len(recs_b)} {name.upper()} records")
             out["equal"] = False
@@ -244,7 +318,10 @@ def _diff_stream(where: str, sa, sb, kind: str, ma: _Mapped, mb: _Mapped, diffs:
                 layers.append({"layer": len(layers)})
             row = layers[li]
             row[f"{name}_type"] = _pair(_type_of(ra), _type_of(rb))
-            r = _compare_record(ma, ra, na, rot_a, mb, rb, nb, rot_b, n, mask)
+            what = name.upper()
+            r = _compare_record(_Record(ma, ra, na, rot_a, None if at_a is None else at_a + delta, what, part),
+                                _Record(mb, rb, nb, rot_b, None if at_b is None else at_b + delta, what, part),
+                                n, mask)
             row[f"{name}_equal"] = r.equal
             row[f"{name}_max_abs_diff"] = r.max_abs
             if ra.type != rb.type:
@@ -270,7 +347,7 @@ def _blob_memory(b: Blob | None) -> Memory | None:
 def diff_files(a: SlotFile, b: SlotFile) -> dict:
     """The whole comparison (the ``--json`` document of ``slotctl diff`` without ``exit_code``)."""
     diffs = Differences()
-    ma, mb = _Mapped(a.path, a.size), _Mapped(b.path, b.size)
+    ma, mb = _Rows(a), _Rows(b)
     head = {"size": _pair(a.size, b.size), "state_version": _pair(a.version, b.version)}
     if a.version != b.version:
         diffs.add("state header", f"state version {a.version} vs {b.version}")
@@ -300,19 +377,27 @@ def diff_files(a: SlotFile, b: SlotFile) -> dict:
         if (ca.n_tokens, ca.pos_min, ca.pos_max) != (cb.n_tokens, cb.pos_min, cb.pos_max):
             diffs.add(f"checkpoint {i}", f"at {ca.n_tokens} tokens [{ca.pos_min}, {ca.pos_max}] vs "
                                          f"{cb.n_tokens} tokens [{cb.pos_min}, {cb.pos_max}]")
-        c["target"] = diff_memory(checkpoint_layer(i, "target"), _blob_memory(ca.tgt), _blob_memory(cb.tgt), ma, mb, diffs)
-        c["draft"] = diff_memory(checkpoint_layer(i, "draft"), _blob_memory(ca.dft), _blob_memory(cb.dft), ma, mb, diffs)
-        c["spec_equal"] = _span_equal(ma, ca.spec, mb, cb.spec)
+        c["target"] = diff_memory(checkpoint_layer(i, "target"), _blob_memory(ca.tgt), _blob_memory(cb.tgt), ma, mb,
+                                  diffs, checkpoint_layer(i, "target") + " blob")
+        c["draft"] = diff_memory(checkpoint_layer(i, "draft"), _blob_memory(ca.dft), _blob_memory(cb.dft), ma, mb,
+                                 diffs, checkpoint_layer(i, "draft") + " blob")
+        c["spec_equal"] = _span_equal(ma, ca.spec, mb, cb.spec, f"checkpoint {i}")
         if not c["spec_equal"]:
             diffs.add(f"checkpoint {i}", "speculative state differs")
         c["equal"] = all(x is None or x["equal"] for x in (c["target"], c["draft"])) and c["spec_equal"] \
             and c["n_tokens"][0] == c["n_tokens"][1]
         checkpoints.append(c)
-    draft = diff_memory("draft state", _blob_memory(a.draft), _blob_memory(b.draft), ma, mb, diffs)
+    draft = diff_memory("draft state", _blob_memory(a.draft), _blob_memory(b.draft), ma, mb, diffs, "SDFT draft blob")
     if draft is not None:
-        draft["spec_equal"] = _span_equal(ma, a.draft_spec, mb, b.draft_spec)
+        draft["spec_equal"] = _span_equal(ma, a.draft_spec, mb, b.draft_spec, "SDFT appendix")
         if not draft["spec_equal"]:
             diffs.add("draft state", "speculative state differs")
+    for rows in (ma, mb):   # a file rewritten in place under the diff, even where no read ran short
+        why = rows.sf.changed()
+        if why:
+            e = FormatError("file", None, f"the file that was parsed; {why}")
+            e.code = "file_changed"
+            rows.damage("file", e)
     for side, sf in (("A", a), ("B", b)):
         for e in sf.errors:
             diffs.add(f"{side} damaged", e.one_line())
@@ -330,15 +415,18 @@ def diff_files(a: SlotFile, b: SlotFile) -> dict:
     }
 
 
-def _span_equal(ma: _Mapped, sa, mb: _Mapped, sb) -> bool:
+def _span_equal(ma: _Rows, sa, mb: _Rows, sb, part: str) -> bool:
     if sa is None or sb is None:
         return sa is None and sb is None
     if sa.size != sb.size:
         return False
-    for o in range(0, sa.size, CHUNK):
-        n = min(CHUNK, sa.size - o)
-        if not np.array_equal(ma.mm[sa.offset + o: sa.offset + o + n], mb.mm[sb.offset + o: sb.offset + o + n]):
-            return False
+    try:
+        for o in range(0, sa.size, CHUNK):
+            n = min(CHUNK, sa.size - o)
+            if ma.read(sa.offset + o, n, part) != mb.read(sb.offset + o, n, part):
+                return False
+    except _Unreadable:
+        return False
     return True
 
 

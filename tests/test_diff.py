@@ -85,8 +85,10 @@ def test_the_rotation_must_be_undone():
 
     a, b = open_slot_file(DATA / "srv-np1.bin"), open_slot_file(DATA / "srv-kvq8.bin")
     ka, kb = a.target.sections[0].streams[0].data.k[0], b.target.sections[0].streams[0].data.k[0]
-    ma, mb = d._Mapped(a.path, a.size), d._Mapped(b.path, b.size)
-    got = [d._compare_record(ma, ka, 111, 0, mb, kb, 111, rot, 111, np.zeros(111, bool)).max_abs for rot in (0, 64)]
+    ma, mb = d._Rows(a), d._Rows(b)
+    got = [d._compare_record(d._Record(ma, ka, 111, 0, None, "K", "target memory"),
+                             d._Record(mb, kb, 111, rot, None, "K", "target memory"), 111, np.zeros(111, bool)).max_abs
+           for rot in (0, 64)]
     assert got[1] < 0.05 < 1 < got[0]
 
 

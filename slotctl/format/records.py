@@ -12,6 +12,7 @@ import struct
 
 import construct as cs
 
+from slotctl.errors import FormatError
 from slotctl.format import ggml
 from slotctl.format.common import CheckError, Expect, Payload, Span, _lazy, _remaining
 
@@ -111,3 +112,43 @@ class RecordArray(cs.Construct):
             context._index = i
             sub._build(e, stream, context, path)
         return obj
+
+
+def _field_at(rec, delta: int) -> int | None:
+    """The absolute offset of a record header field ``delta`` bytes after the record starts (None for a
+    record parsed from bytes)."""
+    data = rec.data
+    return data.offset - 12 + delta if hasattr(data, "offset") else None
+
+
+def row_elements(rec, layer: str) -> int:
+    """The elements of one row of a parsed record (a row record's row; all ``n_embd`` elements of one cell
+    of an element-major record), when its header sizes hold whole rows of its type.
+
+    A :class:`~slotctl.errors.FormatError` naming the field otherwise: a row size that is not a whole,
+    non-zero number of blocks of its type, an element size that is not the type's (element-major records
+    hold unquantized types only), or no elements. The one check for every command that reads a record's
+    rows as numbers (diff, convert); the schema does not need it to locate the record.
+    """
+    t = ggml.BY_ID[rec.type]
+    if "row_size" in rec:
+        rs = rec.row_size
+        if rs == 0 or rs % t.block_bytes:
+            raise FormatError(layer, _field_at(rec, 4), f"a {t.name} row size that is a non-zero multiple of "
+                                                        f"{t.block_bytes} bytes, found {rs:,}")
+        return rs // t.block_bytes * t.block
+    if t.block != 1 or rec.el_size != t.block_bytes:
+        want = f"{t.block_bytes}" if t.block == 1 else "that of an unquantized type (a transposed V is never quantized)"
+        raise FormatError(layer, _field_at(rec, 4), f"a {t.name} element size of {want}, found {rec.el_size:,}")
+    if rec.n_embd == 0:
+        raise FormatError(layer, _field_at(rec, 8), "an n_embd of at least 1, found 0")
+    return rec.n_embd
+
+
+def check_rotation(n_rot: int, width: int, what: str, layer: str, offset: int | None) -> int:
+    """``n_rot`` when rows of ``width`` elements split into Hadamard groups of ``n_rot`` (0: none; else a
+    power of two that divides ``width``); else a FormatError naming the field at ``offset``."""
+    if n_rot and (n_rot & (n_rot - 1) or width % n_rot):
+        raise FormatError(layer, offset, f"a {what} rotation of 0 or a power of two that divides rows of {width:,} "
+                                         f"elements, found {n_rot:,}")
+    return n_rot
