@@ -216,3 +216,124 @@ def test_a_store_gone_mid_read_is_an_io_error(tmp_path, monkeypatch):
     finally:
         srv.stop()
         S3_STORE.reset()
+
+
+# -- cp ----------------------------------------------------------------------------------------------------
+
+
+def _get(srv: Seaweed, key: str) -> bytes:
+    import obstore
+
+    return bytes(obstore.get(srv.client(), key).bytes())
+
+
+def _exists(srv: Seaweed, key: str) -> bool:
+    import obstore
+
+    try:
+        obstore.head(srv.client(), key)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_cp_there_and_back_is_byte_identical(s3, path, tmp_path):
+    url = f"s3://{BUCKET}/cp/{path.name}"
+    r = run("cp", "--json", str(path), url)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)["files"][0]
+    assert doc["status"] == "copied" and doc["method"] == "put" and doc["checksum"] == "md5"
+    assert _get(s3, f"cp/{path.name}") == path.read_bytes()
+    r = run("cp", "--json", url, f"s3://{BUCKET}/cp-again/")          # S3 to S3, server-side
+    assert r.exit_code == 0 and json.loads(r.stdout)["files"][0]["method"] == "server_copy", r.output
+    back = tmp_path / "back.bin"
+    r = run("cp", "--json", f"s3://{BUCKET}/cp-again/{path.name}", str(back))
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["files"][0]["checksum"] == "md5"
+    assert back.read_bytes() == path.read_bytes()
+
+
+def test_a_refused_cp_leaves_the_object_unchanged(s3, tmp_path):
+    good, other = FILES[0].read_bytes(), FILES[1].read_bytes()
+    url = put(s3, "refused/a.bin", good)
+    src = tmp_path / "a.bin"
+    src.write_bytes(other)
+    r = run("cp", "--json", str(src), url)                    # exists: refused without --overwrite
+    assert r.exit_code == 2 and json.loads(r.stdout)["files"][0]["error"]["code"] == "exists"
+    assert _get(s3, "refused/a.bin") == good
+    damaged = tmp_path / "damaged.bin"
+    damaged.write_bytes(other[: len(other) // 2])
+    r = run("cp", "--json", "--overwrite", str(damaged), url)   # damaged: refused without --force
+    assert r.exit_code == 1 and json.loads(r.stdout)["files"][0]["status"] == "refused"
+    assert _get(s3, "refused/a.bin") == good
+    r = run("cp", "--overwrite", str(src), url)
+    assert r.exit_code == 0 and _get(s3, "refused/a.bin") == other
+    r = run("cp", "--force", str(damaged), f"s3://{BUCKET}/refused/d.bin")
+    assert r.exit_code == 0 and _get(s3, "refused/d.bin") == damaged.read_bytes()
+    local = tmp_path / "local.bin"
+    local.write_bytes(b"keep me")
+    r = run("cp", url, str(local))                             # a local destination is not overwritten either
+    assert r.exit_code == 2 and local.read_bytes() == b"keep me"
+
+
+def _large_slot_file(path: Path, mib: int) -> int:
+    """A valid slot file of about ``mib`` MiB, sparse (its tensor bytes are a hole): benchmarks/bench_inspect's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_inspect", Path(__file__).parents[1] / "benchmarks"
+                                                  / "bench_inspect.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cells = 4096
+    row = max(256, (mib << 20) // (cells * 2 * 16 + cells))
+    return mod.build(str(path), layers=8, cells=cells, row=row)
+
+
+def test_a_large_cp_goes_in_parts_and_back(s3, tmp_path):
+    src = tmp_path / "large.bin"
+    size = _large_slot_file(src, 40)
+    assert size > 32 << 20
+    url = f"s3://{BUCKET}/large/large.bin"
+    r = run("cp", "--json", str(src), url)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)["files"][0]
+    assert doc["method"] == "multipart+copy" and doc["checksum"] == "md5" and doc["size"] == size
+    import obstore
+
+    keys = [m["path"] for b in obstore.list(s3.client(), prefix="large/") for m in b]
+    assert keys == ["large/large.bin"]          # the temporary key is gone
+    back = tmp_path / "back.bin"
+    assert run("cp", url, str(back)).exit_code == 0
+    assert back.read_bytes() == src.read_bytes()
+    r = run("cp", "--json", "--overwrite", str(src), url)
+    assert json.loads(r.stdout)["files"][0]["method"] == "multipart", r.output
+
+
+def test_a_cp_killed_with_sigkill_leaves_no_object(s3, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import obstore
+
+    src = tmp_path / "large.bin"
+    _large_slot_file(src, 200)
+    env = {**os.environ, **s3.env()}
+    for attempt in range(5):
+        key = f"killed/{attempt}.bin"
+        p = subprocess.Popen([sys.executable, "-m", "slotctl", "cp", str(src), f"s3://{BUCKET}/{key}"], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0 + 0.3 * attempt)
+        if p.poll() is not None:
+            continue   # a quiet machine finished first: try again, killing sooner would prove less
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        break
+    else:
+        pytest.skip("the copy always finished before the kill")
+    keys = [m["path"] for b in obstore.list(s3.client(), prefix="killed/") for m in b]
+    finished = {f"killed/{i}.bin" for i in range(attempt)}
+    assert f"killed/{attempt}.bin" not in keys
+    assert all(k in finished or k.rsplit("/", 1)[1].startswith(".") for k in keys), keys

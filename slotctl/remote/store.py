@@ -123,8 +123,8 @@ class Config:
                              "AWS_PROFILE with ~/.aws/credentials; AWS_SKIP_SIGNATURE=true for a public bucket)",
                              code="no_credentials")
 
-    def store(self, bucket: str) -> S3Store:
-        config: dict = {"region": self.region}
+    def store(self, bucket: str, **extra) -> S3Store:
+        config: dict = {"region": self.region, **extra}
         if self.endpoint:
             config["endpoint"] = self.endpoint
             config["virtual_hosted_style_request"] = False
@@ -378,6 +378,211 @@ class ObjectReader(RangedFile):
             return bytes(obstore.get(self.store, self.key, options=options).bytes())
         except Exception as e:  # noqa: BLE001
             raise self.s3.error(self.name, e, f"GET bytes {offset}-{offset + n - 1}") from None
+
+
+
+
+# -- writes: cp ------------------------------------------------------------------------------------------
+
+#: the part size of multipart uploads (S3 allows 5 MiB to 5 GiB, at most 10,000 parts: 8 MiB parts carry
+#: objects up to 78 GiB; larger files take larger parts, see :func:`part_size`)
+PART_SIZE = 8 << 20
+#: files up to this size are sent in one PUT (held in memory once); larger ones in parts
+SINGLE_PUT_MAX = 16 << 20
+#: parts in flight at once
+UPLOAD_CONCURRENCY = 4
+
+
+def part_size(size: int) -> int:
+    """The part size for an upload of ``size`` bytes: :data:`PART_SIZE`, or larger to stay under 10,000 parts."""
+    p = PART_SIZE
+    while size > p * 10_000:
+        p *= 2
+    return p
+
+
+def expected_etag(md5s: Sequence[bytes], *, multipart: bool) -> str:
+    """The ETag S3 gives an unencrypted object from its parts' MD5 digests: the MD5 of the content for one
+    PUT, ``md5(md5(part 1) + ... + md5(part N))-N`` for a multipart upload."""
+    import hashlib
+
+    if not multipart:
+        return md5s[0].hex()
+    return f"{hashlib.md5(b''.join(md5s)).hexdigest()}-{len(md5s)}"
+
+
+class _Parts:
+    """The chunks of a source as the upload reads them, their MD5 per part, and the progress callback."""
+
+    def __init__(self, chunks, part: int, progress=None, total: int = 0):
+        import hashlib
+
+        self._chunks, self.part, self.progress, self.total = chunks, part, progress, total
+        self.md5s: list[bytes] = []
+        self._h = hashlib.md5()
+        self._in_part = 0
+        self.done = 0
+
+    def _feed(self, data: bytes) -> None:
+        import hashlib
+
+        view = memoryview(data)
+        while len(view):
+            take = min(len(view), self.part - self._in_part)
+            self._h.update(view[:take])
+            self._in_part += take
+            view = view[take:]
+            if self._in_part == self.part:
+                self.md5s.append(self._h.digest())
+                self._h, self._in_part = hashlib.md5(), 0
+
+    def __iter__(self):
+        for data in self._chunks:
+            self._feed(data)
+            self.done += len(data)
+            if self.progress:
+                self.progress(self.done, self.total)
+            yield data
+        if self._in_part or not self.md5s:
+            self.md5s.append(self._h.digest())
+
+
+def _checksum(etag: str | None, md5s: Sequence[bytes], multipart: bool) -> str | None:
+    """"md5" when the store's ETag is the MD5 this upload predicts (checked); None when the ETag is not an
+    MD5 (encrypted objects, other stores): the size alone was checked. A different MD5 is an error."""
+    if not etag:
+        return None
+    tag = etag.strip('"')
+    if not re.fullmatch(r"[0-9a-f]{32}(-[0-9]+)?", tag) or ("-" in tag) != multipart:
+        return None
+    if tag != expected_etag(md5s, multipart=multipart):
+        raise UsageError(f"the store's checksum (ETag {tag}) is not that of the bytes sent "
+                         f"({expected_etag(md5s, multipart=multipart)})", code="checksum_mismatch")
+    return "md5"
+
+
+def temp_key(key: str) -> str:
+    """A temporary name beside ``key`` (``dir/.NAME.slotctl-RANDOM.tmp``: listings skip it, as they skip the
+    temporary files of local atomic writes)."""
+    import secrets
+
+    head, _, name = key.rpartition("/")
+    return f"{head + '/' if head else ''}.{name}.slotctl-{secrets.token_hex(6)}.tmp"
+
+
+class Writer:
+    """Uploads and copies for ``cp``, over :data:`S3_STORE`'s stores and configuration."""
+
+    def __init__(self, s3: S3):
+        self.s3 = s3
+        self._copy_stores: dict[str, S3Store] = {}
+
+    def _copy_store(self, bucket: str) -> S3Store:
+        """A store of ``bucket`` whose copies are conditional (``copy_if_not_exists``: a multipart upload whose
+        part is a server-side copy, completed with ``If-None-Match: *``)."""
+        store = self._copy_stores.get(bucket)
+        if store is None:
+            store = self.s3.config.store(bucket, copy_if_not_exists="multipart")
+            self._copy_stores[bucket] = store
+        return store
+
+    def exists(self, url: str) -> bool:
+        return self.s3.stat(url) is not None
+
+    def upload(self, chunks, size: int, url: str, *, overwrite: bool, progress=None) -> dict:
+        """Write ``size`` bytes from ``chunks`` to ``url``; never visible half-written.
+
+        Up to :data:`SINGLE_PUT_MAX`: one PUT (``If-None-Match: *`` without ``overwrite``). Larger: a multipart
+        upload (invisible until it completes); without ``overwrite`` to a temporary key, then copied
+        server-side to ``url`` on condition that nothing is there, and the temporary key deleted.
+        Returns ``{"method", "checksum", "etag"}``; the size and ETag are checked against what was sent.
+        """
+        store, key = self.s3.bucket(url)
+        if not overwrite and self.exists(url):
+            raise UsageError(f"{url}: exists (use --overwrite to replace it)", code="exists")
+        multipart = size > SINGLE_PUT_MAX
+        parts = _Parts(chunks, part_size(size) if multipart else max(size, 1), progress, size)
+        target = key if (overwrite or not multipart) else temp_key(key)
+        try:
+            if multipart:
+                res = obstore.put(store, target, iter(parts), use_multipart=True, chunk_size=parts.part,
+                                  max_concurrency=UPLOAD_CONCURRENCY)
+            else:
+                res = obstore.put(store, target, b"".join(parts), mode="overwrite" if overwrite else "create",
+                                  use_multipart=False)
+        except UsageError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise self.s3.error(url, e, "PUT") from None
+        del res
+        checksum = self._verify(store, target, url, size, parts.md5s, multipart)
+        method = "multipart" if multipart else "put"
+        if target != key:
+            try:
+                try:
+                    obstore.copy(self._copy_store(split_url(url)[0]), target, key, overwrite=False)
+                except Exception as e:  # noqa: BLE001
+                    raise self.s3.error(url, e, "COPY") from None
+                self._verify(store, key, url, size, parts.md5s, multipart, md5=False)
+            finally:
+                try:
+                    obstore.delete(store, target)
+                except Exception:  # noqa: BLE001 - a temporary key left behind is named by listings as such
+                    pass
+            method = "multipart+copy"
+        return {"method": method, "checksum": checksum}
+
+    def _verify(self, store, key: str, url: str, size: int, md5s, multipart: bool, *, md5: bool = True) -> str | None:
+        """The object's size checked against ``size``; with ``md5``, its ETag against the parts' MD5s."""
+        try:
+            meta = obstore.head(store, key)
+        except Exception as e:  # noqa: BLE001
+            raise self.s3.error(url, e, "HEAD") from None
+        if meta["size"] != size:
+            raise UsageError(f"{url}: the store holds {meta['size']:,} bytes, {size:,} were sent", code="size_mismatch")
+        if not md5:
+            return None
+        try:
+            return _checksum(meta.get("e_tag"), md5s, multipart)
+        except UsageError as e:
+            raise UsageError(f"{url}: {e}", code=e.code) from None
+
+    def copy(self, src: str, dst: str, *, overwrite: bool) -> dict:
+        """A server-side copy within one bucket (nothing passes through this machine); conditional without
+        ``overwrite``."""
+        sb, skey = split_url(src)
+        store, dkey = self.s3.bucket(dst)
+        try:
+            if overwrite:
+                obstore.copy(store, skey, dkey, overwrite=True)
+            else:
+                obstore.copy(self._copy_store(sb), skey, dkey, overwrite=False)
+        except Exception as e:  # noqa: BLE001
+            raise self.s3.error(dst, e, "COPY") from None
+        return {"method": "server_copy", "checksum": None}
+
+    def size_of(self, url: str) -> int | None:
+        entry = self.s3.stat(url)
+        return entry.size if entry is not None else None
+
+    def chunks(self, reader: "ObjectReader", progress=None):
+        """The bytes of an object being read, in order, pinned to its ETag; ``progress(done, total)``."""
+        options: dict = {"if_match": reader.etag} if reader.etag else {}
+        done = 0
+        try:
+            res = obstore.get(reader.store, reader.key, options=options)
+            for chunk in res.stream(min_chunk_size=PART_SIZE):
+                data = bytes(chunk)
+                done += len(data)
+                if progress:
+                    progress(done, reader.size)
+                yield data
+        except UsageError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise self.s3.error(reader.name, e, "GET") from None
+        if done != reader.size:
+            raise UsageError(f"{reader.name}: {done:,} bytes read, the object has {reader.size:,}", code="size_mismatch")
 
 
 #: the one ``s3`` scheme of this process
