@@ -1,8 +1,9 @@
 """Slots that outlive a server and move between servers: ``restore --prove``, ``migrate`` (docs/fleet.md).
 
 Against real llama-server b11434 processes, module-scoped: ``one`` (``-c 512 -np 2``: two KV streams, 256
-tokens a slot), ``three`` (``-c 1536 -np 3 -kvu``: one stream, 1536 tokens a slot) and ``other`` (another
-model). Every proof is the server's own ``timings``.
+tokens a slot), ``three`` (``-c 1536 -np 3 -kvu``: one stream, 1536 tokens a slot), ``other`` (another
+model) and ``kept`` (under ``--api-prefix``, killed and started again under ``slotctl keep``, which runs as a
+process of its own so that its signals are real). Every proof is the server's own ``timings``.
 """
 
 from __future__ import annotations
@@ -11,16 +12,26 @@ import contextlib
 import http.server
 import json
 import os
+import queue
+import re
+import signal
+import subprocess
+import sys
 import threading
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+import json_schemas
 from conftest import start_server
+from llama_server import LlamaServer, ServerStartError
 from slotctl.cli.app import app
 from slotctl.errors import ExitStatus
+from slotctl.remote.keep import tokens_hash
 from slotctl.slotfile import open_slot_file
 from slotctl.tinymodels import SAMPLE_PROMPT
 
@@ -261,3 +272,178 @@ def test_a_destination_gone_mid_migrate_leaves_the_source_slot(one, three):
     # the file placed is whole (written atomically) and the source slot is as it was
     assert len(tokens_of(three.save_dir / "gone.bin")) == n and cached(one, 0) == n
     assert counts(one, 0, tokens_of(one.save_dir / "gone.bin")) == (n - 1, 1)
+
+
+# -- keep --------------------------------------------------------------------------------------------------
+
+#: llama-swap serves each model under a path prefix: keep works through one
+PREFIX = "/upstream/tiny"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class PrefixedServer(LlamaServer):
+    """A server started with ``--api-prefix``, reached under it, that can be killed and started again on the
+    same port (what keep watches)."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}{PREFIX}"
+
+    def kill_and_start_again(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self._wait_ready(120)
+
+
+@pytest.fixture(scope="module")
+def kept(llama_server_bin, tiny_models, tmp_path_factory):
+    """``-c 1024 -np 2`` under ``--api-prefix /upstream/tiny``."""
+    tmp = tmp_path_factory.mktemp("kept")
+    (tmp / "slots").mkdir()
+    srv = PrefixedServer(llama_server_bin, tiny_models.target, slot_save_path=tmp / "slots",
+                         args=["-c", "1024", "-np", "2", "-fa", "on", "--api-prefix", PREFIX],
+                         log_path=tmp / "kept.log")
+    srv.save_dir = tmp / "slots"
+    try:
+        srv.start()
+    except ServerStartError as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+class Keep:
+    """``slotctl keep --json`` as a process of its own (signals are real); its lines, checked against the
+    schema, as they come."""
+
+    def __init__(self, srv, store: Path, *more: str):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", srv.url, "--slot-dir",
+                                      str(srv.save_dir), "--store", str(store), "--json", "--timeout", "60", *more],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: queue.Queue = queue.Queue()
+        self.seen: list[dict] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            line = json.loads(raw)
+            json_schemas.check("keep", line, "line")
+            self.lines.put(line)
+
+    def wait_for(self, event: str, slot: int | None = None, timeout: float = 90) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                assert self.proc.poll() is None or not self.lines.empty(), \
+                    f"keep exited with {self.proc.returncode}: {self.proc.stderr.read()}\n{self.seen}"
+                continue
+            self.seen.append(line)
+            if line["event"] == event and (slot is None or line["slot"] == slot):
+                return line
+        raise AssertionError(f"no {event!r} event for slot {slot} within {timeout} s: {self.seen}")
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=60)
+
+
+@server
+def test_keep_brings_a_slot_back_after_the_server_is_killed(kept, tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    keep = Keep(kept, store, "--every", "0.3")
+    try:
+        keep.wait_for("up")
+        kept.completion(SAMPLE_PROMPT, slot=0, n_predict=6)
+        stored = keep.wait_for("stored", 0)
+        tokens = tokens_of(Path(stored["details"]["path"]))
+        n = len(tokens)
+        assert stored["details"]["n_tokens"] == n and stored["details"]["name"].startswith("slot0-")
+        assert not (kept.save_dir / "keep-slot0-incoming.bin").exists()
+
+        kept.kill_and_start_again()
+        keep.wait_for("restart")
+        assert keep.wait_for("restored", 0)["details"]["answer"]["n_restored"] == n
+        proof = keep.wait_for("proof", 0)["details"]["proof"]
+        assert (proof["verdict"], proof["n_reused"], proof["n_evaluated"]) == ("proven", n - 1, 1)
+        # the restarted server's own timings: a request extending the prompt evaluates only the new tokens
+        more = tokens + kept.tokenize(" The river Seine", add_special=False)
+        assert counts(kept, 0, more) == (n, len(more) - n)
+        # slot 1 was empty before the kill: nothing to restore there
+        assert cached(kept, 1) is None
+    finally:
+        assert keep.stop() == 0
+    assert keep.seen and keep.wait_for("stop")["event"] == "stop"
+
+
+@server
+def test_keep_stopped_by_sigterm_saves_the_changed_slots_and_exits_0(kept, tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    keep = Keep(kept, store, "--every", "600")     # one look at the start, then only the last save
+    keep.wait_for("up")
+    kept.completion(SAMPLE_PROMPT + " The tower", slot=1, n_predict=2)
+    assert keep.stop(signal.SIGTERM) == 0
+    stored = keep.wait_for("stored", 1, timeout=5)
+    assert keep.wait_for("stop", timeout=5)
+    assert len(tokens_of(Path(stored["details"]["path"]))) == stored["details"]["n_tokens"]
+
+
+@server
+def test_keep_killed_mid_copy_leaves_the_store_consistent(kept, tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    for attempt in range(3):
+        keep = Keep(kept, store, "--every", "0.2")
+        keep.wait_for("up")
+        kept.completion(LONG_PROMPT + f" {attempt}", slot=1, n_predict=2)
+        keep.wait_for("saved", 1)      # the server answered: keep is checking or copying the file now
+        keep.stop(signal.SIGKILL)
+    # every file of the store is whole: a state under its final name, or a temporary file prune and ls skip
+    for p in store.iterdir():
+        if p.name.startswith("."):
+            assert ".slotctl-" in p.name and p.name.endswith(".tmp"), p.name
+            continue
+        sf = open_slot_file(p)
+        assert not sf.errors, (p.name, sf.errors)
+        # named by slot, model and the hash of the tokens it holds
+        assert re.fullmatch(rf"slot\d+-[0-9a-f]{{8}}-{tokens_hash(sf.tokens.tokens)}\.bin", p.name), p.name
+    res = slotctl("ls", store, "--json", code=OK)
+    assert all(row["verdict"] != "unreadable" for row in json.loads(res.stdout)["files"])
+    # a keep started again stores the slot's state (nothing it stored was lost or torn)
+    keep = Keep(kept, store, "--every", "0.2")
+    try:
+        keep.wait_for("up")
+        kept.completion(LONG_PROMPT + " again", slot=1, n_predict=2)
+        ev = keep.wait_for("stored", 1)
+        assert open_slot_file(Path(ev["details"]["path"])).errors == []
+    finally:
+        assert keep.stop() == 0
+
+
+@server
+def test_keep_holds_the_store_under_max_size(kept, tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    keep = Keep(kept, store, "--every", "0.2", "--max-size", "200K")
+    try:
+        keep.wait_for("up")
+        kept.completion(SAMPLE_PROMPT + " one", slot=1, n_predict=2)
+        keep.wait_for("stored", 1)
+        kept.completion(LONG_PROMPT + " two", slot=1, n_predict=2)
+        newest = keep.wait_for("stored", 1)["details"]
+        pruned = keep.wait_for("pruned")["details"]
+        assert pruned["action"] == "deleted" and pruned["path"] != newest["path"]
+        states = [p for p in store.iterdir() if not p.name.startswith(".")]
+        assert Path(newest["path"]) in states and not Path(pruned["path"]).exists()
+        assert sum(p.stat().st_size for p in states) <= 200 << 10
+    finally:
+        assert keep.stop() == 0

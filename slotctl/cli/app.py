@@ -71,6 +71,8 @@ COMMANDS: dict[str, CommandEntry] = {
                           "cached prompt (POST /slots/N?action=erase).", "A running llama-server"),
     "migrate": CommandEntry("slotctl.cli.migrate_cmd", "Move a slot from one running llama-server to another: "
                             "save, check, convert, place, restore, prove.", "A running llama-server"),
+    "keep": CommandEntry("slotctl.cli.keep_cmd", "Keep a running llama-server's slots across its restarts: save "
+                         "idle slots, restore them after.", "A running llama-server"),
 }
 
 

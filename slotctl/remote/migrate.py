@@ -239,7 +239,7 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_di
         if src == state["path"] and _same_dir(from_dir, to_dir):
             s.details = {"path": os.fspath(dest), "copied": False}
             return f"{dest}: already there (--from-dir and --to-dir are one directory)"
-        _copy_atomic(src, dest)
+        copy_atomic(src, dest)
         s.details = {"path": os.fspath(dest), "copied": True, "size": os.path.getsize(dest)}
         return f"{dest}: written ({s.details['size']:,} bytes)"
 
@@ -274,7 +274,7 @@ def _same_dir(a: Path, b: Path) -> bool:
         return False
 
 
-def _copy_atomic(src: str | os.PathLike, dest: str | os.PathLike) -> None:
+def copy_atomic(src: str | os.PathLike, dest: str | os.PathLike) -> None:
     """``src`` copied to ``dest`` through :func:`slotctl.atomic.atomic_writer` (never a torn ``dest``)."""
     from slotctl.atomic import atomic_writer, copy_range
     from slotctl.paths import open_regular

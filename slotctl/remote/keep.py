@@ -1,0 +1,307 @@
+"""``slotctl keep``: a foreground process that keeps a running llama-server's slots across its restarts.
+
+Every ``every`` seconds (:meth:`Keeper.tick`):
+
+* **health**: ``GET /health``; no answer (or 503 while loading) is the server *down*. Its identity
+  (:func:`server_identity`: ``/props`` model path, build, slots, slot context and ``/v1/models`` meta) is read
+  each time it answers. Back after being down, up with another identity (llama-swap swapped the model
+  behind the URL), or a slot keep saved now showing no task at all (a new process, restarted between two
+  looks) is a *restart*: every slot that holds nothing gets the newest state of the store that
+  validates for the server now running (:meth:`Keeper.restore_all`), restored and proven
+  (:mod:`slotctl.remote.prove`). So does every empty slot when keep starts.
+* **save**: each idle slot (``is_processing`` false) whose last task (``/slots`` ``id_task``, ``n_prompt_tokens``)
+  changed since keep last saved or restored it, with at least ``min_tokens`` prompt tokens, is saved by the
+  server under a working name (``keep-slotN-incoming.bin`` in ``--slot-save-path``); only after the save
+  answered 200 and the file parses with the token count and size the server reported is it copied into the
+  store, atomically, as ``slotN-MODEL-TOKENS.bin`` (MODEL: a hash of the server's model identity, TOKENS: a
+  hash of the saved tokens: one state is stored once). The working file is then removed.
+* **budget**: with ``max_size``, the store is pruned by :mod:`slotctl.prune`'s rules (least recently used
+  first; temporary files never touched).
+
+Each action is one :class:`Event` (a log line, or a ``--json`` line). :meth:`Keeper.stop` (SIGTERM) makes
+the loop do a last save of the changed slots and return. A killed keep loses nothing it stored (every copy is
+a temporary file renamed into place); a server killed mid-save never leaves a torn file in the store (its
+answer never comes, or the file does not check).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from slotctl.errors import SlotctlError
+from slotctl.remote import http
+from slotctl.remote.migrate import IDENTITY_KEYS, copy_atomic
+from slotctl.remote.prove import local_setup, prove
+
+#: the name the server saves a slot under before keep checks it (in --slot-save-path)
+INCOMING = "keep-slot{slot}-incoming.bin"
+#: seconds a health check may take (a server that does not answer that fast is taken as down)
+HEALTH_TIMEOUT = 10.0
+
+
+@dataclass
+class Event:
+    """One action: ``event`` (start, up, down, restart, saved, stored, unchanged, skipped, restored, proof,
+    pruned, error, stop), the slot (or None), one line for people, the figures."""
+
+    event: str
+    slot: int | None
+    message: str
+    details: dict = field(default_factory=dict)
+    time: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict:
+        from slotctl.catalog import iso_time
+
+        return {"time": iso_time(self.time), "event": self.event, "slot": self.slot, "message": self.message,
+                "details": self.details}
+
+
+def server_identity(facts: http.ServerFacts) -> dict:
+    """What tells this server process's model and shape apart from another's."""
+    meta = facts.model_meta or {}
+    return {"model_path": facts.model_path, "build_info": facts.build_info, "total_slots": facts.total_slots,
+            "n_ctx_slot": facts.n_ctx_slot, **{k: meta.get(k) for k in IDENTITY_KEYS}}
+
+
+def model_hash(facts: http.ServerFacts) -> str:
+    """A short hash of the model as the server reports it (``/v1/models`` meta; the model's file name when
+    the server does not answer it): part of each stored file's name, so a state is offered only to a server
+    running the model that made it."""
+    meta = facts.model_meta or {}
+    ident = [meta.get(k) for k in IDENTITY_KEYS]
+    if all(v is None for v in ident):
+        ident = [os.path.basename(facts.model_path or "")]
+    return hashlib.sha256(repr(ident).encode()).hexdigest()[:8]
+
+
+def tokens_hash(tokens: np.ndarray) -> str:
+    """A short hash of a slot's tokens (as little-endian int32)."""
+    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()[:16]
+
+
+def stored_name(slot: int, model: str, tokens: str) -> str:
+    return f"slot{slot}-{model}-{tokens}.bin"
+
+
+class Keeper:
+    """The loop of the module docstring for the server at ``url`` (its ``--slot-save-path`` is ``slot_dir`` on
+    this machine) and the store directory ``store`` (``slot_dir`` itself when None). ``emit(Event)`` gets
+    every action."""
+
+    def __init__(self, url: str, slot_dir: str | os.PathLike, store: str | os.PathLike | None = None, *,
+                 every: float = 30.0, min_tokens: int = 1, max_size: int | None = None,
+                 api_key: str | None = None, timeout: float = 600.0, emit: Callable[[Event], None] = print):
+        self.url = http.normalize_url(url)
+        self.slot_dir = Path(slot_dir)
+        self.store = Path(store) if store is not None else self.slot_dir
+        self.every, self.min_tokens, self.max_size = every, min_tokens, max_size
+        self.api_key, self.timeout, self.emit = api_key, timeout, emit
+        self.up: bool | None = None
+        self.identity: dict | None = None
+        self.facts: http.ServerFacts | None = None
+        #: slot -> the /slots signature of its state when keep last saved or restored it
+        self.seen: dict[int, tuple] = {}
+        self._stop = threading.Event()
+        self.errors = 0
+
+    # -- the loop ---------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to do a last save and return (safe from a signal handler)."""
+        self._stop.set()
+
+    def run(self) -> int:
+        """Tick every ``every`` seconds until :meth:`stop`; then a last save of the changed slots. 0."""
+        self._event("start", None, f"keeping {self.url}: slot dir {self.slot_dir}, store {self.store}, every "
+                                   f"{self.every:g} s", every=self.every, store=os.fspath(self.store))
+        while not self._stop.is_set():
+            self.tick()
+            self._stop.wait(self.every)
+        if self.up:
+            self.save_changed()
+        self._event("stop", None, "stopped: the last save of the changed slots is done")
+        return 0
+
+    def tick(self) -> None:
+        try:
+            http.get_health(self.url, api_key=self.api_key, timeout=min(self.timeout, HEALTH_TIMEOUT))
+            facts = http.server_facts(self.url, api_key=self.api_key, timeout=self.timeout)
+        except (http.ServerUnreachable, http.ServerRefused) as e:
+            if self.up is not False:
+                self._event("down", None, f"the server does not answer: {e}")
+            self.up = False
+            return
+        except SlotctlError as e:
+            self._error(None, e)
+            return
+        ident = server_identity(facts)
+        first, back = self.up is None, self.up is False
+        changed = self.identity is not None and ident != self.identity
+        # a slot keep saved or restored that shows no task at all: a new server process (erase keeps id_task),
+        # restarted between two looks
+        fresh = [e["id"] for e in facts.slots or () if self.seen.get(e["id"]) and "id_task" not in e]
+        self.up, self.identity, self.facts = True, ident, facts
+        if first or back or changed or fresh:
+            why = ("keep started" if first else "the server is back" if back else
+                   "the server's identity changed (GET /props, /v1/models)" if changed else
+                   f"slot(s) {', '.join(map(str, fresh))} ran no task yet: a new server process")
+            self._event("up" if first else "restart", None, f"{why}: {facts.total_slots} slot(s), model "
+                                                            f"{facts.model_path}", identity=ident)
+            if back or changed or fresh:
+                self.seen.clear()
+            self.restore_all()
+        self.save_changed()
+
+    # -- saving -----------------------------------------------------------------------------------------
+
+    def _slots(self) -> list[dict]:
+        return http.get_slots(self.url, api_key=self.api_key, timeout=self.timeout)
+
+    @staticmethod
+    def signature(entry: dict) -> tuple | None:
+        """The state of a slot as ``/slots`` shows it: None for a slot that has run no task since the server
+        started (or was erased)."""
+        if "id_task" not in entry or not entry.get("n_prompt_tokens"):
+            return None
+        return entry.get("id_task"), entry.get("n_prompt_tokens")
+
+    def _each_idle_slot(self, want: Callable[[dict], bool], action: Callable[[dict], None]) -> None:
+        """``action(entry)`` for each idle slot of ``GET /slots`` that ``want(entry)``; errors become events."""
+        try:
+            slots = self._slots()
+        except SlotctlError as e:
+            self._error(None, e)
+            return
+        for entry in slots:
+            if entry.get("is_processing") or not want(entry):
+                continue
+            try:
+                action(entry)
+            except (SlotctlError, OSError) as e:
+                self._error(entry["id"], e)
+
+    def _changed(self, entry: dict) -> bool:
+        sig = self.signature(entry)
+        return (sig is not None and self.seen.get(entry["id"]) != sig
+                and (entry.get("n_prompt_tokens") or 0) >= self.min_tokens)
+
+    def save_changed(self) -> None:
+        self._each_idle_slot(self._changed, lambda e: self.save(e["id"], self.signature(e)))
+
+    def save(self, slot: int, sig: tuple) -> None:
+        from slotctl.slotfile import open_slot_file
+
+        work = INCOMING.format(slot=slot)
+        answer = http.save_slot(self.url, slot, work, api_key=self.api_key, timeout=self.timeout, check=False)
+        path = self.slot_dir / work
+        self._event("saved", slot, f"slot {slot} saved by the server: {answer['n_saved']:,} tokens, "
+                                   f"{answer['n_written']:,} bytes", answer=answer)
+        sf = open_slot_file(path)
+        n = sf.tokens.n_tokens if sf.tokens is not None else 0
+        if sf.errors or n != answer["n_saved"] or sf.size != answer["n_written"]:
+            why = sf.errors[0] if sf.errors else (f"{n:,} tokens in {sf.size:,} bytes where the server saved "
+                                                  f"{answer['n_saved']:,} in {answer['n_written']:,}")
+            self._event("skipped", slot, f"{path}: not stored: {why}")
+            return
+        self.seen[slot] = sig
+        if n < self.min_tokens:
+            self._event("skipped", slot, f"slot {slot}: {n:,} tokens, fewer than --min-tokens {self.min_tokens}")
+            os.unlink(path)
+            return
+        name = stored_name(slot, model_hash(self.facts), tokens_hash(sf.tokens.tokens))
+        dest = self.store / name
+        if dest.exists():
+            os.unlink(path)
+            self._event("unchanged", slot, f"slot {slot}: {name} is already in the store (the same tokens)",
+                        name=name)
+            return
+        if self.store.resolve() == self.slot_dir.resolve():
+            os.replace(path, dest)
+            from slotctl.atomic import fsync_dir
+
+            fsync_dir(os.fspath(self.store))
+        else:
+            copy_atomic(path, dest)
+            os.unlink(path)
+        self._event("stored", slot, f"slot {slot}: stored as {dest} ({sf.size:,} bytes, {n:,} tokens)",
+                    name=name, path=os.fspath(dest), size=sf.size, n_tokens=n)
+        self.prune()
+
+    def prune(self) -> None:
+        if self.max_size is None:
+            return
+        from slotctl import prune as pr
+
+        same = self.store.resolve() == self.slot_dir.resolve()
+        # a separate store is written by keep alone, through temporary files prune never touches: no grace
+        policy = pr.Policy(max_size=self.max_size, pins=(INCOMING.format(slot="*"),),
+                           **({} if same else {"grace": 0.0}))
+        plan = pr.execute(pr.plan(os.fspath(self.store), policy), dry_run=False)
+        for e in plan.selected():
+            self._event("pruned", None, f"{e.path}: {e.action} ({e.reason}), {e.size:,} bytes",
+                        path=e.path, size=e.size, action=e.action)
+
+    # -- restoring --------------------------------------------------------------------------------------
+
+    def candidates(self, slot: int) -> list[Path]:
+        """The store's states for ``slot`` made with the server's model, newest first."""
+        prefix = f"slot{slot}-{model_hash(self.facts)}-"
+        found = [p for p in self.store.iterdir() if p.name.startswith(prefix) and p.name.endswith(".bin")]
+        return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+    def restore_all(self) -> None:
+        """Restore into each idle slot that holds nothing of its own (no task since the server started)."""
+        self._each_idle_slot(lambda e: self.signature(e) is None, lambda e: self.restore(e["id"]))
+
+    def restore(self, slot: int) -> None:
+        from slotctl.validate.check import validate_file
+        from slotctl.validate.setup import Models
+
+        setup, _notes = local_setup(self.facts, slot)
+        models = Models(setup)
+        for path in self.candidates(slot):
+            report = validate_file(path, setup, models)
+            if report.verdict not in ("restores", "restores_with_drops", "undecided"):
+                self._event("skipped", slot, f"{path.name}: does not validate for the server now running "
+                                             f"({report.verdict})", name=path.name, verdict=str(report.verdict))
+                continue
+            placed = self.slot_dir / path.name
+            copied = not placed.exists()
+            if copied:
+                copy_atomic(path, placed)
+            try:
+                answer = http.restore_slot(self.url, slot, path.name, api_key=self.api_key, timeout=self.timeout,
+                                           check=False)
+            finally:
+                if copied:     # the server has read it: the store keeps the state
+                    os.unlink(placed)
+            self._event("restored", slot, f"{path.name} restored into slot {slot}: {answer['n_restored']:,} tokens",
+                        name=path.name, answer=answer)
+            p = prove(self.url, slot, path, setup, build_info=self.facts.build_info, api_key=self.api_key,
+                      timeout=self.timeout)
+            self._event("proof", slot, f"slot {slot}: {p.verdict}: the server reused {p.n_reused:,} and evaluated "
+                                       f"{p.n_evaluated:,} of {p.n_prompt:,} prompt tokens", proof=p.as_dict())
+            entry = next((s for s in self._slots() if s["id"] == slot), {})
+            self.seen[slot] = self.signature(entry)   # the proving request is not a change to save
+            return
+        self._event("skipped", slot, f"slot {slot}: no state in the store for the server now running")
+
+    # -- events -----------------------------------------------------------------------------------------
+
+    def _event(self, event: str, slot: int | None, message: str, **details) -> None:
+        self.emit(Event(event, slot, message, details))
+
+    def _error(self, slot: int | None, e: Exception) -> None:
+        self.errors += 1
+        msg = str(e) if isinstance(e, SlotctlError) else f"{getattr(e, 'filename', '') or ''}: {e}".lstrip(": ")
+        code = e.error_code if isinstance(e, SlotctlError) else "io_error"
+        self._event("error", slot, msg, error={"code": code, "message": msg})
