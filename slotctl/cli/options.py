@@ -50,9 +50,15 @@ class ArgsCommand(TyperCommand):
 
     typer turns a ``Path`` argument into a ``pathlib.Path``, which drops a trailing ``/``, a leading ``./``
     and doubled slashes: ``restore --server URL x/`` would send ``x``. Live mode checks the name as typed.
+
+    A command with the server's flags (:func:`with_server_flags`) also takes llama-server's command line as
+    it is: see :func:`server_command_line`.
     """
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
+        if any(p.name == SERVER_ARGS_PARAM for p in self.params):
+            args, ctx.meta["slotctl.ignored_flags"], ctx.meta["slotctl.server_env"] = \
+                server_command_line(self, ctx, list(args))
         ctx.meta["slotctl.args"] = list(args)
         try:
             opts, _, _ = self.make_parser(ctx).parse_args(args=list(args))
@@ -60,6 +66,136 @@ class ArgsCommand(TyperCommand):
         except Exception:  # noqa: BLE001 - the real parse below reports whatever is wrong
             pass
         return super().parse_args(ctx, args)
+
+
+#: the parameter that takes llama-server's command line as one argument (``--server-args``)
+SERVER_ARGS_PARAM = "server_args"
+#: parameters that only live mode (``--server URL``) takes; a local run reads them as the server's own
+#: flags of the same names (``--api-key``, ``--timeout`` in a pasted command line)
+LIVE_ONLY_PARAMS = ("api_key", "timeout")
+
+
+#: the parameters whose options mean what llama-server's flags of the same spellings mean: the server flags
+#: (added by :func:`with_server_flags`) and these; in ``--server-args`` only they are read as slotctl's
+SAME_AS_SERVER = frozenset({"model", "draft_model", "mmproj", "api_key"})
+
+
+def _own_options(command, ctx, local: bool, *, pasted: bool = False) -> dict[str, bool]:
+    """The command's own option spellings, to whether each takes a value (``pasted``: only those that mean
+    what the server's flag of that spelling means)."""
+    from slotctl.server.flags import FLAGS
+
+    own = {}
+    for p in command.get_params(ctx):
+        if p.param_type_name != "option" or (local and p.name in LIVE_ONLY_PARAMS):
+            continue
+        if pasted and p.name not in SAME_AS_SERVER and p.name not in FLAGS:
+            continue
+        for name in (*p.opts, *p.secondary_opts):
+            own[name] = not (p.is_flag or p.count)
+    return own
+
+
+def server_command_line(command, ctx, args: list[str]) -> tuple[list[str], list[str], dict[str, str]]:
+    """llama-server's flags pasted among a command's own: ``(args for click, the server flags ignored,
+    environment assignments from --server-args)``.
+
+    The command's own options come first (``-m``, ``-c``, ``-np``...: the flags slotctl uses are its own
+    options, by every spelling b11434 has; in ``--server-args`` only those meaning what the server's flag
+    means, :data:`SAME_AS_SERVER`, so that ``prune --server-args '--keep 256'`` is the server's --keep, not
+    prune's). Any other flag llama-server b11434 takes
+    (:func:`slotctl.server.flags.server_arg`) is removed here with the values it takes, whatever they look
+    like (``-ngl -1``, ``--spec-type ngram-simple``), as the server reads them: always the next
+    arguments. What is neither stays, and click refuses it as an unknown option.
+    ``--server-args TEXT`` (``@FILE``: read from a file) is a whole command line: see :func:`_split_server_args`.
+    """
+    from typer import _click as click
+
+    from slotctl.server.flags import server_arg
+
+    def UsageError(message: str) -> click.exceptions.UsageError:  # noqa: N802 - raised before the command runs
+        return click.exceptions.UsageError(message, ctx=ctx)
+
+    local = "--server" not in args[:args.index("--")] if "--" in args else "--server" not in args
+    own_options = {False: _own_options(command, ctx, local), True: _own_options(command, ctx, local, pasted=True)}
+    out: list[str] = []
+    ignored: list[str] = []
+    env: dict[str, str] = {}
+
+    def walk(words: list[str], *, pasted: bool) -> None:
+        own = own_options[pasted]
+        i = 0
+        while i < len(words):
+            word = words[i]
+            if word == "--" and not pasted:
+                out.extend(words[i:])
+                return
+            name, eq, value = word.partition("=") if word.startswith("--") else (word, "", "")
+            norm = name.replace("_", "-") if name.startswith("--") else name
+            if norm in ("--server-args",) and not pasted:
+                if not eq:
+                    if i + 1 >= len(words):
+                        raise UsageError("--server-args: expected llama-server's command line (or @FILE)")
+                    value, i = words[i + 1], i + 1
+                more, assigned = _split_server_args(value, UsageError)
+                env.update(assigned)
+                walk(more, pasted=True)
+                i += 1
+                continue
+            if norm in own:
+                out.append(norm + eq + value)
+                n = 1 if own[norm] and not eq else 0
+                out.extend(words[i + 1:i + 1 + n])
+                i += 1 + n
+                continue
+            arg = server_arg(name) if name.startswith("-") and name != "-" else None
+            if arg is not None:
+                n = arg.values - (1 if eq else 0)
+                if len(words) - i - 1 < n:
+                    raise UsageError(f"{name}: expected {'a value' if arg.values == 1 else f'{arg.values} values'}")
+                if name not in ignored:
+                    ignored.append(name)
+                i += 1 + max(n, 0)
+                continue
+            if pasted:
+                what = "is not a flag llama-server b11434 takes" if word.startswith("-") else \
+                    "is neither a flag nor the value of one"
+                raise UsageError(f"--server-args: {word} {what}")
+            out.append(word)
+            i += 1
+
+    walk(args, pasted=False)
+    return out, ignored, env
+
+
+def _split_server_args(text: str, UsageError) -> tuple[list[str], dict[str, str]]:  # noqa: N803
+    """``--server-args`` as a shell reads it: words split and unquoted as ``sh`` does (``shlex``), lines joined
+    by a trailing backslash, ``#`` comments dropped. ``@FILE`` reads the text from FILE (a script or a unit
+    file's command line). Leading ``NAME=value`` words are the server's environment (``LLAMA_ARG_CTX_SIZE=4096
+    llama-server ...``); a first word that is not a flag is the program (``/usr/bin/llama-server``) and is
+    skipped. Returns (the words, the environment)."""
+    import shlex
+
+    if text.startswith("@"):
+        path = Path(text[1:])
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise UsageError(f"--server-args @{path}: {e.strerror or e}") from None
+    try:
+        words = shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as e:
+        raise UsageError(f"--server-args: {e} (quote as a shell does)") from None
+    env = {}
+    while words and "=" in words[0] and not words[0].startswith("-") and words[0].split("=", 1)[0].isidentifier():
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    program = next((i for i, w in enumerate(words) if Path(w).name.startswith("llama-server")), None)
+    if program is not None:  # the program and whatever runs it (exec, env, nohup, numactl -N 0, ...)
+        del words[:program + 1]
+    elif words and not words[0].startswith("-"):
+        words.pop(0)
+    return words, env
 
 
 def raw_value(ctx: typer.Context | None, name: str, default: Any = None) -> Any:
@@ -115,11 +251,15 @@ def flag_option(field: str, **opts: Any) -> Any:
     """A typer option spelled as llama-server spells the :class:`~slotctl.server.flags.ServerFlags` field
     ``field`` (every spelling of :data:`~slotctl.server.flags.FLAGS`, the long one shown first): the server
     panel and a command that takes some of the same flags with another meaning (``convert``'s targets)."""
-    from slotctl.server.flags import FLAGS
+    from slotctl.server.flags import FLAGS, NEGATED_FLAGS
 
     spellings = FLAGS[field]
     long = spellings[1] if len(spellings) > 1 else spellings[0]
-    return typer.Option(long, *[x for x in spellings if x != long], **opts)
+    decls = [long, *[x for x in spellings if x != long]]
+    negated = NEGATED_FLAGS.get(field, ())
+    if negated:  # each spelling with its negation, as b11434 pairs them (-kvu/-no-kvu), the long one first
+        decls = sorted((f"{a}/{b}" for a, b in zip(spellings, negated)), key=lambda d: not d.startswith("--"))
+    return typer.Option(*decls, **opts)
 
 
 def server_flag_params() -> list[inspect.Parameter]:
@@ -133,6 +273,13 @@ def server_flag_params() -> list[inspect.Parameter]:
         option = flag_option(name, rich_help_panel=SERVER_PANEL, show_default=True, **opts)
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=getattr(defaults, name),
                                         annotation=Annotated[kind, option]))
+    option = typer.Option("--server-args", metavar="'ARGS'|@FILE", rich_help_panel=SERVER_PANEL,
+                          help="llama-server's command line as one argument, or @FILE to read it from a file (a "
+                               "script, a unit file's command): quoted as a shell quotes, NAME=value words first "
+                               "are its environment. Any flag b11434 takes is also accepted directly: the ones "
+                               "above are used, the others ignored with one note naming them.")
+    params.append(inspect.Parameter(SERVER_ARGS_PARAM, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                    annotation=Annotated[Optional[str], option]))
     return params
 
 
@@ -153,13 +300,58 @@ def with_server_flags(fn: Callable) -> Callable:
         from slotctl.errors import UsageError
         from slotctl.server.flags import FLAGS, FlagError, ServerFlags
 
+        ctx = kwargs.get("ctx")
+        kwargs.pop(SERVER_ARGS_PARAM, None)  # spliced into the command line by ArgsCommand
         values = {n: kwargs.pop(n) for n in names if n in kwargs}
+        meta = ctx.meta if ctx is not None else {}
+        from_env = {}
+        if kwargs.get("server") is None:  # live mode learns the running server's flags instead
+            from_env = _environment_flags(ctx, values, meta.get("slotctl.server_env", {}))
         try:
             kwargs["flags"] = ServerFlags(**values)
         except FlagError as e:
-            raise UsageError(e.as_typed(typed_flag(kwargs.get("ctx"), FLAGS[e.field]))) from None
+            flag = e.as_typed(typed_flag(ctx, FLAGS[e.field]))
+            raise UsageError(f"{from_env[e.field]}: {flag}" if e.field in from_env else flag) from None
+        _note_server_flags(kwargs, meta.get("slotctl.ignored_flags", []), from_env)
         return fn(*args, **kwargs)
 
     wrapper.__signature__ = visible
     wrapper.__annotations__ = {p.name: p.annotation for p in visible.parameters.values()}
     return wrapper
+
+
+def _environment_flags(ctx, values: dict, assigned: dict[str, str]) -> dict[str, str]:
+    """The server flags not given on the command line that llama-server would take from its environment
+    (``LLAMA_ARG_CTX_SIZE``): slotctl's own, plus ``assigned`` (``--server-args 'LLAMA_ARG_...=v ...'``),
+    which win. Sets them in ``values``; returns ``{field: "VARIABLE=value"}`` for the note."""
+    import os
+
+    from slotctl.server.flags import from_environment
+
+    found = from_environment({**os.environ, **assigned})
+    given = {p.name for p in (ctx.command.params if ctx is not None else ())
+             if getattr(ctx.get_parameter_source(p.name), "name", "") == "COMMANDLINE"}
+    said = {}
+    for field, (var, value) in found.items():
+        if field in given or field not in values:
+            continue
+        values[field] = value
+        said[field] = f"{var}={({**os.environ, **assigned}).get(var, '')}"
+    return said
+
+
+def _note_server_flags(kwargs: dict, ignored: list[str], from_env: dict[str, str]) -> None:
+    """One note on stderr for the server flags that change nothing here, one for those read from the
+    environment."""
+    if not ignored and not from_env:
+        return
+    from slotctl.cli.output import Output
+    from slotctl.server.flags import flag_name
+
+    out = Output(json_mode=bool(kwargs.get("json_out")) or bool(kwargs.get("jsonl")))
+    if from_env:
+        out.note("server flags from the environment, as llama-server reads them: "
+                 + ", ".join(f"{v} ({flag_name(f)})" for f, v in from_env.items()))
+    if ignored:
+        out.note(f"llama-server flag{'s' if len(ignored) > 1 else ''} ignored (nothing a slot file holds depends "
+                 f"on {'them' if len(ignored) > 1 else 'it'}): " + " ".join(ignored))

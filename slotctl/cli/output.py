@@ -198,6 +198,11 @@ class Output:
     def warn(self, message: str) -> None:
         self.err.print(f"[yellow]warning:[/] {markup_safe(message, keep_newlines=False)}")
 
+    def note(self, message: str) -> None:
+        """Something the user should know that is neither wrong nor data (a flag ignored, a value read from
+        the environment): one line on stderr."""
+        self.err.print(f"[dim]note:[/] {markup_safe(message, keep_newlines=False)}")
+
     def error(self, message: str) -> None:
         self.err.print(f"[bold red]error:[/] {markup_safe(message, keep_newlines=False)}")
 

@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.remote import http as server_api
-from slotctl.cli.options import ArgsCommand, raw_value
+from slotctl.cli.options import LIVE_ONLY_PARAMS, ArgsCommand, raw_value
 from slotctl.cli.output import Output, escape_text, markup_safe
 from slotctl.errors import UsageError
 
@@ -64,7 +64,7 @@ SlotDirOpt = Annotated[Optional[Path], typer.Option("--slot-dir", file_okay=Fals
 _LIVE_PARAMS = frozenset({"server", "api_key", "timeout", "slot", "json_out", "verbose", "name", "file", "prove",
                           "slot_dir"})
 #: parameters that only live mode takes
-_SERVER_ONLY = ("api_key", "timeout")
+_SERVER_ONLY = LIVE_ONLY_PARAMS
 
 
 # -- the command line as given ------------------------------------------------------------------------------

@@ -40,25 +40,133 @@ FLASH_ATTN_VALUES = {"on": "on", "enabled": "on", "true": "on", "1": "on",
                      "off": "off", "disabled": "off", "false": "off", "0": "off",
                      "auto": "auto", "-1": "auto"}
 
-#: every spelling of each flag llama-server b11434 takes, the short one first (``common/arg.cpp``)
-FLAGS: dict[str, tuple[str, ...]] = {
-    "ctx_size": ("-c", "--ctx-size"),
-    "parallel": ("-np", "--parallel"),
-    "kv_unified": ("-kvu", "--kv-unified"),
-    "kv_unified_per_slot": ("--kv-unified-per-slot",),
-    "cache_type_k": ("-ctk", "--cache-type-k"),
-    "cache_type_v": ("-ctv", "--cache-type-v"),
-    "spec_draft_type_k": ("-ctkd", "--spec-draft-type-k", "--cache-type-k-draft"),
-    "spec_draft_type_v": ("-ctvd", "--spec-draft-type-v", "--cache-type-v-draft"),
-    "flash_attn": ("-fa", "--flash-attn"),
-    "batch_size": ("-b", "--batch-size"),
-    "ubatch_size": ("-ub", "--ubatch-size"),
-    "swa_full": ("--swa-full",),
-    "ctx_checkpoints": ("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"),
-    "checkpoint_min_step": ("-cms", "--checkpoint-min-step"),
-    "spec_draft_n_max": ("--spec-draft-n-max",),
-    "threads": ("-t", "--threads"),
-}
+# -- llama-server's command line (b11434's own argument table, generated into slotctl.server.args_b11434) --
+
+
+@dataclass(frozen=True)
+class ServerArg:
+    """One argument of llama-server b11434 (a ``common_arg`` of ``common/arg.cpp``): its spellings, its
+    negated spellings (``-no-kvu``), how many values follow it (0, 1 or 2) and its environment variable."""
+
+    names: tuple[str, ...]
+    negated: tuple[str, ...]
+    values: int
+    env: str | None
+
+    @property
+    def name(self) -> str:
+        """The spelling it is usually written as: the short one when there is one."""
+        return short_first(self.names)[0]
+
+
+def short_first(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(sorted(names, key=lambda n: n.startswith("--")))
+
+
+def _server_args() -> dict[str, ServerArg]:
+    """Every spelling llama-server takes, to its argument. The server's rule (``common_params_parser_init``'s
+    ``add_opt``): an argument set for ``LLAMA_EXAMPLE_SERVER`` or ``LLAMA_EXAMPLE_COMMON`` and not excluded
+    from the server; a spelling declared twice means the last declaration (``arg_to_options``)."""
+    from slotctl.server.args_b11434 import ARGS
+
+    table: dict[str, ServerArg] = {}
+    for names, negated, values, env, examples, excludes in ARGS:
+        if ("SERVER" in examples or "COMMON" in examples) and "SERVER" not in excludes:
+            arg = ServerArg(names, negated, values, env)
+            table.update({n: arg for n in names + negated})
+    return table
+
+
+#: every spelling llama-server b11434 takes, to its argument
+SERVER_ARGS: dict[str, ServerArg] = _server_args()
+
+
+def server_arg(spelling: str) -> ServerArg | None:
+    """The argument llama-server reads ``spelling`` as (``--ctx_size`` as ``--ctx-size``: its parser turns
+    ``_`` into ``-`` in a ``--`` argument), or None when the server refuses it ("invalid argument")."""
+    if spelling.startswith("--"):
+        spelling = spelling.replace("_", "-")
+    return SERVER_ARGS.get(spelling)
+
+
+#: the flags slotctl uses, by :class:`ServerFlags` field: the argument of b11434's table that sets it
+FIELD_ARGS: dict[str, ServerArg] = {field: SERVER_ARGS[spelling] for field, spelling in {
+    "ctx_size": "--ctx-size",
+    "parallel": "--parallel",
+    "kv_unified": "--kv-unified",
+    "kv_unified_per_slot": "--kv-unified-per-slot",
+    "cache_type_k": "--cache-type-k",
+    "cache_type_v": "--cache-type-v",
+    "spec_draft_type_k": "--spec-draft-type-k",
+    "spec_draft_type_v": "--spec-draft-type-v",
+    "flash_attn": "--flash-attn",
+    "batch_size": "--batch-size",
+    "ubatch_size": "--ubatch-size",
+    "swa_full": "--swa-full",
+    "ctx_checkpoints": "--ctx-checkpoints",
+    "checkpoint_min_step": "--checkpoint-min-step",
+    "spec_draft_n_max": "--spec-draft-n-max",
+    "threads": "--threads",
+}.items()}
+
+#: every spelling of each flag slotctl uses, the short one first (from b11434's table)
+FLAGS: dict[str, tuple[str, ...]] = {field: short_first(arg.names) for field, arg in FIELD_ARGS.items()}
+#: the negated spellings of those that have one (``-no-kvu``, ``--no-kv-unified``)
+NEGATED_FLAGS: dict[str, tuple[str, ...]] = {field: short_first(arg.negated) for field, arg in FIELD_ARGS.items()
+                                             if arg.negated}
+
+
+def from_environment(environ: dict | None = None) -> dict[str, tuple[str, object]]:
+    """The :class:`ServerFlags` fields the server would take from its environment (``LLAMA_ARG_CTX_SIZE=64``
+    is ``-c 64``; ``LLAMA_ARG_NO_KV_UNIFIED`` set is ``-no-kvu``), as ``{field: (variable, value)}``, read
+    as ``common_params_parse_ex`` reads them: numbers by ``std::stoi``, switches by ``is_truthy`` /
+    ``is_falsey``. A value the server cannot read is a :class:`UsageError` naming the variable."""
+    env = os.environ if environ is None else environ
+    found: dict[str, tuple[str, object]] = {}
+    for field, arg in FIELD_ARGS.items():
+        if arg.env is None:
+            continue
+        var, value = arg.env, env.get(arg.env)
+        neg = arg.env.replace("LLAMA_ARG_", "LLAMA_ARG_NO_", 1)
+        if arg.negated and neg in env:  # get_value_from_env: the LLAMA_ARG_NO_ variant first, as "0"
+            var, value = neg, "0"
+        if value is None:
+            continue
+        kind = type(getattr(ServerFlags(), field))
+        if kind is bool:
+            if value in _TRUTHY:
+                found[field] = (var, True)
+            elif value in _FALSEY:
+                if arg.negated:  # handler_bool; a switch without a negation (--swa-full) ignores a falsey value
+                    found[field] = (var, False)
+            elif arg.negated:
+                raise UsageError(f"{var}={value}: expected on, off, true, false, 1 or 0 (llama-server reads it as "
+                                 f"{flag_name(field)})")
+        elif kind is int:
+            found[field] = (var, _stoi(value, f"{var}={value}: expected a number (llama-server reads it as "
+                                                   f"{flag_name(field)})"))
+        else:
+            found[field] = (var, value)
+    return found
+
+
+#: ``common_arg_utils::is_truthy`` / ``is_falsey`` (compared exactly)
+_TRUTHY = {"on", "enabled", "true", "1"}
+_FALSEY = {"off", "disabled", "false", "0"}
+
+
+def _stoi(value: str, error: str) -> int:
+    """``std::stoi``: leading blanks, a sign and digits; what follows them is ignored; no digits is an error."""
+    s = value.lstrip()
+    sign = s[:1] if s[:1] in "+-" else ""
+    digits = ""
+    for ch in s[len(sign):]:
+        if not ch.isdigit():
+            break
+        digits += ch
+    if not digits:
+        raise UsageError(error)
+    return int(sign + digits)
 
 
 def flag_name(field: str) -> str:
