@@ -141,6 +141,7 @@ def _example_problems(text: str) -> list[str]:
     import typer
 
     from slotctl.cli.app import app
+    from slotctl.server.flags import server_arg
     group = typer.main.get_command(app)
     ctx = typer.Context(group)
     problems = []
@@ -156,7 +157,9 @@ def _example_problems(text: str) -> list[str]:
                 problems.append(f"{line}: no command {words[1:2]}")
                 continue
             opts = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help", "-h"}
-            bad = [w for w in words[2:] if w.startswith("-") and w != "-" and w.split("=")[0] not in opts]
+            pasted = any(p.name == "server_args" for p in cmd.params)   # takes every llama-server flag
+            bad = [w for w in words[2:] if w.startswith("-") and w != "-" and w.split("=")[0] not in opts
+                   and not (pasted and server_arg(w) is not None)]
             if bad:
                 problems.append(f"{line}: {words[1]} has no option {', '.join(bad)}")
     return problems
@@ -166,7 +169,8 @@ def test_doc_examples_use_commands_and_options_that_exist():
     problems = {str(p.relative_to(ROOT)): b for p in _pages() if (b := _example_problems(p.read_text()))}
     assert not problems, problems
     assert len(_example_problems("```sh\nslotctl inspect x.bin --no-such-flag  # c\nslotctl nope\n"
-                                 "slotctl validate d/ -m m.gguf [flags] -np 4\n```\n")) == 2
+                                 "slotctl validate d/ -m m.gguf [flags] -np 4 -ngl 99\n"
+                                 "slotctl inspect x.bin -ngl 99\n```\n")) == 3
 
 
 def test_format_page_agrees_with_the_schemas():
