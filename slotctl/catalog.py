@@ -77,7 +77,7 @@ def _row_from(path: str, st, sf, report, now: float) -> dict:
         "certain": report.certain,
         "uncertain": list(report.uncertain),
         "reuse": _reuse(report),
-        "findings": [f.as_dict() for f in report.findings],
+        "findings": [f.as_dict() for f in report.ordered_findings()],
         # undecided: 3, as validate says; but a payload cut short is refused or aborts, whichever (1)
         "exit_code": int(ExitStatus.FAILED if report.verdict == "undecided" and sf.payload_cut
                          else report.exit_status),

@@ -129,12 +129,14 @@ def test_values_are_taken_whatever_they_look_like():
 
 def test_spellings_the_server_reads_negations_underscores_and_live_only_names():
     r = run("validate", FILE, "-m", MODEL, "--no-load", "--json", "--ctx_size", "1024", "-kvu", "-no-kvu",
-            "--api-key", "secret", "--timeout", "600")
+            "--server-args", "--api-key secret --timeout 600")
     assert r.exit_code == 0, r.output
     settings = json.loads(r.stdout)["server"]["settings"]
     assert settings["n_ctx"] == 1024 and settings["kv_unified"] is False
-    # without --server, the server's own --api-key / --timeout are pasted flags, not live mode's
+    # pasted without --server, the server's own --api-key / --timeout are its flags, not live mode's
     assert "--api-key --timeout" in r.stderr
+    r = run("validate", FILE, "--api-key", "secret")     # typed: live mode's, which needs --server
+    assert r.exit_code == 2 and "--api-key goes with --server" in r.stderr
 
 
 def test_server_args_text_and_file(tmp_path):

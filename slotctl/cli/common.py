@@ -10,7 +10,7 @@ from typing import Iterator
 
 import typer
 
-from slotctl.cli.output import Output
+from slotctl.cli.output import Output, escape_text
 from slotctl.errors import ExitStatus, SlotctlError, UsageError, os_error_code, worst
 
 
@@ -230,8 +230,15 @@ class NoteCounter:
         return True
 
     def render(self, out: Output) -> None:
+        """The notes, on stdout with the rest of the findings (not as warnings on stderr: they are the
+        files' findings, and said once)."""
+        from rich.text import Text
+
         for (_code, message), paths in self._notes.items():
+            line = Text("note ", style="dim")
             if len(paths) == 1:
-                out.warn(f"{paths[0]}: {message}" if paths[0] else message)
+                line.append(f"{paths[0]}: " if paths[0] else "", style="bold")
             else:
-                out.warn(f"({len(paths)} files) {message}")
+                line.append(f"({len(paths)} files) ", style="bold")
+            line.append(escape_text(message, keep_newlines=False))
+            out.print(line)

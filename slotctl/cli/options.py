@@ -70,8 +70,8 @@ class ArgsCommand(TyperCommand):
 
 #: the parameter that takes llama-server's command line as one argument (``--server-args``)
 SERVER_ARGS_PARAM = "server_args"
-#: parameters that only live mode (``--server URL``) takes; a local run reads them as the server's own
-#: flags of the same names (``--api-key``, ``--timeout`` in a pasted command line)
+#: parameters that only live mode (``--server URL``) takes; in ``--server-args`` without ``--server`` they
+#: are the server's own flags of the same names (``--api-key``, ``--timeout``), ignored
 LIVE_ONLY_PARAMS = ("api_key", "timeout")
 
 
@@ -87,9 +87,9 @@ def _own_options(command, ctx, local: bool, *, pasted: bool = False) -> dict[str
 
     own = {}
     for p in command.get_params(ctx):
-        if p.param_type_name != "option" or (local and p.name in LIVE_ONLY_PARAMS):
+        if p.param_type_name != "option":
             continue
-        if pasted and p.name not in SAME_AS_SERVER and p.name not in FLAGS:
+        if pasted and (p.name not in SAME_AS_SERVER and p.name not in FLAGS or local and p.name in LIVE_ONLY_PARAMS):
             continue
         for name in (*p.opts, *p.secondary_opts):
             own[name] = not (p.is_flag or p.count)

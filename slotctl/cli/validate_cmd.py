@@ -131,7 +131,7 @@ def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = 
     many = len(report.files) > 1
     notes = NoteCounter()
     for fr in report.files:
-        if out.quiet and fr.verdict == "restores":
+        if out.quiet and fr.verdict == "restores" and not _loses_tokens(fr):
             continue
         if fr.error is not None:   # not read at all: said on stderr too, as every command says it
             out.error(fr.error["message"])
@@ -148,9 +148,8 @@ def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = 
             out.print(line)
         if fr.checks and any(c.predicted or c.loaded for c in fr.checks):
             out.table(_checks(fr.checks), keep=("offset", "bytes", "predicted", "loaded", "server"))
-        for f in fr.findings:
-            if many and notes.add(f.as_dict(), fr.path):
-                continue
+        shown = [f for f in fr.ordered_findings() if not (many and notes.add(f.as_dict(), fr.path))]
+        for f, same in fold_findings(shown):
             line = Text("  ")
             line.append(f"{f.severity:<5}", style=_SEVERITY_STYLE[f.severity])
             line.append(f" {f.layer}", style="bold")
@@ -159,6 +158,8 @@ def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = 
             line.append(f" [{f.code}] ", style="dim")
             line.append(escape_text(f.message, keep_newlines=False))
             out.print(line)
+            if same:
+                out.print(_same_line(f, same, fr.verdict))
         r = fr.reuse
         if r is not None and r["n_tokens"]:
             line = Text("  reuse ", style="bold")
@@ -181,6 +182,61 @@ def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = 
     if not report.real_check and report.setup.target is not None:
         why = f" ({load_skipped})" if load_skipped else " (--no-load)"
         out.print(Text(f"real load not run{why}: the prediction alone decides", style="dim"))
+
+
+def _loses_tokens(fr) -> bool:
+    """A file that restores but whose slot keeps fewer of its tokens than it holds for a request extending
+    its prompt (``-q`` shows it: the restore saves less than it seems)."""
+    r = fr.reuse
+    return r is not None and r["n_reused"] < r["n_tokens"]
+
+
+#: what a finding adds when it is kept only because of a checkpoint's rollback (:data:`ROLLBACK_HARMLESS`, or
+#: the words that replace it on a file the server refuses)
+_ROLLBACK_CLAUSES = ("; harmless here:", "; not reached:")
+
+
+def _remedy(a: str, b: str) -> str:
+    """What two findings' messages end with alike, from a ``": "`` on (their remedy: "start the server with
+    -kvu ..."), without the rollback clause; "" when they share none."""
+    a, b = (min((m.split(c)[0] for c in _ROLLBACK_CLAUSES), key=len) for m in (a, b))
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    common = a[len(a) - n:]
+    cut = common.find(": ")
+    return common[cut:] if cut >= 0 and n - cut >= 24 else ""
+
+
+def fold_findings(findings: list) -> list[tuple]:
+    """Each finding with the later ones that say the same of another layer (the same code and remedy), so
+    that a remedy is said once: ``[(finding, [same, ...]), ...]`` in the order given."""
+    groups: list[tuple] = []
+    for f in findings:
+        for first, same in groups:
+            if f.code == first.code and _remedy(first.message, f.message):
+                same.append(f)
+                break
+        else:
+            groups.append((f, []))
+    return groups
+
+
+def _same_line(first, same: list, verdict: str) -> Text:
+    """The layers where a finding's cause and remedy recur, on one line."""
+    items = []
+    for f in same:
+        item = f.layer + (f" @0x{f.offset:x}" if f.offset is not None else "")
+        if f.severity != first.severity:
+            item += f" ({f.severity})"
+        items.append(item)
+    line = Text("        the same in ", style="dim")
+    line.append(", ".join(items[:-1]) + (" and " if len(items) > 1 else "") + items[-1])
+    stops = {"refused": "refuses", "aborts": "aborts on"}.get(verdict)
+    if stops and all(f.layer.startswith("checkpoint ") or f.layer == "draft" for f in same):
+        line.append(f": not reached, the server {stops} the file before it reads {'them' if len(same) > 1 else 'it'}",
+                    style="dim")
+    return line
 
 
 def _checks(checks) -> Table:

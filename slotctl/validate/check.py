@@ -54,7 +54,7 @@ from slotctl.validate.report import (
 from slotctl.validate.load import _real_check
 from slotctl.validate.setup import Models, ServerSetup
 from slotctl.validate.speculative import speculative_findings
-from slotctl.validate.wording import _kind_words, _part_words, _plural, _want_part_words
+from slotctl.validate.wording import ROLLBACK_HARMLESS, _kind_words, _part_words, _plural, _want_part_words
 
 
 # -- the layers of a file -----------------------------------------------------------------------------------
@@ -398,9 +398,7 @@ def _weigh_rollback(issues: list[_Issue], kind: str | None) -> list[_Issue]:
                                                                        " (give -m: a plain KV cache never does)"))
             f = dataclasses.replace(i.finding, message=f"{i.finding.message}; {why}")
         else:
-            f = dataclasses.replace(i.finding, severity="note", message=(
-                f"{i.finding.message}; harmless here: the file restores with it, and a server with a plain KV "
-                "cache never rolls back to a checkpoint (it would abort on this one: \"checkpoint size mismatch\")"))
+            f = dataclasses.replace(i.finding, severity="note", message=f"{i.finding.message}; {ROLLBACK_HARMLESS}")
         out.append(_Issue(f, i.effect))
     return out
 

@@ -11,6 +11,7 @@ from slotctl.errors import ExitStatus, worst
 from slotctl.server.findings import Finding
 from slotctl.server.restore import Status
 from slotctl.validate.setup import ServerSetup
+from slotctl.validate.wording import ROLLBACK_HARMLESS
 
 
 class Effect(StrEnum):
@@ -51,6 +52,9 @@ class Load(StrEnum):
     ABORTED = "aborted"
     SKIPPED = "skipped"
 
+
+#: finding severities, worst first: the order findings are shown in
+SEVERITIES = ("error", "drop", "note")
 
 #: ``FileReport.verdict`` values, from best to worst
 VERDICTS = tuple(Verdict)
@@ -127,6 +131,19 @@ class FileReport:
             return ExitStatus.FAILED     # refused, aborts, loses a layer, or holds a rollback hazard
         return ExitStatus.OK
 
+    def ordered_findings(self) -> list[Finding]:
+        """The findings worst first (errors, drops, notes; in the order found within each), as both outputs
+        show them. On a file the server refuses or aborts on, a checkpoint's note no longer says the file
+        restores with it: the server stops before it reads the checkpoints."""
+        stops = {Verdict.REFUSED: "refuses", Verdict.ABORTS: "aborts on"}.get(self.verdict)
+        out = []
+        for f in sorted(self.findings, key=lambda f: SEVERITIES.index(f.severity)):
+            if stops and f.message.endswith("; " + ROLLBACK_HARMLESS):
+                f = dataclasses.replace(f, message=f.message.removesuffix(ROLLBACK_HARMLESS)
+                                        + f"not reached: the server {stops} the file before it reads its checkpoints")
+            out.append(f)
+        return out
+
     def counts(self) -> dict:
         return {s: sum(f.severity == s for f in self.findings) for s in ("error", "drop", "note")}
 
@@ -141,7 +158,7 @@ class FileReport:
             "uncertain": list(self.uncertain),
             "exit_code": int(self.exit_status),
             "counts": self.counts(),
-            "findings": [f.as_dict() for f in self.findings],
+            "findings": [f.as_dict() for f in self.ordered_findings()],
             "checks": [c.as_dict() for c in self.checks],
             "steps": self.steps,
             "reuse": self.reuse,

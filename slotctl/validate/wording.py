@@ -74,3 +74,10 @@ def _want_part_words(info: ModelInfo) -> str:
     rec = [s for s in layout.sections if s.type == "recurrent"]
     state = f" (state for {_plural(rec[0].n_r, 'layer')})" if rec else ""
     return _PART_WORDS[layout.kind] + state
+
+
+#: why a checkpoint blob that does not fit is only a note for a memory kind whose server never rolls back
+#: (``check._weigh_rollback``); true only of a file that restores: :meth:`report.FileReport.ordered_findings`
+#: drops it from the notes of a file the server refuses or aborts on
+ROLLBACK_HARMLESS = ("harmless here: the file restores with it, and a server with a plain KV cache never rolls "
+                     "back to a checkpoint (it would abort on this one: \"checkpoint size mismatch\")")
