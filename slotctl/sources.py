@@ -36,6 +36,11 @@ READAHEAD = 16 << 10
 CACHE_BYTES = 16 << 20
 
 
+#: what every :class:`RangedFile` of this process fetched: batches (round trips), requests, bytes (the
+#: benchmarks and the tests read it)
+TOTALS = {"batches": 0, "requests": 0, "bytes": 0}
+
+
 def remote_url(path: str | os.PathLike) -> str | None:
     """``scheme://rest`` when ``path`` names an object in a store (``s3://b/k``, or ``s3:/b/k`` as pathlib
     spells it), else None (a local path)."""
@@ -134,6 +139,7 @@ class RangedFile(io.RawIOBase):
             self._cached -= len(old)
 
     def _fetch_counted(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        TOTALS["batches"] += 1
         try:
             out = self.fetch(ranges)
         except Exception as e:
@@ -142,7 +148,10 @@ class RangedFile(io.RawIOBase):
             self.failure = e
             raise
         self.requests += len(ranges)
-        self.bytes_read += sum(len(b) for b in out)
+        n = sum(len(b) for b in out)
+        self.bytes_read += n
+        TOTALS["requests"] += len(ranges)
+        TOTALS["bytes"] += n
         return out
 
     def read_ranges(self, ranges: Sequence[tuple[int, int]], *, keep: bool = True) -> list[bytes]:

@@ -31,7 +31,7 @@ from obstore import exceptions as obx
 from obstore.store import S3Store
 
 from slotctl.errors import UsageError
-from slotctl.sources import HEAD_BYTES, Entry, RangedFile, register_store
+from slotctl.sources import HEAD_BYTES, TOTALS, Entry, RangedFile, register_store
 
 #: seconds to wait for a connection, and for one request as a whole (a part of an upload included)
 CONNECT_TIMEOUT = 5
@@ -355,6 +355,8 @@ class ObjectReader(RangedFile):
                 raise self.s3.error(self.name, e2, "HEAD") from None
         self.requests += 1
         self.bytes_read += len(data)
+        for k, v in (("batches", 1), ("requests", 1), ("bytes", len(data))):
+            TOTALS[k] += v
         self._set({"size": meta["size"], "e_tag": meta.get("e_tag"), "mtime": _mtime(meta), "used": None}, data)
 
     def fetch(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:

@@ -1,0 +1,171 @@
+"""Where a slot file's record headers are, worked out from its head, so they are fetched in one batch.
+
+The walk of :mod:`slotctl.slotfile` reads a few bytes per record header (~2 per layer and stream) one after
+the other; over a network every read is a round trip. :func:`prefetch` reads the head (state header,
+token words, the first KV section's cells and first K record), predicts every other K and V record
+header of that section (all layers with the first one's type and row size, as every model with uniform
+layers writes them), the region behind the section (the next stream or section, or an appendix) and the
+end of the file, and fetches them all in one batch (``read_ranges``). Then the walk runs as always and
+is the verification: a file whose records are not where predicted (layers of different sizes, cells with
+ext or several sequences, a recurrent model) simply reads what it misses, as it does without a
+prediction. Nothing here decides anything about the file.
+
+Each object is predicted from its own head: the head is fetched anyway (for a listing, while the listing
+is checked for slot files), so a prediction shared by the files of a directory would save no round trip.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Sequence
+
+from slotctl.format.appendix import SCKP_MAGIC, SDFT_MAGIC
+from slotctl.format.blob import BLOB_HEADER_SIZE
+from slotctl.format.header import STATE_SEQ_MAGIC
+
+#: bytes fetched where the next stream, section or appendix is predicted to start, and at the end
+REGION = 16 << 10
+#: bytes fetched per predicted record header (a header is 12 bytes)
+RECORD = 16
+#: the largest cell array read with its section's data header in one request (a larger one is read by the walk)
+CELLS_AT_ONCE = 8 << 20
+#: appendix blobs whose records are predicted (the walk reads the rest as it goes)
+MAX_BLOBS = 64
+
+
+class _Ranged:
+    """The reads a prediction needs, from a reader with ``read_ranges`` (a :class:`~slotctl.sources.RangedFile`)."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def get(self, offset: int, n: int) -> bytes | None:
+        if offset < 0 or offset + n > self.f.size:
+            return None
+        data = self.f.read_ranges([(offset, n)])[0]
+        return data if len(data) == n else None
+
+
+def _u32s(b: bytes, n: int) -> tuple:
+    return struct.unpack_from(f"<{n}I", b)
+
+
+def _kv(r: _Ranged, at: int, size: int, version: int) -> tuple[list[tuple[int, int]], int] | None:
+    """The record headers of the KV section at ``at`` after the first K record, and where the section ends,
+    as its head predicts them (None when it predicts nothing: not a KV section of one sequence's cells)."""
+    b = r.get(at, 8)
+    if b is None:
+        return None
+    n_stream, cells = _u32s(b, 2)
+    if not 1 <= n_stream <= 1024 or cells == 0 or cells > (size - at) // 12:
+        return None
+    cell0 = at + 8
+    # cells of one sequence without ext: 12 bytes each (pos, n_seq_id = 1, seq_id); the walk checks. The cells
+    # (which the walk reads) and the section's data header behind them in one read; beyond CELLS_AT_ONCE
+    # the first cell and the header alone
+    data_at = cell0 + 12 * cells
+    if data_at + 28 > size:
+        return None
+    if 12 * cells <= CELLS_AT_ONCE:
+        block = r.f.read_ranges([(at, 8 + 12 * cells + 28)])[0]   # from the section's start: one block
+        first, tail = block[8:20], block[8 + 12 * cells:]
+    else:
+        first, tail = r.f.read_ranges([(cell0, 12), (data_at, 28)])
+    if len(tail) < 28 or len(first) < 12 or struct.unpack_from("<I", first, 4)[0] != 1:
+        return None
+    v_trans, n_layer = _u32s(tail, 2)
+    k0 = data_at + (16 if version >= 4 else 8)
+    _ktype, row_k = struct.unpack_from("<iQ", tail, k0 - data_at)
+    if not 1 <= n_layer <= 4096 or row_k == 0 or v_trans > 1:
+        return None
+    rec = 12 + row_k * cells
+    ranges = [(k0 + i * rec, RECORD) for i in range(1, 2 * n_layer) if k0 + i * rec + 12 <= size]
+    return ranges, k0 + 2 * n_layer * rec   # K records 1.., then V records (as many, of the same bytes)
+
+
+def _blob(r: _Ranged, f, at: int, size: int, version: int, fetched: list) -> int | None:
+    """Predict and fetch the KV section of the blob whose ``u64 length`` is at ``at``; the blob's end."""
+    b = r.get(at, 8)
+    if b is None:
+        return None
+    (length,) = struct.unpack("<Q", b)
+    end = at + 8 + length
+    if end > size:
+        return None
+    if length > BLOB_HEADER_SIZE:
+        kv = _kv(r, at + 8 + BLOB_HEADER_SIZE, size, version)
+        if kv is not None:
+            batch = _merge(kv[0] + ([(end, min(REGION, size - end))] if end < size else []))
+            f.read_ranges(batch)
+            fetched += batch
+    return end
+
+
+def prefetch(f) -> list[tuple[int, int]]:
+    """Fetch the record headers of ``f`` (a ranged reader) that its head predicts: the target payload's in one
+    batch, then each appendix blob's in one more; the ranges fetched (none when the head predicts nothing)."""
+    r = _Ranged(f)
+    size = f.size
+    head = r.get(0, 12)
+    if head is None:
+        return []
+    magic, version, n_words = _u32s(head, 3)
+    if magic != STATE_SEQ_MAGIC or version not in (2, 3, 4) or n_words > (size - 12) // 4:
+        return []
+    kv = _kv(r, 12 + 4 * n_words, size, version)
+    if kv is None:
+        return []
+    ranges, end = kv
+    ranges.append((12, 4 * n_words))                     # the token words (beyond the first read for long prompts)
+    if end < size:
+        ranges.append((end, min(REGION, size - end)))     # the next stream or section, or an appendix
+    if size > REGION:
+        ranges.append((size - REGION, REGION))            # the end of the file (a chain ends it)
+    fetched = _merge(ranges)
+    if fetched:
+        f.read_ranges(fetched)
+    _appendices(r, f, end, size, version, fetched)
+    return fetched
+
+
+def _appendices(r: _Ranged, f, pos: int, size: int, version: int, fetched: list) -> None:
+    """SCKP's checkpoints (at most :data:`MAX_BLOBS` blobs predicted) and SDFT's draft blob, from ``pos``."""
+    blobs = 0
+    b = r.get(pos, 4)
+    if b is not None and struct.unpack("<I", b)[0] == SCKP_MAGIC:
+        c = r.get(pos + 8, 4)
+        count = struct.unpack("<I", c)[0] if c else 0
+        cur = pos + 12
+        for _ in range(min(count, MAX_BLOBS)):
+            cur = _blob(r, f, cur + 16, size, version, fetched)          # n_tokens, pos_min, pos_max; tgt
+            for _part in ("dft", "spec"):
+                if cur is None:
+                    return
+                blobs += 1
+                cur = _blob(r, f, cur, size, version, fetched) if _part == "dft" else _skip(r, cur, size)
+            if cur is None:
+                return
+        pos = cur
+        b = r.get(pos, 4)
+    if b is not None and struct.unpack("<I", b)[0] == SDFT_MAGIC and blobs < MAX_BLOBS:
+        _blob(r, f, pos + 8, size, version, fetched)
+
+
+def _skip(r: _Ranged, at: int, size: int) -> int | None:
+    """The end of the ``u64 length``-prefixed bytes at ``at`` (the speculative state: not parsed)."""
+    b = r.get(at, 8)
+    if b is None:
+        return None
+    end = at + 8 + struct.unpack("<Q", b)[0]
+    return end if end <= size else None
+
+
+def _merge(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ranges sorted, overlapping and adjacent ones joined (fewer requests for the same bytes)."""
+    out: list[list[int]] = []
+    for off, n in sorted(ranges):
+        if out and off <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], off + n - out[-1][0])
+        else:
+            out.append([off, n])
+    return [(a, b) for a, b in out]
