@@ -401,6 +401,18 @@ class LlamaServer:
             self._log = None
         return rc
 
+    def kill_and_start_again(self, timeout: float = START_TIMEOUT) -> None:
+        """SIGKILL the server, then start it again with the same command line on the same port (what a
+        process that watches its URL sees as a crash and a restart)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=STOP_TIMEOUT)
+        self._log.write(f"$ {' '.join(self.command())}\n")
+        self._log.flush()
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self._wait_ready(timeout)
+
     def __enter__(self) -> LlamaServer:
         return self.start()
 

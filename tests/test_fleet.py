@@ -29,6 +29,8 @@ from typer.testing import CliRunner
 import json_schemas
 from conftest import start_server
 from llama_server import LlamaServer, ServerStartError
+from seaweed import BUCKET
+from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 from slotctl.cli.app import app
 from slotctl.errors import ExitStatus
 from slotctl.remote.keep import tokens_hash
@@ -282,19 +284,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class PrefixedServer(LlamaServer):
-    """A server started with ``--api-prefix``, reached under it, that can be killed and started again on the
-    same port (what keep watches)."""
+    """A server started with ``--api-prefix``, reached under it."""
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}{PREFIX}"
-
-    def kill_and_start_again(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        self._wait_ready(120)
 
 
 @pytest.fixture(scope="module")
@@ -320,8 +314,8 @@ class Keep:
     """``slotctl keep --json`` as a process of its own (signals are real); its lines, checked against the
     schema, as they come."""
 
-    def __init__(self, srv, store: Path, *more: str):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    def __init__(self, srv, store: Path | str, *more: str, env: dict | None = None):
+        env = dict(env or os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", srv.url, "--slot-dir",
                                       str(srv.save_dir), "--store", str(store), "--json", "--timeout", "60", *more],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -447,3 +441,37 @@ def test_keep_holds_the_store_under_max_size(kept, tmp_path):
         assert sum(p.stat().st_size for p in states) <= 200 << 10
     finally:
         assert keep.stop() == 0
+
+
+@server
+def test_keep_with_an_s3_store(kept, seaweed, monkeypatch):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(seaweed.env(), HOME=str(seaweed.dir))
+    store = f"s3://{BUCKET}/keep/"
+    keep = Keep(kept, store, "--every", "0.3", env=env)
+    try:
+        keep.wait_for("up")
+        kept.completion(SAMPLE_PROMPT + " The bridge", slot=0, n_predict=3)
+        stored = keep.wait_for("stored", 0)["details"]
+        assert stored["path"] == store + stored["name"]
+        kept.kill_and_start_again()
+        keep.wait_for("restart")
+        restored = keep.wait_for("restored", 0)["details"]
+        assert restored["name"] == stored["name"] and restored["answer"]["n_restored"] == stored["n_tokens"]
+        proof = keep.wait_for("proof", 0)["details"]["proof"]
+        assert (proof["verdict"], proof["n_reused"]) == ("proven", stored["n_tokens"] - 1)
+        assert not (kept.save_dir / stored["name"]).exists()    # the copy the server restored from is gone
+    finally:
+        assert keep.stop() == 0
+    # the object in the store is a whole slot file (read back through the store)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    from slotctl.remote.store import S3_STORE
+
+    S3_STORE.reset()
+    try:
+        doc = json.loads(slotctl("ls", store, "--json", code=OK).stdout)
+    finally:
+        S3_STORE.reset()
+    row = next(r for r in doc["files"] if r["path"] == stored["path"])
+    assert row["n_tokens"] == stored["n_tokens"] and row["size"] == stored["size"]

@@ -28,15 +28,16 @@ def keep(
     server: remote.ServerOpt,
     slot_dir: Annotated[Path, typer.Option("--slot-dir", file_okay=False, metavar="DIR",
                                            help="The server's --slot-save-path as this machine sees it.")],
-    store: Annotated[Optional[str], typer.Option("--store", metavar="DIR", help="Where the states are kept "
-                                                 "(default: --slot-dir itself).")] = None,
+    store: Annotated[Optional[str], typer.Option("--store", metavar="DIR|s3://BUCKET/PREFIX/",
+                                                 help="Where the states are kept: a directory or an s3:// prefix "
+                                                      "(docs/store.md; default: --slot-dir itself).")] = None,
     every: Annotated[float, typer.Option("--every", min=0.05, metavar="SECONDS", help="Seconds between two looks "
                                          "at the server.")] = 30.0,
     min_tokens: Annotated[int, typer.Option("--min-tokens", min=1, metavar="N", help="Save only slots whose last "
                                             "prompt had at least N tokens.")] = 1,
     max_size: Annotated[Optional[str], typer.Option("--max-size", metavar="SIZE", help="Keep the store under SIZE "
-                                                    "(20G, 500M) by prune's rules, least recently used first."
-                                                    )] = None,
+                                                    "(20G, 500M) by prune's rules, least recently used first "
+                                                    "(a directory store only).")] = None,
     api_key: remote.ApiKeyOpt = None,
     timeout: Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
                                            help="Give up on a request after this many seconds.")] = remote.SLOT_FILE_TIMEOUT,
@@ -60,10 +61,9 @@ def keep(
     out = Output(json_mode=json_out)
     if not slot_dir.is_dir():
         raise UsageError(f"--slot-dir {slot_dir}: not a directory")
-    if store is not None and "://" in store:
-        raise UsageError(f"--store {store}: only a directory for now (the store's s3:// module reads objects "
-                         "but does not write them yet)")
-    if store is not None and not Path(store).is_dir():
+    if store is not None and "://" in store and not store.startswith("s3://"):
+        raise UsageError(f"--store {store}: a directory or an s3://BUCKET/PREFIX/")
+    if store is not None and "://" not in store and not Path(store).is_dir():
         raise UsageError(f"--store {store}: not a directory")
     size = None
     if max_size is not None:

@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from slotctl.errors import SlotctlError
+from slotctl.errors import SlotctlError, UsageError
 from slotctl.remote import http
 from slotctl.remote.migrate import IDENTITY_KEYS, copy_atomic
 from slotctl.remote.prove import local_setup, prove
@@ -102,7 +102,9 @@ class Keeper:
                  api_key: str | None = None, timeout: float = 600.0, emit: Callable[[Event], None] = print):
         self.url = http.normalize_url(url)
         self.slot_dir = Path(slot_dir)
-        self.store = Path(store) if store is not None else self.slot_dir
+        self.store = open_store(store, self.slot_dir)
+        if max_size is not None and isinstance(self.store, ObjectStore):
+            raise UsageError("--max-size with an s3:// store: not supported yet (prune works on directories)")
         self.every, self.min_tokens, self.max_size = every, min_tokens, max_size
         self.api_key, self.timeout, self.emit = api_key, timeout, emit
         self.up: bool | None = None
@@ -122,7 +124,7 @@ class Keeper:
     def run(self) -> int:
         """Tick every ``every`` seconds until :meth:`stop`; then a last save of the changed slots. 0."""
         self._event("start", None, f"keeping {self.url}: slot dir {self.slot_dir}, store {self.store}, every "
-                                   f"{self.every:g} s", every=self.every, store=os.fspath(self.store))
+                                   f"{self.every:g} s", every=self.every, store=str(self.store))
         while not self._stop.is_set():
             self.tick()
             self._stop.wait(self.every)
@@ -218,82 +220,77 @@ class Keeper:
             os.unlink(path)
             return
         name = stored_name(slot, model_hash(self.facts), tokens_hash(sf.tokens.tokens))
-        dest = self.store / name
-        if dest.exists():
+        if self.store.has(name):
             os.unlink(path)
             self._event("unchanged", slot, f"slot {slot}: {name} is already in the store (the same tokens)",
                         name=name)
             return
-        if self.store.resolve() == self.slot_dir.resolve():
-            os.replace(path, dest)
-            from slotctl.atomic import fsync_dir
-
-            fsync_dir(os.fspath(self.store))
-        else:
-            copy_atomic(path, dest)
-            os.unlink(path)
-        self._event("stored", slot, f"slot {slot}: stored as {dest} ({sf.size:,} bytes, {n:,} tokens)",
-                    name=name, path=os.fspath(dest), size=sf.size, n_tokens=n)
+        self.store.put(path, name)
+        where = self.store.where(name)
+        self._event("stored", slot, f"slot {slot}: stored as {where} ({sf.size:,} bytes, {n:,} tokens)",
+                    name=name, path=where, size=sf.size, n_tokens=n)
         self.prune()
 
     def prune(self) -> None:
         if self.max_size is None:
             return
-        from slotctl import prune as pr
 
-        same = self.store.resolve() == self.slot_dir.resolve()
-        # a separate store is written by keep alone, through temporary files prune never touches: no grace
-        policy = pr.Policy(max_size=self.max_size, pins=(INCOMING.format(slot="*"),),
-                           **({} if same else {"grace": 0.0}))
-        plan = pr.execute(pr.plan(os.fspath(self.store), policy), dry_run=False)
-        for e in plan.selected():
-            self._event("pruned", None, f"{e.path}: {e.action} ({e.reason}), {e.size:,} bytes",
-                        path=e.path, size=e.size, action=e.action)
+        def pruned(path: str, size: int, action: str, reason: str) -> None:
+            self._event("pruned", None, f"{path}: {action} ({reason}), {size:,} bytes", path=path, size=size,
+                        action=action)
+
+        self.store.prune(self.max_size, pruned)
 
     # -- restoring --------------------------------------------------------------------------------------
 
-    def candidates(self, slot: int) -> list[Path]:
+    def candidates(self, slot: int) -> list[str]:
         """The store's states for ``slot`` made with the server's model, newest first."""
-        prefix = f"slot{slot}-{model_hash(self.facts)}-"
-        found = [p for p in self.store.iterdir() if p.name.startswith(prefix) and p.name.endswith(".bin")]
-        return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+        return self.store.names(f"slot{slot}-{model_hash(self.facts)}-")
 
     def restore_all(self) -> None:
         """Restore into each idle slot that holds nothing of its own (no task since the server started)."""
         self._each_idle_slot(lambda e: self.signature(e) is None, lambda e: self.restore(e["id"]))
 
     def restore(self, slot: int) -> None:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="slotctl-keep-") as staging:
+            for name in self.candidates(slot):
+                if self._restore_one(slot, name, Path(staging)):
+                    return
+        self._event("skipped", slot, f"slot {slot}: no state in the store for the server now running")
+
+    def _restore_one(self, slot: int, name: str, staging: Path) -> bool:
+        """Restore the store's state ``name`` into ``slot`` and prove it; False when it does not validate."""
         from slotctl.validate.check import validate_file
         from slotctl.validate.setup import Models
 
         setup, _notes = local_setup(self.facts, slot)
-        models = Models(setup)
-        for path in self.candidates(slot):
-            report = validate_file(path, setup, models)
-            if report.verdict not in ("restores", "restores_with_drops", "undecided"):
-                self._event("skipped", slot, f"{path.name}: does not validate for the server now running "
-                                             f"({report.verdict})", name=path.name, verdict=str(report.verdict))
-                continue
-            placed = self.slot_dir / path.name
-            copied = not placed.exists()
-            if copied:
-                copy_atomic(path, placed)
-            try:
-                answer = http.restore_slot(self.url, slot, path.name, api_key=self.api_key, timeout=self.timeout,
-                                           check=False)
-            finally:
-                if copied:     # the server has read it: the store keeps the state
-                    os.unlink(placed)
-            self._event("restored", slot, f"{path.name} restored into slot {slot}: {answer['n_restored']:,} tokens",
-                        name=path.name, answer=answer)
-            p = prove(self.url, slot, path, setup, build_info=self.facts.build_info, api_key=self.api_key,
-                      timeout=self.timeout)
-            self._event("proof", slot, f"slot {slot}: {p.verdict}: the server reused {p.n_reused:,} and evaluated "
-                                       f"{p.n_evaluated:,} of {p.n_prompt:,} prompt tokens", proof=p.as_dict())
-            entry = next((s for s in self._slots() if s["id"] == slot), {})
-            self.seen[slot] = self.signature(entry)   # the proving request is not a change to save
-            return
-        self._event("skipped", slot, f"slot {slot}: no state in the store for the server now running")
+        path = self.store.local(name, staging)
+        report = validate_file(path, setup, Models(setup))
+        if report.verdict not in ("restores", "restores_with_drops", "undecided"):
+            self._event("skipped", slot, f"{name}: does not validate for the server now running "
+                                         f"({report.verdict})", name=name, verdict=str(report.verdict))
+            return False
+        placed = self.slot_dir / name
+        copied = not placed.exists()
+        if copied:
+            copy_atomic(path, placed)
+        try:
+            answer = http.restore_slot(self.url, slot, name, api_key=self.api_key, timeout=self.timeout,
+                                       check=False)
+        finally:
+            if copied:     # the server has read it: the store keeps the state
+                os.unlink(placed)
+        self._event("restored", slot, f"{name} restored into slot {slot}: {answer['n_restored']:,} tokens",
+                    name=name, answer=answer)
+        p = prove(self.url, slot, path, setup, build_info=self.facts.build_info, api_key=self.api_key,
+                  timeout=self.timeout)
+        self._event("proof", slot, f"slot {slot}: {p.verdict}: the server reused {p.n_reused:,} and evaluated "
+                                   f"{p.n_evaluated:,} of {p.n_prompt:,} prompt tokens", proof=p.as_dict())
+        entry = next((e for e in self._slots() if e["id"] == slot), {})
+        self.seen[slot] = self.signature(entry)   # the proving request is not a change to save
+        return True
 
     # -- events -----------------------------------------------------------------------------------------
 
@@ -305,3 +302,109 @@ class Keeper:
         msg = str(e) if isinstance(e, SlotctlError) else f"{getattr(e, 'filename', '') or ''}: {e}".lstrip(": ")
         code = e.error_code if isinstance(e, SlotctlError) else "io_error"
         self._event("error", slot, msg, error={"code": code, "message": msg})
+
+
+class DirectoryStore:
+    """A store that is a directory of this machine (``--store DIR``, or ``--slot-dir`` itself)."""
+
+    def __init__(self, path: str | os.PathLike, slot_dir: Path):
+        self.path = Path(path)
+        self.same = self.path.resolve() == slot_dir.resolve()
+
+    def __str__(self) -> str:
+        return os.fspath(self.path)
+
+    def where(self, name: str) -> str:
+        return os.fspath(self.path / name)
+
+    def has(self, name: str) -> bool:
+        return (self.path / name).exists()
+
+    def put(self, local: Path, name: str) -> None:
+        """``local`` (keep's working file) into the store as ``name``, atomically; ``local`` is gone after."""
+        if self.same:
+            os.replace(local, self.path / name)
+            from slotctl.atomic import fsync_dir
+
+            fsync_dir(os.fspath(self.path))
+        else:
+            copy_atomic(local, self.path / name)
+            os.unlink(local)
+
+    def names(self, prefix: str) -> list[str]:
+        """The states whose names start with ``prefix``, newest first (temporary files never)."""
+        found = [p for p in self.path.iterdir() if p.name.startswith(prefix) and p.name.endswith(".bin")]
+        return [p.name for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]
+
+    def local(self, name: str, staging: Path) -> Path:
+        """A local file holding the state ``name`` (the store's own file here)."""
+        return self.path / name
+
+    def prune(self, max_size: int, keep_events) -> None:
+        from slotctl import prune as pr
+
+        # a store of its own is written by keep alone, through temporary files prune never touches: no grace
+        policy = pr.Policy(max_size=max_size, pins=(INCOMING.format(slot="*"),),
+                           **({} if self.same else {"grace": 0.0}))
+        plan = pr.execute(pr.plan(os.fspath(self.path), policy), dry_run=False)
+        for e in plan.selected():
+            keep_events(e.path, e.size, e.action, e.reason)
+
+
+class ObjectStore:
+    """A store under an ``s3://bucket/prefix/`` (:mod:`slotctl.remote.store`, :mod:`slotctl.remote.cp`: an
+    object is created only if absent, complete or not at all, its size and MD5 checked)."""
+
+    def __init__(self, url: str):
+        from slotctl.remote.store import split_url
+
+        split_url(url)      # a usage error without a bucket
+        self.url = url.rstrip("/") + "/"
+
+    def __str__(self) -> str:
+        return self.url
+
+    def where(self, name: str) -> str:
+        return self.url + name
+
+    def has(self, name: str) -> bool:
+        from slotctl.remote.store import S3_STORE
+
+        return S3_STORE.stat(self.where(name)) is not None
+
+    def put(self, local: Path, name: str) -> None:
+        self._copy(os.fspath(local), self.where(name))
+        os.unlink(local)
+
+    def names(self, prefix: str) -> list[str]:
+        from slotctl.remote.store import S3_STORE
+
+        found = [e for e in S3_STORE.list(self.url) if e.path.rpartition("/")[2].startswith(prefix)
+                 and e.path.endswith(".bin")]
+        return [e.path.rpartition("/")[2] for e in sorted(found, key=lambda e: e.mtime, reverse=True)]
+
+    def local(self, name: str, staging: Path) -> Path:
+        dest = staging / name
+        if not dest.exists():
+            self._copy(self.where(name), os.fspath(dest))
+        return dest
+
+    @staticmethod
+    def _copy(src: str, dst: str) -> None:
+        from slotctl.remote.cp import COPIED, copy_one
+
+        res = copy_one(src, dst)
+        if res.status != COPIED:
+            raise UsageError(res.error["message"] if res.error else f"{src} -> {dst}: not copied",
+                             code=res.error["code"] if res.error else "copy_failed")
+
+    def prune(self, max_size: int, keep_events) -> None:
+        """Not supported: the :class:`Keeper` refuses ``--max-size`` with an object store up front."""
+        raise UsageError("--max-size with an s3:// store: not supported yet (prune works on directories)")
+
+
+def open_store(store: str | os.PathLike | None, slot_dir: Path):
+    """The store for ``--store``: an ``s3://`` prefix, a directory, or (None) ``slot_dir`` itself."""
+    if store is not None and os.fspath(store).startswith("s3://"):
+        return ObjectStore(os.fspath(store))
+    return DirectoryStore(slot_dir if store is None else store, slot_dir)
