@@ -17,6 +17,10 @@ class ExitStatus(enum.IntEnum):
     USAGE = 2
     #: ``validate`` without a model cannot tell what the server does with a file (``undecided``)
     UNDECIDED = 3
+    #: interrupted (Ctrl-C: 128 + SIGINT, as a shell reports it)
+    INTERRUPTED = 130
+    #: the reader of the output went away (``slotctl inspect F | head -1``: 128 + SIGPIPE, as for ``cat``)
+    CLOSED_PIPE = 141
 
 
 #: which exit code a run over many things reports: a usage or I/O error first, then one that failed,

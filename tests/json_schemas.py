@@ -72,8 +72,7 @@ def check_jsonl(command: str, text: str) -> list[dict]:
 
 
 def command_name() -> str | None:
-    """The slotctl command running now (the innermost click context's name), or None."""
-    from typer._click.globals import get_current_context
+    """The slotctl command running now, or None."""
+    from slotctl.cli.app import running_command
 
-    ctx = get_current_context(silent=True)
-    return ctx.info_name if ctx is not None else None
+    return running_command()

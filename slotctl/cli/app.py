@@ -4,23 +4,23 @@ Each command lives in its own module with a ``register(app)`` function. The grou
 when its command runs (or its ``--help`` is asked for), so ``slotctl --help`` and ``slotctl inspect FILE``
 import nothing a command they do not run needs (no llama.cpp, no HTTP, no ssl). A new command is one
 line in :data:`COMMANDS`; ``tests/test_startup.py`` checks the summaries here against the commands.
+Every failure leaves through the error table, ``slotctl.cli.errors``. Only typer's public API is used.
 """
 
 from __future__ import annotations
 
+import contextvars
+import difflib
 import importlib
-import os
 import sys
 from typing import Any, NamedTuple
 
 import typer
-from typer import _click as click
 from typer.core import TyperCommand, TyperGroup
 
 from slotctl import __version__
-from slotctl.cli.help import HelpCommand, HelpGroup, usage_error_line
+from slotctl.cli.help import HelpCommand, HelpGroup
 from slotctl.cli.params import lighten
-from slotctl.errors import ExitStatus, SlotctlError
 
 
 #: the heading of the commands that run llama.cpp
@@ -59,7 +59,7 @@ COMMANDS: dict[str, CommandEntry] = {
     "cp": CommandEntry("slotctl.cli.cp_cmd", "Copy slot files: local to S3, S3 to local, S3 to S3 (server-side "
                        "within a bucket).", "Slot directories"),
     "identify": CommandEntry("slotctl.cli.identify_cmd", "Which of the candidate models wrote this slot file "
-                             "(and its draft state)?", "Run llama.cpp (pip install 'slotctl[llama]')"),
+                             "(and its draft state)?", _LLAMA),
     "save": CommandEntry("slotctl.cli.save", "Evaluate a prompt in a slot as llama-server would, and "
                          "write the slot file it would save.", _LLAMA),
     "restore": CommandEntry("slotctl.cli.restore", "Restore a slot file as llama-server does, step by step, "
@@ -76,8 +76,9 @@ COMMANDS: dict[str, CommandEntry] = {
 }
 
 
-def load_command(name: str) -> click.Command:
-    """The click command ``name``, built from its module (imported now)."""
+
+def load_command(name: str):
+    """The command ``name`` (typer's ``TyperCommand``), built from its module (imported now)."""
     from typer.main import get_command_from_info
 
     entry = COMMANDS[name]
@@ -86,26 +87,48 @@ def load_command(name: str) -> click.Command:
     for info in holder.registered_commands:
         if info.name == name:
             info.cls = _with_help(info.cls if isinstance(info.cls, type) else TyperCommand)
-            return lighten(get_command_from_info(info, pretty_exceptions_short=True, rich_markup_mode=None))
+            return lighten(get_command_from_info(info, pretty_exceptions_short=True, rich_markup_mode=None),
+                           info.callback)
     raise LookupError(f"{entry.module}.register adds no command {name!r}")  # a bug in COMMANDS
 
 
 def _with_help(cls: type) -> type:
-    """``cls`` with slotctl's help layout (plain text: option names never cut, flags without a metavar)."""
-    return cls if issubclass(cls, HelpCommand) else type(cls.__name__, (HelpCommand, cls), {})
+    """``cls`` with slotctl's help layout (plain text: option names never cut, flags without a metavar) and
+    the name of the running command kept (:func:`running_command`)."""
+    return cls if issubclass(cls, HelpCommand) else type(cls.__name__, (_Running, HelpCommand, cls), {})
+
+
+#: the command running now (its name)
+_RUNNING: contextvars.ContextVar[str | None] = contextvars.ContextVar("slotctl_running", default=None)
+
+
+def running_command() -> str | None:
+    """The name of the slotctl command running now (``inspect``, ...), or None between commands (the tests
+    check each ``--json`` document against the schema of the command that printed it)."""
+    return _RUNNING.get()
+
+
+class _Running:
+    def invoke(self, ctx):
+        token = _RUNNING.set(ctx.info_name)
+        try:
+            return super().invoke(ctx)
+        finally:
+            _RUNNING.reset(token)
 
 
 class LazyGroup(HelpGroup, TyperGroup):
-    """Commands imported when they run; usage errors as one ``error:`` line (exit 2)."""
+    """Commands imported when they run; every failure outside a command leaves through the error table
+    (``slotctl.cli.errors``): a usage error as one ``error:`` line (exit 2)."""
 
-    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+    def make_context(self, *args: Any, **kwargs: Any):
         lighten(self)  # here, not in __init__: typer appends the completion options after building the group
         return super().make_context(*args, **kwargs)
 
-    def list_commands(self, ctx: click.Context) -> list[str]:
+    def list_commands(self, ctx) -> list[str]:
         return list(COMMANDS)
 
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+    def get_command(self, ctx, cmd_name: str):
         if cmd_name not in COMMANDS:
             return None
         if self.summaries_only:  # the group's own help and completion: no import
@@ -113,41 +136,48 @@ class LazyGroup(HelpGroup, TyperGroup):
             return TyperCommand(name=cmd_name, help=entry.summary, rich_help_panel=entry.panel)
         return load_command(cmd_name)
 
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        if not args and not ctx.resilient_parsing:
+            from slotctl.cli.errors import NoCommand
+
+            raise NoCommand(ctx.get_help())
+        return super().parse_args(ctx, args)
+
+    def resolve_command(self, ctx, args: list[str]):
+        """A command by its name; a mistyped one is a usage error naming the nearest ones
+        (``slotctl insp``: did you mean inspect?)."""
+        if args and args[0] not in COMMANDS and not ctx.resilient_parsing:
+            ctx.fail(f"No such command {args[0]!r}{suggestion(args[0])}")
+        return super().resolve_command(ctx, args)
+
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode: bool = True, **extra: Any):
         argv = list(sys.argv[1:] if args is None else args)
         if not standalone_mode:  # the demo runs commands in-process and reads their exit codes
             return super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         try:
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.exceptions.NoArgsIsHelpError as e:
-            print(e.ctx.get_help() if e.ctx else "", file=sys.stderr)
-            sys.exit(int(ExitStatus.USAGE))
-        except click.exceptions.UsageError as e:  # also BadParameter, NoSuchOption, MissingParameter
-            _fail(argv, usage_error_line(e, argv), int(ExitStatus.USAGE))
-        except click.exceptions.ClickException as e:
-            _fail(argv, e.format_message(), e.exit_code)
-        except typer.Abort:
-            print("error: aborted", file=sys.stderr)
-            sys.exit(130)
+        except SystemExit:
+            raise
+        except BaseException as e:  # noqa: BLE001 - every failure leaves through the table
+            from slotctl.cli.errors import json_flags, leave
+
+            json_mode, jsonl = json_flags(argv)
+            leave(e, json_mode=json_mode, jsonl=jsonl, argv=argv, inside=False)
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
-def _fail(argv: list[str], message: str, exit_code: int):
-    """A failure before the command ran: one ``error:`` line; with ``--json``/``--jsonl`` also the error
-    document on stdout (docs/json.md), so a script reading stdout always gets one."""
-    print(f"error: {message}", file=sys.stderr)
-    if "--json" in argv or "--jsonl" in argv:
-        import json
-
-        doc = {"error": {"code": "usage", "message": message}, "exit_code": exit_code}
-        print(json.dumps(doc, indent=None if "--jsonl" in argv else 2))
-    sys.exit(exit_code)
+def suggestion(typed: str) -> str:
+    """``; did you mean inspect?`` for a mistyped command: the commands it begins, else the nearest by
+    spelling (difflib); empty when none is near."""
+    near = [c for c in COMMANDS if c.startswith(typed)] if typed else []
+    near = near or difflib.get_close_matches(typed, list(COMMANDS), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(near[:3])}?" if near else ""
 
 
 app = typer.Typer(
     name="slotctl",
     cls=LazyGroup,
-    no_args_is_help=True,
+    no_args_is_help=False,  # LazyGroup.parse_args shows the help (exit 2), through the error table
     add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -162,40 +192,38 @@ def _version(value: bool):
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+def _root(version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
                                        help="Show the version and exit.")):
     """Inspect, validate, save, restore and strip llama.cpp server slot files.
 
-    Only save, restore, validate's real load and the demo's full tour run llama.cpp (llama-cpp-python,
-    the [llama] extra); every other command needs only the core install.
+    Only save, restore, identify, validate's real load and the demo's full tour run llama.cpp
+    (llama-cpp-python, the [llama] extra); every other command needs only the core install.
 
-    Exit codes: 0 ok; 1 the file is damaged, will not restore or loses a layer; 2 usage or I/O error.
+    Exit codes: 0 ok; 1 the file is damaged, will not restore or loses a layer; 2 usage or I/O error; 3
+    undecided (validate without -m cannot tell: give -m). A run over many files exits with the worst: 2,
+    then 1, then 3. 130 interrupted; 141 the reader of the output went away (docs/exit-codes.md).
     """
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: one line on stderr and a documented exit code for every known failure.
+    """Console entry point: every failure (one line on stderr and a documented exit code) leaves through the
+    error table, ``slotctl.cli.errors``, the last flush of stdout included (a reader that went away).
 
     Set ``SLOTCTL_DEBUG=1`` to see the traceback of an unexpected error.
     """
+    code: Any = 0
     try:
         app(args=argv, standalone_mode=True)
-    except SystemExit:
-        raise
-    except SlotctlError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(int(e.exit_status))
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        sys.exit(130)
-    except BrokenPipeError:
-        # the reader went away (``slotctl inspect F | head``): not an error of ours
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        sys.exit(0)
-    except Exception as e:  # an unexpected error is a bug: say so in one line
-        if os.environ.get("SLOTCTL_DEBUG"):
-            raise
-        print(f"error: internal error: {type(e).__name__}: {e} (set SLOTCTL_DEBUG=1 for the traceback)",
-              file=sys.stderr)
-        sys.exit(int(ExitStatus.USAGE))
+    except SystemExit as e:
+        code = e.code
+    except BaseException as e:  # noqa: BLE001 - every failure leaves through the table
+        from slotctl.cli.errors import leave
+
+        leave(e, inside=False)
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError as e:
+        from slotctl.cli.errors import leave
+
+        leave(e, inside=False)
+    sys.exit(code)

@@ -11,11 +11,12 @@ from typing import Iterator
 import typer
 
 from slotctl.cli.output import Output, escape_text
-from slotctl.errors import ExitStatus, SlotctlError, UsageError, os_error_code, worst
+from slotctl.errors import SlotctlError, UsageError, worst
 
 
 def handle_errors(fn):
-    """Known errors become one line on stderr and their exit code (also under typer's CliRunner).
+    """Every failure inside the command leaves through the error table (``slotctl.cli.errors``): one line on
+    stderr and its exit code (also under typer's CliRunner and the demo's in-process runs).
 
     With ``--json`` (or ``--jsonl``) the error is also a document on stdout:
     ``{"error": {"code", "message"}, "exit_code"}``.
@@ -23,18 +24,16 @@ def handle_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        out = Output(json_mode=bool(kwargs.get("json_out")), jsonl=bool(kwargs.get("jsonl")))
         try:
             use_store(kwargs.values())
             return fn(*args, **kwargs)
-        except SlotctlError as e:
-            fail(out, e.error_code, str(e), e.exit_status)
-        except ModuleNotFoundError as e:
-            if (e.name or "").partition(".")[0] != "llama_cpp":
-                raise
-            fail(out, "llama_missing", llama_missing(fn.__name__.replace("_", "-")), ExitStatus.USAGE)
-        except OSError as e:
-            fail(out, os_error_code(e), f"{e.filename or ''}: {e.strerror or e}".lstrip(": "), ExitStatus.USAGE)
+        except typer.Exit:
+            raise
+        except (Exception, KeyboardInterrupt) as e:
+            from slotctl.cli.errors import leave
+
+            leave(e, json_mode=bool(kwargs.get("json_out")), jsonl=bool(kwargs.get("jsonl")),
+                  command=fn.__name__.replace("_", "-"))
 
     return wrapper
 
@@ -99,14 +98,6 @@ def llama_hint() -> str:
     return f"{llama_install()} (slotctl's [llama] extra; it compiles llama.cpp: a C/C++ compiler and a few minutes)"
 
 
-def fail(out: Output, code: str, message: str, status: int):
-    """End the command: one line on stderr, the error document on stdout in JSON mode, exit ``status``."""
-    out.error(message)
-    if out.json_mode:
-        out.json_error(code, message, int(status))
-    raise typer.Exit(int(status)) from None
-
-
 def runtime_state_version() -> int | None:
     """The state version this llama-cpp-python reads and writes, or None when it is not installed."""
     if not llama_available():
@@ -162,13 +153,10 @@ def readable(path: str | os.PathLike) -> Iterator[str]:
 
 def file_error(path: str | os.PathLike, e: Exception) -> dict:
     """The entry of a file that could not be read at all, in a command over many files."""
-    if isinstance(e, SlotctlError):
-        code, message, status = e.error_code, str(e), e.exit_status
-    elif isinstance(e, OSError):
-        code, message, status = os_error_code(e), f"{os.fspath(path)}: {e.strerror or e}", ExitStatus.USAGE
-    else:  # pragma: no cover - callers pass only these
-        raise TypeError(type(e).__name__)
-    return {"path": os.fspath(path), "exit_code": int(status), "error": {"code": code, "message": message}}
+    from slotctl.cli.errors import failure
+
+    f = failure(e, path=path)
+    return {"path": os.fspath(path), "exit_code": f.status, "error": {"code": f.code, "message": f.message}}
 
 
 class FileRun:

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Iterator
+from typing import Any, Iterator
 
-from typer import _click as click
+import typer
+
+#: what typer builds, named for the annotations only (typer's click is not public: its objects are used
+#: through their public attributes and methods)
+Command = Parameter = HelpFormatter = Any
 
 #: the heading of options without a panel
 OPTIONS = "Options"
 
 
 class _Light:
-    def get_help_option(self, ctx: click.Context):
+    def get_help_option(self, ctx: typer.Context):
         from slotctl.cli.params import lighten_param
 
         opt = super().get_help_option(ctx)
@@ -29,7 +33,7 @@ class _Light:
 class HelpCommand(_Light):
     """Mixed into a command class: slotctl's help layout instead of typer's boxes."""
 
-    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+    def format_help(self, ctx: typer.Context, formatter: HelpFormatter) -> None:
         formatter.write_usage(ctx.command_path, usage_pieces(self, ctx))
         _write_help_text(self, formatter)
         for title, rows in param_sections(self, ctx):
@@ -50,7 +54,7 @@ class HelpGroup(_Light):
         finally:
             self.summaries_only = False
 
-    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+    def format_help(self, ctx: typer.Context, formatter: HelpFormatter) -> None:
         formatter.write_usage(ctx.command_path, "[OPTIONS] COMMAND [ARGS]...")
         _write_help_text(self, formatter)
         for title, rows in command_sections(self, ctx):
@@ -65,14 +69,14 @@ class HelpGroup(_Light):
             return super().shell_complete(ctx, incomplete)
 
 
-def _write_help_text(cmd: click.Command, formatter: click.HelpFormatter) -> None:
+def _write_help_text(cmd: Command, formatter: HelpFormatter) -> None:
     if cmd.help:
         formatter.write_paragraph()
         with formatter.indentation():
             formatter.write_text(cmd.help)
 
 
-def command_sections(group, ctx: click.Context) -> list[tuple[str, list[tuple[str, str]]]]:
+def command_sections(group, ctx: typer.Context) -> list[tuple[str, list[tuple[str, str]]]]:
     """The group's commands as (heading, [(name, summary)]), headings in order of first appearance."""
     sections: dict[str, list[tuple[str, str]]] = {}
     with group.summaries():
@@ -85,7 +89,7 @@ def command_sections(group, ctx: click.Context) -> list[tuple[str, list[tuple[st
     return list(sections.items())
 
 
-def usage_pieces(cmd: click.Command, ctx: click.Context) -> str:
+def usage_pieces(cmd: Command, ctx: typer.Context) -> str:
     pieces = ["[OPTIONS]"]
     for p in cmd.get_params(ctx):
         if _is_argument(p):
@@ -94,7 +98,7 @@ def usage_pieces(cmd: click.Command, ctx: click.Context) -> str:
     return " ".join(pieces)
 
 
-def param_sections(cmd: click.Command, ctx: click.Context) -> list[tuple[str, list[tuple[str, str]]]]:
+def param_sections(cmd: Command, ctx: typer.Context) -> list[tuple[str, list[tuple[str, str]]]]:
     """The command's parameters as (heading, [(names, help)]): arguments first, then each option panel in
     order of first appearance, the options without a panel (help, completion) last."""
     sections: dict[str, list[tuple[str, str]]] = {}
@@ -111,16 +115,16 @@ def param_sections(cmd: click.Command, ctx: click.Context) -> list[tuple[str, li
     return [(t, sections[t]) for t in ordered]
 
 
-def _is_argument(p: click.Parameter) -> bool:
+def _is_argument(p: Parameter) -> bool:
     return getattr(p, "param_type_name", "") == "argument"
 
 
-def _arg_name(p: click.Parameter) -> str:
+def _arg_name(p: Parameter) -> str:
     name = p.metavar or (p.name or "").upper()
     return f"{name}..." if p.nargs == -1 else name
 
 
-def option_names(p: click.Parameter) -> str:
+def option_names(p: Parameter) -> str:
     """``-m, --model FILE``: short names first, then long ones, then the metavar (none for a flag)."""
     opts = sorted(p.opts, key=lambda o: (o.startswith("--"),))  # stable: the declared order within each kind
     names = ", ".join(opts)
@@ -130,27 +134,23 @@ def option_names(p: click.Parameter) -> str:
     return f"{names} {mv}" if mv else names
 
 
-def metavar(p: click.Parameter) -> str:
-    """What follows the option: its declared metavar, the choices, or a word for its type; nothing for flags."""
+def metavar(p: Parameter) -> str:
+    """What follows the option: its declared metavar, or a word for its type; nothing for flags."""
+    from slotctl.cli.params import path_kind, plain
+
     if getattr(p, "is_flag", False) or getattr(p, "count", False):
         return ""
     if p.metavar:
         return p.metavar
-    desc = getattr(p, "type_descriptor", None)
-    if desc is None:
+    spec = plain(p)
+    if spec is None:
         return "VALUE"
-    if desc.is_choice and desc.choices:
-        return "|".join(str(getattr(c, "value", c)) for c in desc.choices)
-    if desc.is_path:
-        return {"file": "FILE", "dir": "DIR"}.get(desc.path_type, "PATH")
-    ann = desc.annotation
-    args = getattr(ann, "__args__", None)
-    if desc.is_list and args:
-        ann = args[0]
-    return {int: "N", float: "X", str: "TEXT"}.get(ann, "VALUE")
+    if spec.leaf not in (str, int, float, bool):
+        return {"file": "FILE", "dir": "DIR"}.get(path_kind(spec.info), "PATH")
+    return {int: "N", float: "X", str: "TEXT"}.get(spec.leaf, "VALUE")
 
 
-def _param_help(p: click.Parameter) -> str:
+def _param_help(p: Parameter) -> str:
     text = " ".join((getattr(p, "help", None) or "").split())
     extra = []
     lo, hi = getattr(p, "min", None), getattr(p, "max", None)
@@ -168,7 +168,7 @@ def _param_help(p: click.Parameter) -> str:
     return text
 
 
-def _default_text(p: click.Parameter) -> str:
+def _default_text(p: Parameter) -> str:
     if getattr(p, "show_default", True) is False or _is_argument(p):
         return ""
     d = p.default
@@ -184,15 +184,17 @@ def _default_text(p: click.Parameter) -> str:
 # -- usage errors ---------------------------------------------------------------------------------------
 
 
-def usage_error_line(e: click.exceptions.UsageError, argv: list[str]) -> str:
+def usage_error_line(e: typer.TyperException, argv: list[str]) -> str:
     """One line for a usage error, naming the flag as it was typed and pointing at the command's help."""
+    from slotctl.cli.params import MissingValue
+
     param = getattr(e, "param", None)
-    if isinstance(e, click.exceptions.MissingParameter) and param is not None:
+    if isinstance(e, MissingValue) and param is not None:
         if _is_argument(param):
             msg = f"missing argument {_arg_name(param)}"
         else:
             msg = f"missing option {option_names(param)}"
-    elif isinstance(e, click.exceptions.BadParameter) and param is not None:
+    elif isinstance(e, typer.BadParameter) and param is not None:
         if _is_argument(param):
             where = _arg_name(param)
         else:
@@ -204,12 +206,13 @@ def usage_error_line(e: click.exceptions.UsageError, argv: list[str]) -> str:
     else:
         msg = _sentence(e.format_message())
     msg = " ".join(msg.split())
-    if e.ctx is not None:
-        msg += f" (see: {e.ctx.command_path} --help)"
+    ctx = getattr(e, "ctx", None)
+    if ctx is not None:
+        msg += f" (see: {ctx.command_path} --help)"
     return msg
 
 
-def typed_name(param: click.Parameter, argv: list[str]) -> str:
+def typed_name(param: Parameter, argv: list[str]) -> str:
     """The name of ``param`` as the user typed it (the last one given wins, as for the value)."""
     names = [*param.opts, *getattr(param, "secondary_opts", [])]
     typed = None
@@ -262,7 +265,7 @@ def _sentence(text: str) -> str:
 # -- docs/cli.md ----------------------------------------------------------------------------------------
 
 
-def markdown(group, ctx: click.Context, commands: list[tuple[str, click.Command, click.Context]]) -> str:
+def markdown(group, ctx: typer.Context, commands: list[tuple[str, Command, typer.Context]]) -> str:
     """The command reference in markdown: the group, then each command (usage, help, one table per panel)."""
     out = ["# Command reference", "",
            "Generated from the commands themselves by `scripts/gen_cli_docs.py`; do not edit by hand. "
