@@ -112,3 +112,63 @@ def _params(name):
     from slotctl.cli.app import load_command
 
     return [p for p in load_command(name).params if p.param_type_name == "option"]
+
+
+@pytest.mark.parametrize("flag", ["-V", "--version"])
+def test_version(flag):
+    from slotctl import __version__
+
+    r = run(flag)
+    assert r.exit_code == 0 and r.stdout == f"slotctl {__version__}\n"
+
+
+@pytest.mark.parametrize("typed, near", [("insp", "inspect"), ("valdate", "validate"), ("strip", "strip-draft"),
+                                         ("restor", "restore"), ("prun", "prune")])
+def test_a_mistyped_command_suggests_the_nearest(typed, near):
+    r = run(typed, "x")
+    assert r.exit_code == 2
+    assert r.stderr.splitlines() == [f"error: No such command '{typed}'; did you mean {near}? (see: slotctl --help)"]
+
+
+def test_top_level_help_lists_every_exit_code_and_one_heading_per_kind():
+    r = run("--help", columns=200)
+    text = " ".join(r.stdout.split())
+    for words in ("0 ok", "1 the file is damaged", "2 usage or I/O error", "3 undecided", "130 interrupted",
+                  "141 the reader of the output went away"):
+        assert words in text, words
+    headings = [line for line in r.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert len(headings) == len(set(headings)), headings
+    assert [h for h in headings if h.startswith("Run llama.cpp")] == ["Run llama.cpp (the [llama] extra: "
+                                                                      "llama-cpp-python):"]
+    llama = r.stdout.split("Run llama.cpp")[1].split("\n\n")[0]
+    names = {line.split()[0] for line in llama.splitlines()[1:] if line.startswith("  ") and line[2] != " "}
+    assert names == {"identify", "save", "restore"}
+
+
+def _complete(words: str) -> list[str]:
+    """What bash completion offers for the command line ``words`` (the last word being completed)."""
+    cword = len(words.split()) - (0 if words.endswith(" ") else 1)
+    env = {**os.environ, "_SLOTCTL_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(cword)}
+    p = subprocess.run(COMPLETE, capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.split()
+
+
+def test_completion_offers_the_values_the_server_takes():
+    from slotctl.format.ggml import CACHE_TYPE_NAMES
+
+    assert _complete("slotctl validate x -fa ") == ["on", "off", "auto"]
+    assert _complete("slotctl validate x --flash-attn a") == ["auto"]
+    for flag in ("-ctk", "-ctv", "-ctkd", "-ctvd", "--cache-type-k-draft"):
+        assert _complete(f"slotctl validate x {flag} ") == list(CACHE_TYPE_NAMES), flag
+    assert _complete("slotctl save -ctk q8") == ["q8_0"]
+    assert _complete("slotctl restore -ctvd bf") == ["bf16"]
+
+
+def test_plain_paths_are_checked_as_typer_checks_them(tmp_path):
+    r = run("inspect", str(SLOT_FILE), "-m", str(tmp_path))
+    assert r.exit_code == 2
+    assert r.stderr.splitlines() == [f"error: -m {tmp_path}: file '{tmp_path}' is a directory "
+                                     "(see: slotctl inspect --help)"]
+    r = run("prune", str(SLOT_FILE), "--dry-run")
+    assert r.exit_code == 2 and f"dir '{SLOT_FILE}' is a file" in r.stderr

@@ -88,3 +88,45 @@ def test_command_modules_import_no_other_command_module():
     bad = [f"{n} imports {i}" for n in sorted(commands) for i in _imports(mods[n])
            if any(i == c or i.startswith(c + ".") for c in commands - {n})]
     assert not bad
+
+
+def private_imports(tree) -> list[str]:
+    """Imports of a private module or name of typer (``typer._click``, ``from typer import _click``), and of
+    click itself (typer 0.29 vendors its own: slotctl declares no click)."""
+    bad = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            mods = [a.name for a in n.names]
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            mods = [n.module] + [f"{n.module}.{a.name}" for a in n.names]
+        else:
+            continue
+        for m in mods:
+            parts = m.split(".")
+            if parts[0] == "click" or (parts[0] == "typer" and any(p.startswith("_") for p in parts[1:])):
+                bad.append(f"line {n.lineno}: {m}")
+    return bad
+
+
+def test_typer_is_used_through_its_public_api_only():
+    """No module of slotctl, the tests, scripts or benchmarks imports a private part of typer (any typer
+    release may change it) or click (not declared: typer vendors its own)."""
+    files = [p for d in ("slotctl", "tests", "scripts", "benchmarks", "fuzz") if (ROOT / d).is_dir()
+             for p in sorted((ROOT / d).rglob("*.py"))]
+    bad = {str(p.relative_to(ROOT)): b for p in files if (b := private_imports(ast.parse(p.read_text())))}
+    assert not bad, bad
+    assert private_imports(ast.parse("from typer import _click as click\nimport typer._coercion\n"
+                                     "from typer._param_types import x\nimport click\nimport typer.core\n"
+                                     "from typer import Option\n")) == [
+        "line 1: typer._click", "line 2: typer._coercion", "line 3: typer._param_types",
+        "line 3: typer._param_types.x", "line 4: click"]
+
+
+def test_typer_is_not_capped():
+    """pyproject.toml admits every typer from 0.29 on (public API only: nothing a release may break in
+    private modules); tests/test_startup.py and test_cli_usage.py show what any release must keep."""
+    import re
+
+    text = (ROOT / "pyproject.toml").read_text()
+    (spec,) = re.findall(r'"typer([^"]*)"', text)
+    assert spec == ">=0.29", spec

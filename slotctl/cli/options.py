@@ -222,6 +222,19 @@ def typed_flag(ctx: typer.Context | None, spellings: tuple[str, ...]) -> str:
 
 # -- llama-server's flags (b11434 names), one group shown as a panel: save, restore, validate ---------------
 
+
+def values_of(field: str) -> Callable[[str], list[str]]:
+    """Shell completion for the flag of ``field``: the values it takes
+    (:func:`slotctl.server.flags.flag_values`) that begin as typed."""
+
+    def complete(incomplete: str) -> list[str]:
+        from slotctl.server.flags import flag_values
+
+        return [v for v in flag_values(field) if v.startswith(incomplete)]
+
+    return complete
+
+
 _SERVER_OPTIONS: dict[str, tuple[type, dict]] = {
     "ctx_size": (int, dict(min=0, metavar="N", help="Context size in tokens over all slots; 0 = the model's "
                                                      "training context per slot, as the server picks.")),
@@ -229,11 +242,16 @@ _SERVER_OPTIONS: dict[str, tuple[type, dict]] = {
     "kv_unified": (bool, dict(help="One KV cache stream shared by all slots.")),
     "kv_unified_per_slot": (int, dict(min=0, metavar="N", help="Context limit per slot (0 = unset); without -c "
                                                                "the cache holds -np x N.")),
-    "cache_type_k": (str, dict(metavar="TYPE", help="K cache type: " + ", ".join(CACHE_TYPE_NAMES) + ".")),
-    "cache_type_v": (str, dict(metavar="TYPE", help="V cache type.")),
-    "spec_draft_type_k": (str, dict(metavar="TYPE", help="Draft K cache type (f16 whatever -ctk says).")),
-    "spec_draft_type_v": (str, dict(metavar="TYPE", help="Draft V cache type (f16 whatever -ctv says).")),
-    "flash_attn": (str, dict(metavar="[on|off|auto]", help="Flash attention (auto is on for the CPU).")),
+    "cache_type_k": (str, dict(autocompletion=values_of("cache_type_k"), metavar="TYPE",
+                               help="K cache type: " + ", ".join(CACHE_TYPE_NAMES) + ".")),
+    "cache_type_v": (str, dict(autocompletion=values_of("cache_type_v"), metavar="TYPE",
+                               help="V cache type.")),
+    "spec_draft_type_k": (str, dict(autocompletion=values_of("spec_draft_type_k"), metavar="TYPE",
+                                    help="Draft K cache type (f16 whatever -ctk says).")),
+    "spec_draft_type_v": (str, dict(autocompletion=values_of("spec_draft_type_v"), metavar="TYPE",
+                                    help="Draft V cache type (f16 whatever -ctv says).")),
+    "flash_attn": (str, dict(autocompletion=values_of("flash_attn"), metavar="[on|off|auto]",
+                             help="Flash attention (auto is on for the CPU).")),
     "batch_size": (int, dict(min=1, metavar="N", help="Logical batch size.")),
     "ubatch_size": (int, dict(min=1, metavar="N", help="Physical batch size.")),
     "swa_full": (bool, dict(help="Full-size SWA cache (off in the server).")),

@@ -14,7 +14,7 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
 
-from rich.console import Console
+from rich.console import Console as _RichConsole
 from rich.markup import escape as _markup_escape
 from rich.measure import Measurement
 from rich.table import Table
@@ -281,3 +281,14 @@ def _json_default(o: Any):
     if hasattr(o, "_asdict"):
         return o._asdict()
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+class Console(_RichConsole):
+    """rich's console, but a reader that went away (``slotctl inspect F | head -1``) is an error for slotctl's
+    error table (``closed_pipe``, slotctl.cli.errors) to end the run with: rich itself would exit 1, which
+    reads as "damaged"."""
+
+    def on_broken_pipe(self) -> None:
+        import errno
+
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))

@@ -204,6 +204,17 @@ def flash_attn_value(value: str) -> str:
         raise FlagError("flash_attn", value, "expected on, off or auto") from None
 
 
+def flag_values(field: str) -> tuple[str, ...]:
+    """The values the flag of ``field`` takes, by the names the server prints (what shell completion
+    offers): the cache types for ``-ctk``/``-ctv``/``-ctkd``/``-ctvd`` (those :func:`cache_type` accepts), on,
+    off and auto for ``-fa`` (:data:`FLASH_ATTN_VALUES`); none for the other flags."""
+    if field in ("cache_type_k", "cache_type_v", "spec_draft_type_k", "spec_draft_type_v"):
+        return tuple(ggml.CACHE_TYPE_NAMES)
+    if field == "flash_attn":
+        return tuple(dict.fromkeys(FLASH_ATTN_VALUES.values()))
+    return ()
+
+
 _CONTEXT = ContextSettings()
 
 
