@@ -1,6 +1,7 @@
 """Every module slotctl, its tests, benchmarks, fuzzers and scripts import is declared in pyproject.toml, in
-the part of it that installs it where it is needed: slotctl's own code in the core dependencies (llama.cpp
-in the ``[llama]`` extra), everything else in the core or the ``[test]`` extra.
+the part of it that installs it where it is needed: slotctl's own code in the core dependencies or one of
+its optional extras (llama.cpp in ``[llama]``, obstore in ``[s3]``), never in ``[test]``; everything else in
+the core or the ``[test]`` extra.
 
 A package that only this machine has would pass every other test here and fail on a fresh machine (typer
 0.29 vendors its own click, so ``import click`` works only where someone installed click by hand). The
@@ -19,9 +20,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: where code lives, and the parts of pyproject.toml that must install what it imports there
+#: where code lives, and the parts of pyproject.toml that must install what it imports there ("extras": the
+#: core and every extra but test's: slotctl's optional parts, llama.cpp, the object store, ...)
 SCOPES = {
-    "slotctl": ("core", "llama"),
+    "slotctl": ("extras",),
     "tests": ("core", "test"),
     "benchmarks": ("core", "test"),
     "fuzz": ("core", "test"),
@@ -62,6 +64,7 @@ def declared(pyproject: dict) -> dict[str, set[str]]:
 
     parts = {part: names(part) for part in raw}
     parts["core"] = names("core")
+    parts["extras"] = set().union(*(d for p, d in parts.items() if p != "test"))
     return {part: (dists | parts["core"]) for part, dists in parts.items()}
 
 
@@ -71,6 +74,7 @@ def local_modules(root: Path) -> set[str]:
     for scope in SCOPES:
         d = root / scope
         if d.is_dir() and scope != "slotctl":
+            local.add(scope)  # from tests.llama_server import ...
             local |= {p.stem for p in d.rglob("*.py")} | {p.name for p in d.iterdir() if p.is_dir()}
     return local
 
@@ -104,7 +108,8 @@ def undeclared(files: dict[str, str], pyproject: dict, providers: dict[str, list
             if not dists:  # not installed here: then its name must be a declared distribution's
                 dists = {normalize(NOT_INSTALLED_ALIASES.get(top, top))}
             if dists.isdisjoint(allowed):
-                where = " or ".join(f"[{p}]" if p != "core" else "the core dependencies" for p in SCOPES[scope])
+                where = " or ".join({"core": "the core dependencies", "extras": "the core or an extra but [test]"}
+                                    .get(p, f"[{p}]") for p in SCOPES[scope])
                 installed = (f"installed here by {', '.join(sorted(dists))}" if providers.get(top)
                              else "not installed here")
                 problems.append(f"{rel}:{line}: imports {top} ({installed}), which pyproject.toml does not "

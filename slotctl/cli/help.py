@@ -203,6 +203,8 @@ def usage_error_line(e: typer.TyperException, argv: list[str]) -> str:
             if value is not None:
                 where += f" {value}"
         msg = f"{where}: {_plain(e.message)}"
+    elif isinstance(e, typer.BadParameter):  # raised by slotctl with the whole message (no parameter)
+        msg = _plain(e.message)
     else:
         msg = _sentence(e.format_message())
     msg = " ".join(msg.split())

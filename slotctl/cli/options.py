@@ -109,12 +109,10 @@ def server_command_line(command, ctx, args: list[str]) -> tuple[list[str], list[
     arguments. What is neither stays, and click refuses it as an unknown option.
     ``--server-args TEXT`` (``@FILE``: read from a file) is a whole command line: see :func:`_split_server_args`.
     """
-    from typer import _click as click
-
     from slotctl.server.flags import server_arg
 
-    def UsageError(message: str) -> click.exceptions.UsageError:  # noqa: N802 - raised before the command runs
-        return click.exceptions.UsageError(message, ctx=ctx)
+    def UsageError(message: str) -> typer.BadParameter:  # noqa: N802 - raised before the command runs
+        return typer.BadParameter(message, ctx=ctx)  # typer's public usage error (help.usage_error_line says it)
 
     local = "--server" not in args[:args.index("--")] if "--" in args else "--server" not in args
     own_options = {False: _own_options(command, ctx, local), True: _own_options(command, ctx, local, pasted=True)}
