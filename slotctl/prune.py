@@ -126,6 +126,8 @@ class Entry:
     atime: float
     ino: int
     used: float = 0.0
+    #: an object's ETag (``s3://``: what it must still be when it is deleted)
+    etag: str | None = None
     action: str = KEEP
     reason: str = ""
     verdict: str | None = None
@@ -207,16 +209,61 @@ def _scan(directory: str, now: float, policy: Policy, source: str) -> tuple[list
     return entries, total
 
 
+#: why an object's last use is its last-modified time
+OBJECT_TIME = ("an object store keeps no access time: last use is the object's Last-Modified (when it was "
+               "written)")
+
+
+def _scan_prefix(url: str, now: float, policy: Policy) -> tuple[list[Entry], int]:
+    """The objects directly under the prefix ``url`` as :func:`_scan` sees a directory's files."""
+    from types import SimpleNamespace
+
+    from slotctl.format.header import file_kind
+    from slotctl.sources import first_bytes, list_prefix
+
+    listed = list_prefix(url.rstrip("/") + "/") or []
+    names = [o.path.rpartition("/")[2] for o in listed]
+    slot = [not is_temp_file(n) for n in names]
+    heads = first_bytes([o.path for o, ok in zip(listed, slot) if ok])
+    it = iter(heads)
+    entries, total = [], 0
+    for o, name, ok in zip(listed, names, slot):
+        e = Entry(o.path, o.size, o.size, o.mtime, o.mtime, 0, used=o.mtime, etag=o.etag)
+        head = next(it) if ok else None
+        if not ok:
+            e.action, e.reason = SKIPPED, "a slotctl temporary object (a copy in progress, or one killed)"
+        elif head is not None and file_kind(head) != "slot" and not name.endswith(".bin"):
+            e.action, e.reason = SKIPPED, "not a slot file (no state magic, not named *.bin)"
+        else:
+            total += o.size
+            busy = being_written(SimpleNamespace(st_mtime=o.mtime), policy.grace, now)
+            if busy:
+                e.action, e.reason = SKIPPED, busy
+            elif any(fnmatch.fnmatch(name, g) or fnmatch.fnmatch(o.path, g) for g in policy.pins):
+                e.action, e.reason = PINNED, "matches --pin"
+        entries.append(e)
+    return entries, total
+
+
 def plan(directory: str, policy: Policy, *, now: float | None = None,
          verdicts: Callable[[list[str]], dict[str, str]] | None = None) -> Plan:
-    """What prune would delete in ``directory``. ``verdicts(paths) -> {path: verdict}`` judges the
-    candidates for ``policy.broken`` (:mod:`slotctl.catalog` rows, made by the caller)."""
-    if not os.path.isdir(directory):
-        raise UsageError(f"{directory}: not a directory")
+    """What prune would delete in ``directory`` (or under an ``s3://`` prefix). ``verdicts(paths) ->
+    {path: verdict}`` judges the candidates for ``policy.broken`` (:mod:`slotctl.catalog` rows, made by the
+    caller)."""
+    from slotctl.sources import remote_url
+
     now = time.time() if now is None else now
-    restore_set_aside(directory)   # what a killed prune left under a private name
-    source, why = time_source(directory)
-    entries, total = _scan(directory, now, policy, source)
+    url = remote_url(directory)
+    if url is not None:
+        directory = url
+        source, why = "mtime", OBJECT_TIME
+        entries, total = _scan_prefix(url, now, policy)
+    else:
+        if not os.path.isdir(directory):
+            raise UsageError(f"{directory}: not a directory")
+        restore_set_aside(directory)   # what a killed prune left under a private name
+        source, why = time_source(directory)
+        entries, total = _scan(directory, now, policy, source)
     p = Plan(directory, policy, source, why, entries, total)
     cands = sorted((e for e in entries if e.action == KEEP), key=lambda e: (e.used, e.path))
     if policy.broken:
@@ -265,14 +312,19 @@ def execute(p: Plan, *, dry_run: bool, now_fn: Callable[[], float] = time.time,
             on_file: Callable[[Entry], None] | None = None) -> Plan:
     """Delete the selected files (``dry_run``: mark them ``would_delete``), each checked again first
     (:func:`delete_checked`)."""
+    from slotctl.sources import remote_url
+
+    remote = remote_url(p.directory) is not None
     for e in p.selected():
         if dry_run:
             e.action = WOULD_DELETE
+        elif remote:
+            delete_object_checked(e)
         else:
             delete_checked(e, p.policy.grace, now_fn)
         if on_file:
             on_file(e)
-    if not dry_run and any(e.action == DELETE for e in p.entries):
+    if not dry_run and not remote and any(e.action == DELETE for e in p.entries):
         from slotctl.atomic import fsync_dir
 
         fsync_dir(p.directory)
@@ -330,6 +382,29 @@ def delete_checked(e: Entry, grace: float, now_fn: Callable[[], float] = time.ti
     _put_back(e, aside)
     if e.action != FAILED:
         e.action, e.reason = SKIPPED, "changed since it was planned (being written?)"
+
+
+def delete_object_checked(e: Entry) -> None:
+    """Delete the object ``e.path`` only if it is still the one planned (its ETag and size, by a HEAD just
+    before the DELETE). A store has no rename to set an object aside, and no conditional DELETE through
+    obstore: an object written under the same key between the HEAD and the DELETE (milliseconds) would be
+    deleted; a bucket with versioning keeps it as a version (docs/store.md, prune). An object already gone
+    (another host pruning the same prefix) is skipped, not an error."""
+    from slotctl.errors import SlotctlError
+    from slotctl.sources import store_for
+
+    store = store_for(e.path)
+    try:
+        now = store.stat(e.path)
+        if now is None:
+            e.action, e.reason = SKIPPED, "gone before it was deleted (another prune?)"
+            return
+        if (now.etag, now.size) != (e.etag, e.size):
+            e.action, e.reason = SKIPPED, "changed since it was planned (written again?)"
+            return
+        store.delete(e.path)
+    except SlotctlError as err:
+        e.action, e.error = FAILED, str(err)
 
 
 def _put_back(e: Entry, aside: str) -> None:

@@ -80,6 +80,8 @@ class Store(Protocol):
 
     def peek(self, urls: Sequence[str], n: int) -> list[bytes | None]: ...
 
+    def delete(self, url: str) -> None: ...
+
 
 _STORES: dict[str, Store] = {}
 

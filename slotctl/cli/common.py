@@ -113,7 +113,10 @@ def runtime_state_version() -> int | None:
 def check_file(path) -> None:
     """A usage error (exit 2) for a path that is not a readable regular file (see :func:`check_readable`)."""
     from slotctl.paths import check_readable
+    from slotctl.sources import remote_url
 
+    if remote_url(path) is not None:   # an object in a store: its open says what is wrong with it
+        return
     check_readable(path)
 
 
@@ -149,6 +152,51 @@ def readable(path: str | os.PathLike) -> Iterator[str]:
         return
     check_readable(p)
     yield p
+
+
+@contextlib.contextmanager
+def local_input(path) -> Iterator[str]:
+    """A local path to read for ``path``: the path itself, or an ``s3://`` object downloaded to a temporary
+    file for the block (for a command that reads every byte anyway: docs/store.md)."""
+    from slotctl.sources import remote_url
+
+    url = remote_url(path)
+    if url is None:
+        yield os.fspath(path)
+        return
+    from slotctl.remote.store import local_copy
+
+    with local_copy(url) as tmp:
+        yield tmp
+
+
+@contextlib.contextmanager
+def local_output(path, *, overwrite: bool) -> Iterator[str]:
+    """A local path to write for ``path``: the path itself, or for an ``s3://`` destination a temporary file
+    uploaded when the block ends (if it was written), as ``cp`` uploads: created only if no object is there
+    unless ``overwrite``."""
+    from slotctl.sources import remote_url
+
+    url = remote_url(path)
+    if url is None:
+        yield os.fspath(path)
+        return
+    import tempfile
+
+    from slotctl.remote.store import upload_file
+
+    with tempfile.TemporaryDirectory(prefix="slotctl-s3-") as tmp:
+        local = os.path.join(tmp, url.rpartition("/")[2] or "object")
+        yield local
+        if os.path.exists(local):
+            upload_file(local, url, overwrite=overwrite)
+
+
+def shown(path) -> str:
+    """``path`` as a command shows it: an ``s3://`` URL as typed (pathlib makes ``s3://`` into ``s3:/``)."""
+    from slotctl.sources import remote_url
+
+    return remote_url(path) or os.fspath(path)
 
 
 def file_error(path: str | os.PathLike, e: Exception) -> dict:

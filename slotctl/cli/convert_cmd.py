@@ -8,10 +8,11 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from slotctl.cli.common import check_file, handle_errors
+from slotctl.cli.common import check_file, handle_errors, local_input, local_output, shown
 from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt, flag_option
 from slotctl.cli.output import Output, human_bytes, markup_safe
 from slotctl.atomic import check_destination
+from slotctl.sources import is_remote
 from slotctl.errors import ExitStatus, FormatError, UsageError
 from slotctl.server.flags import flag_name
 
@@ -67,8 +68,14 @@ def convert(
     if parallel is None and not kv_unified and state_version is None and not any(
             (cache_type_k, cache_type_v, spec_draft_type_k, spec_draft_type_v)):
         raise UsageError("nothing to convert: give --state-version, -np/-kvu or a cache type")
-    if not dry_run:   # a device, FIFO, socket or unfollowed symbolic link is refused before any work
+    remote_out = is_remote(output)
+    if not dry_run and not remote_out:   # a device, FIFO, socket or unfollowed symbolic link is refused first
         check_destination(output, overwrite=force, follow_symlinks=follow_symlinks)
+    elif not dry_run and not force:   # an object: refused at once when one is there (and at the upload)
+        from slotctl.remote.store import S3_STORE
+
+        if S3_STORE.stat(shown(output)) is not None:
+            raise UsageError(f"{shown(output)}: exists (use --force to overwrite)", code="exists")
     tinfo, dinfo = _info(model), _info(draft_model)
     n_stream = conv.stream_count(parallel, kv_unified)
     req = conv.Request(
@@ -79,18 +86,20 @@ def convert(
                           conv.cache_type_id(spec_draft_type_v, flag_name("spec_draft_type_v")), _rule(dinfo)))
     layouts = dict(layout=tinfo.layout() if tinfo else None, draft_layout=dinfo.layout() if dinfo else None)
     try:
-        plan = conv.plan_convert(file, req, **layouts)
-        errors = []
-        if not dry_run:
-            with out.progress("converting", bytes_=True) as update:
-                errors = conv.write_converted(plan, output, overwrite=force, follow_symlinks=follow_symlinks,
-                                              progress=update, **layouts)
+        # s3://: the object downloaded first, OUT uploaded after (convert rewrites every byte: docs/store.md)
+        with local_input(file) as real, local_output(output, overwrite=force) as real_out:
+            plan = conv.plan_convert(real, req, **layouts)
+            errors = []
+            if not dry_run:
+                with out.progress("converting", bytes_=True) as update:
+                    errors = conv.write_converted(plan, real_out, overwrite=force and not remote_out,
+                                                  follow_symlinks=follow_symlinks, progress=update, **layouts)
     except FormatError as e:
         _fail(out, json_out, file, output, "refused" if isinstance(e, conv.ConversionRefused) else "damaged",
-              f"{file}: {e}")
+              f"{shown(file)}: {e}")
     worst = max((e.max_abs_error for e in errors), default=None)
     if json_out:
-        out.json({"path": str(file), "output": str(output), "size": plan.size, "output_size": plan.output_size,
+        out.json({"path": shown(file), "output": shown(output), "size": plan.size, "output_size": plan.output_size,
                   "source_state_version": plan.version_in, "state_version": plan.version_out,
                   "changes": [c.as_dict() for c in plan.changes], "layers": [e.as_dict() for e in errors],
                   "max_abs_error": worst, "dry_run": dry_run, "exit_code": 0})
@@ -100,7 +109,7 @@ def convert(
 
 def _fail(out: Output, json_out: bool, file: Path, output: Path, code: str, message: str) -> None:
     if json_out:
-        out.json({"path": str(file), "output": str(output), "error": {"code": code, "message": message},
+        out.json({"path": shown(file), "output": shown(output), "error": {"code": code, "message": message},
                   "exit_code": int(ExitStatus.FAILED)})
     else:
         out.error(message)
@@ -126,7 +135,7 @@ def _rule(info):
 
 def render(out: Output, plan, errors, file: Path, output: Path, dry_run: bool) -> None:
     verb = "would write" if dry_run else "wrote"
-    out.print(f"{markup_safe(str(file))} -> {markup_safe(str(output))}: {verb} {human_bytes(plan.output_size)} "
+    out.print(f"{markup_safe(shown(file))} -> {markup_safe(shown(output))}: {verb} {human_bytes(plan.output_size)} "
               f"(was {human_bytes(plan.size)})")
     for c in plan.changes:
         out.print(f"  {markup_safe(c.describe())}")

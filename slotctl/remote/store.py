@@ -20,11 +20,12 @@ holds a credential (:func:`_scrub`). A read is pinned to the ETag of the object'
 from __future__ import annotations
 
 import configparser
+import contextlib
 import os
 import re
 import threading
 from datetime import timedelta
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import obstore
 from obstore import exceptions as obx
@@ -303,6 +304,16 @@ class S3:
         if not out and not res.get("common_prefixes"):
             self._check_bucket(store, url)
         return sorted(out, key=lambda en: en.path)
+
+    def delete(self, url: str) -> None:
+        """DELETE the object (prune); one that is already gone is no error (S3's DELETE is idempotent)."""
+        store, key = self.bucket(url)
+        try:
+            obstore.delete(store, key)
+        except (obx.NotFoundError, FileNotFoundError):
+            return
+        except Exception as e:  # noqa: BLE001
+            raise self.error(url, e, "DELETE") from None
 
     def _check_bucket(self, store: S3Store, url: str) -> None:
         """An empty listing of a bucket that does not exist is an error (a missing prefix is just empty)."""
@@ -585,6 +596,42 @@ class Writer:
             raise self.s3.error(reader.name, e, "GET") from None
         if done != reader.size:
             raise UsageError(f"{reader.name}: {done:,} bytes read, the object has {reader.size:,}", code="size_mismatch")
+
+
+# -- whole objects as local files: commands that rewrite every byte (convert) ---------------------------
+
+
+@contextlib.contextmanager
+def local_copy(url: str) -> Iterator[str]:
+    """The object at ``url`` downloaded (pinned to its ETag) to a temporary local file, removed after: for a
+    command that reads every byte anyway (convert rewrites the whole file)."""
+    import tempfile
+
+    reader = S3_STORE.open(url)
+    fd, tmp = tempfile.mkstemp(prefix="slotctl-s3-", suffix=".bin")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for data in Writer(S3_STORE).chunks(reader):
+                out.write(data)
+        yield tmp
+    finally:
+        reader.close()
+        os.unlink(tmp)
+
+
+def upload_file(path: str, url: str, *, overwrite: bool, progress=None) -> dict:
+    """The local file ``path`` uploaded to ``url`` as ``cp`` uploads (conditional unless ``overwrite``)."""
+    size = os.path.getsize(path)
+
+    def chunks():
+        with open(path, "rb") as f:
+            while True:
+                data = f.read(PART_SIZE)
+                if not data:
+                    return
+                yield data
+
+    return Writer(S3_STORE).upload(chunks(), size, url, overwrite=overwrite, progress=progress)
 
 
 #: the one ``s3`` scheme of this process
