@@ -159,6 +159,45 @@ def header_end_of(data: bytes) -> int:
     return 12 + 4 * struct.unpack_from("<I", data, 8)[0]
 
 
+def kv_fields(data: bytes, header_end: int) -> dict[str, int]:
+    """Offsets of the fields of a version-4 payload of one KV stream (cells without ext), read from its bytes
+    as the loader reads them: the cells, the data header, and each K and V record's header."""
+    (cells,) = struct.unpack_from("<I", data, header_end + 4)
+    at = {"cells": header_end + 8}
+    pos = header_end + 8 + 12 * cells
+    v_trans, n_layer = struct.unpack_from("<II", data, pos)
+    at["data header"] = pos
+    pos += 16
+    for kind in ("K", "V"):
+        for i in range(n_layer):
+            at[f"{kind}{i}"] = pos
+            if kind == "V" and v_trans:
+                _t, el, n_embd = struct.unpack_from("<iII", data, pos)
+                pos += 12 + n_embd * cells * el
+            else:
+                _t, row = struct.unpack_from("<iQ", data, pos)
+                pos += 12 + cells * row
+    return at
+
+
+def header_cuts(base: bytes, header_end: int) -> dict[str, bytes]:
+    """Copies of ``base`` cut inside a field the loader checks or reads before its data: the cell metadata
+    (a position, a sequence-id count, a sequence id), the data header, and the headers of K and V records
+    (the type read in part; the type whole and the row size, or the element size, in part)."""
+    at = kv_fields(base, header_end)
+    cells = at["cells"]
+    return {
+        "cut-cell-pos": base[:cells + 12 * 3 + 2],
+        "cut-cell-seq-id": base[:cells + 12 * 3 + 9],
+        "cut-data-header": base[:at["data header"] + 6],
+        "cut-k0-type": base[:at["K0"] + 2],
+        "cut-k0-row-size": base[:at["K0"] + 4 + 3],
+        "cut-k1-row-size": base[:at["K1"] + 4 + 3],
+        "cut-v0-type": base[:at["V0"] + 1],
+        "cut-v1-row-size": base[:at["V1"] + 4 + 5],
+    }
+
+
 @dataclass(frozen=True)
 class FlagSet:
     """One llama-server: its model (``target``, ``other`` or a memory kind) and flags (also validate's)."""
@@ -189,6 +228,8 @@ class Matrix:
 
     cells: list[dict] = field(default_factory=list)
     reuse_checked: int = 0
+    #: cells validate called aborts with certain: false (undefined behaviour), by what the server did
+    uncertain: dict[str, int] = field(default_factory=dict)
 
     def add(self, **cell) -> None:
         self.cells.append(cell)
@@ -200,7 +241,9 @@ class Matrix:
     def summary(self, title: str) -> str:
         n, bad = len(self.cells), len(self.disagreements)
         lines = [f"{title}: {n} cells, {n - bad} agree ({100 * (n - bad) / max(n, 1):.1f}%)"
-                 + (f"; predicted reuse checked in {self.reuse_checked}" if self.reuse_checked else "")]
+                 + (f"; predicted reuse checked in {self.reuse_checked}" if self.reuse_checked else "")
+                 + (f"; not certain (the worst, aborts) in {sum(self.uncertain.values())}, where the server "
+                    + ", ".join(f"{k} {v}" for k, v in sorted(self.uncertain.items())) if self.uncertain else "")]
         lines += [f"  DISAGREE {c['file']} x {c['flags']}: server {c['truth']}, validate {c['verdict']}"
                   f"{' (' + c['why'] + ')' if c.get('why') else ''}" for c in self.disagreements]
         return "\n".join(lines)
@@ -255,9 +298,13 @@ def b11434_matrix(llama_server_bin, models, tmp_path_factory) -> Matrix:
     for name, data in damaged(base, header_end_of(base)).items():
         (slots / f"np1-{name}.bin").write_bytes(data)
         llama_files[f"np1-{name}.bin"] = slots / f"np1-{name}.bin"
+    for name, data in header_cuts(base, header_end_of(base)).items():
+        (slots / f"np1-{name}.bin").write_bytes(data)
+        llama_files[f"np1-{name}.bin"] = slots / f"np1-{name}.bin"
     base = (DATA / "srv-fa-off.bin").read_bytes()
-    for name in ("cut-kv-half", "one-short"):
-        (slots / f"fa-off-{name}.bin").write_bytes(damaged(base, header_end_of(base))[name])
+    cuts = {**damaged(base, header_end_of(base)), **header_cuts(base, header_end_of(base))}
+    for name in ("cut-kv-half", "one-short", "cut-v0-type", "cut-v1-row-size"):
+        (slots / f"fa-off-{name}.bin").write_bytes(cuts[name])
         llama_files[f"fa-off-{name}.bin"] = slots / f"fa-off-{name}.bin"
     kind_files: dict[str, dict[str, Path]] = {}
     for kind in ("gemma2", "mamba"):
@@ -299,6 +346,10 @@ def b11434_matrix(llama_server_bin, models, tmp_path_factory) -> Matrix:
                     rep = verdicts[name]
                     got = VERDICT_TRUTH.get(rep["verdict"], rep["verdict"])
                     agree, why = got == truth, ""
+                    if not rep["certain"] and rep["verdict"] == "aborts":
+                        # the source does not settle it: validate says the worst, the build does either
+                        agree = truth in ("refused", "aborts")
+                        matrix.uncertain[truth] = matrix.uncertain.get(truth, 0) + 1
                     if truth == "restored":
                         data = path.read_bytes()
                         n = n_tokens_of(data)
@@ -313,7 +364,8 @@ def b11434_matrix(llama_server_bin, models, tmp_path_factory) -> Matrix:
                     if not agree and not why:
                         why = first_error(rep) if truth == "restored" else (
                             "server: " + str(answer)[:160] if truth == "refused" else "")
-                    matrix.add(file=name, flags=fs.name, truth=truth, verdict=rep["verdict"], agree=agree, why=why)
+                    matrix.add(file=name, flags=fs.name, truth=truth, verdict=rep["verdict"], certain=rep["certain"],
+                               agree=agree, why=why)
         finally:
             for srv in servers.values():
                 srv.stop()
@@ -338,6 +390,28 @@ def check_matrix(matrix: Matrix, known: set[tuple[str, str]], title: str) -> Non
 
 def test_validate_agrees_with_llama_server_b11434(b11434_matrix):
     check_matrix(b11434_matrix, KNOWN_B11434, "b11434 agreement matrix")
+
+
+def test_a_cut_inside_a_k_record_header_crashes_where_the_file_would_restore(b11434_matrix):
+    """The disagreement of issue 15: a file cut inside a K record's header (the type read whole, the row size
+    in part) crashed b11434 in every configuration where the whole file restores, and validate said
+    "refused". Now it says the worst, aborts, and that this rests on undefined behaviour (certain: false);
+    a cut whose own bytes contradict the context, or after a mismatch, is refused for certain."""
+    cells = {(c["file"], c["flags"]): c for c in b11434_matrix.cells}
+    restores = [fs for fs in ("c256-np1", "kvu-np2", "other-model")
+                if cells[("srv-np1.bin", fs)]["truth"] == "restored"]
+    assert len(restores) == 3
+    for fs in restores:
+        c = cells[("np1-cut-k1-row-size.bin", fs)]
+        assert (c["truth"], c["verdict"], c["certain"]) == ("aborts", "aborts", False), c
+    # a context the file does not fit refuses it whatever the cut, for certain
+    for fs in ("c512-np2", "np4-c256", "fa-off", "kv-q8_0"):
+        c = cells[("np1-cut-k1-row-size.bin", fs)]
+        assert (c["truth"], c["verdict"], c["certain"]) == ("refused", "refused", True), c
+    # one byte short, in the last record's data: nothing is checked after it, so it aborts for certain
+    for fs in restores:
+        c = cells[("np1-one-short.bin", fs)]
+        assert (c["truth"], c["verdict"], c["certain"]) == ("aborts", "aborts", True), c
 
 
 def test_the_b11434_matrix_covers_every_outcome(b11434_matrix):

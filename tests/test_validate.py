@@ -425,17 +425,58 @@ def test_a_draft_state_without_a_draft_model_is_dropped(child, models, made):
 def test_checkpoint_blobs_that_do_not_fit_are_kept_and_harmless_to_a_plain_kv_cache(child, models, made):
     """The appendix loader checks only lengths, so the file restores with the checkpoints; only a rollback
     to one aborts (common_prompt_checkpoint::load_dft: "checkpoint size mismatch"), and a server with a
-    plain KV cache never rolls back to a checkpoint: a note."""
+    plain KV cache never rolls back to these (positions 0..31 and 0..63): a note."""
     r = check(child, made.good, models.target, models.target, n_ctx=256)
     for i in (0, 1):
         f = finding(r, "layer_count_mismatch", f"checkpoint {i} draft")
-        assert f.severity == "note" and "never rolls back" in f.message
+        assert f.severity == "note" and "no request makes this server load it" in f.message
         assert f.message.startswith(f"checkpoint {i}'s draft blob has 1 layer, the draft context 2")
         assert layer_check(r, f"checkpoint {i} draft").effect == "ok"
         assert_agree(r, f"checkpoint {i} draft")
         assert layer_check(r, f"checkpoint {i} target").effect == "ok"
     assert finding(r, "layer_count_mismatch", "draft").severity == "drop"
     assert r.verdict == "restores_with_drops"
+
+
+def test_a_plain_kv_cache_rolls_back_to_a_checkpoint_of_positions_0_to_1(child, models, tmp_path):
+    """Correction 3 of issue 15: a request of one token equal to the slot's first makes pos_min_thold 0
+    (b11434 update_slots: no new tokens), so a plain KV cache, which starts at 0, searches its checkpoints and
+    loads the newest with pos_min 0 and pos_max <= 1 (save --checkpoint-at 1 makes one). In real contexts,
+    then in validate: a draft blob that does not fit in that checkpoint is an error, in another a note."""
+    from slotctl.runtime.speculative import ServerSlot
+
+    s = ContextSettings(n_ctx=256, flash_attn="on")
+    path = tmp_path / "at-1.bin"
+    with ServerContexts.open(models.target, s, draft_path=models.draft) as sc:
+        tokens = sc.target_model.tokenize(SAMPLE_PROMPT)
+        cps = evaluate_prompt(sc, tokens, 0, checkpoint_at=(1, 32))
+        write_slot_file(path, sc, 0, tokens, version=4, checkpoints=cps)
+        assert [(c.n_tokens, c.pos_min, c.pos_max) for c in cps] == [(1, 0, 0), (32, 0, 31)]
+        slot = ServerSlot(sc, 0, tokens, cps)
+        n_past, used, _ = slot.evaluate(tokens[:1])      # the slot's first token, alone
+        assert (n_past, used) == (0, 1)
+        longer = ServerSlot(sc, 0, tokens[:1], [cps[0]])
+        assert longer.evaluate(tokens[:3])[1] is None     # new tokens: pos_min_thold 1, the cache starts at 0
+    r = check(child, path, models.target, models.target, n_ctx=256)
+    first, second = (finding(r, "layer_count_mismatch", f"checkpoint {i} draft") for i in (0, 1))
+    assert first.severity == "error" and "a request of one token, the slot's first" in first.message
+    assert second.severity == "note" and "no request makes this server load it" in second.message
+    assert r.verdict == "restores_with_drops" and r.exit_status == 1
+
+
+def test_an_iswa_cache_with_swa_full_rolls_back_as_a_plain_kv_cache(tmp_path):
+    """Correction 3: with --swa-full the server's n_swa is 0 and the SWA cache holds every position, so an
+    iSWA server behaves as a plain KV cache: a checkpoint of positions 4..19 is never loaded."""
+    raw = (DATA / "kinds" / "srv-gemma2.bin").read_bytes()
+    junk = struct.pack("<Ii", 0xAF143CD8, 0) + b"\x07" * 56
+    sckp = b"SCKP" + struct.pack("<II", 1, 1) + struct.pack("<qii", 20, 4, 19)
+    sckp += b"".join(struct.pack("<Q", len(b)) + b for b in (junk, b"", b""))
+    p = tmp_path / "gemma2-bad-checkpoint.bin"
+    p.write_bytes(raw + sckp)
+    for swa_full, severity in ((False, "error"), (True, "note")):
+        r = check(None, p, DATA / "kinds" / "gemma2.gguf", load=False, n_ctx=256, swa_full=swa_full)
+        assert finding(r, "checkpoint_blob_damaged", "checkpoint 0 target").severity == severity, swa_full
+        assert r.verdict == "restores"
 
 
 def test_a_checkpoint_blob_damaged_inside_is_kept(made, tmp_path):

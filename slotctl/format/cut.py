@@ -1,15 +1,22 @@
-"""A memory payload the file ends inside: where, in the order llama.cpp reads it, and what it reads after.
+"""A memory payload the file ends inside, read as b11434's loader reads it: field by field, byte by byte.
 
-llama.cpp's file loader reads the payload field by field (``state_read_meta``, then ``state_read_data``
-per stream; a composite memory section by section). :func:`locate_cut` walks the same order over a file
-that ends too early and says which field the end falls in, whether that field is tensor data, and what
-the loader would read after it: more records of the same shape, or something else (another record
-shape, a stream's or a section's header). Tensor bytes are never read.
+llama.cpp's loader reads a payload one field at a time, each with one ``io.read`` into a variable
+(``state_read_meta``, then ``state_read_data`` per stream; a composite memory section by section). On a
+file that ends early, b11434's ``llama_file::read_raw_unsafe`` clamps each read to the bytes left: the
+field gets what the file still holds and the rest of the variable keeps what it held (locals the source
+never initialised: indeterminate), and ``llama_io_read_file::read`` counts the full size anyway. So the
+loader goes on past the end, comparing variables the file did not fill with what its context expects,
+and when every comparison passes its caller's ``GGML_ASSERT(nread <= state_size)`` aborts the process.
 
-:func:`completion` gives the bytes that complete such a payload when every field after the end repeats
-the record the end falls in (the record's header again, zeros for the data): the payload the loader
-sees when what it reads beyond the end of the file keeps the values of the record before (see
-:mod:`slotctl.validate.check`, ``payload_cut``).
+:func:`locate_cut` walks the same fields over such a file and returns a :class:`Cut`: the field the end
+falls in and how many of its bytes the file holds; whether the loader checks any field at or after the
+end (``settled``: it checks none, so the outcome follows from the fields before the end alone); whether
+the bytes the file holds of a checked field already differ from what the context expects (``refuses``:
+then no value of the rest can pass); and the completion: the bytes that, after the end, make the payload
+the loader sees when every variable it did not fill happens to hold what the context expects (the best
+case for the file). Parsing that completed payload and comparing it with the context finds every
+mismatch the file's own bytes make certain. The expected values are the caller's (``expected``: a
+prediction of the context); tensor bytes are never read or made.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from __future__ import annotations
 import io
 import struct
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, Callable, Union
 
 import numpy as np
 
@@ -26,47 +33,65 @@ from slotctl.format.common import MAX_LAYERS, MAX_STREAMS
 from slotctl.format.kv import ext_size
 from slotctl.format.memory import MemoryLayout
 
-ROW = "row"            # i32 type; u64 row_size; data[cells * row_size]
-ELEMENTS = "elements"  # i32 type; u32 el_size; u32 n_embd; data[n_embd * cells * el_size]
+#: ``expected(key, section, record)``: what the loader's context holds for a checked field, or None when
+#: unknown. Keys: "n_stream", "cell_count" (the cells a stream has: the loader refuses more),
+#: "v_trans", "n_layer", "n_rot_k", "n_rot_v", "k_type", "k_row_size", "v_type", "v_row_size",
+#: "v_el_size", "n_embd_v_gqa" (KV; ``record`` is the layer's record index), "s_trans", "r_type",
+#: "r_row_size", "s_type", "s_row_size", "s_el_size", "n_embd_s" (recurrent)
+Expected = Callable[[str, int, "int | None"], "int | None"]
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """``count`` copies of ``unit``: completed cells, made only when read."""
+
+    unit: bytes
+    count: int
+
+    def __len__(self) -> int:
+        return len(self.unit) * self.count
+
+
+Piece = Union[bytes, int, Repeat]   # bytes; an int: that many zero bytes; a Repeat
 
 
 @dataclass
 class Cut:
-    """Where the file ends inside a payload.
+    """Where the file ends inside a payload, and what the loader reads from there on.
 
-    ``field``: what the loader reads there ("K data", "V data (transposed)", "s data", "cell 3",
-    "n_layer", ...); ``section``: index of the section; ``in_data``: the end falls inside a record's tensor
-    data, or right after it; ``record``: that record's shape and header (``(shape, header bytes, data
-    size)``); ``after``: the shapes read after it, in order ("row", "elements", or what else: "stream 1",
-    "section 1 (swa KV)", ...).
+    ``field``: the field the end falls in ("K row size (stream 0, record 1)", "cell 3 n_seq_id", "V data
+    (stream 0, record 0)", ...); ``key``: the check it goes to (a key of :data:`Expected`, "n_seq_id"),
+    None for a field the loader does not check (positions, ext, sequence ids, tensor data); ``have``:
+    the bytes of it the file holds, of ``size``; ``section``: the section's index. ``settled``: no
+    checked field is read at or after the end. ``refuses``: why the bytes the file holds of the field
+    already fail its check (None: they do not). ``completion``: the pieces after the end (see the module
+    docstring); None when ``refuses``.
     """
 
     offset: int
     field: str
     section: int
+    key: str | None = None
+    have: int = 0
+    size: int = 0
     in_data: bool = False
-    record: tuple[str, bytes, int] | None = None
-    data_left: int = 0
-    after: list[tuple[str, int]] = field(default_factory=list)   # (shape or what, data size)
-
-    @property
-    def repeats(self) -> bool:
-        """Whether everything read after the end has the shape of the record the end falls in."""
-        return self.in_data and self.record is not None and all(s == self.record[0] for s, _ in self.after)
+    settled: bool = True
+    refuses: str | None = None
+    completion: list[Piece] | None = field(default_factory=list)
 
     def describe(self) -> str:
-        return self.field
-
-
-class _End(Exception):
-    def __init__(self, what: str, in_data: bool = False):
-        self.what = what
-        self.in_data = in_data
+        if self.in_data:
+            return self.field
+        return f"{self.field} (the file holds {self.have} of its {self.size} bytes)"
 
 
 class _Beyond(Exception):
     """A count beyond what its layer can hold (docs/design.md, "Bounds"): the loader refuses the payload
     there, so it is no payload cut short; and walking it would cost time and memory by an untrusted count."""
+
+
+class _Refuses(Exception):
+    pass
 
 
 def _bounded(value: int, limit: int) -> int:
@@ -75,151 +100,189 @@ def _bounded(value: int, limit: int) -> int:
     return value
 
 
-class _Walker:
-    def __init__(self, f: BinaryIO, pos: int, size: int):
-        self.f, self.pos, self.size = f, pos, size
+class _Reader:
+    """The loader's reads: from the file while it lasts, then the completion (expected values)."""
 
-    def fixed(self, fmt: str, what: str):
+    def __init__(self, f: BinaryIO, pos: int, size: int, expected: Expected | None):
+        self.f, self.pos, self.size, self.expected = f, pos, size, expected
+        self.cut: Cut | None = None
+        self.section = 0
+
+    def _at_end(self, what: str, key: str | None, n: int, in_data: bool) -> int:
+        """Note a field at or after the end (``key``: its check, None for an unchecked field); the bytes
+        of it the file holds."""
+        have = max(0, min(n, self.size - self.pos))
+        if self.cut is None:
+            self.cut = Cut(self.size, what, self.section, key, have, n, in_data)
+        if key is not None:
+            self.cut.settled = False
+        return have
+
+    def value(self, fmt: str, what: str, key: str | None = None, record: int | None = None, *,
+              want: int | None = None, most: bool = False, fill: int | None = None) -> int:
+        """One field (``fmt``: one struct code) the loader checks against ``key`` (None: unchecked).
+        ``want``: the value the check expects (default: the caller's ``expected``); ``most``: the check
+        is ``value <= want``. Beyond the end the field is completed with ``fill`` (default: ``want``, or
+        0 for a ``most`` check, the least value the bytes held allow)."""
         n = struct.calcsize(fmt)
-        if self.pos + n > self.size:
-            raise _End(what)
+        if self.pos + n <= self.size:
+            self.f.seek(self.pos)
+            self.pos += n
+            return struct.unpack(fmt, self.f.read(n))[0]
+        have = self._at_end(what, key, n, False)
+        if key is not None and want is None and self.expected is not None:
+            want = self.expected(key, self.section, record)
+        if fill is None:
+            fill = 0 if want is None or most else want
         self.f.seek(self.pos)
+        got = self.f.read(have) if have else b""
+        raw = got + struct.pack(fmt, fill)[have:]
+        value = struct.unpack(fmt, raw)[0]
+        if key is not None and want is not None and have and (value > want if most else value != want):
+            raise _Refuses(f"the {have} byte(s) of {what} the file holds ({got.hex(' ')}) make it "
+                           f"{'at least ' if most else ''}{value:,} whatever the rest held, and the context "
+                           f"{'has ' + format(want, ',') + ' cells' if most else 'expects ' + format(want, ',')}")
+        self.cut.completion.append(raw[have:])
         self.pos += n
-        return struct.unpack(fmt, self.f.read(n))
+        return value
 
-    def skip(self, n: int, what: str, in_data: bool) -> None:
-        if self.pos + n > self.size:
-            raise _End(what, in_data)
+    def data(self, n: int, what: str) -> None:
+        """Tensor data (or any bytes the loader does not check) of ``n`` bytes."""
+        if self.pos + n <= self.size:
+            self.pos += n
+            return
+        have = self._at_end(what, None, n, True)
+        self.cut.completion.append(n - have)
         self.pos += n
 
 
-def locate_cut(f: BinaryIO, offset: int, size: int, layout: MemoryLayout, version: int) -> Cut | None:
+def locate_cut(f: BinaryIO, offset: int, size: int, layout: MemoryLayout, version: int,
+               expected: Expected | None = None) -> Cut | None:
     """Walk ``layout`` from ``offset`` in the loader's order; the :class:`Cut` where the file (``size``
     bytes) ends, or None when the payload is complete, or when a count on the way is beyond what its
     layer can hold (streams, cells, layers: the bounds of :mod:`slotctl.format.cells` and
-    :mod:`slotctl.format.common`), which the loader refuses before any end."""
-    w = _Walker(f, offset, size)
-    secs = layout.sections
-    cut: Cut | None = None
-    state: dict = {}
-    for si, sec in enumerate(secs):
-        try:
+    :mod:`slotctl.format.common`), which the loader refuses before any end. After the end, the walk
+    follows the values ``expected`` gives (zeros without it: then only ``field`` and ``have`` mean
+    anything)."""
+    r = _Reader(f, offset, size, expected)
+    try:
+        for si, sec in enumerate(layout.sections):
+            r.section = si
             if sec.type == "kv":
-                _walk_kv(w, sec, version, state)
+                _walk_kv(r, sec, version)
             else:
-                _walk_recurrent(w, sec, state)
-        except _Beyond:
-            return None
-        except _End as e:
-            cut = Cut(size, e.what, si, in_data=e.in_data)
-            rec = state.get("record")
-            if e.in_data and rec is not None:
-                cut.record = rec
-                cut.data_left = state["data_end"] - size
-                cut.after = list(state.get("after", []))
-            cut.after += [(f"section {j} ({secs[j].describe()})", 0) for j in range(si + 1, len(secs))]
-            return cut
-    return None
+                _walk_recurrent(r, sec)
+    except _Beyond:
+        return None
+    except _Refuses as e:
+        r.cut.refuses, r.cut.completion = str(e), None
+    return r.cut
 
 
-def _records(w: _Walker, what: str, n: int, shape: str, cells: int, state: dict, after: list) -> None:
-    """``n`` records of ``shape``; on the end inside one, ``state`` says which and what follows it."""
-    for i in range(n):
-        start = w.pos
-        if start == w.size and state.get("data_end") == start:
-            raise _End(f"{what} header (record {i}), right after the data of the record before", True)
-        if shape == ROW:
-            _t, row = w.fixed("<iQ", f"{what} header (record {i})")
-            data = cells * row
-        else:
-            _t, el, n_embd = w.fixed("<iII", f"{what} header (record {i})")
-            data = n_embd * cells * el
-        w.f.seek(start)
-        header = w.f.read(w.pos - start)
-        state["record"] = (shape, header, data)
-        state["data_end"] = w.pos + data
-        state["after"] = [(shape, data)] * (n - i - 1) + after
-        w.skip(data, f"{what} (record {i})", True)
+def _record(r: _Reader, name: str, key: str, shape_v_trans: bool, i: int, cells: int, stream: int) -> None:
+    """One record: ``i32 type; u64 row_size`` (or, transposed, ``i32 type; u32 el_size; u32 n_embd``)
+    then its data. ``key``: "k", "v", "r" or "s"."""
+    where = f"(stream {stream}, record {i})" if key in "kv" else f"(record {i})"
+    r.value("<i", f"{name} type {where}", f"{key}_type", i)
+    if shape_v_trans:
+        el = r.value("<I", f"{name} element size {where}", f"{key}_el_size", i)
+        n_embd = r.value("<I", f"{name} width {where}", "n_embd_v_gqa" if key == "v" else "n_embd_s", i)
+        r.data(n_embd * cells * el, f"{name} data (transposed) {where}")
+    else:
+        row = r.value("<Q", f"{name} row size {where}", f"{key}_row_size", i)
+        r.data(cells * row, f"{name} data {where}")
 
 
-def _cells(w: _Walker, n: int, ext: int) -> None:
-    """Skip ``n`` cells (``i32 pos; u32 n_seq_id; ext; i32 seq_id[n_seq_id]``), runs of one size at a time
-    read in chunks of at most 1 MiB; ``_End`` names the cell the file ends in."""
-    i = 0
+def _cells(r: _Reader, n: int, ext: int, n_seq_want: int) -> None:
+    """``n`` cells (``i32 pos; u32 n_seq_id; ext; i32 seq_id[n_seq_id]``): runs of one size read from the
+    file in chunks of at most 1 MiB; the cell the end falls in field by field; the cells after it
+    completed as one :class:`Repeat` (the last position again, ``n_seq_want`` sequence ids)."""
+    i, last_pos = 0, 0
     while i < n:
-        if w.pos + 8 > w.size:
-            raise _End(f"cell {i}")
-        w.f.seek(w.pos)
-        (n_seq,) = struct.unpack_from("<I", w.f.read(8), 4)
-        rec = 8 + ext + 4 * n_seq
-        m = min(n - i, max(1, (1 << 20) // rec), (w.size - w.pos) // rec)
-        if m == 0:
-            w.pos += 8
-            w.skip(rec - 8, f"cell {i}", False)   # the file ends inside this cell
+        if r.pos >= r.size:
+            unit = struct.pack("<iI", last_pos, n_seq_want) + bytes(ext + 4 * n_seq_want)
+            r._at_end(f"cell {i} n_seq_id", "n_seq_id", 8, False)
+            r.cut.completion.append(Repeat(unit, n - i))
+            r.pos += len(unit) * (n - i)
+            return
+        if r.pos + 8 <= r.size:
+            r.f.seek(r.pos)
+            n_seq = struct.unpack("<iI", r.f.read(8))[1]
+            rec = 8 + ext + 4 * n_seq
+            m = min(n - i, max(1, (1 << 20) // rec), (r.size - r.pos) // rec)
+        else:
+            m = 0
+        if m == 0:      # the end falls inside this cell
+            last_pos = r.value("<i", f"cell {i} pos", fill=last_pos)
+            n_seq = r.value("<I", f"cell {i} n_seq_id", "n_seq_id", want=n_seq_want)
+            if n_seq != n_seq_want:     # read whole, before the end: refused (and no seq ids to make)
+                r._at_end(f"cell {i} sequence ids", None, ext + 4 * n_seq, True)
+                raise _Refuses(f"cell {i} lists {n_seq:,} sequence ids; a single-sequence save {n_seq_want}")
+            r.data(ext, f"cell {i} ext")
+            r.data(4 * n_seq, f"cell {i} sequence ids")
+            i += 1
+            continue
         fields = [("pos", "<i4"), ("n_seq_id", "<u4")] + ([("rest", f"V{rec - 8}")] if rec > 8 else [])
-        w.f.seek(w.pos)
-        arr = np.frombuffer(w.f.read(m * rec), dtype=np.dtype(fields))
+        r.f.seek(r.pos)
+        arr = np.frombuffer(r.f.read(m * rec), dtype=np.dtype(fields))
         same = arr["n_seq_id"] == n_seq
-        r = m if bool(same.all()) else int(np.argmin(same))
-        w.pos += r * rec
-        i += r
+        k = m if bool(same.all()) else int(np.argmin(same))
+        last_pos = int(arr["pos"][k - 1])
+        r.pos += k * rec
+        i += k
 
 
-def _walk_kv(w: _Walker, sec, version: int, state: dict) -> None:
-    (n_stream,) = w.fixed("<I", "n_stream")
-    _bounded(n_stream, MAX_STREAMS)
+def _walk_kv(r: _Reader, sec, version: int) -> None:
+    """``llama_kv_cache::state_read_sinfo``: n_stream, then per stream its cell count, cells
+    (``state_read_meta``) and data (``state_read_data``)."""
+    n_stream = _bounded(r.value("<I", "n_stream", "n_stream"), MAX_STREAMS)
     total = 0
     for s in range(n_stream):
-        later_streams = [(f"stream {t}", 0) for t in range(s + 1, n_stream)]
-        (cells,) = w.fixed("<I", f"stream {s} cell_count")
+        cells = r.value("<I", f"stream {s} cell_count", "cell_count", most=True)
         if not cells:
             continue
         total = _bounded(total + cells, MAX_CELLS)
-        _cells(w, cells, ext_size(version, sec.has_ext))
-        v_trans, n_layer = w.fixed("<II", "v_trans and n_layer")
-        _bounded(n_layer, MAX_LAYERS)
+        _cells(r, cells, ext_size(version, sec.has_ext), 1)
+        v_trans = r.value("<I", f"stream {s} v_trans", "v_trans")
+        n_layer = _bounded(r.value("<I", f"stream {s} n_layer", "n_layer"), MAX_LAYERS)
         if version >= 4:
-            w.fixed("<II", "n_rot_k and n_rot_v")
-        v_shape = ELEMENTS if v_trans else ROW
-        n_v = n_layer if sec.v_records else 0
-        v_after = [(v_shape, 0)] * n_v
-        _records(w, "K data", n_layer, ROW, cells, state, v_after + later_streams)
-        _records(w, "V data (transposed)" if v_trans else "V data", n_v, v_shape, cells, state, later_streams)
+            r.value("<I", f"stream {s} n_rot_k", "n_rot_k")
+            r.value("<I", f"stream {s} n_rot_v", "n_rot_v")
+        for i in range(n_layer):
+            _record(r, "K", "k", False, i, cells, s)
+        for i in range(n_layer if sec.v_records else 0):
+            _record(r, "V", "v", bool(v_trans), i, cells, s)
 
 
-def _walk_recurrent(w: _Walker, sec, state: dict) -> None:
-    (cells,) = w.fixed("<I", "cell_count")
-    _cells(w, _bounded(cells, MAX_SEQ), 0)
-    s_trans, _n_layer = w.fixed("<II", "s_trans and n_layer")
-    s_shape = ELEMENTS if s_trans else ROW
-    _records(w, "r data", sec.n_r, ROW, cells, state, [(s_shape, 0)] * sec.n_s)
-    _records(w, "s data (transposed)" if s_trans else "s data", sec.n_s, s_shape, cells, state, [])
+def _walk_recurrent(r: _Reader, sec) -> None:
+    """``llama_memory_recurrent::state_read``: cell count, cells (n_seq_id 0 in a single-sequence save),
+    s_trans and n_layer, the r records, then the s records (data only when there are cells)."""
+    cells = _bounded(r.value("<I", "cell_count", "cell_count", most=True), MAX_SEQ)
+    _cells(r, cells, 0, 0)
+    s_trans = r.value("<I", "s_trans", "s_trans")
+    r.value("<I", "n_layer", "n_layer")
+    for i in range(sec.n_r):
+        _record(r, "r", "r", False, i, cells, 0)
+    for i in range(sec.n_s):
+        _record(r, "s", "s", bool(s_trans), i, cells, 0)
 
 
-def completion(cut: Cut) -> list[bytes | int]:
-    """What completes the payload after the end of the file when every record after the end repeats the
-    one the end falls in: the rest of its data, then each record after it with the same header and its
-    data. Pieces are bytes, or an int for that many zero bytes (tensor data, never made)."""
-    assert cut.repeats
-    _shape, header, data = cut.record
-    out: list[bytes | int] = [cut.data_left]
-    for _ in cut.after:
-        out += [header, data]
-    return out
+def _piece_size(p: Piece) -> int:
+    return p if isinstance(p, int) else len(p)
 
 
 class Extended(io.RawIOBase):
-    """A file read as its first ``size`` bytes followed by the pieces of ``tail`` (bytes, or an int: that
-    many zero bytes, made only when read): for parsing a completed payload without reading the file or
-    the completion's tensor data into memory."""
+    """A file read as its first ``size`` bytes followed by the pieces of ``tail`` (bytes; an int: that
+    many zero bytes; a :class:`Repeat`; made only when read): for parsing a completed payload without
+    reading the file or the completion's tensor data into memory."""
 
-    def __init__(self, f: BinaryIO, size: int, tail: list[bytes | int]):
+    def __init__(self, f: BinaryIO, size: int, tail: list[Piece]):
         self.f, self.size, self._pos = f, size, 0
-        self.pieces: list[tuple[int, int, bytes | None]] = []
+        self.pieces: list[tuple[int, int, Piece]] = []
         at = size
         for p in tail:
-            n = p if isinstance(p, int) else len(p)
-            self.pieces.append((at, at + n, None if isinstance(p, int) else p))
+            n = _piece_size(p)
+            self.pieces.append((at, at + n, p))
             at += n
         self.end = at
 
@@ -253,7 +316,15 @@ class Extended(io.RawIOBase):
                 continue
             start, stop, data = next(p for p in self.pieces if p[0] <= pos < p[1])
             k = min(want, stop - pos)
-            out += data[pos - start:pos - start + k] if data is not None else bytes(k)
+            at = pos - start
+            if isinstance(data, int):
+                out += bytes(k)
+            elif isinstance(data, Repeat):
+                u = len(data.unit)
+                first, last = at // u, (at + k + u - 1) // u
+                out += (data.unit * (last - first))[at - first * u:at - first * u + k]
+            else:
+                out += data[at:at + k]
         self._pos += len(out)
         return bytes(out)
 

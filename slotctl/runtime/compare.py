@@ -98,6 +98,7 @@ def _explain(name: str, comp: Completion, fcomp: Completion, restored: RestoredS
              n_ctx_checkpoints: int) -> str | None:
     """The server's documented behaviour that explains a difference (:func:`slotctl.server.reuse.
     explain_difference`), with validate's predicted reuse when the request extends the saved prompt."""
+    from slotctl.server.checkpoints import rolls_back
     from slotctl.server.reuse import explain_difference, predict_reuse
     from slotctl.slotfile import open_slot_file
 
@@ -110,5 +111,5 @@ def _explain(name: str, comp: Completion, fcomp: Completion, restored: RestoredS
         predicted = r.n_reused if r is not None else None
     draft = restored.step("draft")
     return explain_difference(name, comp, fcomp, draft_status=draft.status, draft_reason=draft.reason,
-                              rolls_back=n_swa > 0 or kind in ("recurrent", "hybrid", "hybrid_iswa"),
+                              rolls_back=rolls_back(kind, n_swa),
                               predicted=predicted)

@@ -283,11 +283,9 @@ def _cut_note(f: BinaryIO, size: int, tinfo: ModelInfo, version: int) -> str:
         return ""
     if cut is None:
         return ""
-    if cut.repeats:
-        return (f"; the file ends inside the payload's {cut.describe()}: llama-server b11434 reads past the end "
-                "and, when its context fits what it reads, aborts (GGML_ASSERT(nread <= state_size)); slotctl "
-                "validate says which")
-    return f"; the file ends inside the payload's {cut.describe()}: llama-server b11434 refuses it too"
+    return (f"; the file ends inside the payload's {cut.describe()}: llama-server b11434 reads past the end "
+            "and refuses the file or aborts (GGML_ASSERT(nread <= state_size)); slotctl validate says which, or "
+            "that the source does not settle it")
 
 
 def _load_checkpoints(f: BinaryIO, offset: int, size: int, version: int, tinfo: ModelInfo,

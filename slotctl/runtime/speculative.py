@@ -50,7 +50,8 @@ from slotctl.errors import ExitStatus, SlotctlError, UsageError
 from slotctl.runtime.context import STATE_FLAGS_PARTIAL_ONLY, Context
 from slotctl.runtime.model import LlamaError, Model
 from slotctl.runtime.slot import ServerContexts, process_prompt
-from slotctl.server.checkpoints import SEQ_RM_FULL, Checkpoint, CheckpointPolicy, rollback_checkpoint
+from slotctl.server.checkpoints import (SEQ_RM_FULL, Checkpoint, CheckpointPolicy, pos_min_threshold,
+                                        rollback_checkpoint)
 from slotctl.server.requests import request_refusal
 
 
@@ -218,7 +219,7 @@ class ServerSlot:
         n_past = n_common = common_prefix(self.tokens, request)
         pos_next = n_past
         has_new = n_past < n
-        pos_min_thold = max(0, pos_next - self._n_swa - (0 if has_new else 1))
+        pos_min_thold = pos_min_threshold(pos_next, self._n_swa, has_new)
         used = None
         if 0 < n_past <= len(self.tokens):
             pos_min = self.sc.target.seq_pos_min(self.id)

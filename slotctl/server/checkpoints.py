@@ -103,11 +103,30 @@ def keep_newest(entries: list, n_ctx_checkpoints: int) -> list:
     return entries[-n_ctx_checkpoints:] if n_ctx_checkpoints > 0 else []
 
 
-#: memory kinds whose server ever loads a checkpoint (``load_tgt`` / ``load_dft``): b11434's ``update_slots``
-#: searches the checkpoints only when the slot's memory starts at or after ``pos_min_thold`` (SWA caches,
-#: ``n_swa`` > 0, and recurrent state); a plain KV cache starts at 0 and ``pos_min_thold`` is ``pos_next``,
-#: so it never rolls back to one, and a checkpoint blob that does not fit is harmless there
-ROLLBACK_KINDS = ("iswa", "recurrent", "hybrid", "hybrid_iswa")
+def pos_min_threshold(pos_next: int, n_swa: int, has_new_tokens: bool) -> int:
+    """``pos_min_thold`` of b11434's ``update_slots`` (SLOT_STATE_STARTED): the largest ``pos_min`` a
+    checkpoint may have to be of use; the server searches its checkpoints when the slot's memory starts at
+    or after it (``llama_memory_seq_pos_min >= pos_min_thold``). ``n_swa``: the server's (0 with
+    ``--swa-full`` or without sliding-window layers); ``has_new_tokens``: the request goes beyond the
+    reused prefix (else the last position must be evaluated again: one lower)."""
+    return max(0, pos_next - n_swa - (0 if has_new_tokens else 1))
+
+
+def rolls_back(kind: str | None, n_swa: int) -> bool:
+    """Whether ordinary requests make the server go back to a checkpoint: its memory starts after 0 (a
+    recurrent state holds its last position only; an SWA cache with ``n_swa`` > 0 its window). A plain
+    KV cache, and an iSWA one with ``--swa-full`` (``n_swa`` 0: its SWA cache holds every position),
+    start at 0 and roll back only at the edge :func:`may_load` names."""
+    return kind in ("recurrent", "hybrid", "hybrid_iswa") or (kind == "iswa" and n_swa > 0)
+
+
+def may_load(kind: str | None, n_swa: int, pos_min: int, pos_max: int) -> bool:
+    """Whether some request makes the server load (``load_tgt`` / ``load_dft``) a checkpoint spanning
+    ``pos_min..pos_max``. Always where it :func:`rolls_back`; else the memory starts at 0, which is at or
+    after :func:`pos_min_threshold` only when that is 0: a request of one token equal to the slot's first
+    (``n_past`` 1, no new tokens), and then the newest checkpoint with ``pos_max <= 1`` and ``pos_min``
+    0 is loaded (``save --checkpoint-at 1`` makes one)."""
+    return rolls_back(kind, n_swa) or (pos_min == 0 and pos_max <= 1)
 
 
 def rollback_checkpoint(checkpoints: Sequence, pos_next: int, pos_min_thold: int):

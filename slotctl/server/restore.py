@@ -66,7 +66,8 @@ class Outcome:
     ``step``: "state header", "target", "tokens", "checkpoints", "draft" or "speculative". ``status``: a
     :class:`Status`. ``bytes``: the bytes of the file the step consumed (the server's ``n_read`` adds
     them up). ``message``: the server's own words (its error answer, or its log line). ``reason``: what
-    slotctl found, in its words.
+    slotctl found, in its words. ``doubt``: why the sources do not settle the status (it is then the
+    worst that can happen), or None.
     """
 
     step: str
@@ -74,6 +75,7 @@ class Outcome:
     bytes: int = 0
     message: str | None = None
     reason: str | None = None
+    doubt: str | None = None
 
     @property
     def refused(self) -> bool:
@@ -126,31 +128,47 @@ def target_outcome(nread: int, reason: str | None = None) -> Outcome:
     return Outcome("target", RESTORED, nread)
 
 
-def cut_payload_outcome(field: str, offset: int, *, repeats: bool, fits: bool) -> Outcome:
-    """``llama_state_seq_load_file`` on a file that ends inside the payload (b11434).
+#: why the outcome of a payload cut short is not settled by the source (``Outcome.doubt``)
+CUT_UNDEFINED = ("b11434's loader compares variables the file never filled (locals the source leaves "
+                 "uninitialised: undefined behaviour), so whether it refuses the file or loads it and aborts "
+                 "is the compiled build's, not the source's: the verdict is the worst that can happen")
 
-    Its ``llama_file::read_raw`` reads past the end of the file without an error: it reads what is left
-    and leaves the rest of each field as it was. The loader goes on, checks what it reads, and finally
-    ``GGML_ASSERT(nread <= state_size)`` kills the process. What it reads beyond the end is what its
-    variables held: measured on b11434 (x86-64), the header of the record before. ``repeats``: the end falls
-    in a record's tensor data and only records of the same shape follow (:func:`slotctl.format.cut.locate_cut`),
-    so the loader sees that record again; ``fits``: those checks, and every check before the end, pass in
-    this context. Then the server aborts; otherwise the loader refuses the file (a mismatch before the end,
-    in the loader's order, or values that do not continue the payload).
+
+def cut_payload_outcome(field: str, offset: int, *, fits: bool, settled: bool,
+                        refuses: str | None = None) -> Outcome:
+    """``llama_state_seq_load_file`` on a file that ends inside the payload (b11434, POSIX).
+
+    ``llama_file::read_raw_unsafe`` clamps each read to the bytes left, so a field the end falls in gets
+    the bytes the file holds and keeps the rest of what its variable held, a field after the end keeps
+    all of it; ``llama_io_read_file::read`` counts every read in full. The loader goes on, checks what it
+    has, and if every check passes the caller's ``GGML_ASSERT(nread <= state_size)`` kills the process
+    (:mod:`slotctl.format.cut` walks the fields). So, with ``refuses`` (the bytes the file holds of a
+    checked field fail the check whatever the rest held, :attr:`slotctl.format.cut.Cut.refuses`) or not
+    ``fits`` (a check fails on bytes before the end): refused, for certain. Else with ``settled`` (no
+    checked field at or after the end: the end falls in tensor data of the last record): aborts, for
+    certain. Else the loader checks indeterminate values: aborts, the worst that can happen, with
+    :data:`CUT_UNDEFINED` as the doubt (the x86-64 build of slotctl's tests keeps each local's value from
+    the record before, and so aborts where the record before fits). On Windows ``read_raw`` throws at the
+    end of the file instead: every cut is refused there.
     """
     where = f"the file ends inside the target memory's {field} (at 0x{offset:x})"
-    if repeats and fits:
-        return Outcome("target", ABORTS, message="GGML_ASSERT(nread <= state_size)", reason=(
-            f"{where}: b11434's loader reads past the end without an error, and what it reads there repeats the "
-            "record before, which fits this context, so it loads the payload and then aborts on "
-            "GGML_ASSERT(nread <= state_size): restoring this file crashes the server"))
-    if repeats:
+    if refuses:
+        return Outcome("target", REFUSED, message=TARGET_ERROR, reason=f"{where}: {refuses}: the loader refuses "
+                                                                       "the file")
+    if not fits:
         return Outcome("target", REFUSED, message=TARGET_ERROR, reason=(
-            f"{where}; the loader refuses it first, for the mismatch above (had the context fitted, the server "
-            "would abort on GGML_ASSERT(nread <= state_size))"))
-    return Outcome("target", REFUSED, message=TARGET_ERROR, reason=(
-        f"{where}: b11434's loader reads past the end without an error, and what it reads there does not "
-        "continue the payload: the server refuses the file"))
+            f"{where}; the loader refuses it first, for the mismatch above, in bytes the file holds"))
+    if settled:
+        return Outcome("target", ABORTS, message="GGML_ASSERT(nread <= state_size)", reason=(
+            f"{where}: b11434's loader reads past the end without an error and checks nothing after it, so it "
+            "loads the payload and then aborts on GGML_ASSERT(nread <= state_size): restoring this file "
+            "crashes the server"))
+    return Outcome("target", ABORTS, message="GGML_ASSERT(nread <= state_size)", doubt=CUT_UNDEFINED, reason=(
+        f"{where}: b11434's loader reads past the end without an error and goes on checking variables the "
+        "file never filled; when what they hold passes (in the x86-64 build slotctl's tests run, each keeps "
+        "the value of the record before), it loads the payload and aborts on GGML_ASSERT(nread <= "
+        "state_size), else it refuses the file. The worst, and the verdict: restoring this file crashes "
+        "the server"))
 
 
 # -- 3. the tokens -------------------------------------------------------------------------------------------

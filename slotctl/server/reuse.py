@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slotctl.server.checkpoints import keep_newest, rollback_checkpoint
+from slotctl.server.checkpoints import keep_newest, pos_min_threshold, rollback_checkpoint
 from slotctl.slotfile import SlotFile
 
 
@@ -105,7 +105,7 @@ def _predict(sf: SlotFile, n_swa: int | None, n_ctx_checkpoints: int, checkpoint
     kept = keep_newest(list(sf.checkpoints or []), n_ctx_checkpoints) if checkpoints_read else []
     divergence = _divergence(kind, n_swa, [c.n_tokens for c in kept])
     pos_next = n
-    thold = max(0, pos_next - n_swa - thold_shift)
+    thold = pos_min_threshold(pos_next, n_swa, has_new_tokens=not thold_shift)
     if pos_min < thold:
         return Reuse(n, n, None, None, n, None, divergence)
     held = _held(kind, part, pos_min, n, n_swa)

@@ -16,10 +16,11 @@ from slotctl.sources import open_input, raise_failure, remote_url
 from slotctl.errors import FormatError, UsageError, os_error_code
 from slotctl.server.findings import Finding, ServerRules, checkpoints_read, structural_findings
 from slotctl.format.blob import FLAGS_NONE, FLAGS_PARTIAL_ONLY
-from slotctl.format.cut import Cut, Extended, completion, locate_cut
+from slotctl.format import ggml
+from slotctl.format.cut import Cut, Expected, Extended, locate_cut
 from slotctl.model.info import ModelInfo
 from slotctl.model.predict import Prediction
-from slotctl.server.checkpoints import ROLLBACK_KINDS
+from slotctl.server.checkpoints import may_load, rolls_back
 from slotctl.server.restore import cut_payload_outcome, invalid_token_indices
 from slotctl.slotfile import (Blob, SlotFile, expand_slot_paths, is_checkpoint_layer, parse_blob, parse_memory,
                               read_slot_file)
@@ -108,7 +109,7 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
     issues: list[_Issue] = []
     cut = None
     if tinfo is not None and not model_parse and sf.version == setup.state_version:
-        cut = _payload_cut(sf, tinfo, f)
+        cut = _payload_cut(sf, tinfo, tpred, f)
     if cut is not None:
         sf, cut_error = cut[1], cut[2]
         model_parse = sf.target is not None
@@ -149,9 +150,12 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
         issues += _real_check(layers, checker, sf, f, setup, tpred, dpred)
 
     kind = tinfo.layout().kind if tinfo is not None else (sf.target.layout.kind if sf.target else None)
-    issues = _weigh_rollback(issues, kind)
+    from slotctl.server.reuse import server_n_swa
+
+    n_swa = server_n_swa(tinfo, swa_full=setup.settings.swa_full) if tinfo is not None else 0
+    issues = _weigh_rollback(issues, kind, n_swa, sf)
     for ml in layers:
-        ml.issues = _weigh_rollback(ml.issues, kind)
+        ml.issues = _weigh_rollback(ml.issues, kind, n_swa, sf)
         issues += ml.issues
         worst = [i.effect for i in ml.issues if i.finding.severity != "note"]
         ml.check.effect = _worst_effect(worst)
@@ -164,7 +168,7 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
     if sf.tokens is not None and sf.tokens.error is None:
         report.n_tokens = sf.tokens.n_tokens
     if report.verdict in ("restores", "restores_with_drops") and sf.target is not None:
-        from slotctl.server.reuse import predict_reuse, server_n_swa
+        from slotctl.server.reuse import predict_reuse
 
         n_swa = server_n_swa(tinfo, swa_full=setup.settings.swa_full) if tinfo is not None else None
         r = predict_reuse(sf, n_swa=n_swa,
@@ -224,44 +228,73 @@ def _predict_steps(sf: SlotFile, report: FileReport, setup: ServerSetup) -> list
     return steps
 
 
-def _payload_cut(sf: SlotFile, tinfo: ModelInfo, f: BinaryIO) -> tuple[Cut, SlotFile, FormatError] | None:
-    """When the file ends inside the target payload (read with the model's layout): where, the file with
-    the payload as the loader sees it (completed when what it reads beyond the end repeats the record the
-    end falls in, see :func:`_cut_issues`), and the parse error the cut explains."""
+def _payload_cut(sf: SlotFile, tinfo: ModelInfo, tpred: Prediction | None,
+                 f: BinaryIO) -> tuple[Cut, SlotFile, FormatError] | None:
+    """When the file ends inside the target payload (read with the model's layout): where, in b11434's
+    loader's fields (:func:`slotctl.format.cut.locate_cut`), the file with the payload completed as the
+    loader sees it when every variable the file did not fill holds what the context expects (its best
+    case: a mismatch left is one the file's own bytes make), and the parse error the cut explains."""
     err = next((e for e in sf.errors if e.part == "target memory"), None)
     if err is None or sf.header_end is None or sf.version is None or sf.target is not None:
         return None
     layout = tinfo.layout()
-    with nullcontext(f):
-        cut = locate_cut(f, sf.header_end, sf.size, layout, sf.version)
-        if cut is None:
-            return None
-        target = None
-        if cut.repeats:
-            ext = Extended(f, sf.size, completion(cut))
-            try:
-                target = parse_memory(ext, sf.header_end, ext.end, layout, sf.version)
-            except FormatError:
-                target = None
+    cut = locate_cut(f, sf.header_end, sf.size, layout, sf.version,
+                     _expected(tpred) if tpred is not None else None)
+    if cut is None:
+        return None
+    target = None
+    if cut.completion is not None and tpred is not None:
+        ext = Extended(f, sf.size, cut.completion)
+        try:
+            target = parse_memory(ext, sf.header_end, ext.end, layout, sf.version)
+        except FormatError:
+            target = None
     return cut, dataclasses.replace(sf, target=target), err
+
+
+def _expected(pred: Prediction) -> Expected:
+    """What the loader's context holds for each field :func:`~slotctl.format.cut.locate_cut` completes."""
+
+    def expected(key: str, section: int, record: int | None) -> int | None:
+        if section >= len(pred.sections):
+            return None
+        sp = pred.sections[section]
+        whole = {"n_stream": sp.n_stream, "cell_count": sp.cells_per_stream, "v_trans": sp.v_trans,
+                 "n_layer": sp.n_layer, "n_rot_k": sp.n_rot_k, "n_rot_v": sp.n_rot_v, "s_trans": 0}
+        if key in whole:
+            return whole[key]
+        if record is None or record >= len(sp.layers):
+            return None
+        lp = sp.layers[record]
+        k_type = ggml.BY_NAME[lp.k_type].id
+        v_type = ggml.BY_NAME[lp.v_type].id if lp.v_type else None
+        return {"k_type": k_type, "k_row_size": lp.k_row_size, "v_type": v_type, "v_row_size": lp.v_row_size,
+                "v_el_size": lp.v_el_size, "n_embd_v_gqa": lp.n_embd_v_gqa,
+                "r_type": k_type, "r_row_size": lp.k_row_size, "s_type": v_type, "s_row_size": lp.v_row_size,
+                }.get(key)
+
+    return expected
 
 
 def _cut_issues(cut: Cut, target: _MemLayer | None) -> list[_Issue]:
     """What b11434 does with a file that ends inside the target payload
     (:func:`slotctl.server.restore.cut_payload_outcome`), as a finding on the target memory: the checks
-    before the end (and of the records read again beyond it) are the comparison's issues already."""
+    before the end (and of the bytes the file holds of the field the end falls in) are the comparison's
+    issues already. Not certain, and then the worst, when the loader checks what the file never filled."""
     if target is None:
         return []
     blocking = any(i.finding.severity != "note" for i in target.issues)
     target.no_load = ("the file ends inside the payload; this runtime's loader reads a buffer and stops at its "
                       "end, b11434's file loader reads on past it: not comparable")
-    repeats = cut.repeats and target.memory is not None
-    got = cut_payload_outcome(cut.describe(), cut.offset, repeats=repeats, fits=not blocking)
+    unparsed = cut.refuses is None and target.memory is None    # the completion did not parse: not settled
+    got = cut_payload_outcome(cut.describe(), cut.offset, fits=not blocking, settled=cut.settled and not unparsed,
+                              refuses=cut.refuses)
+    finding = Finding(TARGET, "error", "payload_cut", got.reason, cut.offset, doubt=got.doubt)
     if got.status == "aborts":
-        return [_Issue(Finding(TARGET, "error", "payload_cut", got.reason, cut.offset), EFFECT_ABORTS)]
-    if repeats:     # the mismatch refuses it already
-        return [_Issue(Finding(TARGET, "note", "payload_cut", got.reason, cut.offset), EFFECT_OK)]
-    return [_Issue(Finding(TARGET, "error", "payload_cut", got.reason, cut.offset), EFFECT_REFUSED)]
+        return [_Issue(finding, EFFECT_ABORTS)]
+    if blocking:     # the mismatch refuses it already
+        return [_Issue(dataclasses.replace(finding, severity="note"), EFFECT_OK)]
+    return [_Issue(finding, EFFECT_REFUSED)]
 
 
 def _memory_layers(sf: SlotFile, f: BinaryIO, model_parse: bool, tinfo: ModelInfo | None,
@@ -383,24 +416,38 @@ def _structural_effect(f: Finding, setup: ServerSetup) -> str:
     return EFFECT_REFUSED
 
 
-def _weigh_rollback(issues: list[_Issue], kind: str | None) -> list[_Issue]:
+def _weigh_rollback(issues: list[_Issue], kind: str | None, n_swa: int, sf: SlotFile) -> list[_Issue]:
     """A checkpoint blob that does not fit is kept (the appendix loader checks only lengths) and the file
-    restores; the hazard is the rollback to it (``GGML_ABORT("checkpoint size mismatch")``): an error for a
-    memory kind whose server loads checkpoints, a note for one that never does."""
+    restores; the hazard is the rollback to it (``GGML_ABORT("checkpoint size mismatch")``): an error
+    where some request makes the server load that checkpoint (:func:`slotctl.server.checkpoints.may_load`),
+    a note where none does."""
     out = []
     for i in issues:
         if i.effect != EFFECT_ABORTS_LATER or i.finding.severity == "note":
             out.append(i)
             continue
-        if kind in ROLLBACK_KINDS or kind is None:
+        cp = _checkpoint_of(sf, i.finding.layer)
+        if kind is None or cp is None or may_load(kind, n_swa, cp.pos_min, cp.pos_max):
+            edge = kind is not None and cp is not None and not rolls_back(kind, n_swa)
             why = ("the file restores with it; the server aborts (GGML_ABORT(\"checkpoint size mismatch\")) when "
-                   "a request makes it roll back to this checkpoint" + ("" if kind else
-                                                                       " (give -m: a plain KV cache never does)"))
+                   + ("a request of one token, the slot's first, makes it go back to this checkpoint (positions "
+                      f"{cp.pos_min}..{cp.pos_max}: the only rollback a memory that starts at 0 makes)" if edge
+                      else "a request makes it roll back to this checkpoint")
+                   + ("" if kind else " (give -m: a plain KV cache rolls back to few checkpoints)"))
             f = dataclasses.replace(i.finding, message=f"{i.finding.message}; {why}")
         else:
             f = dataclasses.replace(i.finding, severity="note", message=f"{i.finding.message}; {ROLLBACK_HARMLESS}")
         out.append(_Issue(f, i.effect))
     return out
+
+
+def _checkpoint_of(sf: SlotFile, layer: str):
+    """The checkpoint a layer named "checkpoint N target|draft|speculative" belongs to, or None."""
+    parts = layer.split()
+    if len(parts) >= 2 and parts[0] == "checkpoint" and parts[1].isdigit() and sf.checkpoints:
+        n = int(parts[1])
+        return sf.checkpoints[n] if n < len(sf.checkpoints) else None
+    return None
 
 
 def _worst_effect(effects: Iterable[str]) -> str:

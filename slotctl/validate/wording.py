@@ -79,5 +79,7 @@ def _want_part_words(info: ModelInfo) -> str:
 #: why a checkpoint blob that does not fit is only a note for a memory kind whose server never rolls back
 #: (``check._weigh_rollback``); true only of a file that restores: :meth:`report.FileReport.ordered_findings`
 #: drops it from the notes of a file the server refuses or aborts on
-ROLLBACK_HARMLESS = ("harmless here: the file restores with it, and a server with a plain KV cache never rolls "
-                     "back to a checkpoint (it would abort on this one: \"checkpoint size mismatch\")")
+ROLLBACK_HARMLESS = ("harmless here: the file restores with it, and no request makes this server load it: its "
+                     "memory starts at 0 (a plain KV cache, or SWA with --swa-full), so it goes back only to a "
+                     "checkpoint of positions 0..1, for a request of one token (it would abort on this one: "
+                     "\"checkpoint size mismatch\")")
