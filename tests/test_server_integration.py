@@ -388,7 +388,8 @@ def test_token_outside_vocabulary_server_refuses(plain):
     status, ans = plain.server.restore(0, "bad-token.bin")
     assert status == 400 and "Invalid tokens" in ans["error"]["message"], ans
     d = inspect_json(plain.save_dir / "bad-token.bin", "--model", str(plain.target))
-    assert any("outside this model's vocabulary" in f["message"] for f in d["findings"])
+    (found,) = [f for f in d["findings"] if f["code"] == "invalid_tokens"]   # one code, as validate's
+    assert "outside the vocabulary of" in found["message"] and found["severity"] == "error"
     res = runner.invoke(app, ["validate", str(plain.save_dir / "bad-token.bin"), "-m", str(plain.target),
                               "-c", "256", "-np", "1", "-fa", "on", "--json"])
     assert res.exit_code == int(ExitStatus.FAILED), res.output

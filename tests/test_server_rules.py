@@ -361,7 +361,7 @@ def test_validate_checks_the_speculative_state_against_the_draft_model(tmp_path)
             assert [x.code for x in got] == want
             if want:
                 assert got[0].severity == "drop" and got[0].layer == "draft"
-            # a draft model that is not eagle3: the server ignores the state
+            # a draft model that is not eagle3: the server ignores the state (checked below too)
             other = speculative_findings(sf, f, tinfo, read_model_info(DATA / "draft.gguf"))
             assert [(x.code, x.severity) for x in other] == [("speculative_state_ignored", "note")]
 
@@ -491,3 +491,52 @@ def test_an_appendix_of_2000_checkpoints_keeps_the_newest_and_the_draft_behind_i
     (rep,) = json.loads(res.stdout)["files"]
     assert [f["code"] for f in rep["findings"] if f["layer"] == "checkpoints"] == ["checkpoints_unread"]
     assert rep["certain"] is False
+
+
+def test_a_right_sized_eagle3_state_that_is_not_finite_is_applied(tmp_path):
+    """Correction 4 of issue 15: common_speculative_impl_draft_eagle3::set_state (b11434) checks the size
+    only, so a row of NaN and infinities of the right size is applied: not a mismatch, not dropped; a note."""
+    from types import SimpleNamespace
+
+    from slotctl.model.info import read_model_info
+    from slotctl.server.speculative import parse_state
+    from slotctl.validate.speculative import speculative_findings
+
+    eagle = SimpleNamespace(arch="eagle3", n_embd=4)
+    row = struct.pack("<i4f", 3, float("nan"), 1.0, float("inf"), 2.0)
+    st = parse_state(row, "eagle3", eagle)
+    assert (st.error, st.non_finite) == (None, 2)
+    src = DATA / "kinds" / "srv-mamba.bin"
+    tinfo = read_model_info(DATA / "kinds" / "mamba.gguf")
+    sf0 = open_slot_file(src, layout=tinfo.layout())
+    path = tmp_path / "nan.bin"
+    path.write_bytes(src.read_bytes()[:sf0.target.end] + apx.build_sdft(b"", row))
+    sf = open_slot_file(path, layout=tinfo.layout())
+    with open(path, "rb") as f:
+        got = speculative_findings(sf, f, tinfo, eagle)
+    assert [(x.code, x.severity) for x in got] == [("speculative_state_not_finite", "note")]
+    assert "2 values that are not finite" in got[0].message and "applies it" in got[0].message
+    with open(path, "rb") as f:
+        spec = rs.load_slot_draft(f, sf0.target.end, path.stat().st_size, has_draft_context=True,
+                                  set_draft=lambda span: None,
+                                  set_speculative=lambda s: rs.apply_speculative_state(s, keeps=True,
+                                                                                       expected_size=20)).speculative
+    assert spec.status == rs.RESTORED
+
+
+def test_each_appendix_is_named_with_the_change_that_reads_it(tmp_path):
+    """Correction 5 of issue 15: SCKP comes from the checkpoint change (PR #26004, 033df86b6), SDFT from the
+    draft-state change (ea736c1d5); live mode's n_read is b11434's (to the end of the payload) only there."""
+    from slotctl.cli.remote import _ANSWER_KEYS
+    from slotctl.server.findings import structural_findings
+
+    cps = [dict(n_tokens=4, pos_min=0, pos_max=3, tgt=b"t" * 4, dft=b"", spec=b"")]
+    for name, tail, has, lacks in (
+            ("sckp", apx.build_sckp(cps), "checkpoint change (PR #26004, llama.cpp 033df86b6)", "ea736c1d5"),
+            ("sdft", apx.build_sdft(b"d" * 8), "draft-state change (llama.cpp ea736c1d5)", "033df86b6")):
+        path, _ = _copy_with(tmp_path, f"{name}.bin", tail)
+        (f,) = [x for x in structural_findings(open_slot_file(path, layout=_layout()))
+                if x.code == "appendix_needs_new_server"]
+        assert has in f.message and lacks not in f.message, f.message
+        assert (f.doubt is not None) == (name == "sckp")
+    assert "b11434" in _ANSWER_KEYS["n_read"] and "appendices" in _ANSWER_KEYS["n_read"]

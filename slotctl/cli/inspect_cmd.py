@@ -102,15 +102,12 @@ def _inspect_one(real: str, path: str, target_info, draft_info, model, *, tokens
         text = detokenize(model, sf.tokens.tokens, verbose=verbose)
     found = file_findings(sf)
     if target_info is not None and sf.tokens is not None and not sf.tokens.error:
-        from slotctl.server.restore import invalid_token_indices
+        from slotctl.server.findings import invalid_tokens_finding
 
-        toks = sf.tokens.tokens
-        bad = toks[invalid_token_indices(toks, target_info.n_vocab, [start for start, _ in sf.tokens.media])]
-        if len(bad):
-            found.append(Finding("token words", "error", "token_outside_vocab",
-                                 f"{len(bad):,} token(s) outside this model's vocabulary (first: {int(bad[0])}, "
-                                 f"n_vocab {target_info.n_vocab:,}): the server refuses the file "
-                                 "(\"Invalid tokens in slot save file\")", 12))
+        bad = invalid_tokens_finding(sf.tokens.tokens, target_info.n_vocab, [s for s, _ in sf.tokens.media],
+                                     Path(target_info.path).name)
+        if bad is not None:
+            found.append(bad)
     reuse = _reuse(sf, target_info, found)
     data = describe_file(sf, tokens=tokens, text=text, info=target_info, draft_info=draft_info, findings=found)
     data["reuse"] = reuse

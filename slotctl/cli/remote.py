@@ -138,14 +138,16 @@ def _cell(v: Any) -> str:
 
 # -- save / restore --server ----------------------------------------------------------------------------------
 
-#: what each key of a slot action's answer means (llama-server b11434)
+#: what each key of a slot action's answer means (llama-server b11434; ``n_read`` is also what the servers of
+#: the checkpoint and draft-state changes answer, where it counts the appendices they read)
 _ANSWER_KEYS = {
     "id_slot": "the slot",
     "filename": "the file, in the server's --slot-save-path",
     "n_saved": "tokens saved (the packed token record)",
     "n_written": "bytes written (the whole file)",
     "n_restored": "tokens restored",
-    "n_read": "bytes read (to the end of the target payload)",
+    "n_read": "bytes of the file read (b11434, which reads no appendix: to the end of the target payload; "
+              "a server that reads appendices counts them too)",
     "n_erased": "cached tokens erased",
     "timings.save_ms": "milliseconds the server took to write",
     "timings.restore_ms": "milliseconds the server took to read",

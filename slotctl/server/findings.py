@@ -183,6 +183,24 @@ def structural_findings(sf: SlotFile, *, n_ctx_checkpoints: int = DEFAULT_CTX_CH
     return out
 
 
+def invalid_tokens_finding(tokens, n_vocab: int, media_starts=(), model_name: str = "the model") -> Finding | None:
+    """The one finding for tokens ``server_tokens::validate`` rejects (b11434; the rule:
+    :func:`slotctl.server.restore.invalid_token_indices`): code ``invalid_tokens``, the server refuses the
+    file ("Invalid tokens in slot save file"). None when every token is valid. Read by inspect and validate."""
+    from slotctl.server.restore import invalid_token_indices
+
+    toks = np.asarray(tokens)
+    idx = invalid_token_indices(toks, n_vocab, media_starts)
+    if not len(idx):
+        return None
+    first = int(idx[0])
+    more = f" (and {len(idx) - 1:,} more token{'s' if len(idx) > 2 else ''})" if len(idx) > 1 else ""
+    return Finding("token words", "error", "invalid_tokens",
+                   f"token {int(toks[first])} at index {first}{more} is outside the vocabulary of {model_name} "
+                   f"[0, {n_vocab:,}) (\"Invalid tokens in slot save file\"): the server refuses the file; it was "
+                   "saved with another model", 12)
+
+
 def checkpoints_read(sf: SlotFile) -> bool:
     """Whether the server keeps this file's checkpoints (or it has none to keep): the parsed-file form of
     :func:`slotctl.server.restore.load_slot_checkpoints`' rule, which every command reads here. The

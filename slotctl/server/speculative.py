@@ -5,8 +5,10 @@ in each checkpoint of the SCKP appendix (``spec``). It is what ``common_speculat
 (b11434 common/speculative.cpp), and only one speculative decoder keeps any:
 ``common_speculative_impl_draft_eagle3``, and only for a recurrent or hybrid target
 (``need_boundary_stash``): the deferred boundary's position and hidden row, ``i32 pos`` followed by
-``f32[n_embd_dec]``, ``n_embd_dec`` being the draft model's embedding length. Its ``set_state`` silently
-ignores a state of any other size; every other decoder (draft-simple, ngram, ...) ignores every state.
+``f32[n_embd_dec]``, ``n_embd_dec`` being the draft model's embedding length. Its ``set_state`` checks
+the size only: a state of any other size is silently ignored, one of the right size is applied whatever
+its values (a row of NaN or infinities included: the drafts made from it are garbage the target then
+rejects); every other decoder (draft-simple, ngram, ...) ignores every state.
 
 Which decoder a server runs is not in the file; the draft model says it: an ``eagle3`` GGUF drafts as
 eagle3. Without one, the state is opaque bytes of a known size.
@@ -49,7 +51,9 @@ def expected_size(kind: str | None, draft_info) -> int | None:
 class SpeculativeState:
     """One speculative state as slotctl reads it. ``kind``: "eagle3" (parsed) or "opaque"; ``size``: its
     bytes; eagle3: ``pos`` (the deferred boundary's position), ``n_embd`` (floats in the row) and
-    ``expected_size`` (what the draft model's ``set_state`` takes); ``error``: why it does not parse."""
+    ``expected_size`` (what the draft model's ``set_state`` takes); ``error``: why ``set_state`` ignores
+    it (not an i32 and f32 values, or another size); ``non_finite``: values of the row that are not
+    finite, which ``set_state`` applies all the same (it checks the size only)."""
 
     kind: str
     size: int
@@ -57,6 +61,7 @@ class SpeculativeState:
     n_embd: int | None = None
     expected_size: int | None = None
     error: str | None = None
+    non_finite: int = 0
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "size": self.size, "pos": self.pos, "n_embd": self.n_embd,
@@ -76,9 +81,8 @@ def parse_state(data: bytes, kind: str | None, draft_info=None) -> SpeculativeSt
     error = None
     if want is not None and len(data) != want:
         error = f"{n:,} values, the draft model's embedding has {draft_info.n_embd:,}"
-    elif not np.isfinite(np.frombuffer(data, dtype="<f4", offset=4)).all():
-        error = "the row holds values that are not finite"
-    return SpeculativeState(EAGLE3, len(data), pos=pos, n_embd=n, expected_size=want, error=error)
+    bad = int(np.count_nonzero(~np.isfinite(np.frombuffer(data, dtype="<f4", offset=4))))
+    return SpeculativeState(EAGLE3, len(data), pos=pos, n_embd=n, expected_size=want, error=error, non_finite=bad)
 
 
 def describe_state(size: int, target_info=None, draft_info=None) -> dict | None:

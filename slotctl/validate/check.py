@@ -10,18 +10,17 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Sequence
 
-import numpy as np
-
 from slotctl.sources import open_input, raise_failure, remote_url
 from slotctl.errors import FormatError, UsageError, os_error_code
-from slotctl.server.findings import Finding, ServerRules, checkpoints_read, structural_findings
+from slotctl.server.findings import (Finding, ServerRules, checkpoints_read, invalid_tokens_finding,
+                                     structural_findings)
 from slotctl.format.blob import FLAGS_NONE, FLAGS_PARTIAL_ONLY
 from slotctl.format import ggml
 from slotctl.format.cut import Cut, Expected, Extended, locate_cut
 from slotctl.model.info import ModelInfo
 from slotctl.model.predict import Prediction
 from slotctl.server.checkpoints import may_load, rolls_back
-from slotctl.server.restore import cut_payload_outcome, invalid_token_indices
+from slotctl.server.restore import cut_payload_outcome
 from slotctl.slotfile import (Blob, SlotFile, expand_slot_paths, is_checkpoint_layer, parse_blob, parse_memory,
                               read_slot_file)
 from slotctl.validate.child import ChildProcess, LoadChecker
@@ -55,7 +54,7 @@ from slotctl.validate.report import (
 from slotctl.validate.load import _real_check
 from slotctl.validate.setup import Models, ServerSetup
 from slotctl.validate.speculative import speculative_findings
-from slotctl.validate.wording import ROLLBACK_HARMLESS, _kind_words, _part_words, _plural, _want_part_words
+from slotctl.validate.wording import ROLLBACK_HARMLESS, _kind_words, _part_words, _want_part_words
 
 
 # -- the layers of a file -----------------------------------------------------------------------------------
@@ -490,15 +489,9 @@ def _token_issues(sf: SlotFile, tpred: Prediction, tinfo: ModelInfo, setup: Serv
         out.append(_issue(side, "prompt_too_long",
                           f"the prompt has {n:,} tokens, the slot context {tpred.n_ctx_slot:,} (\"Restored prompt "
                           f"does not fit in the slot context\"): {remedy}", 12))
-    toks = np.asarray(tk.tokens)
-    idx = invalid_token_indices(toks, tinfo.n_vocab, [start for start, _ in tk.media])
-    if len(idx):
-        first = int(idx[0])
-        more = f" (and {_plural(len(idx) - 1, 'more token')})" if len(idx) > 1 else ""
-        out.append(_issue(side, "invalid_tokens",
-                          f"token {int(toks[first])} at index {first}{more} is outside the vocabulary of "
-                          f"{Path(tinfo.path).name} [0, {tinfo.n_vocab:,}) (\"Invalid tokens in slot save file\"): "
-                          "the file was saved with another model", 12))
+    bad = invalid_tokens_finding(tk.tokens, tinfo.n_vocab, [start for start, _ in tk.media], Path(tinfo.path).name)
+    if bad is not None:
+        out.append(_Issue(bad, EFFECT_REFUSED))
     return out
 
 

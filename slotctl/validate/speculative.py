@@ -12,9 +12,11 @@ from slotctl.slotfile import SlotFile
 
 def speculative_findings(sf: SlotFile, f: BinaryIO, tinfo, dinfo) -> list[Finding]:
     """What becomes of each non-empty speculative state: ignored by a decoder that keeps none (a note), or,
-    for eagle3 with a recurrent or hybrid target, applied when its size is the draft model's (a state of
-    another size is silently dropped by ``set_state``: a drop for the live state, a note for a checkpoint's,
-    which only a rollback would load). Without a target model nothing is said (the decoder is unknown)."""
+    for eagle3 with a recurrent or hybrid target, applied when its size is the draft model's, whatever its
+    values (``set_state`` checks the size only: a row that is not finite is applied, a note), and a state
+    of another size silently dropped by ``set_state`` (a drop for the live state, a note for a
+    checkpoint's, which only a rollback would load). Without a target model nothing is said (the decoder
+    is unknown)."""
     if tinfo is None:
         return []
     kind = decoder_kind(dinfo)
@@ -37,6 +39,12 @@ def speculative_findings(sf: SlotFile, f: BinaryIO, tinfo, dinfo) -> list[Findin
                                span.offset))
             continue
         st = parse_state(span.read(f), kind, dinfo)
+        if not st.error and st.non_finite:
+            out.append(Finding(layer, "note", "speculative_state_not_finite",
+                               f"eagle3 speculative state of {st.size:,} bytes whose row holds {st.non_finite:,} "
+                               "values that are not finite: common_speculative_set_state checks the size only and "
+                               "applies it, and the draft's next proposals start from that row (the target "
+                               "still verifies each one)", span.offset))
         if st.error:
             severity = "drop" if i is None else "note"
             out.append(Finding(layer, severity, "speculative_state_mismatch",
