@@ -640,11 +640,13 @@ class Expansion:
     ``files``: each path given (as given, even when missing or unreadable: the command reports it as
     that file's error and goes on; ``-`` is standard input), then each directory's slot files
     (:func:`is_slot_file`). ``skipped``: the regular files in the directories that are not slot files (a
-    README, a model, a JSON sidecar): they are only counted.
+    README, a model, a JSON sidecar): they are only counted. ``links``: the symbolic links in the
+    directories, when they are not followed (a command that rewrites files): only counted too.
     """
 
     files: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
 
 
 #: the ending of a file name that makes a directory entry a slot file whatever its first bytes: the name
@@ -710,6 +712,9 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
                     out.skipped.append(e.path)
             continue
         if p != STDIN and os.path.isdir(p):
+            if not follow_symlinks:
+                out.links += [os.path.join(p, n) for n in directory_files(p, True)
+                              if os.path.islink(os.path.join(p, n))]
             for name in directory_files(p, follow_symlinks):
                 full = os.path.join(p, name)
                 if is_slot_file(full):

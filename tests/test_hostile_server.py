@@ -161,8 +161,8 @@ def test_a_dripping_server_is_cut_off_at_the_timeout(serve, drip):
     (None, "the answer should be an object, got null"),
     ([], "the answer should be an object, got []"),
     ({}, "total_slots is missing"),
-    ({"total_slots": "2"}, 'total_slots should be a positive integer, got "2"'),
-    ({"total_slots": 0}, "total_slots should be a positive integer, got 0"),
+    ({"total_slots": "2"}, 'total_slots should be a number of slots, 1 to 256, got "2"'),
+    ({"total_slots": 0}, "total_slots should be a number of slots, 1 to 256, got 0"),
     ({"total_slots": 2, "model_path": 7}, "model_path should be a string, got 7"),
 ])
 def test_props_of_the_wrong_shape(serve, props, said):

@@ -220,10 +220,12 @@ class FileRun:
         self.expansion = expansion
         self.files: list[dict] = []
         if not expansion.files:
-            skipped = len(expansion.skipped)
-            raise UsageError(f"no slot files to {what}" + (f" ({skipped} file(s) skipped: they do not begin with "
-                                                            "the state magic)" if skipped else
-                                                            " (the directories given are empty)"),
+            skipped, links = len(expansion.skipped), len(expansion.links)
+            said = [f"{skipped} file(s) skipped: they are not slot files"] if skipped else []
+            if links:
+                said.append(f"{links} symbolic link(s) not followed: a command that rewrites files follows "
+                            f"no link in a directory; name the files themselves")
+            raise UsageError(f"no slot files to {what} ({'; '.join(said) or 'the directories given are empty'})",
                              code="no_slot_files")
 
     @property

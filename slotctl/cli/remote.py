@@ -133,7 +133,8 @@ def _plain(text: str) -> str:
 def _cell(v: Any) -> str:
     if v is None:
         return "-"
-    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else markup_safe(str(v))
+    # one table row per value: a newline from a server is shown as \n, not a second row
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else markup_safe(str(v), keep_newlines=False)
 
 
 # -- save / restore --server ----------------------------------------------------------------------------------
@@ -215,13 +216,13 @@ def _answer(out: Output, answer: Any, json_out: bool, url: str, head: str, *, sl
     if proof is not None:
         render_proof(out, proof.as_dict())
     if not isinstance(answer, dict):
-        out.print(markup_safe(str(answer)))
+        out.print(markup_safe(str(answer), keep_newlines=False))
         return
     t = Table(show_edge=False)
     for col, just in (("key", "left"), ("value", "right"), ("meaning", "left")):
         t.add_column(col, justify=just)
     for key, value in _flatten(answer):
-        t.add_row(markup_safe(key), _cell(value), Text(_ANSWER_KEYS.get(key, ""), style="dim"))
+        t.add_row(markup_safe(key, keep_newlines=False), _cell(value), Text(_ANSWER_KEYS.get(key, ""), style="dim"))
     out.print(t)
 
 
@@ -311,5 +312,5 @@ def render_live(out: Output, lv) -> None:
     if learned:
         line.append(f"  (from the server: {', '.join(learned)})", style="dim")
     out.print(line)
-    for n in lv.notes:
-        out.print(Text(f"  note: {n}", style="dim"))
+    for n in lv.notes:   # they quote the server (a /slots refusal, its model path): escaped
+        out.print(Text(f"  note: {_plain(n)}", style="dim"))

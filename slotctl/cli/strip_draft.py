@@ -126,7 +126,7 @@ def render(out: Output, results: list[FileResult], total: int, *, dry_run: bool)
     for r in results:
         if out.quiet and r.status not in (REFUSED, UNREADABLE):
             continue
-        t.add_row(markup_safe(r.path), Text(r.status.replace("_", " "), style=_STATUS_STYLE[r.status]), human_bytes(r.size_before),
+        t.add_row(markup_safe(r.path, keep_newlines=False), Text(r.status.replace("_", " "), style=_STATUS_STYLE[r.status]), human_bytes(r.size_before),
                   human_bytes(r.size_after), human_bytes(r.bytes_freed) if r.size_after is not None else "-",
                   ", ".join(r.removed) or "-")
     if t.row_count:

@@ -31,12 +31,14 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
 from slotctl.server.filenames import check_filename
+from slotctl.server.flags import MAX_PARALLEL
 
 __all__ = [
     "DEFAULT_TIMEOUT", "ServerAnswerError", "ServerAuthError", "ServerError", "ServerRedirect", "ServerRefused",
@@ -110,13 +112,24 @@ class ServerRefused(ServerError):
 # -- addresses ---------------------------------------------------------------------------------------
 
 
+def redact(url: str) -> str:
+    """``url`` with the password of its user part (``http://user:PASSWORD@host``) shown as ``***``: what
+    is printed and put in JSON wherever a URL given or configured appears."""
+    return _PASSWORD.sub(r"\1***@", str(url))
+
+
+_PASSWORD = re.compile(r"((?:^|//)[^/?#@:]*:)[^/?#@]*@")
+
+
 def normalize_url(url: str) -> str:
-    """The server's base URL: ``http://`` added when no scheme is given, no trailing slash.
+    """The server's base URL: ``http://`` added when no scheme is given, no trailing slash, a password
+    shown as ``***`` (:func:`redact`; it is never sent: llama-server takes an API key, ``--api-key``).
 
     A path is kept (a server started with ``--api-prefix /x`` answers under ``http://host:port/x``).
     UsageError for an empty URL, a scheme other than http/https, no host, a bad port, a query or fragment.
     """
     raw = (url or "").strip()
+    shown = redact(raw)
     if not raw:
         raise UsageError("--server: no URL given (for example http://127.0.0.1:8080)")
     if "://" not in raw:
@@ -125,16 +138,16 @@ def normalize_url(url: str) -> str:
         parts = urllib.parse.urlsplit(raw)
         port = parts.port
     except ValueError as e:
-        raise UsageError(f"--server {url!r}: {e}") from None
+        raise UsageError(f"--server {shown!r}: {redact(str(e))}") from None
     if parts.scheme not in ("http", "https"):
-        raise UsageError(f"--server {url!r}: only http:// and https:// URLs are supported")
+        raise UsageError(f"--server {shown!r}: only http:// and https:// URLs are supported")
     if not parts.hostname:
-        raise UsageError(f"--server {url!r}: no host name")
+        raise UsageError(f"--server {shown!r}: no host name")
     if parts.query or parts.fragment:
-        raise UsageError(f"--server {url!r}: give the server's base URL, without a query or fragment")
+        raise UsageError(f"--server {shown!r}: give the server's base URL, without a query or fragment")
     if port == 0:
-        raise UsageError(f"--server {url!r}: port 0 is not a port a server listens on")
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+        raise UsageError(f"--server {shown!r}: port 0 is not a port a server listens on")
+    return redact(urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", "")))
 
 
 def _is_loopback(host: str) -> bool:
@@ -146,34 +159,136 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _connection(base: str, timeout: float):
-    """An ``http.client`` connection for the server at ``base`` and the request target prefix.
+@dataclass(frozen=True)
+class _Route:
+    """How a request reaches the server: directly, or through the proxy the environment names."""
 
-    Loopback addresses are reached directly; others through the proxy the environment names
-    (``http_proxy``, ``https_proxy``, ``no_proxy``), as urllib would.
-    """
-    import http.client
+    host: str
+    port: int
+    https: bool
+    path: str
+    #: the proxy's host and port, or None (direct)
+    proxy: tuple[str, int] | None = None
+    #: ``Proxy-Authorization`` for the proxy (Basic, from the user and password in its URL), or None
+    proxy_auth: str | None = None
+
+    @property
+    def authority(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def proxy_name(self) -> str:
+        return f"{self.proxy[0]}:{self.proxy[1]}" if self.proxy else ""
+
+
+def _route(base: str) -> _Route:
+    """The route to the server at ``base``: loopback addresses directly; others through the proxy the
+    environment names (``http_proxy``, ``https_proxy``, ``no_proxy``), as urllib would. The proxy's
+    user and password (``http://user:pass@proxy:3128``) become its ``Proxy-Authorization`` header."""
+    import base64
     import urllib.request
 
     parts = urllib.parse.urlsplit(base)
-    host, port = parts.hostname or "", parts.port
+    host = parts.hostname or ""
     https = parts.scheme == "https"
-    proxy = None
-    if not _is_loopback(host):
-        proxy = urllib.request.getproxies().get(parts.scheme)
-        if proxy and urllib.request.proxy_bypass(host):
-            proxy = None
-    cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
-    if proxy:
-        pp = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
-        if https:
-            conn = http.client.HTTPSConnection(pp.hostname, pp.port or (443 if pp.scheme == "https" else 80),
-                                               timeout=timeout)
-            conn.set_tunnel(host, port or 443)
-            return conn, parts.path
-        conn = http.client.HTTPConnection(pp.hostname, pp.port or 80, timeout=timeout)
-        return conn, f"{parts.scheme}://{parts.netloc}{parts.path}"
-    return cls(host, port, timeout=timeout), parts.path
+    route = _Route(host, parts.port or (443 if https else 80), https, parts.path)
+    if _is_loopback(host):
+        return route
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if not proxy or urllib.request.proxy_bypass(host):
+        return route
+    pp = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+    try:
+        pport = pp.port or (443 if pp.scheme == "https" else 80)
+    except ValueError:
+        raise UsageError(f"proxy {redact(proxy)!r}: not a valid port") from None
+    auth = None
+    if pp.username is not None:
+        pair = f"{urllib.parse.unquote(pp.username)}:{urllib.parse.unquote(pp.password or '')}"
+        auth = "Basic " + base64.b64encode(pair.encode()).decode("ascii")
+    return _Route(host, route.port, https, parts.path, (pp.hostname or "", pport), auth)
+
+
+class ProxyRefused(ServerUnreachable):
+    """The proxy between slotctl and the server refused the request (HTTP 407: it wants credentials)."""
+
+
+def _proxy_refused(route: _Route, status: int, reason: str) -> ProxyRefused:
+    hint = (" (give its user and password in the proxy URL, e.g. https_proxy=http://USER:PASSWORD@HOST:PORT)"
+            if status == 407 and not route.proxy_auth else " (the user and password in the proxy URL were refused)"
+            if status == 407 else "")
+    return ProxyRefused(f"the proxy at {route.proxy_name} refused: HTTP {status} "
+                        f"{_printable(reason)}{hint}".rstrip())
+
+
+def _printable(text: str, limit: int = 120) -> str:
+    return "".join(c if c.isprintable() else " " for c in text[:limit]).strip()
+
+
+#: the most bytes of a proxy's answer to CONNECT read before its blank line
+MAX_CONNECT_ANSWER = 64 << 10
+
+
+def _tunnel(route: _Route, timeout: float, sockets: list):
+    """A TLS connection to the server through ``route``'s proxy: CONNECT (with ``Proxy-Authorization``),
+    the proxy's answer read to its blank line (bounded), then TLS verified for the server's host name.
+
+    Every socket is added to ``sockets`` as it is made, so that the whole-request deadline shuts down
+    whichever phase is blocked: a proxy that drips its answer is cut off like a server that drips its own.
+    """
+    import socket
+    import ssl
+
+    sock = socket.create_connection(route.proxy, timeout=timeout)
+    sockets.append(sock)
+    head = f"CONNECT {route.authority} HTTP/1.1\r\nHost: {route.authority}\r\n"
+    if route.proxy_auth:
+        head += f"Proxy-Authorization: {route.proxy_auth}\r\n"
+    sock.sendall((head + "\r\n").encode("latin-1"))
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise ConnectionResetError("the proxy closed the connection during CONNECT")
+        answer += chunk
+        if len(answer) > MAX_CONNECT_ANSWER:
+            raise ProxyRefused(f"the proxy at {route.proxy_name} answered CONNECT with more than "
+                               f"{MAX_CONNECT_ANSWER >> 10} KiB of headers")
+    line = answer.split(b"\r\n", 1)[0].decode("latin-1")
+    words = line.split(" ", 2)
+    if len(words) < 2 or not words[0].startswith("HTTP/") or not words[1].isdigit():
+        raise ProxyRefused(f"the proxy at {route.proxy_name} answered CONNECT with {_printable(line)!r}, "
+                           f"not HTTP")
+    status = int(words[1])
+    if status != 200:
+        raise _proxy_refused(route, status, words[2] if len(words) > 2 else "")
+    if answer.index(b"\r\n\r\n") + 4 != len(answer):
+        raise ProxyRefused(f"the proxy at {route.proxy_name} sent bytes after its CONNECT answer")
+    tls = ssl.create_default_context().wrap_socket(sock, server_hostname=route.host)
+    sockets.append(tls)
+    return tls
+
+
+def _connection(route: _Route, timeout: float, sockets: list):
+    """An open ``http.client`` connection for ``route`` and the request target prefix (every socket it
+    makes in ``sockets``, for the deadline)."""
+    import http.client
+
+    if route.proxy and route.https:
+        conn = http.client.HTTPSConnection(route.host, route.port, timeout=timeout)
+        conn.sock = _tunnel(route, timeout, sockets)
+        return conn, route.path
+    if route.proxy:
+        conn = http.client.HTTPConnection(*route.proxy, timeout=timeout)
+        target = f"http://{route.authority}{route.path}"
+    else:
+        cls = http.client.HTTPSConnection if route.https else http.client.HTTPConnection
+        conn = cls(route.host, route.port, timeout=timeout)
+        target = route.path
+    conn.connect()   # each attempt bounded by the socket's timeout, the whole by the deadline
+    sockets.append(conn.sock)
+    return conn, target
 
 
 def _api_key(api_key: str | None) -> str | None:
@@ -215,14 +330,16 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
         headers["Authorization"] = f"Bearer {key}"
     what = f"{method} {base}{path}"
     try:
-        conn, prefix = _connection(base, timeout)
-    except (ValueError, http.client.InvalidURL) as e:
-        raise UsageError(f"{what}: {e}") from None
+        route = _route(base)
+    except ValueError as e:
+        raise UsageError(f"{what}: {redact(str(e))}") from None
+    if route.proxy and not route.https and route.proxy_auth:
+        headers["Proxy-Authorization"] = route.proxy_auth
     expired = threading.Event()
-    sockets = []   # the connection's socket, kept: http.client hands it to the response and forgets it
+    sockets: list = []   # every socket made, kept: http.client hands its socket to the response and forgets it
 
     def cut_off() -> None:
-        """The time is up: shut the socket down under whatever phase is blocked on it."""
+        """The time is up: shut the sockets down under whatever phase is blocked on them."""
         expired.set()
         for sock in sockets:
             try:
@@ -233,32 +350,45 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
     timer = threading.Timer(timeout, cut_off)
     timer.daemon = True
     timer.start()
+    conn = None
     try:
-        conn.connect()   # each attempt bounded by the socket's timeout, the whole by the timer
-        sockets.append(conn.sock)
+        conn, prefix = _connection(route, timeout, sockets)   # a proxy's CONNECT included
         if expired.is_set():
             raise TimeoutError
         conn.request(method, prefix + target, body=data, headers=headers)
         resp = conn.getresponse()
         status, location = resp.status, resp.getheader("Location")
+        reason = resp.reason or ""
         raw = resp.read(MAX_ANSWER_BYTES + 1)
         if expired.is_set():
             raise TimeoutError
+    except ProxyRefused as e:
+        raise ProxyRefused(f"{what}: {e}") from None
     except BaseException as e:
         if expired.is_set() or isinstance(e, (TimeoutError, socket.timeout)):
             raise ServerUnreachable(f"{what}: no answer within {timeout:g} s (--timeout bounds the "
-                                    f"whole request){_busy_hint(path)}") from None
+                                    f"whole request{', the proxy included' if route.proxy else ''})"
+                                    f"{_busy_hint(path)}") from None
         if isinstance(e, http.client.HTTPException):   # garbage instead of HTTP, or an answer cut short
             raise ServerUnreachable(f"{what}: not a valid HTTP answer ({type(e).__name__}): "
                                     f"is this a llama-server?") from None
         if isinstance(e, OSError):
-            raise ServerUnreachable(f"{what}: {_reason(e, timeout)}") from None
+            via = f" (through the proxy at {route.proxy_name})" if route.proxy else ""
+            raise ServerUnreachable(f"{what}: {_reason(e, timeout)}{via}") from None
         raise
     finally:
         timer.cancel()
-        conn.close()
+        if conn is not None:
+            conn.close()
+        for sock in sockets:
+            try:
+                sock.close()
+            except OSError:
+                pass
+    if status == 407 and route.proxy:   # the proxy's answer, not the server's
+        raise ProxyRefused(f"{what}: {_proxy_refused(route, status, reason)}")
     if 300 <= status < 400:
-        to = f" to {location}" if location else ""
+        to = f" to {_printable(location, 300)}" if location else ""
         raise ServerRedirect(f"{what}: the server answered HTTP {status}, a redirect{to}, which is not followed "
                              f"(the API key goes only to the URL given): give the server's own URL",
                              status=status, location=location)
@@ -269,10 +399,49 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
     if not 200 <= status < 300:
         raise ServerUnreachable(f"{what}: unexpected HTTP {status}")
     try:
-        return json.loads(raw)
+        return parse_answer(raw, what)
     except ValueError:
         raise ServerUnreachable(f"{what}: answered HTTP {status} with something that is not JSON "
                                 f"({_snippet(raw)}): is this a llama-server?") from None
+
+
+#: the most values (objects, lists, strings, numbers...) and the deepest nesting an answer may have: a
+#: llama-server's answers (256 slots at most, /props, a completion with its probabilities) are far below
+MAX_ANSWER_ITEMS = 1_000_000
+MAX_ANSWER_DEPTH = 64
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def parse_answer(raw: bytes, what: str) -> Any:
+    """The JSON answer ``raw``, bounded in values and depth before it is parsed (ServerAnswerError past
+    :data:`MAX_ANSWER_ITEMS` or :data:`MAX_ANSWER_DEPTH`): 64 MiB of ``[{},...]`` would make 1.7 GB of
+    objects, and deep nesting a RecursionError. ValueError when it is not JSON.
+
+    The bounds are counted on the bytes with every string emptied (C-speed regular expression and
+    ``bytes.count``); only the brackets, at most twice the bound, are walked for the depth.
+    """
+    bare = _JSON_STRING.sub(b'""', raw)
+    opens = bare.count(b"[") + bare.count(b"{")
+    items = bare.count(b",") + opens + 1
+    if items > MAX_ANSWER_ITEMS:
+        raise ServerAnswerError(f"{what}: unexpected answer: more than {MAX_ANSWER_ITEMS:,} values "
+                                f"(is this a llama-server?)")
+    brackets = bare.translate(None, _NOT_BRACKETS)
+    if len(brackets) <= 2 * opens:   # more closing than opening brackets: not JSON, json says where
+        depth = deepest = 0
+        for c in brackets:
+            depth += 1 if c in (0x5B, 0x7B) else -1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_ANSWER_DEPTH:
+                    raise ServerAnswerError(f"{what}: unexpected answer: nested deeper than {MAX_ANSWER_DEPTH} "
+                                            f"levels (is this a llama-server?)")
+    try:
+        return json.loads(raw)
+    except RecursionError:   # pragma: no cover - the depth bound is far below the interpreter's
+        raise ServerAnswerError(f"{what}: unexpected answer: nested too deep (is this a llama-server?)") from None
 
 
 def _reason(reason: Any, timeout: float) -> str:
@@ -308,8 +477,8 @@ def _raise_http_error(what: str, status: int, raw: bytes) -> None:
     message = ""
     error_type = None
     try:
-        body = json.loads(raw) if raw else None
-    except ValueError:
+        body = parse_answer(raw, what) if raw else None
+    except (ValueError, ServerAnswerError):
         body = None
     if isinstance(body, dict):
         err = body.get("error", body)
@@ -345,6 +514,8 @@ _KINDS = {
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "count": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a count (an integer >= 0)"),
     "positive": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a positive integer"),
+    "slots": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_PARALLEL,
+              f"a number of slots, 1 to {MAX_PARALLEL}"),
     "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "a number >= 0"),
 }
 
@@ -353,7 +524,7 @@ _KINDS = {
 SHAPES: dict[str, dict] = {
     "/health": {"status": ("str", True, None)},
     "/props": {
-        "total_slots": ("positive", True, None),
+        "total_slots": ("slots", True, None),
         "model_path": ("str", False, None),
         "build_info": ("str", False, None),
         "modalities": ("object", False, None),
@@ -433,6 +604,9 @@ def get_slots(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_
     if not isinstance(answer, list) or not answer:
         raise ServerAnswerError(f"{what}: unexpected answer: should be a list of one object per slot, got "
                                 f"{_show(answer)} (is this a llama-server?)")
+    if len(answer) > MAX_PARALLEL:
+        raise ServerAnswerError(f"{what}: unexpected answer: {len(answer):,} slots, where a llama-server has "
+                                f"at most {MAX_PARALLEL} (LLAMA_MAX_SEQ; is this a llama-server?)")
     for i, entry in enumerate(answer):
         check_shape(what, entry, SHAPES["/slots[]"], f"[{i}]")
     return answer

@@ -1,0 +1,348 @@
+"""Live mode hardened (issue 19, items 7, 8, 9 and 11): server text escaped wherever it is printed, real
+proxies on 127.0.0.1 (an HTTP proxy and a CONNECT proxy written here with ``socket``), answers bounded in
+values and depth, passwords in URLs never printed."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from slotctl.cli.app import app
+
+from conftest import DATA
+from test_hostile_server import GOOD_PROPS, GOOD_SLOTS, HOSTILE, by_path, one_error_line, send_json, serve  # noqa: F401
+
+runner = CliRunner()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ESCAPED = "boom\\x1b[2J\\x1b]0;pwned\\x07\\x0dline\\nnext"
+
+
+def raw_free(text: str) -> bool:
+    return not any(c in text for c in "\x1b\x07\r")
+
+
+# -- server text on the terminal -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["validate", "ls"])
+def test_notes_quoting_the_server_are_escaped(serve, tiny_models, tmp_path, command):
+    """The server's model path (not on this machine) and its /slots refusal reach validate's and ls's
+    notes: escaped, each note one line."""
+    props = dict(GOOD_PROPS, model_path="/m/" + HOSTILE + ".gguf", total_slots=1)
+    url, _ = serve(by_path({"/props": (200, props),
+                            "/slots": (501, {"error": {"code": 501, "message": HOSTILE, "type": "not_supported_error"}}),
+                            "/v1/models": (200, {"data": []})}))
+    slot = DATA / "srv-np1.bin"
+    target = [str(slot)] if command == "validate" else [str(DATA)]
+    res = runner.invoke(app, [command, *target, "--server", url, "-m", str(tiny_models.target)])
+    assert "Traceback" not in res.output
+    out = res.stdout + res.stderr
+    assert raw_free(out), out
+    notes = [ln for ln in res.stdout.splitlines() if ln.strip().startswith("note:")]
+    assert any(f"GET /slots refused ({ESCAPED})" in n for n in notes), res.stdout
+    assert any(f"/m/{ESCAPED}.gguf" in n for n in notes), res.stdout
+
+
+def test_a_newline_in_a_server_value_stays_in_its_table_row(serve):
+    """save --server's table: the server's filename with a newline is one row, the newline shown as \\n."""
+    answer = {"id_slot": 0, "filename": "x.bin", "n_saved": 1, "n_written": 2, "extra": "a\nb\x1b[31m"}
+    url, _ = serve(by_path({"/props": (200, GOOD_PROPS), "/slots/0": (200, answer)}))
+    res = runner.invoke(app, ["save", "--server", url, "--slot", "0", "x.bin"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    [row] = [ln for ln in res.stdout.splitlines() if "extra" in ln]
+    assert "a\\nb\\x1b[31m" in row and raw_free(res.stdout)
+
+
+def test_a_newline_in_a_file_name_stays_in_its_table_row(tmp_path):
+    name = tmp_path / "evil\nname\x1b[2J.bin"
+    name.write_bytes((DATA / "srv-np1.bin").read_bytes())
+    res = runner.invoke(app, ["strip-draft", str(name), "--grace", "0", "--dry-run"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    rows = [ln for ln in res.stdout.splitlines() if "evil" in ln or "name" in ln]
+    assert len(rows) == 1 and "evil\\nname\\x1b[2J.bin" in rows[0] and raw_free(res.stdout)
+
+
+# -- passwords in URLs --------------------------------------------------------------------------------------
+
+
+def test_a_password_in_the_server_url_is_never_printed(serve):
+    url, script = serve(by_path({"/props": (200, GOOD_PROPS), "/slots": (200, GOOD_SLOTS)}))
+    secret_url = url.replace("http://", "http://admin:hunter2@")
+    res = runner.invoke(app, ["slots", "--server", secret_url, "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["server"] == url.replace("http://", "http://admin:***@")
+    assert "hunter2" not in res.stdout + res.stderr
+    # nor in errors (a refusal, an unreachable server, a bad URL), nor sent anywhere
+    for args in (["erase", "--server", secret_url, "--slot", "0"],
+                 ["slots", "--server", "http://admin:hunter2@127.0.0.1:1"],
+                 ["slots", "--server", "ftp://admin:hunter2@127.0.0.1"]):
+        res = runner.invoke(app, args)
+        assert res.exit_code in (1, 2) and "hunter2" not in res.stdout + res.stderr, res.stderr
+        assert "admin:***@" in one_error_line(res)
+    assert all("hunter2" not in json.dumps(seen) and "aHVudGVyMg" not in json.dumps(seen) for seen in script.seen)
+
+
+# -- proxies ----------------------------------------------------------------------------------------------
+
+
+class Proxy:
+    """A real HTTP proxy on 127.0.0.1 (sockets, threads): plain requests forwarded, CONNECT tunnelled.
+
+    ``user``/``password``: the credentials it wants (407 without them); ``drip``: seconds between the
+    bytes of its answer to CONNECT (a proxy that never finishes answering). ``seen``: each request's
+    first line and its Proxy-Authorization header.
+    """
+
+    def __init__(self, *, user: str | None = None, password: str | None = None, drip: float | None = None):
+        self.want = (f"Basic {base64.b64encode(f'{user}:{password}'.encode()).decode()}" if user else None)
+        self.drip = drip
+        self.seen: list[tuple[str, str | None]] = []
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        try:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                head += chunk
+            head, rest = head.split(b"\r\n\r\n", 1)
+            lines = head.decode("latin-1").split("\r\n")
+            headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+            self.seen.append((lines[0], headers.get("proxy-authorization")))
+            if self.want and headers.get("proxy-authorization") != self.want:
+                conn.sendall(b"HTTP/1.1 407 Proxy Authentication Required\r\nProxy-Authenticate: Basic "
+                             b"realm=\"p\"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                return
+            method, target, _ = lines[0].split(" ", 2)
+            if method == "CONNECT":
+                if self.drip is not None:
+                    for byte in b"HTTP/1.1 200 Connection established\r\n":
+                        conn.sendall(bytes([byte]))
+                        time.sleep(self.drip)
+                    return
+                host, port = target.rsplit(":", 1)
+                up = socket.create_connection((host, int(port)))
+                conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                self._pipe(conn, up)
+                return
+            # a plain request: forward it to the origin named in the absolute target
+            hostport = target.split("://", 1)[1].split("/", 1)[0]
+            path = "/" + target.split("://", 1)[1].split("/", 1)[1] if "/" in target.split("://", 1)[1] else "/"
+            host, port = hostport.rsplit(":", 1)
+            up = socket.create_connection((host, int(port)))
+            kept = [ln for ln in lines[1:] if not ln.lower().startswith("proxy-authorization")]
+            up.sendall(f"{method} {path} HTTP/1.1\r\n".encode() + "\r\n".join(kept).encode() + b"\r\n\r\n" + rest)
+            self._pipe(conn, up)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        def one_way(src, dst):
+            try:
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (src, dst):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        t = threading.Thread(target=one_way, args=(b, a), daemon=True)
+        t.start()
+        one_way(a, b)
+        t.join(5)
+
+
+@pytest.fixture
+def proxy():
+    made = []
+
+    def make(**kw) -> Proxy:
+        p = Proxy(**kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def _via(proxy_url: str, *args, timeout: float = 60):
+    """slotctl ARGS in a real process whose environment names the proxy (slotctl sends only requests to
+    addresses that are not loopback through a proxy)."""
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env.update(http_proxy=proxy_url, https_proxy=proxy_url, no_proxy="", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "slotctl", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def _own_address() -> str:
+    """An address of this machine that is not loopback (slotctl sends only those through a proxy)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("192.0.2.1", 9))   # no packet is sent: it picks the outgoing interface
+        addr = s.getsockname()[0]
+    except OSError:
+        addr = ""
+    finally:
+        s.close()
+    if not addr or addr.startswith("127."):
+        pytest.skip("this machine has no address besides loopback")
+    return addr
+
+
+@pytest.fixture
+def public_server():
+    """A good llama-server lookalike listening on all addresses, named by this machine's own address."""
+    from http.server import ThreadingHTTPServer
+
+    from test_hostile_server import Script, _handler
+
+    script = Script(by_path({"/props": (200, GOOD_PROPS), "/slots": (200, GOOD_SLOTS)}))
+    srv = ThreadingHTTPServer(("0.0.0.0", 0), _handler(script))
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://{_own_address()}:{srv.server_address[1]}", script
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_proxy_credentials_are_sent_as_proxy_authorization_and_never_printed(proxy, public_server):
+    url, script = public_server
+    p = proxy(user="ops", password="s3cr:t")
+    res = _via(f"http://ops:{'s3cr%3At'}@127.0.0.1:{p.port}", "slots", "--server", url, "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["total_slots"] == 2
+    assert p.seen and all(auth == p.want for _, auth in p.seen)
+    assert "s3cr" not in res.stdout + res.stderr
+    # the proxy strips its header: the server never sees the credentials
+    assert all("Proxy-Authorization" not in headers for _, _, headers in script.seen)
+
+
+def test_a_proxy_that_wants_credentials_is_the_proxy_refusing_exit_2(proxy, public_server):
+    url, _ = public_server
+    p = proxy(user="ops", password="pw")
+    res = _via(f"http://127.0.0.1:{p.port}", "slots", "--server", url, "--json")
+    assert res.returncode == 2, res.stderr   # not the server's refusal (exit 1)
+    doc = json.loads(res.stdout)
+    assert doc["error"]["code"] == "proxy_refused"
+    assert f"the proxy at 127.0.0.1:{p.port} refused: HTTP 407" in doc["error"]["message"]
+    res = _via(f"http://ops:wrong@127.0.0.1:{p.port}", "slots", "--server", url)
+    assert res.returncode == 2 and "the user and password in the proxy URL were refused" in res.stderr
+    assert "wrong" not in res.stderr
+
+
+def test_a_connect_proxy_refusing_credentials_is_reported(proxy):
+    p = proxy(user="ops", password="pw")
+    res = _via(f"http://127.0.0.1:{p.port}", "slots", "--server", "https://192.0.2.10:8443")
+    assert res.returncode == 2
+    assert f"the proxy at 127.0.0.1:{p.port} refused: HTTP 407 Proxy Authentication Required" in res.stderr
+    assert p.seen[0][0] == "CONNECT 192.0.2.10:8443 HTTP/1.1"
+
+
+def test_a_connect_proxy_with_credentials_sends_them(proxy):
+    p = proxy(user="ops", password="pw", drip=0.01)
+    res = _via(f"http://ops:pw@127.0.0.1:{p.port}", "slots", "--server", "https://192.0.2.10:8443", "--timeout", "2")
+    assert res.returncode == 2
+    assert p.seen == [("CONNECT 192.0.2.10:8443 HTTP/1.1", p.want)]
+    assert "ops:pw" not in res.stderr
+
+
+def test_a_proxy_dripping_its_connect_answer_is_cut_off_at_the_timeout(proxy):
+    p = proxy(drip=0.5)
+    t0 = time.monotonic()
+    res = _via(f"http://127.0.0.1:{p.port}", "slots", "--server", "https://192.0.2.10:8443", "--timeout", "2")
+    took = time.monotonic() - t0
+    assert res.returncode == 2
+    assert "no answer within 2 s (--timeout bounds the whole request, the proxy included)" in res.stderr
+    assert took < 10, took   # before: still running at 60 s with --timeout 3
+
+
+# -- answers bounded in values and depth --------------------------------------------------------------------
+
+HOSTILE_ANSWER = textwrap.dedent("""
+    import json, sys
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    kind = sys.argv[1]
+    bodies = {
+        "objects": b"[" + b"{}," * (21 << 20) + b"{}]",                 # 63 MiB of empty objects
+        "slots": json.dumps([{"id": i} for i in range(100000)]).encode(),
+        "deep": b"[" * 200000 + b"]" * 200000,
+    }
+    body = bodies[kind]
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):
+            b = body if self.path.startswith("/slots") else json.dumps({"total_slots": 1}).encode()
+            self.send_response(200); self.send_header("Content-Length", str(len(b))); self.end_headers()
+            self.wfile.write(b)
+        def log_message(self, *a): pass
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    print(srv.server_address[1], flush=True)
+    srv.serve_forever()
+""")
+
+
+@pytest.mark.parametrize("kind, said", [
+    ("objects", "more than 1,000,000 values"),
+    ("slots", "100,000 slots, where a llama-server has at most 256"),
+    ("deep", "nested deeper than 64 levels"),
+])
+def test_a_hostile_answer_costs_neither_memory_nor_time(kind, said):
+    """Under a 1 GiB address-space limit and in seconds: a clear answer error, exit 2, a JSON document."""
+    srv = subprocess.Popen([sys.executable, "-c", HOSTILE_ANSWER, kind], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(srv.stdout.readline())
+        limit = 1 << 30
+
+        def cap():
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+        t0 = time.monotonic()
+        res = subprocess.run([sys.executable, "-m", "slotctl", "slots", "--server", f"http://127.0.0.1:{port}",
+                              "--json"], capture_output=True, text=True, preexec_fn=cap, timeout=120,
+                             env={**os.environ, "PYTHONPATH": ROOT})
+        took = time.monotonic() - t0
+    finally:
+        srv.kill()
+        srv.wait()
+    assert res.returncode == 2, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["error"]["code"] == "server_answer" and said in doc["error"]["message"], doc
+    assert "Traceback" not in res.stderr and took < 30, took
