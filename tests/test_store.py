@@ -432,3 +432,53 @@ def test_prune_broken_judges_objects(s3):
     r = run("prune", "--json", "--broken", "--grace", "0", "-m", str(DATA / "target.gguf"), f"s3://{BUCKET}/broken/")
     assert r.exit_code == 0, r.output
     assert _objects(s3, "broken/") == ["good.bin"]
+
+
+# -- strip-draft ---------------------------------------------------------------------------------------
+
+
+def test_strip_draft_of_an_object_is_a_server_side_rewrite(s3, tmp_path):
+    """The object becomes exactly what strip-draft makes of the local file, without being downloaded."""
+    from slotctl.sources import TOTALS
+
+    src = tmp_path / "draft.bin"
+    _large_slot_file(src, 24)
+    import obstore
+
+    with open(src, "rb") as f:
+        obstore.put(s3.client(), "strip/draft.bin", f, chunk_size=16 << 20)
+    url = f"s3://{BUCKET}/strip/draft.bin"
+    r = run("strip-draft", "--json", "--dry-run", url)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)["files"][0]
+    assert doc["status"] == "would_strip" and doc["method"] == "server_copy"
+    assert _get(s3, "strip/draft.bin") == src.read_bytes()
+    for k in TOTALS:
+        TOTALS[k] = 0
+    r = run("strip-draft", "--json", url)
+    assert r.exit_code == 0, r.output
+    assert TOTALS["bytes"] < 1 << 20                       # metadata only: nothing downloaded
+    local = tmp_path / "local.bin"
+    local.write_bytes(src.read_bytes())
+    assert run("strip-draft", "--grace", "0", str(local)).exit_code == 0
+    assert _get(s3, "strip/draft.bin") == local.read_bytes()
+    assert json.loads(r.stdout)["files"][0]["size_after"] == local.stat().st_size
+    r = run("strip-draft", "--json", url)                  # nothing left to strip
+    assert json.loads(r.stdout)["files"][0]["status"] == "unchanged"
+
+
+def test_a_rewrite_of_a_replaced_object_leaves_it_alone(s3):
+    import obstore
+
+    import slotctl.remote.store  # noqa: F401 - the s3 scheme
+    from slotctl.errors import UsageError
+    from slotctl.remote.s3copy import rewrite_prefix
+    from slotctl.remote.store import S3_STORE
+
+    url = put(s3, "strip/replaced.bin", b"old" * 1000)
+    stale = obstore.head(s3.client(), "strip/replaced.bin")["e_tag"]
+    put(s3, "strip/replaced.bin", b"new" * 1000)
+    with pytest.raises(UsageError) as e:
+        rewrite_prefix(S3_STORE.config, url, stale, 100)
+    assert e.value.code == "object_changed"
+    assert _get(s3, "strip/replaced.bin") == b"new" * 1000

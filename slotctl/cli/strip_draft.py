@@ -12,7 +12,9 @@ from rich.text import Text
 from slotctl.cli.common import FileRun, handle_errors
 from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt
 from slotctl.cli.output import Output, human_bytes, markup_safe
+from slotctl.errors import UsageError
 from slotctl.slotfile import expand_slot_paths
+from slotctl.sources import is_remote
 from slotctl.paths import DEFAULT_GRACE
 from slotctl.strip import COPY, REFUSED, STRIPPED, UNCHANGED, UNREADABLE, WOULD_STRIP, FileResult, strip_files
 
@@ -71,10 +73,22 @@ def strip_draft(
     expansion = expand_slot_paths(paths)
     run = FileRun(out, expansion, what="strip")
     layouts = dict(layout=_layout(model), draft_layout=_layout(draft_model))
+    objects = [p for p in expansion.files if is_remote(p)]
+    if objects and output is not None:
+        raise UsageError(f"-o: an object ({objects[0]}) is stripped in place, server-side (docs/store.md)")
+    local = [p for p in expansion.files if not is_remote(p)]
     with out.progress("stripping", bytes_=True) as update:
-        results = strip_files(expansion.files, output=output, checkpoints=checkpoints, dry_run=dry_run,
-                              force=force, progress=update, grace=grace, all_links=all_links,
-                              follow_symlinks=follow_symlinks, **layouts)
+        done = strip_files(local, output=output, checkpoints=checkpoints, dry_run=dry_run, force=force,
+                           progress=update, grace=grace, all_links=all_links, follow_symlinks=follow_symlinks,
+                           **layouts) if local else []
+    if objects:   # s3://: a server-side rewrite to the bytes before the draft state (docs/store.md)
+        from slotctl.remote.strip import strip_object
+
+        by_path = dict(zip(local, done))
+        by_path.update((p, strip_object(p, dry_run=dry_run, checkpoints=checkpoints, **layouts)) for p in objects)
+        results = [by_path[p] for p in expansion.files]
+    else:
+        results = done
     for r in results:
         run.add(r.as_dict())
         if r.repaired:
