@@ -185,22 +185,9 @@ def flags_of(mem: Memory) -> tuple[str, str, str]:
 
 def _shape_error(info, mem: Memory) -> str | None:
     """What in ``mem`` another model wrote: a KV layer count or row width the model ``info`` does not have."""
-    from slotctl import tensors
+    from slotctl.model.fit import shape_differences
 
-    for sl, sec in zip(mem.layout.sections, mem.sections):
-        if sec.type != "kv":
-            continue
-        layers = info.kv_layers(sl.role)
-        for st in sec.streams:
-            if not st.cell_count:
-                continue
-            if st.data.n_layer != len(layers):
-                return f"{sl.role} KV: {st.data.n_layer} layers in the file, {len(layers)} in the model"
-            for il, rec in zip(layers, st.data.k):
-                n = tensors.row_elements(rec.type, rec.row_size)
-                if n != info.n_embd_k_gqa(il):
-                    return f"{sl.role} KV: K rows of {n} elements in the file, {info.n_embd_k_gqa(il)} in the model"
-    return None
+    return next(iter(shape_differences(info, mem)), None)
 
 
 def best(candidates: list[Candidate], min_cosine: float) -> tuple[Candidate | None, float | None]:

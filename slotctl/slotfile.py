@@ -462,6 +462,32 @@ def read_slot_file(f: BinaryIO, path: str | os.PathLike, *, layout: MemoryLayout
     return sf
 
 
+def read_for_layout(f: BinaryIO, path: str | os.PathLike, layout: MemoryLayout,
+                    draft_layout: MemoryLayout | None = None) -> tuple[SlotFile, bool]:
+    """The file parsed with a model's layouts (:func:`read_slot_file`); when its target memory does not parse
+    so but does as the file is — memory of another kind: the file was saved with another model — parsed as
+    it is. Returns the file and whether its target memory parsed with ``layout``."""
+    sf = read_slot_file(f, path, layout=layout, draft_layout=draft_layout)
+    if sf.target is not None or sf.header_end is None:
+        return sf, sf.target is not None
+    generic = read_slot_file(f, path)
+    return (generic if generic.target is not None else sf), False
+
+
+def open_for_layout(path: str | os.PathLike, layout: MemoryLayout,
+                    draft_layout: MemoryLayout | None = None) -> tuple[SlotFile, bool]:
+    """:func:`read_for_layout` of the file at ``path``, held open as :func:`open_slot_file` holds it."""
+    path = os.fspath(path)
+    f = open_input(path)
+    try:
+        sf, parsed = read_for_layout(f, remote_url(path) or path, layout, draft_layout)
+    except BaseException:
+        f.close()
+        raise
+    sf.owns_stream = True
+    return sf, parsed
+
+
 def _walk(f: BinaryIO, sf: SlotFile, layout: MemoryLayout | None, draft_layout: MemoryLayout | None) -> None:
     size = sf.size
     try:

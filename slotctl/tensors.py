@@ -118,10 +118,8 @@ def rotate(values: np.ndarray, n: int) -> np.ndarray:
     return (values.reshape(-1, n) @ hadamard(n)).reshape(rows, width)
 
 
-def row_elements(type_id: int, row_size: int) -> int:
-    """Elements in a row of ``row_size`` bytes of type ``type_id``."""
-    t = ggml.BY_ID[type_id]
-    return row_size // t.block_bytes * t.block
+#: elements in a row of ``row_size`` bytes of type ``type_id`` (written once, in slotctl.format.ggml)
+row_elements = ggml.row_elements
 
 
 def rows_per_chunk(row_bytes: int, budget: int = 8 << 20) -> int:

@@ -201,7 +201,7 @@ def test_the_installed_command_prints_one_line(tmp_path):
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
     assert [ln for ln in r.stderr.splitlines() if ln.strip()] == \
-        ["error: state header at 0x8 (8): token word count of at most 17,825,792, found 4,294,967,295"]
+        [f"error: {p}: state header at 0x8 (8): token word count of at most 17,825,792, found 4,294,967,295"]
 
 
 def test_appendices_are_found_by_a_scan_when_the_payload_cannot_be_placed(tmp_path):

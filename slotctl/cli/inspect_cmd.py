@@ -43,7 +43,8 @@ def inspect(
     as skipped.
 
     Exit codes: 0 parsed; 1 a file is damaged (what parsed is still shown, with the layer and offset
-    where it broke); 2 usage or I/O error (a file that cannot be read; the others are still shown).
+    where it broke) or does not fit --model (saved with another model); 2 usage or I/O error (a file that
+    cannot be read; the others are still shown).
     """
     out = Output(json_mode=json_out, jsonl=jsonl, quiet=quiet, verbose=verbose)
     target_info = draft_info = None
@@ -92,15 +93,20 @@ def inspect(
 def _inspect_one(real: str, path: str, target_info, draft_info, model, *, tokens: bool, verbose: bool):
     """The file at ``real`` (shown as ``path``) parsed and described (its JSON object); with ``model``, the
     prompt decoded with its vocabulary."""
-    sf = open_slot_file(real, layout=target_info.layout() if target_info else None,
-                        draft_layout=draft_info.layout() if draft_info else None)
+    another = None
+    if target_info is None:
+        sf = open_slot_file(real, draft_layout=draft_info.layout() if draft_info else None)
+    else:
+        sf, another = _with_model(real, target_info, draft_info)
     sf.path = path
     text = None
-    if model is not None and sf.tokens is not None and not sf.tokens.error:
+    if model is not None and another is None and sf.tokens is not None and not sf.tokens.error:
         from slotctl.runtime.vocab import detokenize
 
         text = detokenize(model, sf.tokens.tokens, verbose=verbose)
     found = file_findings(sf)
+    if another is not None:
+        found.insert(0, another)
     if target_info is not None and sf.tokens is not None and not sf.tokens.error:
         from slotctl.server.findings import invalid_tokens_finding
 
@@ -109,9 +115,39 @@ def _inspect_one(real: str, path: str, target_info, draft_info, model, *, tokens
         if bad is not None:
             found.append(bad)
     reuse = _reuse(sf, target_info, found)
-    data = describe_file(sf, tokens=tokens, text=text, info=target_info, draft_info=draft_info, findings=found)
+    data = describe_file(sf, tokens=tokens, text=text, info=target_info if another is None else None,
+                         draft_info=draft_info, findings=found)
     data["reuse"] = reuse
+    if any(f.severity == "error" for f in found):   # does not fit the model given: 1, as in validate
+        data["exit_code"] = max(data["exit_code"], 1)
     return data
+
+
+def _with_model(real: str, target_info, draft_info):
+    """The file parsed with the model's layout, and the finding that it was saved with another model (None
+    when it was not), as validate judges it: memory of another kind (then the layers as the file is), or of
+    the model's kind with other layer counts or row widths."""
+    from slotctl.model.fit import shape_differences
+    from slotctl.slotfile import open_for_layout
+    from slotctl.validate.wording import kind_mismatch_words, shape_mismatch_words
+
+    sf, model_parse = open_for_layout(real, target_info.layout(), draft_info.layout() if draft_info else None)
+    facts = shape_differences(target_info, sf.target) if model_parse else []
+    if sf.target is None:
+        return sf, None       # damaged, or no payload: the structure's findings say it
+    if not model_parse:
+        return sf, Finding("target memory", "error", "memory_kind_mismatch",
+                           kind_mismatch_words(sf.target.layout, target_info), sf.target.offset)
+    if facts:
+        generic = open_slot_file(real)
+        if generic.target is not None and generic.target.layout.kind != target_info.layout().kind:
+            sf.close()   # memory of another kind that the model's layout also happened to read: as the file is
+            return generic, Finding("target memory", "error", "memory_kind_mismatch",
+                                    kind_mismatch_words(generic.target.layout, target_info), generic.target.offset)
+        generic.close()
+        return sf, Finding("target memory", "error", "model_shape_mismatch",
+                           shape_mismatch_words(facts, target_info), sf.target.offset)
+    return sf, None
 
 
 def _reuse(sf, target_info, found: list) -> dict | None:

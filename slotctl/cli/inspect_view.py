@@ -47,11 +47,11 @@ def render(out: Output, d: dict, notes: "NoteCounter | None" = None) -> None:
         out.print(Text("draft state: none (a restored slot drafts from an empty draft context)", style="dim"))
     if d["trailing_bytes"]:
         out.print(Text(f"trailing bytes: {d['trailing_bytes']:,}", style="yellow"))
-    for f in d["findings"]:
+    for f in d["findings"]:   # on stderr, each naming its file (inspect a b 2>log keeps which broke)
         if f["severity"] == "error":
-            out.error(f["message"])
+            out.error(f"{d['path']}: {f['message']}")
         elif notes is None or not notes.add(f, d["path"]):
-            out.warn(f["message"])
+            out.warn(f"{d['path']}: {f['message']}")
 
 
 def _byte_map(d: dict) -> Table:

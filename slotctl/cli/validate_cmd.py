@@ -123,12 +123,16 @@ def validate(
     doc = report.as_dict() if lv is None else lv.annotate(report.as_dict())
     summary = {**doc["summary"], "skipped": len(expansion.skipped)}
     if not out.json_mode:
-        render(out, report, skipped=len(expansion.skipped), load_skipped=load_skipped)
+        render(out, report, skipped=len(expansion.skipped), load_skipped=load_skipped, server=doc["server"])
     run.finish(summary, server=doc["server"])
 
 
-def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = None) -> None:
+def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = None,
+           server: dict | None = None) -> None:
     many = len(report.files) > 1
+    said = context_rounding(server or {})
+    if said:
+        out.print(Text(said, style="dim"))
     notes = NoteCounter()
     for fr in report.files:
         if out.quiet and fr.verdict == "restores" and not _loses_tokens(fr):
@@ -182,6 +186,17 @@ def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = 
     if not report.real_check and report.setup.target is not None:
         why = f" ({load_skipped})" if load_skipped else " (--no-load)"
         out.print(Text(f"real load not run{why}: the prediction alone decides", style="dim"))
+
+
+def context_rounding(server: dict) -> str | None:
+    """The words for a target context llama.cpp built larger (or smaller) than the flags ask for, or None."""
+    tc = server.get("target_context")
+    if not tc or tc["n_ctx"] == tc["n_ctx_requested"]:
+        return None
+    slot = server.get("n_ctx_slot")
+    return (f"context: the flags ask for {tc['n_ctx_requested']:,} cells, llama.cpp builds {tc['n_ctx']:,} "
+            f"({tc['n_ctx_seq']:,} per stream: it rounds each up to a multiple of 256)"
+            + (f"; a slot holds {slot:,} tokens" if slot is not None else ""))
 
 
 def _loses_tokens(fr) -> bool:

@@ -114,7 +114,9 @@ def structural_findings(sf: SlotFile, *, n_ctx_checkpoints: int = DEFAULT_CTX_CH
         out.append(Finding("state header", "error", "version_mismatch",
                            f"state version {sf.version}: a server of state version {server.state_version} loads no "
                            "other (\"unknown (magic, version)\"); a server of state version "
-                           f"{sf.version} restores it", 4))
+                           f"{sf.version} restores it, or convert the file: slotctl convert FILE -o OUT "
+                           f"--state-version {server.state_version} (exact, or refused; -m MODEL for a quantized "
+                           "cache)", 4))
     if sf.sckp or sf.sdft:
         # SCKP: the checkpoint change (PR #26004, llama.cpp 033df86b6); SDFT: the draft-state change
         # (ea736c1d5) on top of it. b11434 predates both: it restores the target and reads no appendix.

@@ -22,7 +22,7 @@ from slotctl.model.predict import Prediction
 from slotctl.server.checkpoints import may_load, rolls_back
 from slotctl.server.restore import cut_payload_outcome
 from slotctl.slotfile import (Blob, SlotFile, expand_slot_paths, is_checkpoint_layer, parse_blob, parse_memory,
-                              read_slot_file)
+                              read_for_layout, read_slot_file)
 from slotctl.validate.child import ChildProcess, LoadChecker
 from slotctl.validate.compare import (
     _checkpoint_side,
@@ -54,7 +54,8 @@ from slotctl.validate.report import (
 from slotctl.validate.load import _real_check
 from slotctl.validate.setup import Models, ServerSetup
 from slotctl.validate.speculative import speculative_findings
-from slotctl.validate.wording import ROLLBACK_HARMLESS, _kind_words, _part_words, _want_part_words
+from slotctl.validate.wording import (ROLLBACK_HARMLESS, _kind_words, _part_words, _want_part_words,
+                                     kind_mismatch_words)
 
 
 # -- the layers of a file -----------------------------------------------------------------------------------
@@ -93,13 +94,8 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
     model_parse = False     # whether the target payload parsed with the model's layout
     if tinfo is None:
         sf = read_slot_file(f, path)
-    else:
-        sf = read_slot_file(f, path, layout=tinfo.layout(), draft_layout=dinfo.layout() if dinfo else None)
-        model_parse = sf.target is not None
-        if not model_parse and sf.header_end is not None:
-            generic = read_slot_file(f, path)
-            if generic.target is not None:
-                sf = generic     # another memory kind: locate the layers as the file is
+    else:   # another memory kind: the layers located as the file is
+        sf, model_parse = read_for_layout(f, path, tinfo.layout(), dinfo.layout() if dinfo else None)
     report.size, report.version, report.slot_file = sf.size, sf.version, sf
     tpred = dpred = None
     if tinfo is not None and sf.version is not None:
@@ -311,11 +307,8 @@ def _memory_layers(sf: SlotFile, f: BinaryIO, model_parse: bool, tinfo: ModelInf
         ml = _MemLayer(tside, LayerCheck(TARGET, located.offset, located.size, "target"),
                        located.offset, located.size, False, FLAGS_NONE, mem, located.layout)
         if tinfo is not None and mem is None:
-            ml.issues.append(_issue(tside, "memory_kind_mismatch",
-                                    f"the target memory is {_kind_words(located.layout)}, but "
-                                    f"{Path(tinfo.path).name} ({tinfo.arch}) keeps "
-                                    f"{_kind_words(tinfo.layout())}: the file was saved with another model "
-                                    "(give -m the one it was saved with)", located.offset))
+            ml.issues.append(_issue(tside, "memory_kind_mismatch", kind_mismatch_words(located.layout, tinfo),
+                                    located.offset))
         out.append(ml)
     elif sf.header_end is not None:
         # the payload does not parse: llama.cpp is given the rest of the file, as the server gives it

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from slotctl.errors import UsageError
 from slotctl.model.info import ModelInfo, read_model_info
-from slotctl.model.predict import Prediction, predict
+from slotctl.model.predict import Prediction, predict, requested_n_ctx
 from slotctl.model.settings import DRAFT_CACHE_TYPE_DEFAULT, ContextSettings
 from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS, SERVER_STATE_VERSION, ServerFlags, cache_type, check_slot
 
@@ -115,7 +115,8 @@ class Models:
         out: dict = {"target_context": None, "draft_context": None, "n_ctx_slot": None}
         for key, p, info in (("target_context", tp, self.target), ("draft_context", dp, self.draft)):
             if p is not None:
-                out[key] = {"arch": info.arch, "layout": info.layout().describe(), "n_ctx": p.n_ctx,
+                out[key] = {"arch": info.arch, "layout": info.layout().describe(),
+                            "n_ctx_requested": requested_n_ctx(info, p.settings), "n_ctx": p.n_ctx,
                             "n_ctx_seq": p.n_ctx_seq, "n_stream": p.n_stream, "flash_attn": p.flash_attn,
                             "type_k": p.settings.type_k, "type_v": p.settings.type_v}
         if tp is not None:

@@ -83,3 +83,23 @@ ROLLBACK_HARMLESS = ("harmless here: the file restores with it, and no request m
                      "memory starts at 0 (a plain KV cache, or SWA with --swa-full), so it goes back only to a "
                      "checkpoint of positions 0..1, for a request of one token (it would abort on this one: "
                      "\"checkpoint size mismatch\")")
+
+
+#: what a finding says a model given does not fit the file it is given with, and what to do
+ANOTHER_MODEL = "the file was saved with another model (give -m the one it was saved with)"
+
+
+def kind_mismatch_words(layout: MemoryLayout, info: ModelInfo) -> str:
+    """A target memory of another kind than the model's (``memory_kind_mismatch``)."""
+    from pathlib import Path
+
+    return (f"the target memory is {_kind_words(layout)}, but {Path(info.path).name} ({info.arch}) keeps "
+            f"{_kind_words(info.layout())}: {ANOTHER_MODEL}")
+
+
+def shape_mismatch_words(facts: Sequence[str], info: ModelInfo) -> str:
+    """A target memory of the model's kind but another shape (:func:`slotctl.model.fit.shape_differences`)."""
+    from pathlib import Path
+
+    return f"the target memory does not have the shape of {Path(info.path).name} ({info.arch}): " \
+           f"{'; '.join(facts)}: {ANOTHER_MODEL}"
