@@ -164,7 +164,19 @@ def save_on_server(ctx: typer.Context | None, out: Output, server: str, name: st
                          "NAME` (the server writes it into its --slot-save-path)")
     url = server_api.normalize_url(server)
     answer = server_api.save_slot(url, slot, name, api_key=api_key, timeout=timeout)
-    _answer(out, answer, json_out, url, f"slot {slot} saved to {name}", slot=slot, name=name)
+    _answer(out, answer, json_out, url, f"slot {slot} saved to {name}", slot=slot, name=name, note=SAVE_NOTE)
+
+
+#: what ``save --server`` says every time: the server does not ask before replacing a file
+SAVE_NOTE = ("the server writes NAME into its --slot-save-path whether a file of that name is there or not: an "
+             "existing one is replaced (slotctl cannot see that directory; a local save keeps it unless --force)")
+
+
+def restore_refused_hint(url: str, name: str, slot_dir: Path | None) -> str:
+    """What to run when the server refuses to restore NAME (HTTP 400): validate says why, for that server."""
+    where = str(Path(slot_dir) / name) if slot_dir is not None else f"DIR/{name}"
+    return (f"ask why: slotctl validate --server {url} {where}"
+            + ("" if slot_dir is not None else " (DIR: the server's --slot-save-path as this machine sees it)"))
 
 
 def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name: str, *, slot: int,
@@ -190,7 +202,13 @@ def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name:
         check_readable(local, what="slot file ")
     elif slot_dir is not None:
         raise UsageError("--slot-dir goes with --prove")
-    answer = server_api.restore_slot(url, slot, name, api_key=api_key, timeout=timeout)
+    try:
+        answer = server_api.restore_slot(url, slot, name, api_key=api_key, timeout=timeout)
+    except server_api.ServerRefused as e:
+        if e.status != 400:
+            raise
+        raise server_api.ServerRefused(f"{e}; {restore_refused_hint(url, name, slot_dir)}", status=e.status,
+                                       message=e.message, error_type=e.error_type, body=e.body) from None
     proof = None
     if local is not None:
         from slotctl.remote.prove import local_setup, prove as run_proof
@@ -205,14 +223,18 @@ def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name:
 
 
 def _answer(out: Output, answer: Any, json_out: bool, url: str, head: str, *, slot: int, name: str,
-            proof=None) -> None:
+            proof=None, note: str | None = None) -> None:
     if json_out:   # the server's answer as it came, under "answer" (docs/json.md)
         doc = {"server": url, "slot": slot, "name": name, "answer": answer, "exit_code": 0}
+        if note is not None:
+            doc["note"] = note
         if proof is not None:
             doc.update(proof=proof.as_dict(), exit_code=int(proof.exit_status))
         out.json(doc)
         return
     out.print(Text.assemble((_plain(url), "bold"), "  ", _plain(head)))
+    if note is not None:
+        out.print(Text(f"note: {note}", style="dim"))
     if proof is not None:
         render_proof(out, proof.as_dict())
     if not isinstance(answer, dict):

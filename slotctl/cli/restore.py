@@ -179,6 +179,8 @@ def _continue(out: Output, sc, restored, report: dict, text: str | None, prompt:
     timings["generate_ms"] = round(comp.generate_ms, 3)
     report["continuation"] = {"continue_text": text if prompt is None else None, "prompt": prompt,
                               "n_predict": n, **_round(comp.as_dict())}
+    report["continuation"]["n_slot_tokens"] = len(restored.tokens)
+    report["continuation"]["reuse_reason"] = reuse_reason(report["continuation"])
     if not compare:
         return ExitStatus.OK
     t0 = time.perf_counter()
@@ -279,15 +281,36 @@ def _note(s: dict) -> str:
     return ""
 
 
+def reuse_reason(c: dict) -> str:
+    """Why a request reused and evaluated the tokens it did (b11434 ``update_slots``), from its counts."""
+    held, new = c["n_common"], c["n_prompt"] - c["n_common"]
+    if c["n_reevaluated"]:
+        how = (f"the memory went back to the checkpoint at {c['checkpoint']:,} tokens" if c["checkpoint"] is not None
+               else "no checkpoint was early enough, so the server started over")
+        return (f"the slot held the request's first {held:,} tokens, but its memory cannot stay at that position "
+                f"(an SWA window or a recurrent state): {how}, and {c['n_reevaluated']:,} of them were evaluated "
+                f"again, with the {new:,} new ones")
+    if new == 0 and c["n_evaluated"]:
+        return (f"the slot held the whole request ({held:,} tokens): the server evaluates its last token again, "
+                "for the logits of the next one")
+    if held == 0:
+        return "the request begins with none of the slot's tokens: it is evaluated whole"
+    slot = c.get("n_slot_tokens")
+    parts = ""
+    if slot is not None and held < slot:
+        parts = (f"; it parts from the slot's {slot:,} tokens there: "
+                 + ("the slot's text and the continuation, tokenized again as a client sends them, give other "
+                    "tokens from that point (a tokenizer merges across the join, generated tokens read back "
+                    "differently)" if c.get("continue_text") is not None else "the prompt differs there"))
+    return (f"the slot held the request's first {held:,} tokens (its common prefix with the slot's tokens){parts}; "
+            f"the {c['n_evaluated']:,} after them are evaluated")
+
+
 def _completion_panel(title: str, c: dict) -> Panel:
     lines = [f"prompt: {c['n_prompt']:,} tokens, {c['n_reused']:,} reused, {c['n_evaluated']:,} evaluated"
              + (f" (the draft context held {c['n_draft_reused']:,})" if c["n_draft_reused"] is not None else "")
-             + (f", from the checkpoint at {c['checkpoint']:,} tokens" if c["checkpoint"] is not None else "")]
-    if c["n_reevaluated"]:
-        why = (f"rolled back to the checkpoint at {c['checkpoint']:,} tokens" if c["checkpoint"] is not None
-               else "no checkpoint early enough: started over")
-        lines.append(f"the slot held the request's first {c['n_common']:,} tokens; {c['n_reevaluated']:,} of them "
-                     f"evaluated again ({why})")
+             + (f", from the checkpoint at {c['checkpoint']:,} tokens" if c["checkpoint"] is not None else ""),
+             f"why: {reuse_reason(c)}"]
     lines.append(f"generated: {c['n_generated']:,} tokens (stop: {c['stop']})")
     if c["speculative"]:
         lines.append(f"speculative: drafted {c['n_drafted']:,}, accepted {c['n_accepted']:,} in "
