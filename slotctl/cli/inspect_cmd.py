@@ -107,7 +107,7 @@ def _inspect_one(real: str, path: str, target_info, draft_info, model, *, tokens
     found = file_findings(sf)
     if another is not None:
         found.insert(0, another)
-    if target_info is not None and sf.tokens is not None and not sf.tokens.error:
+    if target_info is not None and another is None and sf.tokens is not None and not sf.tokens.error:
         from slotctl.server.findings import invalid_tokens_finding
 
         bad = invalid_tokens_finding(sf.tokens.tokens, target_info.n_vocab, [s for s, _ in sf.tokens.media],
