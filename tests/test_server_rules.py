@@ -288,37 +288,25 @@ def _header(tmp_path, arch: str, **keys) -> str:
     return path
 
 
-def test_cell_ext_of_bailingmoe3_and_dflash(tmp_path):
+def test_the_architectures_whose_rules_slotctl_does_not_write_are_unsupported_and_say_so(tmp_path):
+    """Correction 6 of issue 15: bailingmoe3's and dflash's cell ext and the DeepSeek lightning indexers' forced
+    K rotation concern only architectures whose caches slotctl does not model, so they are not written: each
+    such model is "unsupported", and asking it for a layout says plainly what its memory is."""
+    from slotctl.model.archs import MROPE_IF_SECTIONS_ARCHS, UNSUPPORTED_ARCHS
     from slotctl.model.info import read_model_info
 
-    # bailingmoe3: M-RoPE (cells with ext) only for VL files, whose first two sections are set
-    assert read_model_info(_header(tmp_path, "bailingmoe3", rope__dimension_sections=[8, 8, 0, 0])).has_cell_ext
-    assert not read_model_info(_header(tmp_path, "bailingmoe3", rope__dimension_sections=[8, 0, 0, 0])).has_cell_ext
-    assert not read_model_info(_header(tmp_path, "bailingmoe3")).has_cell_ext
-    # dflash: M-RoPE as soon as any of the four sections is set
-    assert read_model_info(_header(tmp_path, "dflash", rope__dimension_sections=[0, 0, 0, 4])).has_cell_ext
-    assert not read_model_info(_header(tmp_path, "dflash", rope__dimension_sections=[0, 0, 0, 0])).has_cell_ext
-
-
-def test_lightning_indexer_caches_always_rotate_k(tmp_path):
-    from slotctl.format import ggml
-    from slotctl.model.info import read_model_info
-    from slotctl.model.predict import rotations
-
-    f16, q8 = ggml.BY_NAME["f16"], ggml.BY_NAME["q8_0"]
-    idx = read_model_info(_header(tmp_path, "deepseek32", attention__key_length=128, attention__value_length=128,
-                                  attention__indexer__key_length=128))
-    assert idx.k_rot_forced
-    layers = (0, 1)
-    assert rotations(idx, layers, f16, f16, disable=False) == (128, 0)
-    assert rotations(idx, layers, f16, f16, disable=True) == (128, 0)      # LLAMA_ATTN_ROT_DISABLE too
-    other = read_model_info(_header(tmp_path, "deepseek32", attention__key_length=192, attention__value_length=128,
-                                    attention__indexer__key_length=128))
-    assert not other.k_rot_forced
-    assert rotations(other, layers, f16, f16, disable=False) == (0, 0)
-    assert rotations(other, layers, q8, q8, disable=False) == (64, 64)
-    plain = read_model_info(_header(tmp_path, "llama", attention__indexer__key_length=128))
-    assert not plain.k_rot_forced
+    for arch, keys in (("bailingmoe3", dict(rope__dimension_sections=[8, 8, 0, 0])),
+                       ("dflash", dict(rope__dimension_sections=[0, 0, 0, 4])),
+                       ("deepseek32", dict(attention__key_length=128, attention__indexer__key_length=128)),
+                       ("deepseek4", {}), ("glm-dsa", {}), ("dots3note", {})):
+        info = read_model_info(_header(tmp_path, arch, **keys))
+        assert info.memory_kind == "unsupported" and info.unsupported == UNSUPPORTED_ARCHS[arch]
+        with pytest.raises(UsageError, match=arch):
+            info.layout()
+    assert "bailingmoe3" not in MROPE_IF_SECTIONS_ARCHS
+    # the rule that stays: glm4's M-RoPE by its first two sections
+    assert read_model_info(_header(tmp_path, "glm4", rope__dimension_sections=[8, 8, 0, 0])).has_cell_ext
+    assert not read_model_info(_header(tmp_path, "glm4", rope__dimension_sections=[8, 0, 0, 0])).has_cell_ext
 
 
 # -- speculative state ----------------------------------------------------------------------------------------

@@ -22,7 +22,13 @@ NO_MEMORY_ARCHS = frozenset({"bert", "jina-bert-v2", "jina-bert-v3", "nomic-bert
                              "dream", "llada", "llada-moe", "rnd1", "clef"})
 
 #: architectures whose memory this module does not model, with what their memory is
-#: (``llama_model::create_memory`` and their ``load_arch_hparams``)
+#: (``llama_model::create_memory`` and their ``load_arch_hparams``). slotctl reads no layout and predicts
+#: nothing for them, so the rules of b11434 that concern only them are not written here either: the M-RoPE
+#: cells (cell ext) of bailingmoe3 VL files (first two ``rope.dimension_sections`` set) and of dflash drafts
+#: (any of the first four set), and the K rotation b11434 always applies to the caches of DeepSeek
+#: lightning indexers (deepseek32, deepseek4, glm-dsa, dots3note: "always create Hadamard rotation tensors
+#: for DeepSeek lightning indexers", whatever the cache type and ``LLAMA_ATTN_ROT_DISABLE``). Supporting one
+#: of them means modelling its cache first (its sections, in ``slotctl.format.memory``), then these rules.
 UNSUPPORTED_ARCHS = {
     "minimax-m3": "an MSA cache (llama_kv_cache_msa)",
     "glm-dsa": "a DSA cache (llama_kv_cache_dsa)",
@@ -48,16 +54,9 @@ UNSUPPORTED_ARCHS = {
 MROPE_ARCHS = frozenset({"qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe",
                          "clef", "qwen4exp", "qwen3tts"})
 #: M-RoPE only when ``rope.dimension_sections`` has its first two sections non-zero
-#: (``llama_hparams::use_mrope``; b11434 ``llama_model_rope_type``: glm4, glm4moe, hunyuan_vl, and bailingmoe3,
-#: whose VL files carry M-RoPE sections while text-only files keep NORM rope)
-MROPE_IF_SECTIONS_ARCHS = frozenset({"glm4", "glm4moe", "hunyuan_vl", "bailingmoe3"})
-#: M-RoPE when any of the first four ``rope.dimension_sections`` is non-zero (b11434 ``llama_model_rope_type``,
-#: LLM_ARCH_DFLASH: drafts for M-RoPE targets carry rope sections; else NORM or NEOX)
-MROPE_IF_ANY_SECTION_ARCHS = frozenset({"dflash"})
-#: architectures whose KV cache always rotates K when the key head is the lightning indexer's
-#: (b11434 ``llama_kv_cache`` constructor, src/llama-kv-cache.cpp: "always create Hadamard rotation tensors
-#: for DeepSeek lightning indexers", whatever the cache type and ``LLAMA_ATTN_ROT_DISABLE``)
-INDEXER_ROT_ARCHS = frozenset({"deepseek32", "deepseek4", "glm-dsa", "dots3note"})
+#: (``llama_hparams::use_mrope``; b11434 ``llama_model_rope_type``: glm4, glm4moe, hunyuan_vl; bailingmoe3
+#: too, which :data:`UNSUPPORTED_ARCHS` lists)
+MROPE_IF_SECTIONS_ARCHS = frozenset({"glm4", "glm4moe", "hunyuan_vl"})
 
 #: architectures that read ``ssm.group_count`` (it widens the conv state, ``llama_hparams::n_embd_r``)
 SSM_GROUP_ARCHS = frozenset({"mamba2", "falcon-h1", "granitehybrid", "nemotron_h", "nemotron_h_moe",

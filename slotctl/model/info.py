@@ -43,8 +43,6 @@ from slotctl.model.archs import (
     UNSUPPORTED_ARCHS,
     MROPE_ARCHS,
     MROPE_IF_SECTIONS_ARCHS,
-    MROPE_IF_ANY_SECTION_ARCHS,
-    INDEXER_ROT_ARCHS,
     SSM_GROUP_ARCHS,
     RWKV_ARCHS,
     SHORTCONV_ARCHS,
@@ -79,8 +77,7 @@ class ModelInfo:
     SWA), ``swa_type`` how it masks ("standard", "chunked", "symmetric"), ``swa_layers`` which layers use
     it. ``attention_layers``: layers with records in the KV section(s); ``recurrent_layers``: layers
     with r and s records in the recurrent section. ``mla``: layers store no V. ``has_cell_ext``: KV cells
-    carry ext (M-RoPE). ``k_rot_forced``: the KV cache rotates K whatever the cache type (DeepSeek
-    lightning indexers, :data:`INDEXER_ROT_ARCHS`). ``memory_kind``: "kv", "iswa", "recurrent", "hybrid", "hybrid_iswa", "none" (no
+    carry ext (M-RoPE). ``memory_kind``: "kv", "iswa", "recurrent", "hybrid", "hybrid_iswa", "none" (no
     memory: empty payload) or "unsupported" (``unsupported`` says what the memory is).
     ``n_embd_r`` / ``n_embd_s``: widths (elements) of the recurrent r and s rows; ``n_embd_r_rule`` /
     ``n_embd_s_rule``: how the GGUF's keys give them, in words ("(ssm.conv_kernel 4 - 1) x ...").
@@ -114,7 +111,6 @@ class ModelInfo:
     unsupported: str | None = None
     n_embd_r_rule: str | None = None
     n_embd_s_rule: str | None = None
-    k_rot_forced: bool = False
 
     def head_size_k(self, il: int) -> int:
         """``llama_hparams::n_embd_head_k(il)``: the SWA head size on SWA layers."""
@@ -369,7 +365,6 @@ def _read_model_info(path: str) -> ModelInfo:
         n_layer_all=n_layer_all, head_dim_k_swa=head_k_swa, head_dim_v_swa=head_v_swa,
         swa_type=swa_type, attention_layers=attention, causal_attn=bool(h.value("attention.causal", True)),
         unsupported=unsupported, n_embd_r_rule=r_rule, n_embd_s_rule=s_rule,
-        k_rot_forced=arch in INDEXER_ROT_ARCHS and head_k == h.uint("attention.indexer.key_length", 0),
     )
 
 
@@ -520,6 +515,4 @@ def _has_cell_ext(h: _Header) -> bool:
     if h.arch in MROPE_IF_SECTIONS_ARCHS:
         sections = h.array("rope.dimension_sections") or []
         return len(sections) >= 2 and sections[0] > 0 and sections[1] > 0
-    if h.arch in MROPE_IF_ANY_SECTION_ARCHS:
-        return any(x != 0 for x in (h.array("rope.dimension_sections") or [])[:4])
     return False

@@ -178,8 +178,8 @@ def rotations(model: ModelInfo, layers: tuple[int, ...], tk: ggml.GGMLType, tv: 
     and layer 0's K head size is a multiple of 64: 64, doubled while the head size is a multiple of
     twice it (head size 64 -> 64, 128 -> 128, 192 -> 64, 256 -> 256). A quantized V cache gets 64 under
     the same conditions on the V head size; MLA caches (no V) get none for V. Unquantized caches, and
-    any cache when ``LLAMA_ATTN_ROT_DISABLE`` is set, get 0, except K in the caches of DeepSeek lightning
-    indexers (``ModelInfo.k_rot_forced``), which b11434 always rotates.
+    any cache when ``LLAMA_ATTN_ROT_DISABLE`` is set, get 0. (b11434 also always rotates K in the caches of
+    DeepSeek lightning indexers, architectures slotctl does not model: :data:`slotctl.model.archs.UNSUPPORTED_ARCHS`.)
     """
     if not layers:
         return 0, 0
@@ -191,8 +191,6 @@ def rotations(model: ModelInfo, layers: tuple[int, ...], tk: ggml.GGMLType, tv: 
     head_v_all = 0 if model.mla else common({model.head_size_v(il) for il in layers})
     n_rot_k = n_rot_v = 0
     rot_k = not disable and head_k_all > 0 and tk.block > 1 and model.head_size_k(0) % ROT_MIN == 0
-    if model.k_rot_forced:      # DeepSeek lightning indexers: whatever the type and LLAMA_ATTN_ROT_DISABLE
-        rot_k = True
     if rot_k:
         n_rot_k = ROT_MIN
         while head_k_all > 0 and head_k_all % (2 * n_rot_k) == 0:
