@@ -73,7 +73,7 @@ def main() -> None:
             files += 1
             per_layer[(src.name, layer)] += 1
             try:
-                mutate.check_file(data, src.model, Path(d), full=True)
+                mutate.check_file(data, src, Path(d), full=True)
             except Exception:   # noqa: BLE001 - every failure is a finding
                 os.makedirs(args.keep, exist_ok=True)
                 keep = Path(args.keep) / f"finding-{len(findings)}.bin"

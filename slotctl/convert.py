@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Union
+from typing import Callable, Union
 
 import numpy as np
 
@@ -174,8 +174,8 @@ class Plan:
     pieces: list
     changes: list
     identity: tuple
-    #: the open stream the plan was made from (the parsed file's): the copy reads it, never the name
-    source: BinaryIO | None = field(default=None, compare=False, repr=False)
+    #: the parsed file the plan was made from: the copy reads its stream, never the name
+    parsed: SlotFile | None = field(default=None, compare=False, repr=False)
 
     @property
     def output_size(self) -> int:
@@ -219,7 +219,7 @@ def plan_convert(path: str | os.PathLike, req: Request, *, layout: MemoryLayout 
     pieces += _appendices(sf, req, planner)
     if sf.trailing is not None and sf.trailing.size:
         pieces.append(sf.trailing)
-    return Plan(path, sf.size, vin, vout, coalesce(pieces), changes, identity, source=sf.stream)
+    return Plan(path, sf.size, vin, vout, coalesce(pieces), changes, identity, parsed=sf)
 
 
 def _appendices(sf: SlotFile, req: Request, planner: "_Planner") -> list[Piece]:
@@ -423,7 +423,7 @@ def write_converted(plan: Plan, dest: str | os.PathLike, *, overwrite: bool = Fa
         if progress:
             progress(done + n)
 
-    src = plan.source
+    src = plan.parsed.stream
     _check_same(plan, src)
     with atomic_writer(dest, overwrite=overwrite, follow_symlinks=follow_symlinks) as dst:
         for p in plan.pieces:
@@ -471,17 +471,19 @@ def _recode(src, dst, r: Recode, errors: dict, tick) -> None:
         raw = src.read(n * row_in)
         if len(raw) != n * row_in:
             raise FormatError(part, src.tell(), f"{n * row_in:,} bytes of {tensor} rows, the file ends first")
-        values = tensors.dequantize(raw, r.src, r.n_per_row)
-        true = tensors.rotate(values, measure)
-        stored = tensors.rotate(true, r.rot_out or 0) if rotate else values
-        out = tensors.quantize(stored, r.dst)
-        dst.write(out)
-        written += len(out)
-        back = tensors.dequantize(out, r.dst, r.n_per_row)
-        back_true = tensors.rotate(back, r.rot_out or 0) if rotate else tensors.rotate(back, measure)
-        if values.size:
-            err.max_abs_error = max(err.max_abs_error, float(np.max(np.abs(back_true - true))))
-            err.max_abs_value = max(err.max_abs_value, float(np.max(np.abs(true))))
+        with np.errstate(all="ignore"):   # a damaged cache holds inf and nan: written as they are, never measured
+            values = tensors.dequantize(raw, r.src, r.n_per_row)
+            true = tensors.rotate(values, measure)
+            stored = tensors.rotate(true, r.rot_out or 0) if rotate else values
+            out = tensors.quantize(stored, r.dst)
+            dst.write(out)
+            written += len(out)
+            back = tensors.dequantize(out, r.dst, r.n_per_row)
+            back_true = tensors.rotate(back, r.rot_out or 0) if rotate else tensors.rotate(back, measure)
+            finite = np.isfinite(true) & np.isfinite(back_true)
+            if finite.any():
+                err.max_abs_error = max(err.max_abs_error, float(np.max(np.abs(back_true - true)[finite])))
+                err.max_abs_value = max(err.max_abs_value, float(np.max(np.abs(true)[finite])))
         tick(written)
 
 

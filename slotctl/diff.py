@@ -145,6 +145,8 @@ class _RecordResult:
     equal: bool = True
     comparable: bool = True
     note: str | None = None
+    #: some differing rows hold values that are not finite (inf, nan): no largest difference is given
+    nonfinite: bool = False
 
 
 @dataclass
@@ -172,12 +174,25 @@ def _compare_record(a: _Record, b: _Record, n: int, cell_mask: np.ndarray) -> _R
         return _RecordResult(None, False, False, f"unreadable ({e})")
 
 
+def _checked(*sides: _Record) -> list[tuple[int, int]]:
+    """(elements per row, rotation) of each side; every side is checked (each damaged one is a finding of
+    its file) before :class:`_Unreadable` is raised for the first."""
+    out, first = [], None
+    for s in sides:
+        try:
+            width = s.rows.elements(s.rec, s.part)
+            out.append((width, s.rows.rotation(s.rot, width, s.what, s.part, s.rot_at)))
+        except _Unreadable as e:
+            first = first or e
+    if first is not None:
+        raise first
+    return out
+
+
 def _compare_rows(a: _Record, b: _Record, n: int, cell_mask: np.ndarray) -> _RecordResult:
     ma, ra, na, mb, rb, nb = a.rows, a.rec, a.n_cells, b.rows, b.rec, b.n_cells
     res = _RecordResult()
-    ea, eb = ma.elements(ra, a.part), mb.elements(rb, b.part)
-    rot_a = ma.rotation(a.rot, ea, a.what, a.part, a.rot_at)
-    rot_b = mb.rotation(b.rot, eb, b.what, b.part, b.rot_at)
+    (ea, rot_a), (eb, rot_b) = _checked(a, b)
     if ea != eb:
         return _RecordResult(None, False, False, f"rows of {ea} and {eb} elements")
     same_form = (ra.type == rb.type and rot_a == rot_b and ("row_size" in ra) == ("row_size" in rb))
@@ -203,17 +218,19 @@ def _compare_rows(a: _Record, b: _Record, n: int, cell_mask: np.ndarray) -> _Rec
             va = tensors.rotate(tensors.dequantize(xa.tobytes(), ra.type, ea), rot_a)
             vb = tensors.rotate(tensors.dequantize(xb.tobytes(), rb.type, eb), rot_b)
         d = np.abs(va.astype(np.float64) - vb.astype(np.float64))
-        per_row = np.where(np.isnan(d).any(axis=1), np.inf, np.nan_to_num(d, nan=0.0).max(axis=1))
-        if same_form:
-            biggest = float(per_row.max()) if len(per_row) else 0.0
-        else:
+        finite = np.isfinite(d).all(axis=1) if d.shape[1] else np.ones(len(d), bool)
+        per_row = np.where(finite, np.nan_to_num(d, nan=0.0, posinf=0.0).max(axis=1, initial=0.0), np.inf)
+        if not same_form:
             neq = per_row > 0
             if neq.any():
                 res.equal = False
                 cell_mask[c0:c1] |= neq
-            biggest = float(per_row.max()) if len(per_row) else 0.0
+        res.nonfinite = res.nonfinite or not finite.all()
+        biggest = float(per_row[finite].max()) if finite.any() else 0.0
         if res.max_abs is not None:
             res.max_abs = max(res.max_abs, biggest)
+    if res.nonfinite:
+        res.max_abs = None   # JSON has no infinity; the words say why
     return res
 
 
@@ -329,7 +346,8 @@ def _diff_stream(where: str, sa, sb, kind: str, ma: _Rows, mb: _Rows, diffs: Dif
                           + (f", values differ by at most {r.max_abs:.6g}" if r.max_abs is not None else ""))
             elif not r.equal:
                 diffs.add(where, f"layer {li}: {name.upper()} differs by at most "
-                          + (f"{r.max_abs:.6g}" if r.max_abs is not None else f"? ({r.note})"))
+                          + (f"{r.max_abs:.6g}" if r.max_abs is not None else
+                             "? (values that are not finite: inf or nan)" if r.nonfinite else f"? ({r.note})"))
             if r.note and ra.type == rb.type:
                 diffs.add(where, f"layer {li}: {name.upper()} not compared: {r.note}")
             out["equal"] = out["equal"] and r.equal

@@ -211,6 +211,10 @@ class SlotFile:
             self.stream.close()
         self.stream = None
 
+    def __del__(self) -> None:   # a file dropped without close(): its stream goes with it, quietly
+        if self.owns_stream and self.stream is not None:
+            self.stream.close()
+
     def __enter__(self) -> "SlotFile":
         return self
 

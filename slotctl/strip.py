@@ -29,7 +29,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import BinaryIO, Callable, Union
+from typing import Callable, Union
 
 from slotctl.progress import Progress
 from slotctl.atomic import atomic_writer, check_destination, copy_range
@@ -115,8 +115,8 @@ class Plan:
     repaired: str | None = None
     #: the file's names (hard links) when it was parsed; more than 1: cutting it in place changes them all
     links: int = 1
-    #: the open stream the plan was made from (the parsed file's): the copy reads it, never the name
-    source: BinaryIO | None = field(default=None, compare=False, repr=False)
+    #: the parsed file the plan was made from: the copy reads its stream, never the name
+    parsed: SlotFile | None = field(default=None, compare=False, repr=False)
 
     @property
     def size_after(self) -> int:
@@ -226,7 +226,7 @@ def _plan(sf: SlotFile, identity: _Identity, checkpoints: bool, damage: tuple[in
         pieces.append(Span(pos, sf.size - pos))
     return Plan(sf.path, sf.size, tuple(removed), tuple(coalesce(pieces)), identity,
                 0 if checkpoints else dft_bytes + spec_bytes, draft_size=sdft_bytes + dft_bytes + spec_bytes,
-                repaired=damage[1] if damage else None, links=links, source=sf.stream)
+                repaired=damage[1] if damage else None, links=links, parsed=sf)
 
 
 def _check_trailing(sf: SlotFile) -> None:
@@ -255,7 +255,7 @@ def write_plan(plan: Plan, dest: str | os.PathLike, *, overwrite: bool, follow_s
     leave a server's slot file owned by root; a user who may not write it is refused, as a truncate would
     be): :func:`~slotctl.atomic.atomic_writer`.
     """
-    src = plan.source
+    src = plan.parsed.stream
     _check_same(plan, src)
     check_destination(dest, overwrite=overwrite, follow_symlinks=follow_symlinks)
     check_free_space(dest, plan.size_after)

@@ -13,6 +13,7 @@ import struct
 import tempfile
 import time
 import tracemalloc
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,14 +101,23 @@ def apply(data: bytes, kind: str, pos: int, arg: int) -> bytes:
 # -- the contract -----------------------------------------------------------------------------------------
 
 
-def commands(path: Path, model: Path, *, full: bool = False) -> list[list[str]]:
-    """The read-only commands run on a mutated file; ``full`` adds the slower ones (the fuzz run)."""
-    p = str(path)
+def commands(path: Path, model: Path, *, full: bool = False, original: Path | None = None) -> list[list[str]]:
+    """The commands run on a mutated file (each leaves it as it is); ``full`` adds the slower ones (the fuzz
+    run). ``original``: the intact file, which ``diff`` compares with the mutated one; ``convert`` writes
+    next to the file, re-encoding every K and V record (q8_0), or changing the state version."""
+    p, m, d = str(path), str(model), str(DATA / "draft.gguf")
+    out_file = str(path.with_name("converted.bin"))
+    convert = ["convert", p, "-m", m, "-md", d, "-o", out_file, "--force", "--json"]
     out = [["inspect", p, "--json"], ["validate", p, "--no-load", "--json"],
-           ["strip-draft", p, "-m", str(model), "--dry-run", "--grace", "0", "--json"]]
+           ["strip-draft", p, "-m", m, "--dry-run", "--grace", "0", "--json"],
+           [*convert, "-ctk", "q8_0", "-ctv", "q8_0", "-ctkd", "q4_0"]]
+    if original is not None:
+        out.append(["diff", str(original), p, "--json"])
     if full:
-        out += [["inspect", p, "-m", str(model), "--json"], ["strip-draft", p, "--dry-run", "--grace", "0", "--json"],
-                ["validate", p, "-m", str(model), "--no-load", "--json"]]
+        out += [["inspect", p, "-m", m, "--json"], ["strip-draft", p, "--dry-run", "--grace", "0", "--json"],
+                ["validate", p, "-m", m, "--no-load", "--json"], [*convert, "--state-version", "3"]]
+        if original is not None:
+            out.append(["diff", p, str(original), "-m", m, "-md", d, "--json"])
     return out
 
 
@@ -118,15 +128,20 @@ ALLOWED_EXIT = {"validate": (0, 1, 3)}
 def check_command(args: list[str], *, measure: bool = True) -> tuple[int, float, int]:
     """Run one command in this process; assert the contract; return (exit code, seconds, peak bytes).
 
-    Contract: exit 0 or 1 (3 for validate without -m; a file that is read is never a usage error), no exception, stderr holds only
-    one-line ``error:`` / ``warning:`` messages, ``--json`` output is one JSON document, within
-    :data:`TIME_BOUND` and :data:`MEMORY_BOUND`.
+    Contract: exit 0 or 1 (3 for validate without -m; a file that is read is never a usage error), no exception,
+    no Python warning (a numpy RuntimeWarning is a line of noise on stderr), stderr holds only one-line
+    ``error:`` / ``warning:`` messages, ``--json`` output is one JSON document, within :data:`TIME_BOUND`
+    and :data:`MEMORY_BOUND`.
     """
     if measure:
         tracemalloc.start()
     t0 = time.monotonic()
     try:
-        res = runner.invoke(app, args)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for hidden in (ResourceWarning, DeprecationWarning, PendingDeprecationWarning):   # never shown to users
+                warnings.simplefilter("ignore", hidden)
+            res = runner.invoke(app, args)
     finally:
         elapsed = time.monotonic() - t0
         peak = tracemalloc.get_traced_memory()[1] if measure else 0
@@ -134,14 +149,19 @@ def check_command(args: list[str], *, measure: bool = True) -> tuple[int, float,
             tracemalloc.stop()
     where = " ".join(args)
     assert res.exception is None or isinstance(res.exception, SystemExit), (where, repr(res.exception))
+    assert not caught, (where, [f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}" for w in caught])
     assert res.exit_code in ALLOWED_EXIT.get(args[0], (0, 1)), (where, res.exit_code, res.stderr)
     for line in res.stderr.splitlines():
         assert line.startswith(("error: ", "warning: ")), (where, line)
-    if "--json" in args:
-        json.loads(res.stdout)
+    if "--json" in args:   # strict JSON: NaN and Infinity are not JSON (jq refuses them)
+        json.loads(res.stdout, parse_constant=lambda c: _not_json(f"{where}: {c} in the JSON"))
     assert elapsed < TIME_BOUND, (where, elapsed)
     assert peak < MEMORY_BOUND, (where, peak)
     return res.exit_code, elapsed, peak
+
+
+def _not_json(message: str):
+    raise AssertionError(message)
 
 
 def check_strip_in_place(path: Path) -> int:
@@ -159,14 +179,18 @@ def check_strip_in_place(path: Path) -> int:
     return code
 
 
-def check_file(data: bytes, model: Path, directory: Path, *, full: bool = False) -> list[int]:
-    """Every command on ``data`` (written to ``directory``); the exit codes.
+def check_file(data: bytes, src: Source, directory: Path, *, full: bool = False) -> list[int]:
+    """Every command on ``data``, a mutation of ``src`` (both written to ``directory``); the exit codes.
 
     Memory is measured (tracemalloc, which slows Python several times) on the first command, inspect;
     with ``full`` on every command.
     """
     p = directory / "mutated.bin"
     p.write_bytes(data)
-    codes = [check_command(args, measure=full or i == 0)[0] for i, args in enumerate(commands(p, model, full=full))]
+    original = directory / "original.bin"
+    if not original.exists() or original.read_bytes() != src.data:
+        original.write_bytes(src.data)
+    cmds = commands(p, src.model, full=full, original=original)
+    codes = [check_command(args, measure=full or i == 0)[0] for i, args in enumerate(cmds)]
     codes.append(check_strip_in_place(p))
     return codes

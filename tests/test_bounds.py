@@ -305,3 +305,137 @@ def test_a_parsed_file_reads_through_its_stream_after_its_name_is_gone(tmp_path)
     assert sf.changed() is not None     # the name names another file now
     sf.close()
     assert sf.stream is None
+
+
+# -- diff and convert: a damaged field is a finding; a file changed under diff too -----------------------
+
+def _kv_fields(path: Path) -> dict[str, int]:
+    """Offsets of the first stream's rotation fields and first K and V record headers."""
+    sf = open_slot_file(path)
+    data = sf.target.sections[0].streams[0].data
+    return {"n_rot_k": data.rot_offset, "k0": data.k[0].data.offset - 12, "v0": data.v[0].data.offset - 12}
+
+
+def _patched(src: Path, dst: Path, *edits: tuple[int, int, int]) -> Path:
+    raw = bytearray(src.read_bytes())
+    for offset, width, value in edits:
+        raw[offset:offset + width] = value.to_bytes(width, "little")
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+def _damaged(tmp_path: Path, case: str) -> Path:
+    """Files that parse (every length still adds up) but whose fields cannot hold the rows they claim;
+    each ended diff or convert in an internal error once (issue 15's mutation run)."""
+    if case == "rotation 1025":      # tensors.py:117: rows of 64 elements do not split into rotation groups of 1025
+        src = DATA / "srv-kvq8.bin"
+        return _patched(src, tmp_path / "rot.bin", (_kv_fields(src)["n_rot_k"], 4, 1025))
+    if case == "K row size not whole q8_0 blocks":   # tensors.py:75: a reshape
+        src = DATA / "srv-np1.bin"
+        return _patched(src, tmp_path / "rows.bin", (_kv_fields(src)["k0"], 4, 8))
+    if case == "transposed V as q4_0":                # convert.py:114: ZeroDivisionError
+        src = DATA / "srv-fa-off.bin"
+        return _patched(src, tmp_path / "vt.bin", (_kv_fields(src)["v0"], 4, 2))
+    if case == "transposed V element size 1":         # halves the element, doubles n_embd: the lengths agree
+        src = DATA / "srv-fa-off.bin"
+        v0 = _kv_fields(src)["v0"]
+        n_embd = open_slot_file(src).target.sections[0].streams[0].data.v[0].n_embd
+        return _patched(src, tmp_path / "el.bin", (v0 + 4, 4, 1), (v0 + 8, 4, 2 * n_embd))
+    raise AssertionError(case)
+
+
+DAMAGED = ["rotation 1025", "K row size not whole q8_0 blocks", "transposed V as q4_0", "transposed V element size 1"]
+
+
+@pytest.mark.parametrize("case", DAMAGED)
+def test_diff_reports_a_field_that_cannot_hold_its_rows_as_a_finding(tmp_path, case):
+    bad = _damaged(tmp_path, case)
+    copy = tmp_path / "copy.bin"
+    copy.write_bytes(bad.read_bytes())
+    for a, b in ((DATA / "srv-np1.bin", bad), (copy, bad)):   # against another file, and against its copy
+        res = runner.invoke(app, ["diff", str(a), str(b), "--json"])
+        assert res.exit_code == 1 and res.exception is None or isinstance(res.exception, SystemExit), \
+            (case, res.exit_code, repr(res.exception), res.stderr)
+        assert "Traceback" not in res.stderr and "Warning" not in res.stderr, res.stderr
+        doc = json.loads(res.stdout)
+        side = doc["b"]
+        assert side["damaged"], (case, doc["differences"])
+        [f] = [f for f in side["findings"] if f["layer"] == "target memory"]
+        assert f["code"] == "damaged" and f["severity"] == "error" and f["offset"] is not None, f
+        assert f"at 0x{f['offset']:x}" in f["message"]
+        assert any(d["layer"] == "B damaged" for d in doc["differences"])
+
+
+@pytest.mark.parametrize("case", DAMAGED)
+def test_convert_reports_a_field_that_cannot_hold_its_rows_as_damage(tmp_path, case):
+    bad = _damaged(tmp_path, case)
+    flags = ["-ctv", "f32"] if "transposed" in case else ["-ctk", "q4_0", "-ctv", "q4_0"]
+    res = runner.invoke(app, ["convert", str(bad), "-m", str(DATA / "target.gguf"), "-o", str(tmp_path / "out.bin"),
+                              *flags, "--json"])
+    assert res.exit_code == 1, (case, res.exit_code, repr(res.exception), res.stdout[-500:], res.stderr)
+    assert "Traceback" not in res.stderr and "Warning" not in res.stderr, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["error"]["code"] in ("damaged", "conversion_refused") and " at 0x" in doc["error"]["message"], doc
+    assert not (tmp_path / "out.bin").exists()
+
+
+def test_a_file_that_shrinks_or_is_rewritten_under_diff_is_a_finding(tmp_path):
+    """diff reads rows with preads on the parsed stream: a file cut under it (a server saving the slot
+    again, strip-draft) is a finding of that file (file_changed, exit 1), not SIGBUS (exit 135) as under
+    np.memmap; nor is one rewritten in place at the same size."""
+    from slotctl.diff import diff_files
+
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    raw = (DATA / "srv-np1.bin").read_bytes()
+    for change in ("shrink", "rewrite"):
+        a.write_bytes(raw)
+        b.write_bytes(raw)
+        sa, sb = open_slot_file(a), open_slot_file(b)
+        if change == "shrink":
+            os.truncate(b, len(raw) // 2)
+        else:
+            with open(b, "r+b") as f:
+                f.seek(len(raw) - 100)
+                f.write(b"\x55" * 100)
+            st = os.stat(b)
+            os.utime(b, ns=(st.st_atime_ns, st.st_mtime_ns + 10_000_000))
+        doc = diff_files(sa, sb)
+        codes = {f["code"] for f in doc["b"]["findings"]}
+        assert "file_changed" in codes and not doc["equal"], (change, doc["b"]["findings"])
+        assert not doc["a"]["findings"]
+
+
+def test_diff_survives_a_writer_cutting_and_rewriting_the_file(tmp_path):
+    """The race of issue 19 (18 SIGBUS in 425 runs under in-place re-saves): diff in a child process while a
+    writer truncates the file and writes it again; every run exits 0 or 1 with one JSON document."""
+    import threading
+
+    src = chain_file(tmp_path)
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    raw = src.read_bytes()
+    a.write_bytes(raw)
+    b.write_bytes(raw)
+    stop = threading.Event()
+
+    def writer():
+        while not stop.is_set():
+            with open(b, "r+b") as f:   # in place, as a server's fopen("wb") and fwrite
+                f.truncate(0)
+                for i in range(0, len(raw), 4096):
+                    f.write(raw[i:i + 4096])
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    codes = []
+    try:
+        for _ in range(6):
+            p = subprocess.run([sys.executable, "-m", "slotctl", "diff", str(a), str(b), "--json"], env=env,
+                               capture_output=True, timeout=60)
+            codes.append(p.returncode)
+            assert p.returncode in (0, 1) and b"Traceback" not in p.stderr, (p.returncode, p.stderr[-800:])
+            json.loads(p.stdout)
+    finally:
+        stop.set()
+        t.join()
+    assert codes

@@ -48,6 +48,6 @@ def test_one_damaged_layer_keeps_every_command_within_its_contract(source, layer
         for kind, pos, arg in mutations:
             data = apply(data, kind, pos, arg)
         with tempfile.TemporaryDirectory() as d:
-            check_file(data, src.model, Path(d))
+            check_file(data, src, Path(d))
 
     run()
