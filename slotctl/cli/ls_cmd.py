@@ -138,6 +138,8 @@ def ls(
             for i, row in enumerate(catalog(files, request, processes=jobs), 1):
                 update(i)
                 totals.seen(row)
+                if human is not None and row.get("error"):  # its row, and its line on stderr, as inspect and validate
+                    out.error(row["error"]["message"])
                 if keep(row):
                     totals.add(row)
                     yield row
