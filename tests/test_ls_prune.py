@@ -358,3 +358,93 @@ def test_a_recurrent_cell_count_beyond_llama_max_seq_is_not_read():
     assert Counting.asked < 64
     ok = parse(recurrent_head, io.BytesIO(struct.pack("<IiIII", 1, 59, 0, 0, 2)), "target memory", version=4)
     assert (ok.cell_count, ok.n_layer) == (1, 2)
+
+
+# -- every file that would fail a restore is seen ---------------------------------------------------------
+
+
+@pytest.fixture
+def wrecked(tmp_path):
+    """What a slot directory holds after crashes: a 0-byte .bin (a save that died), a .bin of zeros (a crash
+    before the data reached the disk), a .bin whose header was overwritten, one with bytes after its payload
+    (undecided without -m), a good file; and what is no slot file: a README, a JSON sidecar, a GGUF named
+    .bin, an empty .gitkeep."""
+    d = tmp_path / "slots"
+    d.mkdir()
+    raw = (DATA / "srv-np1.bin").read_bytes()
+    files = {"good.bin": raw, "died.bin": b"", "zeros.BIN": bytes(8192), "header.bin": b"XXXX" + raw[4:],
+             "tail.bin": raw + bytes(range(256)) * 2, "README.md": b"notes\n", "good.save.json": b"{}",
+             "model.bin": (DATA / "target.gguf").read_bytes(), ".gitkeep": b""}
+    old = time.time() - 2 * DAY
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+        os.utime(d / name, (old, old))
+    return d
+
+
+BROKEN_BY_NAME = {"died.bin", "zeros.BIN", "header.bin"}
+NOT_SLOT_FILES = {"README.md", "good.save.json", "model.bin", ".gitkeep"}
+
+
+def test_an_empty_or_overwritten_bin_is_a_broken_slot_file_in_ls(wrecked):
+    doc = ls_json(wrecked)
+    rows = {r["name"]: r for r in doc["files"]}
+    assert set(rows) == {"good.bin", "tail.bin"} | BROKEN_BY_NAME
+    for name in BROKEN_BY_NAME:
+        r = rows[name]
+        assert r["verdict"] == "refused" and r["exit_code"] == 1 and r["error"]["code"] == "damaged", r
+        assert "state header at 0x0" in r["error"]["message"]
+    assert "file ends 0 bytes later" in rows["died.bin"]["error"]["message"]
+    assert doc["summary"]["skipped"] == len(NOT_SLOT_FILES) and doc["exit_code"] == 1
+
+
+def test_validate_and_inspect_of_the_directory_report_them(wrecked):
+    res = cli("validate", wrecked, "--json")
+    doc = json.loads(res.stdout)
+    verdicts = {Path(f["path"]).name: f["verdict"] for f in doc["files"]}
+    assert verdicts == {"good.bin": "restores", "tail.bin": "undecided", **{n: "refused" for n in BROKEN_BY_NAME}}
+    assert res.exit_code == 1 == doc["exit_code"] and doc["summary"]["skipped"] == len(NOT_SLOT_FILES)
+    doc = json.loads(cli("inspect", wrecked, "--json").stdout)
+    assert {Path(f["path"]).name for f in doc["files"] if f["exit_code"] == 1} >= BROKEN_BY_NAME
+
+
+def test_ls_broken_lists_the_undecided_files_too(wrecked):
+    doc = ls_json(wrecked, "--broken")
+    assert {r["name"]: r["verdict"] for r in doc["files"]} == {"tail.bin": "undecided",
+                                                              **{n: "refused" for n in BROKEN_BY_NAME}}
+    res = cli("ls", wrecked, "--broken")
+    said = " ".join(res.stdout.split())
+    assert "1 undecided" in said and "give -m with the server's model and flags to decide" in said
+    # with the model the undecided file is decided, and it restores (the bytes after it are never read)
+    doc = ls_json(wrecked, "--broken", "-m", DATA / "target.gguf")
+    assert {r["name"] for r in doc["files"]} == BROKEN_BY_NAME and doc["summary"]["verdicts"]["undecided"] == 0
+
+
+def test_prune_broken_deletes_them_and_keeps_the_undecided_saying_so(wrecked):
+    res = cli("prune", wrecked, "--broken", "--dry-run")
+    assert res.exit_code == 3                                 # undecided files were kept: -m decides them
+    assert "1 undecided file(s) kept" in res.stderr and "give -m" in res.stderr
+    doc = prune_json(wrecked, "--broken")
+    acts = {Path(f["path"]).name: f["action"] for f in doc["files"]}
+    assert {n for n, a in acts.items() if a == "deleted"} == BROKEN_BY_NAME
+    assert acts["tail.bin"] == "kept" and doc["summary"]["undecided"] == 1 and doc["exit_code"] == 3
+    tail = next(f for f in doc["files"] if f["path"].endswith("tail.bin"))
+    assert tail["verdict"] == "undecided" and "give -m" in tail["reason"] and tail["exit_code"] == 3
+    assert all(acts[n] == "skipped" for n in NOT_SLOT_FILES)
+    assert sorted(p.name for p in wrecked.iterdir()) == sorted({"good.bin", "tail.bin"} | NOT_SLOT_FILES)
+    doc = prune_json(wrecked, "--broken", "-m", DATA / "target.gguf")
+    assert doc["exit_code"] == 0 and doc["summary"]["undecided"] == 0 and doc["summary"]["deleted"] == 0
+
+
+def test_a_missing_file_is_a_row_and_the_others_are_listed(tmp_path):
+    res = cli("ls", DATA / "srv-np1.bin", tmp_path / "nope.bin", DATA / "srv-kvq8.bin", "--json")
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 2 == doc["exit_code"]
+    rows = {r["name"]: r for r in doc["files"]}
+    assert {n: r["verdict"] for n, r in rows.items()} == {"srv-np1.bin": "restores", "nope.bin": "unreadable",
+                                                          "srv-kvq8.bin": "restores"}
+    assert rows["nope.bin"]["error"] == {"code": "no_such_file",
+                                         "message": f"{tmp_path / 'nope.bin'}: no such file or directory"}
+    res = cli("ls", DATA / "srv-np1.bin", tmp_path / "nope.bin")
+    assert res.exit_code == 2 and "srv-np1.bin" in "".join(res.stdout.split())
+    assert "no such file or directory" in " ".join(res.stdout.split())

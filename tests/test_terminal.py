@@ -1,0 +1,133 @@
+"""Output that fits: ``ls`` in a real terminal (tmux) at 60, 80 and 200 columns, and the commands whose output
+was megabytes on a pipe (``demo``, ``restore --continue``) laid out for COLUMNS, else 80, with no value cut."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = DATA / "target.gguf"
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "SLOTCTL_NO_PROGRESS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {**env, **extra}
+
+
+def piped(*args, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slotctl", *map(str, args)], capture_output=True, text=True,
+                          timeout=600, env=_env(**env))
+
+
+def in_tmux(tmp_path: Path, args: list[str], width: int, height: int = 50) -> tuple[int, list[str]]:
+    """Run ``slotctl ARGS`` in a tmux pane of ``width`` x ``height`` (a real pseudo-terminal on stdout and
+    stderr, as an operator's); returns its exit code and every line of the pane, scrollback included, with
+    the lines the terminal wrapped joined back (``capture-pane -J``)."""
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed")
+    sock = str(tmp_path / f"tmux-{width}.sock")
+    done = tmp_path / f"rc-{width}"
+    cmd = (f"{shlex.join([sys.executable, '-m', 'slotctl', *args])}; echo $? > {shlex.quote(str(done))}; "
+           "sleep 600")
+    tmux = ["tmux", "-S", sock, "-f", "/dev/null"]
+    subprocess.run([*tmux, "new-session", "-d", "-s", "slotctl", "-x", str(width), "-y", str(height), cmd], check=True,
+                   env=_env(TERM="xterm-256color"), timeout=30)
+    try:
+        deadline = time.monotonic() + 300
+        while not done.exists() or not done.read_text().strip():
+            assert time.monotonic() < deadline, "slotctl did not finish in the terminal"
+            time.sleep(0.2)
+        time.sleep(0.3)   # the last lines reach the pane
+        screen = subprocess.run([*tmux, "capture-pane", "-p", "-J", "-S", "-", "-t", "slotctl"], check=True,
+                                capture_output=True, text=True, timeout=30).stdout
+        return int(done.read_text()), [line.rstrip() for line in screen.splitlines()]
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def slot_dir(tmp_path_factory) -> Path:
+    """50 real server files (more than the pool threshold: workers and a progress bar), with long and short
+    names, plus a refused, an empty and a cut file and a README."""
+    d = tmp_path_factory.mktemp("terminal") / "slots"
+    d.mkdir()
+    sources = sorted(DATA.glob("srv-*.bin")) + sorted((DATA / "kinds").glob("srv-*.bin"))
+    for i in range(50):
+        src = sources[i % len(sources)]
+        name = f"chat-{i:02d}.bin" if i % 7 else f"conversation-of-a-user-with-a-long-name-{i:02d}-{src.name}"
+        shutil.copyfile(src, d / name)
+    raw = (DATA / "srv-np1.bin").read_bytes()
+    (d / "cut.bin").write_bytes(raw[:len(raw) // 2])
+    (d / "empty.bin").write_bytes(b"")
+    (d / "zeros.bin").write_bytes(bytes(4096))
+    (d / "README.md").write_text("not a slot file\n")
+    return d
+
+
+@pytest.mark.parametrize("width", [60, 80, 200])
+def test_ls_fits_the_terminal_and_leaves_no_progress_bar(tmp_path, slot_dir, width):
+    code, lines = in_tmux(tmp_path, ["ls", str(slot_dir)], width)
+    text = "\n".join(lines)
+    assert code == 1, text                                   # empty and zeros refused, cut short
+    # nothing the terminal had to wrap: every line, joined back, fits
+    assert max(len(line) for line in lines) <= width, text
+    assert "reading" not in text and "━" not in text, text   # the progress bar is gone
+    flat = "".join(text.split())
+    for p in slot_dir.iterdir():
+        if p.suffix == ".bin":
+            assert p.name in flat, p.name                    # every file, its name whole
+    assert "README.md" not in text
+    total = " ".join(text[text.index("total: "):].split())
+    assert total.startswith("total: 53 file(s)") and "2 refused" in total and "1 undecided" in total, total
+    assert "1 file(s) that are not slot files left out" in total
+    if width >= 80:   # a table: the header, then one line per file that starts with its size
+        assert lines[0].split()[:3] == ["size", "age", "ver"], text
+    if width == 200:  # wide enough for every name on its row
+        assert sum(line.endswith(".bin") for line in lines) == 53
+
+
+def test_ls_on_a_pipe_fits_columns(slot_dir):
+    for columns, width in (("", 80), ("60", 60), ("200", 200)):
+        r = piped("ls", slot_dir, COLUMNS=columns)
+        lines = r.stdout.splitlines()
+        assert r.returncode == 1 and max(map(len, lines)) <= width, r.stdout
+        assert r.stderr == ""
+
+
+def test_restore_continue_on_a_pipe_is_small_and_whole():
+    args = ["restore", DATA / "srv-np1.bin", "-m", MODEL, "--continue", " x", "-n", "24"]
+    r = piped(*args)
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.encode()) < 10_000, len(r.stdout)     # it was 5-9 MB: a line of a million characters
+    lines = r.stdout.splitlines()
+    assert max(map(len, lines)) <= 80, r.stdout
+    doc = json.loads(piped(*args, "--json").stdout)
+    text = doc["continuation"]["text"]
+    assert len(text) > 0
+    # the generated text whole (wrapped inside the panel, never elided)
+    inside = "".join(line.strip("│ ") for line in lines if line.startswith("│"))
+    assert "".join(text.split()) in "".join(inside.split())
+
+
+def test_demo_to_a_file_is_under_100_kb(tmp_path):
+    out = tmp_path / "demo.txt"
+    with open(out, "w") as f:
+        r = subprocess.run([sys.executable, "-m", "slotctl", "demo", "--dir", str(tmp_path / "d")], stdout=f,
+                           stderr=subprocess.PIPE, text=True, timeout=600, env=_env())
+    assert r.returncode == 0, r.stderr
+    size = out.stat().st_size
+    assert 1_000 < size < 100_000, size                       # it was 6-10 MB
+    lines = out.read_text().splitlines()
+    assert max(map(len, lines)) <= 80
+    assert any(line.startswith("$ slotctl restore") for line in lines)
