@@ -20,8 +20,9 @@ from slotctl.errors import ExitStatus, worst
 DATA = Path(__file__).parent / "data"
 MODEL = DATA / "target.gguf"
 #: commands that take no slot file to judge: demo runs its own; slots and erase speak to a running server,
-#: migrate moves a slot between two (tests/test_live.py and tests/test_fleet.py cover their exit codes)
-NO_FILE_INPUTS = {"demo", "slots", "erase", "migrate"}
+#: migrate moves a slot between two, keep watches one (tests/test_live.py, tests/test_fleet.py and
+#: tests/test_store.py cover their exit codes)
+NO_FILE_INPUTS = {"demo", "slots", "erase", "migrate", "keep"}
 
 
 def slotctl(*args) -> subprocess.CompletedProcess:
@@ -75,6 +76,8 @@ CASES = [
     ("restore", ["{empty}", "-m", str(MODEL)], 1),
     ("restore", ["{missing}", "-m", str(MODEL)], 2),
     ("save", ["-m", "{missing}", "--prompt", "hi", "-o", "{out}"], 2),
+    ("cp", ["{empty}", "{ok}", "{outdir}"], 1),
+    ("cp", ["{missing}", "{empty}", "{ok}", "{outdir}"], 2),
     ("prune", ["--broken", "--dry-run", "{dir}"], 3),        # the undecided file kept: -m decides it
     ("prune", ["--broken", "--dry-run", "{dir}", "-m", str(MODEL)], 0),
 ]
@@ -94,10 +97,13 @@ def test_a_run_reports_the_worst(inputs, tmp_path, command, args, expected):
             shutil.copyfile(inputs[k], d / inputs[k].name)
             os.utime(d / inputs[k].name, (time.time() - 3600,) * 2)
         names["dir"] = str(d)
-    names["out"] = str(tmp_path / "out.bin")
-    argv = [a.format(**names) for a in args]
-    r = slotctl(command, *argv)
-    assert r.returncode == expected, (argv, r.stdout[-2000:], r.stderr[-2000:])
-    assert "Traceback" not in r.stderr
-    j = slotctl(command, *argv, "--json")
-    assert j.returncode == expected and json.loads(j.stdout)["exit_code"] == expected
+    for run in ("human", "json"):      # each run writes its outputs afresh (cp, convert, save)
+        names["out"] = str(tmp_path / f"out-{run}.bin")
+        names["outdir"] = str(tmp_path / f"copies-{run}") + os.sep
+        os.makedirs(names["outdir"], exist_ok=True)
+        argv = [a.format(**names) for a in args] + (["--json"] if run == "json" else [])
+        r = slotctl(command, *argv)
+        assert r.returncode == expected, (argv, r.stdout[-2000:], r.stderr[-2000:])
+        assert "Traceback" not in r.stderr
+        if run == "json":
+            assert json.loads(r.stdout)["exit_code"] == expected
