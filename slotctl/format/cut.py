@@ -63,9 +63,10 @@ class Cut:
     (stream 0, record 0)", ...); ``key``: the check it goes to (a key of :data:`Expected`, "n_seq_id"),
     None for a field the loader does not check (positions, ext, sequence ids, tensor data); ``have``:
     the bytes of it the file holds, of ``size``; ``section``: the section's index. ``settled``: no
-    checked field is read at or after the end. ``refuses``: why the bytes the file holds of the field
-    already fail its check (None: they do not). ``completion``: the pieces after the end (see the module
-    docstring); None when ``refuses``.
+    checked field is read at or after the end. ``refuses``: why bytes the file holds already fail a check
+    at or after the end (None: they do not). ``completion``: the pieces after the end (see the module
+    docstring); None when the walk stopped at a refusal it could not complete past (a cell count beyond
+    the context, a cell's sequence-id count).
     """
 
     offset: int
@@ -138,10 +139,13 @@ class _Reader:
         got = self.f.read(have) if have else b""
         raw = got + struct.pack(fmt, fill)[have:]
         value = struct.unpack(fmt, raw)[0]
-        if key is not None and want is not None and have and (value > want if most else value != want):
-            raise _Refuses(f"the {have} byte(s) of {what} the file holds ({got.hex(' ')}) make it "
-                           f"{'at least ' if most else ''}{value:,} whatever the rest held, and the context "
-                           f"{'has ' + format(want, ',') + ' cells' if most else 'expects ' + format(want, ',')}")
+        if key is not None and want is not None and have and (value > want if most else value != want) \
+                and self.cut.refuses is None:
+            # refused here whatever the rest held; the walk goes on (the completion keeps the value, so the
+            # comparison names the mismatch, and any before it in the loader's order)
+            self.cut.refuses = (f"the {have} byte(s) of {what} the file holds ({got.hex(' ')}) make it "
+                                f"{'at least ' if most else ''}{value:,} whatever the rest held, and the context "
+                                f"{'has ' + format(want, ',') + ' cells' if most else 'expects ' + format(want, ',')}")
         self.cut.completion.append(raw[have:])
         self.pos += n
         return value
@@ -174,7 +178,7 @@ def locate_cut(f: BinaryIO, offset: int, size: int, layout: MemoryLayout, versio
                 _walk_recurrent(r, sec)
     except _Beyond:
         return None
-    except _Refuses as e:
+    except _Refuses as e:      # refused where nothing more can be made of the rest
         r.cut.refuses, r.cut.completion = str(e), None
     return r.cut
 
@@ -232,6 +236,18 @@ def _cells(r: _Reader, n: int, ext: int, n_seq_want: int) -> None:
         i += k
 
 
+def _fits(r: _Reader, cells: int) -> None:
+    """A cell count the file holds whole that is more than the context has: the loader refuses it there
+    ("not enough cells in kv cache"), whatever follows; nothing after it is walked or completed (a count of
+    millions would make millions of cells)."""
+    have = r.expected("cell_count", r.section, None) if r.expected is not None else None
+    if have is not None and cells > have:
+        if r.cut is None:      # the end lies further on, not walked
+            r.cut = Cut(r.size, f"cells, or what follows them (its {cells:,} cells)", r.section, in_data=True)
+        raise _Refuses(f"a stream of {cells:,} cells, more than the {have:,} the context has (\"not enough cells "
+                       "in kv cache\"; raise -c, or lower -np)")
+
+
 def _walk_kv(r: _Reader, sec, version: int) -> None:
     """``llama_kv_cache::state_read_sinfo``: n_stream, then per stream its cell count, cells
     (``state_read_meta``) and data (``state_read_data``)."""
@@ -241,6 +257,7 @@ def _walk_kv(r: _Reader, sec, version: int) -> None:
         cells = r.value("<I", f"stream {s} cell_count", "cell_count", most=True)
         if not cells:
             continue
+        _fits(r, cells)
         total = _bounded(total + cells, MAX_CELLS)
         _cells(r, cells, ext_size(version, sec.has_ext), 1)
         v_trans = r.value("<I", f"stream {s} v_trans", "v_trans")
@@ -258,6 +275,7 @@ def _walk_recurrent(r: _Reader, sec) -> None:
     """``llama_memory_recurrent::state_read``: cell count, cells (n_seq_id 0 in a single-sequence save),
     s_trans and n_layer, the r records, then the s records (data only when there are cells)."""
     cells = _bounded(r.value("<I", "cell_count", "cell_count", most=True), MAX_SEQ)
+    _fits(r, cells)
     _cells(r, cells, 0, 0)
     s_trans = r.value("<I", "s_trans", "s_trans")
     r.value("<I", "n_layer", "n_layer")
