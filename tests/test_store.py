@@ -482,3 +482,26 @@ def test_a_rewrite_of_a_replaced_object_leaves_it_alone(s3):
         rewrite_prefix(S3_STORE.config, url, stale, 100)
     assert e.value.code == "object_changed"
     assert _get(s3, "strip/replaced.bin") == b"new" * 1000
+
+
+def test_convert_a_prefix_into_another_and_a_directory_into_another(s3, tmp_path):
+    """A server upgrade that changes the flags: the whole store converted in one command."""
+    for p in FILES[:3]:
+        put(s3, f"conv-in/{p.name}", p.read_bytes())
+    put(s3, "conv-in/README", b"not a slot file")
+    r = run("convert", "--json", f"s3://{BUCKET}/conv-in/", "-o", f"s3://{BUCKET}/conv-out/", "-np", "2")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["summary"] == {"files": 3, "converted": 3, "refused": 0, "failed": 0, "skipped": 1}
+    local_in, local_out = tmp_path / "in", tmp_path / "out"
+    local_in.mkdir()
+    local_out.mkdir()
+    for p in FILES[:3]:
+        (local_in / p.name).write_bytes(p.read_bytes())
+    r = run("convert", "--json", str(local_in), "-o", str(local_out), "-np", "2")
+    assert r.exit_code == 0, r.output
+    for p in FILES[:3]:
+        assert _get(s3, f"conv-out/{p.name}") == (local_out / p.name).read_bytes()
+    r = run("convert", "--json", f"s3://{BUCKET}/conv-in/", "-o", f"s3://{BUCKET}/conv-out/", "-np", "2")
+    assert r.exit_code == 2                      # every destination exists: not overwritten without --force
+    assert {f["error"]["code"] for f in json.loads(r.stdout)["files"]} == {"exists"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -25,8 +26,11 @@ def register(app: typer.Typer) -> None:
 
 @handle_errors
 def convert(
-    file: Annotated[Path, typer.Argument(help="The slot file to convert (left as it is).")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the converted file.")],
+    file: Annotated[Path, typer.Argument(help="The slot file to convert (left as it is), or a directory or "
+                                              "s3:// prefix: each of its slot files.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the converted file (a file "
+                                         "or s3://bucket/key); for a directory or prefix, a directory or "
+                                         "s3:// prefix (same names).")],
     state_version: Annotated[Optional[int], typer.Option("--state-version", min=2, max=4,
                                                          help="Write this state version (exact, or refused).")] = None,
     parallel: Annotated[Optional[int], flag_option("parallel", min=1, max=256,
@@ -58,24 +62,22 @@ def convert(
     The input is never changed; OUT is written atomically, and replaces only a regular file this user may
     write (--force), keeping its mode and owner. Details: docs/convert.md.
 
+    A directory or an s3:// prefix converts each of its slot files into -o's directory or prefix (a
+    server upgrade that changes the state version: the whole store in one command); s3:// objects are
+    downloaded and uploaded (docs/store.md).
+
     Exit codes: 0 converted; 1 the file is damaged or cannot be converted as asked (the reason in one
-    line); 2 usage or I/O error.
+    line); 2 usage or I/O error. Of many files, the worst.
     """
     from slotctl import convert as conv
 
     out = Output(json_mode=json_out)
-    check_file(file)
+    many = _is_container(file)
+    if not many:
+        check_file(file)
     if parallel is None and not kv_unified and state_version is None and not any(
             (cache_type_k, cache_type_v, spec_draft_type_k, spec_draft_type_v)):
         raise UsageError("nothing to convert: give --state-version, -np/-kvu or a cache type")
-    remote_out = is_remote(output)
-    if not dry_run and not remote_out:   # a device, FIFO, socket or unfollowed symbolic link is refused first
-        check_destination(output, overwrite=force, follow_symlinks=follow_symlinks)
-    elif not dry_run and not force:   # an object: refused at once when one is there (and at the upload)
-        from slotctl.remote.store import S3_STORE
-
-        if S3_STORE.stat(shown(output)) is not None:
-            raise UsageError(f"{shown(output)}: exists (use --force to overwrite)", code="exists")
     tinfo, dinfo = _info(model), _info(draft_model)
     n_stream = conv.stream_count(parallel, kv_unified)
     req = conv.Request(
@@ -85,26 +87,116 @@ def convert(
         draft=conv.Target(n_stream, conv.cache_type_id(spec_draft_type_k, flag_name("spec_draft_type_k")),
                           conv.cache_type_id(spec_draft_type_v, flag_name("spec_draft_type_v")), _rule(dinfo)))
     layouts = dict(layout=tinfo.layout() if tinfo else None, draft_layout=dinfo.layout() if dinfo else None)
+    opts = dict(force=force, follow_symlinks=follow_symlinks, dry_run=dry_run)
+    if many:   # a directory or a prefix: each slot file into OUT/NAME
+        return _convert_many(out, json_out, file, output, req, layouts, **opts)
+    _check_output(output, force=force, follow_symlinks=follow_symlinks, dry_run=dry_run)
     try:
-        # s3://: the object downloaded first, OUT uploaded after (convert rewrites every byte: docs/store.md)
-        with local_input(file) as real, local_output(output, overwrite=force) as real_out:
-            plan = conv.plan_convert(real, req, **layouts)
-            errors = []
-            if not dry_run:
-                with out.progress("converting", bytes_=True) as update:
-                    errors = conv.write_converted(plan, real_out, overwrite=force and not remote_out,
-                                                  follow_symlinks=follow_symlinks, progress=update, **layouts)
+        plan, errors = _convert_one(out, file, output, req, layouts, **opts)
     except FormatError as e:
         _fail(out, json_out, file, output, "refused" if isinstance(e, conv.ConversionRefused) else "damaged",
               f"{shown(file)}: {e}")
-    worst = max((e.max_abs_error for e in errors), default=None)
     if json_out:
-        out.json({"path": shown(file), "output": shown(output), "size": plan.size, "output_size": plan.output_size,
-                  "source_state_version": plan.version_in, "state_version": plan.version_out,
-                  "changes": [c.as_dict() for c in plan.changes], "layers": [e.as_dict() for e in errors],
-                  "max_abs_error": worst, "dry_run": dry_run, "exit_code": 0})
+        out.json(_doc(file, output, plan, errors, dry_run))
         return
     render(out, plan, errors, file, output, dry_run)
+
+
+def _is_container(p) -> bool:
+    """A directory, or an s3:// prefix (ending with /, or naming no object)."""
+    from slotctl.sources import list_prefix, remote_url
+
+    url = remote_url(p)
+    if url is None:
+        return os.path.isdir(p)
+    return list_prefix(url) is not None
+
+
+def _check_output(output, *, force: bool, follow_symlinks: bool, dry_run: bool) -> None:
+    if dry_run:
+        return
+    if not is_remote(output):   # a device, FIFO, socket or unfollowed symbolic link is refused first
+        check_destination(output, overwrite=force, follow_symlinks=follow_symlinks)
+    elif not force:   # an object: refused at once when one is there (and at the upload)
+        from slotctl.remote.store import S3_STORE
+
+        if S3_STORE.stat(shown(output)) is not None:
+            raise UsageError(f"{shown(output)}: exists (use --force to overwrite)", code="exists")
+
+
+def _convert_one(out: Output, file, output, req, layouts: dict, *, force: bool, follow_symlinks: bool,
+                 dry_run: bool):
+    """Plan and (unless ``dry_run``) write one conversion; (plan, re-encoding errors). FormatError when the
+    file is damaged or cannot be converted as asked."""
+    from slotctl import convert as conv
+
+    remote_out = is_remote(output)
+    # s3://: the object downloaded first, OUT uploaded after (convert rewrites every byte: docs/store.md)
+    with local_input(file) as real, local_output(output, overwrite=force) as real_out:
+        plan = conv.plan_convert(real, req, **layouts)
+        errors = []
+        if not dry_run:
+            with out.progress("converting", bytes_=True) as update:
+                errors = conv.write_converted(plan, real_out, overwrite=force and not remote_out,
+                                              follow_symlinks=follow_symlinks, progress=update, **layouts)
+    return plan, errors
+
+
+def _doc(file, output, plan, errors, dry_run: bool) -> dict:
+    worst = max((e.max_abs_error for e in errors), default=None)
+    return {"path": shown(file), "output": shown(output), "size": plan.size, "output_size": plan.output_size,
+            "source_state_version": plan.version_in, "state_version": plan.version_out,
+            "changes": [c.as_dict() for c in plan.changes], "layers": [e.as_dict() for e in errors],
+            "max_abs_error": worst, "dry_run": dry_run, "exit_code": 0}
+
+
+def _convert_many(out: Output, json_out: bool, src, dest, req, layouts: dict, **opts) -> None:
+    """Every slot file of the directory or prefix ``src`` converted into the directory or prefix ``dest``
+    (same names); the others still converted when one fails. ``{"files": [...], "summary", "exit_code"}``."""
+    from slotctl import convert as conv
+    from slotctl.errors import SlotctlError
+    from slotctl.slotfile import expand_slot_paths
+
+    if not is_remote(dest) and not os.path.isdir(dest):
+        raise UsageError(f"-o {dest}: converting a directory or prefix needs an existing directory or an "
+                         "s3:// prefix", code="no_such_file")
+    expansion = expand_slot_paths([src], follow_symlinks=False)
+    files, counts = [], {"converted": 0, "refused": 0, "failed": 0}
+    for p in expansion.files:
+        name = p.rstrip("/").rpartition("/")[2]
+        target = (shown(dest).rstrip("/") + "/" + name) if is_remote(dest) else os.path.join(dest, name)
+        try:
+            _check_output(target, **opts)
+            plan, errors = _convert_one(out, p, target, req, layouts, **opts)
+            doc = _doc(p, target, plan, errors, opts["dry_run"])
+            counts["converted"] += 1
+            if not json_out:
+                out.print(f"{markup_safe(shown(p))} -> {markup_safe(target)}: "
+                          f"{'would write' if opts['dry_run'] else 'wrote'} {human_bytes(plan.output_size)}"
+                          f"{'' if plan.changes else ' (nothing changes)'}")
+        except FormatError as e:
+            code = "refused" if isinstance(e, conv.ConversionRefused) else "damaged"
+            doc = {"path": shown(p), "output": target, "error": {"code": code, "message": f"{shown(p)}: {e}"},
+                   "exit_code": int(ExitStatus.FAILED)}
+            counts["refused"] += 1
+        except (SlotctlError, OSError) as e:
+            message = str(e) if isinstance(e, SlotctlError) else f"{shown(p)}: {e.strerror or e}"
+            code = e.error_code if isinstance(e, SlotctlError) else "io_error"
+            doc = {"path": shown(p), "output": target, "error": {"code": code, "message": message},
+                   "exit_code": int(ExitStatus.USAGE)}
+            counts["failed"] += 1
+        if "error" in doc and not json_out:
+            out.error(doc["error"]["message"])
+        files.append(doc)
+    exit_code = max((d["exit_code"] for d in files), default=0)
+    summary = {"files": len(files), **counts, "skipped": len(expansion.skipped)}
+    if json_out:
+        out.json({"files": files, "summary": summary, "exit_code": exit_code})
+    else:
+        out.print(f"total: {counts['converted']} converted, {counts['refused']} refused, {counts['failed']} failed; "
+                  f"{summary['skipped']} skipped (not slot files)")
+    if exit_code:
+        raise typer.Exit(exit_code)
 
 
 def _fail(out: Output, json_out: bool, file: Path, output: Path, code: str, message: str) -> None:
