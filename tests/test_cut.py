@@ -110,3 +110,18 @@ def test_a_cell_count_beyond_the_context_is_refused_without_making_its_cells(tmp
     assert (rep["verdict"], rep["certain"]) == ("refused", True)
     assert "16,777,216 cells, more than the 256" in json.dumps(rep["findings"])
     assert peak < 64 << 20 and elapsed < 10, (peak, elapsed)
+
+
+def test_ls_says_certain_beside_the_verdict_as_validate_does(tmp_path):
+    d = tmp_path / "slots"
+    d.mkdir()
+    data = SRC.read_bytes()
+    (d / "cut.bin").write_bytes(data[:_fields()["K1"] + 7])
+    (d / "whole.bin").write_bytes(data)
+    args = ["ls", str(d), "-m", str(MODEL), "-c", "256", "-fa", "on"]
+    doc = json.loads(CliRunner().invoke(app, args + ["--json"]).stdout)
+    rows = {r["name"]: r for r in doc["files"]}
+    assert (rows["cut.bin"]["verdict"], rows["cut.bin"]["certain"]) == ("aborts", False)
+    assert rows["cut.bin"]["uncertain"] and rows["whole.bin"]["certain"] and rows["whole.bin"]["uncertain"] == []
+    human = CliRunner().invoke(app, args, env={"COLUMNS": "200"}).stdout
+    assert "not certain: b11434's loader compares variables the file never filled" in human

@@ -251,6 +251,9 @@ class _Cells:
         if len(self.columns) > len(_COLUMNS):
             cells.append(_reuse_text(r.get("reuse")))
         error = r["error"]["message"] if r.get("error") else None
+        if r.get("uncertain"):     # the verdict rests on undefined behaviour or on a reading: said in words too
+            doubt = "not certain: " + "; ".join(r["uncertain"])
+            error = doubt if error is None else f"{error} ({doubt})"
         self.rows.append((cells, escape_text(r["name" if self.names else "path"], keep_newlines=False),
                           None if error is None else escape_text(error, keep_newlines=False)))
 
