@@ -346,3 +346,23 @@ def test_a_hostile_answer_costs_neither_memory_nor_time(kind, said):
     doc = json.loads(res.stdout)
     assert doc["error"]["code"] == "server_answer" and said in doc["error"]["message"], doc
     assert "Traceback" not in res.stderr and took < 30, took
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["convert", "-o", "{out}", "--state-version", "3"]])
+def test_a_newline_in_a_file_name_stays_on_its_line(tmp_path, command):
+    """inspect's header line and convert's summary name the file on one line (\\n shown)."""
+    name = tmp_path / "evil\nname.bin"
+    name.write_bytes((DATA / "srv-np1.bin").read_bytes())
+    args = [a.format(out=tmp_path / "o\nut.bin") for a in command]
+    res = runner.invoke(app, [args[0], str(name), *args[1:]], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    [line] = [ln for ln in res.stdout.splitlines() if "evil" in ln]
+    assert "evil\\nname.bin" in line and not any(ln.startswith("name.bin") for ln in res.stdout.splitlines())
+
+
+def test_a_directory_of_symbolic_links_is_not_called_empty(tmp_path):
+    (tmp_path / "a.bin").symlink_to(DATA / "srv-np1.bin")
+    res = runner.invoke(app, ["strip-draft", str(tmp_path)])
+    assert res.exit_code == 2
+    assert one_error_line(res) == ("error: no slot files to strip (1 symbolic link(s) not followed: a command that "
+                                   "rewrites files follows no link in a directory; name the files themselves)")

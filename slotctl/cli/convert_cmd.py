@@ -227,7 +227,7 @@ def _rule(info):
 
 def render(out: Output, plan, errors, file: Path, output: Path, dry_run: bool) -> None:
     verb = "would write" if dry_run else "wrote"
-    out.print(f"{markup_safe(shown(file))} -> {markup_safe(shown(output))}: {verb} {human_bytes(plan.output_size)} "
+    out.print(f"{markup_safe(shown(file), keep_newlines=False)} -> {markup_safe(shown(output), keep_newlines=False)}: {verb} {human_bytes(plan.output_size)} "
               f"(was {human_bytes(plan.size)})")
     for c in plan.changes:
         out.print(f"  {markup_safe(c.describe())}")

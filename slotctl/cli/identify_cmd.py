@@ -82,10 +82,10 @@ def render(out: Output, r) -> None:
                      overflow="fold")
     for c in r.candidates:
         ok = c.matches(r.min_cosine)
-        t.add_row(markup_safe(c.path), Text("yes" if ok else "no", style="bold green" if ok else "red"),
+        t.add_row(markup_safe(c.path, keep_newlines=False), Text("yes" if ok else "no", style="bold green" if ok else "red"),
                   "-" if c.score is None else f"{c.score:.6f}",
                   "-" if c.max_abs_diff is None else f"{c.max_abs_diff:.3g}", str(c.n_tokens or "-"),
-                  markup_safe(c.error or ""))
+                  markup_safe(c.error or "", keep_newlines=False))
     out.print(t)
     b = r.best
     if b is None:

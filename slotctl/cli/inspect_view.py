@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 def render(out: Output, d: dict, notes: "NoteCounter | None" = None) -> None:
     """The human view of ``describe_file``'s dict; with ``notes``, notes met in other files are counted there
     and shown once at the end of the run instead."""
-    head = Text.assemble((markup_safe(d["path"]), "bold"), f"  {d['size']:,} bytes")
+    head = Text.assemble((markup_safe(d["path"], keep_newlines=False), "bold"), f"  {d['size']:,} bytes")
     if d["state_version"] is not None:
         head.append(f"  state version {d['state_version']}")
     out.print(head)

@@ -232,7 +232,7 @@ def _emit(out: Output, report: dict, json_out: bool, status: int) -> None:
 
 def render(out: Output, r: dict) -> None:
     """The human view of the restore report."""
-    head = Text.assemble((markup_safe(r["path"]), "bold"), f" into slot {r['slot']}")
+    head = Text.assemble((markup_safe(r["path"], keep_newlines=False), "bold"), f" into slot {r['slot']}")
     if r["state_version"] is not None:
         head.append(f", state version {r['state_version']}")
         if r["state_version"] != r["runtime_state_version"]:
