@@ -13,14 +13,19 @@ Standard library only (``urllib``). Every request has a timeout, and every failu
 Endpoints (llama.cpp b11434, ``tools/server``): ``GET /health``, ``GET /props``, ``GET /slots``,
 ``POST /slots/{id}?action=save|restore|erase`` (body ``{"filename": NAME}`` for save and restore; NAME is a
 plain file name inside the server's ``--slot-save-path``, see :func:`slotctl.server.filenames.check_filename`), ``POST /completion``.
-An API key is sent as ``Authorization: Bearer KEY``. Requests to loopback addresses never go through a proxy.
+An API key is sent as ``Authorization: Bearer KEY``. Requests to loopback addresses never go through a proxy;
+others go through the one the environment names, with the user and password of its URL as
+``Proxy-Authorization`` (to the proxy only, never printed); its HTTP 407 is :class:`ProxyRefused` (exit 2).
+A password in a URL is shown as ``***`` (:func:`redact`) and never sent.
 
 A hostile or broken server cannot mislead or hold a command (docs/live.md, "What slotctl trusts"):
 
 * **redirects are never followed** (:class:`ServerRedirect`, exit 2): the API key goes only to the URL
   given, and a POST never turns into a GET somewhere else;
-* **the timeout bounds the whole request**: connecting, sending and reading together, not each read (a
-  server that drips one byte at a time is cut off when the time is up);
+* **the timeout bounds the whole request**: connecting, a proxy's CONNECT, sending and reading together,
+  not each read (a server or proxy that drips one byte at a time is cut off when the time is up);
+* **an answer is bounded in bytes, values and depth before it is parsed** (:func:`parse_answer`:
+  64 MiB, :data:`MAX_ANSWER_ITEMS`, :data:`MAX_ANSWER_DEPTH`; ``/slots`` at most ``MAX_PARALLEL`` entries);
 * **every answer used is checked against its shape** (:data:`SHAPES`, :class:`ServerAnswerError`, exit 2):
   ``null``, ``[]``, ``{}`` or a wrong type where an object with typed fields is expected says what was
   wrong instead of passing for success.
@@ -41,10 +46,11 @@ from slotctl.server.filenames import check_filename
 from slotctl.server.flags import MAX_PARALLEL
 
 __all__ = [
-    "DEFAULT_TIMEOUT", "ServerAnswerError", "ServerAuthError", "ServerError", "ServerRedirect", "ServerRefused",
-    "ServerUnreachable",
+    "DEFAULT_TIMEOUT", "MAX_ANSWER_DEPTH", "MAX_ANSWER_ITEMS", "ProxyRefused", "ServerAnswerError",
+    "ServerAuthError", "ServerError", "ServerRedirect", "ServerRefused", "ServerUnreachable",
     "ServerFacts", "check_filename", "check_slot", "completion", "erase_slot", "get_health", "get_models",
-    "get_props", "get_slots", "normalize_url", "request", "restore_slot", "save_slot", "server_facts",
+    "get_props", "get_slots", "normalize_url", "parse_answer", "redact", "request", "restore_slot", "save_slot",
+    "server_facts",
 ]
 
 #: seconds a request may take, connection included, unless the caller says otherwise
