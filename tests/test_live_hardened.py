@@ -366,3 +366,47 @@ def test_a_directory_of_symbolic_links_is_not_called_empty(tmp_path):
     assert res.exit_code == 2
     assert one_error_line(res) == ("error: no slot files to strip (1 symbolic link(s) not followed: a command that "
                                    "rewrites files follows no link in a directory; name the files themselves)")
+
+
+@pytest.fixture
+def tls_server(tmp_path):
+    """A good llama-server lookalike over TLS on this machine's own address, with a certificate made here
+    (openssl) for that address; ``SSL_CERT_FILE`` names it so that slotctl's verification can trust it."""
+    import ssl
+    from http.server import ThreadingHTTPServer
+
+    from test_hostile_server import Script, _handler
+
+    addr = _own_address()
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    made = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                           f"/CN={addr}", "-addext", f"subjectAltName=IP:{addr}", "-keyout", str(key),
+                           "-out", str(cert)], capture_output=True)
+    if made.returncode:
+        pytest.skip("openssl could not make a certificate")
+    script = Script(by_path({"/props": (200, GOOD_PROPS), "/slots": (200, GOOD_SLOTS)}))
+    srv = ThreadingHTTPServer(("0.0.0.0", 0), _handler(script))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"https://{addr}:{srv.server_address[1]}", cert, script
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_an_https_server_through_a_connect_proxy_with_credentials(proxy, tls_server, monkeypatch):
+    """The tunnel end to end: CONNECT with Proxy-Authorization, then TLS verified for the server's address
+    (trusted through SSL_CERT_FILE), then the request; without the certificate trusted, refused."""
+    url, cert, script = tls_server
+    p = proxy(user="ops", password="pw")
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    res = _via(f"http://ops:pw@127.0.0.1:{p.port}", "slots", "--server", url, "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["total_slots"] == 2
+    assert p.seen[0] == (f"CONNECT {url.removeprefix('https://')} HTTP/1.1", p.want)
+    assert [path for _, path, _ in script.seen] == ["/slots", "/props"]
+    monkeypatch.delenv("SSL_CERT_FILE")
+    res = _via(f"http://ops:pw@127.0.0.1:{p.port}", "slots", "--server", url)
+    assert res.returncode == 2 and "CERTIFICATE_VERIFY_FAILED" in res.stderr, res.stderr
