@@ -184,11 +184,6 @@ def _default_text(p: Parameter) -> str:
 # -- usage errors ---------------------------------------------------------------------------------------
 
 
-class WholeUsageError(typer.BadParameter):
-    """A usage error slotctl finds before click parses the command line (a pasted server flag without its
-    value, ``--server-args`` that does not split): its message names the flag itself, and is shown whole."""
-
-
 def usage_error_line(e: typer.TyperException, argv: list[str]) -> str:
     """One line for a usage error, naming the flag as it was typed and pointing at the command's help."""
     from slotctl.cli.params import MissingValue
@@ -208,7 +203,7 @@ def usage_error_line(e: typer.TyperException, argv: list[str]) -> str:
             if value is not None:
                 where += f" {value}"
         msg = f"{where}: {_plain(e.message)}"
-    elif isinstance(e, WholeUsageError):  # raised by slotctl with the whole message (no parameter)
+    elif isinstance(e, typer.BadParameter):  # raised by slotctl with the whole message (no parameter)
         msg = _plain(e.message)
     else:
         msg = _sentence(e.format_message())

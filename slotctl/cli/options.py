@@ -111,10 +111,8 @@ def server_command_line(command, ctx, args: list[str]) -> tuple[list[str], list[
     """
     from slotctl.server.flags import server_arg
 
-    from slotctl.cli.help import WholeUsageError
-
-    def UsageError(message: str) -> WholeUsageError:  # noqa: N802 - raised before the command runs
-        return WholeUsageError(message, ctx=ctx)  # a typer usage error, shown whole (help.usage_error_line)
+    def UsageError(message: str) -> typer.BadParameter:  # noqa: N802 - raised before the command runs
+        return typer.BadParameter(message, ctx=ctx)  # typer's public usage error (help.usage_error_line says it)
 
     local = "--server" not in args[:args.index("--")] if "--" in args else "--server" not in args
     own_options = {False: _own_options(command, ctx, local), True: _own_options(command, ctx, local, pasted=True)}
