@@ -55,7 +55,7 @@ def test_the_documented_table_is_the_codes():
     (FileNotFoundError(2, "No such file or directory", "x.bin"), ("no_such_file", 2, "x.bin: No such file or directory")),
     (KeyboardInterrupt(), ("interrupted", 130, "interrupted")),
     (typer.Abort(), ("aborted", 130, "aborted")),
-    (typer.BadParameter("expected a number"), ("usage", 2, "Invalid value: expected a number")),
+    (typer.BadParameter("expected a number"), ("usage", 2, "expected a number")),
     (RuntimeError("boom"), ("internal_error", 2, "internal error: RuntimeError: boom (set SLOTCTL_DEBUG=1 for the "
                                                 "traceback)")),
 ])
