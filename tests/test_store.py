@@ -138,6 +138,10 @@ def test_errors_are_one_line_exit_2_without_credentials(s3, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     line = _error(run("inspect", url))
     assert "does not answer" in line
+    for bad in ("http://[bad", "http://host:port", "ftp://host"):   # obstore panics on some: refused first
+        monkeypatch.setenv("AWS_ENDPOINT_URL", bad)
+        S3_STORE.reset()
+        assert "expected an http:// or https:// URL" in _error(run("inspect", url))
 
 
 def test_json_error_document(s3):

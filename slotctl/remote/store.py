@@ -109,9 +109,18 @@ class Config:
         if self.endpoint is not None:
             if self.endpoint.startswith("http://"):
                 self.allow_http = True
-            elif not self.endpoint.startswith("https://"):
-                raise UsageError(f"AWS_ENDPOINT_URL={self.endpoint}: expected an http:// or https:// URL",
-                                 code="usage")
+            bad = not self.endpoint.startswith(("http://", "https://"))
+            try:   # a URL obstore cannot use makes it panic, not raise: refused here
+                import urllib.parse
+
+                u = urllib.parse.urlsplit(self.endpoint)
+                bad = bad or not u.hostname
+                u.port  # noqa: B018 - raises for a port that is not a number
+            except ValueError:
+                bad = True
+            if bad:
+                raise UsageError(f"AWS_ENDPOINT_URL={self.endpoint}: expected an http:// or https:// URL "
+                                 "(http://HOST:PORT)", code="usage")
 
     def secrets(self) -> list[str]:
         return [s for s in (self.access_key, self.secret_key, self.token) if s]
@@ -236,7 +245,10 @@ class S3:
             store = self._stores.get(bucket)
             if store is None:
                 self.config.check(url)
-                store = self._stores[bucket] = self.config.store(bucket)
+                try:
+                    store = self._stores[bucket] = self.config.store(bucket)
+                except Exception as e:  # noqa: BLE001 - a configuration obstore refuses (a malformed endpoint)
+                    raise store_error(url, e, self.config.secrets(), action="configuration") from None
         return store, key
 
     def peek(self, urls: Sequence[str], n: int) -> list[bytes | None]:
