@@ -467,16 +467,22 @@ def test_a_plain_kv_cache_rolls_back_to_a_checkpoint_of_positions_0_to_1(child, 
 def test_an_iswa_cache_with_swa_full_rolls_back_as_a_plain_kv_cache(tmp_path):
     """Correction 3: with --swa-full the server's n_swa is 0 and the SWA cache holds every position, so an
     iSWA server behaves as a plain KV cache: a checkpoint of positions 4..19 is never loaded."""
+    p = _gemma2_with_a_bad_checkpoint(tmp_path)
+    for swa_full, severity in ((False, "error"), (True, "note")):
+        r = check(None, p, DATA / "kinds" / "gemma2.gguf", load=False, n_ctx=256, swa_full=swa_full)
+        assert finding(r, "checkpoint_blob_damaged", "checkpoint 0 target").severity == severity, swa_full
+        assert r.verdict == "restores"
+
+
+def _gemma2_with_a_bad_checkpoint(tmp_path) -> Path:
+    """gemma2's server file with one checkpoint (positions 4..19) whose target blob is no state."""
     raw = (DATA / "kinds" / "srv-gemma2.bin").read_bytes()
     junk = struct.pack("<Ii", 0xAF143CD8, 0) + b"\x07" * 56
     sckp = b"SCKP" + struct.pack("<II", 1, 1) + struct.pack("<qii", 20, 4, 19)
     sckp += b"".join(struct.pack("<Q", len(b)) + b for b in (junk, b"", b""))
     p = tmp_path / "gemma2-bad-checkpoint.bin"
     p.write_bytes(raw + sckp)
-    for swa_full, severity in ((False, "error"), (True, "note")):
-        r = check(None, p, DATA / "kinds" / "gemma2.gguf", load=False, n_ctx=256, swa_full=swa_full)
-        assert finding(r, "checkpoint_blob_damaged", "checkpoint 0 target").severity == severity, swa_full
-        assert r.verdict == "restores"
+    return p
 
 
 def test_a_checkpoint_blob_damaged_inside_is_kept(made, tmp_path):
@@ -491,12 +497,7 @@ def test_a_checkpoint_blob_damaged_inside_is_kept(made, tmp_path):
 
 def test_a_checkpoint_blob_that_does_not_load_is_an_error_where_the_server_rolls_back(tmp_path):
     """An SWA cache (gemma2) rolls back to checkpoints: the file restores, the rollback hazard is an error."""
-    raw = (DATA / "kinds" / "srv-gemma2.bin").read_bytes()
-    junk = struct.pack("<Ii", 0xAF143CD8, 0) + b"\x07" * 56
-    sckp = b"SCKP" + struct.pack("<II", 1, 1) + struct.pack("<qii", 20, 4, 19)
-    sckp += b"".join(struct.pack("<Q", len(b)) + b for b in (junk, b"", b""))
-    p = tmp_path / "gemma2-bad-checkpoint.bin"
-    p.write_bytes(raw + sckp)
+    p = _gemma2_with_a_bad_checkpoint(tmp_path)
     r = check(None, p, DATA / "kinds" / "gemma2.gguf", load=False, n_ctx=256)
     f = finding(r, "checkpoint_blob_damaged", "checkpoint 0 target")
     assert f.severity == "error" and "aborts" in f.message and "roll back" in f.message
