@@ -180,6 +180,28 @@ def kv_fields(data: bytes, header_end: int) -> dict[str, int]:
     return at
 
 
+def recurrent_header_cuts(data: bytes, header_end: int) -> dict[str, bytes]:
+    """Copies of a recurrent payload (every layer with state: mamba) cut inside the cell, the section's
+    header (s_trans, n_layer) and the headers of its r and s records, read from its bytes."""
+    (cells,) = struct.unpack_from("<I", data, header_end)
+    pos = header_end + 4 + 8 * cells          # a single-sequence cell: pos, n_seq_id 0
+    head = pos
+    (n_layer,) = struct.unpack_from("<I", data, pos + 4)
+    pos += 8
+    at = {}
+    for kind in ("r", "s"):
+        for i in range(n_layer):
+            at[f"{kind}{i}"] = pos
+            pos += 12 + cells * struct.unpack_from("<Q", data, pos + 4)[0]
+    return {
+        "cut-cell": data[:header_end + 4 + 5],
+        "cut-section-header": data[:head + 5],
+        "cut-r0-type": data[:at["r0"] + 3],
+        "cut-r1-row-size": data[:at["r1"] + 4 + 2],
+        "cut-s0-row-size": data[:at["s0"] + 4 + 6],
+    }
+
+
 def header_cuts(base: bytes, header_end: int) -> dict[str, bytes]:
     """Copies of ``base`` cut inside a field the loader checks or reads before its data: the cell metadata
     (a position, a sequence-id count, a sequence id), the data header, and the headers of K and V records
@@ -310,8 +332,9 @@ def b11434_matrix(llama_server_bin, models, tmp_path_factory) -> Matrix:
     for kind in ("gemma2", "mamba"):
         data = (DATA / "kinds" / f"srv-{kind}.bin").read_bytes()
         kind_files[kind] = {}
+        cuts = recurrent_header_cuts(data, header_end_of(data)) if kind == "mamba" else {}
         for name, blob in (("", data), ("-one-short", data[:-1]), ("-cut-half", data[:len(data) // 2]),
-                           ("-extra-16", data + bytes(16))):
+                           ("-extra-16", data + bytes(16)), *((f"-{n}", b) for n, b in cuts.items())):
             p = slots / f"srv-{kind}{name}.bin"
             p.write_bytes(blob)
             kind_files[kind][p.name] = p
