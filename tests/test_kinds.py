@@ -402,13 +402,14 @@ def test_a_diverging_request_rolls_back_to_the_last_checkpoint(models, files, ki
 
 def test_the_report_says_which_checkpoint_and_how_much_was_evaluated_again(models, files):
     res = cli("restore", files["lfm2-swa"], "-m", models["lfm2-swa"], *CTX, "--prompt", DIVERGED, "-n", "2")
-    text = " ".join(res.stdout.split())
-    assert "the slot held the request's first 24 tokens; 24 of them evaluated again (no checkpoint early " \
-           "enough: started over)" in text
+    text = " ".join(res.stdout.replace("│", " ").split())  # the panel's lines, unboxed
+    assert "the slot held the request's first 24 tokens, but its memory cannot stay at that position (an SWA " \
+           "window or a recurrent state): no checkpoint was early enough, so the server started over, and 24 of " \
+           "them were evaluated again, with the 4 new ones" in text
     res = cli("restore", files["gemma2"], "-m", models["gemma2"], *CTX, "--prompt", DIVERGED, "-n", "2")
-    text = " ".join(res.stdout.split())
+    text = " ".join(res.stdout.replace("│", " ").split())  # the panel's lines, unboxed
     assert "from the checkpoint at 24 tokens" in text
-    assert "1 of them evaluated again (rolled back to the checkpoint at 24 tokens)" in text
+    assert "the memory went back to the checkpoint at 24 tokens, and 1 of them was evaluated again" in text
 
 
 def test_user_delimiters_checkpoint_each_turn_and_an_edited_last_turn_rolls_back(models, tmp_path):

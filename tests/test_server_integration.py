@@ -380,14 +380,16 @@ def test_trailing_bytes_inspect_without_model(plain):
 def test_token_outside_vocabulary_server_refuses(plain):
     """The server checks every token against the vocabulary ("Invalid tokens in slot save file").
 
-    inspect reads structure only and accepts the file; validate, which knows the model, must refuse it.
+    The structure is sound; inspect with the model and validate, which know the vocabulary, say the file does
+    not fit it (exit 1, docs/inspect.md and docs/validate.md).
     """
     good = plain.file.read_bytes()
     bad = good[:24] + struct.pack("<i", 10**6) + good[28:]  # the 4th word: the first token
     (plain.save_dir / "bad-token.bin").write_bytes(bad)
     status, ans = plain.server.restore(0, "bad-token.bin")
     assert status == 400 and "Invalid tokens" in ans["error"]["message"], ans
-    d = inspect_json(plain.save_dir / "bad-token.bin", "--model", str(plain.target))
+    assert inspect_json(plain.save_dir / "bad-token.bin")["exit_code"] == 0   # structure alone: sound
+    d = inspect_json(plain.save_dir / "bad-token.bin", "--model", str(plain.target), code=1)
     (found,) = [f for f in d["findings"] if f["code"] == "invalid_tokens"]   # one code, as validate's
     assert "outside the vocabulary of" in found["message"] and found["severity"] == "error"
     res = runner.invoke(app, ["validate", str(plain.save_dir / "bad-token.bin"), "-m", str(plain.target),

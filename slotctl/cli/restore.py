@@ -288,8 +288,8 @@ def reuse_reason(c: dict) -> str:
         how = (f"the memory went back to the checkpoint at {c['checkpoint']:,} tokens" if c["checkpoint"] is not None
                else "no checkpoint was early enough, so the server started over")
         return (f"the slot held the request's first {held:,} tokens, but its memory cannot stay at that position "
-                f"(an SWA window or a recurrent state): {how}, and {c['n_reevaluated']:,} of them were evaluated "
-                f"again, with the {new:,} new ones")
+                f"(an SWA window or a recurrent state): {how}, and {c['n_reevaluated']:,} of them "
+                f"{'was' if c['n_reevaluated'] == 1 else 'were'} evaluated again, with the {new:,} new ones")
     if new == 0 and c["n_evaluated"]:
         return (f"the slot held the whole request ({held:,} tokens): the server evaluates its last token again, "
                 "for the logits of the next one")
