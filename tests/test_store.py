@@ -509,3 +509,16 @@ def test_convert_a_prefix_into_another_and_a_directory_into_another(s3, tmp_path
     r = run("convert", "--json", f"s3://{BUCKET}/conv-in/", "-o", f"s3://{BUCKET}/conv-out/", "-np", "2")
     assert r.exit_code == 2                      # every destination exists: not overwritten without --force
     assert {f["error"]["code"] for f in json.loads(r.stdout)["files"]} == {"exists"}
+
+
+def test_diff_and_identify_of_objects_answer_as_of_the_files(s3):
+    a, b = DATA / "srv-np1.bin", DATA / "srv-kvq8.bin"
+    ua, ub = put(s3, "diff/a.bin", a.read_bytes()), put(s3, "diff/b.bin", b.read_bytes())
+    local, remote = run("diff", "--json", str(a), str(b)), run("diff", "--json", ua, ub)
+    assert remote.exit_code == local.exit_code == 1, remote.output
+    assert _without_paths(json.loads(local.stdout)) == _without_paths(json.loads(remote.stdout))
+    assert run("diff", "--json", ua, str(a)).exit_code == 0
+    args = ["identify", "--json", "-m", str(DATA / "target.gguf"), "-m", str(DATA / "draft.gguf")]
+    local, remote = run(*args, str(a)), run(*args, ua)
+    assert remote.exit_code == local.exit_code == 0, remote.output
+    assert _without_paths(json.loads(local.stdout)) == _without_paths(json.loads(remote.stdout))
