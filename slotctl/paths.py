@@ -17,7 +17,7 @@ import stat
 import sys
 import tempfile
 from contextlib import contextmanager
-from typing import BinaryIO, Iterable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 from slotctl.errors import UsageError
 
@@ -123,15 +123,39 @@ STDIN = "-"
 
 
 @contextmanager
-def stdin_copy() -> Iterator[str]:
-    """Standard input copied to a temporary file, for ``-`` (a slot file is read with seeks); removed after."""
+def stdin_copy(head: tuple[int, Callable[[bytes], bool]] | None = None) -> Iterator[str]:
+    """Standard input copied to a temporary file, for ``-`` (a slot file is read with seeks); removed after.
+
+    ``head``: ``(n, ok)``: the first ``n`` bytes are read first, and the rest only when ``ok(first bytes)``;
+    else the copy holds those bytes alone (the parse then says what they are), and standard input is
+    read no further: a model or any other stream piped in by mistake costs ``n`` bytes, not its length.
+    """
     fd, tmp = tempfile.mkstemp(prefix="slotctl-stdin-", suffix=".bin")
     try:
         with os.fdopen(fd, "wb") as f:
-            shutil.copyfileobj(sys.stdin.buffer, f, 1 << 20)
+            src = sys.stdin.buffer
+            if head is not None:
+                first = _read_up_to(src, head[0])
+                f.write(first)
+                if not head[1](first):
+                    src = None
+            if src is not None:
+                shutil.copyfileobj(src, f, 1 << 20)
         yield tmp
     finally:
         os.unlink(tmp)
+
+
+def _read_up_to(src: BinaryIO, n: int) -> bytes:
+    """Up to ``n`` bytes of ``src`` (fewer only at its end: a pipe returns what it has)."""
+    parts, got = [], 0
+    while got < n:
+        b = src.read(n - got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
 
 
 def directory_files(p: str, follow_symlinks: bool) -> list[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import os
 import struct
+import weakref
 from dataclasses import dataclass, field
 from typing import BinaryIO, Iterable
 
@@ -30,7 +31,9 @@ from slotctl.errors import FormatError, UsageError
 from slotctl.format import appendix as apx
 from slotctl.format import blob as blobfmt
 from slotctl.format import tokens as tokfmt
-from slotctl.format.common import Span, TrackingReader, hex32, parse, parse_bytes
+from slotctl.format.appendix import CHECKPOINT_MIN_SIZE
+from slotctl.format.common import (CHECKPOINT_COST, CheckError, FileBudget, Span, TrackingReader, hex32, parse,
+                                   parse_bytes)
 from slotctl.format.header import STATE_SEQ_MAGIC, StateHeader, file_kind, header_size
 from slotctl.format.memory import MemoryLayout, candidate_layouts
 from slotctl.format.recurrent import records_fit, recurrent_head
@@ -118,6 +121,30 @@ class Appendix:
 
 #: the most one :meth:`SlotFile.read_at` call reads at once (larger reads are made of such pieces)
 READ_CHUNK = 8 << 20
+
+
+_BUDGETS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def budget_for(f) -> FileBudget | None:
+    """The :class:`~slotctl.format.common.FileBudget` of the open stream ``f``: one per stream, shared by
+    every walk of it (another layout, a second reading by the same command), sized by the bytes the file
+    really has (its allocated blocks, for a local file; its size, for others)."""
+    try:
+        b = _BUDGETS.get(f)
+    except TypeError:   # a stream without weak references: no shared budget
+        return None
+    if b is None:
+        try:
+            st = os.fstat(f.fileno())
+            size, allocated = st.st_size, getattr(st, "st_blocks", None)
+            allocated = allocated * 512 if allocated is not None else None
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            here = f.tell()
+            size, allocated = f.seek(0, os.SEEK_END), None
+            f.seek(here)
+        b = _BUDGETS[f] = FileBudget(size, allocated)
+    return b
 
 
 def stream_identity(f) -> tuple | None:
@@ -257,6 +284,7 @@ def parse_memory(f: BinaryIO, offset: int, end: int, layout: MemoryLayout, versi
     ``memo``: sections already parsed (or failed) at an offset with the same schema, shared by the
     candidate layouts tried on one payload, most of which begin with the same KV section.
     """
+    budget = budget_for(f)
     f.seek(offset)
     reader = TrackingReader(f, end)
     sections, spans = [], []
@@ -281,7 +309,8 @@ def parse_memory(f: BinaryIO, offset: int, end: int, layout: MemoryLayout, versi
                                             f"layer count is {head.n_layer}")
         if hit is None:
             try:
-                hit = (parse(sec.schema(), reader, what, version=version, lazy=lazy), reader.tell())
+                hit = (parse(sec.schema(), reader, what, version=version, lazy=lazy, cells_memo=memo,
+                             file_budget=budget), reader.tell())
             except FormatError as e:
                 hit = e
             if memo is not None:
@@ -390,6 +419,23 @@ def _parse_chain(f: BinaryIO, offset: int, size: int) -> tuple[Appendix | None, 
     pos = offset
     magic = _read_u32(f, pos)
     if magic == apx.SCKP_MAGIC:
+        count = _read_u32(f, pos + 8)
+        budget = budget_for(f)
+        # each checkpoint costs its objects and its blobs' reading: a count the bytes and slotctl's bound
+        # allow (the schema says what they do not) is charged before any is read
+        if budget is not None and count is not None and count * CHECKPOINT_MIN_SIZE <= size - pos \
+                and count <= apx.MAX_CHECKPOINTS:
+            key = ("SCKP", pos)
+            if key not in budget.seen:   # charged once; a refusal is remembered for the next walk
+                room = max(0, budget.limit - budget.used) // CHECKPOINT_COST
+                try:
+                    budget.charge_once(key, count * CHECKPOINT_COST, "checkpoint count", pos + 8)
+                except CheckError:
+                    budget.refused[key] = _over_budget(room, count, budget)
+            if key in budget.refused:
+                err = FormatError("SCKP appendix", pos + 8, budget.refused[key])
+                err.part = "SCKP appendix"
+                return None, None, pos, err
         f.seek(pos)
         r = TrackingReader(f, size)
         try:
@@ -411,6 +457,13 @@ def _parse_chain(f: BinaryIO, offset: int, size: int) -> tuple[Appendix | None, 
         sdft = Appendix("SDFT", pos, r.tell(), parsed)
         pos = r.tell()
     return sckp, sdft, pos, None
+
+
+def _over_budget(most: int, count: int, budget: FileBudget) -> str:
+    """What a checkpoint count beyond the file's budget is told (findings read it as slotctl's own bound)."""
+    disk = f" ({budget.real:,} on disk)" if budget.real < budget.size else ""
+    return (f"checkpoint count of at most {most:,} in a file of {budget.size:,} bytes{disk} (slotctl reads at most "
+            f"{budget.limit:,} bytes' worth of cells, token words and checkpoints in one file), found {count:,}")
 
 
 def _chain_fits(f: BinaryIO, offset: int, size: int) -> bool:
@@ -495,7 +548,7 @@ def open_for_layout(path: str | os.PathLike, layout: MemoryLayout,
 def _walk(f: BinaryIO, sf: SlotFile, layout: MemoryLayout | None, draft_layout: MemoryLayout | None) -> None:
     size = sf.size
     try:
-        hdr = parse(StateHeader, TrackingReader(f, size), "state header")
+        hdr = parse(StateHeader, TrackingReader(f, size), "state header", file_budget=budget_for(f))
     except FormatError as e:
         f.seek(0)
         if file_kind(f.read(4)) == "gguf":
@@ -563,7 +616,14 @@ def _read_appendices(f: BinaryIO, sf: SlotFile, offset: int, draft_layout: Memor
     dft_partial = draft_layout.partial() if draft_layout else None
     if sckp is not None:
         sf.checkpoints = []
+        budget = budget_for(f)
         for i, c in enumerate(sckp.parsed.checkpoints):
+            if budget is not None and budget.exhausted:   # the file's budget is spent: nothing more is read
+                e = FormatError("SCKP appendix", c.tgt.data.offset - 32,
+                                _over_budget(i, len(sckp.parsed.checkpoints), budget) + f"; checkpoints from {i:,} on "
+                                "are not read")
+                sf.add_error("SCKP appendix", e)
+                break
             tgt = parse_blob(f, c.tgt.data, tgt_partial, version, f"{checkpoint_layer(i, 'target')} blob")
             dft = parse_blob(f, c.dft.data, dft_partial, version, f"{checkpoint_layer(i, 'draft')} blob")
             for kind, b in (("target", tgt), ("draft", dft)):

@@ -439,3 +439,141 @@ def test_diff_survives_a_writer_cutting_and_rewriting_the_file(tmp_path):
         stop.set()
         t.join()
     assert codes
+
+
+# -- standard input: read only as far as a slot file's header allows -----------------------------------
+
+@pytest.mark.parametrize("command", ["inspect", "validate"])
+@pytest.mark.parametrize("head", [b"GGUF\x03\0\0\0", b"\x71\x73\x67\x67\x09\0\0\0\0\0\0\0",
+                                  b"\x71\x73\x67\x67\x04\0\0\0\xff\xff\xff\xff"],
+                         ids=["a GGUF model", "an unknown state version", "a token word count beyond any slot's"])
+def test_standard_input_that_is_no_slot_file_is_refused_after_its_header(tmp_path, command, head):
+    """``-`` was copied whole before it was parsed, even after its first bytes showed it is no slot file
+    (issue 19, item 10): now the first 12 bytes decide, and the stream is read no further."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-m", "slotctl", command, "-", "--json"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    sent, chunk = 0, head + b"\0" * ((1 << 20) - len(head))
+    try:
+        while sent < (256 << 20):      # far more than any pipe buffer; the reader stops long before
+            proc.stdin.write(chunk)
+            sent += len(chunk)
+            chunk = b"\0" * (1 << 20)
+    except BrokenPipeError:
+        pass
+    out, err = proc.communicate(timeout=60)
+    assert sent < (256 << 20), "standard input was read to its end"
+    assert proc.returncode == 1, (proc.returncode, err)
+    [f] = json.loads(out)["files"]
+    assert f["path"] == "-" and b"Traceback" not in err
+    assert f.get("size", 12) == 12, f     # the 12 bytes read, not the stream
+
+
+# -- a budget per file: what one file may cost as a whole, in every command ------------------------------
+
+def _sparse_checkpoints(path: Path, count: int, blob: int, cells: int) -> Path:
+    """srv-np1.bin, then an SCKP of ``count`` checkpoints, each a target blob of ``blob`` bytes whose KV
+    section claims ``cells`` cells over a hole (zeros: valid cells to the structure)."""
+    base = (DATA / "srv-np1.bin").read_bytes()
+    head = blob_header(0) + struct.pack("<II", 1, cells)
+    with open(path, "wb") as f:
+        f.write(base + struct.pack("<III", 0x504B4353, 1, count))
+        for _ in range(count):
+            f.write(struct.pack("<qiiQ", 8, 0, 7, blob) + head)
+            f.seek(blob - len(head), os.SEEK_CUR)
+            f.write(struct.pack("<QQ", 0, 0))
+    return path
+
+
+def _sparse_tokens(path: Path) -> Path:
+    """The largest token word count the header allows (17,825,792 words, 71 MB) over a hole."""
+    from slotctl.format.header import MAX_TOKEN_WORDS, fixed_header
+
+    with open(path, "wb") as f:
+        f.write(fixed_header(4, MAX_TOKEN_WORDS))
+        f.truncate(12 + 4 * MAX_TOKEN_WORDS + 4096)
+    return path
+
+
+def _alternating_cells(path: Path, n: int = 5_700_000) -> Path:
+    """A real (not sparse) file of ``n`` KV cells of alternating sizes (1 and 2 sequence ids): 80 MB. The
+    run reader read each as a run of one: 160 MB took inspect -m 196 s and 3.66 GB (issue 19)."""
+    import numpy as np
+
+    raw = (DATA / "srv-np1.bin").read_bytes()
+    (words,) = struct.unpack_from("<I", raw, 8)
+    a = np.zeros((n // 2, 7), "<u4")
+    a[:, 0], a[:, 1] = np.arange(0, n, 2), 1
+    a[:, 3], a[:, 4], a[:, 6] = np.arange(1, n, 2), 2, 1
+    path.write_bytes(raw[:12 + 4 * words] + struct.pack("<II", 1, n) + a.tobytes() + bytes(1000))
+    return path
+
+
+BUDGET_CASES = {
+    "16,384 checkpoints over a 4 GiB hole": lambda p: _sparse_checkpoints(p, 16_384, 256 << 10, 1000),
+    "2,000 checkpoints claiming cells over a 4 GiB hole": lambda p: _sparse_checkpoints(p, 2_000, 2 << 20, 250_000),
+    "a token list of 17.8M words over a hole": _sparse_tokens,
+    "5.7M cells of alternating sizes": _alternating_cells,
+}
+
+#: the goal of issue 19, measured on this 2-core machine: any file at most 10 s and 1 GiB in each command.
+#: Time is asserted with room for a machine shared by other runs (the figures are in docs/design.md).
+RSS_BOUND_KIB = 1 << 20
+TIME_GUARD = 40.0
+
+
+@pytest.mark.parametrize("case", sorted(BUDGET_CASES))
+def test_one_file_costs_bounded_time_and_memory_in_every_command(tmp_path, case):
+    """Each command on each hostile file in a child process limited to 4 GiB of address space
+    (RLIMIT_AS): a documented exit code with one JSON document, no MemoryError or other internal error,
+    peak resident memory under 1 GiB."""
+    import resource
+
+    bad = BUDGET_CASES[case](tmp_path / "bad.bin")
+    m = str(DATA / "target.gguf")
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    for args in (["inspect", str(bad)], ["inspect", str(bad), "-m", m], ["validate", str(bad), "-m", m, "--no-load"],
+                 ["ls", str(bad)], ["diff", str(bad), str(DATA / "srv-np1.bin")],
+                 ["convert", str(bad), "-m", m, "-ctk", "q8_0", "-o", str(tmp_path / "out.bin"), "--force"]):
+        t0 = time.monotonic()
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen([sys.executable, "-m", "slotctl", *args, "--json"], stdout=out, stderr=err,
+                                    env=env, preexec_fn=limit)
+            _, status, usage = os.wait4(proc.pid, 0)
+            elapsed = time.monotonic() - t0
+            code = os.waitstatus_to_exitcode(status)
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+        assert code in ((0, 1, 3) if args[0] in ("validate", "ls") else (0, 1)), (args[0], code, stderr[-500:])
+        assert b"Traceback" not in stderr and b"MemoryError" not in stderr and b"internal error" not in stderr, stderr
+        json.loads(stdout)
+        assert usage.ru_maxrss < RSS_BOUND_KIB, (case, args[0], usage.ru_maxrss)
+        assert elapsed < TIME_GUARD, (case, args, elapsed)
+
+
+@pytest.mark.parametrize("source,mutations", [
+    ("kv", [("delete", 16699, 16074898141332404178)]),
+    ("kv", [("insert", 12759, 2147483648)]),
+    ("recurrent", [("delete", 1283, 8051073783131267982), ("insert", 3489, 887603785573371957),
+                   ("insert", 18817, 18446744073709551615)]),
+], ids=["kv delete", "kv insert", "recurrent"])
+def test_a_cut_walk_past_the_end_never_seeks_there(tmp_path, source, mutations):
+    """Found by fuzz/fuzz_slotfiles.py (seed 7): validate -m walking a payload cut short (format.cut) sought
+    to the position of a field beyond the end, which a length of 2^63 puts past any offset: an internal
+    error ("cannot fit 'int' into an offset-sized integer") or "Invalid argument", exit 2."""
+    import mutate
+
+    src = {s.name: s for s in mutate.sources()}[source]
+    data = src.data
+    for kind, pos, arg in mutations:
+        data = mutate.apply(data, kind, pos, arg)
+    p = tmp_path / "m.bin"
+    p.write_bytes(data)
+    res = runner.invoke(app, ["validate", str(p), "-m", str(src.model), "--no-load", "--json"])
+    assert res.exit_code == 1, (res.exit_code, res.stdout[-400:], res.stderr)
+    assert "internal error" not in res.stderr

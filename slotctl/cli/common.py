@@ -147,7 +147,9 @@ def readable(path: str | os.PathLike) -> Iterator[str]:
         yield url
         return
     if p == STDIN:
-        with stdin_copy() as tmp:
+        from slotctl.format.header import STDIN_HEAD
+
+        with stdin_copy(STDIN_HEAD) as tmp:
             yield tmp
         return
     check_readable(p)

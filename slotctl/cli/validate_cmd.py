@@ -114,7 +114,9 @@ def validate(
         run.add(fr.as_dict())
 
     with contextlib.ExitStack() as stack:
-        stdin_path = stack.enter_context(stdin_copy()) if STDIN in paths else None
+        from slotctl.format.header import STDIN_HEAD
+
+        stdin_path = stack.enter_context(stdin_copy(STDIN_HEAD)) if STDIN in paths else None
         if stdin_path is not None:
             paths = [stdin_path if p == STDIN else p for p in paths]
         with out.progress("validating", total=len(paths)) as update:

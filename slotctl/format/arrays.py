@@ -5,14 +5,17 @@ from __future__ import annotations
 import construct as cs
 import numpy as np
 
-from slotctl.format.common import CheckError, _remaining
+from slotctl.format.common import CheckError, _remaining, charge
 
 
 class NumpyArray(cs.Construct):
-    """``count`` little-endian items of numpy ``dtype``; parses to a read-only ndarray, builds from any sequence."""
+    """``count`` little-endian items of numpy ``dtype``; parses to a read-only ndarray, builds from any sequence.
 
-    def __init__(self, count, dtype, what: str):
+    ``cost``: the file budget (:class:`~slotctl.format.common.FileBudget`) charged per byte read."""
+
+    def __init__(self, count, dtype, what: str, cost: int = 1):
         super().__init__()
+        self.cost = cost      # budget bytes charged per byte read (what the items cost downstream)
         self.count = count
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.what = what
@@ -24,6 +27,7 @@ class NumpyArray(cs.Construct):
         left = _remaining(stream)
         if need > left:
             raise CheckError(f"{self.what}: {n:,} items need {need:,} bytes, only {left:,} remain", start)
+        charge(context, need * self.cost, self.what, start)
         return np.frombuffer(cs.stream_read(stream, need, path), dtype=self.dtype)
 
     def _build(self, obj, stream, context, path):

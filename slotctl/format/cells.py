@@ -1,8 +1,9 @@
 """Cell metadata records of KV and recurrent sections: ``i32 pos; u32 n_seq_id; [ext]; i32 seq_id[n_seq_id]``.
 
 A single-sequence save writes cells of one size (n_seq_id 1 in a KV cache, 0 in a recurrent one), so
-cells are read as runs of equal size, each run in one call viewed through a numpy structured dtype;
-cells of mixed sizes (a whole-context save) are runs too, as short as they come.
+cells are read as runs of equal size, found at once with numpy; cells whose sizes repeat in a short
+pattern (alternating, as hostile files and some whole-context saves have them) are found at once too;
+only sizes without a pattern are walked cell by cell.
 
 Bounds (docs/design.md, "Bounds"): a count is checked against what the layer can hold before anything
 is read or allocated, not only against the bytes left in the file. A KV section holds at most
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import construct as cs
 import numpy as np
 
-from slotctl.format.common import CheckError, _remaining
+from slotctl.format.common import CheckError, _remaining, charge
 
 #: ``LLAMA_MAX_SEQ``: sequence ids are below it, and no cell has more of them
 MAX_SEQ = 256
@@ -79,6 +80,55 @@ def _dtype(ext_words: int, n_seq: int) -> np.dtype:
     return np.dtype(fields)
 
 
+#: the longest repeating pattern of cell sizes read as one (a whole-context save alternates a few sizes)
+MAX_PERIOD = 8
+
+
+def _starts(words: np.ndarray, most: int, fixed: int, at: int, done: int) -> tuple[np.ndarray, int]:
+    """Where each whole cell in ``words`` starts (word indices; at most ``most`` cells) and the words they
+    take, found without a Python step per cell when the sizes repeat: the first cells are walked, the
+    shortest period of their sizes (1: all equal; 2: alternating; up to :data:`MAX_PERIOD`) is checked
+    against the rest of the chunk at once, and what follows it walked again on the next call."""
+    probe_starts, probe_used = _walk(words, min(most, 4 * MAX_PERIOD), fixed, at, done)
+    ks = words[probe_starts + 1].astype(np.int64) if len(probe_starts) else np.zeros(0, np.int64)
+    period = next((p for p in range(1, MAX_PERIOD + 1) if len(ks) >= 2 * p
+                   and bool((ks == np.resize(ks[:p], len(ks))).all())), None)
+    if period is None or len(probe_starts) == most:
+        return probe_starts, probe_used
+    sizes = fixed + ks[:period]
+    width = int(sizes.sum())
+    offs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    reps = len(words) // width
+    block = words[:reps * width].reshape(reps, width)
+    ok = (block[:, offs + 1] == ks[:period]).all(axis=1)
+    good = reps if bool(ok.all()) else int(np.argmin(ok))
+    starts = (np.arange(good, dtype=np.int64)[:, None] * width + offs).reshape(-1)[:most]
+    if len(starts) <= len(probe_starts):
+        return probe_starts, probe_used
+    last = int(starts[-1])
+    return starts, last + fixed + int(words[last + 1])
+
+
+def _walk(words: np.ndarray, most: int, fixed: int, at: int, done: int) -> tuple[np.ndarray, int]:
+    """Where each whole cell in ``words`` starts (word indices, at most ``most`` cells) and the words they
+    take; a cell with more than :data:`MAX_SEQ` ids is refused where it starts (``at``: the chunk's offset)."""
+    w = words[:most * (fixed + MAX_SEQ)].tolist()   # only as far as ``most`` cells can reach
+    out: list[int] = []
+    append = out.append
+    i, end, c = 0, len(w), 0
+    while c < most and i + fixed <= end:
+        k = w[i + 1]
+        if k > MAX_SEQ:
+            raise CheckError(f"cell {done + c}: at most {MAX_SEQ} sequence ids, found {k:,}", at + 4 * i + 4)
+        nxt = i + fixed + k
+        if nxt > end:
+            break
+        append(i)
+        i = nxt
+        c += 1
+    return np.asarray(out, np.int64), i
+
+
 def _budget(context) -> dict:
     """Cells and sequence ids read so far in this parse (one section), shared by its streams."""
     params = context.get("_params")
@@ -120,65 +170,89 @@ class CellArray(cs.Construct):
         budget["cells"] += n
         if n == 0:
             return Cells(np.zeros(0, "<i4"), np.zeros(0, "<u4"), None, np.zeros((0, 0), "<i4"))
-        return self._parse_runs(stream, n, ext_words, budget, path)
+        # the candidate layouts tried on one payload read the same cells with other schemas (V or not):
+        # the cells at one offset, of one count and ext size, are read once
+        memo = (context.get("_params") or {}).get("cells_memo")
+        key = ("cells", start, n, ext_words)
+        if memo is not None and key in memo:
+            hit, end = memo[key]
+            if isinstance(hit, CheckError):
+                raise hit
+            stream.seek(end)
+            return hit
+        try:
+            cells = self._parse_runs(stream, n, ext_words, budget, path, context)
+        except CheckError as e:
+            if memo is not None:
+                memo[key] = (e, None)
+            raise
+        if memo is not None:
+            memo[key] = (cells, stream.tell())
+        return cells
 
-    def _parse_runs(self, stream, n, ext_words, budget, path):
-        """Runs of cells with the same number of sequence ids, each read in one call (at most CHUNK_BYTES).
+    def _parse_runs(self, stream, n, ext_words, budget, path, context):
+        """The cells, chunk by chunk (each read at most :data:`CHUNK_BYTES`), as 32-bit words (every field
+        of a cell is one word): where each cell starts is found by :func:`_starts` (runs of one size, or
+        of a repeating pattern of sizes, at once), then every field is gathered with numpy.
 
         The arrays are allocated once for ``n`` cells (bounded by ``limit``; pages are touched only as
-        cells are read) and filled run by run, so the read buffers never pile up.
+        cells are read) and filled chunk by chunk, so the read buffers never pile up.
         """
         pos = np.empty(n, "<i4")
         nsq = np.empty(n, "<u4")
         ext = np.empty((n, ext_words), "<i4") if ext_words else None
-        seq_parts = []   # (k, i32[r, k]) per run
+        ids = []         # the sequence ids of the cells, in order, one flat i32 array per chunk
         done = 0
-        want = 64        # cells asked for in the next read: grows while runs fill it, shrinks when they break
         at = stream.tell()
+        fixed = 2 + ext_words    # words of a cell before its sequence ids
+        k_most = 1               # the most sequence ids of a cell so far: sizes the next read
         while done < n:
-            head = stream.read(8)
-            if len(head) < 8:
-                raise CheckError(f"cell {done}: 8 bytes, the file ends first", at)
-            k = int(np.frombuffer(head, "<u4", 1, 4)[0])
-            if k > MAX_SEQ:
-                raise CheckError(f"cell {done}: at most {MAX_SEQ} sequence ids, found {k:,}", at + 4)
-            dt = _dtype(ext_words, k)
-            stream.seek(at)
             left = _remaining(stream)
-            m = min(n - done, want, max(1, CHUNK_BYTES // dt.itemsize), left // dt.itemsize)
-            if m == 0:
-                raise CheckError(f"cell {done}: {dt.itemsize:,} bytes, only {left:,} remain", at)
-            arr = np.frombuffer(cs.stream_read(stream, m * dt.itemsize, path), dtype=dt)
-            same = arr["n_seq_id"] == k
-            r = m if bool(same.all()) else int(np.argmin(same))
-            arr = arr[:r]
-            if budget["ids"] + r * k > MAX_SEQ_IDS:
-                raise CheckError(f"cells holding at most {MAX_SEQ_IDS:,} sequence ids in all, more found", at)
-            if k:
-                seq = arr["seq"]
-                bad = (seq < 0) | (seq >= MAX_SEQ)
-                if bool(bad.any()):
-                    c = int(np.flatnonzero(bad.any(axis=1))[0])
-                    raise CheckError(f"cell {done + c}: sequence ids in [0, {MAX_SEQ}), found {seq[c].tolist()}",
-                                     at + c * dt.itemsize + 8 + 4 * ext_words)
-                seq_parts.append((k, seq.copy()))
+            want = min(CHUNK_BYTES, left - left % 4, 4 * (n - done) * (fixed + k_most))
+            raw = cs.stream_read(stream, max(want, 8), path) if left >= 8 else b""
+            charge(context, len(raw), self.what, at)
+            words = np.frombuffer(raw, "<u4")
+            if len(words) < 2:
+                raise CheckError(f"cell {done}: 8 bytes, the file ends first", at)
+            starts, used = _starts(words, n - done, fixed, at, done)
+            r = len(starts)
+            if r == 0:
+                k = int(words[1])
+                raise CheckError(f"cell {done}: {4 * (fixed + k):,} bytes, only {4 * len(words):,} remain", at)
+            head = words[starts[:, None] + np.arange(fixed)]
+            ks = head[:, 1]
+            total = int(ks.sum())
+            if bool((ks == ks[0]).all()):   # one size: the ids are a block of columns
+                flat = words[starts[:, None] + fixed + np.arange(int(ks[0]))].reshape(-1).view("<i4")
             else:
-                seq_parts.append((0, None))
-            budget["ids"] += r * k
-            pos[done:done + r] = arr["pos"]
-            nsq[done:done + r] = k
+                excl = np.cumsum(ks, dtype=np.int64) - ks
+                flat = words[np.repeat(starts + fixed - excl, ks) + np.arange(total, dtype=np.int64)].view("<i4")
+            if budget["ids"] + len(flat) > MAX_SEQ_IDS:
+                raise CheckError(f"cells holding at most {MAX_SEQ_IDS:,} sequence ids in all, more found", at)
+            bad = (flat < 0) | (flat >= MAX_SEQ)
+            if bool(bad.any()):
+                first = int(np.flatnonzero(bad)[0])
+                c = int(np.searchsorted(np.cumsum(ks), first, side="right"))
+                cell_at = at + 4 * int(starts[c])
+                start = int(np.cumsum(ks)[c - 1]) if c else 0
+                mine = flat[start:start + int(ks[c])]
+                raise CheckError(f"cell {done + c}: sequence ids in [0, {MAX_SEQ}), found {mine.tolist()}",
+                                 cell_at + 4 * fixed)
+            budget["ids"] += len(flat)
+            k_most = max(k_most, int(ks.max()) if len(ks) else 0)
+            pos[done:done + r] = head[:, 0].view("<i4")
+            nsq[done:done + r] = ks
             if ext_words:
-                ext[done:done + r] = arr["ext"]
+                ext[done:done + r] = head[:, 2:fixed].view("<i4")
+            ids.append(flat.copy())
             done += r
-            at += r * dt.itemsize
+            at += 4 * used
             stream.seek(at)
-            want = min(want * 4, 1 << 24) if r == m else 64
-        ks = {k for k, _ in seq_parts}
-        if len(ks) == 1:
-            k = ks.pop()
-            seq = np.concatenate([a for _, a in seq_parts]) if k else np.zeros((n, 0), "<i4")
+        flat = np.concatenate(ids) if ids else np.zeros(0, "<i4")
+        k0 = int(nsq[0])
+        if len(flat) == n * k0 and bool((nsq == k0).all()):
+            seq = flat.reshape(n, k0)
         else:
-            flat = np.concatenate([a.reshape(-1) for k, a in seq_parts if k] or [np.zeros(0, "<i4")])
             starts = np.zeros(n + 1, np.int64)
             np.cumsum(nsq, out=starts[1:])
             seq = Ragged(flat, starts)

@@ -31,6 +31,65 @@ MAX_LAYERS = 4096
 MAX_STREAMS = 1024
 
 
+#: what one file may make slotctl read and hold of its cells, token words and checkpoints, whatever its
+#: size (bytes): a 2^24-cell target and as large a draft state fit, with room
+MAX_FILE_BUDGET = 1 << 30
+#: what any file may cost, however small (bytes)
+BASE_FILE_BUDGET = 128 << 20
+#: what a file may cost per byte it really has (its allocated blocks: a hole costs nothing on disk and must
+#: cost nothing here either)
+BUDGET_PER_BYTE = 4
+#: what reading one checkpoint costs beyond its cells (its objects, its blobs' layout search), in budget bytes
+CHECKPOINT_COST = 64 << 10
+
+
+class FileBudget:
+    """What one file may make slotctl read and hold, as a whole (docs/design.md, "Bounds"): the bytes of
+    its cells and token words read, and a fixed cost per checkpoint, against
+    ``min(MAX_FILE_BUDGET, BASE_FILE_BUDGET + BUDGET_PER_BYTE * the bytes the file really has)``.
+
+    Each count is also checked against what its layer can hold; this bound is the sum's, so 65,536
+    checkpoints of many cells each, or a token list in a sparse file, cost a finding, not gigabytes. The
+    parse shares one budget per open stream (the walks of one command over one file: another layout, a
+    second reading), so a command's whole reading of a file is bounded.
+    """
+
+    def __init__(self, size: int, allocated: int | None = None):
+        real = size if allocated is None else min(size, allocated)
+        self.limit = min(MAX_FILE_BUDGET, BASE_FILE_BUDGET + BUDGET_PER_BYTE * real)
+        self.size, self.real = size, real
+        self.used = 0
+        self.seen: set = set()
+        self.refused: dict = {}   # key -> why, of what was refused once
+
+    @property
+    def exhausted(self) -> bool:
+        return self.used > self.limit
+
+    def charge_once(self, key, n: int, what: str, offset: int | None) -> None:
+        """:meth:`charge` the first time ``key`` is charged (a layer located again by another walk)."""
+        if key not in self.seen:
+            self.seen.add(key)
+            self.charge(n, what, offset)
+
+    def charge(self, n: int, what: str, offset: int | None) -> None:
+        """Count ``n`` more bytes read or held for ``what``; a CheckError at ``offset`` past the limit."""
+        self.used += n
+        if self.used > self.limit:
+            sparse = f" ({self.real:,} on disk)" if self.real < self.size else ""
+            raise CheckError(f"{what}: the file's cells, token words and checkpoints within what a file of "
+                             f"{self.size:,} bytes{sparse} can hold ({self.limit:,} bytes of them read at most); "
+                             f"it needs more (counts that its bytes do not back)", offset)
+
+
+def charge(context, n: int, what: str, offset: int | None) -> None:
+    """Charge the parse's :class:`FileBudget` (parse parameter ``file_budget``), when it has one."""
+    params = context.get("_params") if hasattr(context, "get") else None
+    budget = params.get("file_budget") if params is not None else None
+    if budget is not None:
+        budget.charge(n, what, offset)
+
+
 class CheckError(cs.ConstructError):
     """Raised by our own checks, with the absolute offset where the bad value starts."""
 

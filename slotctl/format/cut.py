@@ -135,8 +135,10 @@ class _Reader:
             want = self.expected(key, self.section, record)
         if fill is None:
             fill = 0 if want is None or most else want
-        self.f.seek(self.pos)
-        got = self.f.read(have) if have else b""
+        got = b""
+        if have:   # past the end the position may be beyond any offset a seek takes (a length of 2^63)
+            self.f.seek(self.pos)
+            got = self.f.read(have)
         raw = got + struct.pack(fmt, fill)[have:]
         value = struct.unpack(fmt, raw)[0]
         if key is not None and want is not None and have and (value > want if most else value != want) \

@@ -29,8 +29,23 @@ StateHeader = cs.Struct(
     "magic" / Expect(cs.Int32ul, [STATE_SEQ_MAGIC], "state file magic", hex32),
     "version" / Expect(cs.Int32ul, SUPPORTED_VERSIONS, "state version"),
     "n_words" / Counted(cs.Int32ul, "token word count", limit=MAX_TOKEN_WORDS, min_item_size=4),
-    "words" / NumpyArray(this.n_words, np.int32, "token words"),
+    # a token word costs more than its 4 bytes downstream (decoded, checked, shown): 32 bytes of the budget
+    "words" / NumpyArray(this.n_words, np.int32, "token words", cost=8),
 )
+
+
+def plausible_header(first: bytes) -> bool:
+    """Whether the first :data:`HEADER_FIXED_SIZE` bytes of a stream may begin a slot file: the state magic,
+    a state version slotctl reads and a token word count within :data:`MAX_TOKEN_WORDS` (standard input is
+    read further only then: :func:`slotctl.paths.stdin_copy`)."""
+    if len(first) < HEADER_FIXED_SIZE or first[:4] != STATE_MAGIC_BYTES:
+        return False
+    version, n_words = int.from_bytes(first[4:8], "little"), int.from_bytes(first[8:12], "little")
+    return version in SUPPORTED_VERSIONS and n_words <= MAX_TOKEN_WORDS
+
+
+#: what :func:`slotctl.paths.stdin_copy` checks before it copies the rest of standard input
+STDIN_HEAD = (HEADER_FIXED_SIZE, plausible_header)
 
 
 def header_size(n_words: int) -> int:
