@@ -209,6 +209,29 @@ def test_migrate_refuses_another_model_before_touching_it(one, other):
 
 
 @server
+def test_migrate_refuses_a_lossy_cache_type_change_without_allow_lossy(one, three):
+    """A destination said to run a q8_0 K cache (-ctk: b11434 does not report it): the f16 rows would be
+    re-encoded, which loses precision, so only --allow-lossy does it; nothing reaches the destination."""
+    one.completion(SAMPLE_PROMPT, slot=1, n_predict=2)
+    before = sorted(os.listdir(three.save_dir))
+    doc, _ = migrate(one, 1, three, 1, "--name", "lossy.bin", "-kvu", "-ctk", "q8_0", code=FAILED)
+    st = steps(doc)
+    assert st["check"]["status"] == "refused" and "--allow-lossy" in st["check"]["message"], st["check"]
+    assert any("K type f16 -> q8_0" in c for c in st["check"]["details"]["lossy"])
+    assert st["place"]["status"] == "skipped" and sorted(os.listdir(three.save_dir)) == before
+    # the same for people: one row per step on stdout, the refusal in one line on stderr
+    res = slotctl("migrate", "--from", one.url, "--slot", "1", "--to", three.url, "--to-slot", "1", "--from-dir",
+                  one.save_dir, "--to-dir", three.save_dir, "--name", "lossy2.bin", "-kvu", "-ctk", "q8_0",
+                  code=FAILED)
+    cells = [[w for w in line.split() if w != "│"] for line in res.stdout.splitlines()[1:]]
+    rows = {c[0]: c[1] for c in cells if len(c) > 1 and c[0] in ("source", "destination", "save", "fetch", "check",
+                                                                   "place", "restore", "prove")}
+    assert rows == {"source": "ok", "destination": "ok", "save": "ok", "fetch": "ok", "check": "refused",
+                    "place": "skipped", "restore": "skipped", "prove": "skipped"}, res.stdout
+    assert res.stderr.strip().startswith("error: migrate: check: ") and "--allow-lossy" in res.stderr
+
+
+@server
 def test_migrate_refuses_a_context_too_small(one, three):
     three.completion(LONG_PROMPT, slot=0, n_predict=2)
     n = cached(three, 0)
@@ -475,3 +498,28 @@ def test_keep_with_an_s3_store(kept, seaweed, monkeypatch):
         S3_STORE.reset()
     row = next(r for r in doc["files"] if r["path"] == stored["path"])
     assert row["n_tokens"] == stored["n_tokens"] and row["size"] == stored["size"]
+
+
+def test_keep_log_lines_while_the_server_is_down(tmp_path):
+    """Without --json: one line per action on stderr, nothing on stdout; down is said once; SIGTERM exits 0."""
+    from llama_server import free_port
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", f"http://127.0.0.1:{free_port()}",
+                             "--slot-dir", str(tmp_path), "--every", "0.1", "--timeout", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and out == "", (out, err)
+    events = [line.split()[1] for line in err.splitlines()]
+    assert events[0] == "start" and events.count("down") == 1 and events[-1] == "stop", err
+    assert "connection refused" in err
+
+
+def test_keep_usage_errors(tmp_path):
+    res = slotctl("keep", "--server", "http://127.0.0.1:9", "--slot-dir", tmp_path / "nope", code=USAGE)
+    assert "not a directory" in res.stderr
+    res = slotctl("keep", "--server", "http://127.0.0.1:9", "--slot-dir", tmp_path, "--store", "s3://b/p/",
+                  "--max-size", "1G", code=USAGE)
+    assert "--max-size with an s3:// store" in res.stderr
