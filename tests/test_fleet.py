@@ -179,7 +179,7 @@ def test_migrate_between_servers_with_other_np_and_kvu(one, three):
     one.completion(SAMPLE_PROMPT, slot=1, n_predict=8)
     doc, _ = migrate(one, 1, three, 2, "--name", "moved.bin", "-kvu", code=OK)
     st = steps(doc)
-    assert [s["status"] for s in doc["steps"]] == ["ok"] * 8, doc["steps"]
+    assert [s["status"] for s in doc["steps"]] == ["ok"] * 5 + ["skipped"] + ["ok"] * 3, doc["steps"]
     assert st["check"]["details"]["converted"] and any("n_stream 2 -> 1" in c for c in st["check"]["details"]["changes"])
     placed = three.save_dir / "moved.bin"
     assert placed.is_file() and open_slot_file(placed).target.sections[0].n_stream == 1
@@ -203,7 +203,7 @@ def test_migrate_refuses_another_model_before_touching_it(one, other):
     doc, res = migrate(one, 1, other, 0, "--name", "foreign.bin", code=FAILED)
     st = steps(doc)
     assert st["destination"]["status"] == "refused" and "another model" in st["destination"]["message"]
-    assert all(st[s]["status"] == "skipped" for s in ("save", "fetch", "check", "place", "restore", "prove"))
+    assert all(st[s]["status"] == "skipped" for s in ("save", "fetch", "check", "store", "place", "restore", "prove"))
     assert sorted(os.listdir(other.save_dir)) == before and cached(other, 0) in (None, 0)
     assert "another model" in res.stderr
 
@@ -225,9 +225,9 @@ def test_migrate_refuses_a_lossy_cache_type_change_without_allow_lossy(one, thre
                   code=FAILED)
     cells = [[w for w in line.split() if w != "│"] for line in res.stdout.splitlines()[1:]]
     rows = {c[0]: c[1] for c in cells if len(c) > 1 and c[0] in ("source", "destination", "save", "fetch", "check",
-                                                                   "place", "restore", "prove")}
+                                                                   "store", "place", "restore", "prove")}
     assert rows == {"source": "ok", "destination": "ok", "save": "ok", "fetch": "ok", "check": "refused",
-                    "place": "skipped", "restore": "skipped", "prove": "skipped"}, res.stdout
+                    "store": "skipped", "place": "skipped", "restore": "skipped", "prove": "skipped"}, res.stdout
     assert res.stderr.strip().startswith("error: migrate: check: ") and "--allow-lossy" in res.stderr
 
 
@@ -523,3 +523,30 @@ def test_keep_usage_errors(tmp_path):
     res = slotctl("keep", "--server", "http://127.0.0.1:9", "--slot-dir", tmp_path, "--store", "s3://b/p/",
                   "--max-size", "1G", code=USAGE)
     assert "--max-size with an s3:// store" in res.stderr
+
+
+@server
+def test_migrate_through_an_s3_store(one, three, seaweed, monkeypatch):
+    """--store s3://...: the converted file goes through the object store and stays there; the destination
+    restores the store's copy, proven."""
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    for k, v in {**seaweed.env(), "HOME": str(seaweed.dir)}.items():
+        monkeypatch.setenv(k, v)
+    from slotctl.remote.store import S3_STORE
+
+    S3_STORE.reset()
+    try:
+        one.completion(SAMPLE_PROMPT + " The store", slot=0, n_predict=3)
+        store = f"s3://{BUCKET}/migrate/"
+        doc, _ = migrate(one, 0, three, 0, "--name", "via-s3.bin", "-kvu", "--store", store, code=OK)
+        st = steps(doc)
+        assert [s["status"] for s in doc["steps"]] == ["ok"] * 9, doc["steps"]
+        assert st["store"]["details"]["where"] == store + "via-s3.bin"
+        assert doc["proof"]["verdict"] == "proven"
+        row = json.loads(slotctl("ls", store, "--json", code=OK).stdout)["files"][0]
+        placed = three.save_dir / "via-s3.bin"
+        assert row["path"] == store + "via-s3.bin" and row["size"] == placed.stat().st_size
+        assert row["n_tokens"] == doc["proof"]["n_prompt"]
+    finally:
+        S3_STORE.reset()

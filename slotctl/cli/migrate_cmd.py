@@ -36,6 +36,9 @@ def migrate(
                                                    "the source's).")] = None,
     name: Annotated[Optional[str], typer.Option("--name", help="The file name to save and place under (default "
                                                 "migrate-slotN-TIME-PID.bin).")] = None,
+    store: Annotated[Optional[str], typer.Option("--store", metavar="DIR|s3://BUCKET/PREFIX/",
+                                                 help="Also keep the (converted) file there, and place the "
+                                                      "store's copy (docs/store.md).")] = None,
     kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The destination runs with -kvu (not "
                                              "reported by the server).")] = False,
     cache_type_k: Annotated[Optional[str], typer.Option("--cache-type-k", "-ctk", help="The destination's -ctk "
@@ -73,7 +76,7 @@ def migrate(
     flags = ServerFlags(kv_unified=kv_unified, cache_type_k=cache_type_k or ServerFlags().cache_type_k,
                         cache_type_v=cache_type_v or ServerFlags().cache_type_v)
     m = run(from_url, slot, to_url, slot if to_slot is None else to_slot, from_dir=from_dir, to_dir=to_dir,
-            name=name, dst_flags=flags, given=frozenset(given), allow_lossy=allow_lossy, api_key=api_key,
+            name=name, store=store, dst_flags=flags, given=frozenset(given), allow_lossy=allow_lossy, api_key=api_key,
             to_api_key=to_api_key, timeout=timeout)
     doc = m.as_dict()
     if json_out:

@@ -38,7 +38,8 @@ import numpy as np
 
 from slotctl.errors import SlotctlError, UsageError
 from slotctl.remote import http
-from slotctl.remote.migrate import IDENTITY_KEYS, copy_atomic
+from slotctl.remote.migrate import IDENTITY_KEYS
+from slotctl.remote.states import ObjectStore, copy_atomic, open_store
 from slotctl.remote.prove import local_setup, prove
 
 #: the name the server saves a slot under before keep checks it (in --slot-save-path)
@@ -239,7 +240,7 @@ class Keeper:
             self._event("pruned", None, f"{path}: {action} ({reason}), {size:,} bytes", path=path, size=size,
                         action=action)
 
-        self.store.prune(self.max_size, pruned)
+        self.store.prune(self.max_size, (INCOMING.format(slot="*"),), pruned)
 
     # -- restoring --------------------------------------------------------------------------------------
 
@@ -302,109 +303,3 @@ class Keeper:
         msg = str(e) if isinstance(e, SlotctlError) else f"{getattr(e, 'filename', '') or ''}: {e}".lstrip(": ")
         code = e.error_code if isinstance(e, SlotctlError) else "io_error"
         self._event("error", slot, msg, error={"code": code, "message": msg})
-
-
-class DirectoryStore:
-    """A store that is a directory of this machine (``--store DIR``, or ``--slot-dir`` itself)."""
-
-    def __init__(self, path: str | os.PathLike, slot_dir: Path):
-        self.path = Path(path)
-        self.same = self.path.resolve() == slot_dir.resolve()
-
-    def __str__(self) -> str:
-        return os.fspath(self.path)
-
-    def where(self, name: str) -> str:
-        return os.fspath(self.path / name)
-
-    def has(self, name: str) -> bool:
-        return (self.path / name).exists()
-
-    def put(self, local: Path, name: str) -> None:
-        """``local`` (keep's working file) into the store as ``name``, atomically; ``local`` is gone after."""
-        if self.same:
-            os.replace(local, self.path / name)
-            from slotctl.atomic import fsync_dir
-
-            fsync_dir(os.fspath(self.path))
-        else:
-            copy_atomic(local, self.path / name)
-            os.unlink(local)
-
-    def names(self, prefix: str) -> list[str]:
-        """The states whose names start with ``prefix``, newest first (temporary files never)."""
-        found = [p for p in self.path.iterdir() if p.name.startswith(prefix) and p.name.endswith(".bin")]
-        return [p.name for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]
-
-    def local(self, name: str, staging: Path) -> Path:
-        """A local file holding the state ``name`` (the store's own file here)."""
-        return self.path / name
-
-    def prune(self, max_size: int, keep_events) -> None:
-        from slotctl import prune as pr
-
-        # a store of its own is written by keep alone, through temporary files prune never touches: no grace
-        policy = pr.Policy(max_size=max_size, pins=(INCOMING.format(slot="*"),),
-                           **({} if self.same else {"grace": 0.0}))
-        plan = pr.execute(pr.plan(os.fspath(self.path), policy), dry_run=False)
-        for e in plan.selected():
-            keep_events(e.path, e.size, e.action, e.reason)
-
-
-class ObjectStore:
-    """A store under an ``s3://bucket/prefix/`` (:mod:`slotctl.remote.store`, :mod:`slotctl.remote.cp`: an
-    object is created only if absent, complete or not at all, its size and MD5 checked)."""
-
-    def __init__(self, url: str):
-        from slotctl.remote.store import split_url
-
-        split_url(url)      # a usage error without a bucket
-        self.url = url.rstrip("/") + "/"
-
-    def __str__(self) -> str:
-        return self.url
-
-    def where(self, name: str) -> str:
-        return self.url + name
-
-    def has(self, name: str) -> bool:
-        from slotctl.remote.store import S3_STORE
-
-        return S3_STORE.stat(self.where(name)) is not None
-
-    def put(self, local: Path, name: str) -> None:
-        self._copy(os.fspath(local), self.where(name))
-        os.unlink(local)
-
-    def names(self, prefix: str) -> list[str]:
-        from slotctl.remote.store import S3_STORE
-
-        found = [e for e in S3_STORE.list(self.url) if e.path.rpartition("/")[2].startswith(prefix)
-                 and e.path.endswith(".bin")]
-        return [e.path.rpartition("/")[2] for e in sorted(found, key=lambda e: e.mtime, reverse=True)]
-
-    def local(self, name: str, staging: Path) -> Path:
-        dest = staging / name
-        if not dest.exists():
-            self._copy(self.where(name), os.fspath(dest))
-        return dest
-
-    @staticmethod
-    def _copy(src: str, dst: str) -> None:
-        from slotctl.remote.cp import COPIED, copy_one
-
-        res = copy_one(src, dst)
-        if res.status != COPIED:
-            raise UsageError(res.error["message"] if res.error else f"{src} -> {dst}: not copied",
-                             code=res.error["code"] if res.error else "copy_failed")
-
-    def prune(self, max_size: int, keep_events) -> None:
-        """Not supported: the :class:`Keeper` refuses ``--max-size`` with an object store up front."""
-        raise UsageError("--max-size with an s3:// store: not supported yet (prune works on directories)")
-
-
-def open_store(store: str | os.PathLike | None, slot_dir: Path):
-    """The store for ``--store``: an ``s3://`` prefix, a directory, or (None) ``slot_dir`` itself."""
-    if store is not None and os.fspath(store).startswith("s3://"):
-        return ObjectStore(os.fspath(store))
-    return DirectoryStore(slot_dir if store is None else store, slot_dir)

@@ -12,11 +12,13 @@ The steps, each with its outcome (:class:`Step`), stopping at the first that doe
    exact; cache types, lossy, only with ``allow_lossy``), then validate's verdict for the converted file
    and the destination's own model and flags (:func:`slotctl.remote.prove.local_setup`): refused when the
    destination would refuse it (another model, a context too small, ...);
-6. ``place``: the (converted) file written into ``--to-dir`` atomically, under the same name;
-7. ``restore``: the destination restores it into its slot;
-8. ``prove``: the proving request (:mod:`slotctl.remote.prove`).
+6. ``store`` (with ``store``): the (converted) file written into the store (a directory or an ``s3://``
+   prefix, :mod:`slotctl.remote.states`), never over a file of that name; the next step places the store's copy;
+7. ``place``: the (converted) file written into ``--to-dir`` atomically, under the same name;
+8. ``restore``: the destination restores it into its slot;
+9. ``prove``: the proving request (:mod:`slotctl.remote.prove`).
 
-Nothing reaches the destination before step 6: a refusal leaves it untouched. The source's slot is only
+Nothing reaches the destination before step 7: a refusal leaves it untouched. The source's slot is only
 saved (``action=save`` reads the slot, changes nothing), so a failure anywhere leaves it as it was.
 """
 
@@ -32,12 +34,13 @@ from pathlib import Path
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
 from slotctl.remote import http
 from slotctl.remote.prove import Proof, local_setup, prove
+from slotctl.remote.states import copy_atomic
 from slotctl.server.flags import ServerFlags
 
 #: the /v1/models meta keys that tell two models apart (llama_model_n_vocab, n_embd, n_params, size, n_ctx_train)
 IDENTITY_KEYS = ("n_vocab", "n_embd", "n_params", "size", "n_ctx_train")
 
-STEPS = ("source", "destination", "save", "fetch", "check", "place", "restore", "prove")
+STEPS = ("source", "destination", "save", "fetch", "check", "store", "place", "restore", "prove")
 
 
 class Refused(SlotctlError):
@@ -101,11 +104,14 @@ def default_name(slot: int) -> str:
 
 
 def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_dir: str | os.PathLike,
-            to_dir: str | os.PathLike, name: str | None = None, dst_flags: ServerFlags | None = None,
+            to_dir: str | os.PathLike, name: str | None = None, store: str | None = None,
+            dst_flags: ServerFlags | None = None,
             given: frozenset[str] = frozenset(), allow_lossy: bool = False, api_key: str | None = None,
             to_api_key: str | None = None, timeout: float = 600.0, progress=None) -> Migration:
     """Run the steps of the module docstring. ``dst_flags`` / ``given``: the destination's flags it does not
-    report (``-kvu``, ``-ctk``, ``-ctv``), for the fields named in ``given``. ``progress(step name)`` is called
+    report (``-kvu``, ``-ctk``, ``-ctv``), for the fields named in ``given``. ``store``: a directory or an
+    ``s3://`` prefix the (converted) file goes through on its way to ``to_dir``, and stays in (step ``store``;
+    without it, ``skipped``). ``progress(step name)`` is called
     as each step starts. Errors become the failing step's outcome; UsageError for arguments (before any
     request)."""
     name = name or default_name(src_slot)
@@ -118,6 +124,13 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_di
     to_key = api_key if to_api_key is None else to_api_key
     if (to_dir / name).exists() and not _same_dir(from_dir, to_dir):
         raise UsageError(f"{to_dir / name}: exists in --to-dir (give another --name)")
+    kept = None
+    if store is not None:
+        from slotctl.remote.states import open_store
+
+        kept = open_store(store, to_dir)
+        if kept.has(name):
+            raise UsageError(f"{kept.where(name)}: exists in --store (give another --name)")
     steps = {s: Step(s) for s in STEPS}
     m = Migration({"server": src_url, "slot": src_slot, "dir": os.fspath(from_dir)},
                   {"server": dst_url, "slot": dst_slot, "dir": os.fspath(to_dir)}, name, list(steps.values()))
@@ -234,8 +247,19 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_di
         done = "converted (" + "; ".join(changes) + ")" if changes else "no conversion needed"
         return f"{done}; validate for the destination: {report.verdict}"
 
+    def keep_it(s: Step) -> str:
+        kept.put(state["placed_from"], name, move=False)
+        (Path(staging) / "from-store").mkdir(exist_ok=True)
+        local = kept.local(name, Path(staging) / "from-store")
+        s.details = {"where": kept.where(name)}
+        state["placed_from"] = local
+        return f"{kept.where(name)}: written"
+
     def place(s: Step) -> str:
         src, dest = state["placed_from"], to_dir / name
+        if kept is not None and os.fspath(src) == os.fspath(dest):
+            s.details = {"path": os.fspath(dest), "copied": False}
+            return f"{dest}: already there (--store is --to-dir)"
         if src == state["path"] and _same_dir(from_dir, to_dir):
             s.details = {"path": os.fspath(dest), "copied": False}
             return f"{dest}: already there (--from-dir and --to-dir are one directory)"
@@ -259,7 +283,10 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_di
 
     try:
         for step, fn in (("source", source), ("destination", destination), ("save", save), ("fetch", fetch),
-                         ("check", check), ("place", place), ("restore", restore), ("prove", proof)):
+                         ("check", check), ("store", keep_it), ("place", place), ("restore", restore),
+                         ("prove", proof)):
+            if step == "store" and kept is None:
+                continue
             if not run(step, fn):
                 break
     finally:
@@ -272,12 +299,3 @@ def _same_dir(a: Path, b: Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return False
-
-
-def copy_atomic(src: str | os.PathLike, dest: str | os.PathLike) -> None:
-    """``src`` copied to ``dest`` through :func:`slotctl.atomic.atomic_writer` (never a torn ``dest``)."""
-    from slotctl.atomic import atomic_writer, copy_range
-    from slotctl.paths import open_regular
-
-    with open_regular(os.fspath(src)) as f, atomic_writer(dest) as out:
-        copy_range(f, out, 0, os.fstat(f.fileno()).st_size)
