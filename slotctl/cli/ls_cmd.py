@@ -138,7 +138,9 @@ def ls(
             for i, row in enumerate(catalog(files, request, processes=jobs), 1):
                 update(i)
                 totals.seen(row)
-                if human is not None and row.get("error"):  # its row, and its line on stderr, as inspect and validate
+                if human is not None and row.get("error") and row.get("exit_code") == 2:
+                    # a file that cannot be read: its row, and its line on stderr, as inspect and validate (a
+                    # damaged one is a row with its verdict only)
                     out.error(row["error"]["message"])
                 if keep(row):
                     totals.add(row)
