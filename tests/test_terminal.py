@@ -131,3 +131,21 @@ def test_demo_to_a_file_is_under_100_kb(tmp_path):
     lines = out.read_text().splitlines()
     assert max(map(len, lines)) <= 80
     assert any(line.startswith("$ slotctl restore") for line in lines)
+
+
+@pytest.mark.parametrize("args", [
+    ["inspect", DATA / "srv-draft.bin", "-m", MODEL],
+    ["validate", "{dir}", "-m", MODEL, "--no-load"],
+    ["diff", DATA / "srv-np1.bin", "{dir}/cut.bin"],
+    ["diff", DATA / "srv-np1.bin", DATA / "srv-kvq8.bin"],
+    ["strip-draft", "--dry-run", "{dir}"],
+    ["prune", "{dir}", "--broken", "--dry-run"],
+    ["identify", DATA / "srv-np1.bin", "-m", MODEL, "-m", DATA / "draft.gguf"],
+], ids=lambda a: a[0])
+def test_every_command_on_a_pipe_fits_80_columns(slot_dir, args):
+    """Paths of 60 characters and more, messages of 150: wrapped at 80, whole."""
+    argv = [str(a).replace("{dir}", str(slot_dir)) for a in args]
+    r = piped(*argv)
+    assert r.returncode in (0, 1, 3), r.stderr
+    lines = r.stdout.splitlines()
+    assert lines and max(map(len, lines)) <= 80, r.stdout

@@ -86,30 +86,26 @@ def _text_around(model: Path, sa, sb, at: int, verbose: bool) -> dict:
 
 
 def render(out: Output, doc: dict) -> None:
+    """The differences in words; lines wrap at the output's width (a long path folds, whole)."""
     for side in ("a", "b"):
         s = doc[side]
-        out.console.print(Text.assemble((f"{side.upper()}: ", "bold"), escape_text(s["path"], keep_newlines=False),
-                                        f"  {s['size']:,} bytes, state version {s['state_version']}"),
-                          soft_wrap=True)
+        out.print(Text.assemble((f"{side.upper()}: ", "bold"), escape_text(s["path"], keep_newlines=False),
+                                f"  {s['size']:,} bytes, state version {s['state_version']}"))
     tk = doc["tokens"]
     if tk and tk.get("text"):
         t = tk["text"]
-        out.console.print(Text(f"first differing token: {tk['first_difference']:,}", style="bold"), soft_wrap=True)
+        out.print(Text(f"first differing token: {tk['first_difference']:,}", style="bold"))
         for label, value in (("  before", t["before"]), ("  A", t["a"]), ("  B", t["b"])):
-            out.console.print(Text.assemble((f"{label}: ", "dim"), escape_text(value, keep_newlines=False)),
-                              soft_wrap=True)
+            out.print(Text.assemble((f"{label}: ", "dim"), escape_text(value, keep_newlines=False)))
     if doc["equal"]:
-        out.console.print(Text("equal: every layer holds the same data", style="bold green"), soft_wrap=True)
+        out.print(Text("equal: every layer holds the same data", style="bold green"))
         return
     for d in doc["differences"]:
-        out.console.print(Text.assemble((d["layer"], "bold"), ": ", escape_text(d["message"], keep_newlines=False)),
-                          soft_wrap=True)
+        out.print(Text.assemble((d["layer"], "bold"), ": ", escape_text(d["message"], keep_newlines=False)))
     cells = [st for sec in (doc["target"] or {}).get("sections", []) for st in sec["streams"]]
     for st in cells:
         if st["differing_cells"]:
             ranges = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in st["differing_ranges"])
-            out.console.print(Text(f"target stream {st['stream'][0]}: {st['differing_cells']:,} of "
-                                   f"{min(st['cell_count']):,} cells differ (positions {ranges})", style="dim"),
-                              soft_wrap=True)
-    out.console.print(Text(f"different: {len(doc['differences'])} difference(s)", style="bold yellow"),
-                      soft_wrap=True)
+            out.print(Text(f"target stream {st['stream'][0]}: {st['differing_cells']:,} of "
+                           f"{min(st['cell_count']):,} cells differ (positions {ranges})", style="dim"))
+    out.print(Text(f"different: {len(doc['differences'])} difference(s)", style="bold yellow"))
