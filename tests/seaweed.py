@@ -29,6 +29,17 @@ def weed_binary() -> str | None:
     return shutil.which("weed")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the test process dies (Linux ``PR_SET_PDEATHSIG``), so that a
+    killed test run leaves no server behind; elsewhere nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
 def _free_ports(n: int) -> list[int]:
     """``n`` distinct free ports whose +10000 (SeaweedFS's default gRPC offset) are free too."""
     out: list[int] = []
@@ -88,7 +99,8 @@ class Seaweed:
         env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, S3_BUCKET=BUCKET)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(self.argv(), cwd=self.dir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
