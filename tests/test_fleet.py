@@ -27,7 +27,7 @@ import pytest
 from typer.testing import CliRunner
 
 import json_schemas
-from conftest import start_server
+from conftest import DATA, start_server
 from llama_server import LlamaServer, ServerStartError
 from seaweed import BUCKET
 from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
@@ -520,9 +520,9 @@ def test_keep_log_lines_while_the_server_is_down(tmp_path):
 def test_keep_usage_errors(tmp_path):
     res = slotctl("keep", "--server", "http://127.0.0.1:9", "--slot-dir", tmp_path / "nope", code=USAGE)
     assert "not a directory" in res.stderr
-    res = slotctl("keep", "--server", "http://127.0.0.1:9", "--slot-dir", tmp_path, "--store", "s3://b/p/",
-                  "--max-size", "1G", code=USAGE)
-    assert "--max-size with an s3:// store" in res.stderr
+    res = slotctl("keep", "--server", "http://127.0.0.1:9", "--slot-dir", tmp_path, "--max-size", "lots",
+                  code=USAGE)
+    assert "--max-size" in res.stderr
 
 
 @server
@@ -550,3 +550,34 @@ def test_migrate_through_an_s3_store(one, three, seaweed, monkeypatch):
         assert row["n_tokens"] == doc["proof"]["n_prompt"]
     finally:
         S3_STORE.reset()
+
+
+def test_an_s3_store_is_held_under_max_size_by_prunes_rules(seaweed, monkeypatch):
+    """keep's budget on an ``s3://`` store: prune's rules for a prefix (least recently modified first, pins
+    never touched), against the real SeaweedFS; the objects kept are whole."""
+    import time
+
+    from slotctl.remote.states import ObjectStore
+    from slotctl.remote.store import S3_STORE
+
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    for k, v in {**seaweed.env(), "HOME": str(seaweed.dir)}.items():
+        monkeypatch.setenv(k, v)
+    S3_STORE.reset()
+    import obstore
+
+    data = (DATA / "srv-np1.bin").read_bytes()
+    names = ["slot0-a.bin", "slot0-b.bin", "slot0-c.bin", "keep-slot0-incoming.bin"]
+    for name in names:      # Last-Modified has a resolution of a second
+        obstore.put(seaweed.client(), f"budget/{name}", data)
+        time.sleep(1.1)
+    store = ObjectStore(f"s3://{BUCKET}/budget/")
+    gone = []
+    store.prune(2 * len(data) + 1, ("keep-slot*-incoming.bin",), lambda path, size, action, reason: gone.append(
+        (path.rpartition("/")[2], action)))
+    assert gone == [("slot0-a.bin", "deleted"), ("slot0-b.bin", "deleted")]
+    left = sorted(o["path"].rpartition("/")[2] for o in obstore.list(seaweed.client(), "budget/").collect())
+    assert left == ["keep-slot0-incoming.bin", "slot0-c.bin"]
+    assert bytes(obstore.get(seaweed.client(), "budget/slot0-c.bin").bytes()) == data
+    S3_STORE.reset()

@@ -36,10 +36,10 @@ from typing import Callable
 
 import numpy as np
 
-from slotctl.errors import SlotctlError, UsageError
+from slotctl.errors import SlotctlError
 from slotctl.remote import http
 from slotctl.remote.migrate import IDENTITY_KEYS
-from slotctl.remote.states import ObjectStore, copy_atomic, open_store
+from slotctl.remote.states import copy_atomic, open_store
 from slotctl.remote.prove import local_setup, prove
 
 #: the name the server saves a slot under before keep checks it (in --slot-save-path)
@@ -104,8 +104,6 @@ class Keeper:
         self.url = http.normalize_url(url)
         self.slot_dir = Path(slot_dir)
         self.store = open_store(store, self.slot_dir)
-        if max_size is not None and isinstance(self.store, ObjectStore):
-            raise UsageError("--max-size with an s3:// store: not supported yet (prune works on directories)")
         self.every, self.min_tokens, self.max_size = every, min_tokens, max_size
         self.api_key, self.timeout, self.emit = api_key, timeout, emit
         self.up: bool | None = None

@@ -114,8 +114,15 @@ class ObjectStore:
                              code=res.error["code"] if res.error else "copy_failed")
 
     def prune(self, max_size: int, pins: tuple[str, ...], on_file) -> None:
-        """Not supported: the :class:`Keeper` refuses ``--max-size`` with an object store up front."""
-        raise UsageError("--max-size with an s3:// store: not supported yet (prune works on directories)")
+        """Hold the store under ``max_size`` by :mod:`slotctl.prune`'s rules for a prefix (least recently
+        modified first, each object checked by a HEAD before its DELETE; ``pins`` never touched);
+        ``on_file(path, size, action, reason)`` for each object deleted. The objects are complete or absent
+        (:meth:`put` creates them whole), so no grace."""
+        from slotctl import prune as pr
+
+        plan = pr.execute(pr.plan(self.url, pr.Policy(max_size=max_size, pins=pins, grace=0.0)), dry_run=False)
+        for e in plan.selected():
+            on_file(e.path, e.size, e.action, e.reason)
 
 
 def open_store(store: str | os.PathLike | None, slot_dir: Path):
