@@ -2,8 +2,8 @@
 
 Each example damages one layer of a real server file with checkpoints and draft state (truncation, bit
 flip, a count or length overwritten, bytes inserted, deleted or spliced from elsewhere in the file), then
-runs inspect, validate's structural checks, strip-draft --dry-run with the model's layout and strip-draft
---checkpoints in place. Every command must return a documented exit code with one-line messages, within bounded time and
+runs inspect, validate's structural checks, strip-draft --dry-run with the model's layout, convert -m
+(re-encoding every K and V record), diff against the intact file and strip-draft --checkpoints in place. Every command must return a documented exit code with one-line messages, within bounded time and
 memory (tests/mutate.py), and strip-draft must leave the file intact or cleanly stripped. The example
 count is modest for CI; ``fuzz/fuzz_slotfiles.py`` runs the same contract for as long as it is given.
 """
