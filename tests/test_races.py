@@ -364,6 +364,31 @@ def test_prune_never_deletes_a_file_saved_onto_the_next_one_to_go(tmp_path, how)
     assert not list(d.glob(".*.slotctl-prune-*"))
 
 
+def test_prune_keeps_a_file_another_process_has_open(tmp_path):
+    """A file a writer still has open (a server saving slowly into it, or reading it for a restore) is kept:
+    the write lease prune takes on the file it set aside is granted only when no other descriptor of it is
+    open, so whatever that writer writes next is never lost with the file."""
+    raw = SLOT.read_bytes()[:4096]
+    held, free = tmp_path / "held.bin", tmp_path / "free.bin"
+    for p in (held, free):
+        p.write_bytes(raw)
+        old(p)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; f = open(sys.argv[1], 'r+b'); print('open', "
+                               "flush=True); sys.stdin.read(); f.seek(0, 2); f.write(b'more'); f.close()", str(held)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        res = cli("prune", tmp_path, "--keep", "0", "--json")
+        assert res.exit_code == 0, res.output
+        actions = {Path(f["path"]).name: (f["action"], f["reason"]) for f in json.loads(res.stdout)["files"]}
+        assert actions["free.bin"][0] == "deleted" and not free.exists()
+        assert actions["held.bin"] == ("skipped", "open in another process (being written or read?)")
+    finally:
+        holder.communicate("", timeout=30)
+    assert held.read_bytes() == raw + b"more"      # the writer's last bytes are in the file, under its name
+    assert not list(tmp_path.glob(".*.slotctl-prune-*"))
+
+
 def test_a_file_a_killed_prune_left_aside_is_put_back_by_the_next(tmp_path):
     raw = SLOT.read_bytes()[:4096]
     aside = tmp_path / ".s0001.bin.slotctl-prune-999999999.tmp"   # no such process
