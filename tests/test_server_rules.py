@@ -383,11 +383,12 @@ def test_the_real_load_gets_the_layer_through_the_pipe():
     step = {"ctx": "target", "path": str(path), "offset": sf.target.offset, "size": sf.target.size, "blob": False,
             "version": sf.version, "layout": _layout_dict(sf.target.layout), "flags": 0, "slot": 0, "prefix": False}
     setup = ServerSetup(target=DATA / "target.gguf", settings=ContextSettings(n_ctx=4096))
+    gone = DATA.parent / "no-such-dir" / "srv-np1.bin"     # the child never opens the path it is told
     with LoadChecker(setup) as checker, open(path, "rb") as f:
         by_pipe = checker.load(step, f)
-        by_path = checker.load(step)
+        named_elsewhere = checker.load({**step, "path": str(gone)}, f)
         cut = checker.load({**step, "size": step["size"] - 1}, f)
-    assert by_pipe["status"] == "fits" and by_pipe == by_path
+    assert by_pipe["status"] == "fits" and by_pipe == named_elsewhere
     assert cut["status"] != "fits"
 
 

@@ -195,18 +195,14 @@ class LoadChecker:
         not (``failure`` says why)."""
         return self._contexts if self._ready() else None
 
-    def load(self, step: dict, f: BinaryIO | None = None) -> dict:
+    def load(self, step: dict, f: BinaryIO) -> dict:
         """Load one layer; the result has ``status`` ("fits", "refused", "partial", "aborted",
         "skipped"), ``consumed``, ``expected``, ``errors`` (llama.cpp's messages) and ``reason``.
-        ``f``: the slot file, open: its bytes go to the child through the pipe (the child opens nothing);
-        without it the child reads ``step["path"]``."""
+        ``f``: the slot file, open (the parsed file's own stream): the layer's bytes go to the child through
+        the pipe, and the child opens nothing (``step["path"]`` only names the file in messages)."""
         if not self._ready():
             return {"status": SKIPPED, "reason": self.failure}
-        if f is not None:
-            step = {**step, "inline": True}
-            reply = self.child.ask(step, (f, step["offset"], step["size"]))
-        else:
-            reply = self.child.ask(step)
+        reply = self.child.ask({**step, "inline": True}, (f, step["offset"], step["size"]))
         if reply is not None:
             return reply
         if self.child.aborted:

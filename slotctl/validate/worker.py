@@ -19,8 +19,7 @@ def worker_main() -> None:
     """The child of :class:`LoadChecker`: JSON requests on stdin, one JSON reply per line on stdout.
 
     ``init`` requests (re)build the contexts; every other request loads one layer, whose bytes follow the
-    request on stdin when it says ``"inline": true`` (the parent read them from the file it holds open),
-    else are read from ``path`` at ``offset``.
+    request on stdin (the parent read them from the file it holds open: this process opens no slot file).
     """
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)            # whatever llama.cpp prints goes to stderr, never into the replies
@@ -63,21 +62,16 @@ def _ctx_info(c) -> dict:
 
 
 def _layer_bytes(step: dict, stdin) -> bytearray:
-    """The layer's ``size`` bytes: from stdin right after the request (``inline``), else from the file.
-    A short read (the file ended, the parent stopped) gives fewer bytes."""
+    """The layer's ``size`` bytes, from stdin right after the request. A short read (the parent stopped:
+    the file it read them from ended) gives fewer bytes."""
     data = bytearray(step["size"])
     view = memoryview(data)
     got = 0
-    if step.get("inline"):
-        while got < len(data):
-            n = stdin.readinto(view[got:])
-            if not n:
-                break
-            got += n
-    else:
-        with open(step["path"], "rb") as f:
-            f.seek(step["offset"])
-            got = f.readinto(view) or 0
+    while got < len(data):
+        n = stdin.readinto(view[got:])
+        if not n:
+            break
+        got += n
     view.release()
     del data[got:]
     return data
