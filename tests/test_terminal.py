@@ -149,3 +149,40 @@ def test_every_command_on_a_pipe_fits_80_columns(slot_dir, args):
     assert r.returncode in (0, 1, 3), r.stderr
     lines = r.stdout.splitlines()
     assert lines and max(map(len, lines)) <= 80, r.stdout
+
+
+def test_inspect_tokens_on_a_pipe_lists_every_id_in_lines_that_fit(tmp_path):
+    """--tokens prints every token id, in order, below the prompt panel, in plain lines that fit COLUMNS
+    (a prompt of millions of tokens was one rich Text wrapped word by word inside a panel: minutes)."""
+    import struct
+
+    import numpy as np
+
+    from slotctl.slotfile import open_slot_file
+
+    src = DATA / "srv-np1.bin"
+    want = [str(t) for t in open_slot_file(src).tokens.tokens]
+    for columns in ("60", "200"):
+        r = piped("inspect", src, "--tokens", COLUMNS=columns)
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("tokens ("))
+        body = []
+        for line in lines[at + 1:]:
+            if not line.startswith("  "):
+                break
+            body.append(line)
+        assert " ".join(body).split() == want
+        assert all(len(line) <= int(columns) for line in body)
+    # a plain token list of a million words after the same payload: every id, and still lines that fit
+    raw = src.read_bytes()
+    sf = open_slot_file(src)
+    ids = (np.arange(1 << 20, dtype=np.int32) % 300) + 1
+    big = tmp_path / "big.bin"
+    big.write_bytes(struct.pack("<III", 0x67677371, 4, len(ids)) + ids.tobytes() + raw[sf.header_end:])
+    r = piped("inspect", big, "--tokens")
+    out = r.stdout.splitlines()
+    at = next(i for i, line in enumerate(out) if line.startswith("tokens ("))
+    got = [w for line in out[at + 1:] if line.startswith("  ") for w in line.split()]
+    assert len(got) == len(ids) and got[:3] == ["1", "2", "3"] and got[-1] == str(ids[-1])
+    assert max(len(line) for line in out[at + 1:at + 1000]) <= 80

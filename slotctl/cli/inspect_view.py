@@ -26,6 +26,9 @@ def render(out: Output, d: dict, notes: "NoteCounter | None" = None) -> None:
         out.table(_byte_map(d), keep=("layer", "offset", "bytes", "share"))
     if d["prompt"]:
         out.print(_prompt(d["prompt"]))
+        if d["prompt"].get("tokens") is not None:     # --tokens: every id, below the panel, as plain lines
+            out.print(Text(f"tokens ({len(d['prompt']['tokens']):,}):", style="dim"))
+            out.words([str(t) for t in d["prompt"]["tokens"]], indent=2)
     if d["target"]:
         out.print(_memory_panel("target memory", d["target"]["memory"], d["target"]["size"]))
     elif d["state_version"] is not None:
@@ -73,8 +76,6 @@ def _prompt(p: dict) -> Panel:
     body = [Text("\n".join(lines))]
     if p.get("text") is not None:
         body.append(Text(markup_safe(elide(p["text"])), style="italic"))
-    if p.get("tokens") is not None:
-        body.append(Text(" ".join(str(t) for t in p["tokens"]), style="dim"))
     return Panel(Group(*body), title="prompt", title_align="left", expand=False)
 
 

@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 from rich.console import Console as _RichConsole
 from rich.markup import escape as _markup_escape
@@ -139,6 +139,18 @@ class Output:
         for line in text.wrap(self.console, max(1, self.console.width - indent), overflow="fold"):
             line.rstrip()
             self.print(Text(" " * indent) + line)
+
+    def words(self, words: Sequence[str], *, indent: int = 0) -> None:
+        """Many short words (a prompt's token ids) as plain lines that fit the output's width, as many words
+        to a line as the longest leaves room for, written straight to stdout: no per-word rich work, so a
+        prompt of millions of tokens takes seconds (a word longer than a line stands alone: nothing is cut)."""
+        if not words:
+            return
+        width = max(1, self.console.width - indent)
+        per = max(1, (width + 1) // (max(map(len, words)) + 1))
+        pad = " " * indent
+        self._stdout.write("".join(pad + " ".join(words[i:i + per]) + "\n" for i in range(0, len(words), per)))
+        self._stdout.flush()
 
     def table(self, table: Table, keep: Iterable[str] = ()) -> None:
         """A table whose ``keep`` columns (numbers, offsets, verdicts, paths) are never wrapped or cut.
