@@ -148,7 +148,7 @@ def describe_file(sf: SlotFile, *, tokens: bool = False, text: str | None = None
                   "n_media": len(tk.media),
                   "media": [{"start": s, "size": (m.size if hasattr(m, "size") else len(m))} for s, m in tk.media]}
         if tokens:
-            prompt["tokens"] = [int(t) for t in tk.tokens]
+            prompt["tokens"] = tk.tokens   # the int32 array itself: a list only when written as JSON
         if text is not None:
             prompt["text"] = text
     target = None

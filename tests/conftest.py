@@ -24,7 +24,7 @@ _schema_failures: list[str] = []
 @pytest.fixture(scope="session", autouse=True)
 def _watch_json_output():
     """Wrap Output.json and Output.json_line: each document is validated against its command's schema."""
-    from slotctl.cli.output import Output
+    from slotctl.cli.output import Output, _json_default
 
     plain_json, plain_line = Output.json, Output.json_line
 
@@ -33,7 +33,8 @@ def _watch_json_output():
         if command is None:
             return
         try:
-            _schema_failures.extend(json_schemas.errors(command, json.loads(json.dumps(doc, default=str)), part))
+            # as Output writes it (numpy arrays as lists)
+            _schema_failures.extend(json_schemas.errors(command, json.loads(json.dumps(doc, default=_json_default)), part))
         except AssertionError as e:
             _schema_failures.append(str(e))
 

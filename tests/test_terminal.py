@@ -186,3 +186,26 @@ def test_inspect_tokens_on_a_pipe_lists_every_id_in_lines_that_fit(tmp_path):
     got = [w for line in out[at + 1:] if line.startswith("  ") for w in line.split()]
     assert len(got) == len(ids) and got[:3] == ["1", "2", "3"] and got[-1] == str(ids[-1])
     assert max(len(line) for line in out[at + 1:at + 1000]) <= 80
+
+
+def test_a_long_token_list_in_json_is_whole_and_compact(tmp_path):
+    """--json and --jsonl write a long token array in blocks, compact on one line, never as one string of the
+    whole document: every id is there, in order, and the document is valid JSON."""
+    import struct
+
+    import numpy as np
+
+    from slotctl.slotfile import open_slot_file
+
+    src = DATA / "srv-np1.bin"
+    sf = open_slot_file(src)
+    ids = (np.arange(200_000, dtype=np.int32) * 7) % 3000
+    big = tmp_path / "big.bin"
+    big.write_bytes(struct.pack("<III", 0x67677371, 4, len(ids)) + ids.tobytes() + src.read_bytes()[sf.header_end:])
+    for flag in ("--json", "--jsonl"):
+        r = piped("inspect", big, "--tokens", flag)
+        doc = json.loads(r.stdout.splitlines()[0] if flag == "--jsonl" else r.stdout)
+        got = (doc if flag == "--jsonl" else doc["files"][0])["prompt"]["tokens"]
+        assert got == ids.tolist()
+    small = json.loads(piped("inspect", src, "--tokens", "--json").stdout)["files"][0]["prompt"]["tokens"]
+    assert small == [int(t) for t in sf.tokens.tokens]

@@ -28,7 +28,7 @@ def render(out: Output, d: dict, notes: "NoteCounter | None" = None) -> None:
         out.print(_prompt(d["prompt"]))
         if d["prompt"].get("tokens") is not None:     # --tokens: every id, below the panel, as plain lines
             out.print(Text(f"tokens ({len(d['prompt']['tokens']):,}):", style="dim"))
-            out.words([str(t) for t in d["prompt"]["tokens"]], indent=2)
+            out.words(d["prompt"]["tokens"], indent=2)
     if d["target"]:
         out.print(_memory_panel("target memory", d["target"]["memory"], d["target"]["size"]))
     elif d["state_version"] is not None:

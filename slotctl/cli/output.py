@@ -116,13 +116,11 @@ class Output:
         if self.jsonl:
             self.json_line(data)
             return
-        self._stdout.write(json.dumps(data, indent=2, default=_json_default) + "\n")
-        self._stdout.flush()
+        _write_json(self._stdout, data, indent=2)
 
     def json_line(self, data: Any) -> None:
         """One JSON object on one line of stdout, flushed (``--jsonl`` streams them as they come)."""
-        self._stdout.write(json.dumps(data, default=_json_default) + "\n")
-        self._stdout.flush()
+        _write_json(self._stdout, data, indent=None)
 
     def json_error(self, code: str, message: str, exit_code: int) -> None:
         """The document of a command that failed as a whole: ``{"error": {"code", "message"}, "exit_code"}``."""
@@ -140,16 +138,23 @@ class Output:
             line.rstrip()
             self.print(Text(" " * indent) + line)
 
-    def words(self, words: Sequence[str], *, indent: int = 0) -> None:
-        """Many short words (a prompt's token ids) as plain lines that fit the output's width, as many words
-        to a line as the longest leaves room for, written straight to stdout: no per-word rich work, so a
-        prompt of millions of tokens takes seconds (a word longer than a line stands alone: nothing is cut)."""
-        if not words:
+    def words(self, numbers: Sequence[int], *, indent: int = 0) -> None:
+        """Many numbers (a prompt's token ids, a list or an array) as plain lines that fit the output's
+        width, as many to a line as the widest leaves room for, written straight to stdout a block at a time:
+        no per-number rich work and no string of the whole list, so a prompt of millions of tokens takes
+        seconds and little memory (a number longer than a line stands alone: nothing is cut)."""
+        import numpy as np
+
+        ids = np.asarray(numbers)
+        if not len(ids):
             return
-        width = max(1, self.console.width - indent)
-        per = max(1, (width + 1) // (max(map(len, words)) + 1))
+        longest = max(len(str(int(ids.min()))), len(str(int(ids.max()))))
+        per = max(1, (max(1, self.console.width - indent) + 1) // (longest + 1))
         pad = " " * indent
-        self._stdout.write("".join(pad + " ".join(words[i:i + per]) + "\n" for i in range(0, len(words), per)))
+        block = per * 4096
+        for at in range(0, len(ids), block):
+            strs = list(map(str, ids[at:at + block].tolist()))
+            self._stdout.write("".join(pad + " ".join(strs[i:i + per]) + "\n" for i in range(0, len(strs), per)))
         self._stdout.flush()
 
     def table(self, table: Table, keep: Iterable[str] = ()) -> None:
@@ -278,6 +283,49 @@ def _cell_width(console: Console, cell: Any) -> int:
     """The widest line of a table cell, in terminal cells."""
     text = cell if isinstance(cell, Text) else console.render_str(str(cell))
     return max((Text(line).cell_len for line in text.plain.split("\n")), default=0)
+
+
+#: where :meth:`Output.json` writes a long array: its index between NUL marks, as json.dumps quotes them
+_ARRAY_MARK = re.compile(r'"\\u0000slotctl-array-(\d+)\\u0000"')
+#: arrays longer than this are written in blocks, compact, instead of one JSON value per line
+_LONG_ARRAY = 4096
+
+
+def _write_json(stream, data: Any, *, indent: int | None) -> None:
+    """``data`` as JSON and a newline, flushed; a long integer array (a prompt's tokens) is written in
+    blocks where its mark stands, compact on one line, so a document of millions of tokens never exists as
+    one string or one list of Python ints."""
+    arrays: list = []
+    text = json.dumps(data, indent=indent, default=_deferring(arrays))
+    if not arrays:
+        stream.write(text + "\n")
+    else:
+        for i, piece in enumerate(_ARRAY_MARK.split(text)):
+            if i % 2 == 0:
+                stream.write(piece)
+            else:
+                _write_array(stream, arrays[int(piece)])
+        stream.write("\n")
+    stream.flush()
+
+
+def _deferring(arrays: list):
+    """A ``default`` for json.dumps that leaves a mark for each long integer array (kept in ``arrays``)."""
+    def default(o: Any):
+        kind = getattr(getattr(o, "dtype", None), "kind", None)
+        if kind in ("i", "u") and getattr(o, "ndim", 0) == 1 and len(o) > _LONG_ARRAY:
+            arrays.append(o)
+            return f"\x00slotctl-array-{len(arrays) - 1}\x00"
+        return _json_default(o)
+    return default
+
+
+def _write_array(stream, a) -> None:
+    """``[n, n, ...]`` of an integer array, a block of 64 Ki values at a time (never the whole text at once)."""
+    stream.write("[")
+    for at in range(0, len(a), 1 << 16):
+        stream.write(("," if at else "") + ",".join(map(str, a[at:at + (1 << 16)].tolist())))
+    stream.write("]")
 
 
 def _json_default(o: Any):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import llama_cpp
+import numpy as np
 
 from slotctl.progress import Progress
 from slotctl.errors import SlotctlError, UsageError
@@ -153,15 +154,18 @@ class Model:
             capacity = -n
 
     def detokenize(self, tokens: Sequence[int], special: bool = True) -> str:
-        """The text of ``tokens``, special tokens rendered when ``special``; bad UTF-8 is replaced."""
-        self.check_tokens(tokens)
-        array = (llama_cpp.llama_token * len(tokens))(*tokens)
-        capacity = max(16, 8 * len(tokens))
+        """The text of ``tokens`` (a sequence or a numpy array), special tokens rendered when ``special``;
+        bad UTF-8 is replaced. The ids reach llama.cpp as one int32 array, never a list of Python ints (a
+        prompt of millions of tokens costs its 4 bytes a token, not 36)."""
+        array = np.ascontiguousarray(tokens, dtype=np.int32)
+        self.check_tokens(array)
+        ptr = array.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token))
+        capacity = max(16, 8 * len(array))
         while True:
             buf = ctypes.create_string_buffer(capacity)
-            n = llama_cpp.llama_detokenize(self._vocab_ptr(), array, len(tokens), buf, capacity, False, special)
+            n = llama_cpp.llama_detokenize(self._vocab_ptr(), ptr, len(array), buf, capacity, False, special)
             if n >= 0:
-                return buf.raw[:n].decode("utf-8", errors="replace")
+                return ctypes.string_at(buf, n).decode("utf-8", errors="replace")
             capacity = -n
 
     def check_tokens(self, tokens: Sequence[int]) -> None:
@@ -169,9 +173,10 @@ class Model:
 
         llama.cpp's vocabulary lookups throw a C++ exception on a bad id, which aborts the process.
         """
-        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
-        if bad:
-            raise ValueError(f"token {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
+        ids = np.asarray(tokens, dtype=np.int64)
+        bad = np.flatnonzero((ids < 0) | (ids >= self.n_vocab))
+        if len(bad):
+            raise ValueError(f"token {int(ids[bad[0]])} is outside the vocabulary (0..{self.n_vocab - 1})")
 
     def _check_open(self) -> None:
         if self.closed:

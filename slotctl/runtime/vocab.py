@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+import numpy as np
+
 from slotctl.runtime.log import configure_logging
 from slotctl.runtime.model import Model
 
@@ -17,21 +19,16 @@ def detokenize(model_path: str | os.PathLike, tokens: Sequence[int], *, verbose:
     Loads the vocabulary only (``vocab_only``), so it costs no weights.
     """
     configure_logging(verbose)
+    ids = np.asarray(tokens, dtype=np.int64)
     with Model(model_path, vocab_only=True) as model:
+        bad = np.flatnonzero((ids < 0) | (ids >= model.n_vocab))
         parts: list[str] = []
-        run: list[int] = []
-
-        def flush() -> None:
-            if run:
-                parts.append(model.detokenize(run))
-                run.clear()
-
-        for t in tokens:
-            t = int(t)
-            if 0 <= t < model.n_vocab:
-                run.append(t)
-                continue
-            flush()
-            parts.append("<media>" if t == -1 else f"<bad:{t}>")
-        flush()
+        start = 0
+        for i in (*bad.tolist(), len(ids)):    # the valid runs between the ids llama.cpp must not see
+            if i > start:
+                parts.append(model.detokenize(ids[start:i]))
+            if i < len(ids):
+                t = int(ids[i])
+                parts.append("<media>" if t == -1 else f"<bad:{t}>")
+            start = i + 1
         return "".join(parts)
