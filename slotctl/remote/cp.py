@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 from slotctl.atomic import COPY_CHUNK, atomic_writer
@@ -141,27 +141,19 @@ def _file_chunks(f, size: int):
         yield data
 
 
-@dataclass
 class _Md5s:
-    """MD5 per part of ``part`` bytes, and of the whole (what an ETag may be)."""
+    """MD5 per part of ``part`` bytes (:class:`~slotctl.remote.store.PartMd5s`), and of the whole: what an
+    ETag may be."""
 
-    part: int
-    whole: "hashlib._Hash" = field(default_factory=hashlib.md5)
-    parts: list = field(default_factory=list)
-    _cur: "hashlib._Hash" = field(default_factory=hashlib.md5)
-    _n: int = 0
+    def __init__(self, part: int):
+        from slotctl.remote.store import PartMd5s
+
+        self.whole = hashlib.md5()
+        self.parts = PartMd5s(part)
 
     def update(self, data: bytes) -> None:
         self.whole.update(data)
-        view = memoryview(data)
-        while len(view):
-            take = min(len(view), self.part - self._n)
-            self._cur.update(view[:take])
-            self._n += take
-            view = view[take:]
-            if self._n == self.part:
-                self.parts.append(self._cur.digest())
-                self._cur, self._n = hashlib.md5(), 0
+        self.parts.update(data)
 
     def matches(self, etag: str | None) -> bool:
         from slotctl.remote.store import expected_etag
@@ -169,8 +161,7 @@ class _Md5s:
         if not etag:
             return False
         tag = etag.strip('"')
-        parts = self.parts + ([self._cur.digest()] if self._n or not self.parts else [])
-        return tag in (self.whole.hexdigest(), expected_etag(parts, multipart=True))
+        return tag in (self.whole.hexdigest(), expected_etag(self.parts.digests(), multipart=True))
 
 
 def _part_size(size: int) -> int:

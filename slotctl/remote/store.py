@@ -436,40 +436,52 @@ def expected_etag(md5s: Sequence[bytes], *, multipart: bool) -> str:
     return f"{hashlib.md5(b''.join(md5s)).hexdigest()}-{len(md5s)}"
 
 
+class PartMd5s:
+    """The MD5 of each ``part`` bytes of a stream fed in pieces of any size (what a multipart ETag is made
+    of): the upload's (:class:`_Parts`) and a download's check (:mod:`slotctl.remote.cp`) alike."""
+
+    def __init__(self, part: int):
+        import hashlib
+
+        self.part, self._md5 = part, hashlib.md5
+        self._done: list[bytes] = []
+        self._h, self._n = hashlib.md5(), 0
+
+    def update(self, data: bytes) -> None:
+        view = memoryview(data)
+        while len(view):
+            take = min(len(view), self.part - self._n)
+            self._h.update(view[:take])
+            self._n += take
+            view = view[take:]
+            if self._n == self.part:
+                self._done.append(self._h.digest())
+                self._h, self._n = self._md5(), 0
+
+    def digests(self) -> list[bytes]:
+        """Every part's digest so far, the last (short, or the only, empty one) included."""
+        return self._done + ([self._h.digest()] if self._n or not self._done else [])
+
+
 class _Parts:
     """The chunks of a source as the upload reads them, their MD5 per part, and the progress callback."""
 
     def __init__(self, chunks, part: int, progress=None, total: int = 0):
-        import hashlib
-
         self._chunks, self.part, self.progress, self.total = chunks, part, progress, total
-        self.md5s: list[bytes] = []
-        self._h = hashlib.md5()
-        self._in_part = 0
+        self._md5s = PartMd5s(part)
         self.done = 0
 
-    def _feed(self, data: bytes) -> None:
-        import hashlib
-
-        view = memoryview(data)
-        while len(view):
-            take = min(len(view), self.part - self._in_part)
-            self._h.update(view[:take])
-            self._in_part += take
-            view = view[take:]
-            if self._in_part == self.part:
-                self.md5s.append(self._h.digest())
-                self._h, self._in_part = hashlib.md5(), 0
+    @property
+    def md5s(self) -> list[bytes]:
+        return self._md5s.digests()
 
     def __iter__(self):
         for data in self._chunks:
-            self._feed(data)
+            self._md5s.update(data)
             self.done += len(data)
             if self.progress:
                 self.progress(self.done, self.total)
             yield data
-        if self._in_part or not self.md5s:
-            self.md5s.append(self._h.digest())
 
 
 def _checksum(etag: str | None, md5s: Sequence[bytes], multipart: bool) -> str | None:
