@@ -209,3 +209,21 @@ def test_a_long_token_list_in_json_is_whole_and_compact(tmp_path):
         assert got == ids.tolist()
     small = json.loads(piped("inspect", src, "--tokens", "--json").stdout)["files"][0]["prompt"]["tokens"]
     assert small == [int(t) for t in sf.tokens.tokens]
+
+
+def test_text_that_spells_an_array_mark_stays_text():
+    """A prompt's text is untrusted: one that spells the mark Output.json leaves for a long array (with
+    any nonce) is written as the text it is, and the array where it belongs."""
+    import io
+
+    import numpy as np
+
+    from slotctl.cli.output import Output
+
+    ids = np.arange(10_000, dtype=np.int32)
+    for spelled in ("\x00slotctl-array-0\x00", "\x00slotctl-array-1\x00", "\x00slotctl-array-0123456789abcdef-0\x00"):
+        for jsonl in (False, True):
+            buf = io.StringIO()
+            Output(json_mode=True, jsonl=jsonl, stdout=buf).json({"text": spelled, "tokens": ids, "more": [1, 2]})
+            doc = json.loads(buf.getvalue())
+            assert doc == {"text": spelled, "tokens": ids.tolist(), "more": [1, 2]}

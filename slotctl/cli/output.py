@@ -285,8 +285,6 @@ def _cell_width(console: Console, cell: Any) -> int:
     return max((Text(line).cell_len for line in text.plain.split("\n")), default=0)
 
 
-#: where :meth:`Output.json` writes a long array: its index between NUL marks, as json.dumps quotes them
-_ARRAY_MARK = re.compile(r'"\\u0000slotctl-array-(\d+)\\u0000"')
 #: arrays longer than this are written in blocks, compact, instead of one JSON value per line
 _LONG_ARRAY = 4096
 
@@ -296,11 +294,15 @@ def _write_json(stream, data: Any, *, indent: int | None) -> None:
     blocks where its mark stands, compact on one line, so a document of millions of tokens never exists as
     one string or one list of Python ints."""
     arrays: list = []
-    text = json.dumps(data, indent=indent, default=_deferring(arrays))
+    # the mark of an array: its index between NULs and a nonce no text from a file can know, so a prompt
+    # that spells a mark stays text (json.dumps quotes the NULs as \u0000)
+    nonce = os.urandom(8).hex()
+    text = json.dumps(data, indent=indent, default=_deferring(arrays, nonce))
     if not arrays:
         stream.write(text + "\n")
     else:
-        for i, piece in enumerate(_ARRAY_MARK.split(text)):
+        mark = re.compile(r'"\\u0000slotctl-array-' + nonce + r'-(\d+)\\u0000"')
+        for i, piece in enumerate(mark.split(text)):
             if i % 2 == 0:
                 stream.write(piece)
             else:
@@ -309,13 +311,13 @@ def _write_json(stream, data: Any, *, indent: int | None) -> None:
     stream.flush()
 
 
-def _deferring(arrays: list):
+def _deferring(arrays: list, nonce: str):
     """A ``default`` for json.dumps that leaves a mark for each long integer array (kept in ``arrays``)."""
     def default(o: Any):
         kind = getattr(getattr(o, "dtype", None), "kind", None)
         if kind in ("i", "u") and getattr(o, "ndim", 0) == 1 and len(o) > _LONG_ARRAY:
             arrays.append(o)
-            return f"\x00slotctl-array-{len(arrays) - 1}\x00"
+            return f"\x00slotctl-array-{nonce}-{len(arrays) - 1}\x00"
         return _json_default(o)
     return default
 
