@@ -509,11 +509,28 @@ def _alternating_cells(path: Path, n: int = 5_700_000) -> Path:
     return path
 
 
+def _unpatterned_cells(path: Path, n: int = 1_500_000) -> Path:
+    """A real file of ``n`` KV cells whose sizes (1 or 2 sequence ids, drawn at random) follow no pattern, so
+    each is walked with a Python step: 21 MB. They were refused as over budget after ~1,000 cells (each 32
+    walked cells cost a fresh 8 MiB read); walked cells now cost ``WALKED_CELL_COST`` each."""
+    import numpy as np
+
+    raw = (DATA / "srv-np1.bin").read_bytes()
+    (words,) = struct.unpack_from("<I", raw, 8)
+    k = np.random.default_rng(3).integers(1, 3, n)
+    starts = np.concatenate([[0], np.cumsum(2 + k)[:-1]])
+    w = np.zeros(int((2 + k).sum()), "<u4")
+    w[starts], w[starts + 1] = np.arange(n), k
+    path.write_bytes(raw[:12 + 4 * words] + struct.pack("<II", 1, n) + w.tobytes() + bytes(1000))
+    return path
+
+
 BUDGET_CASES = {
     "16,384 checkpoints over a 4 GiB hole": lambda p: _sparse_checkpoints(p, 16_384, 256 << 10, 1000),
     "2,000 checkpoints claiming cells over a 4 GiB hole": lambda p: _sparse_checkpoints(p, 2_000, 2 << 20, 250_000),
     "a token list of 17.8M words over a hole": _sparse_tokens,
     "5.7M cells of alternating sizes": _alternating_cells,
+    "1.5M cells of sizes without a pattern": _unpatterned_cells,
 }
 
 #: the goal of issue 19, measured on this 2-core machine: any file at most 10 s and 1 GiB in each command.

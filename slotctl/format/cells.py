@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import construct as cs
 import numpy as np
 
-from slotctl.format.common import CheckError, _remaining, charge
+from slotctl.format.common import WALKED_CELL_COST, CheckError, _remaining, charge
 
 #: ``LLAMA_MAX_SEQ``: sequence ids are below it, and no cell has more of them
 MAX_SEQ = 256
@@ -82,19 +82,51 @@ def _dtype(ext_words: int, n_seq: int) -> np.dtype:
 
 #: the longest repeating pattern of cell sizes read as one (a whole-context save alternates a few sizes)
 MAX_PERIOD = 8
+#: cells walked one by one before the sizes are probed for a pattern again
+WALK_STRETCH = 4096
 
 
-def _starts(words: np.ndarray, most: int, fixed: int, at: int, done: int) -> tuple[np.ndarray, int]:
-    """Where each whole cell in ``words`` starts (word indices; at most ``most`` cells) and the words they
-    take, found without a Python step per cell when the sizes repeat: the first cells are walked, the
-    shortest period of their sizes (1: all equal; 2: alternating; up to :data:`MAX_PERIOD`) is checked
-    against the rest of the chunk at once, and what follows it walked again on the next call."""
-    probe_starts, probe_used = _walk(words, min(most, 4 * MAX_PERIOD), fixed, at, done)
-    ks = words[probe_starts + 1].astype(np.int64) if len(probe_starts) else np.zeros(0, np.int64)
+def _starts(words: np.ndarray, most: int, fixed: int, at: int, done: int) -> tuple[np.ndarray, int, int]:
+    """Where each whole cell in ``words`` starts (word indices; at most ``most`` cells), the words they take
+    and how many of them were walked one by one. Where the sizes repeat, no Python step is made per cell:
+    the next few cells are walked, the shortest period of their sizes (1: all equal; 2: alternating; up to
+    :data:`MAX_PERIOD`) is checked against the rest of the chunk at once; where they do not,
+    :data:`WALK_STRETCH` cells are walked and the sizes probed again behind them. The whole chunk is
+    used: what its last cell leaves over is read again with the next chunk."""
+    parts: list[np.ndarray] = []
+    i = c = walked = 0
+    n = len(words)
+    while c < most and i + fixed <= n:
+        view = words[i:]
+        probe, used = _walk(view, min(most - c, 4 * MAX_PERIOD), fixed, at + 4 * i, done + c)
+        if not len(probe):
+            break
+        found, took = _period(view, probe, used, most - c, fixed)
+        if found is None:   # no pattern: walk a stretch cell by cell
+            found, took = _walk(view, min(most - c, WALK_STRETCH), fixed, at + 4 * i, done + c)
+            walked += len(found)
+        parts.append(found + i)
+        c += len(found)
+        i += took
+        if i + fixed > n or took == 0:
+            break
+        k = int(words[i + 1])
+        if k <= MAX_SEQ and i + fixed + k > n:   # the next cell runs past the chunk: the next read has it
+            break
+    if not parts:
+        return np.zeros(0, np.int64), 0, 0
+    return (parts[0] if len(parts) == 1 else np.concatenate(parts)), i, walked
+
+
+def _period(words: np.ndarray, probe: np.ndarray, used: int, most: int, fixed: int) -> tuple[np.ndarray | None, int]:
+    """The cells from the start of ``words`` while their sizes repeat the shortest period of the ``probe``
+    cells' sizes, found at once with numpy (None when the probe's sizes have no period of at most
+    :data:`MAX_PERIOD`, or when the pattern finds no more cells than the probe did)."""
+    ks = words[probe + 1].astype(np.int64)
     period = next((p for p in range(1, MAX_PERIOD + 1) if len(ks) >= 2 * p
                    and bool((ks == np.resize(ks[:p], len(ks))).all())), None)
-    if period is None or len(probe_starts) == most:
-        return probe_starts, probe_used
+    if period is None or len(probe) == most:
+        return (None, 0) if period is None else (probe, used)
     sizes = fixed + ks[:period]
     width = int(sizes.sum())
     offs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
@@ -103,20 +135,25 @@ def _starts(words: np.ndarray, most: int, fixed: int, at: int, done: int) -> tup
     ok = (block[:, offs + 1] == ks[:period]).all(axis=1)
     good = reps if bool(ok.all()) else int(np.argmin(ok))
     starts = (np.arange(good, dtype=np.int64)[:, None] * width + offs).reshape(-1)[:most]
-    if len(starts) <= len(probe_starts):
-        return probe_starts, probe_used
+    if len(starts) <= len(probe):
+        return probe, used
     last = int(starts[-1])
     return starts, last + fixed + int(words[last + 1])
 
 
 def _walk(words: np.ndarray, most: int, fixed: int, at: int, done: int) -> tuple[np.ndarray, int]:
     """Where each whole cell in ``words`` starts (word indices, at most ``most`` cells) and the words they
-    take; a cell with more than :data:`MAX_SEQ` ids is refused where it starts (``at``: the chunk's offset)."""
-    w = words[:most * (fixed + MAX_SEQ)].tolist()   # only as far as ``most`` cells can reach
+    take; a cell with more than :data:`MAX_SEQ` ids is refused where it starts (``at``: the chunk's offset).
+    The words become Python ints a window at a time, only as far as the cells walked reach."""
+    end = len(words)
+    step = max(64, most * (fixed + 2))
+    w = words[:step].tolist()
     out: list[int] = []
     append = out.append
-    i, end, c = 0, len(w), 0
+    i = c = 0
     while c < most and i + fixed <= end:
+        if i + fixed > len(w):
+            w += words[len(w):len(w) + max(step, i + fixed - len(w))].tolist()
         k = w[i + 1]
         if k > MAX_SEQ:
             raise CheckError(f"cell {done + c}: at most {MAX_SEQ} sequence ids, found {k:,}", at + 4 * i + 4)
@@ -208,16 +245,22 @@ class CellArray(cs.Construct):
         k_most = 1               # the most sequence ids of a cell so far: sizes the next read
         while done < n:
             left = _remaining(stream)
-            want = min(CHUNK_BYTES, left - left % 4, 4 * (n - done) * (fixed + k_most))
+            want = min(max(CHUNK_BYTES, 4 * (fixed + k_most)), left - left % 4, 4 * (n - done) * (fixed + k_most))
             raw = cs.stream_read(stream, max(want, 8), path) if left >= 8 else b""
             charge(context, len(raw), self.what, at)
             words = np.frombuffer(raw, "<u4")
             if len(words) < 2:
                 raise CheckError(f"cell {done}: 8 bytes, the file ends first", at)
-            starts, used = _starts(words, n - done, fixed, at, done)
+            starts, used, walked = _starts(words, n - done, fixed, at, done)
+            if walked:   # a cell walked one by one costs a Python step: bounded per file too
+                charge(context, walked * WALKED_CELL_COST, self.what, at)
             r = len(starts)
             if r == 0:
                 k = int(words[1])
+                if k > k_most and 4 * (fixed + k) <= left - left % 4:   # a read sized for smaller cells: again
+                    k_most = k
+                    stream.seek(at)
+                    continue
                 raise CheckError(f"cell {done}: {4 * (fixed + k):,} bytes, only {4 * len(words):,} remain", at)
             head = words[starts[:, None] + np.arange(fixed)]
             ks = head[:, 1]

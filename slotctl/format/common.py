@@ -41,6 +41,9 @@ BASE_FILE_BUDGET = 128 << 20
 BUDGET_PER_BYTE = 4
 #: what reading one checkpoint costs beyond its cells (its objects, its blobs' layout search), in budget bytes
 CHECKPOINT_COST = 64 << 10
+#: what one cell costs beyond its bytes when its size follows no pattern and it is walked with a Python step
+#: (format.cells): the budget's 1 GiB then holds at most ~14M such cells, a few seconds of walking
+WALKED_CELL_COST = 64
 
 
 class FileBudget:
