@@ -22,9 +22,11 @@ import io
 import os
 import struct
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import BinaryIO, Iterable
 
+import construct as cs
 import numpy as np
 
 from slotctl.errors import FormatError, UsageError
@@ -289,10 +291,12 @@ def parse_memory(f: BinaryIO, offset: int, end: int, layout: MemoryLayout, versi
     reader = TrackingReader(f, end)
     sections, spans = [], []
     for sec in layout.sections:
-        what = f"{layer} ({sec.describe()})" if len(layout.sections) > 1 else layer
+        what = _section_layer(layer, sec) if len(layout.sections) > 1 else layer
         at = reader.tell()
-        key = (at, sec.type, sec.has_ext, sec.v_records, sec.n_r, sec.n_s)
+        key = _memo_key(at, sec)
         hit = memo.get(key) if memo is not None else None
+        if hit is None and memo is not None and sec.type == "kv" and not sec.v_records and lazy:
+            hit = _without_v(memo.get(_memo_key(at, replace(sec, v_records=True))))
         if hit is None and memo is not None and sec.type == "recurrent":
             head = memo.get((at, "recurrent head"))
             if head is None:
@@ -321,6 +325,54 @@ def parse_memory(f: BinaryIO, offset: int, end: int, layout: MemoryLayout, versi
         reader.seek(hit[1])
         spans.append(Span(at, hit[1] - at))
     return Memory(offset, reader.tell(), layout, sections, spans)
+
+
+def _memo_key(at: int, sec) -> tuple:
+    """What a section parsed at ``at`` is remembered by among the candidate layouts of one payload."""
+    return (at, sec.type, sec.has_ext, sec.v_records, sec.n_r, sec.n_s)
+
+
+@lru_cache(maxsize=256)
+def _section_layer(layer: str, sec) -> str:
+    return f"{layer} ({sec.describe()})"
+
+
+def _without_v(hit):
+    """A one-stream KV section parsed with V records, as the same bytes parse without them (a layout of no V:
+    the same cells, data header and K records, ending where the V records begin); None when it cannot be
+    told from that parse (it failed, or it has several streams: the next stream would start elsewhere)."""
+    if not isinstance(hit, tuple) or hit[0].n_stream != 1:
+        return None
+    sec, end = hit
+    stream = sec.streams[0]
+    data = stream.data
+    if data is not None and len(data.k):
+        if not isinstance(data.k[-1].data, Span):
+            return None
+        end = data.k[-1].data.end
+    if data is not None:
+        data = cs.Container(data)
+        data.v = cs.ListContainer()
+    return cs.Container(sec, streams=cs.ListContainer([cs.Container(stream, data=data)])), end
+
+
+def _known_to_fail(memo: dict, offset: int, layout: MemoryLayout) -> bool:
+    """Whether the sections already parsed at their offsets (``memo``) show that ``layout`` cannot parse from
+    ``offset``: a section of it failed there, or a recurrent head there has another layer count. Saves
+    the candidates that share a failed section a parse each."""
+    at = offset
+    for sec in layout.sections:
+        hit = memo.get(_memo_key(at, sec))
+        if hit is None:
+            if sec.type == "recurrent":
+                head = memo.get((at, "recurrent head"))
+                return isinstance(head, FormatError) or (head is not None
+                                                         and not records_fit(sec.n_r, sec.n_s, head.n_layer))
+            return False
+        if isinstance(hit, FormatError):
+            return True
+        at = hit[1]
+    return False
 
 
 def parse_blob(f: BinaryIO, span: Span, layout: MemoryLayout | None, version: int, layer: str) -> Blob:
@@ -368,7 +420,7 @@ def _try_layouts(f: BinaryIO, offset: int, end: int, version: int, layer: str, *
     out = []
     memo: dict = {}
     for cand in candidate_layouts():
-        if any(s.has_ext for s in cand.sections) != ext:
+        if any(s.has_ext for s in cand.sections) != ext or _known_to_fail(memo, offset, cand):
             continue
         try:
             out.append(parse_memory(f, offset, end, cand, version, layer, memo=memo))

@@ -251,32 +251,41 @@ class CellArray(cs.Construct):
             words = np.frombuffer(raw, "<u4")
             if len(words) < 2:
                 raise CheckError(f"cell {done}: 8 bytes, the file ends first", at)
-            starts, used, walked = _starts(words, n - done, fixed, at, done)
-            if walked:   # a cell walked one by one costs a Python step: bounded per file too
-                charge(context, walked * WALKED_CELL_COST, self.what, at)
-            r = len(starts)
-            if r == 0:
-                k = int(words[1])
-                if k > k_most and 4 * (fixed + k) <= left - left % 4:   # a read sized for smaller cells: again
-                    k_most = k
-                    stream.seek(at)
-                    continue
-                raise CheckError(f"cell {done}: {4 * (fixed + k):,} bytes, only {4 * len(words):,} remain", at)
-            head = words[starts[:, None] + np.arange(fixed)]
-            ks = head[:, 1]
-            total = int(ks.sum())
-            if bool((ks == ks[0]).all()):   # one size: the ids are a block of columns
-                flat = words[starts[:, None] + fixed + np.arange(int(ks[0]))].reshape(-1).view("<i4")
+            k0 = int(words[1])
+            r = min(n - done, len(words) // (fixed + k0)) if k0 <= MAX_SEQ else 0
+            block = words[:r * (fixed + k0)].reshape(r, fixed + k0) if r else None
+            if block is not None and bool((block[:, 1] == k0).all()):
+                # cells of one size to the end of the chunk (every save of one sequence): views of the words
+                starts, used = None, r * (fixed + k0)
+                head, ks = block[:, :fixed], block[:, 1]
+                flat = block[:, fixed:].reshape(-1).view("<i4")
             else:
-                excl = np.cumsum(ks, dtype=np.int64) - ks
-                flat = words[np.repeat(starts + fixed - excl, ks) + np.arange(total, dtype=np.int64)].view("<i4")
+                starts, used, walked = _starts(words, n - done, fixed, at, done)
+                if walked:   # a cell walked one by one costs a Python step: bounded per file too
+                    charge(context, walked * WALKED_CELL_COST, self.what, at)
+                r = len(starts)
+                if r == 0:
+                    k = int(words[1])
+                    if k > k_most and 4 * (fixed + k) <= left - left % 4:   # a read sized for smaller cells
+                        k_most = k
+                        stream.seek(at)
+                        continue
+                    raise CheckError(f"cell {done}: {4 * (fixed + k):,} bytes, only {4 * len(words):,} remain", at)
+                head = words[starts[:, None] + np.arange(fixed)]
+                ks = head[:, 1]
+                if bool((ks == ks[0]).all()):   # one size: the ids are a block of columns
+                    flat = words[starts[:, None] + fixed + np.arange(int(ks[0]))].reshape(-1).view("<i4")
+                else:
+                    excl = np.cumsum(ks, dtype=np.int64) - ks
+                    flat = words[np.repeat(starts + fixed - excl, ks)
+                                 + np.arange(int(ks.sum()), dtype=np.int64)].view("<i4")
             if budget["ids"] + len(flat) > MAX_SEQ_IDS:
                 raise CheckError(f"cells holding at most {MAX_SEQ_IDS:,} sequence ids in all, more found", at)
             bad = (flat < 0) | (flat >= MAX_SEQ)
             if bool(bad.any()):
                 first = int(np.flatnonzero(bad)[0])
                 c = int(np.searchsorted(np.cumsum(ks), first, side="right"))
-                cell_at = at + 4 * int(starts[c])
+                cell_at = at + 4 * (int(starts[c]) if starts is not None else c * (fixed + k0))
                 start = int(np.cumsum(ks)[c - 1]) if c else 0
                 mine = flat[start:start + int(ks[c])]
                 raise CheckError(f"cell {done + c}: sequence ids in [0, {MAX_SEQ}), found {mine.tolist()}",

@@ -143,6 +143,25 @@ class TrackingReader(io.RawIOBase):
     def remaining(self) -> int:
         return self.size - self.raw.tell()
 
+    _fd: int | None = -1   # -1: not yet looked up; None: the stream has no descriptor
+
+    def pread(self, offset: int, n: int) -> bytes:
+        """``n`` bytes at ``offset`` (fewer at the end), counted as a read that started there: a ``pread`` on a
+        local file's descriptor (no seek, no refill of the buffer; the stream's position is left for the
+        caller to set), else a seek and a read."""
+        self.last_read_start = offset
+        fd = self._fd
+        if fd == -1:
+            try:
+                fd = self.raw.fileno() if isinstance(self.raw, (io.BufferedReader, io.FileIO)) else None
+            except (OSError, ValueError, io.UnsupportedOperation):
+                fd = None
+            self._fd = fd
+        if fd is not None:
+            return os.pread(fd, n, offset)
+        self.raw.seek(offset)
+        return self.raw.read(n)
+
 
 def _remaining(stream) -> int:
     if isinstance(stream, TrackingReader):

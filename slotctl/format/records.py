@@ -14,7 +14,7 @@ import construct as cs
 
 from slotctl.errors import FormatError
 from slotctl.format import ggml
-from slotctl.format.common import CheckError, Expect, Payload, Span, _lazy, _remaining
+from slotctl.format.common import CheckError, Expect, Payload, Span, TrackingReader, _lazy, _remaining
 
 GGMLTypeId = Expect(cs.Int32sl, sorted(ggml.BY_ID), "a ggml type id of a cache tensor")
 
@@ -77,9 +77,11 @@ class RecordArray(cs.Construct):
         out = cs.ListContainer()
         pos = stream.tell()
         end = pos + _remaining(stream)
+        # lazily, each header is read where it is (a pread on a local file) and the stream set once at the end
+        pread = stream.pread if lazy and isinstance(stream, TrackingReader) else None
         for _ in range(n):
             start = pos
-            head = stream.read(12)
+            head = pread(start, 12) if pread is not None else stream.read(12)
             if len(head) < 12:
                 raise CheckError(f"a {what} record header of 12 bytes, but the file ends {len(head)} bytes later",
                                  start)
@@ -96,7 +98,8 @@ class RecordArray(cs.Construct):
                 raise CheckError(f"{what} of {size:,} bytes, but only {end - at:,} bytes remain in the file", at)
             pos = at + size
             if lazy:
-                stream.seek(pos)
+                if pread is None:
+                    stream.seek(pos)
                 data = Span(at, size)
             else:
                 data = cs.stream_read(stream, size, path)
@@ -104,6 +107,8 @@ class RecordArray(cs.Construct):
                 out.append(cs.Container(type=typ, el_size=el_size, n_embd=n_embd, data=data))
             else:
                 out.append(cs.Container(type=typ, row_size=row_size, data=data))
+        if pread is not None:
+            stream.seek(pos)
         return out
 
     def _build(self, obj, stream, context, path):
