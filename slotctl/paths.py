@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 import sys
-import tempfile
 from contextlib import contextmanager
 from typing import BinaryIO, Callable, Iterable, Iterator
 
@@ -130,6 +128,9 @@ def stdin_copy(head: tuple[int, Callable[[bytes], bool]] | None = None) -> Itera
     else the copy holds those bytes alone (the parse then says what they are), and standard input is
     read no further: a model or any other stream piped in by mistake costs ``n`` bytes, not its length.
     """
+    import shutil
+    import tempfile   # here: tempfile (random, hashlib) and shutil cost every command's start-up
+
     fd, tmp = tempfile.mkstemp(prefix="slotctl-stdin-", suffix=".bin")
     try:
         with os.fdopen(fd, "wb") as f:

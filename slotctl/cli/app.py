@@ -10,7 +10,6 @@ Every failure leaves through the error table, ``slotctl.cli.errors``. Only typer
 from __future__ import annotations
 
 import contextvars
-import difflib
 import importlib
 import sys
 from typing import Any, NamedTuple
@@ -169,6 +168,8 @@ class LazyGroup(HelpGroup, TyperGroup):
 def suggestion(typed: str) -> str:
     """``; did you mean inspect?`` for a mistyped command: the commands it begins, else the nearest by
     spelling (difflib); empty when none is near."""
+    import difflib   # only for a command mistyped: difflib brings shutil and more to every start-up
+
     near = [c for c in COMMANDS if c.startswith(typed)] if typed else []
     near = near or difflib.get_close_matches(typed, list(COMMANDS), n=3, cutoff=0.6)
     return f"; did you mean {' or '.join(near[:3])}?" if near else ""

@@ -1,11 +1,13 @@
 """Where a slot file's record headers are, worked out from its head, so they are fetched in one batch.
 
 The walk of :mod:`slotctl.slotfile` reads a few bytes per record header (~2 per layer and stream) one after
-the other; over a network every read is a round trip. :func:`prefetch` reads the head (state header,
+the other; over a network every read is a round trip, and on a cold local disk a wait for the disk.
+:func:`prefetch` reads the head (state header,
 token words, the first KV section's cells and first K record), predicts every other K and V record
 header of that section (all layers with the first one's type and row size, as every model with uniform
 layers writes them), the region behind the section (the next stream or section, or an appendix) and the
-end of the file, and fetches them all in one batch (``read_ranges``). Then the walk runs as always and
+end of the file, and fetches them all in one batch (``warm``: one round trip to a store; locally the
+kernel is given the whole batch at once). Then the walk runs as always and
 is the verification: a file whose records are not where predicted (layers of different sizes, cells with
 ext or several sequences, a recurrent model) simply reads what it misses, as it does without a
 prediction. Nothing here decides anything about the file.
@@ -96,14 +98,17 @@ def _blob(r: _Ranged, f, at: int, size: int, version: int, fetched: list) -> int
         kv = _kv(r, at + 8 + BLOB_HEADER_SIZE, size, version)
         if kv is not None:
             batch = _merge(kv[0] + ([(end, min(REGION, size - end))] if end < size else []))
-            f.read_ranges(batch)
+            f.warm(batch)
             fetched += batch
     return end
 
 
 def prefetch(f) -> list[tuple[int, int]]:
-    """Fetch the record headers of ``f`` (a ranged reader) that its head predicts: the target payload's in one
-    batch, then each appendix blob's in one more; the ranges fetched (none when the head predicts nothing)."""
+    """Fetch the record headers of ``f`` that its head predicts: the target payload's in one batch, then each
+    appendix blob's in one more; the ranges fetched (none when the head predicts nothing). ``f`` has
+    ``size``, ``read_ranges`` (the bytes a prediction needs) and ``warm`` (a batch fetched for the walk's
+    reads): a :class:`~slotctl.sources.RangedFile`, or a local file's
+    :class:`~slotctl.sources.LocalRanges`, whose batch the kernel reads at once."""
     r = _Ranged(f)
     size = f.size
     head = r.get(0, 12)
@@ -123,7 +128,7 @@ def prefetch(f) -> list[tuple[int, int]]:
         ranges.append((size - REGION, REGION))            # the end of the file (a chain ends it)
     fetched = _merge(ranges)
     if fetched:
-        f.read_ranges(fetched)
+        f.warm(fetched)
     _appendices(r, f, end, size, version, fetched)
     return fetched
 

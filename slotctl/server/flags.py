@@ -77,20 +77,16 @@ def _server_args() -> dict[str, ServerArg]:
     return table
 
 
-#: every spelling llama-server b11434 takes, to its argument
-SERVER_ARGS: dict[str, ServerArg] = _server_args()
-
-
 def server_arg(spelling: str) -> ServerArg | None:
     """The argument llama-server reads ``spelling`` as (``--ctx_size`` as ``--ctx-size``: its parser turns
     ``_`` into ``-`` in a ``--`` argument), or None when the server refuses it ("invalid argument")."""
     if spelling.startswith("--"):
         spelling = spelling.replace("_", "-")
-    return SERVER_ARGS.get(spelling)
+    return _tables()["SERVER_ARGS"].get(spelling)
 
 
-#: the flags slotctl uses, by :class:`ServerFlags` field: the argument of b11434's table that sets it
-FIELD_ARGS: dict[str, ServerArg] = {field: SERVER_ARGS[spelling] for field, spelling in {
+#: the flags slotctl uses, by :class:`ServerFlags` field: the spelling of b11434's argument that sets it
+_FIELD_SPELLINGS = {
     "ctx_size": "--ctx-size",
     "parallel": "--parallel",
     "kv_unified": "--kv-unified",
@@ -107,13 +103,36 @@ FIELD_ARGS: dict[str, ServerArg] = {field: SERVER_ARGS[spelling] for field, spel
     "checkpoint_min_step": "--checkpoint-min-step",
     "spec_draft_n_max": "--spec-draft-n-max",
     "threads": "--threads",
-}.items()}
+}
 
-#: every spelling of each flag slotctl uses, the short one first (from b11434's table)
-FLAGS: dict[str, tuple[str, ...]] = {field: short_first(arg.names) for field, arg in FIELD_ARGS.items()}
-#: the negated spellings of those that have one (``-no-kvu``, ``--no-kv-unified``)
-NEGATED_FLAGS: dict[str, tuple[str, ...]] = {field: short_first(arg.negated) for field, arg in FIELD_ARGS.items()
-                                             if arg.negated}
+_TABLES: dict[str, dict] = {}
+
+
+def _tables() -> dict[str, dict]:
+    """The tables read from b11434's argument table, made on first use (a command that takes no server flag,
+    ``inspect FILE``, never reads the 357 arguments):
+
+    * ``SERVER_ARGS``: every spelling llama-server b11434 takes, to its argument;
+    * ``FIELD_ARGS``: the flags slotctl uses, by :class:`ServerFlags` field, to their argument;
+    * ``FLAGS``: every spelling of each of those, the short one first;
+    * ``NEGATED_FLAGS``: the negated spellings of those that have one (``-no-kvu``, ``--no-kv-unified``).
+    """
+    if not _TABLES:
+        args = _server_args()
+        fields = {field: args[spelling] for field, spelling in _FIELD_SPELLINGS.items()}
+        _TABLES.update(
+            SERVER_ARGS=args, FIELD_ARGS=fields,
+            FLAGS={field: short_first(arg.names) for field, arg in fields.items()},
+            NEGATED_FLAGS={field: short_first(arg.negated) for field, arg in fields.items() if arg.negated})
+    return _TABLES
+
+
+def __getattr__(name: str):
+    """``SERVER_ARGS``, ``FIELD_ARGS``, ``FLAGS`` and ``NEGATED_FLAGS`` (:func:`_tables`), made when first
+    imported."""
+    if name in ("SERVER_ARGS", "FIELD_ARGS", "FLAGS", "NEGATED_FLAGS"):
+        return _tables()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def from_environment(environ: dict | None = None) -> dict[str, tuple[str, object]]:
@@ -123,7 +142,7 @@ def from_environment(environ: dict | None = None) -> dict[str, tuple[str, object
     ``is_falsey``. A value the server cannot read is a :class:`UsageError` naming the variable."""
     env = os.environ if environ is None else environ
     found: dict[str, tuple[str, object]] = {}
-    for field, arg in FIELD_ARGS.items():
+    for field, arg in _tables()["FIELD_ARGS"].items():
         if arg.env is None:
             continue
         var, value = arg.env, env.get(arg.env)
@@ -171,7 +190,7 @@ def _stoi(value: str, error: str) -> int:
 
 def flag_name(field: str) -> str:
     """The flag a field is usually written as (its short form)."""
-    return FLAGS[field][0]
+    return _tables()["FLAGS"][field][0]
 
 
 class FlagError(UsageError):

@@ -1,0 +1,88 @@
+"""The candidate search of slotfile's walk: its shortcuts (sections shared through the memo, a layout without V
+told from the parse with V, candidates skipped once a section of theirs failed) find exactly what trying
+every candidate layout on its own finds, on every file a real llama-server wrote and on damaged copies."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+from slotctl.errors import FormatError
+from slotctl.format.memory import candidate_layouts
+from slotctl.slotfile import _try_layouts, open_slot_file, parse_memory
+from slotctl.format.cells import Cells
+
+from conftest import DATA
+
+FILES = sorted(DATA.glob("srv-*.bin")) + sorted((DATA / "kinds").glob("srv-*.bin"))
+
+
+def _each_alone(f, offset: int, end: int, version: int, ext: bool) -> list:
+    """Every candidate layout parsed on its own (no memo, nothing shared): those that parse."""
+    out = []
+    for cand in candidate_layouts():
+        if any(s.has_ext for s in cand.sections) != ext:
+            continue
+        try:
+            out.append(parse_memory(f, offset, end, cand, version))
+        except FormatError:
+            continue
+    return out
+
+
+def _plain(x):
+    """A parsed section as plain values (cells' arrays as lists), to compare."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items() if not str(k).startswith("_")}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, Cells):
+        seq = x.seq_ids
+        return [x.pos.tolist(), x.n_seq_id.tolist(), None if x.ext is None else x.ext.tolist(),
+                [list(map(int, seq[i])) for i in range(len(x))]]
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return x
+
+
+def _same(a: list, b: list) -> None:
+    assert [m.layout for m in a] == [m.layout for m in b]
+    assert [m.end for m in a] == [m.end for m in b]
+    assert [_plain(m.sections) for m in a] == [_plain(m.sections) for m in b]
+
+
+def _check(path) -> None:
+    sf = open_slot_file(path)
+    if sf.header_end is None:
+        return
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        for ext in (False, True):
+            _same(_try_layouts(f, sf.header_end, size, sf.version, "target memory", ext=ext),
+                  _each_alone(f, sf.header_end, size, sf.version, ext))
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_the_candidate_search_finds_what_each_layout_alone_finds(path):
+    _check(path)
+
+
+@pytest.mark.parametrize("path", FILES[:4] + FILES[-4:], ids=lambda p: p.name)
+def test_the_candidate_search_agrees_on_damaged_copies(tmp_path, path):
+    """Bytes of the payload changed at random (counts, types, row sizes among them): the same fits, or the
+    same none."""
+    raw = bytearray(path.read_bytes())
+    rng = random.Random(path.name)
+    n_words = int.from_bytes(raw[8:12], "little")
+    start = 12 + 4 * n_words
+    for i in range(12):
+        bad = bytearray(raw)
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(start, min(len(bad), start + 4096))
+            bad[at] = rng.randrange(256)
+        p = tmp_path / f"bad{i}.bin"
+        p.write_bytes(bytes(bad))
+        _check(p)
