@@ -86,3 +86,40 @@ def test_the_candidate_search_agrees_on_damaged_copies(tmp_path, path):
         p = tmp_path / f"bad{i}.bin"
         p.write_bytes(bytes(bad))
         _check(p)
+
+
+def _record_headers(sf) -> list[int]:
+    """Where each K and V record header of the file's KV sections is (target memory, checkpoint and draft
+    blobs), but the first of each stream, which the prediction reads with the section's cells."""
+    mems = [sf.target] + [b.memory for c in sf.checkpoints or () for b in (c.tgt, c.dft)]
+    mems += [sf.draft.memory] if sf.draft is not None else []
+    out = []
+    for mem in mems:
+        if mem is None:
+            continue
+        for layout, sec in zip(mem.layout.sections, mem.sections):
+            if layout.type != "kv":
+                continue
+            for stream in sec.streams:
+                if stream.data is not None:   # the first K record is read with the section's head
+                    out += [r.data.offset - 12 for r in list(stream.data.k)[1:] + list(stream.data.v)]
+    return out
+
+
+@pytest.mark.parametrize("path", [p for p in FILES if "np2" not in p.name], ids=lambda p: p.name)
+def test_a_local_files_record_headers_are_predicted_in_one_batch(path):
+    """The two-read rule, locally: the ranges format.ahead hands the kernel at once (sources.LocalRanges)
+    hold every record header of the first section the walk then reads, on files a real server wrote (an
+    appendix blob's too, when the file has one)."""
+    from slotctl.format.ahead import prefetch
+    from slotctl.sources import LocalRanges
+
+    sf = open_slot_file(path)
+    if sf.target is None or sf.target.layout.kind != "kv":
+        pytest.skip(f"{sf.target.layout.kind if sf.target else 'no'} memory: not predicted, the walk reads it")
+    with open(path, "rb") as f:
+        fetched = prefetch(LocalRanges(f))
+    heads = _record_headers(sf)
+    assert heads
+    missed = [h for h in heads if not any(off <= h and h + 12 <= off + n for off, n in fetched)]
+    assert not missed, (missed[:5], fetched[:5])
