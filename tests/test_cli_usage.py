@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -86,8 +87,12 @@ def test_root_help_lists_every_command_under_a_heading():
 
 
 def test_shell_completion_script_and_completions():
-    r = run("--show-completion", "bash")
-    assert r.exit_code == 0 and "_SLOTCTL_COMPLETE" in r.stdout.upper()
+    # with shellingham installed typer's --show-completion is a flag that detects the shell from the parent
+    # processes: run from bash, as a person would (a test process whose parent has gone, reparented to init,
+    # has no shell above it: "Shell  not supported", exit 1); "; exit $?" keeps bash from exec'ing the command
+    p = subprocess.run(["bash", "-c", shlex.join(COMPLETE) + " --show-completion; exit $?"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "_SLOTCTL_COMPLETE" in p.stdout.upper(), p.stderr
     env = {**os.environ, "_SLOTCTL_COMPLETE": "complete_bash", "COMP_WORDS": "slotctl validate --spec-draft",
            "COMP_CWORD": "2"}
     p = subprocess.run(COMPLETE, capture_output=True, text=True, env=env, timeout=60)
