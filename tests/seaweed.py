@@ -126,11 +126,23 @@ class Seaweed:
         except Exception:  # noqa: BLE001 - not ready yet (the bucket is made after the S3 API starts)
             return False
 
-    def client(self):
+    def make_bucket(self, name: str) -> None:
+        """Create another bucket (S3's CreateBucket, signed with slotctl's own SigV4 requests)."""
+        from types import SimpleNamespace
+
+        from slotctl.remote.s3copy import Signed
+
+        config = SimpleNamespace(endpoint=self.endpoint, allow_http=True, token=None, region="us-east-1",
+                                 access_key=ACCESS_KEY, secret_key=SECRET_KEY)
+        status, _, body = Signed(config, name).request("PUT", "", {})
+        if status not in (200, 409):   # 409: it exists (BucketAlreadyOwnedByYou)
+            raise RuntimeError(f"CreateBucket {name}: {status} {body[:300]!r}")
+
+    def client(self, bucket: str = BUCKET):
         """An obstore client of the test bucket (for setting up objects; what slotctl does goes through it)."""
         from obstore.store import S3Store
 
-        return S3Store(BUCKET, endpoint=self.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
+        return S3Store(bucket, endpoint=self.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
                        region="us-east-1", client_options={"allow_http": True},
                        retry_config={"max_retries": 0})
 

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from seaweed import BUCKET, SECRET_KEY, Seaweed, weed_binary
 from slotctl.cli.app import app
+from slotctl.errors import UsageError
 
 DATA = Path(__file__).parent / "data"
 #: every slot file of the tests, written by a real llama-server
@@ -291,6 +292,58 @@ def _large_slot_file(path: Path, mib: int) -> int:
     spec.loader.exec_module(mod)
     row = max(256, (mib << 20) // (17 * 8192))   # 8 layers of 4,096 cells, K and V: target, checkpoint, draft
     return mod.build(str(path), layers=8, cells=4096, row=row)
+
+
+def test_cp_to_another_bucket_is_server_side_conditional_and_byte_identical(s3, tmp_path):
+    """S3 to S3 across buckets: a multipart upload of part copies in the destination bucket (no byte through
+    this machine: no GET of the object's data beyond the metadata), refused when the destination exists
+    (the completion's If-None-Match), replaced with --overwrite."""
+    from slotctl.sources import TOTALS
+
+    s3.make_bucket("other")
+    src = tmp_path / "large.bin"
+    size = _large_slot_file(src, 24)
+    import obstore
+
+    with open(src, "rb") as f:
+        obstore.put(s3.client(), "across/large.bin", f, chunk_size=16 << 20)
+    url, dst = f"s3://{BUCKET}/across/large.bin", "s3://other/copied/large.bin"
+    for k in TOTALS:
+        TOTALS[k] = 0
+    r = run("cp", "--json", url, dst)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)["files"][0]
+    assert doc["status"] == "copied" and doc["method"] == "server_copy" and doc["size"] == size
+    assert TOTALS["bytes"] < 1 << 20, TOTALS      # the metadata only: the copy's bytes never came here
+    assert bytes(obstore.get(s3.client("other"), "copied/large.bin").bytes()) == src.read_bytes()
+    small = FILES[0].read_bytes()
+    other = put(s3, "across/small.bin", small)
+    r = run("cp", "--json", other, dst)                             # exists: refused, left as it is
+    assert r.exit_code == 2 and json.loads(r.stdout)["files"][0]["error"]["code"] == "exists", r.output
+    assert bytes(obstore.get(s3.client("other"), "copied/large.bin").bytes()) == src.read_bytes()
+    r = run("cp", "--json", "--overwrite", other, dst)
+    assert r.exit_code == 0 and json.loads(r.stdout)["files"][0]["method"] == "server_copy", r.output
+    assert bytes(obstore.get(s3.client("other"), "copied/large.bin").bytes()) == small
+
+
+def test_a_conditional_cross_bucket_copy_loses_to_a_writer(s3, tmp_path):
+    """The copy's existence check and its completion are two steps: a writer that creates the destination
+    between them wins, and the copy is refused by the completion's If-None-Match (exists), never replacing
+    it."""
+    from slotctl.remote.s3copy import copy_object
+    from slotctl.remote.store import S3_STORE
+
+    s3.make_bucket("other")
+    url = put(s3, "race/a.bin", FILES[0].read_bytes())
+    import obstore
+
+    obstore.put(s3.client("other"), "race/a.bin", b"the writer's")
+    etag = obstore.head(s3.client(), "race/a.bin")["e_tag"]
+    with pytest.raises(UsageError) as e:
+        copy_object(S3_STORE.config, url, etag, "s3://other/race/a.bin", len(FILES[0].read_bytes()),
+                    if_none_match=True)
+    assert e.value.code == "exists"
+    assert bytes(obstore.get(s3.client("other"), "race/a.bin").bytes()) == b"the writer's"
 
 
 def test_a_large_cp_goes_in_parts_and_back(s3, tmp_path):

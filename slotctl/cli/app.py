@@ -55,8 +55,8 @@ COMMANDS: dict[str, CommandEntry] = {
     "prune": CommandEntry("slotctl.cli.prune_cmd", "Delete slot files to keep a directory under a budget: "
                           "--max-size, --older-than, --keep; or only the files a server would not restore "
                           "(--broken).", "Slot directories"),
-    "cp": CommandEntry("slotctl.cli.cp_cmd", "Copy slot files: local to S3, S3 to local, S3 to S3 (server-side "
-                       "within a bucket).", "Slot directories"),
+    "cp": CommandEntry("slotctl.cli.cp_cmd", "Copy slot files: local to S3, S3 to local, S3 to S3 (server-side, "
+                       "within a bucket or across).", "Slot directories"),
     "identify": CommandEntry("slotctl.cli.identify_cmd", "Which of the candidate models wrote this slot file "
                              "(and its draft state)?", _LLAMA),
     "save": CommandEntry("slotctl.cli.save", "Evaluate a prompt in a slot as llama-server would, and "

@@ -34,7 +34,7 @@ def cp(
     jsonl: JsonlOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Copy slot files: local to S3, S3 to local, S3 to S3 (server-side within a bucket).
+    """Copy slot files: local to S3, S3 to local, S3 to S3 (server-side, within a bucket or across).
 
     Each file's structure is read first (metadata only): a damaged file is refused unless --force. An
     existing destination is never replaced unless --overwrite. Large files go up in parts (8 MiB) with

@@ -96,7 +96,7 @@ def copy_one(src: str, dst: str, *, overwrite: bool = False, force: bool = False
     res = CopyResult(src, dst)
     writer = None
     if remote_url(src) or remote_url(dst):   # the store (obstore) only for s3:// paths
-        from slotctl.remote.store import S3_STORE, Writer, split_url
+        from slotctl.remote.store import S3_STORE, Writer
 
         writer = Writer(S3_STORE)
     if remote_url(src) is None and remote_url(dst) is None and os.path.exists(dst) and \
@@ -113,8 +113,8 @@ def copy_one(src: str, dst: str, *, overwrite: bool = False, force: bool = False
                                                        "copies a damaged file)"}
             return res
         if remote_url(dst) is not None:
-            if remote_url(src) is not None and split_url(src)[0] == split_url(dst)[0]:
-                got = writer.copy(src, dst, overwrite=overwrite)
+            if remote_url(src) is not None and sf.size > 0:   # server-side, within a bucket or across
+                got = writer.copy(src, dst, overwrite=overwrite, etag=getattr(f, "etag", None), size=sf.size)
                 if writer.size_of(dst) != sf.size:
                     raise UsageError(f"{dst}: the copy does not have {sf.size:,} bytes", code="size_mismatch")
             else:

@@ -1,12 +1,15 @@
-"""A server-side rewrite of an object to a prefix of itself: a multipart upload whose parts are copies of
-the kept range (``UploadPartCopy`` with ``x-amz-copy-source-range``), so nothing passes through this
-machine. obstore has no ranged part copy, so these four requests are signed here (AWS Signature V4, the
-standard library's ``hmac``), with the endpoint and credentials of :class:`slotctl.remote.store.Config`.
+"""Server-side copies of an object's bytes: a multipart upload whose parts are copies of a range
+(``UploadPartCopy`` with ``x-amz-copy-source-range``), so nothing passes through this machine. strip-draft
+rewrites an object to a prefix of itself (:func:`rewrite_prefix`); cp copies an object to another bucket of
+the same endpoint (:func:`copy_object`; obstore copies within one bucket only, and has no ranged part
+copy). These requests are signed here (AWS Signature V4, the standard library's ``hmac``), with the
+endpoint and credentials of :class:`slotctl.remote.store.Config`.
 
 Conditions: every part is copied from the version planned (``x-amz-copy-source-if-match``), and the
-upload is completed only if the object is still that version (``If-Match`` on
-``CompleteMultipartUpload``); otherwise it is aborted. Until it completes the object is untouched: a
-process killed meanwhile leaves the original whole (and an incomplete upload that a lifecycle rule
+upload is completed only if the destination is still the version it was (``If-Match`` on
+``CompleteMultipartUpload``, a rewrite in place) or nothing is there (``If-None-Match: *``, a copy that
+replaces nothing); otherwise it is aborted. Until it completes the destination is untouched: a process
+killed meanwhile leaves it as it was (and an incomplete upload that a lifecycle rule
 ``AbortIncompleteMultipartUpload`` removes).
 """
 
@@ -108,39 +111,55 @@ def _code(body: bytes) -> str:
 def rewrite_prefix(config, url: str, etag: str, keep: int) -> dict:
     """Replace the object at ``url`` (of ETag ``etag``) by its first ``keep`` bytes, server-side. Returns
     ``{"requests", "parts"}``; a usage error (``object_changed`` when it is no longer that version)."""
+    return copy_object(config, url, etag, url, keep, if_match=etag)
+
+
+def copy_object(config, src: str, etag: str | None, dst: str, size: int, *, if_match: str | None = None,
+                if_none_match: bool = False) -> dict:
+    """The first ``size`` bytes of the object at ``src`` (of ETag ``etag``: every part is copied from that
+    version) written to ``dst``, in the same bucket or another of the same endpoint, server-side: a
+    multipart upload at ``dst`` whose parts are ``UploadPartCopy``s, completed on condition that ``dst`` is
+    still the version ``if_match`` (a rewrite in place), or that nothing is there (``if_none_match``: ``cp``
+    without ``--overwrite``), or unconditionally; otherwise aborted, and ``dst`` left as it was. Returns
+    ``{"requests", "parts"}``; a usage error (``object_changed``: ``src`` or ``dst`` changed; ``exists``:
+    ``dst`` exists and ``if_none_match``)."""
     from slotctl.remote.store import split_url
 
-    bucket, key = split_url(url)
+    if size <= 0:
+        raise ValueError("a server-side copy of no bytes: S3 has no multipart upload of no part")
+    sbucket, skey = split_url(src)
+    bucket, key = split_url(dst)
     s = Signed(config, bucket)
-    source = "/" + bucket + "/" + urllib.parse.quote(key, safe="/~")
+    source = "/" + sbucket + "/" + urllib.parse.quote(skey, safe="/~")
     status, _, body = s.request("POST", key, {"uploads": ""})
     if status != 200:
-        raise _fail(url, status, body, "CreateMultipartUpload")
+        raise _fail(dst, status, body, "CreateMultipartUpload")
     m = re.search(rb"<UploadId>([^<]+)</UploadId>", body)
     if not m:
-        raise UsageError(f"{url}: the store did not start a multipart upload", code="store_error")
+        raise UsageError(f"{dst}: the store did not start a multipart upload", code="store_error")
     upload = m.group(1).decode()
     requests, done = 1, False
     try:
         etags = []
-        for n, (off, size) in enumerate(parts_for(keep), 1):
+        for n, (off, part) in enumerate(parts_for(size), 1):
             status, _, body = s.request("PUT", key, {"partNumber": str(n), "uploadId": upload},
                                         {"x-amz-copy-source": source,
-                                         "x-amz-copy-source-range": f"bytes={off}-{off + size - 1}",
-                                         "x-amz-copy-source-if-match": etag})
+                                         "x-amz-copy-source-range": f"bytes={off}-{off + part - 1}",
+                                         **({"x-amz-copy-source-if-match": etag} if etag else {})})
             requests += 1
             pm = re.search(rb"<ETag>([^<]+)</ETag>", body)
             if status != 200 or not pm:
-                raise _fail(url, status, body, f"UploadPartCopy {n}")
+                raise _fail(src, status, body, f"UploadPartCopy {n}")
             etags.append(pm.group(1).decode().replace("&quot;", '"'))
         xml = ("<CompleteMultipartUpload>" + "".join(f"<Part><PartNumber>{i}</PartNumber><ETag>{t}</ETag></Part>"
                                                      for i, t in enumerate(etags, 1))
                + "</CompleteMultipartUpload>").encode()
-        status, _, body = s.request("POST", key, {"uploadId": upload}, {"if-match": etag,
-                                                                         "content-type": "application/xml"}, xml)
+        cond = {"if-match": if_match} if if_match else {"if-none-match": "*"} if if_none_match else {}
+        status, _, body = s.request("POST", key, {"uploadId": upload}, {**cond, "content-type": "application/xml"},
+                                    xml)
         requests += 1
         if status != 200 or b"<Error>" in body:
-            raise _fail(url, status, body, "CompleteMultipartUpload")
+            raise _fail(dst, status, body, "CompleteMultipartUpload", exists=if_none_match)
         done = True
         return {"requests": requests, "parts": len(etags)}
     finally:
@@ -151,8 +170,10 @@ def rewrite_prefix(config, url: str, etag: str, keep: int) -> dict:
                 pass
 
 
-def _fail(url: str, status: int, body: bytes, what: str) -> UsageError:
+def _fail(url: str, status: int, body: bytes, what: str, *, exists: bool = False) -> UsageError:
     code = _code(body)
+    if exists and (status == 412 or code == "PreconditionFailed"):   # If-None-Match: * on the completion
+        return UsageError(f"{url}: exists (use --overwrite to replace it)", code="exists")
     if status == 412 or code == "PreconditionFailed":
         return UsageError(f"{url}: the object changed since it was read (its ETag); left as it is",
                           code="object_changed")

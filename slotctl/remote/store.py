@@ -584,10 +584,18 @@ class Writer:
         except UsageError as e:
             raise UsageError(f"{url}: {e}", code=e.code) from None
 
-    def copy(self, src: str, dst: str, *, overwrite: bool) -> dict:
-        """A server-side copy within one bucket (nothing passes through this machine); conditional without
-        ``overwrite``."""
+    def copy(self, src: str, dst: str, *, overwrite: bool, etag: str | None = None, size: int | None = None) -> dict:
+        """A server-side copy (nothing passes through this machine); conditional without ``overwrite``.
+        Within one bucket obstore's copy; to another bucket of the endpoint a multipart upload of part copies
+        (:func:`slotctl.remote.s3copy.copy_object`: ``size`` bytes, pinned to the source's ``etag``)."""
         sb, skey = split_url(src)
+        if sb != split_url(dst)[0]:
+            from slotctl.remote.s3copy import copy_object
+
+            if not overwrite and self.exists(dst):
+                raise UsageError(f"{dst}: exists (use --overwrite to replace it)", code="exists")
+            copy_object(self.s3.config, src, etag, dst, size, if_none_match=not overwrite)
+            return {"method": "server_copy", "checksum": None}
         store, dkey = self.s3.bucket(dst)
         try:
             if overwrite:
