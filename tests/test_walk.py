@@ -98,7 +98,8 @@ def _record_headers(sf) -> list[int]:
         if mem is None:
             continue
         for layout, sec in zip(mem.layout.sections, mem.sections):
-            if layout.type != "kv":
+            if layout.type == "recurrent":    # the first r record is read with the section's head
+                out += [r.data.offset - 12 for r in list(sec.r)[1:] + list(sec.s)]
                 continue
             for stream in sec.streams:
                 if stream.data is not None:   # the first K record is read with the section's head
@@ -107,16 +108,14 @@ def _record_headers(sf) -> list[int]:
 
 
 @pytest.mark.parametrize("path", [p for p in FILES if "np2" not in p.name], ids=lambda p: p.name)
-def test_a_local_files_record_headers_are_predicted_in_one_batch(path):
-    """The two-read rule, locally: the ranges format.ahead hands the kernel at once (sources.LocalRanges)
-    hold every record header of the first section the walk then reads, on files a real server wrote (an
-    appendix blob's too, when the file has one)."""
+def test_a_local_files_record_headers_are_predicted_in_a_batch_per_section(path):
+    """The two-read rule, locally: the ranges format.ahead hands the kernel in a batch per section
+    (sources.LocalRanges) hold every record header the walk then reads, on files a real server wrote of
+    every memory kind: KV, iSWA's two sections, recurrent and hybrid sections, and appendix blobs."""
     from slotctl.format.ahead import prefetch
     from slotctl.sources import LocalRanges
 
     sf = open_slot_file(path)
-    if sf.target is None or sf.target.layout.kind != "kv":
-        pytest.skip(f"{sf.target.layout.kind if sf.target else 'no'} memory: not predicted, the walk reads it")
     with open(path, "rb") as f:
         fetched = prefetch(LocalRanges(f))
     heads = _record_headers(sf)

@@ -2,15 +2,16 @@
 
 The walk of :mod:`slotctl.slotfile` reads a few bytes per record header (~2 per layer and stream) one after
 the other; over a network every read is a round trip, and on a cold local disk a wait for the disk.
-:func:`prefetch` reads the head (state header,
-token words, the first KV section's cells and first K record), predicts every other K and V record
-header of that section (all layers with the first one's type and row size, as every model with uniform
-layers writes them), the region behind the section (the next stream or section, or an appendix) and the
-end of the file, and fetches them all in one batch (``warm``: one round trip to a store; locally the
-kernel is given the whole batch at once). Then the walk runs as always and
-is the verification: a file whose records are not where predicted (layers of different sizes, cells with
-ext or several sequences, a recurrent model) simply reads what it misses, as it does without a
-prediction. Nothing here decides anything about the file.
+:func:`prefetch` reads the head (state header, token words, the first section's head and first record),
+predicts every other record header of that section (all layers with the first one's type and row size,
+as every model with uniform layers writes them), the region behind the section (the next stream or
+section, or an appendix) and the end of the file, and fetches them all in one batch (``warm``: one round
+trip to a store; locally the kernel is given the whole batch at once); then the next section the same
+way (iSWA's second KV section, a hybrid's recurrent one), and each appendix blob's sections. A KV section
+costs one batch; a recurrent one two (its r records, whose count the file does not say, then its s
+records). Then the walk runs as always and is the verification: a file whose records are not where
+predicted (layers of different sizes, cells with ext or several sequences) simply reads what it misses,
+as it does without a prediction. Nothing here decides anything about the file.
 
 Each object is predicted from its own head: the head is fetched anyway (for a listing, while the listing
 is checked for slot files), so a prediction shared by the files of a directory would save no round trip.
@@ -68,6 +69,11 @@ def _kv(r: _Ranged, at: int, size: int, version: int) -> tuple[list[tuple[int, i
     data_at = cell0 + 12 * cells
     if data_at + 28 > size:
         return None
+    # the first cell before the block: usually in what was read already (the head, the region behind the
+    # section before), and what tells a recurrent section (one cell of no ids) from a KV one
+    head = r.get(cell0, 12)
+    if head is None or struct.unpack_from("<I", head, 4)[0] != 1:
+        return None
     if 12 * cells <= CELLS_AT_ONCE:
         block = r.f.read_ranges([(at, 8 + 12 * cells + 28)])[0]   # from the section's start: one block
         first, tail = block[8:20], block[8 + 12 * cells:]
@@ -85,6 +91,92 @@ def _kv(r: _Ranged, at: int, size: int, version: int) -> tuple[list[tuple[int, i
     return ranges, k0 + 2 * n_layer * rec   # K records 1.., then V records (as many, of the same bytes)
 
 
+#: the most sequences a recurrent section has cells for (``LLAMA_MAX_SEQ``) and ids a cell has
+_MAX_SEQ = 256
+#: sections of one payload or blob predicted one after the other (hybrid iSWA has three)
+MAX_SECTIONS = 4
+
+
+def _recurrent(r: _Ranged, at: int, size: int) -> tuple[list[tuple[int, int]], int] | None:
+    """The record headers of the recurrent section at ``at`` and where the section ends, as its head and
+    its r records predict them; the r record headers are fetched here, in one batch, to learn how many
+    layers have r (the file does not say: the GGUF does), counting the records of the first one's type and
+    row size, and where the s records begin. None when it predicts nothing (no recurrent section's head).
+
+    ``u32 cell_count; cells; u32 s_trans; u32 n_layer``, then r records, then s records (as many)."""
+    b = r.get(at, 4)
+    if b is None:
+        return None
+    (cells,) = _u32s(b, 1)
+    if cells > _MAX_SEQ:
+        return None
+    block = r.get(at + 4, min(size - at - 4, cells * (8 + 4 * _MAX_SEQ) + 8 + 12))
+    if block is None:
+        return None
+    p = 0
+    for _ in range(cells):       # cells of 0 or more ids (one sequence's save: one cell of none)
+        if p + 8 > len(block):
+            return None
+        (k,) = struct.unpack_from("<I", block, p + 4)
+        if k > _MAX_SEQ:
+            return None
+        p += 8 + 4 * k
+    if p + 20 > len(block):
+        return None
+    s_trans, n_layer = struct.unpack_from("<II", block, p)
+    _type, row = struct.unpack_from("<iQ", block, p + 8)
+    if s_trans > 1 or not 1 <= n_layer <= 4096:
+        return None
+    r0 = at + 4 + p + 8
+    rec = 12 + row * cells
+    want = [(r0 + i * rec, RECORD) for i in range(1, n_layer + 1) if r0 + i * rec + 12 <= size]
+    if want:
+        r.f.warm(want)           # one round trip (locally: the kernel reads them together), then from the cache
+    heads = r.f.read_ranges(want) if want else []
+    n_r = 1
+    for h in heads:              # the r records: as long as the first one's type and row size repeat
+        if len(h) < 12 or struct.unpack_from("<iQ", h) != (_type, row):
+            break
+        n_r += 1
+    s0 = r0 + n_r * rec
+    sh = r.get(s0, 12)
+    if sh is None:
+        return None
+    if s_trans:                  # element-major s records: type, element size, n_embd
+        _t, el, n_embd = struct.unpack_from("<iII", sh)
+        srec = 12 + n_embd * cells * el
+    else:
+        srec = 12 + struct.unpack_from("<iQ", sh)[1] * cells
+    ranges = [(s0 + j * srec, RECORD) for j in range(1, n_r) if s0 + j * srec + 12 <= size]
+    return want + ranges, s0 + n_r * srec
+
+
+def _sections(r: _Ranged, f, pos: int, size: int, version: int, fetched: list,
+              extra: Sequence[tuple[int, int]] = ()) -> int | None:
+    """Predict the sections from ``pos`` one after the other (a KV section, else a recurrent one), each
+    section's record headers and the region behind it fetched in one batch (``extra`` goes with the
+    first); stop at the end, at an appendix or where nothing is predicted. Returns where the last
+    predicted section ends (None: not even the first one was predicted)."""
+    end = None
+    for _ in range(MAX_SECTIONS):
+        pred = _kv(r, pos, size, version) or _recurrent(r, pos, size)
+        if pred is None:
+            break
+        ranges, end = pred
+        if end > size:
+            return None
+        batch = _merge([*ranges, *extra, *([(end, min(REGION, size - end))] if end < size else [])])
+        extra = ()
+        if batch:
+            f.warm(batch)
+            fetched += batch
+        pos = end
+        b = r.get(pos, 4) if pos < size else None
+        if b is None or struct.unpack("<I", b)[0] in (SCKP_MAGIC, SDFT_MAGIC):
+            break
+    return end
+
+
 def _blob(r: _Ranged, f, at: int, size: int, version: int, fetched: list) -> int | None:
     """Predict and fetch the KV section of the blob whose ``u64 length`` is at ``at``; the blob's end."""
     b = r.get(at, 8)
@@ -94,12 +186,9 @@ def _blob(r: _Ranged, f, at: int, size: int, version: int, fetched: list) -> int
     end = at + 8 + length
     if end > size:
         return None
-    if length > BLOB_HEADER_SIZE:
-        kv = _kv(r, at + 8 + BLOB_HEADER_SIZE, size, version)
-        if kv is not None:
-            batch = _merge(kv[0] + ([(end, min(REGION, size - end))] if end < size else []))
-            f.warm(batch)
-            fetched += batch
+    if length > BLOB_HEADER_SIZE:   # the blob's sections; with the first batch, what follows the blob
+        _sections(r, f, at + 8 + BLOB_HEADER_SIZE, end, version, fetched,
+                  [(end, min(REGION, size - end))] if end < size else [])
     return end
 
 
@@ -117,20 +206,15 @@ def prefetch(f) -> list[tuple[int, int]]:
     magic, version, n_words = _u32s(head, 3)
     if magic != STATE_SEQ_MAGIC or version not in (2, 3, 4) or n_words > (size - 12) // 4:
         return []
-    kv = _kv(r, 12 + 4 * n_words, size, version)
-    if kv is None:
+    # with the first section's batch: the token words (beyond the first read for long prompts) and the end of
+    # the file (a chain ends it); behind each section, the next one or an appendix
+    fetched: list[tuple[int, int]] = []
+    extra = [(12, 4 * n_words)] + ([(size - REGION, REGION)] if size > REGION else [])
+    end = _sections(r, f, 12 + 4 * n_words, size, version, fetched, extra)
+    if end is None:
         return []
-    ranges, end = kv
-    ranges.append((12, 4 * n_words))                     # the token words (beyond the first read for long prompts)
-    if end < size:
-        ranges.append((end, min(REGION, size - end)))     # the next stream or section, or an appendix
-    if size > REGION:
-        ranges.append((size - REGION, REGION))            # the end of the file (a chain ends it)
-    fetched = _merge(ranges)
-    if fetched:
-        f.warm(fetched)
     _appendices(r, f, end, size, version, fetched)
-    return fetched
+    return _merge(fetched)
 
 
 def _appendices(r: _Ranged, f, pos: int, size: int, version: int, fetched: list) -> None:
