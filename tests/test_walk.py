@@ -122,3 +122,64 @@ def test_a_local_files_record_headers_are_predicted_in_a_batch_per_section(path)
     assert heads
     missed = [h for h in heads if not any(off <= h and h + 12 <= off + n for off, n in fetched)]
     assert not missed, (missed[:5], fetched[:5])
+
+
+class _Sparse:
+    """A file of ``size`` bytes held as the few regions written (zeros elsewhere), with the interface
+    format.ahead reads through (``size``, ``read_ranges``, ``warm``): the hostile counts of a huge object
+    without its bytes. It counts the ranges it is handed."""
+
+    def __init__(self, size: int):
+        self.size, self.regions, self.ranges = size, {}, 0
+
+    def write(self, at: int, data: bytes) -> None:
+        self.regions[at] = data
+
+    def read_ranges(self, ranges):
+        self.ranges += len(ranges)
+        out = []
+        for off, n in ranges:
+            buf = bytearray(n)
+            for at, data in self.regions.items():
+                lo, hi = max(off, at), min(off + n, at + len(data))
+                if lo < hi:
+                    buf[lo - off:hi - off] = data[lo - at:hi - at]
+            out.append(bytes(buf))
+        return out
+
+    def warm(self, ranges):
+        self.ranges += len(ranges)
+
+
+def test_a_hostile_files_predictions_are_bounded():
+    """A payload and 64 checkpoint blobs each claiming 4,096 layers of records 1 MiB apart (an object of
+    half a petabyte, nearly all hole): the prediction hands over at most MAX_RANGES ranges, not the 2M its
+    counts ask for, and the walk reads the rest as it goes."""
+    import struct
+
+    from slotctl.format.ahead import MAX_RANGES, prefetch
+    from slotctl.format.appendix import SCKP_MAGIC
+    from slotctl.format.blob import BLOB_MAGIC
+
+    row, layers = 1 << 20, 4096
+    rec = 12 + row
+
+    def kv(f, at):   # one stream, one cell; K and V records of one size; returns the section's end
+        f.write(at, struct.pack("<IIiIiIIIIiQ", 1, 1, 0, 1, 0, 0, layers, 0, 0, 1, row))
+        return at + 36 + 2 * layers * rec
+
+    f = _Sparse(1 << 49)
+    f.write(0, struct.pack("<III", 0x67677371, 4, 0))
+    end = kv(f, 12)
+    f.write(end, struct.pack("<III", SCKP_MAGIC, 1, 64))
+    cur = end + 12
+    for _ in range(64):
+        body = cur + 16 + 8 + 8
+        blob_end = kv(f, body)
+        f.write(cur + 16, struct.pack("<QIi", blob_end - (cur + 24), BLOB_MAGIC, 0))
+        f.write(blob_end, struct.pack("<QQ", 0, 0))
+        cur = blob_end + 16
+    f.size = cur + 4096
+    fetched = prefetch(f)
+    # the counts ask for 65 x 8,191 = 532,415 ranges
+    assert 8000 < len(fetched) <= min(MAX_RANGES, 32768) and f.ranges <= 70000, (len(fetched), f.ranges)

@@ -95,9 +95,12 @@ def _kv(r: _Ranged, at: int, size: int, version: int) -> tuple[list[tuple[int, i
 _MAX_SEQ = 256
 #: sections of one payload or blob predicted one after the other (hybrid iSWA has three)
 MAX_SECTIONS = 4
+#: the most ranges predicted for one file: an 80-layer model's 160 records in the payload and in 64
+#: checkpoints' blobs and more; a hostile file's counts cost no more requests than this
+MAX_RANGES = 32768
 
 
-def _recurrent(r: _Ranged, at: int, size: int) -> tuple[list[tuple[int, int]], int] | None:
+def _recurrent(r: _Ranged, at: int, size: int, room: int = MAX_RANGES) -> tuple[list[tuple[int, int]], int] | None:
     """The record headers of the recurrent section at ``at`` and where the section ends, as its head and
     its r records predict them; the r record headers are fetched here, in one batch, to learn how many
     layers have r (the file does not say: the GGUF does), counting the records of the first one's type and
@@ -130,6 +133,8 @@ def _recurrent(r: _Ranged, at: int, size: int) -> tuple[list[tuple[int, int]], i
     r0 = at + 4 + p + 8
     rec = 12 + row * cells
     want = [(r0 + i * rec, RECORD) for i in range(1, n_layer + 1) if r0 + i * rec + 12 <= size]
+    if 2 * len(want) > room:
+        return None
     if want:
         r.f.warm(want)           # one round trip (locally: the kernel reads them together), then from the cache
     heads = r.f.read_ranges(want) if want else []
@@ -159,8 +164,9 @@ def _sections(r: _Ranged, f, pos: int, size: int, version: int, fetched: list,
     predicted section ends (None: not even the first one was predicted)."""
     end = None
     for _ in range(MAX_SECTIONS):
-        pred = _kv(r, pos, size, version) or _recurrent(r, pos, size)
-        if pred is None:
+        room = MAX_RANGES - len(fetched)
+        pred = _kv(r, pos, size, version) or _recurrent(r, pos, size, room)
+        if pred is None or len(pred[0]) > room:   # beyond the file's share of predictions: the walk reads it
             break
         ranges, end = pred
         if end > size:
