@@ -107,7 +107,7 @@ def _record_headers(sf) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("path", [p for p in FILES if "np2" not in p.name], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_a_local_files_record_headers_are_predicted_in_a_batch_per_section(path):
     """The two-read rule, locally: the ranges format.ahead hands the kernel in a batch per section
     (sources.LocalRanges) hold every record header the walk then reads, on files a real server wrote of

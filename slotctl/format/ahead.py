@@ -55,16 +55,29 @@ def _u32s(b: bytes, n: int) -> tuple:
 
 def _kv(r: _Ranged, at: int, size: int, version: int) -> tuple[list[tuple[int, int]], int] | None:
     """The record headers of the KV section at ``at`` after the first K record, and where the section ends,
-    as its head predicts them (None when it predicts nothing: not a KV section of one sequence's cells)."""
-    b = r.get(at, 8)
+    as its head predicts them (None when it predicts nothing: not a KV section of one sequence's cells).
+
+    A slot saved by a server of ``-np N`` without a unified cache has N streams, all empty (a ``u32 0``)
+    but its own: the empty ones before it are read here, the ones after it are predicted empty."""
+    b = r.get(at, 4)
     if b is None:
         return None
-    n_stream, cells = _u32s(b, 2)
-    if not 1 <= n_stream <= 1024 or cells == 0 or cells > (size - at) // 12:
+    (n_stream,) = _u32s(b, 1)
+    if not 1 <= n_stream <= 1024:
         return None
-    cell0 = at + 8
+    words = r.get(at + 4, min(4 * n_stream, size - at - 4) // 4 * 4)
+    if not words:
+        return None
+    counts = _u32s(words, len(words) // 4)
+    full = next((j for j, c in enumerate(counts) if c), None)
+    if full is None:                   # no stream holds cells: nothing to predict, the section's end is known
+        return ([], at + 4 + 4 * n_stream) if len(counts) == n_stream else None
+    cells, stream = counts[full], at + 4 + 4 * full
+    if cells > (size - stream) // 12:
+        return None
+    cell0 = stream + 4
     # cells of one sequence without ext: 12 bytes each (pos, n_seq_id = 1, seq_id); the walk checks. The cells
-    # (which the walk reads) and the section's data header behind them in one read; beyond CELLS_AT_ONCE
+    # (which the walk reads) and the stream's data header behind them in one read; beyond CELLS_AT_ONCE
     # the first cell and the header alone
     data_at = cell0 + 12 * cells
     if data_at + 28 > size:
@@ -75,8 +88,8 @@ def _kv(r: _Ranged, at: int, size: int, version: int) -> tuple[list[tuple[int, i
     if head is None or struct.unpack_from("<I", head, 4)[0] != 1:
         return None
     if 12 * cells <= CELLS_AT_ONCE:
-        block = r.f.read_ranges([(at, 8 + 12 * cells + 28)])[0]   # from the section's start: one block
-        first, tail = block[8:20], block[8 + 12 * cells:]
+        block = r.f.read_ranges([(stream, 4 + 12 * cells + 28)])[0]   # from the stream's start: one block
+        first, tail = block[4:16], block[4 + 12 * cells:]
     else:
         first, tail = r.f.read_ranges([(cell0, 12), (data_at, 28)])
     if len(tail) < 28 or len(first) < 12 or struct.unpack_from("<I", first, 4)[0] != 1:
@@ -88,7 +101,8 @@ def _kv(r: _Ranged, at: int, size: int, version: int) -> tuple[list[tuple[int, i
         return None
     rec = 12 + row_k * cells
     ranges = [(k0 + i * rec, RECORD) for i in range(1, 2 * n_layer) if k0 + i * rec + 12 <= size]
-    return ranges, k0 + 2 * n_layer * rec   # K records 1.., then V records (as many, of the same bytes)
+    # K records 1.., then V records (as many, of the same bytes); then the streams left, predicted empty
+    return ranges, k0 + 2 * n_layer * rec + 4 * (n_stream - full - 1)
 
 
 #: the most sequences a recurrent section has cells for (``LLAMA_MAX_SEQ``) and ids a cell has
