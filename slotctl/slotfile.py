@@ -41,8 +41,7 @@ from slotctl.format.memory import MemoryLayout, candidate_layouts
 from slotctl.format.recurrent import records_fit, recurrent_head
 from slotctl.paths import STDIN, directory_files
 from slotctl.format.ahead import prefetch
-from slotctl.sources import (RangedFile, first_bytes, input_size, list_prefix, open_input, raise_failure, ranged_view,
-                             remote_url)
+from slotctl.sources import first_bytes, input_size, list_prefix, open_input, raise_failure, ranged_view, remote_url
 
 SCAN_CHUNK = 1 << 20
 #: how far from the end of the file an appendix chain is looked for when the payload cannot be located
@@ -561,12 +560,12 @@ def read_slot_file(f: BinaryIO, path: str | os.PathLike, *, layout: MemoryLayout
     command that reads a file more than once (another layout, its media chunks, a layer's bytes) opens it
     once. ``f`` needs ``read``, ``seek`` and ``tell`` (a local file or a
     :class:`~slotctl.sources.RangedFile`); it stays the caller's to close."""
-    view = ranged_view(f)   # the record headers the head predicts, fetched in one batch (format.ahead)
+    identity = stream_identity(f)
+    size = identity[2] if identity is not None else input_size(f)
+    view = ranged_view(f, size)   # the record headers the head predicts, fetched in one batch (format.ahead)
     if view is not None:
         prefetch(view)
-    identity = stream_identity(f)
-    sf = SlotFile(os.fspath(path), identity[2] if identity is not None else input_size(f), stream=f,
-                  identity=identity)
+    sf = SlotFile(os.fspath(path), size, stream=f, identity=identity)
     f.seek(0)
     _walk(f, sf, layout, draft_layout)
     raise_failure(f)   # a store that failed mid-read: its error, not damage

@@ -233,9 +233,9 @@ class LocalRanges:
     then find the pages in the cache). So a file's record headers cost about one wait on a cold disk
     instead of one per header: the two-read metadata rule, locally."""
 
-    def __init__(self, f: BinaryIO):
+    def __init__(self, f: BinaryIO, size: int | None = None):
         self.fd = f.fileno()
-        self.size = os.fstat(self.fd).st_size
+        self.size = os.fstat(self.fd).st_size if size is None else size
 
     def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         return [os.pread(self.fd, n, off) if n > 0 else b"" for off, n in ranges]
@@ -251,14 +251,14 @@ class LocalRanges:
                 return
 
 
-def ranged_view(f: BinaryIO):
+def ranged_view(f: BinaryIO, size: int | None = None):
     """``f`` as :func:`slotctl.format.ahead.prefetch` reads it: a :class:`RangedFile` as it is, a local file
-    through :class:`LocalRanges`; None for a stream that has neither (standard input's copy is a local
-    file; a stream in memory has nothing to gain)."""
+    through :class:`LocalRanges` (``size``: its size, when the caller has it already); None for a stream
+    that has neither (standard input's copy is a local file; a stream in memory has nothing to gain)."""
     if isinstance(f, RangedFile):
         return f
     try:
-        return LocalRanges(f)
+        return LocalRanges(f, size)
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
         return None
 

@@ -24,6 +24,8 @@ from typing import Sequence
 
 from slotctl.format.appendix import SCKP_MAGIC, SDFT_MAGIC
 from slotctl.format.blob import BLOB_HEADER_SIZE
+from slotctl.format.cells import MAX_SEQ
+from slotctl.format.common import MAX_LAYERS, MAX_STREAMS
 from slotctl.format.header import STATE_SEQ_MAGIC
 
 #: bytes fetched where the next stream, section or appendix is predicted to start, and at the end
@@ -63,7 +65,7 @@ def _kv(r: _Ranged, at: int, size: int, version: int) -> tuple[list[tuple[int, i
     if b is None:
         return None
     (n_stream,) = _u32s(b, 1)
-    if not 1 <= n_stream <= 1024:
+    if not 1 <= n_stream <= MAX_STREAMS:
         return None
     words = r.get(at + 4, min(4 * n_stream, size - at - 4) // 4 * 4)
     if not words:
@@ -97,7 +99,7 @@ def _kv(r: _Ranged, at: int, size: int, version: int) -> tuple[list[tuple[int, i
     v_trans, n_layer = _u32s(tail, 2)
     k0 = data_at + (16 if version >= 4 else 8)
     _ktype, row_k = struct.unpack_from("<iQ", tail, k0 - data_at)
-    if not 1 <= n_layer <= 4096 or row_k == 0 or v_trans > 1:
+    if not 1 <= n_layer <= MAX_LAYERS or row_k == 0 or v_trans > 1:
         return None
     rec = 12 + row_k * cells
     ranges = [(k0 + i * rec, RECORD) for i in range(1, 2 * n_layer) if k0 + i * rec + 12 <= size]
@@ -105,8 +107,6 @@ def _kv(r: _Ranged, at: int, size: int, version: int) -> tuple[list[tuple[int, i
     return ranges, k0 + 2 * n_layer * rec + 4 * (n_stream - full - 1)
 
 
-#: the most sequences a recurrent section has cells for (``LLAMA_MAX_SEQ``) and ids a cell has
-_MAX_SEQ = 256
 #: sections of one payload or blob predicted one after the other (hybrid iSWA has three)
 MAX_SECTIONS = 4
 #: the most ranges predicted for one file: an 80-layer model's 160 records in the payload and in 64
@@ -125,9 +125,9 @@ def _recurrent(r: _Ranged, at: int, size: int, room: int = MAX_RANGES) -> tuple[
     if b is None:
         return None
     (cells,) = _u32s(b, 1)
-    if cells > _MAX_SEQ:
+    if cells > MAX_SEQ:
         return None
-    block = r.get(at + 4, min(size - at - 4, cells * (8 + 4 * _MAX_SEQ) + 8 + 12))
+    block = r.get(at + 4, min(size - at - 4, cells * (8 + 4 * MAX_SEQ) + 8 + 12))
     if block is None:
         return None
     p = 0
@@ -135,14 +135,14 @@ def _recurrent(r: _Ranged, at: int, size: int, room: int = MAX_RANGES) -> tuple[
         if p + 8 > len(block):
             return None
         (k,) = struct.unpack_from("<I", block, p + 4)
-        if k > _MAX_SEQ:
+        if k > MAX_SEQ:
             return None
         p += 8 + 4 * k
     if p + 20 > len(block):
         return None
     s_trans, n_layer = struct.unpack_from("<II", block, p)
     _type, row = struct.unpack_from("<iQ", block, p + 8)
-    if s_trans > 1 or not 1 <= n_layer <= 4096:
+    if s_trans > 1 or not 1 <= n_layer <= MAX_LAYERS:
         return None
     r0 = at + 4 + p + 8
     rec = 12 + row * cells

@@ -173,7 +173,9 @@ def copy_object(config, src: str, etag: str | None, dst: str, size: int, *, if_m
 def _fail(url: str, status: int, body: bytes, what: str, *, exists: bool = False) -> UsageError:
     code = _code(body)
     if exists and (status == 412 or code == "PreconditionFailed"):   # If-None-Match: * on the completion
-        return UsageError(f"{url}: exists (use --overwrite to replace it)", code="exists")
+        from slotctl.remote.store import EXISTS
+
+        return UsageError(f"{url}: {EXISTS}", code="exists")
     if status == 412 or code == "PreconditionFailed":
         return UsageError(f"{url}: the object changed since it was read (its ETag); left as it is",
                           code="object_changed")

@@ -155,6 +155,8 @@ class Config:
 
 # -- errors ----------------------------------------------------------------------------------------------
 
+#: what a copy or an upload that would replace an object is told (``exists``)
+EXISTS = "exists (use --overwrite to replace it)"
 _S3_CODE = re.compile(r"<Code>([A-Za-z]+)</Code>")
 _WORDS = {
     "NoSuchBucket": ("no_such_bucket", "no such bucket"),
@@ -189,7 +191,7 @@ def store_error(url: str, e: Exception, secrets: Sequence[str] = (), *, action: 
     elif isinstance(e, obx.PreconditionError):
         code, words = "object_changed", "the object was replaced while it was read (its ETag changed)"
     elif isinstance(e, obx.AlreadyExistsError):
-        code, words = "exists", "exists (use --overwrite to replace it)"
+        code, words = "exists", EXISTS
     elif isinstance(e, (obx.PermissionDeniedError, obx.UnauthenticatedError)):
         code, words = "bad_credentials", "the store refused the credentials"
     else:
@@ -526,6 +528,12 @@ class Writer:
     def exists(self, url: str) -> bool:
         return self.s3.stat(url) is not None
 
+    def _refuse_existing(self, url: str, overwrite: bool) -> None:
+        """Without ``overwrite``, refuse ``url`` when an object is there (before any byte is sent; the write
+        itself is conditional too, for a writer that comes between)."""
+        if not overwrite and self.exists(url):
+            raise UsageError(f"{url}: {EXISTS}", code="exists")
+
     def upload(self, chunks, size: int, url: str, *, overwrite: bool, progress=None) -> dict:
         """Write ``size`` bytes from ``chunks`` to ``url``; never visible half-written.
 
@@ -535,8 +543,7 @@ class Writer:
         Returns ``{"method", "checksum", "etag"}``; the size and ETag are checked against what was sent.
         """
         store, key = self.s3.bucket(url)
-        if not overwrite and self.exists(url):
-            raise UsageError(f"{url}: exists (use --overwrite to replace it)", code="exists")
+        self._refuse_existing(url, overwrite)
         multipart = size > SINGLE_PUT_MAX
         parts = _Parts(chunks, part_size(size) if multipart else max(size, 1), progress, size)
         target = key if (overwrite or not multipart) else temp_key(key)
@@ -592,8 +599,7 @@ class Writer:
         if sb != split_url(dst)[0]:
             from slotctl.remote.s3copy import copy_object
 
-            if not overwrite and self.exists(dst):
-                raise UsageError(f"{dst}: exists (use --overwrite to replace it)", code="exists")
+            self._refuse_existing(dst, overwrite)
             copy_object(self.s3.config, src, etag, dst, size, if_none_match=not overwrite)
             return {"method": "server_copy", "checksum": None}
         store, dkey = self.s3.bucket(dst)
