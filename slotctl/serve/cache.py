@@ -1,10 +1,10 @@
 """The blocking side of ``slotctl serve``: what it asks the server and the store, run in worker threads.
 
 Everything here reuses what slotctl has: live mode's HTTP API (``POST /slots/N?action=save|restore``,
-``/props`` and ``/slots`` read as :class:`~slotctl.remote.http.ServerFacts`), the flags learned from it
-(:func:`slotctl.remote.prove.local_setup`), validate's verdict (:func:`slotctl.validate.check.validate_file`),
+``/props`` and ``/slots`` read as :class:`~slotctl.live.http.ServerFacts`), the flags learned from it
+(:func:`slotctl.live.prove.local_setup`), validate's verdict (:func:`slotctl.validate.check.validate_file`),
 the predicted reuse (:mod:`slotctl.server.reuse`), the store (a directory or an ``s3://`` prefix,
-:mod:`slotctl.remote.states`), prune's budget, keep's names (a hash of the model, a hash of the tokens).
+:mod:`slotctl.fleet.states`), prune's budget, keep's names (a hash of the model, a hash of the tokens).
 
 Every failure is the caller's to count: a method raises, the proxy sends the request uncached.
 """
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from slotctl.remote import http
-from slotctl.remote.keep import model_hash, tokens_hash
-from slotctl.remote.prove import local_setup, server_reads_checkpoints
-from slotctl.remote.states import copy_atomic, open_store
+from slotctl.live import http
+from slotctl.fleet.keep import model_hash, tokens_hash
+from slotctl.live.prove import local_setup, server_reads_checkpoints
+from slotctl.fleet.states import copy_atomic, open_store
 from slotctl.serve.index import State, StateIndex, as_tokens
 from slotctl.server.reuse import predict_reuse, request_reuse, server_n_swa
 

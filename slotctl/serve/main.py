@@ -20,7 +20,7 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
     import asyncio
     import signal
 
-    from slotctl.remote.http import redact
+    from slotctl.live.http import redact
     from slotctl.serve.cache import Cache
     from slotctl.serve.proxy import Proxy, run
 
