@@ -142,6 +142,17 @@ class Proxy:
     # -- every request ---------------------------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._handle(request)
+        except (asyncio.CancelledError, web.HTTPException):
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug of serve's: one line, never a traceback
+            self.log("error", f"{request.method} {request.path}: {type(e).__name__}: {e}")
+            raise web.HTTPBadGateway(text=json.dumps({"error": {"code": 502, "type": "unavailable_error",
+                                                                "message": f"slotctl serve: {e}"}}),
+                                     content_type="application/json") from None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         c = self.cache.counters
         c.add("requests")
         if request.method == "GET" and request.path == STATS_PATH:
@@ -184,8 +195,8 @@ class Proxy:
                                                 "message": f"slotctl serve: the server {self.base} does not "
                                                            f"answer: {e or type(e).__name__}"}}, status=502), False
         whole = False
+        resp = web.StreamResponse(status=up.status, reason=up.reason)
         try:
-            resp = web.StreamResponse(status=up.status, reason=up.reason)
             for k, v in up.headers.items():
                 if k.lower() not in HOP_BY_HOP:
                     resp.headers.add(k, v)
@@ -197,11 +208,19 @@ class Proxy:
             await resp.write_eof()
             whole = True
             return resp, up.status == 200
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:
+            # the client went away: the answer is left unfinished (aiohttp's own end of it fails quietly)
             self.cache.counters.add("client_disconnects")
             self.log("disconnect", f"{request.method} {request.path}: the client went away: the request to the "
                                    f"server is closed")
-            raise
+            return resp, False
+        except (ClientError, asyncio.TimeoutError) as e:
+            # the server went away mid-answer: the client's connection is closed, never ended as if whole
+            self.cache.counters.add("upstream_errors")
+            self.log("upstream", f"{request.method} {request.path}: the server's answer broke off: {e}")
+            if request.transport is not None:
+                request.transport.close()
+            return resp, False
         finally:
             if whole:
                 up.release()
