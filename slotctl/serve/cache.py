@@ -26,8 +26,9 @@ from slotctl.fleet.states import copy_atomic, open_store
 from slotctl.serve.index import State, StateIndex, as_tokens
 from slotctl.server.reuse import predict_reuse, request_reuse, server_n_swa
 
-#: the name the server saves a slot under before serve checks it (in --slot-save-path)
-INCOMING = "serve-slot{slot}-incoming.bin"
+#: the name the server saves a slot under before serve checks it (in --slot-save-path): one per save, so
+#: that a slot is given again while its last save is being stored
+INCOMING = "serve-slot{slot}-{seq}-incoming.bin"
 #: the names of serve's states: the model's hash, the number of tokens (zero-padded: names sort by length),
 #: a hash of the tokens (one state stored once)
 STATE_NAME = "serve-{model}-{n:07d}-{tokens}.bin"
@@ -53,6 +54,18 @@ class Judged:
     kind: str | None
     n_swa: int
     reason: str | None = None
+
+
+@dataclass
+class Saved:
+    """A slot the server saved, checked, not yet stored: its working file and the state's name."""
+
+    slot: int
+    path: Path
+    name: str
+    tokens: np.ndarray
+    kind: str | None
+    size: int
 
 
 @dataclass
@@ -104,6 +117,7 @@ class Cache:
         self._judged: dict[tuple[str, int], Judged] = {}
         self._setups: dict[int, object] = {}
         self._lock = threading.Lock()
+        self._seq = 0
         self._listed = 0.0
         self.catalog = None
         if catalog:
@@ -288,16 +302,19 @@ class Cache:
 
     # -- saving ----------------------------------------------------------------------------------------
 
-    def save(self, slot: int, api_key: str | None = None) -> tuple[str, np.ndarray] | None:
-        """The slot saved by the server, checked, and stored under its content's name (once: a state
-        already stored is not stored again). (name, tokens), or None when the slot holds nothing."""
+    def save(self, slot: int, api_key: str | None = None) -> Saved | None:
+        """The slot saved by the server into the slot directory (under a working name of its own) and
+        checked: it parses, with the token count and size the server reported. None when the slot holds
+        nothing (the working file removed); the working file is :meth:`store`'s to store or remove."""
         from slotctl.slotfile import open_slot_file
 
-        work = INCOMING.format(slot=slot)
+        with self._lock:
+            self._seq += 1
+            work = INCOMING.format(slot=slot, seq=f"{os.getpid()}-{self._seq}")
         path = self.slot_dir / work
-        answer = http.save_slot(self.url, slot, work, api_key=api_key or self.api_key, timeout=self.timeout,
-                                check=False)
         try:
+            answer = http.save_slot(self.url, slot, work, api_key=api_key or self.api_key, timeout=self.timeout,
+                                    check=False)
             sf = open_slot_file(path)
             try:
                 n = sf.tokens.n_tokens if sf.tokens is not None else 0
@@ -306,29 +323,54 @@ class Cache:
                                                           f"saved {answer['n_saved']:,} in {answer['n_written']:,}")
                     raise http.ServerAnswerError(f"{path}: not stored: {why}")
                 if n == 0 or sf.tokens.media:
+                    _unlink(path)
                     return None
                 tokens = as_tokens(sf.tokens.tokens)
-                kind = sf.target.layout.kind if sf.target is not None else None
-                size = sf.size
+                return Saved(slot, path, state_name(self.model, tokens), tokens,
+                             sf.target.layout.kind if sf.target is not None else None, sf.size)
             finally:
                 sf.close()
-            name = state_name(self.model, tokens)
+        except BaseException:
+            _unlink(path)
+            raise
+
+    def store_saved(self, saved: Saved) -> None:
+        """A checked save stored under its content's name (once: a state already stored is not stored
+        again; a directory store on the slot directory's file system takes a hard link, nothing copied),
+        indexed, the store held under its budget; the working file removed whatever happens."""
+        name, path = saved.name, saved.path
+        try:
+            where = self.store.where(name)
+            stored = False
             if self.store.has(name):
-                self.counters.add("saves_deduplicated")
-            else:
-                self.store.put(path, name)
-                self.counters.add("saves")
-                self.log("stored", f"slot {slot}: stored as {self.store.where(name)} ({size:,} bytes, "
-                                   f"{n:,} tokens)", slot=slot, name=name, size=size, n_tokens=n)
-            if self.index is not None:
-                self.index.add(State(name, tokens, kind, size))
-            self.prune()
-            return name, tokens
-        finally:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
                 pass
+            elif not where.startswith("s3://"):
+                try:
+                    os.link(path, where)          # never over a state of that name
+                    from slotctl.atomic import fsync_dir
+
+                    fsync_dir(os.path.dirname(where))
+                    stored = True
+                except FileExistsError:
+                    pass
+                except OSError:
+                    self.store.put(path, name, move=False)
+                    stored = True
+            else:
+                self.store.put(path, name, move=False)
+                stored = True
+            if stored:
+                self.counters.add("saves")
+                self.log("stored", f"slot {saved.slot}: stored as {where} ({saved.size:,} bytes, "
+                                   f"{len(saved.tokens):,} tokens)", slot=saved.slot, name=name, size=saved.size,
+                         n_tokens=len(saved.tokens))
+            else:
+                self.counters.add("saves_deduplicated")
+            if self.index is not None:
+                self.index.add(State(name, saved.tokens, saved.kind, saved.size))
+            self.prune()
+        finally:
+            _unlink(path)
 
     def prune(self) -> None:
         if self.max_size is None:
@@ -340,4 +382,11 @@ class Cache:
                 self.index.forget([path.rpartition("/")[2]])
             self.log("pruned", f"{path}: {action} ({reason}), {size:,} bytes", path=path, size=size)
 
-        self.store.prune(self.max_size, (INCOMING.format(slot="*"),), pruned)
+        self.store.prune(self.max_size, (INCOMING.format(slot="*", seq="*"),), pruned)
+
+
+def _unlink(path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -413,12 +413,14 @@ class Proxy:
             return
 
     async def _save_then_release(self, slot: Slot, key: str | None) -> None:
-        """After a whole answer: the slot saved into the store, its ``/slots`` signature noted, then freed."""
+        """After a whole answer: the slot saved by the server and checked, its ``/slots`` signature noted, then
+        freed; the state is stored after (the slot's next request need not wait for the copy)."""
+        saved = None
         try:
             try:
                 saved = await asyncio.to_thread(self.cache.save, slot.id, key)
                 if saved is not None:
-                    slot.tokens = saved[1]
+                    slot.tokens = saved.tokens
             except Exception as e:  # noqa: BLE001 - a save that fails costs the next restore, nothing more
                 self.cache.counters.add("save_failures")
                 self.log("error", f"slot {slot.id}: not saved: {e}", slot=slot.id)
@@ -430,10 +432,17 @@ class Proxy:
                 slot.sig = UNKNOWN
         finally:
             self._release(slot)
+        if saved is not None:
+            try:
+                await asyncio.to_thread(self.cache.store_saved, saved)
+            except Exception as e:  # noqa: BLE001 - the store down: the next restore misses it
+                self.cache.counters.add("save_failures")
+                self.log("error", f"slot {slot.id}: not stored: {e}", slot=slot.id)
 
 
 async def run(proxy: Proxy, host: str, port: int, *, ready=None, stop: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set (SIGTERM, SIGINT). ``ready(host, port)`` once listening."""
+    """Serve until ``stop`` is set (SIGTERM, SIGINT). ``ready(host, port)`` once listening, then the server's
+    facts are read (:meth:`Proxy.begin`)."""
     runner = web.AppRunner(proxy.app(), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
