@@ -440,3 +440,25 @@ def test_two_serve_processes_share_one_s3_store(llama_server_bin, tiny_models, t
     finally:
         for srv in servers:
             srv.stop()
+
+
+@server
+def test_the_catalog_spares_reading_stored_states_again(llama, tmp_path):
+    """A second serve over the same store knows the stored states' tokens from the catalog (beside the store):
+    it reads none of them again; --no-cache reads them."""
+    with serving(llama, llama.save_dir, str(tmp_path)) as s:
+        complete(s.url, SAMPLE_PROMPT)
+        s.wait_for("saves", 1)
+    (state,) = tmp_path.glob("serve-*.bin")
+    old = time.time() - 3600
+    os.utime(state, (old, old))        # older than the catalog's 3 s: its row is trusted
+    from slotctl.catalog import INDEX_NAME
+
+    assert (tmp_path / INDEX_NAME).exists()
+    # the same request each time: the same state, stored once
+    for extra, read in (((), 1), ((), 0), (("--no-cache",), 1)):
+        with serving(llama, llama.save_dir, str(tmp_path), *extra) as s:
+            complete(s.url, SAMPLE_PROMPT)
+            (ev,) = [e for e in s.events if e["event"] == "indexed"]
+            assert ev["details"]["n"] == 1 and ev["details"]["read"] == read, ev
+    assert len(list(tmp_path.glob("serve-*.bin"))) == 1

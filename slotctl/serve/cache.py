@@ -286,10 +286,7 @@ class Cache:
             if where.startswith("s3://"):
                 self.store.local(name, self.slot_dir)      # downloaded whole, complete or absent
             else:
-                try:
-                    os.link(where, placed)                 # the same file system: nothing copied
-                except OSError:
-                    copy_atomic(where, placed)
+                copy_atomic(where, placed)     # not a hard link: that would change the state's ctime, its identity
         try:
             return http.restore_slot(self.url, slot, name, api_key=api_key or self.api_key, timeout=self.timeout,
                                      check=False)
