@@ -135,7 +135,7 @@ CUT_UNDEFINED = ("b11434's loader compares variables the file never filled (loca
 
 
 def cut_payload_outcome(field: str, offset: int, *, fits: bool, settled: bool,
-                        refuses: str | None = None) -> Outcome:
+                        refuses: str | None = None, first: int | None = None) -> Outcome:
     """``llama_state_seq_load_file`` on a file that ends inside the payload (b11434, POSIX).
 
     ``llama_file::read_raw_unsafe`` clamps each read to the bytes left, so a field the end falls in gets
@@ -150,7 +150,17 @@ def cut_payload_outcome(field: str, offset: int, *, fits: bool, settled: bool,
     :data:`CUT_UNDEFINED` as the doubt (the x86-64 build of slotctl's tests keeps each local's value from
     the record before, and so aborts where the record before fits). On Windows ``read_raw`` throws at the
     end of the file instead: every cut is refused there.
+
+    The loader's order comes first: ``first`` (the offset of a field the file holds whole whose check fails,
+    ``refuses`` saying which) is where the loader refuses the file, for certain, whatever the end
+    (``state_read_meta`` and ``state_read_data`` return false at the first check that fails; b11434 checks
+    n_stream, each stream's cell count, each cell's n_seq_id, then n_layer, the cell count, v_trans, the
+    rotations, and each record's type and row size as it reads them: :mod:`slotctl.format.cut`).
     """
+    if first is not None:
+        return Outcome("target", REFUSED, message=TARGET_ERROR, reason=(
+            f"{refuses} at 0x{first:x}: the loader checks it before any check of what lies past the end of "
+            f"the file (at 0x{offset:x}) and refuses the file there"))
     where = f"the file ends inside the target memory's {field} (at 0x{offset:x})"
     if refuses:
         return Outcome("target", REFUSED, message=TARGET_ERROR, reason=f"{where}: {refuses}: the loader refuses "

@@ -272,15 +272,21 @@ def _expected(pred: Prediction) -> Expected:
 
 
 def _cut_issues(cut: Cut, target: _MemLayer | None) -> list[_Issue]:
-    """What b11434 does with a file that ends inside the target payload
-    (:func:`slotctl.server.restore.cut_payload_outcome`), as a finding on the target memory: the checks
-    before the end (and of the bytes the file holds of the field the end falls in) are the comparison's
-    issues already. Not certain, and then the worst, when the loader checks what the file never filled."""
+    """What b11434 does with a file whose target payload its loader reads past the end of
+    (:func:`slotctl.server.restore.cut_payload_outcome`), as a finding on the target memory. A check the
+    file's own bytes fail, met in the loader's order before any check of what the file never filled,
+    decides: refused, for certain (the finding is named for that check). Else the checks before the end (and
+    of the bytes the file holds of the field the end falls in) are the comparison's issues already. Not
+    certain, and then the worst, when the loader checks what the file never filled."""
     if target is None:
         return []
-    blocking = any(i.finding.severity != "note" for i in target.issues)
     target.no_load = ("the file ends inside the payload; this runtime's loader reads a buffer and stops at its "
                       "end, b11434's file loader reads on past it: not comparable")
+    if cut.before_end:
+        got = cut_payload_outcome(cut.describe(), cut.offset, fits=False, settled=True, refuses=cut.refuses,
+                                  first=cut.at)
+        return [_Issue(Finding(TARGET, "error", cut.code or "payload_cut", got.reason, cut.at), EFFECT_REFUSED)]
+    blocking = any(i.finding.severity != "note" for i in target.issues)
     unparsed = cut.refuses is None and target.memory is None    # the completion did not parse: not settled
     got = cut_payload_outcome(cut.describe(), cut.offset, fits=not blocking, settled=cut.settled and not unparsed,
                               refuses=cut.refuses)
