@@ -161,6 +161,23 @@ def test_add_checkpoint_keeps_the_newest_and_thins_out_other_tasks():
     assert [c.n_tokens for c in cps] == [100, 200, 300]
 
 
+@pytest.mark.parametrize("before,new,n_max,min_step,after", [
+    # issue 24: create_checkpoint checks "full" again at every step: 2 and 4 go, then there is room
+    ((0, 2, 4, 6), 200, 4, 8, (0, 6, 200)),
+    # 2, 4 and 6 go (each within 8 of 0); then there is room and 8 stays
+    ((0, 2, 4, 6, 8), 200, 4, 8, (0, 8, 200)),
+    # not full: nothing is thinned out, however close
+    ((0, 2), 200, 4, 8, (0, 2, 200)),
+    # the current task's own checkpoints are never thinned out
+    ((0, 2, 4, 6), 200, 4, 8, (2, 4, 6, 200)),
+])
+def test_add_checkpoint_checks_full_at_every_step(before, new, n_max, min_step, after):
+    own = 7 if after == (2, 4, 6, 200) else 1
+    cps = [_Cp(n, own if own == 7 else -1) for n in before]
+    add_checkpoint(cps, _Cp(new, 7), n_max=n_max, min_step=min_step)
+    assert tuple(c.n_tokens for c in cps) == after
+
+
 def _server_cps(model, tokens, **kw) -> list[Checkpoint]:
     settings = ContextSettings(n_ctx=256, n_threads=1, n_ubatch=kw.pop("n_ubatch", 512))
     with ServerContexts.open(model, settings) as sc:

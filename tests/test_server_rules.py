@@ -101,10 +101,76 @@ def test_the_token_rule_is_server_tokens_validate():
     assert list(rs.invalid_token_indices([1, 100, -2], n_vocab)) == [1, 2]
     # -1 is a media chunk's position only where a chunk starts (and the -1 words after it)
     assert list(rs.invalid_token_indices([1, -1, -1, 5], n_vocab)) == [1, 2]
-    assert list(rs.invalid_token_indices([1, -1, -1, 5], n_vocab, media_starts=[1])) == []
-    assert list(rs.invalid_token_indices([1, -1, -1, 5, -1], n_vocab, media_starts=[1])) == [4]
+    assert list(rs.invalid_token_indices([1, -1, -1, 5], n_vocab, media=[1])) == []
+    assert list(rs.invalid_token_indices([1, -1, -1, 5, -1], n_vocab, media=[1])) == [4]
     # a chunk start that is not a -1 word
-    assert list(rs.invalid_token_indices([1, 2, 3], n_vocab, media_starts=[1])) == [1]
+    assert list(rs.invalid_token_indices([1, 2, 3], n_vocab, media=[1])) == [1]
+
+
+def _chunk(type_: int = 1, nx: int = 2, ny: int = 1, entries: int = 1, pos_type: int = 0, merge: int = 1,
+           audio_tokens: int = 0) -> bytes:
+    """An mtmd chunk (serialization version 2) as mtmd_input_chunk_save writes one, built here field by field."""
+    out = struct.pack("<QI", 2, type_) + struct.pack("<Q", 0)       # version, type, no text tokens
+    if type_ == 1:
+        out += b"\x01" + struct.pack("<IIIII", nx, ny, pos_type, 0, merge) + struct.pack("<Q", 3) + b"img"
+        out += b"\x00" + struct.pack("<Q", entries) + b"".join(struct.pack("<BBiii", 0, 0, 0, 4, 4)
+                                                                 for _ in range(entries))
+    else:
+        out += b"\x00"
+    if type_ == 2:
+        out += b"\x01" + struct.pack("<I", audio_tokens) + struct.pack("<Q", 3) + b"aud" + b"\x01" + struct.pack("<Q", 0)
+    else:
+        out += b"\x00"
+    return out
+
+
+@pytest.mark.parametrize("chunk,n_tokens,n_pos", [
+    (_chunk(nx=2, ny=1), 2, 2),
+    (_chunk(nx=3, ny=2, entries=2), 12, 12),               # nx * ny per batch entry
+    (_chunk(nx=3, ny=2, entries=3, merge=2), 12, 12),      # 3 entries merged by 2: 2 frames
+    (_chunk(nx=3, ny=2, pos_type=1), 6, 3),                # M-RoPE: max(nx, ny) positions
+    (_chunk(nx=3, ny=2, pos_type=2), 10, 10),              # HunyuanVL: (nx + 1) * ny + 2
+    (_chunk(type_=2, audio_tokens=5), 5, 5),
+    (_chunk(type_=0), 0, 0),
+])
+def test_a_media_chunk_counts_as_mtmd_counts_it(chunk, n_tokens, n_pos):
+    ext = rs.chunk_extent(chunk)
+    assert (ext.n_tokens, ext.n_pos, ext.text) == (n_tokens, n_pos, chunk[8] == 0)
+
+
+def test_media_words_are_exactly_each_chunks_tokens(tmp_path):
+    """server_tokens::validate (b11434): at a -1 word a chunk must start; exactly its n_tokens -1 words
+    follow; it is not text and has n_pos > 0; every chunk is met (issue 24: any run of -1 words from a media
+    start was taken as the chunk's)."""
+    two = rs.MediaExtent(False, 2, 2)
+    bad = lambda toks, media: list(rs.invalid_token_indices(toks, 100, media))   # noqa: E731
+    first = lambda toks, media: bad(toks, media)[:1]   # noqa: E731  (the server stops at the first)
+    assert bad([1, -1, -1, 5], {1: two}) == []
+    assert bad([1, -1, -1, -1, 5], {1: two}) == [3]                    # one -1 word more than the chunk's
+    assert first([1, -1, 5, 6], {1: two}) == [1]                         # fewer
+    assert first([1, -1, -1], {1: rs.MediaExtent(False, 3, 3)}) == [1]   # more than the tokens left
+    assert first([1, -1, -1, 5], {1: rs.MediaExtent(False, 2, 0)}) == [1]     # n_pos 0
+    assert first([1, -1, -1, 5], {1: rs.MediaExtent(True, 2, 2)}) == [1]      # a text chunk
+    assert bad([1, -1, -1, -1, -1, 5], {1: two, 3: two}) == []               # two chunks back to back
+    assert bad([1, -1, -1, -1, -1, 5], {1: two, 2: two})[0] == 2              # a start inside a chunk: never met
+    assert bad([1, 2, -1, -1], {1: two, 2: two}) == [1]                       # a start on a text token
+    # the chunk's extent unknown (unreadable: refused by the chunk loader first): the run from its start
+    assert bad([1, -1, -1, -1, 5], {1: None}) == []
+    # a file: the words the chunk says, validated with a model, and one -1 word more
+    from slotctl.format.tokens import pack_tokens
+    from slotctl.slotfile import build_header
+
+    raw = (DATA / "srv-np1.bin").read_bytes()
+    sf = open_slot_file(DATA / "srv-np1.bin")
+    for toks, ok in (([1, -1, -1, 5], True), ([1, -1, -1, -1, 5], False)):
+        words = pack_tokens(toks, media=[(1, _chunk(nx=2, ny=1))])
+        (tmp_path / "m.bin").write_bytes(build_header(4, words) + raw[sf.target.offset:])
+        sf2 = open_slot_file(tmp_path / "m.bin")
+        assert (rs.check_tokens(decode_tokens(words), n_ctx_slot=256, n_vocab=100, has_mtmd=True).status
+                == rs.RESTORED) is ok
+        from slotctl.server.findings import invalid_tokens_finding, media_extents
+
+        assert (invalid_tokens_finding(sf2.tokens.tokens, 100, media_extents(sf2)) is None) is ok
 
 
 def test_check_tokens_in_the_servers_order():

@@ -144,6 +144,8 @@ class _Reader:
         self.section = 0
         #: the last field read: (offset, whole in the file)
         self.last: tuple[int, bool] = (pos, True)
+        #: how a refusal names the section ("" for a memory of one section)
+        self.label = ""
 
     def want(self, key: str, record: int | None = None) -> int | None:
         return self.expected(key, self.section, record) if self.expected is not None else None
@@ -160,6 +162,7 @@ class _Reader:
         if want is None or (value <= want if most else value == want):
             return
         code, words = _CHECKS[key]
+        what = self.label + what
         found = (f"{value:,} cells, more than the {want:,} the context has" if most
                  else f"{value:,}, the context expects {want:,}")
         raise _Refuses(f"{what} is {found} (\"{words}\")", code, at, True)
@@ -237,6 +240,7 @@ def locate_cut(f: BinaryIO, offset: int, size: int, layout: MemoryLayout, versio
     try:
         for si, sec in enumerate(layout.sections):
             r.section = si
+            r.label = f"the {sec.describe()} section's " if len(layout.sections) > 1 else ""
             if sec.type == "kv":
                 _walk_kv(r, sec, version)
             else:

@@ -13,7 +13,7 @@ from typing import BinaryIO, Callable, Iterable, Sequence
 from slotctl.sources import open_input, raise_failure, remote_url
 from slotctl.errors import FormatError, UsageError, os_error_code
 from slotctl.server.findings import (Finding, ServerRules, checkpoints_read, invalid_tokens_finding,
-                                     structural_findings)
+                                     media_extents, structural_findings)
 from slotctl.format.blob import FLAGS_NONE, FLAGS_PARTIAL_ONLY
 from slotctl.format import ggml
 from slotctl.format.cut import Cut, Expected, Extended, locate_cut
@@ -488,7 +488,7 @@ def _token_issues(sf: SlotFile, tpred: Prediction, tinfo: ModelInfo, setup: Serv
         out.append(_issue(side, "prompt_too_long",
                           f"the prompt has {n:,} tokens, the slot context {tpred.n_ctx_slot:,} (\"Restored prompt "
                           f"does not fit in the slot context\"): {remedy}", 12))
-    bad = invalid_tokens_finding(tk.tokens, tinfo.n_vocab, [start for start, _ in tk.media], Path(tinfo.path).name)
+    bad = invalid_tokens_finding(tk.tokens, tinfo.n_vocab, media_extents(sf), Path(tinfo.path).name)
     if bad is not None:
         out.append(_Issue(bad, EFFECT_REFUSED))
     return out
