@@ -408,7 +408,7 @@ def b11434_matrix(llama_server_bin, models, tmp_path_factory) -> Matrix:
     # written by slotctl save
     for name, args in (("slotctl-np1.bin", ("-c", "256", "-np", "1", "-fa", "on")),
                        ("slotctl-fa-off.bin", ("-c", "256", "-np", "1", "-fa", "off")),
-                       ("slotctl-draft.bin", ("-c", "256", "-np", "1", "-fa", "on", "-md", str(models["draft"])))):
+                       ("slotctl-draft.bin", ("-c", "256", "-np", "1", "-fa", "on", "-md", str(models["draft"]), "--spec-type", "draft-simple"))):
         _slotctl_save(slots / name, models["target"], *args)
         llama_files[name] = slots / name
     base = (DATA / "srv-np1.bin").read_bytes()
@@ -571,10 +571,13 @@ def appendix_flag_sets(models: dict[str, Path]) -> list[tuple[str, tuple[str, ..
     d, t = str(models["draft"]), str(models["target"])
     return [
         ("no-draft", ()),
-        ("draft", ("-md", d)),
-        ("draft-ctkd-q8_0", ("-md", d, "-ctkd", "q8_0", "-ctvd", "q8_0")),
-        ("draft-of-another-shape", ("-md", t)),
-        ("draft-ctx-checkpoints-1", ("-md", d, "--ctx-checkpoints", "1")),
+        ("draft", ("-md", d, "--spec-type", "draft-simple")),
+        ("draft-ctkd-q8_0", ("-md", d, "--spec-type", "draft-simple", "-ctkd", "q8_0", "-ctvd", "q8_0")),
+        ("draft-of-another-shape", ("-md", t, "--spec-type", "draft-simple")),
+        ("draft-ctx-checkpoints-1", ("-md", d, "--spec-type", "draft-simple", "--ctx-checkpoints", "1")),
+        # -md without --spec-type: b11434 loads the draft model and builds no drafter, so no draft context:
+        # a file's draft state is dropped (server.speculative.draft_context)
+        ("draft-without-spec-type", ("-md", d)),
     ]
 
 
@@ -607,8 +610,8 @@ def appendix_matrix(models, tmp_path_factory) -> Matrix:
     tmp = tmp_path_factory.mktemp("agreement-appendix")
     t, d = models["target"], str(models["draft"])
     _slotctl_save(tmp / "base.bin", t, *COMMON)
-    _slotctl_save(tmp / "draft.bin", t, *COMMON, "-md", d)
-    _slotctl_save(tmp / "ckpt-draft.bin", t, *COMMON, "-md", d, "--checkpoint-at", "20", "--checkpoint-at", "40")
+    _slotctl_save(tmp / "draft.bin", t, *COMMON, "-md", d, "--spec-type", "draft-simple")
+    _slotctl_save(tmp / "ckpt-draft.bin", t, *COMMON, "-md", d, "--spec-type", "draft-simple", "--checkpoint-at", "20", "--checkpoint-at", "40")
     full = (tmp / "ckpt-draft.bin").read_bytes()
     head = SCKP + struct.pack("<II", 1, 2)   # the checkpoints at 20 and 40 (a batch split changes the payload)
     at = full.find(head)

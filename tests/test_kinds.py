@@ -81,7 +81,7 @@ def child():
 
 
 def restore(model, path, *args, draft=None) -> tuple[dict, int]:
-    extra = ["-md", draft] if draft else []
+    extra = ["-md", draft, "--spec-type", "draft-simple"] if draft else []
     res = cli("restore", path, "-m", model, *extra, *CTX, *args, "--json")
     return json.loads(res.stdout), res.exit_code
 
@@ -466,7 +466,7 @@ def test_save_refuses_an_empty_delimiter(models, tmp_path):
                                            ("lfm2-swa", "lfm2-swa")])
 def test_speculative_decoding_with_recurrent_and_hybrid_targets(models, tmp_path, target, draft):
     path = tmp_path / "spec.bin"
-    res = cli("save", "-m", models[target], "-md", models[draft], "--prompt", PROMPT, "-o", path, *CTX,
+    res = cli("save", "-m", models[target], "-md", models[draft], "--spec-type", "draft-simple", "--prompt", PROMPT, "-o", path, *CTX,
               "--server-checkpoints")
     assert res.exit_code == 0, res.stderr
     d, code = restore(models[target], path, "--continue", " And the", "-n", "16", "--compare", draft=models[draft])
@@ -484,7 +484,7 @@ def test_speculative_decoding_with_recurrent_and_hybrid_targets(models, tmp_path
 
 def test_the_server_aborts_with_a_recurrent_draft_for_a_target_that_removes_positions(models, tmp_path):
     path = tmp_path / "abort.bin"
-    res = cli("save", "-m", models["llama"], "-md", models["mamba"], "--prompt", PROMPT, "-o", path, *CTX)
+    res = cli("save", "-m", models["llama"], "-md", models["mamba"], "--spec-type", "draft-simple", "--prompt", PROMPT, "-o", path, *CTX)
     assert res.exit_code == 0, res.stderr
     d, code = restore(models["llama"], path, "--continue", " And the", "-n", "16", draft=models["mamba"])
     assert code == 1 and not d["ok"]

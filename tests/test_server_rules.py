@@ -6,6 +6,7 @@ contexts, with appendices built by the same code the runtime writes them with.
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import sys
@@ -427,7 +428,7 @@ def test_validate_says_a_draft_simple_server_ignores_the_speculative_state(tmp_p
     sf0 = open_slot_file(src, layout=_layout())
     path = tmp_path / "spec.bin"
     path.write_bytes(src.read_bytes()[:sf0.target.end] + apx.build_sdft(b"", b"\x01" * 24))
-    res = _invoke("validate", path, "-m", DATA / "target.gguf", "-md", DATA / "draft.gguf", "--no-load", "--json")
+    res = _invoke("validate", path, "-m", DATA / "target.gguf", "-md", DATA / "draft.gguf", "--spec-type", "draft-simple", "--no-load", "--json")
     doc = json.loads(res.stdout)
     codes = [f["code"] for f in doc["files"][0]["findings"]]
     assert "speculative_state_ignored" in codes
@@ -478,7 +479,8 @@ def test_validate_opens_each_file_once(tmp_path):
     whole.write_bytes((DATA / "srv-draft.bin").read_bytes())
     cut = tmp_path / "cut.bin"
     cut.write_bytes(whole.read_bytes()[:-1000])
-    setup = ServerSetup(target=DATA / "target.gguf", draft=DATA / "draft.gguf", settings=ContextSettings(n_ctx=4096))
+    setup = ServerSetup(target=DATA / "target.gguf", draft=DATA / "draft.gguf", settings=ContextSettings(n_ctx=4096),
+                        spec_type="draft-simple")
     for path in (whole, cut):
         _OPENED = []
         try:
@@ -595,3 +597,73 @@ def test_each_appendix_is_named_with_the_change_that_reads_it(tmp_path):
         assert has in f.message and lacks not in f.message, f.message
         assert (f.doubt is not None) == (name == "sckp")
     assert "b11434" in _ANSWER_KEYS["n_read"] and "appendices" in _ANSWER_KEYS["n_read"]
+
+
+# -- the draft context from the flags -------------------------------------------------------------------------
+
+
+def test_the_draft_context_as_b11434_builds_it_from_its_flags():
+    import dataclasses
+
+    from slotctl.model.info import gguf_spec_types, read_model_info
+    from slotctl.server.speculative import draft_context, parse_spec_types, server_spec_types
+
+    t, d = read_model_info(DATA / "target.gguf"), read_model_info(DATA / "draft.gguf")
+    # -md alone: the default list is none, nothing is inferred from a plain GGUF: no drafter, no context
+    got = draft_context(None, d, t)
+    assert not got.built and got.types == ("none",) and "--spec-type" in got.why
+    assert draft_context("draft-simple", d, t).built
+    assert draft_context("ngram-mod", d, t).built          # an implementation: ctx_dft is kept
+    assert not draft_context("none", d, t).built
+    assert not draft_context("draft-simple", None, t).built    # no draft model, no MTP
+    # the types inferred from a draft GGUF (common_speculative_types_from_gguf): MTP heads, dflash, dspark
+    assert gguf_spec_types("qwen3", 3, frozenset({"blk.2.nextn.eh_proj.weight"})) == ("draft-mtp",)
+    assert gguf_spec_types("qwen3", 3, frozenset({"blk.1.nextn.eh_proj.weight"})) == ()
+    assert gguf_spec_types("dflash", 2, frozenset()) == ("draft-dflash",)
+    assert gguf_spec_types("dflash", 2, frozenset({"markov_w1.weight"})) == ("draft-dspark",)
+    assert gguf_spec_types("eagle3", 1, frozenset()) == ()     # eagle3 only by --spec-type draft-eagle3
+    mtp = dataclasses.replace(d, spec_types_gguf=("draft-mtp",))
+    assert server_spec_types(None, mtp) == ("draft-mtp",)
+    assert server_spec_types("draft-simple", mtp) == ("none", "draft-simple")   # a flag: nothing inferred
+    assert server_spec_types("none", mtp) == ("none", "none")                   # even "none"
+    got = draft_context(None, mtp, t)
+    assert got.built and got.mtp
+    assert parse_spec_types("ngram-mod,draft-simple") == ("ngram-mod", "draft-simple")
+    assert parse_spec_types("draft-simple,none") == ("none",)
+    with pytest.raises(FlagError, match="unknown speculative type: draft-fast"):
+        ServerFlags(spec_type="draft-fast")
+
+
+def test_an_mtp_draft_context_holds_the_nextn_layers_only():
+    import dataclasses
+
+    from slotctl.model.info import read_model_info
+
+    t = read_model_info(DATA / "target.gguf")
+    with pytest.raises(UsageError, match="needs nextn layers"):
+        t.mtp_context()
+    # two blocks, the last an MTP head: the main context holds block 0, the MTP context block 1
+    head = dataclasses.replace(t, n_layer=1, attention_layers=(True, False))
+    m = head.mtp_context()
+    assert m.kv_layers() == (1,) and head.kv_layers() == (0,)
+    hybrid = dataclasses.replace(head, memory_kind="hybrid")
+    assert hybrid.mtp_context().memory_kind == "unsupported"
+
+
+def test_validate_drops_a_draft_state_for_md_alone_and_says_why(tmp_path):
+    from slotctl.format.appendix import SDFT_MAGIC
+
+    raw = (DATA / "srv-np1.bin").read_bytes()
+    blob = (DATA / "srv-draft.bin").read_bytes()
+    path = tmp_path / "sdft.bin"
+    # a draft blob that is some state: its bytes do not matter, the server has no context to put it in
+    dft = b"\0" * 64
+    path.write_bytes(raw + struct.pack("<II", SDFT_MAGIC, 1) + struct.pack("<Q", len(dft)) + dft
+                     + struct.pack("<Q", 0))
+    del blob
+    base = ["validate", path, "-m", DATA / "target.gguf", "-md", DATA / "draft.gguf", "-c", "256", "-fa", "on",
+            "--no-load", "--json"]
+    res = _invoke(*base)
+    (rep,) = json.loads(res.stdout)["files"]
+    (f,) = [x for x in rep["findings"] if x["code"] == "no_draft_context"]
+    assert "builds no drafter" in f["message"] and rep["verdict"] == "restores_with_drops"

@@ -105,6 +105,7 @@ def check(child, path, model=None, draft=None, *, load=True, ctkd="f16", ctvd="f
           **settings) -> FileReport:
     """Validate one file (the library call the CLI makes), the real check in the module's child."""
     setup = ServerSetup(target=model, draft=draft, settings=ContextSettings(**settings), draft_type_k=ctkd,
+                        spec_type="draft-simple" if draft is not None else None,
                         draft_type_v=ctvd, slot=slot, mmproj=mmproj)
     (report,) = validate_paths([path], setup, real_check=load, child=child).files
     return report
@@ -505,7 +506,8 @@ def test_a_checkpoint_blob_that_does_not_load_is_an_error_where_the_server_rolls
 
 
 def test_too_many_checkpoints_are_dropped(child, models, made):
-    setup = ServerSetup(models.target, models.draft, ContextSettings(n_ctx=256), n_ctx_checkpoints=1)
+    setup = ServerSetup(models.target, models.draft, ContextSettings(n_ctx=256), n_ctx_checkpoints=1,
+                        spec_type="draft-simple")
     (r,) = validate_paths([made.good], setup, child=child).files
     assert finding(r, "too_many_checkpoints").severity == "drop"
     assert r.verdict == "restores_with_drops"
@@ -732,7 +734,7 @@ def test_cli_json_document():
 
 
 def test_cli_a_file_with_checkpoints_and_draft_restores(models, made):
-    res = _invoke(made.good, "-m", models.target, "-md", models.draft, "-c", 256)
+    res = _invoke(made.good, "-m", models.target, "-md", models.draft, "--spec-type", "draft-simple", "-c", 256)
     assert res.exit_code == 0, res.output
     assert "restores completely" in res.stdout and res.stderr == ""
     for layer in ("target memory", "checkpoint 1 draft", "draft"):

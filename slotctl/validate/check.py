@@ -108,7 +108,7 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
     if cut is not None:
         sf, cut_error = cut[1], cut[2]
         model_parse = sf.target is not None
-    layers = _memory_layers(sf, f, model_parse, tinfo, dinfo, issues)
+    layers = _memory_layers(sf, f, model_parse, tinfo, dinfo, issues, models.draft_context.why)
     explained = {id(e) for e in _explained_errors(sf, layers)}
     if cut is not None:
         explained.add(id(cut_error))
@@ -135,14 +135,14 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
         issues += _token_issues(sf, tpred, tinfo, setup)
     if tinfo is not None and (sf.draft_spec is not None or sf.checkpoints):
         issues += [_Issue(sp, EFFECT_DROPPED if sp.severity == "drop" else EFFECT_OK)
-                   for sp in speculative_findings(sf, f, tinfo, dinfo)]
+                   for sp in speculative_findings(sf, f, tinfo, dinfo, models.draft_context.types)]
 
     if cut is not None:
         issues += _cut_issues(cut[0], layers[0] if layers and layers[0].side.layer == TARGET else None)
 
     # the real check
     if checker is not None and tinfo is not None:
-        issues += _real_check(layers, checker, sf, f, setup, tpred, dpred)
+        issues += _real_check(layers, checker, sf, f, setup, tpred, dpred, issues)
 
     kind = tinfo.layout().kind if tinfo is not None else (sf.target.layout.kind if sf.target else None)
     from slotctl.server.reuse import server_n_swa
@@ -299,7 +299,7 @@ def _cut_issues(cut: Cut, target: _MemLayer | None) -> list[_Issue]:
 
 
 def _memory_layers(sf: SlotFile, f: BinaryIO, model_parse: bool, tinfo: ModelInfo | None,
-                   dinfo: ModelInfo | None, issues: list[_Issue]) -> list[_MemLayer]:
+                   dinfo: ModelInfo | None, issues: list[_Issue], no_draft: str | None = None) -> list[_MemLayer]:
     """The memory layers of ``sf`` to check, each parsed with its model's layout when there is a model
     (``model_parse``: the target payload was; else it is of another kind, or there is no model)."""
     out: list[_MemLayer] = []
@@ -335,10 +335,12 @@ def _memory_layers(sf: SlotFile, f: BinaryIO, model_parse: bool, tinfo: ModelInf
         if sf.draft is not None and sf.draft.span.size:
             side = _draft_side()
             if tinfo is not None and dinfo is None:
+                why = (no_draft if no_draft and not no_draft.startswith("no draft model")
+                       else "the server has no draft model; give -md (and --spec-type) to check it against one")
                 issues.append(_issue(side, "no_draft_context",
                                      f"the file holds a draft state ({sf.draft.span.size:,} bytes) and the server "
-                                     "has no draft model: the server drops it (\"does not match the draft "
-                                     "context\"); give -md to check it against a draft model", sf.draft.span.offset))
+                                     f"has no draft context: it drops it (\"does not match the draft context\"): "
+                                     f"{why}", sf.draft.span.offset))
             else:
                 out.append(_blob_layer(f, sf, sf.draft, side, dinfo, FLAGS_NONE, partial=False))
     return out
