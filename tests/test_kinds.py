@@ -319,7 +319,7 @@ def test_inspect_names_the_kinds_it_cannot_tell_apart(files, tmp_path):
 
 def _validate(child, path, model, **settings):
     setup = ServerSetup(target=model, settings=ContextSettings(**settings))
-    (r,) = validate_paths([path], setup, child=child).files
+    (r,) = validate_paths([path], setup, child=child, confirm_refusals=True).files
     return r
 
 

@@ -62,13 +62,16 @@ from slotctl.validate.wording import (ROLLBACK_HARMLESS, _kind_words, _part_word
 
 
 def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | None = None,
-                  checker: LoadChecker | None = None, *, f: BinaryIO | None = None) -> FileReport:
+                  checker: LoadChecker | None = None, *, f: BinaryIO | None = None,
+                  confirm_refusals: bool = False) -> FileReport:
     """Validate one slot file against ``setup`` (see the module docstring).
 
     ``models``: the setup's :class:`Models` (made here when None). ``checker``: a :class:`LoadChecker`
     for the real check, or None to predict only. OSError when the file cannot be read. The file is opened
     once: every later read (another layout, media chunks, a cut payload, the real load's bytes) uses it.
     ``path`` may be an object in a store (``s3://``, :mod:`slotctl.sources`); ``f``: the file already open.
+    ``confirm_refusals``: the real check loads the layers the prediction refuses too (bounded; see
+    :func:`slotctl.validate.load._real_check`), else it never does.
     """
     url = remote_url(path)
     path = url or os.fspath(path)
@@ -76,7 +79,7 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
     if skipped:   # the child loads layers from a local path: an object would be downloaded whole
         checker = None
     with (nullcontext(f) if f is not None else open_input(path)) as f:
-        report = _validate_open(f, path, setup, models or Models(setup), checker)
+        report = _validate_open(f, path, setup, models or Models(setup), checker, confirm_refusals)
         raise_failure(f)   # a store that failed mid-read: its error (exit 2), not damage
     if skipped:
         report.findings.append(Finding("file", "note", "load_not_run_remote",
@@ -87,7 +90,7 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
 
 
 def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
-                   checker: LoadChecker | None) -> FileReport:
+                   checker: LoadChecker | None, confirm_refusals: bool = False) -> FileReport:
     tinfo, dinfo = models.target, models.draft
     rules = ServerRules(state_version=setup.state_version, mmproj=setup.mmproj)
     report = FileReport(path)
@@ -142,7 +145,7 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
 
     # the real check
     if checker is not None and tinfo is not None:
-        issues += _real_check(layers, checker, sf, f, setup, tpred, dpred, issues)
+        issues += _real_check(layers, checker, sf, f, setup, tpred, dpred, issues, confirm_refusals)
 
     kind = tinfo.layout().kind if tinfo is not None else (sf.target.layout.kind if sf.target else None)
     from slotctl.server.reuse import server_n_swa
@@ -280,8 +283,9 @@ def _cut_issues(cut: Cut, target: _MemLayer | None) -> list[_Issue]:
     certain, and then the worst, when the loader checks what the file never filled."""
     if target is None:
         return []
-    target.no_load = ("the file ends inside the payload; this runtime's loader reads a buffer and stops at its "
-                      "end, b11434's file loader reads on past it: not comparable")
+    if not cut.before_end:
+        target.no_load = ("the file ends inside the payload; this runtime's loader reads a buffer and stops at "
+                          "its end, b11434's file loader reads on past it: not comparable")
     if cut.before_end:
         got = cut_payload_outcome(cut.describe(), cut.offset, fits=False, settled=True, refuses=cut.refuses,
                                   first=cut.at)
@@ -502,14 +506,14 @@ def _token_issues(sf: SlotFile, tpred: Prediction, tinfo: ModelInfo, setup: Serv
 def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, real_check: bool = True,
                    verbose: bool = False, on_file: Callable[[int, int, str], None] | None = None,
                    on_report: Callable[[FileReport], None] | None = None,
-                   child: ChildProcess | None = None) -> Report:
+                   child: ChildProcess | None = None, confirm_refusals: bool = False) -> Report:
     """Validate every file of ``paths`` (directories expanded to their slot files) against ``setup``.
 
     The real check runs when there is a target model and ``real_check``: one child process for all
     files (a new one after an abort). ``on_file(done, total, path)`` is called before each file,
     ``on_report(report)`` after it. A file that cannot be read is an "unreadable" report; the others
     are still validated. ``child``: a :class:`ChildProcess` to run the real check in (left open),
-    instead of a new one.
+    instead of a new one. ``confirm_refusals``: see :func:`validate_file`.
     """
     files = expand_slot_paths(paths, follow_symlinks=True).files
     models = Models(setup)
@@ -522,7 +526,7 @@ def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, re
             if on_file:
                 on_file(i, len(files), p)
             try:
-                reports.append(validate_file(p, setup, models, checker))
+                reports.append(validate_file(p, setup, models, checker, confirm_refusals=confirm_refusals))
             except (OSError, UsageError) as e:
                 message = str(e) if isinstance(e, UsageError) else f"{p}: {e.strerror or e}"
                 r = FileReport(p, verdict=Verdict.UNREADABLE,
