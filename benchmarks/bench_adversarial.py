@@ -1,6 +1,6 @@
 """Small (and sparse) hostile files through whole slotctl processes: wall time and peak resident memory.
 
-The files: ../shared/adversarial's cut-*.bin, nlayer-*.bin and slow-validate.bin (when present), the family of
+The files: tests/data/adversarial's cut-*.bin (issue 27's), nlayer-*.bin and slow-validate.bin , the family of
 tests/test_adversarial.py (counts near each cap, cuts after each header), and issue 24's sparse file: srv-np1.bin
 followed by 64 checkpoints whose target blobs each claim 2^24 KV cells over a hole (571 GB, a few KB on disk).
 Each runs ``validate -m``, ``inspect -m``, ``ls -m`` and ``diff`` (against srv-np1.bin) with
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 DATA = ROOT / "tests" / "data"
 MODEL = DATA / "target.gguf"
-ADVERSARIAL = ROOT.parent / "shared" / "adversarial"
+ADVERSARIAL = DATA / "adversarial"
 
 
 def run(args: list[str], cwd: str) -> tuple[float, float, int, int]:
