@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import struct
 import subprocess
 import sys
 import tempfile
@@ -41,19 +40,10 @@ def run(args: list[str], cwd: str) -> tuple[float, float, int, int]:
 
 def sparse_checkpoints(path: Path, count: int = 64, cells: int = 1 << 24) -> Path:
     """srv-np1.bin, then an SCKP appendix of ``count`` checkpoints, each a target blob whose KV section claims
-    ``cells`` cells (and their K/V data) over a hole."""
-    from slotctl.format.blob import blob_header
+    ``cells`` cells (and their K/V data) over a hole (tests/test_bounds.py's maker)."""
+    from test_bounds import _sparse_checkpoints
 
-    blob = cells * (12 + 512) + 64
-    base = (DATA / "srv-np1.bin").read_bytes()
-    head = blob_header(0) + struct.pack("<II", 1, cells)
-    with open(path, "wb") as f:
-        f.write(base + struct.pack("<III", 0x504B4353, 1, count))
-        for _ in range(count):
-            f.write(struct.pack("<qiiQ", 8, 0, 7, blob) + head)
-            f.seek(blob - len(head), os.SEEK_CUR)
-            f.write(struct.pack("<QQ", 0, 0))
-    return path
+    return _sparse_checkpoints(path, count, cells * (12 + 512) + 64, cells)
 
 
 def main() -> None:

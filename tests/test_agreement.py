@@ -162,22 +162,7 @@ def header_end_of(data: bytes) -> int:
 def kv_fields(data: bytes, header_end: int) -> dict[str, int]:
     """Offsets of the fields of a version-4 payload of one KV stream (cells without ext), read from its bytes
     as the loader reads them: the cells, the data header, and each K and V record's header."""
-    (cells,) = struct.unpack_from("<I", data, header_end + 4)
-    at = {"cells": header_end + 8}
-    pos = header_end + 8 + 12 * cells
-    v_trans, n_layer = struct.unpack_from("<II", data, pos)
-    at["data header"] = pos
-    pos += 16
-    for kind in ("K", "V"):
-        for i in range(n_layer):
-            at[f"{kind}{i}"] = pos
-            if kind == "V" and v_trans:
-                _t, el, n_embd = struct.unpack_from("<iII", data, pos)
-                pos += 12 + n_embd * cells * el
-            else:
-                _t, row = struct.unpack_from("<iQ", data, pos)
-                pos += 12 + cells * row
-    return at
+    return kv_section_fields(data, header_end)[0]
 
 
 def _put(data: bytes, offset: int, fmt: str, value: int) -> bytes:
