@@ -30,9 +30,10 @@ from slotctl.validate.setup import ServerSetup
 
 
 #: the most bytes of one layer the real load hands its child (through the pipe, then into llama.cpp): with
-#: the contexts, the real load of any file stays under 1 GiB and ~10 s whatever its counts say; a larger
+#: the contexts, the real load of any file stays under 1 GiB (the child holds up to three copies of a layer
+#: while it converts one between state versions) and ~10 s whatever its counts say; a larger
 #: layer is not loaded, and the report says so (the prediction decides it)
-LOAD_MAX_BYTES = 512 << 20
+LOAD_MAX_BYTES = 256 << 20
 
 
 def _refusing(issues: list[_Issue]) -> list[_Issue]:
