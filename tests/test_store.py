@@ -366,6 +366,56 @@ def test_a_large_cp_goes_in_parts_and_back(s3, tmp_path):
     assert json.loads(r.stdout)["files"][0]["method"] == "multipart", r.output
 
 
+def _record_part_copies(monkeypatch) -> list[tuple[str, int]]:
+    """Every ``UploadPartCopy`` slotctl asks the store for, as (key, bytes of its range), recorded on the way
+    to the real store (the requests go through unchanged)."""
+    from slotctl.remote import s3copy
+
+    asked: list[tuple[str, int]] = []
+    real = s3copy.Signed.request
+
+    def request(self, method, key, query, headers=None, body=b""):
+        rng = (headers or {}).get("x-amz-copy-source-range")
+        if method == "PUT" and rng:
+            first, last = map(int, rng.removeprefix("bytes=").split("-"))
+            asked.append((key, last - first + 1))
+        return real(self, method, key, query, headers, body)
+
+    monkeypatch.setattr(s3copy.Signed, "request", request)
+    return asked
+
+
+def test_copies_within_one_bucket_go_in_parts_of_at_most_5_gib(s3, tmp_path, monkeypatch):
+    """S3 allows at most 5 GiB per copy part: an upload's copy from its temporary key and an S3-to-S3 copy
+    in one bucket ask for parts of at most s3copy.MAX_PART each (set to 6 MiB here, so a 24 MiB object
+    takes several), as the cross-bucket copy does; the results are byte-identical."""
+    from slotctl.remote import s3copy
+
+    assert s3copy.MAX_PART == 5 << 30            # S3's bound; the 5.2 GiB object of the report: 2 parts
+    assert [n for _, n in s3copy.parts_for(5_554_428_496)] == [2_777_214_248] * 2
+    asked = _record_part_copies(monkeypatch)
+    monkeypatch.setattr(s3copy, "MAX_PART", 6 << 20)
+    src = tmp_path / "large.bin"
+    size = _large_slot_file(src, 24)
+    want = -(-size // (6 << 20))
+    url = f"s3://{BUCKET}/within/large.bin"
+    r = run("cp", "--json", str(src), url)                      # a new upload: temporary key, then copied
+    assert r.exit_code == 0 and json.loads(r.stdout)["files"][0]["method"] == "multipart+copy", r.output
+    assert len(asked) == want >= 4 and sum(n for _, n in asked) == size, asked
+    assert all(n <= 6 << 20 for _, n in asked) and {k for k, _ in asked} == {"within/large.bin"}
+    assert _get(s3, "within/large.bin") == src.read_bytes()
+    asked.clear()
+    r = run("cp", "--json", url, f"s3://{BUCKET}/within/copy.bin")   # S3 to S3, the same bucket
+    assert r.exit_code == 0 and json.loads(r.stdout)["files"][0]["method"] == "server_copy", r.output
+    assert len(asked) == want and sum(n for _, n in asked) == size and all(n <= 6 << 20 for _, n in asked)
+    assert _get(s3, "within/copy.bin") == src.read_bytes()
+    asked.clear()
+    r = run("cp", "--json", f"s3://{BUCKET}/within/copy.bin", url)   # exists: refused before any part
+    assert r.exit_code == 2 and json.loads(r.stdout)["files"][0]["error"]["code"] == "exists" and not asked
+    r = run("cp", "--json", "--overwrite", put(s3, "within/small.bin", FILES[0].read_bytes()), url)
+    assert r.exit_code == 0 and len(asked) == 1 and _get(s3, "within/large.bin") == FILES[0].read_bytes()
+
+
 def test_a_cp_killed_with_sigkill_leaves_no_object(s3, tmp_path):
     import signal
     import subprocess
