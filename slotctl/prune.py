@@ -30,6 +30,7 @@ from typing import Callable
 from slotctl.catalog import iso_time
 from slotctl.slotfile import is_slot_file
 from slotctl.errors import UsageError
+from slotctl.atomic import private_name
 from slotctl.paths import DEFAULT_GRACE, being_written, is_temp_file
 
 # actions
@@ -335,11 +336,54 @@ def execute(p: Plan, *, dry_run: bool, now_fn: Callable[[], float] = time.time,
 
 #: the private name a file is set aside under while it is checked for the last time
 _ASIDE = re.compile(r"^\.(?P<name>.+)\.slotctl-prune-(?P<pid>\d+)\.tmp$")
+#: a set-aside name whose NAME part was cut to fit (atomic.private_name): the whole name is in a note beside it
+_CUT = re.compile(r"~[0-9a-f]{16}$")
 
 
 def _aside_name(path: str) -> str:
     directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}.slotctl-prune-{os.getpid()}.tmp")
+    return os.path.join(directory, private_name(name, f"prune-{os.getpid()}"))
+
+
+def _note_name(aside: str) -> str:
+    """Where the whole name of a file set aside under a cut name is kept: ``.slotctl-prune-PID-HASH.name.tmp``
+    beside it (HASH: the cut name's; short whatever the name; a temporary file to listings, not a set-aside
+    one to :data:`_ASIDE`)."""
+    directory, name = os.path.split(aside)
+    m = _ASIDE.match(name)
+    digest = _CUT.search(m.group("name")).group(0)[1:]
+    return os.path.join(directory, f".slotctl-prune-{m.group('pid')}-{digest}.name.tmp")
+
+
+def _set_aside(path: str) -> str:
+    """``path`` renamed to its private name (:func:`_aside_name`); when that name had to be cut (a name of
+    231-255 bytes), its whole name written first, durably, to a note beside it, so that a prune killed
+    before it puts the file back or deletes it leaves what :func:`restore_set_aside` needs."""
+    aside = _aside_name(path)
+    if _CUT.search(_ASIDE.match(os.path.basename(aside)).group("name")):
+        from slotctl.atomic import fsync_dir
+
+        with open(_note_name(aside), "wb") as f:
+            f.write(os.fsencode(os.path.basename(path)))
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(os.path.dirname(path) or ".")
+    try:
+        os.rename(path, aside)
+    except BaseException:
+        _drop_note(aside)
+        raise
+    return aside
+
+
+def _drop_note(aside: str) -> None:
+    m = _ASIDE.match(os.path.basename(aside))
+    if not m or not _CUT.search(m.group("name")):
+        return
+    try:
+        os.unlink(_note_name(aside))
+    except FileNotFoundError:
+        pass
 
 
 def delete_checked(e: Entry, grace: float, now_fn: Callable[[], float] = time.time) -> None:
@@ -358,9 +402,8 @@ def delete_checked(e: Entry, grace: float, now_fn: Callable[[], float] = time.ti
     between. A process killed between 1 and 3 leaves the file under its private name, which the next
     prune of the directory puts back (:func:`restore_set_aside`).
     """
-    aside = _aside_name(e.path)
     try:
-        os.rename(e.path, aside)
+        aside = _set_aside(e.path)
     except FileNotFoundError:
         e.action, e.reason = SKIPPED, "gone before it was deleted"
         return
@@ -378,6 +421,7 @@ def delete_checked(e: Entry, grace: float, now_fn: Callable[[], float] = time.ti
             busy = "open in another process (being written or read?)"
         if not changed and not busy:
             os.unlink(aside)
+            _drop_note(aside)
             return
     except OSError as err:
         _put_back(e, aside)
@@ -451,13 +495,17 @@ def _put_back(e: Entry, aside: str) -> None:
             os.rename(aside, e.path)   # no hard links here: a rename onto the (still free) name
         except OSError as err:
             e.action, e.error = FAILED, f"{e.path}: could not be put back, kept as {aside}: {err.strerror or err}"
+            return
+        _drop_note(aside)
         return
     os.unlink(aside)
+    _drop_note(aside)
 
 
 def restore_set_aside(directory: str) -> list[str]:
     """Put back the files a killed prune left under their private names in ``directory`` (where the name
-    is free and the prune that set them aside is gone); the paths put back."""
+    is free and the prune that set them aside is gone); the paths put back. A cut private name takes the
+    whole name from its note (:func:`_set_aside`), and only when the note's name gives that private name."""
     back = []
     try:
         with os.scandir(directory) as it:
@@ -468,12 +516,23 @@ def restore_set_aside(directory: str) -> list[str]:
         m = _ASIDE.match(name)
         if not m or _alive(int(m.group("pid"))):
             continue
-        src, dst = os.path.join(directory, name), os.path.join(directory, m.group("name"))
+        src = os.path.join(directory, name)
+        original = m.group("name")
+        if _CUT.search(original):
+            try:
+                with open(_note_name(src), "rb") as f:
+                    original = os.fsdecode(f.read(4096))
+            except OSError:
+                continue                  # no note: left under its private name, never guessed
+            if private_name(original, f"prune-{m.group('pid')}") != name:
+                continue
+        dst = os.path.join(directory, original)
         try:
             os.link(src, dst)
             os.unlink(src)
         except OSError:
             continue
+        _drop_note(src)
         back.append(dst)
     return back
 

@@ -505,8 +505,10 @@ def temp_key(key: str) -> str:
     temporary files of local atomic writes)."""
     import secrets
 
+    from slotctl.atomic import private_name
+
     head, _, name = key.rpartition("/")
-    return f"{head + '/' if head else ''}.{name}.slotctl-{secrets.token_hex(6)}.tmp"
+    return f"{head + '/' if head else ''}{private_name(name, secrets.token_hex(6))}"
 
 
 class Writer:
