@@ -183,3 +183,29 @@ def test_a_symlink_loop_in_a_directory_is_passed_over_as_a_dangling_link(cmd, tm
     doc = json.loads(res.stdout)
     paths = sorted(f.get("source") or f["path"] for f in doc["files"])
     assert paths == [str(d / "one.bin"), str(d / "two.bin")], doc["files"]
+
+
+def test_names_that_are_not_utf8_stay_apart_in_tables(tmp_path):
+    """Two names whose bytes are not UTF-8 (0xfe, 0xff) looked identical on a terminal (each one replacement
+    character); each byte is shown as \\xNN, in every command's table and message, and the JSON keeps them
+    apart too."""
+    import json
+
+    d = tmp_path / "D"
+    d.mkdir()
+    raw = SLOT.read_bytes()
+    for name in (b"\xfe.bin", b"\xff.bin", b"\xc3.bin", "é.bin".encode()):
+        with open(os.path.join(os.fsencode(d), name), "wb") as f:
+            f.write(raw)
+    assert escape_text(os.fsdecode(b"a\xffb\xc3")) == "a\\xffb\\xc3" and escape_text("é") == "é"
+    for args in (["ls", str(d)], ["validate", str(d), "--no-load"], ["inspect", str(d)],
+                 ["strip-draft", str(d), "--dry-run", "--grace", "0"], ["prune", str(d), "--keep", "0", "--dry-run",
+                                                                       "--grace", "0"]):
+        res = run(args)
+        assert res.returncode == 0, res.stderr
+        assert "\ufffd" not in res.stdout + res.stderr
+        for shown in ("\\xfe.bin", "\\xff.bin", "\\xc3.bin", "é.bin"):
+            assert shown in res.stdout, (args, res.stdout)
+    res = run(["ls", str(d), "--json"])
+    names = sorted(f["name"] for f in json.loads(res.stdout)["files"])
+    assert len(set(names)) == 4
