@@ -101,6 +101,9 @@ class Signed:
         except OSError as e:
             raise UsageError(f"s3://{self.bucket}/{key}: the store does not answer ({e.strerror or e})",
                              code="store_unreachable") from None
+        except http.client.HTTPException:   # an answer cut short (IncompleteRead), or not HTTP at all
+            raise UsageError(f"s3://{self.bucket}/{key}: the store's answer ended early (the connection closed "
+                             "mid-body)", code="store_unreachable") from None
         finally:
             conn.close()
 

@@ -197,12 +197,20 @@ def store_error(url: str, e: Exception, secrets: Sequence[str] = (), *, action: 
     else:
         first = _scrub(msg.split("\n", 1)[0], secrets).removeprefix("Generic S3 error: ")
         low = first.lower()
-        if any(w in low for w in ("connect", "timed out", "timeout", "connection", "dns", "error sending request",
-                                  "broken pipe", "reset by peer")):
+        if any(w in low for w in _CUT_SHORT):
+            code, words = "store_unreachable", "the store's answer ended early (the connection closed mid-body)"
+        elif any(w in low for w in ("connect", "timed out", "timeout", "connection", "dns", "error sending request",
+                                    "broken pipe", "reset by peer")):
             code, words = "store_unreachable", f"the store does not answer ({_short(first)})"
         else:
             code, words = "store_error", _short(first)
     return UsageError(_scrub(f"{url}: {words}{doing}", secrets), code=code)
+
+
+#: obstore's (reqwest's, hyper's) words for a response body that ended before its length: a dropped
+#: connection mid-read, the store's to answer again, never the object's damage
+_CUT_SHORT = ("body error", "error decoding response body", "unexpected eof", "incompletemessage",
+              "end of file before message length reached")
 
 
 def _short(text: str) -> str:
