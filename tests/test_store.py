@@ -40,7 +40,7 @@ def s3(seaweed, monkeypatch):
     for k, v in seaweed.env().items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("HOME", str(seaweed.dir))   # no ~/.aws of the machine's
-    from slotctl.remote.store import S3_STORE
+    from slotctl.store.s3 import S3_STORE
 
     S3_STORE.reset()
     yield seaweed
@@ -116,7 +116,7 @@ def test_errors_are_one_line_exit_2_without_credentials(s3, monkeypatch):
     url = put(s3, "err/a.bin", FILES[0].read_bytes())
     assert "no such object" in _error(run("inspect", f"s3://{BUCKET}/err/missing.bin"))
     assert "no such bucket" in _error(run("inspect", "s3://no-such-bucket/a.bin"))
-    from slotctl.remote.store import S3_STORE
+    from slotctl.store.s3 import S3_STORE
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-0000")
     S3_STORE.reset()
@@ -162,7 +162,7 @@ def test_profile_files_are_read(s3, monkeypatch, tmp_path):
         monkeypatch.delenv(k)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("AWS_PROFILE", "ci")
-    from slotctl.remote.store import S3_STORE
+    from slotctl.store.s3 import S3_STORE
 
     S3_STORE.reset()
     r = run("inspect", "--json", url)
@@ -173,7 +173,7 @@ def test_profile_files_are_read(s3, monkeypatch, tmp_path):
 
 
 def test_plain_http_only_when_the_endpoint_says_so(s3, monkeypatch):
-    from slotctl.remote.store import Config
+    from slotctl.store.config import Config
 
     assert Config().allow_http is True       # http://127.0.0.1:PORT
     monkeypatch.setenv("AWS_ENDPOINT_URL", "https://s3.example.invalid")
@@ -183,7 +183,7 @@ def test_plain_http_only_when_the_endpoint_says_so(s3, monkeypatch):
 
 
 def test_an_object_replaced_while_read_stops_the_read(s3):
-    import slotctl.remote.store  # noqa: F401 - the s3 scheme
+    import slotctl.store.s3  # noqa: F401 - the s3 scheme
     from slotctl.errors import UsageError
     from slotctl.sources import open_input
 
@@ -205,7 +205,7 @@ def test_a_store_gone_mid_read_is_an_io_error(tmp_path, monkeypatch):
     try:
         for k, v in srv.env().items():
             monkeypatch.setenv(k, v)
-        from slotctl.remote.store import S3_STORE
+        from slotctl.store.s3 import S3_STORE
         from slotctl.slotfile import read_slot_file
         from slotctl.sources import open_input
         from slotctl.errors import UsageError
@@ -330,8 +330,8 @@ def test_a_conditional_cross_bucket_copy_loses_to_a_writer(s3, tmp_path):
     """The copy's existence check and its completion are two steps: a writer that creates the destination
     between them wins, and the copy is refused by the completion's If-None-Match (exists), never replacing
     it."""
-    from slotctl.remote.s3copy import copy_object
-    from slotctl.remote.store import S3_STORE
+    from slotctl.store.s3copy import copy_object
+    from slotctl.store.s3 import S3_STORE
 
     s3.make_bucket("other")
     url = put(s3, "race/a.bin", FILES[0].read_bytes())
@@ -369,7 +369,7 @@ def test_a_large_cp_goes_in_parts_and_back(s3, tmp_path):
 def _record_part_copies(monkeypatch) -> list[tuple[str, int]]:
     """Every ``UploadPartCopy`` slotctl asks the store for, as (key, bytes of its range), recorded on the way
     to the real store (the requests go through unchanged)."""
-    from slotctl.remote import s3copy
+    from slotctl.store import s3copy
 
     asked: list[tuple[str, int]] = []
     real = s3copy.Signed.request
@@ -389,7 +389,7 @@ def test_copies_within_one_bucket_go_in_parts_of_at_most_5_gib(s3, tmp_path, mon
     """S3 allows at most 5 GiB per copy part: an upload's copy from its temporary key and an S3-to-S3 copy
     in one bucket ask for parts of at most s3copy.MAX_PART each (set to 6 MiB here, so a 24 MiB object
     takes several), as the cross-bucket copy does; the results are byte-identical."""
-    from slotctl.remote import s3copy
+    from slotctl.store import s3copy
 
     assert s3copy.MAX_PART == 5 << 30            # S3's bound; the 5.2 GiB object of the report: 2 parts
     assert [n for _, n in s3copy.parts_for(5_554_428_496)] == [2_777_214_248] * 2
@@ -613,10 +613,10 @@ def test_strip_draft_of_an_object_is_a_server_side_rewrite(s3, tmp_path):
 def test_a_rewrite_of_a_replaced_object_leaves_it_alone(s3):
     import obstore
 
-    import slotctl.remote.store  # noqa: F401 - the s3 scheme
+    import slotctl.store.s3  # noqa: F401 - the s3 scheme
     from slotctl.errors import UsageError
-    from slotctl.remote.s3copy import rewrite_prefix
-    from slotctl.remote.store import S3_STORE
+    from slotctl.store.s3copy import rewrite_prefix
+    from slotctl.store.s3 import S3_STORE
 
     url = put(s3, "strip/replaced.bin", b"old" * 1000)
     stale = obstore.head(s3.client(), "strip/replaced.bin")["e_tag"]
@@ -760,7 +760,7 @@ def test_a_body_cut_short_is_store_unreachable_in_one_clean_line(s3, monkeypatch
     proxy = _CuttingProxy(s3.s3_port, keep=1000)
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
-        from slotctl.remote.store import S3_STORE
+        from slotctl.store.s3 import S3_STORE
 
         S3_STORE.reset()
         for args in (["inspect", url, "--json"], ["cp", url, "/nonexistent-dir-for-slotctl/x.bin", "--json"],
@@ -801,7 +801,7 @@ def test_a_missing_prefix_and_object_are_said_as_a_missing_directory_and_file_ar
 def test_prune_temp_files_removes_temporary_keys_a_killed_copy_left(s3):
     """A temporary key (`.NAME.slotctl-RANDOM.tmp`: a cp killed between its upload and its copy) is skipped
     by prune, and deleted with --temp-files once older than --grace (--dry-run first: nothing goes)."""
-    from slotctl.remote.store import temp_key
+    from slotctl.store.s3 import temp_key
 
     slot = put(s3, "tmpkeys/a.bin", FILES[0].read_bytes())
     left = put(s3, temp_key("tmpkeys/b.bin"), FILES[0].read_bytes())
