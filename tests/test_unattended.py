@@ -208,3 +208,274 @@ def test_a_keeper_started_again_does_not_save_what_the_store_has(kept, tmp_path)
         assert keep.stop() == 0
     # one save of slot 0 in the second run: the new task's (the state the store had was not saved again)
     assert [e["event"] for e in keep.seen if e["slot"] == 0] == ["saved", "stored"], keep.seen
+
+
+# -- the configuration file --------------------------------------------------------------------------------
+
+BAD_CONFIGS = [
+    ("[keep]\nevery = 'often'\n", "keep.every: expected seconds from 0.05 to 86400, got 'often'"),
+    ("[keep]\nevery = 0\n", "keep.every: expected seconds from 0.05 to 86400, got 0"),
+    ("[keep]\nmin_tokens = 2.5\n", "keep.min_tokens: expected an integer from 1 to 16,777,216, got 2.5"),
+    ("[keep]\nevry = 3\n", "keep.evry: unknown key (expected one of: server, every, min_tokens, timeout, lease, "
+                           "listen)"),
+    ("[keep]\nlisten = 'here'\n", "keep.listen: expected HOST:PORT, got 'here'"),
+    ("[[servers]]\nslot_dir = '/x'\n", "servers[0].url: expected the server's URL (http://HOST:PORT)"),
+    ("[[servers]]\nurl = 'http://a'\nstore = 'ftp://x/'\n",
+     "servers[0].store: expected a directory or s3://BUCKET/PREFIX/, got 'ftp://x/'"),
+    ("[[servers]]\nurl = 'http://a'\napi_key_env = 'my key'\n",
+     "servers[0].api_key_env: expected the name of an environment variable, got 'my key'"),
+    ("servers = 3\n", "servers: expected an array of tables ([[servers]]), got 3"),
+    ("[budget]\nmax_size = 'lots'\n", "budget.max_size: expected a size such as 20G or 500M, got 'lots'"),
+    ("[retention]\nnewest = 0\n", "retention.newest: expected an integer from 1 to 1,048,576, got 0"),
+    ("[proof]\npolicy = 'sometimes'\n", 'proof.policy: expected "always" or "never", got \'sometimes\''),
+    ("[surprise]\n", "surprise: unknown key (expected one of: servers, keep, budget, retention, proof)"),
+    ("[keep\n", "not TOML: Expected ']' at the end of a table declaration (at line 1, column 6)"),
+    ("[keep]\nevery = " + "9" * 500_000 + "\n", "line 2: a number of 500,000 digits: expected at most 24"),
+    ("[keep]\nevery = " + "9" * 5_000_000 + "\n", "more than 1,048,576 bytes: expected a configuration file of at most that"),
+    ("[[servers]]\nurl = 'http://a'\nname = 'x'\n[[servers]]\nurl = 'http://b'\nname = 'y'\n",
+     "keep.server: expected the name of one of the 2 [[servers]] (x, y)"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD_CONFIGS, ids=[m.split(":")[0] for _, m in BAD_CONFIGS])
+def test_a_bad_configuration_is_one_line_naming_the_key(tmp_path, text, message):
+    cfg = tmp_path / "keep.toml"
+    cfg.write_text(text)
+    res = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--config", str(cfg), "--slot-dir", str(tmp_path)],
+                         capture_output=True, text=True, env=_env(), timeout=60)
+    assert res.returncode == 2 and res.stdout == "", res
+    assert res.stderr.strip().splitlines() == [f"error: {cfg}: {message}"], res.stderr
+
+
+def test_the_configuration_drives_keep_and_flags_override_it(tmp_path):
+    """The server, its slot directory and the settings from the file; --every given on the command line
+    wins over the file's."""
+    store = tmp_path / "store"
+    store.mkdir()
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg = tmp_path / "keep.toml"
+    cfg.write_text(f"[[servers]]\nname = 'tiny'\nurl = '{url}'\nslot_dir = '{tmp_path}'\nstore = '{store}'\n"
+                   f"[keep]\nevery = 600\nmin_tokens = 8\n[budget]\nmax_size = '1G'\n[retention]\nnewest = 2\n")
+    proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--config", str(cfg), "--every", "0.25",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        start = first_line(proc)
+        assert start["event"] == "start" and start["details"] == {"every": 0.25, "store": str(store)}, start
+        assert url in start["message"]
+        # the lock is in the configured store
+        assert [p.name for p in store.iterdir() if p.name.endswith(".lock")]
+    finally:
+        assert stop(proc) == 0
+
+
+# -- metrics and health --------------------------------------------------------------------------------------
+
+
+def scrape(base: str, path: str = "/metrics") -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(base + path, timeout=10) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type", ""), e.read().decode()
+
+
+def samples(text: str) -> dict[tuple, float]:
+    """Every sample of an exposition, parsed by prometheus_client's parser: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        assert fam.name.startswith("slotctl_keep_"), fam.name
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(ss: dict, name: str, **labels) -> float:
+    return ss.get((name, tuple(sorted({k: str(v) for k, v in labels.items()}.items()))), 0.0)
+
+
+def wait_until(check, timeout: float = 30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout} s")
+
+
+class Answering:
+    """A stand-in for a llama-server started with --api-key, asked without one: /health answers (it is
+    public), /props is 401; each look of keep is then an error with a code (the metrics count them)."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                ok = self.path == "/health"
+                body = (b'{"status": "ok"}' if ok else
+                        b'{"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}')
+                self.send_response(200 if ok else 401)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_metrics_count_errors_and_readyz_says_why_not(tmp_path):
+    """A server down, then one whose answers do not check: /livez 200 throughout, /readyz 503 with the
+    reason, errors counted by code, looks by outcome; the port is loopback when only a port is given."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    down = f"http://127.0.0.1:{free_port()}"
+    proc = keep_proc(down, tmp_path, "--every", "0.2", "--listen", str(port))
+    try:
+        first_line(proc)
+        ss = wait_until(lambda: (lambda s: s if value(s, "slotctl_keep_looks_total", server=down,
+                                                     outcome="down") >= 3 else None)(samples(scrape(base)[2])))
+        assert value(ss, "slotctl_keep_server_up", server=down) == 0
+        assert value(ss, "slotctl_keep_looks_total", server=down, outcome="up") == 0
+        status, ctype, body = scrape(base, "/readyz")
+        assert status == 503 and "server: down at the last look" in body and "store: reachable" in body
+        status, _, body = scrape(base, "/livez")
+        assert status == 200, body
+        assert scrape(base, "/nothing")[0] == 404
+        status, ctype, _ = scrape(base)
+        assert ctype.startswith("text/plain; version=0.0.4")
+    finally:
+        assert stop(proc) == 0
+    fake = Answering()
+    proc = keep_proc(fake.url, tmp_path, "--every", "0.2", "--listen", f"127.0.0.1:{port}")
+    try:
+        first_line(proc)
+        wait_until(lambda: value(samples(scrape(base)[2]), "slotctl_keep_errors_total", server=fake.url,
+                                 code="server_auth") >= 2)
+    finally:
+        assert stop(proc) == 0
+        fake.close()
+
+
+@server
+def test_metrics_equal_what_keep_did(kept, tmp_path):
+    """Scraped and parsed with prometheus_client: saves, stored bytes, the store's objects and bytes,
+    restores, proofs and the prompt tokens of the proofs equal keep's own events; readyz 200 while the
+    server is up; the last-success timestamps are set."""
+    store = tmp_path / "store"
+    store.mkdir()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    keep = Keep(kept, store, "--every", "0.3", "--listen", f"127.0.0.1:{port}")
+    url = kept.url
+    try:
+        keep.wait_for("up")
+        kept.completion(SAMPLE_PROMPT + " The metrics", slot=0, n_predict=3)
+        stored = keep.wait_for("stored", 0)["details"]
+        ss = samples(scrape(base)[2])
+        assert value(ss, "slotctl_keep_saves_total", server=url, slot=0, outcome="stored") == 1
+        assert value(ss, "slotctl_keep_stored_bytes_total", server=url, slot=0) == stored["size"]
+        assert value(ss, "slotctl_keep_store_objects", server=url) == 1
+        assert value(ss, "slotctl_keep_store_bytes", server=url) == Path(stored["path"]).stat().st_size
+        assert value(ss, "slotctl_keep_server_up", server=url) == 1
+        assert value(ss, "slotctl_keep_last_success_timestamp_seconds", server=url, action="save") > time.time() - 60
+        assert scrape(base, "/readyz")[0] == 200
+        kept.kill_and_start_again()
+        keep.wait_for("restart")
+        restored = keep.wait_for("restored", 0)
+        proof = keep.wait_for("proof", 0)["details"]["proof"]
+        time.sleep(1)
+        ss = samples(scrape(base)[2])
+        assert value(ss, "slotctl_keep_restores_total", server=url, slot=0, outcome="restored") == 1
+        assert restored["details"]["name"] == stored["name"]
+        assert value(ss, "slotctl_keep_proofs_total", server=url, slot=0, verdict=proof["verdict"]) == 1
+        for name, key, source in (("reused", "n_reused", "measured"), ("reused", "predicted_reused", "predicted"),
+                                  ("evaluated", "n_evaluated", "measured"),
+                                  ("evaluated", "predicted_evaluated", "predicted")):
+            assert value(ss, f"slotctl_keep_prompt_tokens_{name}_total", server=url, slot=0,
+                         source=source) == proof[key], (name, source)
+        assert value(ss, "slotctl_keep_last_success_timestamp_seconds", server=url, action="proof") > 0
+        assert value(ss, "slotctl_keep_looks_total", server=url, outcome="up") >= 2
+    finally:
+        assert keep.stop() == 0
+    every = [e for e in keep.seen if e["event"] == "stored"]
+    assert len(every) == 1
+
+
+# -- systemd --------------------------------------------------------------------------------------------------
+
+
+def test_keep_speaks_systemds_notify_protocol(tmp_path):
+    """A unix datagram socket the test binds as NOTIFY_SOCKET: READY=1 (with a STATUS), WATCHDOG=1 every
+    half WATCHDOG_USEC while the loop lives, STOPPING=1 on SIGTERM, exit 0."""
+    sock_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(30)
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = keep_proc(url, tmp_path, "--every", "0.2",
+                     env=_env({"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "400000"}))
+    got: list[str] = []
+    try:
+        while got.count("WATCHDOG=1") < 3:
+            got += sock.recv(4096).decode().split("\n")
+        assert got[0] == "READY=1" and got[1].startswith("STATUS=keeping ") and url in got[1], got
+        proc.send_signal(signal.SIGTERM)
+        while "STOPPING=1" not in got:
+            got += sock.recv(4096).decode().split("\n")
+        assert proc.wait(30) == 0
+    finally:
+        stop(proc)
+        sock.close()
+    # the order: ready first, then the pings, stopping last of what was said before the exit
+    assert got.index("READY=1") < got.index("WATCHDOG=1") < got.index("STOPPING=1")
+
+
+def test_the_watchdog_of_another_process_is_not_answered_and_an_abstract_socket_works(tmp_path):
+    name = f"slotctl-test-{os.getpid()}-{time.monotonic_ns()}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind("\0" + name)
+    sock.settimeout(5)
+    proc = keep_proc(f"http://127.0.0.1:{free_port()}", tmp_path, "--every", "0.2",
+                     env=_env({"NOTIFY_SOCKET": "@" + name, "WATCHDOG_USEC": "200000", "WATCHDOG_PID": "1"}))
+    try:
+        assert sock.recv(4096).decode().split("\n")[0] == "READY=1"
+        time.sleep(1.0)     # five watchdog intervals: nothing, the watchdog is another process's
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            sock.recv(4096)
+    finally:
+        assert stop(proc) == 0
+        sock.close()
+
+
+def test_the_shipped_unit_is_printed_and_systemd_accepts_it(tmp_path):
+    import shutil
+
+    res = slotctl("unit", "keep", code=0)
+    text = res.stdout
+    for line in ("Type=notify", "WatchdogSec=", "NotifyAccess=main", "KillSignal=SIGTERM",
+                 "ExecStart=/usr/bin/env slotctl keep --config /etc/slotctl/%i.toml"):
+        assert line in text, line
+    from slotctl.unattended.systemd import unit_text
+
+    assert text == unit_text("keep")
+    assert "expected one of: keep" in slotctl("unit", "nothing", code=2).stderr
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    unit = tmp_path / "slotctl-keep@test.service"
+    unit.write_text(text)
+    res = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stderr == "", res

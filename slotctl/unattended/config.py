@@ -161,7 +161,7 @@ def parse(raw: bytes, path: str) -> Config:
     import tomllib
 
     if len(raw) > MAX_BYTES:
-        raise ConfigError(f"{path}: {len(raw):,} bytes: expected a configuration file of at most {MAX_BYTES:,}")
+        raise ConfigError(f"{path}: more than {MAX_BYTES:,} bytes: expected a configuration file of at most that")
     m = _LONG_NUMBER.search(raw)
     if m is not None:
         line = raw.count(b"\n", 0, m.start()) + 1
