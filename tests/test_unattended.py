@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pytest
 
+import json_schemas
+
 from llama_server import free_port
 from seaweed import BUCKET
-from test_fleet import Keep, kept, slotctl  # noqa: F401 - the keep process helper, the server under keep
+from test_fleet import Keep, kept, one, slotctl, three  # noqa: F401 - the keep process helper, real servers
 from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 from slotctl.tinymodels import SAMPLE_PROMPT
 
@@ -479,3 +481,138 @@ def test_the_shipped_unit_is_printed_and_systemd_accepts_it(tmp_path):
     unit.write_text(text)
     res = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stderr == "", res
+
+
+# -- keep --save-all, --restore-all, --keep-newest -------------------------------------------------------------
+
+
+def keep_once(srv, store: Path, *more: str) -> tuple[int, list[dict]]:
+    res = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--server", srv.url, "--slot-dir",
+                          str(srv.save_dir), "--store", str(store), "--json", "--timeout", "60", *more],
+                         capture_output=True, text=True, env=_env(), timeout=300)
+    lines = [json.loads(x) for x in res.stdout.splitlines()]
+    for line in lines:
+        json_schemas.check("keep", line, "line")
+    return res.returncode, lines
+
+
+@server
+def test_save_all_then_restore_all_after_a_restart(kept, tmp_path):
+    """--save-all (llama-swap's cmdStop): one pass storing every slot with a task, exit 0; a second pass
+    stores nothing again (the journal); the server killed and started again, --restore-all restores and
+    proves it, exit 0."""
+    store = tmp_path / "store"
+    store.mkdir()
+    kept.completion(SAMPLE_PROMPT + " Save all", slot=1, n_predict=3)
+    code, lines = keep_once(kept, store, "--save-all")
+    assert code == 0, lines
+    stored = [e for e in lines if e["event"] == "stored"]
+    assert 1 in [e["slot"] for e in stored] and lines[-1]["event"] == "stop"
+    code, again = keep_once(kept, store, "--save-all")
+    assert code == 0 and not [e for e in again if e["event"] in ("saved", "stored")], again
+    kept.kill_and_start_again()
+    code, lines = keep_once(kept, store, "--restore-all")
+    assert code == 0, lines
+    mine = next(e for e in stored if e["slot"] == 1)["details"]
+    restored = next(e for e in lines if e["event"] == "restored" and e["slot"] == 1)["details"]
+    assert restored["name"] == mine["name"]
+    proof = next(e for e in lines if e["event"] == "proof" and e["slot"] == 1)["details"]["proof"]
+    assert (proof["verdict"], proof["n_reused"]) == ("proven", mine["n_tokens"] - 1)
+    assert slotctl("keep", "--server", kept.url, "--slot-dir", tmp_path, "--save-all", "--restore-all",
+                   code=2).stderr.strip() == "error: --save-all and --restore-all: give one"
+
+
+@server
+def test_keep_newest_keeps_the_newest_states_of_a_slot(kept, tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    keep = Keep(kept, store, "--every", "0.2", "--keep-newest", "1")
+    try:
+        keep.wait_for("up")
+        kept.completion(SAMPLE_PROMPT + " first", slot=1, n_predict=2)
+        first = keep.wait_for("stored", 1)["details"]
+        kept.completion(SAMPLE_PROMPT + " second", slot=1, n_predict=2)
+        second = keep.wait_for("stored", 1)["details"]
+        pruned = keep.wait_for("pruned")["details"]
+        assert pruned["path"] == first["path"] and pruned["size"] == first["size"]
+        states = sorted(p.name for p in store.iterdir() if p.name.endswith(".bin"))
+        assert states == [second["name"]]
+    finally:
+        assert keep.stop() == 0
+
+
+# -- the fleet view --------------------------------------------------------------------------------------------
+
+
+@server
+def test_slots_shows_every_servers_slots_in_one_table(one, three, tmp_path):
+    """Two real servers (-np 2 and -np 3), one of them with a store keep --save-all wrote: one document with
+    both servers' slots, the tokens of the slot used, its stored state and when it was saved; a server
+    down is a row with its error and exit 2, the others still shown."""
+    store = tmp_path / "store"
+    store.mkdir()
+    one.completion(SAMPLE_PROMPT + " The fleet", slot=1, n_predict=2)
+    code, lines = keep_once(one, store, "--save-all")
+    assert code == 0, lines
+    saved = next(e for e in lines if e["event"] == "saved" and e["slot"] == 1)["details"]["answer"]
+    cfg = tmp_path / "fleet.toml"
+    cfg.write_text(f"[[servers]]\nname = 'one'\nurl = '{one.url}'\nstore = '{store}'\n"
+                   f"[[servers]]\nname = 'three'\nurl = '{three.url}'\n")
+    doc = json.loads(slotctl("slots", "--config", cfg, "--json", code=0).stdout)
+    json_schemas.check("slots", doc)
+    a, b = doc["servers"]
+    assert (a["name"], b["name"]) == ("one", "three") and [len(a["slots"]), len(b["slots"])] == [2, 3]
+    row = a["slots"][1]
+    assert row["n_tokens"] == saved["n_saved"] and row["busy"] is False
+    assert row["stored_states"] == 1 and row["last_saved"] is not None
+    assert all(s["stored_states"] is None for s in b["slots"])     # no store for three
+    # repeated --server: both servers (before, the last one only)
+    doc = json.loads(slotctl("slots", "--server", one.url, "--server", three.url, "--json", code=0).stdout)
+    assert [d["server"] for d in doc["servers"]] == [one.url, three.url]
+    # a server down: its row says so, exit 2, the others shown
+    down = f"http://127.0.0.1:{free_port()}"
+    res = slotctl("slots", "--server", one.url, "--server", down, code=2)
+    assert res.stdout.count(" idle ") == 2 and res.stdout.count(" error ") == 1, res.stdout
+    assert "2 server(s), 2 slot(s), 0 busy, 1 with an error" in res.stdout
+    assert f"{down}: GET {down}/props: connection refused" in res.stderr
+    doc = json.loads(slotctl("slots", "--server", one.url, "--server", down, "--json", code=2).stdout)
+    json_schemas.check("slots", doc)
+    assert doc["servers"][1]["error"]["code"] == "server_unreachable"
+
+
+@server
+def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three):
+    import pty
+    import select
+
+    args = [sys.executable, "-m", "slotctl", "slots", "--server", one.url, "--server", three.url, "--watch", "0.2"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    lines = []
+    try:
+        while len(lines) < 15:      # three refreshes of 5 rows
+            lines.append(proc.stdout.readline())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        proc.stdout.close()
+        proc.stderr.close()
+    rows = [line.rstrip("\n").split("\t") for line in lines]
+    assert all(len(r) == 7 for r in rows) and not any("\x1b" in line for line in lines), lines
+    assert [r[0] for r in rows[:5]] == [one.url] * 2 + [three.url] * 3
+    assert [r[2] for r in rows[:5]] == ["0", "1", "0", "1", "2"] and rows[:5] == rows[5:10]
+    # a terminal: the cursor home and the screen cleared before each table
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(args, stdout=slave, stderr=slave, env=_env({"COLUMNS": "160", "TERM": "xterm"}))
+    os.close(slave)
+    out = b""
+    try:
+        deadline = time.monotonic() + 60
+        while out.count(b"\x1b[H\x1b[J") < 3 and time.monotonic() < deadline:
+            if select.select([master], [], [], 1)[0]:
+                out += os.read(master, 65536)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        os.close(master)
+    assert out.count(b"\x1b[H\x1b[J") >= 3
+    assert out.count(b"last saved") >= 3 and b"2 server(s), 5 slot(s)" in out

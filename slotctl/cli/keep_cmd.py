@@ -53,6 +53,10 @@ def keep(
     listen: Annotated[Optional[str], typer.Option("--listen", metavar="HOST:PORT",
                                                   help="Serve /metrics, /livez and /readyz there (loopback unless "
                                                        "a host is given).")] = None,
+    save_all: Annotated[bool, typer.Option("--save-all", help="One pass, then exit: save every idle slot whose "
+                                           "state the store does not have (llama-swap's cmdStop).")] = False,
+    restore_all: Annotated[bool, typer.Option("--restore-all", help="One pass, then exit: restore (and prove) "
+                                              "every empty slot from the store.")] = False,
     api_key: remote.ApiKeyOpt = None,
     timeout: Annotated[Optional[float], typer.Option("--timeout", min=0.001, max=86400.0, metavar="SECONDS",
                                                      help="Give up on a request after this many seconds "
@@ -72,7 +76,9 @@ def keep(
     the changed slots, exit 0. Under systemd (Type=notify): READY=1, WATCHDOG=1, STOPPING=1.
     Details: docs/fleet.md.
 
-    Exit codes: 0 stopped by SIGTERM or SIGINT; 2 usage error (a missing directory, a bad --max-size,
+    --save-all (or --restore-all): one pass under the same lock, then exit.
+
+    Exit codes: 0 stopped by SIGTERM or SIGINT (--save-all, --restore-all: done); 2 usage error (a missing directory, a bad --max-size,
     a bad configuration file, another keeper keeping this server with this store, the lease lost).
     """
     from slotctl.cli.common import use_store
@@ -101,6 +107,8 @@ def keep(
     keep_newest = keep_newest if keep_newest is not None else cfg.newest
     if prove_restores is None:
         prove_restores = cfg.proof != "never"
+    if save_all and restore_all:
+        raise UsageError("--save-all and --restore-all: give one")
     if server is None:
         raise UsageError("--server: no URL given (nor a server in --config)")
     if slot_dir is None:
@@ -169,8 +177,11 @@ def keep(
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, stopping)
-        systemd.notify("READY=1", f"STATUS=keeping {keeper.url} (store {keeper.store})")
-        code = keeper.run()
+        if save_all or restore_all:
+            code = keeper.once(restore=restore_all)
+        else:
+            systemd.notify("READY=1", f"STATUS=keeping {keeper.url} (store {keeper.store})")
+            code = keeper.run()
     finally:
         if watchdog is not None:
             watchdog.stop()

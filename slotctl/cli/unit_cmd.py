@@ -7,6 +7,8 @@ from typing import Annotated
 import typer
 
 from slotctl.cli.common import handle_errors
+from slotctl.cli.options import JsonOpt
+from slotctl.cli.output import Output
 
 
 def register(app: typer.Typer) -> None:
@@ -16,6 +18,7 @@ def register(app: typer.Typer) -> None:
 @handle_errors
 def unit(
     name: Annotated[str, typer.Argument(metavar="NAME", help="The unit: keep (slotctl-keep@.service).")] = "keep",
+    json_out: JsonOpt = False,
 ) -> None:
     """Print a systemd unit file shipped with slotctl: keep's template, one instance per configuration file.
 
@@ -23,10 +26,14 @@ def unit(
     slotctl keep --config /etc/slotctl/NAME.toml. Install it with: slotctl unit keep | sudo tee
     /etc/systemd/system/slotctl-keep@.service. Details: docs/fleet.md.
 
-    Exit codes: 0 printed; 2 no such unit.
+    Exit codes: 0 printed; 2 no such unit. --json: {name, file, text, exit_code}.
     """
     import sys
 
-    from slotctl.unattended.systemd import unit_text
+    from slotctl.unattended.systemd import UNITS, unit_text
 
-    sys.stdout.write(unit_text(name))
+    text = unit_text(name)
+    if json_out:
+        Output(json_mode=True).json({"name": name, "file": UNITS[name], "text": text, "exit_code": 0})
+        return
+    sys.stdout.write(text)

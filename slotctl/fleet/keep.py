@@ -153,6 +153,29 @@ class Keeper:
         self._event("stop", None, "stopped: the last save of the changed slots is done")
         return 0
 
+    def once(self, *, restore: bool) -> int:
+        """One pass, then return (llama-swap's ``cmdStop``, a start hook): the server's facts, then every
+        idle slot whose state the store does not have saved (``restore`` False), or every empty slot
+        restored and proven (``restore`` True). 0; 2 when the server does not answer or an action failed."""
+        self._event("start", None, f"{'restoring' if restore else 'saving'} every slot of {self.url} once: slot "
+                                   f"dir {self.slot_dir}, store {self.store}", every=0.0, store=str(self.store))
+        try:
+            facts = http.server_facts(self.url, api_key=self.api_key, timeout=self.timeout)
+        except SlotctlError as e:
+            self._error(None, e)
+            self._event("stop", None, "stopped: the server did not answer")
+            return 2
+        self.up, self.identity, self.facts = True, server_identity(facts), facts
+        if self.lock is not None:
+            self.seen.update(self.lock.known(model_hash(facts), self.store.has))
+        if restore:
+            self.restore_all()
+        else:
+            self.save_changed()
+        self._event("stop", None, f"stopped: every slot {'restored' if restore else 'saved'} once"
+                                  + (f", {self.errors} error(s)" if self.errors else ""))
+        return 2 if self.errors else 0
+
     def tick(self) -> None:
         try:
             http.get_health(self.url, api_key=self.api_key, timeout=min(self.timeout, HEALTH_TIMEOUT))

@@ -53,6 +53,9 @@ class DirectoryStore:
         """A local file holding the state ``name`` (the store's own file here)."""
         return self.path / name
 
+    def mtime(self, name: str) -> float:
+        return (self.path / name).stat().st_mtime
+
     def delete(self, name: str) -> int:
         """Delete the state ``name`` (keep's retention); its size (0 when it was already gone)."""
         try:
@@ -117,6 +120,14 @@ class ObjectStore:
         found = [e for e in S3_STORE.list(self.url) if e.path.rpartition("/")[2].startswith(prefix)
                  and e.path.endswith(".bin")]
         return [e.path.rpartition("/")[2] for e in sorted(found, key=lambda e: e.mtime, reverse=True)]
+
+    def mtime(self, name: str) -> float:
+        from slotctl.store.s3 import S3_STORE
+
+        entry = S3_STORE.stat(self.where(name))
+        if entry is None:
+            raise UsageError(f"{self.where(name)}: no such object", code="no_such_file")
+        return entry.mtime
 
     def delete(self, name: str) -> int:
         from slotctl.store.s3 import S3_STORE
