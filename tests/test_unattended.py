@@ -535,7 +535,7 @@ def test_keep_newest_keeps_the_newest_states_of_a_slot(kept, tmp_path):
         second = keep.wait_for("stored", 1)["details"]
         pruned = keep.wait_for("pruned")["details"]
         assert pruned["path"] == first["path"] and pruned["size"] == first["size"]
-        states = sorted(p.name for p in store.iterdir() if p.name.endswith(".bin"))
+        states = sorted(p.name for p in store.iterdir() if p.name.startswith("slot1-"))
         assert states == [second["name"]]
     finally:
         assert keep.stop() == 0

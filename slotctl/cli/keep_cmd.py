@@ -44,9 +44,7 @@ def keep(
                                                             "(older ones deleted after each new state).")] = None,
     prove_restores: Annotated[Optional[bool], typer.Option("--prove/--no-prove", help="Prove each restore with "
                                                            "the server's own counts [default: --prove].")] = None,
-    config: Annotated[Optional[Path], typer.Option("--config", dir_okay=False, metavar="FILE",
-                                                   help="A TOML configuration file (docs/fleet.md); flags given "
-                                                        "here override it.")] = None,
+    config: remote.ConfigOpt = None,
     lease: Annotated[Optional[float], typer.Option("--lease", min=1.0, max=86400.0, metavar="SECONDS",
                                                    help="With an s3:// store: seconds the keeper's lease holds "
                                                         "without a renewal [default: 60].")] = None,

@@ -8,7 +8,6 @@ exits 2, always with one line on stderr.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -19,7 +18,7 @@ from slotctl.cli.common import handle_errors
 from slotctl.cli.options import JsonOpt
 from slotctl.cli.output import Output
 from slotctl.errors import UsageError
-from slotctl.cli.remote import ApiKeyOpt, ServerOpt, ServerSlotOpt, TimeoutOpt, _cell, _plain
+from slotctl.cli.remote import ApiKeyOpt, ConfigOpt, ServerOpt, ServerSlotOpt, TimeoutOpt, _cell, _plain
 from slotctl.live import http as server_api
 
 
@@ -33,9 +32,7 @@ def slots(
     server: Annotated[Optional[list[str]], typer.Option("--server", metavar="URL", help="A llama-server's base URL, "
                                                         "e.g. http://127.0.0.1:8080; repeat it for several "
                                                         "servers (one table).")] = None,
-    config: Annotated[Optional[Path], typer.Option("--config", dir_okay=False, metavar="FILE",
-                                                   help="Every [[servers]] of a configuration file (docs/fleet.md), "
-                                                        "with their stores.")] = None,
+    config: ConfigOpt = None,
     watch: Annotated[Optional[float], typer.Option("--watch", min=0.1, max=86400.0, metavar="SECONDS",
                                                    help="Read again every SECONDS: redrawn in place on a terminal, "
                                                         "the rows alone on a pipe; Ctrl-C stops.")] = None,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import ipaddress
 import json
 import os
 import socket
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 from slotctl.errors import SlotctlError, UsageError
+from slotctl.live.http import is_loopback
 
 #: seconds an ``s3://`` lease holds without a renewal (``keep --lease``)
 DEFAULT_TTL = 60.0
@@ -56,22 +56,13 @@ class Lost(SlotctlError):
     code = "lease_lost"
 
 
-def _loopback(host: str) -> bool:
-    if host.lower() in ("localhost", "localhost.localdomain") or host.lower().endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def server_key(url: str) -> str:
     """A short name for the server at ``url`` (normalized: scheme, host, port, path). A loopback host
     (``127.0.0.1``, ``localhost``) names a server of this machine, so it is qualified by the host name:
     keepers of two hosts, each beside its own ``127.0.0.1:8080``, may share one ``s3://`` store."""
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or ""
-    if _loopback(host):
+    if is_loopback(host):
         host = "loopback@" + socket.gethostname()
     ident = f"{parts.scheme}://{host}:{parts.port or ''}{parts.path.rstrip('/')}"
     return hashlib.sha256(ident.encode()).hexdigest()[:12]

@@ -242,17 +242,6 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class Endpoint:
     """``GET /metrics``, ``/livez`` and ``/readyz`` on ``HOST:PORT``, answered by a daemon thread."""
 
