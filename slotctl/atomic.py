@@ -41,7 +41,7 @@ _HASH_DIGITS = 16
 
 def private_name(name: str, tag: str) -> str:
     """The private name slotctl gives a file of its own beside the file ``name``: ``.NAME.slotctl-TAG.tmp``
-    (the form :func:`is_temp_file` knows, which listings skip: :func:`slotctl.paths.is_temp_file`), never longer than :data:`NAME_MAX` bytes.
+    (the form listings skip, :func:`slotctl.paths.is_temp_file`), never longer than :data:`NAME_MAX` bytes.
 
     A name of 231-255 bytes (a server saves whatever name a client sends) would pass the limit once the
     marks are added ("File name too long"): then NAME is cut, at a character boundary, and followed by

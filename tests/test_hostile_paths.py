@@ -159,6 +159,7 @@ DIRECTORY_COMMANDS = {
     "validate": ["validate", "{}", "--no-load", "--json"],
     "strip-draft": ["strip-draft", "{}", "--dry-run", "--grace", "0", "--json"],
     "cp": ["cp", "{}", "{out}", "--json"],
+    "prune": ["prune", "{}", "--keep", "5", "--dry-run", "--json"],
 }
 
 

@@ -669,9 +669,39 @@ import socket  # noqa: E402
 import threading  # noqa: E402
 
 
+def _head_and_rest(sock: socket.socket) -> tuple[bytes, bytes] | None:
+    """An HTTP message's head (up to the blank line) and the bytes read after it; None at the end."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        d = sock.recv(65536)
+        if not d:
+            return None
+        data += d
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def _content_length(head: bytes) -> int | None:
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"content-length":
+            return int(v)
+    return None
+
+
+def _body(sock: socket.socket, got: bytes, n: int) -> bytes:
+    while len(got) < n:
+        d = sock.recv(65536)
+        if not d:
+            break
+        got += d
+    return got
+
+
 class _CuttingProxy:
-    """A TCP proxy in front of the real S3 server that cuts the body of every object GET after ``keep``
-    bytes and closes the connection: a store whose answer ends early (a dropped connection mid-read)."""
+    """A TCP proxy in front of the real S3 server that cuts the body of every object GET (no query: not a
+    listing) after ``keep`` bytes and closes the connection: a store whose answer ends early (a dropped
+    connection mid-read). ``cut`` counts the answers cut."""
 
     def __init__(self, target_port: int, keep: int = 1000):
         self.target_port, self.keep = target_port, keep
@@ -694,49 +724,26 @@ class _CuttingProxy:
         up = socket.create_connection(("127.0.0.1", self.target_port))
         try:
             while True:
-                req = b""
-                while b"\r\n\r\n" not in req:
-                    d = c.recv(65536)
-                    if not d:
-                        return
-                    req += d
-                head, _, body = req.partition(b"\r\n\r\n")
-                n = 0
-                for line in head.split(b"\r\n")[1:]:
-                    k, _, v = line.partition(b":")
-                    if k.strip().lower() == b"content-length":
-                        n = int(v)
-                while len(body) < n:
-                    body += c.recv(65536)
-                up.sendall(head + b"\r\n\r\n" + body)
-                is_get = head.startswith(b"GET ") and b"list-type" not in head.split(b"\r\n")[0] and b"?" not in head.split(b" ")[1]
-                resp = b""
-                while b"\r\n\r\n" not in resp:
-                    d = up.recv(65536)
-                    if not d:
-                        return
-                    resp += d
-                rh, _, rb = resp.partition(b"\r\n\r\n")
-                length = None
-                for line in rh.split(b"\r\n")[1:]:
-                    k, _, v = line.partition(b":")
-                    if k.strip().lower() == b"content-length":
-                        length = int(v)
-                if head.startswith(b"HEAD ") or rh.split(b" ")[1] in (b"204", b"304"):
-                    length = 0
-                if length is None:
-                    c.sendall(resp)   # chunked etc: pass through until close
-                    while True:
-                        d = up.recv(65536)
-                        if not d:
-                            return
+                got = _head_and_rest(c)
+                if got is None:
+                    return
+                head, body = got
+                up.sendall(head + b"\r\n\r\n" + _body(c, body, _content_length(head) or 0))
+                target = head.split(b" ")[1]
+                got = _head_and_rest(up)
+                if got is None:
+                    return
+                rh, rb = got
+                status = rh.split(b" ")[1]
+                length = 0 if head.startswith(b"HEAD ") or status in (b"204", b"304") else _content_length(rh)
+                if length is None:        # no length given: passed through until the store closes
+                    c.sendall(rh + b"\r\n\r\n" + rb)
+                    while d := up.recv(65536):
                         c.sendall(d)
-                while len(rb) < length:
-                    d = up.recv(65536)
-                    if not d:
-                        break
-                    rb += d
-                if is_get and rh.split(b" ")[1] in (b"200", b"206") and length > self.keep:
+                    return
+                rb = _body(up, rb, length)
+                if head.startswith(b"GET ") and b"?" not in target and status in (b"200", b"206") \
+                        and length > self.keep:
                     self.cut += 1
                     c.sendall(rh + b"\r\n\r\n" + rb[:self.keep])
                     c.shutdown(socket.SHUT_RDWR)
