@@ -16,6 +16,7 @@ LAYERS = [
     {"cli"},
     {"serve"},
     {"fleet"},
+    {"unattended"},
     {"prune"},
     {"catalog"},
     {"live"},
