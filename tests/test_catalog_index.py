@@ -112,24 +112,25 @@ def test_a_row_younger_than_the_file_s_granularity_is_read_again(tmp_path, reads
     assert reads == ["a.bin", "a.bin"]
 
 
+def sql(path, statement: str) -> None:
+    con = sqlite3.connect(path)
+    con.execute(statement)
+    con.commit()
+    con.close()
+
+
 def test_a_corrupt_or_foreign_index_is_rebuilt_never_trusted(slots, reads):
     first = rows(slots)
     from pathlib import Path
 
     ix = Path(index_of(slots))
     # another version: rebuilt (every file read again), and right after
-    con = sqlite3.connect(ix)
-    con.execute("PRAGMA user_version=99")
-    con.commit()
-    con.close()
+    sql(ix, "PRAGMA user_version=99")
     reads.clear()
     assert without_age(rows(slots)) == without_age(first)
     assert sorted(reads) == sorted(FILES)
     # rows doctored in the index are never shown once their file's identity disagrees
-    con = sqlite3.connect(ix)
-    con.execute("UPDATE files SET identity = 'x', row = '{\"verdict\": \"restores\"}'")
-    con.commit()
-    con.close()
+    sql(ix, "UPDATE files SET identity = 'x', row = '{\"verdict\": \"restores\"}'")
     reads.clear()
     assert without_age(rows(slots)) == without_age(first)
     assert sorted(reads) == sorted(FILES)

@@ -462,3 +462,24 @@ def test_the_catalog_spares_reading_stored_states_again(llama, tmp_path):
             (ev,) = [e for e in s.events if e["event"] == "indexed"]
             assert ev["details"]["n"] == 1 and ev["details"]["read"] == read, ev
     assert len(list(tmp_path.glob("serve-*.bin"))) == 1
+
+
+def test_usage_errors_are_one_line_and_exit_2(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        for args, words in (
+                (["--slot-dir", str(tmp_path / "missing")], "not a directory"),
+                (["--slot-dir", str(tmp_path), "--store", "ftp://x/"], "a directory or an s3://"),
+                (["--slot-dir", str(tmp_path), "--listen", "nohost"], "expected HOST:PORT"),
+                (["--slot-dir", str(tmp_path), "--max-size", "lots"], "expected a size"),
+                (["--slot-dir", str(tmp_path), "--listen", f"127.0.0.1:{port}"], f"--listen 127.0.0.1:{port}")):
+            r = subprocess.run([sys.executable, "-m", "slotctl", "serve", "--upstream", "http://127.0.0.1:9", *args],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2, (args, r.stderr)
+            assert words in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, \
+                (args, r.stderr)
+    finally:
+        taken.close()

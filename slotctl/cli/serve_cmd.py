@@ -69,12 +69,7 @@ def serve(
     the [serve] extra missing, the address in use).
     """
     host, port = parse_listen(listen)
-    if not slot_dir.is_dir():
-        raise UsageError(f"--slot-dir {slot_dir}: not a directory")
-    if store is not None and "://" in store and not store.startswith("s3://"):
-        raise UsageError(f"--store {store}: a directory or an s3://BUCKET/PREFIX/")
-    if store is not None and "://" not in store and not Path(store).is_dir():
-        raise UsageError(f"--store {store}: not a directory")
+    remote.check_slot_dir_and_store(slot_dir, store)
     size = None
     if max_size is not None:
         from slotctl.prune import parse_size

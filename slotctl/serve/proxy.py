@@ -446,7 +446,11 @@ async def run(proxy: Proxy, host: str, port: int, *, ready=None, stop: asyncio.E
     runner = web.AppRunner(proxy.app(), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()      # the client session made at start-up closed (the address in use, ...)
+        raise
     bound = runner.addresses[0][1] if runner.addresses else port
     if ready is not None:
         ready(host, bound)
