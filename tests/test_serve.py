@@ -293,8 +293,10 @@ def test_a_store_down_means_uncached_not_failed(llama, tmp_path):
 def test_a_client_that_goes_away_mid_stream_frees_the_slot(llama, tmp_path):
     with serving(llama, llama.save_dir, str(tmp_path)) as s:
         sock = socket.create_connection(("127.0.0.1", s.port), timeout=60)
+        # large events (200 probabilities a token): the answer is far more than the sockets' buffers hold, so
+        # the server is still generating (or its answer still on its way) when the client goes
         body = json.dumps({"prompt": SAMPLE_PROMPT, "n_predict": 2000, "temperature": 0, "stream": True,
-                           "id_slot": 1, "ignore_eos": True}).encode()
+                           "id_slot": 1, "ignore_eos": True, "n_probs": 200}).encode()
         sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         got = b""
