@@ -581,3 +581,64 @@ def test_an_s3_store_is_held_under_max_size_by_prunes_rules(seaweed, monkeypatch
     assert left == ["keep-slot0-incoming.bin", "slot0-c.bin"]
     assert bytes(obstore.get(seaweed.client(), "budget/slot0-c.bin").bytes()) == data
     S3_STORE.reset()
+
+
+# -- acts obey verdicts (issue 24) -------------------------------------------------------------------------
+
+
+def _cut(src: Path, dest: Path, n: int = 100) -> None:
+    """``dest``: ``src`` with its last ``n`` bytes cut (a payload cut short: b11434 dies on it)."""
+    data = src.read_bytes()
+    dest.write_bytes(data[:-n])
+
+
+def _alive(srv) -> bool:
+    status, _ = srv.get("/health")
+    return status == 200 and srv.proc.poll() is None
+
+
+def _restores_logged(srv, name: str) -> bool:
+    """Whether the server's log shows a restore of ``name`` (what reaches it is what it logs)."""
+    return name in srv.log_text()
+
+
+@server
+def test_restore_server_never_sends_a_file_validate_says_it_aborts_on(one):
+    one.completion(SAMPLE_PROMPT, slot=0, n_predict=4)
+    one.save(0, "whole.bin")
+    _cut(one.save_dir / "whole.bin", one.save_dir / "cut100.bin")
+    doc = json.loads(slotctl("validate", "--server", one.url, one.save_dir / "cut100.bin", "--json", *TIMEOUT).stdout)
+    assert doc["files"][0]["verdict"] == "aborts", doc["files"][0]
+    for more in ([], ["--prove"]):
+        res = slotctl("restore", "--server", one.url, "--slot", "0", "cut100.bin", "--slot-dir", one.save_dir,
+                      *more, "--json", *TIMEOUT, code=FAILED)
+        err = json.loads(res.stdout)["error"]
+        assert err["code"] == "not_sent" and "aborts" in err["message"] and "--force" in err["message"], err
+    assert _alive(one) and not _restores_logged(one, "cut100.bin")
+    # an intact file is judged and sent; the JSON says nothing was forced
+    res = slotctl("restore", "--server", one.url, "--slot", "0", "whole.bin", "--slot-dir", one.save_dir, "--json",
+                  *TIMEOUT, code=OK)
+    assert "note" not in json.loads(res.stdout)
+    # without --slot-dir the file cannot be read: it is sent, and the output says it was not judged
+    res = slotctl("restore", "--server", one.url, "--slot", "0", "whole.bin", "--json", *TIMEOUT, code=OK)
+    assert json.loads(res.stdout)["note"].startswith("not judged: give --slot-dir")
+    # --force is for a local restore's refusal only with --server
+    res = slotctl("restore", one.save_dir / "whole.bin", "-m", one.save_dir / "whole.bin", "--force", code=USAGE)
+    assert "go with --server" in res.stderr
+
+
+@server
+def test_a_server_that_drops_the_connection_at_a_restore_may_have_crashed(llama_server_bin, tiny_models, tmp_path):
+    """--force sends the cut file to a server of its own: b11434 dies on it (GGML_ASSERT), and slotctl says
+    the server may have crashed, not that it may not be a llama-server."""
+    with serving(llama_server_bin, tiny_models.target, tmp_path, "doomed", ["-c", "512", "-np", "1"]) as srv:
+        srv.completion(SAMPLE_PROMPT, slot=0, n_predict=4)
+        srv.save(0, "whole.bin")
+        _cut(srv.save_dir / "whole.bin", srv.save_dir / "cut100.bin")
+        res = slotctl("restore", "--server", srv.url, "--slot", "0", "cut100.bin", "--slot-dir", srv.save_dir,
+                      "--force", *TIMEOUT, code=USAGE)
+        line = " ".join(res.stderr.split())
+        assert "closed the connection without answering: it may have crashed" in line, res.stderr
+        assert "is this a llama-server" not in line
+        srv.proc.wait(timeout=30)
+        assert srv.proc.poll() is not None and "GGML_ASSERT" in srv.log_text()

@@ -38,6 +38,8 @@ def keep(
     max_size: Annotated[Optional[str], typer.Option("--max-size", metavar="SIZE", help="Keep the store under SIZE "
                                                     "(20G, 500M) by prune's rules, least recently used first "
                                                     "(a directory store only).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Restore a stored state even when validate says the "
+                                        "server now running refuses it or aborts on it.")] = False,
     api_key: remote.ApiKeyOpt = None,
     timeout: Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
                                            help="Give up on a request after this many seconds.")] = remote.SLOT_FILE_TIMEOUT,
@@ -50,7 +52,8 @@ def keep(
     last task changed is saved by the server, checked, and copied into the store (one file per state,
     named by slot, model and a hash of its tokens); the store is kept under --max-size by prune's
     rules; when the server comes back after being down, or runs another model, every empty slot gets
-    the newest state that validates for it, restored and proven (restore --prove). One log line per
+    the newest state that validates for it (one the server would refuse or abort on is skipped, saying
+    why, unless --force), restored and proven (restore --prove's policy). One log line per
     action; --json: one JSON line each. SIGTERM or SIGINT: a last save of the changed slots, exit 0.
     Details: docs/fleet.md.
 
@@ -81,7 +84,7 @@ def keep(
         out.err.print(line)
 
     keeper = Keeper(server, slot_dir, store, every=every, min_tokens=min_tokens, max_size=size, api_key=api_key,
-                    timeout=timeout, emit=emit)
+                    timeout=timeout, emit=emit, force=force)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: keeper.stop())
     raise typer.Exit(keeper.run())
