@@ -177,13 +177,19 @@ def steps(doc) -> dict:
 @server
 def test_migrate_between_servers_with_other_np_and_kvu(one, three):
     one.completion(SAMPLE_PROMPT, slot=1, n_predict=8)
-    doc, _ = migrate(one, 1, three, 2, "--name", "moved.bin", "-kvu", code=OK)
+    kept_dir = three.save_dir.parent / "kept-moved"
+    kept_dir.mkdir()
+    doc, _ = migrate(one, 1, three, 2, "--name", "moved.bin", "-kvu", "--store", kept_dir, code=OK)
     st = steps(doc)
-    assert [s["status"] for s in doc["steps"]] == ["ok"] * 5 + ["skipped"] + ["ok"] * 3, doc["steps"]
+    assert [s["status"] for s in doc["steps"]] == ["ok"] * 10, doc["steps"]
     assert st["check"]["details"]["converted"] and any("n_stream 2 -> 1" in c for c in st["check"]["details"]["changes"])
+    # the working files are gone after success (the source's save, the copy placed); the store keeps its copy
     placed = three.save_dir / "moved.bin"
-    assert placed.is_file() and open_slot_file(placed).target.sections[0].n_stream == 1
-    tokens = tokens_of(placed)
+    assert sorted(st["cleanup"]["details"]["removed"]) == sorted([str(one.save_dir / "moved.bin"), str(placed)])
+    assert not placed.exists() and not (one.save_dir / "moved.bin").exists()
+    stored = kept_dir / "moved.bin"
+    assert open_slot_file(stored).target.sections[0].n_stream == 1
+    tokens = tokens_of(stored)
     n = len(tokens)
     assert doc["proof"]["verdict"] == "proven" and (doc["proof"]["n_reused"], doc["proof"]["n_evaluated"]) == (n - 1, 1)
     # the destination's own timings: a request extending the prompt evaluates only the new tokens there,
@@ -203,7 +209,8 @@ def test_migrate_refuses_another_model_before_touching_it(one, other):
     doc, res = migrate(one, 1, other, 0, "--name", "foreign.bin", code=FAILED)
     st = steps(doc)
     assert st["destination"]["status"] == "refused" and "another model" in st["destination"]["message"]
-    assert all(st[s]["status"] == "skipped" for s in ("save", "fetch", "check", "store", "place", "restore", "prove"))
+    assert all(st[s]["status"] == "skipped" for s in ("save", "fetch", "check", "store", "place", "restore", "prove",
+                                                       "cleanup"))
     assert sorted(os.listdir(other.save_dir)) == before and cached(other, 0) in (None, 0)
     assert "another model" in res.stderr
 
@@ -225,9 +232,10 @@ def test_migrate_refuses_a_lossy_cache_type_change_without_allow_lossy(one, thre
                   code=FAILED)
     cells = [[w for w in line.split() if w != "│"] for line in res.stdout.splitlines()[1:]]
     rows = {c[0]: c[1] for c in cells if len(c) > 1 and c[0] in ("source", "destination", "save", "fetch", "check",
-                                                                   "store", "place", "restore", "prove")}
+                                                                   "store", "place", "restore", "prove", "cleanup")}
     assert rows == {"source": "ok", "destination": "ok", "save": "ok", "fetch": "ok", "check": "refused",
-                    "store": "skipped", "place": "skipped", "restore": "skipped", "prove": "skipped"}, res.stdout
+                    "store": "skipped", "place": "skipped", "restore": "skipped", "prove": "skipped",
+                    "cleanup": "skipped"}, res.stdout
     assert res.stderr.strip().startswith("error: migrate: check: ") and "--allow-lossy" in res.stderr
 
 
@@ -541,12 +549,12 @@ def test_migrate_through_an_s3_store(one, three, seaweed, monkeypatch):
         store = f"s3://{BUCKET}/migrate/"
         doc, _ = migrate(one, 0, three, 0, "--name", "via-s3.bin", "-kvu", "--store", store, code=OK)
         st = steps(doc)
-        assert [s["status"] for s in doc["steps"]] == ["ok"] * 9, doc["steps"]
+        assert [s["status"] for s in doc["steps"]] == ["ok"] * 10, doc["steps"]
         assert st["store"]["details"]["where"] == store + "via-s3.bin"
         assert doc["proof"]["verdict"] == "proven"
         row = json.loads(slotctl("ls", store, "--json", code=OK).stdout)["files"][0]
-        placed = three.save_dir / "via-s3.bin"
-        assert row["path"] == store + "via-s3.bin" and row["size"] == placed.stat().st_size
+        assert not (three.save_dir / "via-s3.bin").exists()     # the working copy removed, the object kept
+        assert row["path"] == store + "via-s3.bin" and row["size"] == st["place"]["details"]["size"]
         assert row["n_tokens"] == doc["proof"]["n_prompt"]
     finally:
         S3_STORE.reset()
@@ -642,3 +650,70 @@ def test_a_server_that_drops_the_connection_at_a_restore_may_have_crashed(llama_
         assert "is this a llama-server" not in line
         srv.proc.wait(timeout=30)
         assert srv.proc.poll() is not None and "GGML_ASSERT" in srv.log_text()
+
+
+@server
+def test_migrate_never_sends_a_file_validate_says_the_destination_aborts_on(one, monkeypatch):
+    """The file the source saved is cut by 100 bytes on its way (the source's answer says the size it has):
+    the check step judges it for the destination, refuses it, and nothing reaches the destination."""
+    from slotctl.live import http as live_http
+
+    real_save = live_http.save_slot
+
+    def save_then_cut(url, slot, filename, **kw):
+        answer = real_save(url, slot, filename, **kw)
+        path = one.save_dir / filename
+        _cut(path, path)
+        return dict(answer, n_written=answer["n_written"] - 100)
+
+    monkeypatch.setattr(live_http, "save_slot", save_then_cut)
+    one.completion(SAMPLE_PROMPT, slot=1, n_predict=3)
+    # to a destination of the source's own flags: no conversion, the cut decides (to ``three``, -kvu, the
+    # loader refuses the stream count first, before it reads far enough to die)
+    before = sorted(os.listdir(one.save_dir))
+    doc, res = migrate(one, 1, one, 0, "--name", "cut-on-the-way.bin", code=FAILED)
+    st = steps(doc)
+    assert st["check"]["status"] == "refused" and "aborts" in st["check"]["message"], \
+        [(s["step"], s["status"], s["message"]) for s in doc["steps"]]
+    assert "--force" in st["check"]["message"]
+    assert all(st[s]["status"] == "skipped" for s in ("place", "restore", "prove", "cleanup"))
+    assert set(os.listdir(one.save_dir)) == {*before, "cut-on-the-way.bin"} and _alive(one)
+    assert not _restores_logged(one, "cut-on-the-way.bin")
+
+
+@server
+def test_migrate_to_slot_defaults_to_a_slot_the_destination_has(three, one):
+    """The source's slot 2 does not exist on a destination of two slots: an idle slot of the destination
+    is taken (it was slot 2 before, and the server refused it)."""
+    three.completion(SAMPLE_PROMPT + " The default", slot=2, n_predict=2)
+    one.erase(0), one.erase(1)
+    res = slotctl("migrate", "--from", three.url, "--slot", "2", "--to", one.url, "--from-dir", three.save_dir,
+                  "--to-dir", one.save_dir, "--name", "default-slot.bin", "--json", *TIMEOUT, code=OK)
+    doc = json.loads(res.stdout)
+    assert doc["to"]["slot"] in (0, 1) and steps(doc)["destination"]["details"]["slot_given"] is False
+    assert doc["proof"]["verdict"] == "proven"
+    assert cached(one, doc["to"]["slot"]) == doc["proof"]["n_prompt"]
+
+
+@server
+def test_keep_never_restores_a_stored_state_validate_says_the_server_aborts_on(kept, tmp_path):
+    from slotctl.fleet.keep import model_hash, stored_name
+    from slotctl.live import http as live_http
+
+    kept.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
+    kept.save(0, "keep-whole.bin")
+    store = tmp_path / "store"
+    store.mkdir()
+    name = stored_name(0, model_hash(live_http.server_facts(kept.url)), "cut100")
+    _cut(kept.save_dir / "keep-whole.bin", store / name)
+    kept.erase(0), kept.erase(1)
+    keep = Keep(kept, store, "--every", "0.3")
+    try:
+        skipped = keep.wait_for("skipped", 0)
+        assert name in skipped["message"] and "not restored" in skipped["message"], skipped
+        assert "aborts" in skipped["message"] and "--force" in skipped["message"]
+        assert skipped["details"]["verdict"] == "aborts"
+    finally:
+        assert keep.stop() == 0
+    assert not any(e["event"] == "restored" for e in keep.seen)
+    assert _alive(kept) and not _restores_logged(kept, name)

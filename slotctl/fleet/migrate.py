@@ -7,7 +7,7 @@ The steps, each with its outcome (:class:`Step`), stopping at the first that doe
    as the servers report it (``/v1/models`` meta: vocabulary, embedding size, parameters, tensor bytes,
    training context), else refused (:func:`other_model`);
 3. ``save``: the source saves the slot into its ``--slot-save-path`` (``--from-dir`` here);
-4. ``fetch``: the saved file parses and holds the slot's tokens;
+4. ``fetch``: the saved file holds the slot's tokens in the size the source answered;
 5. ``check``: the conversion the destination's flags need (:mod:`slotctl.convert`: ``-np``/``-kvu`` streams,
    exact; cache types, lossy, only with ``allow_lossy``), then validate's verdict for the converted file
    and the destination's own model and flags (:func:`slotctl.live.prove.local_setup`): refused when the
@@ -54,6 +54,11 @@ class Refused(SlotctlError):
 
     exit_status = ExitStatus.FAILED
     code = "refused"
+
+    def __init__(self, message: str, details: dict | None = None):
+        super().__init__(message)
+        #: the figures of the step that refused (what a conversion would have changed)
+        self.details = details
 
 
 @dataclass
@@ -141,7 +146,8 @@ def convert_for(path: Path, setup, dest: Path, *, allow_lossy: bool, lossy_remed
     lossy = [c.describe() for c in plan.changes if c.what in ("K type", "V type")]
     details = {"changes": changes, "lossy": lossy, "converted": bool(plan.changes)}
     if lossy and not allow_lossy:
-        raise Refused(f"the {who}'s cache types differ ({'; '.join(lossy)}): re-encoding is lossy, {lossy_remedy}")
+        raise Refused(f"the {who}'s cache types differ ({'; '.join(lossy)}): re-encoding is lossy, {lossy_remedy}",
+                      details)
     if not plan.changes:
         return Conversion(Path(path), [], details)
     errors = conv.write_converted(plan, dest, layout=layout)
@@ -199,6 +205,7 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int | None, *, 
             s.status = "ok"
         except Refused as e:
             s.status, s.message, s.error = "refused", str(e), {"code": e.error_code, "message": str(e)}
+            s.details = e.details or s.details
             m.exit_status = ExitStatus.FAILED
         except SlotctlError as e:
             s.status, s.message, s.error = "failed", str(e), {"code": e.error_code, "message": str(e)}
@@ -247,8 +254,8 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int | None, *, 
             raise UsageError(f"{path}: the source answered that it saved {name}, but --from-dir holds no such "
                              "file (is --from-dir the source's --slot-save-path?)")
         sf = open_slot_file(path)
-        if sf.errors:
-            raise Refused(f"{path}: {sf.errors[0]}")
+        # a damage is the check's to judge (validate's verdict for the destination; --force sends it)
+        state["damaged"] = sf.errors[0].one_line() if sf.errors else None
         saved = steps["save"].details["answer"]
         n = sf.tokens.n_tokens if sf.tokens is not None else 0
         if n != saved["n_saved"] or sf.size != saved["n_written"]:
@@ -262,8 +269,12 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int | None, *, 
         from slotctl.live.judge import judge, why
 
         setup = state["setup"]
-        conv = convert_for(state["path"], setup, Path(staging) / name, allow_lossy=allow_lossy,
-                           lossy_remedy="pass --allow-lossy to accept it", who="destination")
+        if state["damaged"]:   # judged as it is: a damaged file is not converted
+            conv = Conversion(state["path"], [], {"changes": [], "lossy": [], "converted": False,
+                                                  "damaged": state["damaged"]})
+        else:
+            conv = convert_for(state["path"], setup, Path(staging) / name, allow_lossy=allow_lossy,
+                               lossy_remedy="pass --allow-lossy to accept it", who="destination")
         s.details = conv.details
         path = state["placed_from"] = conv.path
         report = judge(path, setup)
@@ -271,7 +282,8 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int | None, *, 
         s.details["findings"] = [f.as_dict() for f in report.findings if f.severity != "note"]
         if report.refused_or_aborts:
             if not force:
-                raise Refused(f"the destination would not restore the file: {why(report)} (--force sends it anyway)")
+                raise Refused(f"the destination would not restore the file: {why(report)} (--force sends it anyway)",
+                          s.details)
             s.details["forced"] = True
         done = "converted (" + "; ".join(conv.changes) + ")" if conv.changes else "no conversion needed"
         forced = " (sent with --force)" if s.details.get("forced") else ""
