@@ -717,3 +717,55 @@ def test_keep_never_restores_a_stored_state_validate_says_the_server_aborts_on(k
         assert keep.stop() == 0
     assert not any(e["event"] == "restored" for e in keep.seen)
     assert _alive(kept) and not _restores_logged(kept, name)
+
+
+# -- a proof that does not spend what it proves (issue 24) ------------------------------------------------
+
+
+@server
+def test_a_recurrent_state_restored_by_keep_is_reused_by_the_next_extending_request(llama_server_bin, tmp_path):
+    """mamba at b11434: the proving request (the saved prompt itself) would make the server evaluate the
+    whole prompt again (a recurrent state holds its last position only, and b11434 keeps no checkpoint of a
+    restored file), so keep does not send it; the next request that extends the prompt then reuses every
+    saved token (the server's own counts)."""
+    from slotctl.tinymodels import make_kind_model
+
+    model = make_kind_model("mamba", tmp_path / "mamba.gguf")
+    with serving(llama_server_bin, model, tmp_path, "mamba", ["-c", "512", "-np", "1"]) as srv:
+        store = tmp_path / "store"
+        store.mkdir()
+        keep = Keep(srv, store, "--every", "0.3")
+        try:
+            keep.wait_for("up")
+            srv.completion(SAMPLE_PROMPT, slot=0, n_predict=6)
+            stored = keep.wait_for("stored", 0)
+            tokens = tokens_of(Path(stored["details"]["path"]))
+            n = len(tokens)
+            srv.kill_and_start_again()
+            keep.wait_for("restart")
+            assert keep.wait_for("restored", 0)["details"]["answer"]["n_restored"] == n
+            proof = keep.wait_for("proof", 0)
+            p = proof["details"]["proof"]
+            assert (p["verdict"], p["n_reused"], p["n_evaluated"]) == ("not_taken", None, None), p
+            assert (p["predicted_reused"], p["predicted_evaluated"]) == (0, n) and "recurrent" in p["reason"]
+            assert p["extending"]["b11434"]["n_reused"] == n and "not taken" in proof["message"]
+            more = tokens + srv.tokenize(" The river Seine", add_special=False)
+            assert counts(srv, 0, more) == (n, len(more) - n)
+        finally:
+            assert keep.stop() == 0
+
+        # restore --prove: the same policy; --prove-anyway sends it, and the server's counts are the prediction's
+        (srv.save_dir / "again.bin").write_bytes(Path(stored["details"]["path"]).read_bytes())
+        srv.erase(0)
+        res = slotctl("restore", "--server", srv.url, "--slot", "0", "again.bin", "--prove", "--slot-dir",
+                      srv.save_dir, "--json", *TIMEOUT, code=OK)
+        p = json.loads(res.stdout)["proof"]
+        assert p["verdict"] == "not_taken" and "--prove-anyway sends it" in p["notes"]
+        assert counts(srv, 0, more) == (n, len(more) - n)
+        res = slotctl("restore", "--server", srv.url, "--slot", "0", "again.bin", "--prove", "--prove-anyway",
+                      "--slot-dir", srv.save_dir, "--json", *TIMEOUT, code=OK)
+        p = json.loads(res.stdout)["proof"]
+        assert (p["verdict"], p["n_reused"], p["n_evaluated"], p["predicted_evaluated"]) == ("proven", 0, n, n)
+        res = slotctl("restore", "--server", srv.url, "--slot", "0", "again.bin", "--prove", "--slot-dir",
+                      srv.save_dir, *TIMEOUT, code=OK)
+        assert "proof not taken" in " ".join(res.stdout.split()), res.stdout
