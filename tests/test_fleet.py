@@ -769,3 +769,30 @@ def test_a_recurrent_state_restored_by_keep_is_reused_by_the_next_extending_requ
         res = slotctl("restore", "--server", srv.url, "--slot", "0", "again.bin", "--prove", "--slot-dir",
                       srv.save_dir, *TIMEOUT, code=OK)
         assert "proof not taken" in " ".join(res.stdout.split()), res.stdout
+
+
+@server
+def test_cp_copies_a_file_with_trailing_bytes_the_server_restores(one, tmp_path):
+    """A file b11434 saved, with bytes after it that look like a damaged checkpoint appendix (b11434 reads
+    the target only and never looks at them): cp copies it (it refused every damaged structure before), and
+    the server restores the copy; a file the server refuses whatever its flags is still refused, its remedy an
+    option cp has."""
+    import struct
+
+    one.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
+    one.save(0, "tail-src.bin")
+    n = len(tokens_of(one.save_dir / "tail-src.bin"))
+    src = tmp_path / "tail.bin"
+    src.write_bytes((one.save_dir / "tail-src.bin").read_bytes() + b"SCKP" + struct.pack("<I", 1) + b"\xff" * 20)
+    assert open_slot_file(src).damaged
+    doc = json.loads(slotctl("cp", src, one.save_dir / "tail-copy.bin", "--json", code=OK).stdout)
+    assert doc["files"][0]["status"] == "copied" and doc["files"][0]["damaged"] is True
+    status, answer = one.restore(0, "tail-copy.bin")
+    assert status == 200 and answer["n_restored"] == n
+    half = tmp_path / "half.bin"
+    raw = src.read_bytes()
+    half.write_bytes(raw[:len(raw) // 2])
+    res = slotctl("cp", half, tmp_path / "half-copy.bin", "--json", code=FAILED)
+    err = json.loads(res.stdout)["files"][0]["error"]["message"]
+    assert "whatever its flags" in err and "--force copies it" in err and not (tmp_path / "half-copy.bin").exists()
+    slotctl("cp", half, tmp_path / "half-copy.bin", "--force", code=OK)
