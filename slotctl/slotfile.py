@@ -41,7 +41,8 @@ from slotctl.format.memory import MemoryLayout, candidate_layouts
 from slotctl.format.recurrent import records_fit, recurrent_head
 from slotctl.paths import STDIN, directory_files
 from slotctl.format.ahead import prefetch
-from slotctl.sources import first_bytes, input_size, list_prefix, open_input, raise_failure, ranged_view, remote_url
+from slotctl.sources import (first_bytes, input_size, list_prefix, open_input, raise_failure, ranged_view, remote_url,
+                             sub_prefixes)
 
 SCAN_CHUNK = 1 << 20
 #: how far from the end of the file an appendix chain is looked for when the payload cannot be located
@@ -811,6 +812,8 @@ class Expansion:
     files: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     links: list[str] = field(default_factory=list)
+    #: the sub-prefixes of an ``s3://`` prefix given (its "subdirectories"): named, not read
+    prefixes: list[str] = field(default_factory=list)
 
 
 #: the ending of a file name that makes a directory entry a slot file whatever its first bytes: the name
@@ -865,9 +868,14 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
         url = remote_url(p)
         if url is not None:
             entries = list_prefix(url)
-            if entries is None or (not entries and not url.endswith("/")):
-                add(url)   # an object; or nothing there: the command says "no such object"
+            if entries is None:
+                add(url)   # an object
                 continue
+            subs = sub_prefixes(url)
+            if not entries and not subs and not url.endswith("/"):
+                add(url)   # nothing there, and not said to be a prefix: the command says "no such object"
+                continue
+            out.prefixes += subs     # a prefix behaves as a directory: empty, it holds 0 files
             entries = [e for e in entries if e.path not in seen]
             for e, head in zip(entries, first_bytes([e.path for e in entries])):
                 if is_slot_entry(e.path.rstrip("/").rsplit("/", 1)[-1], head):

@@ -322,6 +322,12 @@ def first_bytes(paths: Sequence[str], n: int = 4) -> list[bytes | None]:
     return out
 
 
+def sub_prefixes(url: str) -> list[str]:
+    """The prefixes directly under ``url`` (``s3://b/p/sub/``), when its store lists them; else none."""
+    lister = getattr(store_for(url), "prefixes", None)
+    return lister(url) if lister is not None else []
+
+
 def list_prefix(url: str) -> list[Entry] | None:
     """The objects directly under ``url`` taken as a prefix (``s3://b/p`` and ``s3://b/p/`` alike), sorted by
     key; None when ``url`` names an object itself."""

@@ -540,5 +540,56 @@ def test_prune_broken_over_an_s3_prefix_keeps_the_mismatched_objects(seaweed, mo
         res = cli("cp", *files.values(), prefix, "--force")
         assert res.exit_code == 0, res.output
         _check_mismatch_and_broken(prefix, files)
+        # a prefix behaves as a directory: empty now, it holds 0 files (exit 0); its sub-prefixes are named
+        res = cli("ls", prefix, "--json")
+        assert res.exit_code == 0 and json.loads(res.stdout)["files"] == [], res.output
+        res = cli("ls", f"s3://{BUCKET}/never-written/", "--json")
+        assert res.exit_code == 0 and json.loads(res.stdout)["summary"]["files"] == 0, res.output
+        shutil.copyfile(DATA / "srv-np1.bin", tmp_path / "one.bin")
+        assert cli("cp", tmp_path / "one.bin", prefix + "sub/").exit_code == 0
+        doc = json.loads(cli("ls", prefix, "--json").stdout)
+        assert doc["files"] == [] and doc["summary"]["prefixes"] == [prefix + "sub/"] and doc["exit_code"] == 0
+        assert (prefix + "sub/") in " ".join(cli("ls", prefix).stdout.split())
     finally:
         S3_STORE.reset()
+
+
+# -- operator edges (issue 24) ------------------------------------------------------------------------------
+
+
+def test_a_pasted_server_command_line_and_its_slot_save_path(tmp_path):
+    """llama-server's command line pasted as it is, its program path first: the rest is the server's (its -np
+    is read, its other flags ignored), and its --slot-save-path is the directory when no path is given."""
+    d = tmp_path / "slots"
+    files = _mixed(d)
+    line = ["/opt/llama/bin/llama-server", "-m", DATA / "target.gguf", "-c", "1024", "-np", "2", "--port", "8080",
+            "-ngl", "99", "--slot-save-path", d]
+    res = cli("ls", "--json", *line)
+    assert res.exit_code == 1, res.output
+    rows = {r["name"]: r["class"] for r in json.loads(res.stdout)["files"]}
+    assert rows == {"srv-np1.bin": "mismatch", "srv-fa-off.bin": "mismatch", "srv-kvq8.bin": "mismatch",
+                    "cut.bin": "broken"}
+    res = cli("prune", "--broken", "--dry-run", "--json", *line)    # after the program, all is the server's
+    acts = {Path(e["path"]).name: e["action"] for e in json.loads(res.stdout)["files"]}
+    assert [n for n, a in acts.items() if a == "would_delete"] == ["cut.bin"], res.output
+    res = cli("prune", "--broken")
+    assert res.exit_code == 2 and "--slot-save-path" in res.output
+    assert all(p.exists() for p in files.values())
+
+
+def test_a_second_server_is_never_dropped_silently():
+    for args in (["ls", "--server", "http://127.0.0.1:9", "--server", "http://127.0.0.1:10"],
+                 ["slots", "--server", "http://127.0.0.1:9", "--server=http://127.0.0.1:10"],
+                 ["restore", "--server", "http://127.0.0.1:9", "--server", "http://127.0.0.1:10", "--slot", "0", "x.bin"],
+                 ["migrate", "--from", "http://a:1", "--from", "http://b:1", "--to", "http://c:1", "--slot", "0",
+                  "--from-dir", ".", "--to-dir", "."]):
+        res = cli(*args)
+        assert res.exit_code == 2 and "given 2 times" in res.output, (args, res.output)
+
+
+def test_no_layer_shows_server_ok_beside_a_verdict_that_refuses():
+    res = runner.invoke(app, ["validate", str(DATA / "srv-np1.bin"), "-m", str(DATA / "target.gguf"), "-kvu",
+                              "--kv-unified-per-slot", "64"], env={"COLUMNS": "150"})
+    assert res.exit_code == 1 and "the server refuses it" in res.stdout
+    row = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith("target memory"))
+    assert row.split()[-2:] == ["not", "restored"] and " ok" not in row

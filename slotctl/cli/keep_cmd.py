@@ -11,7 +11,7 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import JsonOpt
+from slotctl.cli.options import ArgsCommand, JsonOpt
 from slotctl.cli.output import Output
 from slotctl.errors import UsageError
 
@@ -20,7 +20,7 @@ _STYLE = {"stored": "green", "restored": "green", "proof": "green", "down": "yel
 
 
 def register(app: typer.Typer) -> None:
-    app.command("keep")(keep)
+    app.command("keep", cls=ArgsCommand)(keep)
 
 
 @handle_errors

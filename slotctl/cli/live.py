@@ -13,15 +13,15 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import JsonOpt
+from slotctl.cli.options import ArgsCommand, JsonOpt
 from slotctl.cli.output import Output
 from slotctl.cli.remote import ApiKeyOpt, ServerOpt, ServerSlotOpt, TimeoutOpt, _cell, _plain
 from slotctl.live import http as server_api
 
 
 def register(app: typer.Typer) -> None:
-    app.command("slots")(slots)
-    app.command("erase")(erase)
+    app.command("slots", cls=ArgsCommand)(slots)
+    app.command("erase", cls=ArgsCommand)(erase)
 
 
 @handle_errors

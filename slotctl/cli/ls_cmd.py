@@ -18,6 +18,7 @@ from slotctl.cli.options import (
     ModelOpt,
     SlotOpt,
     VerboseOpt,
+    remote_paths,
     with_server_flags,
 )
 from rich.cells import cell_len
@@ -125,8 +126,13 @@ def ls(
 
     from slotctl.slotfile import expand_slot_paths
 
-    expansion = expand_slot_paths(paths or [Path(".")], follow_symlinks=True)
+    if not paths:     # none given: the --slot-save-path of a pasted server command line, else here
+        from slotctl.cli.options import pasted_slot_dir
+
+        paths = [Path(pasted_slot_dir(ctx) or ".")]
+    expansion = expand_slot_paths(remote_paths(ctx, paths), follow_symlinks=True)
     files, not_slot = expansion.files, len(expansion.skipped)
+    prefixes = expansion.prefixes
     request = Request(setup=setup, real_check=load, verbose=verbose)
     want = set(verdict or ())
 
@@ -141,8 +147,8 @@ def ls(
             return False
         return not want or row["verdict"] in want
 
-    totals = _Totals(not_slot)
-    names = len(paths or [Path(".")]) == 1 and _is_dir((paths or [Path(".")])[0])
+    totals = _Totals(not_slot, prefixes)
+    names = len(paths) == 1 and _is_dir(remote_paths(ctx, paths)[0])
     human = _Cells(show_reuse=model is not None, names=names) if not (json_out or jsonl) else None
     with out.progress("reading", total=len(files)) as update:
         def rows() -> Iterable[dict]:
@@ -199,8 +205,9 @@ _SORTS = {
 
 
 class _Totals:
-    def __init__(self, not_slot: int):
+    def __init__(self, not_slot: int, prefixes: list[str] = ()):
         self.not_slot = not_slot
+        self.prefixes = list(prefixes)
         self.files = self.size = self.tokens = self.draft = self.checkpoints = 0
         self.read = 0
         self.verdicts: dict[str, int] = {}
@@ -231,7 +238,8 @@ class _Totals:
         return {"files": self.files, "read": self.read, "skipped": self.not_slot, "size": self.size,
                 "n_tokens": self.tokens, "draft_size": self.draft, "n_checkpoints": self.checkpoints,
                 "verdicts": {v: self.verdicts.get(v, 0) for v in VERDICT_NAMES},
-                "classes": {c: self.classes.get(c, 0) for c in ("ok", "broken", "mismatch", "useless", "undecided")}}
+                "classes": {c: self.classes.get(c, 0) for c in ("ok", "broken", "mismatch", "useless", "undecided")},
+                "prefixes": list(self.prefixes)}
 
 
 def human_age(seconds: int | None) -> str:
@@ -363,6 +371,8 @@ def _tail(totals: _Totals, *, broken: bool) -> Text:
         tail += f" ({s['read'] - s['files']:,} filtered out)"
     if s["skipped"]:
         tail += f"; {s['skipped']:,} file(s) that are not slot files left out"
+    if s["prefixes"]:
+        tail += f"; sub-prefixes (not read, as subdirectories): {', '.join(escape_text(p) for p in s['prefixes'])}"
     if s["verdicts"]["undecided"]:
         tail += ("; undecided: the server may restore, refuse or abort on "
                  f"{'them (listed with --broken)' if broken else 'them'}: give -m with the server's model and "

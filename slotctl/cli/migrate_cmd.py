@@ -11,7 +11,7 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import JsonOpt
+from slotctl.cli.options import ArgsCommand, JsonOpt
 from slotctl.cli.output import Output
 from slotctl.format.ggml import CACHE_TYPE_NAMES
 
@@ -19,7 +19,7 @@ _STATUS_STYLE = {"ok": "green", "refused": "bold red", "failed": "bold red", "sk
 
 
 def register(app: typer.Typer) -> None:
-    app.command("migrate")(migrate)
+    app.command("migrate", cls=ArgsCommand)(migrate)
 
 
 @handle_errors

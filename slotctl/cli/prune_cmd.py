@@ -20,7 +20,7 @@ from slotctl.cli.options import (
 )
 from slotctl.cli.output import Output, escape_text, human_bytes
 from slotctl.server.flags import ServerFlags
-from slotctl.errors import ExitStatus, worst
+from slotctl.errors import ExitStatus, UsageError, worst
 
 _STYLE = {"deleted": "red", "would_delete": "cyan", "kept": "dim", "pinned": "green", "skipped": "yellow",
           "failed": "bold red"}
@@ -34,8 +34,10 @@ def register(app: typer.Typer) -> None:
 @with_server_flags
 def prune(
     ctx: typer.Context,
-    directory: Annotated[Path, typer.Argument(help="The slot directory (a server's --slot-save-path).",
-                                              file_okay=False)],
+    directory: Annotated[Optional[Path], typer.Argument(help="The slot directory (a server's --slot-save-path; "
+                                                        "default: the --slot-save-path of llama-server's "
+                                                        "command line pasted among the arguments).",
+                                                        file_okay=False)] = None,
     max_size: Annotated[Optional[str], typer.Option("--max-size", metavar="SIZE", help="Delete least recently "
                                                     "used files until the directory holds at most SIZE (20G, "
                                                     "500M, bytes).")] = None,
@@ -114,7 +116,14 @@ def prune(
                     update(i)
                 return judged
 
-    p = plan(str(directory), policy, verdicts=verdicts)
+    from slotctl.cli.options import pasted_slot_dir, remote_paths
+
+    if directory is None:
+        if pasted_slot_dir(ctx) is None:
+            raise UsageError("give the slot directory (DIRECTORY), or llama-server's command line with its "
+                             "--slot-save-path")
+        directory = Path(pasted_slot_dir(ctx))
+    p = plan(remote_paths(ctx, [directory])[0], policy, verdicts=verdicts)
     out.log(f"last use from {p.source}: {p.source_reason}")
     with out.progress("deleting", total=len(p.selected())) as update:
         done = [0]
