@@ -796,3 +796,34 @@ def test_cp_copies_a_file_with_trailing_bytes_the_server_restores(one, tmp_path)
     err = json.loads(res.stdout)["files"][0]["error"]["message"]
     assert "whatever its flags" in err and "--force copies it" in err and not (tmp_path / "half-copy.bin").exists()
     slotctl("cp", half, tmp_path / "half-copy.bin", "--force", code=OK)
+
+
+@server
+def test_keep_converts_a_state_saved_before_the_servers_np_changed(kept, tmp_path):
+    """A state of one KV stream (saved at -np 1, made here by slotctl convert from the server's own file) in
+    the store of a server now at -np 2: keep converts it as migrate does (exact), restores it and the server
+    reuses it."""
+    from slotctl.fleet.keep import model_hash, stored_name
+    from slotctl.live import http as live_http
+
+    kept.completion(SAMPLE_PROMPT + " The convert", slot=1, n_predict=3)
+    kept.save(1, "keep-np2.bin")
+    tokens = tokens_of(kept.save_dir / "keep-np2.bin")
+    n = len(tokens)
+    store = tmp_path / "store"
+    store.mkdir()
+    name = stored_name(1, model_hash(live_http.server_facts(kept.url)), "np1")
+    slotctl("convert", kept.save_dir / "keep-np2.bin", "-o", store / name, "-np", "1", code=OK)
+    assert open_slot_file(store / name).target.sections[0].n_stream == 1
+    kept.erase(0), kept.erase(1)
+    keep = Keep(kept, store, "--every", "0.3")
+    try:
+        converted = keep.wait_for("converted", 1)
+        assert any("n_stream 1 -> 2" in c for c in converted["details"]["changes"]), converted
+        assert keep.wait_for("restored", 1)["details"]["answer"]["n_restored"] == n
+        assert keep.wait_for("proof", 1)["details"]["proof"]["verdict"] == "proven"
+    finally:
+        assert keep.stop() == 0
+    more = tokens + kept.tokenize(" The river Seine", add_special=False)
+    assert counts(kept, 1, more) == (n, len(more) - n)
+    assert open_slot_file(store / name).target.sections[0].n_stream == 1     # the store's state is left as it was

@@ -25,6 +25,7 @@ def register(app: typer.Typer) -> None:
 
 @handle_errors
 def keep(
+    ctx: typer.Context,
     server: remote.ServerOpt,
     slot_dir: Annotated[Path, typer.Option("--slot-dir", file_okay=False, metavar="DIR",
                                            help="The server's --slot-save-path as this machine sees it.")],
@@ -40,6 +41,14 @@ def keep(
                                                     "(a directory store only).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Restore a stored state even when validate says the "
                                         "server now running refuses it or aborts on it.")] = False,
+    kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The server runs with -kvu (not "
+                                             "reported by the server): stored states are converted for it.")] = False,
+    cache_type_k: Annotated[Optional[str], typer.Option("--cache-type-k", "-ctk", help="The server's -ctk (not "
+                                                        "reported; default f16).")] = None,
+    cache_type_v: Annotated[Optional[str], typer.Option("--cache-type-v", "-ctv", help="The server's -ctv (not "
+                                                        "reported; default f16).")] = None,
+    allow_lossy: Annotated[bool, typer.Option("--allow-lossy", help="Re-encode a stored state's cache rows when "
+                                              "the server's cache types changed (lossy).")] = False,
     api_key: remote.ApiKeyOpt = None,
     timeout: Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
                                            help="Give up on a request after this many seconds.")] = remote.SLOT_FILE_TIMEOUT,
@@ -53,7 +62,9 @@ def keep(
     named by slot, model and a hash of its tokens); the store is kept under --max-size by prune's
     rules; when the server comes back after being down, or runs another model, every empty slot gets
     the newest state that validates for it (one the server would refuse or abort on is skipped, saying
-    why, unless --force), restored and proven (restore --prove's policy). One log line per
+    why, unless --force), converted first when the server's -np, -kvu or cache types changed since it
+    was saved (as migrate converts: lossy re-encoding only with --allow-lossy), restored and proven
+    (restore --prove's policy). One log line per
     action; --json: one JSON line each. SIGTERM or SIGINT: a last save of the changed slots, exit 0.
     Details: docs/fleet.md.
 
@@ -83,8 +94,14 @@ def keep(
         line.append(f" {remote._plain(ev.message)}")
         out.err.print(line)
 
+    from slotctl.server.flags import ServerFlags
+
+    given = remote.given_params(ctx) & {"kv_unified", "cache_type_k", "cache_type_v"}
+    flags = ServerFlags(kv_unified=kv_unified, cache_type_k=cache_type_k or ServerFlags().cache_type_k,
+                        cache_type_v=cache_type_v or ServerFlags().cache_type_v)
     keeper = Keeper(server, slot_dir, store, every=every, min_tokens=min_tokens, max_size=size, api_key=api_key,
-                    timeout=timeout, emit=emit, force=force)
+                    timeout=timeout, emit=emit, force=force, flags=flags, given=frozenset(given),
+                    allow_lossy=allow_lossy)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: keeper.stop())
     raise typer.Exit(keeper.run())

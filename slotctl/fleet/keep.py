@@ -9,7 +9,10 @@ Every ``every`` seconds (:meth:`Keeper.tick`):
   looks) is a *restart*: every slot that holds nothing gets the newest state of the store that
   validates for the server now running (:meth:`Keeper.restore_all`; one the server would refuse or abort on
   is never sent unless ``force``: :mod:`slotctl.live.judge`), restored and proven (:mod:`slotctl.live.prove`:
-  not where the proving request would spend the restore). So does every empty slot when keep starts.
+  not where the proving request would spend the restore). So does every empty slot when keep starts. A
+  state saved before the server's ``-np``, ``-kvu`` or cache types changed is converted first, by migrate's
+  conversion step (:func:`slotctl.fleet.migrate.convert_for`: exact for streams, lossy for cache types only
+  with ``allow_lossy``); a state that cannot be is skipped, saying why.
 * **save**: each idle slot (``is_processing`` false) whose last task (``/slots`` ``id_task``, ``n_prompt_tokens``)
   changed since keep last saved or restored it, with at least ``min_tokens`` prompt tokens, is saved by the
   server under a working name (``keep-slotN-incoming.bin`` in ``--slot-save-path``); only after the save
@@ -51,8 +54,8 @@ HEALTH_TIMEOUT = 10.0
 
 @dataclass
 class Event:
-    """One action: ``event`` (start, up, down, restart, saved, stored, unchanged, skipped, restored, proof,
-    pruned, error, stop), the slot (or None), one line for people, the figures."""
+    """One action: ``event`` (start, up, down, restart, saved, stored, unchanged, skipped, converted, restored,
+    proof, pruned, error, stop), the slot (or None), one line for people, the figures."""
 
     event: str
     slot: int | None
@@ -102,7 +105,7 @@ class Keeper:
     def __init__(self, url: str, slot_dir: str | os.PathLike, store: str | os.PathLike | None = None, *,
                  every: float = 30.0, min_tokens: int = 1, max_size: int | None = None,
                  api_key: str | None = None, timeout: float = 600.0, emit: Callable[[Event], None] = print,
-                 force: bool = False):
+                 force: bool = False, flags=None, given: frozenset[str] = frozenset(), allow_lossy: bool = False):
         self.url = http.normalize_url(url)
         self.slot_dir = Path(slot_dir)
         self.store = open_store(store, self.slot_dir)
@@ -110,6 +113,10 @@ class Keeper:
         self.api_key, self.timeout, self.emit = api_key, timeout, emit
         #: restore a state even when validate says the server refuses it or aborts on it (``--force``)
         self.force = force
+        #: the server's flags it does not report (``-kvu``, ``-ctk``, ``-ctv``: the fields named in ``given``)
+        self.flags, self.given = flags, given
+        #: re-encode a state's cache rows when the server's cache types changed (lossy: ``--allow-lossy``)
+        self.allow_lossy = allow_lossy
         self.up: bool | None = None
         self.identity: dict | None = None
         self.facts: http.ServerFacts | None = None
@@ -265,10 +272,25 @@ class Keeper:
 
     def _restore_one(self, slot: int, name: str, staging: Path) -> bool:
         """Restore the store's state ``name`` into ``slot`` and prove it; False when it does not validate."""
+        from slotctl.fleet.migrate import Refused, convert_for
         from slotctl.live.judge import NotSent, check_sendable, why
 
-        setup, _notes = local_setup(self.facts, slot)
+        setup, _notes = local_setup(self.facts, slot, self.flags, self.given)
         path = self.store.local(name, staging)
+        # converted for the server now running as migrate converts (its -np, -kvu, cache types)
+        try:
+            conv = convert_for(path, setup, staging / f"converted-{name}", allow_lossy=self.allow_lossy,
+                               lossy_remedy="keep --allow-lossy re-encodes them")
+        except Refused as e:
+            self._event("skipped", slot, f"{name}: not restored: {e}", name=name, reason="conversion")
+            return False
+        except SlotctlError as e:     # a file that does not parse: validate says what the server does with it
+            conv = None
+            self._event("skipped", slot, f"{name}: not converted ({e}): judged as it is", name=name)
+        if conv is not None and conv.changes:
+            self._event("converted", slot, f"{name}: converted for the server now running ("
+                                           + "; ".join(conv.changes) + ")", name=name, **conv.details)
+            path = conv.path
         try:
             report = check_sendable(path, setup, force=self.force)
         except NotSent as e:
