@@ -284,9 +284,8 @@ class Keeper:
         except Refused as e:
             self._event("skipped", slot, f"{name}: not restored: {e}", name=name, reason="conversion")
             return False
-        except SlotctlError as e:     # a file that does not parse: validate says what the server does with it
+        except SlotctlError:     # a file that does not parse: judged as it is (validate says what the server does)
             conv = None
-            self._event("skipped", slot, f"{name}: not converted ({e}): judged as it is", name=name)
         if conv is not None and conv.changes:
             self._event("converted", slot, f"{name}: converted for the server now running ("
                                            + "; ".join(conv.changes) + ")", name=name, **conv.details)
