@@ -69,7 +69,7 @@ ProveAnywayOpt = Annotated[bool, typer.Option("--prove-anyway", help="With --pro
 
 #: parameters save and restore take in live mode; any other one given is a usage error there
 _LIVE_PARAMS = frozenset({"server", "api_key", "timeout", "slot", "json_out", "verbose", "name", "file", "prove",
-                          "slot_dir", "force", "prove_anyway"})
+                          "slot_dir"})
 #: parameters that only live mode takes
 _SERVER_ONLY = LIVE_ONLY_PARAMS
 
@@ -108,12 +108,13 @@ def option_name(ctx: typer.Context | None, name: str) -> str:
     return f"{short}/{long}" if short != long else long
 
 
-def refuse_local_options(ctx: typer.Context | None, command: str, why: str) -> None:
-    """UsageError naming every option typed that live mode of ``command`` does not take."""
+def refuse_local_options(ctx: typer.Context | None, command: str, why: str, also: frozenset[str] = frozenset()) -> None:
+    """UsageError naming every option typed that live mode of ``command`` does not take (``also``: the
+    parameters of its own that it takes besides :data:`_LIVE_PARAMS`)."""
     if ctx is None:
         return
     local = [p.name for p in ctx.command.params
-             if p.name not in _LIVE_PARAMS and _source(ctx, p.name) == "COMMANDLINE"]
+             if p.name not in _LIVE_PARAMS | also and _source(ctx, p.name) == "COMMANDLINE"]
     if local:
         names = ", ".join(option_name(ctx, n) for n in local)
         raise UsageError(f"{command} --server: {names} {'is' if len(local) == 1 else 'are'} for a local "
@@ -197,7 +198,8 @@ def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name:
 
     NAME is taken as typed (:func:`raw_value`), not as the ``Path`` typer made of it.
     """
-    refuse_local_options(ctx, "restore", "the server restores the file with its own model and flags")
+    refuse_local_options(ctx, "restore", "the server restores the file with its own model and flags",
+                         also=frozenset({"force", "prove_anyway"}))
     name = raw_value(ctx, "file", name)
     url = server_api.normalize_url(server)
     local = None
