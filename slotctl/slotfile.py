@@ -41,8 +41,8 @@ from slotctl.format.memory import MemoryLayout, candidate_layouts
 from slotctl.format.recurrent import records_fit, recurrent_head
 from slotctl.paths import STDIN, directory_files
 from slotctl.format.ahead import prefetch
-from slotctl.sources import (first_bytes, input_size, list_prefix, open_input, raise_failure, ranged_view, remote_url,
-                             sub_prefixes)
+from slotctl.sources import (first_bytes, input_size, list_prefix, open_input, prefix_exists, raise_failure,
+                             ranged_view, remote_url, sub_prefixes)
 
 SCAN_CHUNK = 1 << 20
 #: how far from the end of the file an appendix chain is looked for when the payload cannot be located
@@ -872,10 +872,10 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
                 add(url)   # an object
                 continue
             subs = sub_prefixes(url)
-            if not entries and not subs and not url.endswith("/"):
-                add(url)   # nothing there, and not said to be a prefix: the command says "no such object"
+            if not entries and not subs and not (url.endswith("/") and prefix_exists(url)):
+                add(url)   # nothing there at all: the command says "no such object" (as of a missing directory)
                 continue
-            out.prefixes += subs     # a prefix behaves as a directory: empty, it holds 0 files
+            out.prefixes += subs     # a prefix that is there behaves as a directory: empty, it holds 0 files
             entries = [e for e in entries if e.path not in seen]
             for e, head in zip(entries, first_bytes([e.path for e in entries])):
                 if is_slot_entry(e.path.rstrip("/").rsplit("/", 1)[-1], head):
