@@ -582,12 +582,16 @@ def test_a_pasted_server_command_line_and_its_slot_save_path(tmp_path):
 
 def test_a_second_server_is_never_dropped_silently():
     for args in (["ls", "--server", "http://127.0.0.1:9", "--server", "http://127.0.0.1:10"],
-                 ["slots", "--server", "http://127.0.0.1:9", "--server=http://127.0.0.1:10"],
+                 ["erase", "--server", "http://127.0.0.1:9", "--server=http://127.0.0.1:10", "--slot", "0"],
+                 ["keep", "--server", "http://127.0.0.1:9", "--server", "http://127.0.0.1:10", "--slot-dir", "."],
                  ["restore", "--server", "http://127.0.0.1:9", "--server", "http://127.0.0.1:10", "--slot", "0", "x.bin"],
                  ["migrate", "--from", "http://a:1", "--from", "http://b:1", "--to", "http://c:1", "--slot", "0",
                   "--from-dir", ".", "--to-dir", "."]):
         res = cli(*args)
         assert res.exit_code == 2 and "given 2 times" in res.output, (args, res.output)
+    # slots takes several servers: each is listed, none dropped (not a usage error of this kind)
+    assert "given 2 times" not in cli("slots", "--server", "http://127.0.0.1:9", "--server", "http://127.0.0.1:10",
+                                      "--timeout", "1").output
 
 
 def test_no_layer_shows_server_ok_beside_a_verdict_that_refuses():
