@@ -33,7 +33,7 @@ from seaweed import BUCKET
 from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 from slotctl.cli.app import app
 from slotctl.errors import ExitStatus
-from slotctl.remote.keep import tokens_hash
+from slotctl.remote.keep import INCOMING_GLOB, tokens_hash
 from slotctl.slotfile import open_slot_file
 from slotctl.tinymodels import SAMPLE_PROMPT
 
@@ -384,7 +384,7 @@ def test_keep_brings_a_slot_back_after_the_server_is_killed(kept, tmp_path):
         tokens = tokens_of(Path(stored["details"]["path"]))
         n = len(tokens)
         assert stored["details"]["n_tokens"] == n and stored["details"]["name"].startswith("slot0-")
-        assert not (kept.save_dir / "keep-slot0-incoming.bin").exists()
+        assert not list(kept.save_dir.glob(INCOMING_GLOB))
 
         kept.kill_and_start_again()
         keep.wait_for("restart")
@@ -444,6 +444,33 @@ def test_keep_killed_mid_copy_leaves_the_store_consistent(kept, tmp_path):
         assert open_slot_file(Path(ev["details"]["path"])).errors == []
     finally:
         assert keep.stop() == 0
+
+
+@server
+def test_two_keepers_of_one_server_never_share_a_working_file(kept, tmp_path):
+    """Two keep processes on one server and one store (the lock of "Running unattended" prevents it; the
+    working file is private anyway): each saves under its own name, none renames or reads the other's,
+    nothing half-written is skipped as damaged, and no working file stays."""
+    store = tmp_path / "store"
+    store.mkdir()
+    keepers = [Keep(kept, store, "--every", "0.1") for _ in range(2)]
+    try:
+        for k in keepers:
+            k.wait_for("up")
+        for i in range(4):
+            kept.completion(SAMPLE_PROMPT + f" round {i}", slot=i % 2, n_predict=2)
+            for k in keepers:       # each keeper saved this state and stored it (or found it stored)
+                k.wait_for("saved", i % 2)
+    finally:
+        codes = [k.stop() for k in keepers]
+    assert codes == [0, 0]
+    for k in keepers:
+        k.wait_for("stop", timeout=10)      # every line read
+        bad = [e for e in k.seen if e["event"] in ("error", "skipped")]
+        assert not bad, bad
+    assert not list(kept.save_dir.glob(INCOMING_GLOB))
+    for p in store.iterdir():
+        assert not open_slot_file(p).errors, p.name
 
 
 @server
@@ -568,16 +595,16 @@ def test_an_s3_store_is_held_under_max_size_by_prunes_rules(seaweed, monkeypatch
     import obstore
 
     data = (DATA / "srv-np1.bin").read_bytes()
-    names = ["slot0-a.bin", "slot0-b.bin", "slot0-c.bin", "keep-slot0-incoming.bin"]
+    names = ["slot0-a.bin", "slot0-b.bin", "slot0-c.bin", "keep-slot0-incoming-7-0a0b0c0d.bin"]
     for name in names:      # Last-Modified has a resolution of a second
         obstore.put(seaweed.client(), f"budget/{name}", data)
         time.sleep(1.1)
     store = ObjectStore(f"s3://{BUCKET}/budget/")
     gone = []
-    store.prune(2 * len(data) + 1, ("keep-slot*-incoming.bin",), lambda path, size, action, reason: gone.append(
+    store.prune(2 * len(data) + 1, (INCOMING_GLOB,), lambda path, size, action, reason: gone.append(
         (path.rpartition("/")[2], action)))
     assert gone == [("slot0-a.bin", "deleted"), ("slot0-b.bin", "deleted")]
     left = sorted(o["path"].rpartition("/")[2] for o in obstore.list(seaweed.client(), "budget/").collect())
-    assert left == ["keep-slot0-incoming.bin", "slot0-c.bin"]
+    assert left == ["keep-slot0-incoming-7-0a0b0c0d.bin", "slot0-c.bin"]
     assert bytes(obstore.get(seaweed.client(), "budget/slot0-c.bin").bytes()) == data
     S3_STORE.reset()

@@ -11,7 +11,8 @@ Every ``every`` seconds (:meth:`Keeper.tick`):
   (:mod:`slotctl.remote.prove`). So does every empty slot when keep starts.
 * **save**: each idle slot (``is_processing`` false) whose last task (``/slots`` ``id_task``, ``n_prompt_tokens``)
   changed since keep last saved or restored it, with at least ``min_tokens`` prompt tokens, is saved by the
-  server under a working name (``keep-slotN-incoming.bin`` in ``--slot-save-path``); only after the save
+  server under a working name (``keep-slotN-incoming-PID-RANDOM.bin`` in ``--slot-save-path``, private to the
+  process); only after the save
   answered 200 and the file parses with the token count and size the server reported is it copied into the
   store, atomically, as ``slotN-MODEL-TOKENS.bin`` (MODEL: a hash of the server's model identity, TOKENS: a
   hash of the saved tokens: one state is stored once). The working file is then removed.
@@ -42,8 +43,11 @@ from slotctl.remote.migrate import IDENTITY_KEYS
 from slotctl.remote.states import copy_atomic, open_store
 from slotctl.remote.prove import local_setup, prove
 
-#: the name the server saves a slot under before keep checks it (in --slot-save-path)
-INCOMING = "keep-slot{slot}-incoming.bin"
+#: the name the server saves a slot under before keep checks it (in --slot-save-path): private to this keep
+#: process (its pid and a random word: two keepers of one server never share it), removed on every way out
+INCOMING = "keep-slot{slot}-incoming-{pid}-{nonce}.bin"
+#: every keep's working files, whatever their process (prune never touches them)
+INCOMING_GLOB = "keep-slot*-incoming*.bin"
 #: seconds a health check may take (a server that does not answer that fast is taken as down)
 HEALTH_TIMEOUT = 10.0
 
@@ -199,11 +203,22 @@ class Keeper:
         self._each_idle_slot(self._changed, lambda e: self.save(e["id"], self.signature(e)))
 
     def save(self, slot: int, sig: tuple) -> None:
+        import secrets
+
+        work = INCOMING.format(slot=slot, pid=os.getpid(), nonce=secrets.token_hex(4))
+        path = self.slot_dir / work
+        try:
+            self._save(slot, sig, work, path)
+        finally:    # stored (moved), refused or failed: the working file never stays
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def _save(self, slot: int, sig: tuple, work: str, path: Path) -> None:
         from slotctl.slotfile import open_slot_file
 
-        work = INCOMING.format(slot=slot)
         answer = http.save_slot(self.url, slot, work, api_key=self.api_key, timeout=self.timeout, check=False)
-        path = self.slot_dir / work
         self._event("saved", slot, f"slot {slot} saved by the server: {answer['n_saved']:,} tokens, "
                                    f"{answer['n_written']:,} bytes", answer=answer)
         sf = open_slot_file(path)
@@ -238,7 +253,7 @@ class Keeper:
             self._event("pruned", None, f"{path}: {action} ({reason}), {size:,} bytes", path=path, size=size,
                         action=action)
 
-        self.store.prune(self.max_size, (INCOMING.format(slot="*"),), pruned)
+        self.store.prune(self.max_size, (INCOMING_GLOB,), pruned)
 
     # -- restoring --------------------------------------------------------------------------------------
 
