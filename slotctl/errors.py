@@ -17,8 +17,12 @@ class ExitStatus(enum.IntEnum):
     USAGE = 2
     #: ``validate`` without a model cannot tell what the server does with a file (``undecided``)
     UNDECIDED = 3
+    #: the terminal hung up (SIGHUP) while standard input was spooled: 128 + SIGHUP, as a shell reports it
+    HANGUP = 129
     #: interrupted (Ctrl-C: 128 + SIGINT, as a shell reports it)
     INTERRUPTED = 130
+    #: terminated (SIGTERM) while standard input was spooled: 128 + SIGTERM, as a shell reports it
+    TERMINATED = 143
     #: the reader of the output went away (``slotctl inspect F | head -1``: 128 + SIGPIPE, as for ``cat``)
     CLOSED_PIPE = 141
 
@@ -83,6 +87,16 @@ class FormatError(SlotctlError):
         e = FormatError(f"{layer}: {self.layer}" if layer else self.layer, off, self.expected)
         e.part = self.part
         return e
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived while slotctl held something to clean up (the spool of standard input:
+    :func:`slotctl.paths.stdin_copy`); raised by its handler, so that every ``finally`` runs on the way out.
+    A BaseException, as KeyboardInterrupt: no per-file ``except Exception`` takes it for a file's error."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 class UsageError(SlotctlError):

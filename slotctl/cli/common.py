@@ -11,7 +11,7 @@ from typing import Iterator
 import typer
 
 from slotctl.cli.output import Output, escape_text
-from slotctl.errors import SlotctlError, UsageError, worst
+from slotctl.errors import SlotctlError, Terminated, UsageError, worst
 
 
 def handle_errors(fn):
@@ -29,7 +29,7 @@ def handle_errors(fn):
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
-        except (Exception, KeyboardInterrupt) as e:
+        except (Exception, KeyboardInterrupt, Terminated) as e:
             from slotctl.cli.errors import leave
 
             leave(e, json_mode=bool(kwargs.get("json_out")), jsonl=bool(kwargs.get("jsonl")),
