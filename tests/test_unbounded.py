@@ -23,6 +23,7 @@ from slotctl.paths import STDIN_MAX_BYTES, read_bounded
 from slotctl.server.flags import INT_MAX, ServerFlags, env_switch, from_environment
 
 from conftest import DATA
+from test_hostile_server import serve  # noqa: F401 - scripted servers on 127.0.0.1
 
 SLOT = DATA / "srv-np1.bin"
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,3 +194,55 @@ def test_stdin_within_the_bound_is_read(tmp_path):
                          capture_output=True, env=env, timeout=30)
     assert res.returncode == 0, res.stderr
     assert _spools(tmp_path) == []
+
+
+# -- keep honours SIGTERM while a server drips its answer ----------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["drip", "63 MiB"])
+def test_keep_honours_sigterm_while_a_read_is_in_flight(serve, tmp_path, what):
+    """keep --timeout 600 against a server whose /slots drips a byte every 0.2 s (or answers 63 MiB of
+    escapes, 20.8 s to honour SIGTERM before the answer bound): SIGTERM cuts the read off, exit 0 at once."""
+    from test_hostile_server import GOOD_PROPS, send_json
+
+    def answer(h):
+        if h.path.startswith("/slots"):
+            if what == "drip":
+                h.send_response(200)
+                h.send_header("Content-Length", "100000")
+                h.end_headers()
+                for _ in range(3000):
+                    h.wfile.write(b" ")
+                    h.wfile.flush()
+                    time.sleep(0.2)
+            else:
+                body = b'"' + b"\\u00e9" * ((63 << 20) // 6) + b'"'
+                h.send_response(200)
+                h.send_header("Content-Length", str(len(body)))
+                h.end_headers()
+                h.wfile.write(body)
+            return
+        send_json(h, GOOD_PROPS if h.path.startswith("/props") else {"status": "ok"} if h.path == "/health"
+                  else {"data": []})
+
+    url, script = serve(answer)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(tmp_path),
+                             "--json", "--timeout", "600", "--every", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(p.startswith("/slots") for _, p, _ in script.seen) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert took < 15, took      # not --timeout 600
+    assert out.splitlines()[-1].count('"stop"') == 1, out[-500:]

@@ -121,8 +121,11 @@ class Keeper:
     # -- the loop ---------------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Ask the loop to do a last save and return (safe from a signal handler)."""
+        """Ask the loop to do a last save and return (safe from a signal handler): a read in flight is cut
+        off (a server that drips its answer holds keep no longer), and the last save's look at the slots
+        waits at most :data:`HEALTH_TIMEOUT`."""
         self._stop.set()
+        http.cut_off_reads()
 
     def run(self) -> int:
         """Tick every ``every`` seconds until :meth:`stop`; then a last save of the changed slots. 0."""
@@ -141,6 +144,8 @@ class Keeper:
             http.get_health(self.url, api_key=self.api_key, timeout=min(self.timeout, HEALTH_TIMEOUT))
             facts = http.server_facts(self.url, api_key=self.api_key, timeout=self.timeout)
         except (http.ServerUnreachable, http.ServerRefused) as e:
+            if self._stop.is_set():     # cut off by stop(): the server's state is not known to have changed
+                return
             if self.up is not False:
                 self._event("down", None, f"the server does not answer: {e}")
             self.up = False
@@ -169,7 +174,9 @@ class Keeper:
     # -- saving -----------------------------------------------------------------------------------------
 
     def _slots(self) -> list[dict]:
-        return http.get_slots(self.url, api_key=self.api_key, timeout=self.timeout)
+        stopping = self._stop.is_set()
+        return http.get_slots(self.url, api_key=self.api_key,
+                              timeout=min(self.timeout, HEALTH_TIMEOUT) if stopping else self.timeout)
 
     @staticmethod
     def signature(entry: dict) -> tuple | None:
