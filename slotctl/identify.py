@@ -104,12 +104,20 @@ def rows_by_position(f, mem: Memory, version: int, rule: RotationRule | None, *,
                 rot_k = rot_v = 0
             for tensor, recs, rot in (("K", d.k, rot_k), ("V", d.v, rot_v)):
                 for i, rec in enumerate(recs):
+                    where = f"{sl.role} {tensor} record {i}"
                     if hasattr(rec, "el_size"):   # V element-major: [n_embd][cells]
-                        rows = tensors.dequantize(_read(f, rec.data), rec.type, 1).reshape(rec.n_embd, -1).T[:k]
+                        if not rec.n_embd:
+                            continue            # no rows to compare
+                        raw = _read(f, rec.data)
+                        _readable(rec.type, where)
+                        if rec.el_size != ggml.BY_ID[rec.type].block_bytes or len(raw) % (rec.el_size * rec.n_embd):
+                            raise Incomparable(f"{where}: {len(raw):,} bytes are not {rec.n_embd:,} rows of "
+                                               f"{rec.el_size}-byte {ggml.type_name(rec.type)} elements")
+                        rows = tensors.dequantize(raw, rec.type, 1).reshape(rec.n_embd, -1).T[:k]
                     else:
-                        n = tensors.row_elements(rec.type, rec.row_size)
-                        raw = _read(f, rec.data, k * rec.row_size)
-                        rows = tensors.rotate(tensors.dequantize(raw, rec.type, n), rot)
+                        if not rec.row_size:
+                            continue            # zero-width rows (lfm2's short convolutions): nothing to compare
+                        rows = _rows(_read(f, rec.data, k * rec.row_size), rec.type, rec.row_size, rot, where)
                     out[(si, sl.role, i, tensor)] = (pos, rows)
         else:
             if not sec.cell_count:
@@ -119,9 +127,39 @@ def rows_by_position(f, mem: Memory, version: int, rule: RotationRule | None, *,
                 for i, rec in enumerate(recs):
                     if hasattr(rec, "el_size") or not rec.row_size:
                         continue
-                    n = tensors.row_elements(rec.type, rec.row_size)
-                    out[(si, sl.role, i, tensor)] = (pos, tensors.dequantize(_read(f, rec.data), rec.type, n))
+                    out[(si, sl.role, i, tensor)] = (pos, _rows(_read(f, rec.data), rec.type, rec.row_size, 0,
+                                                                f"{sl.role} {tensor} record {i}"))
     return out
+
+
+class Incomparable(ValueError):
+    """Rows of a file that cannot be turned into numbers as they claim (a rotation group wider than the row,
+    a row size that is not whole blocks of its type, a type without numbers): the candidate's reason."""
+
+
+def _readable(type_id: int, where: str) -> None:
+    from slotctl import tensors
+
+    if type_id not in ggml.BY_ID or not tensors.can_read(type_id):
+        raise Incomparable(f"{where}: rows of type {type_id} cannot be read as numbers")
+
+
+def _rows(raw: bytes, type_id: int, row_size: int, rot: int, where: str):
+    """``raw``, whole rows of ``row_size`` bytes of ``type_id``, as float32 ``[rows, n]`` with the rotation
+    ``rot`` undone; :class:`Incomparable` when the record's own fields do not allow it."""
+    from slotctl import tensors
+
+    _readable(type_id, where)
+    t = ggml.BY_ID[type_id]
+    n = tensors.row_elements(type_id, row_size)
+    if not n or t.row_size(n) != row_size:
+        raise Incomparable(f"{where}: a row of {row_size:,} bytes is not whole {t.name} blocks")
+    if len(raw) % row_size:
+        raise Incomparable(f"{where}: {len(raw):,} bytes are not whole rows of {row_size:,}")
+    if rot and (rot & (rot - 1) or n % rot):
+        raise Incomparable(f"{where}: the rotation recorded ({rot:,}) does not split rows of {n:,} elements into "
+                           f"groups of a power of two")
+    return tensors.rotate(tensors.dequantize(raw, type_id, n), rot)
 
 
 def _prefix(pos: np.ndarray, below: int | None) -> int:
@@ -276,7 +314,11 @@ def _candidate(path: str, model: str, draft: bool, n_tokens: int) -> Candidate:
     except (SlotctlError, ValueError, OSError) as e:
         cand.error = f"cannot evaluate the prompt: {e}"
         return cand
-    mine = rows_by_position(sf.stream, mem, sf.version, rule, below=n)
+    try:
+        mine = rows_by_position(sf.stream, mem, sf.version, rule, below=n)
+    except Incomparable as e:
+        cand.error = f"the file's rows cannot be compared: {e}"
+        return cand
     cand.layers = compare(mine, rows_by_position(cf, cmem, version, rule))
     if not cand.layers:
         cand.error = "no rows at the same positions to compare"
