@@ -4,7 +4,7 @@ A command takes ``s3://bucket/key`` wherever it takes a slot file and ``s3://buc
 takes a directory. The layers that read files (``slotfile``, ``validate``, ``catalog``) see a small
 stream interface defined here, below them: :class:`RangedFile`, a read-only, seekable file object over
 a ``fetch(ranges)`` function, with a block cache and :meth:`RangedFile.read_ranges` (many ranges in one
-batch: one round trip). The object store itself lives above (``slotctl.remote.store``) and registers
+batch: one round trip). The object store itself lives above (``slotctl.store.s3``) and registers
 itself here with :func:`register_store` when it is imported: imports point down, and a local command
 never imports it (the CLI imports it only when an ``s3://`` path is given).
 
@@ -70,7 +70,7 @@ class Entry:
 
 
 class Store(Protocol):
-    """What an object store provides to the reading layers (``slotctl.remote.store.S3``)."""
+    """What an object store provides to the reading layers (``slotctl.store.s3.S3``)."""
 
     def open(self, url: str) -> "RangedFile": ...
 
@@ -96,7 +96,7 @@ def store_for(url: str) -> Store:
     scheme = url.partition("://")[0]
     store = _STORES.get(scheme)
     if store is None:
-        raise UsageError(f"{url}: {scheme}:// paths need slotctl's object store (slotctl.remote.store, the [s3] "
+        raise UsageError(f"{url}: {scheme}:// paths need slotctl's object store (slotctl.store.s3, the [s3] "
                          "extra: pip install 'slotctl[s3]')", code="store_missing")
     return store
 

@@ -428,7 +428,7 @@ class LlamaServer:
     def log_tail(self, n: int = 40) -> str:
         return "".join(self.log_text().splitlines(True)[-n:])
 
-    # -- raw HTTP (independent of slotctl.remote.http, which is under test) --------------------------------
+    # -- raw HTTP (independent of slotctl.live.http, which is under test) --------------------------------
 
     def request(self, method: str, path: str, body: Any = None, *, api_key: str | None = None,
                 timeout: float = REQUEST_TIMEOUT) -> tuple[int, Any]:

@@ -130,7 +130,7 @@ class Seaweed:
         """Create another bucket (S3's CreateBucket, signed with slotctl's own SigV4 requests)."""
         from types import SimpleNamespace
 
-        from slotctl.remote.s3copy import Signed
+        from slotctl.store.s3copy import Signed
 
         config = SimpleNamespace(endpoint=self.endpoint, allow_http=True, token=None, region="us-east-1",
                                  access_key=ACCESS_KEY, secret_key=SECRET_KEY)

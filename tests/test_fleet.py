@@ -33,7 +33,7 @@ from seaweed import BUCKET
 from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 from slotctl.cli.app import app
 from slotctl.errors import ExitStatus
-from slotctl.remote.keep import INCOMING_GLOB, tokens_hash
+from slotctl.fleet.keep import INCOMING_GLOB, tokens_hash
 from slotctl.slotfile import open_slot_file
 from slotctl.tinymodels import SAMPLE_PROMPT
 
@@ -136,8 +136,8 @@ def test_prove_after_restore(one):
 def test_prove_finds_a_slot_that_reuses_nothing(one):
     """The slot loses what was restored before the proof (erased by another client): the server evaluates the
     whole prompt, more than predicted, and the proof fails with the counts."""
-    from slotctl.remote import http
-    from slotctl.remote.prove import local_setup, prove
+    from slotctl.live import http
+    from slotctl.live.prove import local_setup, prove
 
     one.completion(SAMPLE_PROMPT, slot=0, n_predict=4)
     one.save(0, "lost.bin")
@@ -516,7 +516,7 @@ def test_keep_with_an_s3_store(kept, seaweed, monkeypatch):
     # the object in the store is a whole slot file (read back through the store)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    from slotctl.remote.store import S3_STORE
+    from slotctl.store.s3 import S3_STORE
 
     S3_STORE.reset()
     try:
@@ -560,7 +560,7 @@ def test_migrate_through_an_s3_store(one, three, seaweed, monkeypatch):
         monkeypatch.delenv(k)
     for k, v in {**seaweed.env(), "HOME": str(seaweed.dir)}.items():
         monkeypatch.setenv(k, v)
-    from slotctl.remote.store import S3_STORE
+    from slotctl.store.s3 import S3_STORE
 
     S3_STORE.reset()
     try:
@@ -584,8 +584,8 @@ def test_an_s3_store_is_held_under_max_size_by_prunes_rules(seaweed, monkeypatch
     never touched), against the real SeaweedFS; the objects kept are whole."""
     import time
 
-    from slotctl.remote.states import ObjectStore
-    from slotctl.remote.store import S3_STORE
+    from slotctl.fleet.states import ObjectStore
+    from slotctl.store.s3 import S3_STORE
 
     for k in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(k)

@@ -148,11 +148,3 @@ def test_a_record_of_zero_width_is_not_compared(tmp_path):
     t = identify(path, "-m", TARGET, "-m", DATA / "draft.gguf")["target"]
     assert t["best"] == str(TARGET)
     assert len(t["candidates"][0]["layers"]) == len(recs) - 1
-
-
-@pytest.mark.skipif(not Path("/work/shared/adversarial/identify-nrot.bin").exists(), reason="the round's files")
-@pytest.mark.parametrize("name", ["identify-nrot.bin", "identify-reshape.bin"])
-def test_the_adversarial_rounds_files(name):
-    res = runner.invoke(app, ["identify", f"/work/shared/adversarial/{name}", "-m", str(TARGET),
-                              "-m", str(DATA / "draft.gguf"), "--json"])
-    assert res.exit_code in (0, 1) and "internal error" not in res.output, res.output

@@ -336,7 +336,7 @@ def test_a_hostile_answer_costs_neither_memory_nor_time(kind, said):
     a JSON document; the whole process's peak RSS measured (wait4) and held to the start-up's plus ten
     times the byte cap (the parse's bound, tests/test_live_hardened.py::test_parse_answer_memory...).
     It was 1.74 GB and 25.6 s for 63 MiB of escapes."""
-    from slotctl.remote.http import MAX_ANSWER_BYTES
+    from slotctl.live.http import MAX_ANSWER_BYTES
 
     srv = subprocess.Popen([sys.executable, "-c", HOSTILE_ANSWER, kind], stdout=subprocess.PIPE, text=True)
     try:
@@ -375,7 +375,7 @@ def test_parse_answer_memory_is_bounded_by_the_byte_cap():
     value), whether it is refused or parsed."""
     import tracemalloc
 
-    from slotctl.remote.http import MAX_ANSWER_BYTES as C, ServerAnswerError, parse_answer
+    from slotctl.live.http import MAX_ANSWER_BYTES as C, ServerAnswerError, parse_answer
 
     def fill(unit: bytes, n: int) -> bytes:
         return (b"[" + b",".join([unit] * n) + b"]")[:C]

@@ -5,7 +5,7 @@ token record, cells) and reproduced byte for byte by slotctl's own writer; ``val
 the server's flags and names the mismatch with others; damaged files get the same verdict from both.
 slotctl -> server: files slotctl writes restore through ``POST /slots/N?action=restore`` and the slot then
 answers exactly as a slot that was never saved, evaluating only the new tokens.
-Live mode: ``slotctl slots`` / ``erase`` and :mod:`slotctl.remote.http` against the server, and its errors.
+Live mode: ``slotctl slots`` / ``erase`` and :mod:`slotctl.live.http` against the server, and its errors.
 
 Tests that need the server carry the ``server`` marker (deselect with ``-m "not server"``); one server per
 flag set, module-scoped. Everything listens and connects on 127.0.0.1 only.
@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 from conftest import start_server
 from llama_server import LlamaServer, free_port
-from slotctl.remote import http as server_api
+from slotctl.live import http as server_api
 from slotctl.cli.app import app
 from slotctl.errors import ExitStatus, UsageError
 from slotctl.runtime.generate import generate_greedy

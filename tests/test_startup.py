@@ -119,12 +119,12 @@ def test_only_an_s3_path_loads_the_object_store(tmp_path):
     """obstore (and the store module) load when a command is given an s3:// path, never for local files."""
     out = tmp_path / "m.json"
     code = ("import json, sys\nfrom slotctl.cli.app import main\ntry:\n    main(sys.argv[2:])\nexcept SystemExit:\n"
-            "    pass\njson.dump(sorted(m for m in sys.modules if m.startswith(('obstore', 'slotctl.remote'))), "
+            "    pass\njson.dump(sorted(m for m in sys.modules if m.startswith(('obstore', 'slotctl.store'))), "
             "open(sys.argv[1], 'w'))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     for args, want in ((["inspect", str(SLOT_FILE)], []),
                        (["ls", str(SLOT_FILE.parent)], []),
-                       (["inspect", "s3://bucket/key.bin"], ["obstore", "slotctl.remote.store"])):
+                       (["inspect", "s3://bucket/key.bin"], ["obstore", "slotctl.store.s3"])):
         subprocess.run([sys.executable, "-c", code, str(out), *args], capture_output=True, timeout=120, env=env)
         mods = json.loads(out.read_text())
-        assert [m for m in mods if m in ("obstore", "slotctl.remote.store")] == want, args
+        assert [m for m in mods if m in ("obstore", "slotctl.store.s3")] == want, args

@@ -40,7 +40,7 @@ def s3(seaweed, monkeypatch):
     for k, v in seaweed.env().items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("HOME", str(seaweed.dir))   # no ~/.aws of the machine's
-    from slotctl.remote.store import S3_STORE
+    from slotctl.store.s3 import S3_STORE
 
     S3_STORE.reset()
     yield seaweed
@@ -116,7 +116,7 @@ def test_errors_are_one_line_exit_2_without_credentials(s3, monkeypatch):
     url = put(s3, "err/a.bin", FILES[0].read_bytes())
     assert "no such object" in _error(run("inspect", f"s3://{BUCKET}/err/missing.bin"))
     assert "no such bucket" in _error(run("inspect", "s3://no-such-bucket/a.bin"))
-    from slotctl.remote.store import S3_STORE
+    from slotctl.store.s3 import S3_STORE
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-0000")
     S3_STORE.reset()
@@ -162,7 +162,7 @@ def test_profile_files_are_read(s3, monkeypatch, tmp_path):
         monkeypatch.delenv(k)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("AWS_PROFILE", "ci")
-    from slotctl.remote.store import S3_STORE
+    from slotctl.store.s3 import S3_STORE
 
     S3_STORE.reset()
     r = run("inspect", "--json", url)
@@ -173,7 +173,7 @@ def test_profile_files_are_read(s3, monkeypatch, tmp_path):
 
 
 def test_plain_http_only_when_the_endpoint_says_so(s3, monkeypatch):
-    from slotctl.remote.store import Config
+    from slotctl.store.config import Config
 
     assert Config().allow_http is True       # http://127.0.0.1:PORT
     monkeypatch.setenv("AWS_ENDPOINT_URL", "https://s3.example.invalid")
@@ -183,7 +183,7 @@ def test_plain_http_only_when_the_endpoint_says_so(s3, monkeypatch):
 
 
 def test_an_object_replaced_while_read_stops_the_read(s3):
-    import slotctl.remote.store  # noqa: F401 - the s3 scheme
+    import slotctl.store.s3  # noqa: F401 - the s3 scheme
     from slotctl.errors import UsageError
     from slotctl.sources import open_input
 
@@ -205,7 +205,7 @@ def test_a_store_gone_mid_read_is_an_io_error(tmp_path, monkeypatch):
     try:
         for k, v in srv.env().items():
             monkeypatch.setenv(k, v)
-        from slotctl.remote.store import S3_STORE
+        from slotctl.store.s3 import S3_STORE
         from slotctl.slotfile import read_slot_file
         from slotctl.sources import open_input
         from slotctl.errors import UsageError
@@ -330,8 +330,8 @@ def test_a_conditional_cross_bucket_copy_loses_to_a_writer(s3, tmp_path):
     """The copy's existence check and its completion are two steps: a writer that creates the destination
     between them wins, and the copy is refused by the completion's If-None-Match (exists), never replacing
     it."""
-    from slotctl.remote.s3copy import copy_object
-    from slotctl.remote.store import S3_STORE
+    from slotctl.store.s3copy import copy_object
+    from slotctl.store.s3 import S3_STORE
 
     s3.make_bucket("other")
     url = put(s3, "race/a.bin", FILES[0].read_bytes())
@@ -563,10 +563,10 @@ def test_strip_draft_of_an_object_is_a_server_side_rewrite(s3, tmp_path):
 def test_a_rewrite_of_a_replaced_object_leaves_it_alone(s3):
     import obstore
 
-    import slotctl.remote.store  # noqa: F401 - the s3 scheme
+    import slotctl.store.s3  # noqa: F401 - the s3 scheme
     from slotctl.errors import UsageError
-    from slotctl.remote.s3copy import rewrite_prefix
-    from slotctl.remote.store import S3_STORE
+    from slotctl.store.s3copy import rewrite_prefix
+    from slotctl.store.s3 import S3_STORE
 
     url = put(s3, "strip/replaced.bin", b"old" * 1000)
     stale = obstore.head(s3.client(), "strip/replaced.bin")["e_tag"]

@@ -39,7 +39,7 @@ def handle_errors(fn):
 
 
 def use_store(values) -> None:
-    """Import the object store (``slotctl.remote.store``: obstore) when a value names an ``s3://`` object:
+    """Import the object store (``slotctl.store.s3``: obstore) when a value names an ``s3://`` object:
     only then, so that local commands keep their start-up. Without obstore, a usage error naming the extra."""
     from slotctl.sources import remote_url
 
@@ -57,7 +57,7 @@ def use_store(values) -> None:
     if importlib.util.find_spec("obstore") is None:
         raise UsageError("s3:// paths need obstore, which is not installed: pip install 'slotctl[s3]'",
                          code="store_missing")
-    import slotctl.remote.store  # noqa: F401 - registers the s3 scheme with slotctl.sources
+    import slotctl.store.s3  # noqa: F401 - registers the s3 scheme with slotctl.sources
 
 
 def llama_available() -> bool:
@@ -166,7 +166,7 @@ def local_input(path) -> Iterator[str]:
     if url is None:
         yield os.fspath(path)
         return
-    from slotctl.remote.store import local_copy
+    from slotctl.store.s3 import local_copy
 
     with local_copy(url) as tmp:
         yield tmp
@@ -185,7 +185,7 @@ def local_output(path, *, overwrite: bool) -> Iterator[str]:
         return
     import tempfile
 
-    from slotctl.remote.store import upload_file
+    from slotctl.store.s3 import upload_file
 
     with tempfile.TemporaryDirectory(prefix="slotctl-s3-") as tmp:
         local = os.path.join(tmp, url.rpartition("/")[2] or "object")

@@ -118,7 +118,7 @@ def _check_output(output, *, force: bool, follow_symlinks: bool, dry_run: bool) 
     if not is_remote(output):   # a device, FIFO, socket or unfollowed symbolic link is refused first
         check_destination(output, overwrite=force, follow_symlinks=follow_symlinks)
     elif not force:   # an object: refused at once when one is there (and at the upload)
-        from slotctl.remote.store import S3_STORE
+        from slotctl.store.s3 import S3_STORE
 
         if S3_STORE.stat(shown(output)) is not None:
             raise UsageError(f"{shown(output)}: exists (use --force to overwrite)", code="exists")

@@ -45,7 +45,7 @@ def cp(
     error, an existing destination, a size or checksum that does not match).
     """
     from slotctl.errors import UsageError
-    from slotctl.remote.cp import COPIED, FAILED, REFUSED, copy_files
+    from slotctl.store.cp import COPIED, FAILED, REFUSED, copy_files
     from slotctl.slotfile import expand_slot_paths
 
     out = Output(json_mode=json_out, jsonl=jsonl, quiet=quiet)

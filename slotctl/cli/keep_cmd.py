@@ -1,4 +1,4 @@
-"""``slotctl keep``: keep a running llama-server's slots across its restarts (:mod:`slotctl.remote.keep`)."""
+"""``slotctl keep``: keep a running llama-server's slots across its restarts (:mod:`slotctl.fleet.keep`)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def keep(
 
     Exit codes: 0 stopped by SIGTERM or SIGINT; 2 usage error (a missing directory, a bad --max-size).
     """
-    from slotctl.remote.keep import Keeper
+    from slotctl.fleet.keep import Keeper
 
     out = Output(json_mode=json_out)
     if not slot_dir.is_dir():

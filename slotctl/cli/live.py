@@ -1,7 +1,7 @@
 """Live mode: commands that talk to a running llama-server (``slotctl slots``, ``slotctl erase``).
 
 ``save``, ``restore`` and ``validate`` take ``--server URL`` too, through :mod:`slotctl.cli.remote`. Every
-request goes through :mod:`slotctl.remote.http`: bounded by ``--timeout``, the API key from ``--api-key`` or
+request goes through :mod:`slotctl.live.http`: bounded by ``--timeout``, the API key from ``--api-key`` or
 ``LLAMA_API_KEY``; a refusal by the server exits 1, an unreachable server, a wrong key or a usage error
 exits 2, always with one line on stderr.
 """
@@ -16,7 +16,7 @@ from slotctl.cli.common import handle_errors
 from slotctl.cli.options import JsonOpt
 from slotctl.cli.output import Output
 from slotctl.cli.remote import ApiKeyOpt, ServerOpt, ServerSlotOpt, TimeoutOpt, _cell, _plain
-from slotctl.remote import http as server_api
+from slotctl.live import http as server_api
 
 
 def register(app: typer.Typer) -> None:

@@ -24,7 +24,7 @@ from rich.cells import cell_len
 
 from slotctl.cli.output import FOLD_WIDTH, VERDICT_STYLE, Output, escape_text, human_bytes
 from slotctl.server.flags import ServerFlags
-from slotctl.remote.http import DEFAULT_TIMEOUT
+from slotctl.live.http import DEFAULT_TIMEOUT
 from slotctl.errors import UsageError, worst
 
 SORT_KEYS = ("name", "size", "age", "tokens")

@@ -1,4 +1,4 @@
-"""``slotctl migrate``: move a slot from one running llama-server to another (:mod:`slotctl.remote.migrate`)."""
+"""``slotctl migrate``: move a slot from one running llama-server to another (:mod:`slotctl.fleet.migrate`)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def migrate(
     refused the file, or the proof found more prompt tokens evaluated than predicted; 2 usage error, a
     server unreachable or an I/O error (the step that failed says which); 3 the proof cannot predict.
     """
-    from slotctl.remote.migrate import migrate as run
+    from slotctl.fleet.migrate import migrate as run
     from slotctl.server.flags import ServerFlags
 
     out = Output(json_mode=json_out)

@@ -3,9 +3,9 @@
 Options (``--server``, ``--api-key``, ``--timeout``), the checks that keep local and live options apart,
 ``save --server`` and ``restore --server`` (:func:`save_on_server`, :func:`restore_on_server`) and what
 ``validate --server`` prints (:func:`render_live`; the flags it learns come from
-:func:`slotctl.remote.live.learn_flags`). The commands ``slots`` and ``erase`` are in :mod:`slotctl.cli.live`.
+:func:`slotctl.live.learn.learn_flags`). The commands ``slots`` and ``erase`` are in :mod:`slotctl.cli.live`.
 
-Every request goes through :mod:`slotctl.remote.http`: bounded by ``--timeout``, the API key from
+Every request goes through :mod:`slotctl.live.http`: bounded by ``--timeout``, the API key from
 ``--api-key`` or ``LLAMA_API_KEY``; a refusal by the server exits 1, an unreachable server, a wrong key
 or a usage error exits 2, always with one line on stderr.
 """
@@ -19,7 +19,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from slotctl.remote import http as server_api
+from slotctl.live import http as server_api
 from slotctl.cli.options import LIVE_ONLY_PARAMS, ArgsCommand, raw_value
 from slotctl.cli.output import Output, escape_text, markup_safe
 from slotctl.errors import UsageError
@@ -183,7 +183,7 @@ def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name:
                       api_key: str | None, timeout: float, json_out: bool, prove: bool = False,
                       slot_dir: Path | None = None) -> None:
     """``slotctl restore --server URL --slot N NAME [--prove --slot-dir DIR]``: the server restores NAME
-    from its --slot-save-path; with ``prove``, the proving request (:mod:`slotctl.remote.prove`) follows.
+    from its --slot-save-path; with ``prove``, the proving request (:mod:`slotctl.live.prove`) follows.
 
     NAME is taken as typed (:func:`raw_value`), not as the ``Path`` typer made of it.
     """
@@ -211,7 +211,7 @@ def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name:
                                        message=e.message, error_type=e.error_type, body=e.body) from None
     proof = None
     if local is not None:
-        from slotctl.remote.prove import local_setup, prove as run_proof
+        from slotctl.live.prove import local_setup, prove as run_proof
 
         facts = server_api.server_facts(url, slot, api_key=api_key, timeout=timeout)
         setup, _notes = local_setup(facts, slot)
@@ -252,7 +252,7 @@ _PROOF_STYLE = {"proven": "green", "reevaluated": "bold red", "undecided": "yell
 
 
 def render_proof(out: Output, p: dict, indent: str = "  ") -> None:
-    """The lines of a proof (:meth:`slotctl.remote.prove.Proof.as_dict`): the server's counts against the
+    """The lines of a proof (:meth:`slotctl.live.prove.Proof.as_dict`): the server's counts against the
     prediction, and why when they differ."""
     line = Text(indent + "proof ", style="bold")
     line.append(p["verdict"], style=_PROOF_STYLE.get(p["verdict"], ""))
@@ -292,14 +292,14 @@ def learn_from_server(ctx: typer.Context, out: Output, command: str, server: str
                       timeout: float, flags, model: Path | None, draft_model: Path | None, slot: int,
                       mmproj: bool, state_version: int):
     """``--server`` of validate and ls: the running server's model and flags where it says them, flags given
-    on the command line winning (:func:`slotctl.remote.live.learn_flags`), its lines printed
-    (:func:`render_live`); a :class:`~slotctl.remote.live.LiveValidate`, or None without ``--server``
+    on the command line winning (:func:`slotctl.live.learn.learn_flags`), its lines printed
+    (:func:`render_live`); a :class:`~slotctl.live.learn.LiveValidate`, or None without ``--server``
     (then no live-only option may have been typed)."""
     if server is None:
         require_local(ctx, command)  # --api-key / --timeout typed without --server
         return None
-    from slotctl.remote.http import server_facts
-    from slotctl.remote.live import learn_flags
+    from slotctl.live.http import server_facts
+    from slotctl.live.learn import learn_flags
 
     facts = server_facts(server, slot, api_key=api_key, timeout=timeout)
     lv = learn_flags(facts, flags, given=given_params(ctx), model=model, draft_model=draft_model, slot=slot,
@@ -310,7 +310,7 @@ def learn_from_server(ctx: typer.Context, out: Output, command: str, server: str
 
 def render_live(out: Output, lv) -> None:
     """The lines ``validate --server`` prints before its verdicts (``lv``: a
-    :class:`~slotctl.remote.live.LiveValidate`): the server and the flags used, notes.
+    :class:`~slotctl.live.learn.LiveValidate`): the server and the flags used, notes.
 
     Warnings go to stderr in both modes; with ``--json`` nothing else is printed (it is all in ``server.live``).
     """

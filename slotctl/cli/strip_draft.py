@@ -82,7 +82,7 @@ def strip_draft(
                            progress=update, grace=grace, all_links=all_links, follow_symlinks=follow_symlinks,
                            **layouts) if local else []
     if objects:   # s3://: a server-side rewrite to the bytes before the draft state (docs/store.md)
-        from slotctl.remote.strip import strip_object
+        from slotctl.store.strip import strip_object
 
         by_path = dict(zip(local, done))
         by_path.update((p, strip_object(p, dry_run=dry_run, checkpoints=checkpoints, **layouts)) for p in objects)

@@ -26,7 +26,7 @@ from slotctl.cli.options import (
 from slotctl.cli.output import VERDICT_STYLE, Output, escape_text, human_bytes
 from slotctl.errors import UsageError
 from slotctl.server.flags import ServerFlags, attn_rot_disable
-from slotctl.remote.http import DEFAULT_TIMEOUT
+from slotctl.live.http import DEFAULT_TIMEOUT
 
 _SEVERITY_STYLE = {"error": "red", "drop": "yellow", "note": "dim"}
 _VERDICT_WORDS = {"restores": "restores completely", "restores_with_drops": "restores, with layers dropped",

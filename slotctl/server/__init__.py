@@ -13,7 +13,7 @@
 - ``speculative``: the draft model's live state;
 - ``filenames``: the slot file names the server accepts (``fs_validate_filename``).
 
-Talking to a running server (its HTTP API, what slotctl learns from it) is :mod:`slotctl.remote`, above
+Talking to a running server (its HTTP API, what slotctl learns from it) is :mod:`slotctl.live`, above
 this package: these are the server's rules, that is how slotctl reaches one.
 
 The rule for where a server rule goes: here, once, in the module of the step it belongs to, with a comment

@@ -2,15 +2,7 @@
 
 Importing this module registers the ``s3`` scheme with :mod:`slotctl.sources`, so that every command that
 reads a slot file reads an object as well; the CLI imports it only when an ``s3://`` path is given (the
-``[s3]`` extra: obstore), so local commands keep their start-up.
-
-Configuration is every S3 tool's (docs/store.md): ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``),
-``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION`` (or
-``AWS_DEFAULT_REGION``), ``AWS_PROFILE`` with ``~/.aws/config`` and ``~/.aws/credentials`` (or
-``AWS_CONFIG_FILE`` and ``AWS_SHARED_CREDENTIALS_FILE``); the environment wins over the files. Plain http
-only when the endpoint says ``http://`` or ``AWS_ALLOW_HTTP=true``. Without credentials a command stops
-with ``no_credentials`` (slotctl never asks an instance-metadata endpoint); ``AWS_SKIP_SIGNATURE=true``
-reads public buckets unsigned.
+``[s3]`` extra: obstore), so local commands keep their start-up. Its configuration is :mod:`slotctl.store.config`.
 
 Every failure is one line naming the object and what happened, exit 2 (:func:`store_error`); no message
 holds a credential (:func:`_scrub`). A read is pinned to the ETag of the object's first read
@@ -19,12 +11,10 @@ holds a credential (:func:`_scrub`). A read is pinned to the ETag of the object'
 
 from __future__ import annotations
 
-import configparser
 import contextlib
 import os
 import re
 import threading
-from datetime import timedelta
 from typing import Iterator, Sequence
 
 import obstore
@@ -32,131 +22,17 @@ from obstore import exceptions as obx
 from obstore.store import S3Store
 
 from slotctl.errors import UsageError
+from slotctl.store.config import EXISTS, Config, join_url, split_url
 from slotctl.sources import HEAD_BYTES, TOTALS, Entry, RangedFile, register_store
 
-#: seconds to wait for a connection, and for one request as a whole (a part of an upload included)
-CONNECT_TIMEOUT = 5
-REQUEST_TIMEOUT = 120
-#: retries of a request that failed in a way worth retrying (obstore's backoff), and their time in all
-MAX_RETRIES = 2
-RETRY_TIMEOUT = 15
 #: the user metadata key slotctl writes when it copies an object (``x-amz-meta-slotctl-last-used``)
 LAST_USED_KEY = "slotctl-last-used"
 #: bytes of first reads kept between a listing's check of each object's magic and the object's open
 PEEK_CACHE = 64 << 20
 
 
-def split_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/key`` -> (bucket, key); a usage error without a bucket."""
-    rest = url.partition("://")[2]
-    bucket, _, key = rest.partition("/")
-    if not bucket:
-        raise UsageError(f"{url}: no bucket (expected s3://BUCKET/KEY)", code="usage")
-    return bucket, key
-
-
-def join_url(bucket: str, key: str) -> str:
-    return f"s3://{bucket}/{key}"
-
-
-# -- configuration -------------------------------------------------------------------------------------
-
-
-def _profile_files() -> tuple[dict, dict]:
-    """The sections of ``~/.aws/credentials`` and ``~/.aws/config`` for ``AWS_PROFILE`` (or ``default``)."""
-    env = os.environ
-    profile = env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE") or "default"
-    home = os.path.expanduser("~")
-    cred_path = env.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials")
-    conf_path = env.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config")
-
-    def section(path: str, name: str) -> dict:
-        cp = configparser.RawConfigParser()
-        try:
-            cp.read(path, encoding="utf-8")
-        except (configparser.Error, OSError, UnicodeDecodeError):
-            raise UsageError(f"{path}: not an AWS configuration file this can read", code="bad_config") from None
-        return dict(cp.items(name)) if cp.has_section(name) else {}
-
-    creds = section(cred_path, profile)
-    conf = section(conf_path, profile if profile == "default" else f"profile {profile}")
-    if profile != "default" and not creds and not conf and "AWS_PROFILE" in env:
-        raise UsageError(f"AWS_PROFILE={profile}: no such profile in {cred_path} or {conf_path}",
-                         code="no_credentials")
-    return creds, conf
-
-
-class Config:
-    """The settings of one S3 endpoint, as the environment and the AWS files give them."""
-
-    def __init__(self):
-        env = os.environ
-        creds, conf = _profile_files()
-
-        def pick(env_names: Sequence[str], file_key: str) -> str | None:
-            for n in env_names:
-                if env.get(n):
-                    return env[n]
-            return creds.get(file_key) or conf.get(file_key) or None
-
-        self.access_key = pick(("AWS_ACCESS_KEY_ID",), "aws_access_key_id")
-        self.secret_key = pick(("AWS_SECRET_ACCESS_KEY",), "aws_secret_access_key")
-        self.token = pick(("AWS_SESSION_TOKEN",), "aws_session_token")
-        self.region = pick(("AWS_REGION", "AWS_DEFAULT_REGION"), "region") or "us-east-1"
-        self.endpoint = pick(("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"), "endpoint_url")
-        self.unsigned = env.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true")
-        self.allow_http = env.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true")
-        if self.endpoint is not None:
-            if self.endpoint.startswith("http://"):
-                self.allow_http = True
-            bad = not self.endpoint.startswith(("http://", "https://"))
-            try:   # a URL obstore cannot use makes it panic, not raise: refused here
-                import urllib.parse
-
-                u = urllib.parse.urlsplit(self.endpoint)
-                bad = bad or not u.hostname
-                u.port  # noqa: B018 - raises for a port that is not a number
-            except ValueError:
-                bad = True
-            if bad:
-                raise UsageError(f"AWS_ENDPOINT_URL={self.endpoint}: expected an http:// or https:// URL "
-                                 "(http://HOST:PORT)", code="usage")
-
-    def secrets(self) -> list[str]:
-        return [s for s in (self.access_key, self.secret_key, self.token) if s]
-
-    def check(self, url: str) -> None:
-        if self.unsigned:
-            return
-        if not self.access_key or not self.secret_key:
-            raise UsageError(f"{url}: no credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
-                             "AWS_PROFILE with ~/.aws/credentials; AWS_SKIP_SIGNATURE=true for a public bucket)",
-                             code="no_credentials")
-
-    def store(self, bucket: str, **extra) -> S3Store:
-        config: dict = {"region": self.region, **extra}
-        if self.endpoint:
-            config["endpoint"] = self.endpoint
-            config["virtual_hosted_style_request"] = False
-        if self.unsigned:
-            config["skip_signature"] = True
-        else:
-            config["access_key_id"] = self.access_key
-            config["secret_access_key"] = self.secret_key
-            if self.token:
-                config["session_token"] = self.token
-        return S3Store(bucket, config=config,
-                       client_options={"allow_http": self.allow_http, "connect_timeout": f"{CONNECT_TIMEOUT}s",
-                                       "timeout": f"{REQUEST_TIMEOUT}s"},
-                       retry_config={"max_retries": MAX_RETRIES, "retry_timeout": timedelta(seconds=RETRY_TIMEOUT),
-                                     "backoff": {"init_backoff": timedelta(milliseconds=100),
-                                                 "max_backoff": timedelta(seconds=2), "base": 2}})
-
-
 # -- errors ----------------------------------------------------------------------------------------------
 
-#: what a copy or an upload that would replace an object is told (``exists``)
-EXISTS = "exists (use --overwrite to replace it)"
 _S3_CODE = re.compile(r"<Code>([A-Za-z]+)</Code>")
 _WORDS = {
     "NoSuchBucket": ("no_such_bucket", "no such bucket"),
@@ -440,7 +316,7 @@ def expected_etag(md5s: Sequence[bytes], *, multipart: bool) -> str:
 
 class PartMd5s:
     """The MD5 of each ``part`` bytes of a stream fed in pieces of any size (what a multipart ETag is made
-    of): the upload's (:class:`_Parts`) and a download's check (:mod:`slotctl.remote.cp`) alike."""
+    of): the upload's (:class:`_Parts`) and a download's check (:mod:`slotctl.store.cp`) alike."""
 
     def __init__(self, part: int):
         import hashlib
@@ -594,10 +470,10 @@ class Writer:
     def copy(self, src: str, dst: str, *, overwrite: bool, etag: str | None = None, size: int | None = None) -> dict:
         """A server-side copy (nothing passes through this machine); conditional without ``overwrite``.
         Within one bucket obstore's copy; to another bucket of the endpoint a multipart upload of part copies
-        (:func:`slotctl.remote.s3copy.copy_object`: ``size`` bytes, pinned to the source's ``etag``)."""
+        (:func:`slotctl.store.s3copy.copy_object`: ``size`` bytes, pinned to the source's ``etag``)."""
         sb, skey = split_url(src)
         if sb != split_url(dst)[0]:
-            from slotctl.remote.s3copy import copy_object
+            from slotctl.store.s3copy import copy_object
 
             self._refuse_existing(dst, overwrite)
             copy_object(self.s3.config, src, etag, dst, size, if_none_match=not overwrite)

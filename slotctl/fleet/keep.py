@@ -8,7 +8,7 @@ Every ``every`` seconds (:meth:`Keeper.tick`):
   behind the URL), or a slot keep saved now showing no task at all (a new process, restarted between two
   looks) is a *restart*: every slot that holds nothing gets the newest state of the store that
   validates for the server now running (:meth:`Keeper.restore_all`), restored and proven
-  (:mod:`slotctl.remote.prove`). So does every empty slot when keep starts.
+  (:mod:`slotctl.live.prove`). So does every empty slot when keep starts.
 * **save**: each idle slot (``is_processing`` false) whose last task (``/slots`` ``id_task``, ``n_prompt_tokens``)
   changed since keep last saved or restored it, with at least ``min_tokens`` prompt tokens, is saved by the
   server under a working name (``keep-slotN-incoming-PID-RANDOM.bin`` in ``--slot-save-path``, private to the
@@ -38,10 +38,10 @@ from typing import Callable
 import numpy as np
 
 from slotctl.errors import SlotctlError
-from slotctl.remote import http
-from slotctl.remote.migrate import IDENTITY_KEYS
-from slotctl.remote.states import copy_atomic, open_store
-from slotctl.remote.prove import local_setup, prove
+from slotctl.live import http
+from slotctl.fleet.migrate import IDENTITY_KEYS
+from slotctl.fleet.states import copy_atomic, open_store
+from slotctl.live.prove import local_setup, prove
 
 #: the name the server saves a slot under before keep checks it (in --slot-save-path): private to this keep
 #: process (its pid and a random word: two keepers of one server never share it), removed on every way out

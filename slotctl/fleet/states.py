@@ -2,7 +2,7 @@
 --store``), behind one small interface (``has``, ``put``, ``names``, ``local``, ``prune``, ``where``).
 
 Every write is whole or absent: a local file through :func:`slotctl.atomic.atomic_writer`, an object through
-:mod:`slotctl.remote.cp`'s upload (created only if absent, its size and MD5 checked).
+:mod:`slotctl.store.cp`'s upload (created only if absent, its size and MD5 checked).
 """
 
 from __future__ import annotations
@@ -66,11 +66,11 @@ class DirectoryStore:
 
 
 class ObjectStore:
-    """A store under an ``s3://bucket/prefix/`` (:mod:`slotctl.remote.store`, :mod:`slotctl.remote.cp`: an
+    """A store under an ``s3://bucket/prefix/`` (:mod:`slotctl.store.s3`, :mod:`slotctl.store.cp`: an
     object is created only if absent, complete or not at all, its size and MD5 checked)."""
 
     def __init__(self, url: str):
-        from slotctl.remote.store import split_url
+        from slotctl.store.config import split_url
 
         split_url(url)      # a usage error without a bucket
         self.url = url.rstrip("/") + "/"
@@ -82,7 +82,7 @@ class ObjectStore:
         return self.url + name
 
     def has(self, name: str) -> bool:
-        from slotctl.remote.store import S3_STORE
+        from slotctl.store.s3 import S3_STORE
 
         return S3_STORE.stat(self.where(name)) is not None
 
@@ -92,7 +92,7 @@ class ObjectStore:
             os.unlink(local)
 
     def names(self, prefix: str) -> list[str]:
-        from slotctl.remote.store import S3_STORE
+        from slotctl.store.s3 import S3_STORE
 
         found = [e for e in S3_STORE.list(self.url) if e.path.rpartition("/")[2].startswith(prefix)
                  and e.path.endswith(".bin")]
@@ -106,7 +106,7 @@ class ObjectStore:
 
     @staticmethod
     def _copy(src: str, dst: str) -> None:
-        from slotctl.remote.cp import COPIED, copy_one
+        from slotctl.store.cp import COPIED, copy_one
 
         res = copy_one(src, dst)
         if res.status != COPIED:

@@ -1,5 +1,5 @@
 """``strip-draft`` of an object in a store: the draft state (the SDFT appendix, the end of the file) removed
-by a server-side rewrite of the object to the bytes before it (:func:`slotctl.remote.s3copy.rewrite_prefix`):
+by a server-side rewrite of the object to the bytes before it (:func:`slotctl.store.s3copy.rewrite_prefix`):
 nothing is downloaded but the metadata, nothing uploaded.
 
 What a local file allows and an object does not is refused with the reason: ``--checkpoints`` (the draft
@@ -20,8 +20,8 @@ SERVER_COPY = "server_copy"
 def strip_object(url: str, *, dry_run: bool = False, checkpoints: bool = False, layout=None,
                  draft_layout=None) -> FileResult:
     """Strip the draft state of the object at ``url`` (see the module docstring)."""
-    from slotctl.remote.s3copy import rewrite_prefix
-    from slotctl.remote.store import S3_STORE
+    from slotctl.store.s3copy import rewrite_prefix
+    from slotctl.store.s3 import S3_STORE
     from slotctl.slotfile import open_slot_file
 
     res = FileResult(url, UNREADABLE)

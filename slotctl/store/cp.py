@@ -96,7 +96,7 @@ def copy_one(src: str, dst: str, *, overwrite: bool = False, force: bool = False
     res = CopyResult(src, dst)
     writer = None
     if remote_url(src) or remote_url(dst):   # the store (obstore) only for s3:// paths
-        from slotctl.remote.store import S3_STORE, Writer
+        from slotctl.store.s3 import S3_STORE, Writer
 
         writer = Writer(S3_STORE)
     if remote_url(src) is None and remote_url(dst) is None and os.path.exists(dst) and \
@@ -142,11 +142,11 @@ def _file_chunks(f, size: int):
 
 
 class _Md5s:
-    """MD5 per part of ``part`` bytes (:class:`~slotctl.remote.store.PartMd5s`), and of the whole: what an
+    """MD5 per part of ``part`` bytes (:class:`~slotctl.store.s3.PartMd5s`), and of the whole: what an
     ETag may be."""
 
     def __init__(self, part: int):
-        from slotctl.remote.store import PartMd5s
+        from slotctl.store.s3 import PartMd5s
 
         self.whole = hashlib.md5()
         self.parts = PartMd5s(part)
@@ -156,7 +156,7 @@ class _Md5s:
         self.parts.update(data)
 
     def matches(self, etag: str | None) -> bool:
-        from slotctl.remote.store import expected_etag
+        from slotctl.store.s3 import expected_etag
 
         if not etag:
             return False
@@ -166,7 +166,7 @@ class _Md5s:
 
 def _part_size(size: int) -> int:
     """The part size slotctl's own uploads use (so a download can check their multipart ETag)."""
-    from slotctl.remote.store import part_size
+    from slotctl.store.s3 import part_size
 
     return part_size(size)
 

@@ -1,7 +1,7 @@
 """What a running llama-server says about its flags, turned into the flags to validate a file for it.
 
 ``validate --server URL`` validates for that server: its own model and flags where it reports them
-(:class:`~slotctl.remote.http.ServerFacts`), the flags given on the command line first, llama-server's
+(:class:`~slotctl.live.http.ServerFacts`), the flags given on the command line first, llama-server's
 defaults for the rest, each with where it came from (:func:`learn_flags`).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from slotctl.errors import UsageError
 from slotctl.server.flags import ServerFlags, flag_name
-from slotctl.remote.http import ServerFacts
+from slotctl.live.http import ServerFacts
 
 #: flags b11434 does not report (``/props``, ``/slots``): validated as given, or with the server's defaults
 UNREPORTED = ("cache_type_k", "cache_type_v", "flash_attn", "spec_draft_type_k", "spec_draft_type_v", "batch_size",

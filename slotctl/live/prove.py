@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from slotctl.errors import ExitStatus
-from slotctl.remote import http
+from slotctl.live import http
 from slotctl.server.flags import ServerFlags
 from slotctl.server.reuse import predict_reuse, server_n_swa
 from slotctl.validate.setup import Models, ServerSetup
@@ -88,12 +88,12 @@ class Proof:
 def local_setup(facts: http.ServerFacts, slot: int, flags: ServerFlags | None = None,
                 given: frozenset[str] = frozenset()) -> tuple[ServerSetup, list[str]]:
     """The :class:`ServerSetup` to predict with for the server ``facts`` describe: what it reports
-    (:func:`slotctl.remote.live.learn_flags`: ``-np``, the slot context, its model when ``/props``
+    (:func:`slotctl.live.learn.learn_flags`: ``-np``, the slot context, its model when ``/props``
     ``model_path`` is a file on this machine), ``flags`` for the fields named in ``given`` (what it does not
     report: ``-kvu``, cache types), llama-server's defaults for the rest. When the model is not on this
     machine, the file's structure and its own sliding window decide (said in the notes)."""
     from slotctl.errors import UsageError
-    from slotctl.remote.live import learn_flags
+    from slotctl.live.learn import learn_flags
     from slotctl.server.flags import SERVER_STATE_VERSION
 
     flags = flags or ServerFlags()
@@ -131,7 +131,7 @@ def prove(url: str, slot: int, path: str | os.PathLike, setup: ServerSetup, *, b
     """Send the proving request for the file at ``path`` (the file the server just restored into ``slot``)
     and judge the server's counts against the prediction (see the module docstring).
 
-    The server's errors propagate (:mod:`slotctl.remote.http`); an answer without ``timings.cache_n`` /
+    The server's errors propagate (:mod:`slotctl.live.http`); an answer without ``timings.cache_n`` /
     ``prompt_n`` is ServerAnswerError (exit 2).
     """
     reads = server_reads_checkpoints(build_info)

@@ -10,13 +10,13 @@ The steps, each with its outcome (:class:`Step`), stopping at the first that doe
 4. ``fetch``: the saved file parses and holds the slot's tokens;
 5. ``check``: the conversion the destination's flags need (:mod:`slotctl.convert`: ``-np``/``-kvu`` streams,
    exact; cache types, lossy, only with ``allow_lossy``), then validate's verdict for the converted file
-   and the destination's own model and flags (:func:`slotctl.remote.prove.local_setup`): refused when the
+   and the destination's own model and flags (:func:`slotctl.live.prove.local_setup`): refused when the
    destination would refuse it (another model, a context too small, ...);
 6. ``store`` (with ``store``): the (converted) file written into the store (a directory or an ``s3://``
-   prefix, :mod:`slotctl.remote.states`), never over a file of that name; the next step places the store's copy;
+   prefix, :mod:`slotctl.fleet.states`), never over a file of that name; the next step places the store's copy;
 7. ``place``: the (converted) file written into ``--to-dir`` atomically, under the same name;
 8. ``restore``: the destination restores it into its slot;
-9. ``prove``: the proving request (:mod:`slotctl.remote.prove`).
+9. ``prove``: the proving request (:mod:`slotctl.live.prove`).
 
 Nothing reaches the destination before step 7: a refusal leaves it untouched. The source's slot is only
 saved (``action=save`` reads the slot, changes nothing), so a failure anywhere leaves it as it was.
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
-from slotctl.remote import http
-from slotctl.remote.prove import Proof, local_setup, prove
-from slotctl.remote.states import copy_atomic
+from slotctl.live import http
+from slotctl.live.prove import Proof, local_setup, prove
+from slotctl.fleet.states import copy_atomic
 from slotctl.server.flags import ServerFlags
 
 #: the /v1/models meta keys that tell two models apart (llama_model_n_vocab, n_embd, n_params, size, n_ctx_train)
@@ -126,7 +126,7 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_di
         raise UsageError(f"{to_dir / name}: exists in --to-dir (give another --name)")
     kept = None
     if store is not None:
-        from slotctl.remote.states import open_store
+        from slotctl.fleet.states import open_store
 
         kept = open_store(store, to_dir)
         if kept.has(name):

@@ -3,7 +3,7 @@
 rewrites an object to a prefix of itself (:func:`rewrite_prefix`); cp copies an object to another bucket of
 the same endpoint (:func:`copy_object`; obstore copies within one bucket only, and has no ranged part
 copy). These requests are signed here (AWS Signature V4, the standard library's ``hmac``), with the
-endpoint and credentials of :class:`slotctl.remote.store.Config`.
+endpoint and credentials of :class:`slotctl.store.s3.Config`.
 
 Conditions: every part is copied from the version planned (``x-amz-copy-source-if-match``), and the
 upload is completed only if the destination is still the version it was (``If-Match`` on
@@ -123,7 +123,7 @@ def copy_object(config, src: str, etag: str | None, dst: str, size: int, *, if_m
     without ``--overwrite``), or unconditionally; otherwise aborted, and ``dst`` left as it was. Returns
     ``{"requests", "parts"}``; a usage error (``object_changed``: ``src`` or ``dst`` changed; ``exists``:
     ``dst`` exists and ``if_none_match``)."""
-    from slotctl.remote.store import split_url
+    from slotctl.store.config import split_url
 
     if size <= 0:
         raise ValueError("a server-side copy of no bytes: S3 has no multipart upload of no part")
@@ -173,7 +173,7 @@ def copy_object(config, src: str, etag: str | None, dst: str, size: int, *, if_m
 def _fail(url: str, status: int, body: bytes, what: str, *, exists: bool = False) -> UsageError:
     code = _code(body)
     if exists and (status == 412 or code == "PreconditionFailed"):   # If-None-Match: * on the completion
-        from slotctl.remote.store import EXISTS
+        from slotctl.store.config import EXISTS
 
         return UsageError(f"{url}: {EXISTS}", code="exists")
     if status == 412 or code == "PreconditionFailed":
