@@ -128,7 +128,7 @@ class _Worker:
             self.checker = LoadChecker(self.setup, verbose=request.verbose)
 
     def row(self, path: str, now: float) -> dict:
-        from slotctl.errors import UsageError
+        from slotctl.errors import StoreDown, UsageError
         from slotctl.sources import Entry, open_input, remote_url
         from slotctl.validate import validate_file
 
@@ -142,6 +142,8 @@ class _Worker:
                 s = os.stat(path)     # before reading: the access time as the server left it
                 st = Entry(path, s.st_size, s.st_mtime, None, s.st_atime)
                 report = validate_file(path, self.setup, self.models, self.checker)
+        except StoreDown:       # the store stopped answering: the run stops, not row after row
+            raise
         except (OSError, UsageError) as e:
             return _unreadable(path, e, st)
         return _row_from(path, st, report.slot_file, report, now)

@@ -110,6 +110,18 @@ class UsageError(SlotctlError):
             self.code = code
 
 
+class StoreDown(UsageError):
+    """An object store stopped answering, or the command's ``--timeout`` passed (``store_unreachable``):
+    the run stops with this one error. Every loop over files or objects that reports a file's error and
+    goes on lets this one through (re-raises it), and every later request to the store is refused at once
+    with it (:func:`slotctl.store.s3.call`)."""
+
+    code = "store_unreachable"
+
+    def __init__(self, message: str):
+        super().__init__(message, code="store_unreachable")
+
+
 def snake_case(name: str) -> str:
     """``ServerUnreachable`` -> ``server_unreachable``."""
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()

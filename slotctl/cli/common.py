@@ -38,6 +38,19 @@ def handle_errors(fn):
     return wrapper
 
 
+def store_deadline(timeout: float | None, paths) -> bool:
+    """Whether ``paths`` name an ``s3://`` object or prefix; if so, ``--timeout`` (when given) is the deadline
+    of the whole command's requests to the store, from now (the store module is in: :func:`use_store`)."""
+    from slotctl.sources import remote_url
+
+    store = any(remote_url(p) for p in (paths if isinstance(paths, (list, tuple)) else [paths]) if p is not None)
+    if store and timeout is not None:
+        from slotctl.store.s3 import set_deadline
+
+        set_deadline(timeout)
+    return store
+
+
 def use_store(values) -> None:
     """Import the object store (``slotctl.store.s3``: obstore) when a value names an ``s3://`` object:
     only then, so that local commands keep their start-up. Without obstore, a usage error naming the extra."""
@@ -204,7 +217,10 @@ def shown(path) -> str:
 def file_error(path: str | os.PathLike, e: Exception) -> dict:
     """The entry of a file that could not be read at all, in a command over many files."""
     from slotctl.cli.errors import failure
+    from slotctl.errors import StoreDown
 
+    if isinstance(e, StoreDown):    # the store stopped answering: the run stops with this one error
+        raise e
     f = failure(e, path=path)
     return {"path": os.fspath(path), "exit_code": f.status, "error": {"code": f.code, "message": f.message}}
 

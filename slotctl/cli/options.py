@@ -38,6 +38,10 @@ DraftModelOpt = Annotated[Optional[Path], typer.Option("--draft-model", "-md", "
 
 
 SlotOpt = Annotated[int, typer.Option("--slot", min=0, help="The slot (sequence id).")]
+StoreTimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", min=0.001, metavar="SECONDS",
+                                                          help="With s3:// paths: the whole command's time for its "
+                                                               "requests to the store; past it, one error, exit 2 "
+                                                               "(docs/store.md).")]
 
 
 # -- the command line as typed ----------------------------------------------------------------------------

@@ -15,13 +15,14 @@ import contextlib
 import os
 import re
 import threading
+import time
 from typing import Iterator, Sequence
 
 import obstore
 from obstore import exceptions as obx
 from obstore.store import S3Store
 
-from slotctl.errors import UsageError
+from slotctl.errors import StoreDown, UsageError
 from slotctl.store.config import EXISTS, Config, join_url, split_url
 from slotctl.sources import HEAD_BYTES, TOTALS, Entry, RangedFile, register_store
 
@@ -55,7 +56,10 @@ def _scrub(text: str, secrets: Sequence[str]) -> str:
 
 
 def store_error(url: str, e: Exception, secrets: Sequence[str] = (), *, action: str = "") -> UsageError:
-    """The one-line error (exit 2) for an obstore failure on ``url``; never a credential in it."""
+    """The one-line error (exit 2) for an obstore failure on ``url``; never a credential in it. A failure
+    that says the store does not answer is a :class:`~slotctl.errors.StoreDown`: the run stops."""
+    if isinstance(e, StoreDown):
+        return e
     msg = str(e)
     m = _S3_CODE.search(msg)
     s3code = m.group(1) if m else None
@@ -78,7 +82,68 @@ def store_error(url: str, e: Exception, secrets: Sequence[str] = (), *, action: 
             code, words = "store_unreachable", f"the store does not answer ({_short(first)})"
         else:
             code, words = "store_error", _short(first)
-    return UsageError(_scrub(f"{url}: {words}{doing}", secrets), code=code)
+    message = _scrub(f"{url}: {words}{doing}", secrets)
+    if code == "store_unreachable":     # the store stopped answering: the run stops here, with this error
+        return _stopped(message)
+    return UsageError(message, code=code)
+
+
+# -- one deadline for a whole command; a store that stopped answering stops the run ----------------------
+
+#: the monotonic time by which a command must be done with its stores (``--timeout``: :func:`set_deadline`)
+_deadline: float | None = None
+_timeout: float | None = None
+#: the first failure that said the store stopped answering: every later request is refused with it
+_down: StoreDown | None = None
+#: calls still running in their threads when the deadline came (the process ends without waiting for them)
+STUCK: list = []
+
+
+def set_deadline(seconds: float | None) -> None:
+    """Give the command ``seconds`` in all for its requests to stores, from now (None: no deadline; each
+    request is still bounded by :data:`~slotctl.store.config.REQUEST_TIMEOUT`)."""
+    global _deadline, _timeout
+    _timeout = seconds
+    _deadline = None if seconds is None else time.monotonic() + seconds
+
+
+def _stopped(message: str) -> StoreDown:
+    global _down
+    if _down is None:
+        _down = StoreDown(message)
+    return _down
+
+
+def call(url: str, action: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, an obstore request on ``url``, within the command's deadline: past it, the
+    run stops (:class:`~slotctl.errors.StoreDown`, ``no answer within --timeout``) and the request is left
+    to itself (a thread of its own: obstore's calls cannot be interrupted). A store already known to be
+    down refuses at once, with the first error. Other failures are raised as they are (the caller says
+    what they mean)."""
+    if _down is not None:
+        raise _down
+    if _deadline is None:
+        return fn(*args, **kwargs)
+    remaining = _deadline - time.monotonic()
+    if remaining <= 0:
+        raise _stopped(f"{url}: no answer within --timeout {_timeout:g} s ({action}): the run stops")
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True, name=f"slotctl-store-{action}")
+    t.start()
+    t.join(remaining)
+    if t.is_alive():
+        STUCK.append(t)
+        raise _stopped(f"{url}: no answer within --timeout {_timeout:g} s ({action}): the run stops")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _short(text: str) -> str:
@@ -116,6 +181,9 @@ class S3:
         self._stores.clear()
         self._heads.clear()
         self._head_bytes = 0
+        global _down
+        _down = None
+        set_deadline(None)
 
     def bucket(self, url: str) -> tuple[S3Store, str]:
         bucket, key = split_url(url)
@@ -137,6 +205,8 @@ class S3:
         def one(url: str) -> bytes | None:
             try:
                 r = self.open(url)
+            except StoreDown:
+                raise
             except UsageError:
                 return None
             with self._lock:
@@ -171,7 +241,7 @@ class S3:
         if not key or key.endswith("/"):
             return None
         try:
-            meta = obstore.head(store, key)
+            meta = call(url, "HEAD", obstore.head, store, key)
         except (obx.NotFoundError, FileNotFoundError):
             return None
         except Exception as e:  # noqa: BLE001 - every obstore failure: one line
@@ -184,7 +254,7 @@ class S3:
         prefix = key if not key or key.endswith("/") else key + "/"
         out: list[Entry] = []
         try:
-            res = obstore.list_with_delimiter(store, prefix or None)
+            res = call(url, "LIST", obstore.list_with_delimiter, store, prefix or None)
             for meta in res["objects"]:
                 if meta["path"] == prefix:
                     continue
@@ -199,7 +269,7 @@ class S3:
         """DELETE the object (prune); one that is already gone is no error (S3's DELETE is idempotent)."""
         store, key = self.bucket(url)
         try:
-            obstore.delete(store, key)
+            call(url, "DELETE", obstore.delete, store, key)
         except (obx.NotFoundError, FileNotFoundError):
             return
         except Exception as e:  # noqa: BLE001
@@ -208,7 +278,7 @@ class S3:
     def _check_bucket(self, store: S3Store, url: str) -> None:
         """An empty listing of a bucket that does not exist is an error (a missing prefix is just empty)."""
         try:
-            obstore.list_with_delimiter(store, None)
+            call(url, "LIST", obstore.list_with_delimiter, store, None)
         except Exception as e:  # noqa: BLE001
             raise self.error(url, e, "LIST") from None
 
@@ -242,8 +312,8 @@ class ObjectReader(RangedFile):
     def _first(self) -> None:
         """The first read: the object's size, ETag and last-modified time with its first bytes."""
         try:
-            res = obstore.get(self.store, self.key, options={"range": (0, HEAD_BYTES)})
-            data = bytes(res.bytes())
+            res = call(self.name, "GET", obstore.get, self.store, self.key, options={"range": (0, HEAD_BYTES)})
+            data = bytes(call(self.name, "GET", res.bytes))
             meta = res.meta
         except (obx.NotFoundError, FileNotFoundError) as e:
             raise self.s3.error(self.name, e) from None
@@ -251,7 +321,7 @@ class ObjectReader(RangedFile):
             if "416" not in str(e) and "InvalidRange" not in str(e):
                 raise self.s3.error(self.name, e, "GET") from None
             try:
-                meta, data = obstore.head(self.store, self.key), b""
+                meta, data = call(self.name, "HEAD", obstore.head, self.store, self.key), b""
             except Exception as e2:  # noqa: BLE001
                 raise self.s3.error(self.name, e2, "HEAD") from None
         self.requests += 1
@@ -278,7 +348,8 @@ class ObjectReader(RangedFile):
         if self.etag:
             options["if_match"] = self.etag
         try:
-            return bytes(obstore.get(self.store, self.key, options=options).bytes())
+            return call(self.name, f"GET bytes {offset}-{offset + n - 1}",
+                        lambda: bytes(obstore.get(self.store, self.key, options=options).bytes()))
         except Exception as e:  # noqa: BLE001
             raise self.s3.error(self.name, e, f"GET bytes {offset}-{offset + n - 1}") from None
 
@@ -425,10 +496,10 @@ class Writer:
         target = key if (overwrite or not multipart) else temp_key(key)
         try:
             if multipart:
-                res = obstore.put(store, target, iter(parts), use_multipart=True, chunk_size=parts.part,
+                res = call(url, "PUT", obstore.put, store, target, iter(parts), use_multipart=True, chunk_size=parts.part,
                                   max_concurrency=UPLOAD_CONCURRENCY)
             else:
-                res = obstore.put(store, target, b"".join(parts), mode="overwrite" if overwrite else "create",
+                res = call(url, "PUT", obstore.put, store, target, b"".join(parts), mode="overwrite" if overwrite else "create",
                                   use_multipart=False)
         except UsageError:
             raise
@@ -440,13 +511,13 @@ class Writer:
         if target != key:
             try:
                 try:
-                    obstore.copy(self._copy_store(split_url(url)[0]), target, key, overwrite=False)
+                    call(url, "COPY", obstore.copy, self._copy_store(split_url(url)[0]), target, key, overwrite=False)
                 except Exception as e:  # noqa: BLE001
                     raise self.s3.error(url, e, "COPY") from None
                 self._verify(store, key, url, size, parts.md5s, multipart, md5=False)
             finally:
                 try:
-                    obstore.delete(store, target)
+                    call(url, "DELETE", obstore.delete, store, target)
                 except Exception:  # noqa: BLE001 - a temporary key left behind is named by listings as such
                     pass
             method = "multipart+copy"
@@ -455,7 +526,7 @@ class Writer:
     def _verify(self, store, key: str, url: str, size: int, md5s, multipart: bool, *, md5: bool = True) -> str | None:
         """The object's size checked against ``size``; with ``md5``, its ETag against the parts' MD5s."""
         try:
-            meta = obstore.head(store, key)
+            meta = call(url, "HEAD", obstore.head, store, key)
         except Exception as e:  # noqa: BLE001
             raise self.s3.error(url, e, "HEAD") from None
         if meta["size"] != size:
@@ -481,9 +552,9 @@ class Writer:
         store, dkey = self.s3.bucket(dst)
         try:
             if overwrite:
-                obstore.copy(store, skey, dkey, overwrite=True)
+                call(dst, "COPY", obstore.copy, store, skey, dkey, overwrite=True)
             else:
-                obstore.copy(self._copy_store(sb), skey, dkey, overwrite=False)
+                call(dst, "COPY", obstore.copy, self._copy_store(sb), skey, dkey, overwrite=False)
         except Exception as e:  # noqa: BLE001
             raise self.s3.error(dst, e, "COPY") from None
         return {"method": "server_copy", "checksum": None}
@@ -497,8 +568,9 @@ class Writer:
         options: dict = {"if_match": reader.etag} if reader.etag else {}
         done = 0
         try:
-            res = obstore.get(reader.store, reader.key, options=options)
-            for chunk in res.stream(min_chunk_size=PART_SIZE):
+            res = call(reader.name, "GET", obstore.get, reader.store, reader.key, options=options)
+            stream = iter(res.stream(min_chunk_size=PART_SIZE))
+            while (chunk := call(reader.name, "GET", next, stream, None)) is not None:
                 data = bytes(chunk)
                 done += len(data)
                 if progress:
