@@ -113,7 +113,7 @@ def rows_by_position(f, mem: Memory, version: int, rule: RotationRule | None, *,
                         if rec.el_size != ggml.BY_ID[rec.type].block_bytes or len(raw) % (rec.el_size * rec.n_embd):
                             raise Incomparable(f"{where}: {len(raw):,} bytes are not {rec.n_embd:,} rows of "
                                                f"{rec.el_size}-byte {ggml.type_name(rec.type)} elements")
-                        rows = tensors.dequantize(raw, rec.type, 1).reshape(rec.n_embd, -1).T[:k]
+                        rows = _finite(tensors.dequantize(raw, rec.type, 1).reshape(rec.n_embd, -1).T[:k], where)
                     else:
                         if not rec.row_size:
                             continue            # zero-width rows (lfm2's short convolutions): nothing to compare
@@ -146,7 +146,8 @@ def _readable(type_id: int, where: str) -> None:
 
 def _rows(raw: bytes, type_id: int, row_size: int, rot: int, where: str):
     """``raw``, whole rows of ``row_size`` bytes of ``type_id``, as float32 ``[rows, n]`` with the rotation
-    ``rot`` undone; :class:`Incomparable` when the record's own fields do not allow it."""
+    ``rot`` undone; :class:`Incomparable` when the record's own fields do not allow it, or a value is not
+    finite."""
     from slotctl import tensors
 
     _readable(type_id, where)
@@ -159,7 +160,14 @@ def _rows(raw: bytes, type_id: int, row_size: int, rot: int, where: str):
     if rot and (rot & (rot - 1) or n % rot):
         raise Incomparable(f"{where}: the rotation recorded ({rot:,}) does not split rows of {n:,} elements into "
                            f"groups of a power of two")
-    return tensors.rotate(tensors.dequantize(raw, type_id, n), rot)
+    return _finite(tensors.rotate(tensors.dequantize(raw, type_id, n), rot), where)
+
+
+def _finite(rows, where: str):
+    """``rows``, or :class:`Incomparable` when a value is NaN or infinite (no cosine says anything then)."""
+    if not np.isfinite(rows).all():
+        raise Incomparable(f"{where}: rows holding values that are not finite (NaN or infinity)")
+    return rows
 
 
 def _prefix(pos: np.ndarray, below: int | None) -> int:
@@ -319,7 +327,12 @@ def _candidate(path: str, model: str, draft: bool, n_tokens: int) -> Candidate:
     except Incomparable as e:
         cand.error = f"the file's rows cannot be compared: {e}"
         return cand
-    cand.layers = compare(mine, rows_by_position(cf, cmem, version, rule))
+    try:
+        theirs = rows_by_position(cf, cmem, version, rule)
+    except Incomparable as e:
+        cand.error = f"the candidate's rows cannot be compared: {e}"
+        return cand
+    cand.layers = compare(mine, theirs)
     if not cand.layers:
         cand.error = "no rows at the same positions to compare"
     return cand

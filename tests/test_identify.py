@@ -148,3 +148,19 @@ def test_a_record_of_zero_width_is_not_compared(tmp_path):
     t = identify(path, "-m", TARGET, "-m", DATA / "draft.gguf")["target"]
     assert t["best"] == str(TARGET)
     assert len(t["candidates"][0]["layers"]) == len(recs) - 1
+
+
+def test_rows_that_are_not_finite_are_a_reason(tmp_path):
+    """An f16 value of the first K record set to infinity (a fuzz finding: a numpy RuntimeWarning, then NaN
+    cosines): the candidate's reason, exit 1, strict JSON."""
+    raw = bytearray((DATA / "srv-np1.bin").read_bytes())
+    _, recs = _records(DATA / "srv-np1.bin")
+    raw[recs[0].data.offset:recs[0].data.offset + 2] = b"\x00\x7c"    # f16 +inf
+    path = tmp_path / "inf.bin"
+    path.write_bytes(bytes(raw))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = identify(path, "-m", TARGET, code=1)["target"]
+    assert "not finite" in t["candidates"][0]["error"] and t["candidates"][0]["score"] is None
