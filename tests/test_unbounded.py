@@ -246,3 +246,38 @@ def test_keep_honours_sigterm_while_a_read_is_in_flight(serve, tmp_path, what):
     assert proc.returncode == 0, err
     assert took < 15, took      # not --timeout 600
     assert out.splitlines()[-1].count('"stop"') == 1, out[-500:]
+
+
+# -- configuration files ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["/dev/zero", "fifo", "2 MB"])
+def test_aws_configuration_files_are_bounded(tmp_path, what):
+    """AWS_CONFIG_FILE / AWS_SHARED_CREDENTIALS_FILE: a regular file of at most 1 MiB, refused unread
+    otherwise (a FIFO hung, /dev/zero was a MemoryError)."""
+    pytest.importorskip("obstore")
+    path = what
+    if what == "fifo":
+        path = str(tmp_path / "fifo")
+        os.mkfifo(path)
+    elif what == "2 MB":
+        path = str(tmp_path / "config")
+        Path(path).write_text("[default]\n" + "#" * 2_000_000 + "\n")
+    for var in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        res = run(["inspect", "s3://bucket/x.bin"], env={**{k: "" for k in os.environ if k.startswith("AWS_")},
+                                                        var: path, "HOME": str(tmp_path)}, timeout=20)
+        line = one_error(res, "AWS configuration file")
+        assert ("not a regular file" in line) if what != "2 MB" else ("more than the 1,048,576" in line), line
+
+
+@pytest.mark.parametrize("what", ["/dev/zero", "fifo"])
+def test_a_prompt_file_that_never_ends_is_refused_unread(tmp_path, what):
+    """save --prompt-file: a FIFO hung, /dev/zero was a MemoryError; a regular file of at most 256 MiB only."""
+    path = what
+    if what == "fifo":
+        path = str(tmp_path / "fifo")
+        os.mkfifo(path)
+    res = run(["save", "-m", str(DATA / "target.gguf"), "--prompt-file", path, "-o", str(tmp_path / "x.bin")],
+              timeout=60)
+    assert "not a regular file" in one_error(res)
+    assert not (tmp_path / "x.bin").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -133,18 +134,30 @@ def check_file(path) -> None:
     check_readable(path)
 
 
+#: the most bytes of a prompt read from a file or standard input (2^24 tokens, the most a context holds, are
+#: about 64 MiB of text)
+PROMPT_MAX_BYTES = 256 << 20
+
+
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     """The prompt text from --prompt, --prompt-file F or --prompt-file - (stdin), exactly as given."""
     if (prompt is None) == (prompt_file is None):
         raise UsageError("give the prompt with exactly one of --prompt TEXT and --prompt-file FILE (- for stdin)")
     if prompt is not None:
         return prompt
-    if str(prompt_file) == "-":
-        return typer.get_text_stream("stdin").read()
+    if str(prompt_file) == "-":     # bounded: a stream that never ends is refused at the cap
+        raw = sys.stdin.buffer.read(PROMPT_MAX_BYTES + 1)
+        if len(raw) > PROMPT_MAX_BYTES:
+            raise UsageError(f"--prompt-file -: more than {PROMPT_MAX_BYTES:,} bytes", code="too_large")
+        where = "standard input"
+    else:     # a regular file of at most the cap (a FIFO or a device is refused unread)
+        from slotctl.paths import read_bounded
+
+        raw, where = read_bounded(prompt_file, PROMPT_MAX_BYTES, what="--prompt-file "), str(prompt_file)
     try:
-        return prompt_file.read_text(encoding="utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UsageError(f"{prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise UsageError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 @contextlib.contextmanager
