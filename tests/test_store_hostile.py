@@ -216,3 +216,35 @@ def test_through_a_proxy_that_passes_everything_the_commands_work(objects, tmp_p
     finally:
         proxy.close()
     assert (tmp_path / "a.bin").read_bytes() == SLOT.read_bytes()
+
+
+def test_a_long_running_process_tries_the_store_again(objects, monkeypatch):
+    """keep's store: a store that stopped answering stops that run (every request refused at once with the
+    first error), and the next run (keep's next tick: ObjectStore.again) tries it again."""
+    from slotctl.errors import StoreDown
+    from slotctl.fleet.states import ObjectStore
+    from slotctl.store.s3 import S3_STORE
+
+    srv, prefix = objects
+    proxy = Proxy(srv.s3_port, "pass")
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    for k, v in {**srv.env(), "HOME": str(srv.dir), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"}.items():
+        monkeypatch.setenv(k, v)
+    S3_STORE.reset()
+    try:
+        store = ObjectStore(prefix)
+        assert store.has("a.bin")
+        proxy.mode, proxy.after = "reset", proxy.requests
+        with pytest.raises(StoreDown):
+            store.has("b.bin")
+        proxy.mode = "pass"
+        t0 = time.monotonic()
+        with pytest.raises(StoreDown):      # refused at once, without a request
+            store.has("c.bin")
+        assert time.monotonic() - t0 < 0.5
+        store.again()
+        assert store.has("c.bin")
+    finally:
+        proxy.close()
+        S3_STORE.reset()

@@ -140,6 +140,7 @@ class Keeper:
         return 0
 
     def tick(self) -> None:
+        self.store.again()
         try:
             http.get_health(self.url, api_key=self.api_key, timeout=min(self.timeout, HEALTH_TIMEOUT))
             facts = http.server_facts(self.url, api_key=self.api_key, timeout=self.timeout)

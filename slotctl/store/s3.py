@@ -107,6 +107,12 @@ def set_deadline(seconds: float | None) -> None:
     _deadline = None if seconds is None else time.monotonic() + seconds
 
 
+def forget_down() -> None:
+    """Try the store again: a long-running process (``keep``) starts each of its runs afresh."""
+    global _down
+    _down = None
+
+
 def _stopped(message: str) -> StoreDown:
     global _down
     if _down is None:
@@ -181,8 +187,7 @@ class S3:
         self._stores.clear()
         self._heads.clear()
         self._head_bytes = 0
-        global _down
-        _down = None
+        forget_down()
         set_deadline(None)
 
     def bucket(self, url: str) -> tuple[S3Store, str]:
