@@ -76,7 +76,10 @@ EXTREMES = (0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, (1 << 63) - 1, (1 << 64) -
 
 
 def apply(data: bytes, kind: str, pos: int, arg: int) -> bytes:
-    """``data`` with one mutation at ``pos`` (clamped into the file); ``arg`` is the kind's parameter."""
+    """``data`` with one mutation at ``pos`` (clamped into the file); ``arg`` is the kind's parameter. An empty
+    ``data`` (an earlier mutation cut everything) stays empty."""
+    if not data:
+        return data
     pos = max(0, min(pos, len(data) - 1))
     b = bytearray(data)
     if kind == "truncate":

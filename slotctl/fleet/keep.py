@@ -144,9 +144,9 @@ class Keeper:
         try:
             http.get_health(self.url, api_key=self.api_key, timeout=min(self.timeout, HEALTH_TIMEOUT))
             facts = http.server_facts(self.url, api_key=self.api_key, timeout=self.timeout)
+        except http.CutOff:     # by stop(): the server's state is not known to have changed
+            return
         except (http.ServerUnreachable, http.ServerRefused) as e:
-            if self._stop.is_set():     # cut off by stop(): the server's state is not known to have changed
-                return
             if self.up is not False:
                 self._event("down", None, f"the server does not answer: {e}")
             self.up = False
@@ -247,7 +247,15 @@ class Keeper:
             self._event("unchanged", slot, f"slot {slot}: {name} is already in the store (the same tokens)",
                         name=name)
             return
-        self.store.put(path, name)
+        try:
+            self.store.put(path, name)
+        except SlotctlError as e:
+            if getattr(e, "code", None) != "exists":
+                raise
+            # another keeper of the same server stored the same state between the look and the copy
+            self._event("unchanged", slot, f"slot {slot}: {name} is already in the store (the same tokens)",
+                        name=name)
+            return
         where = self.store.where(name)
         self._event("stored", slot, f"slot {slot}: stored as {where} ({sf.size:,} bytes, {n:,} tokens)",
                     name=name, path=where, size=sf.size, n_tokens=n)

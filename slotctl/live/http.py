@@ -74,6 +74,10 @@ class ServerUnreachable(ServerError):
     exit_status = ExitStatus.USAGE
 
 
+class CutOff(ServerUnreachable):
+    """A read cut off because the process is stopping (:func:`cut_off_reads`), not for anything the server did."""
+
+
 class ServerAnswerError(ServerUnreachable):
     """The server answered, but not with what a llama-server answers there (a wrong shape or type)."""
 
@@ -389,7 +393,7 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
         raise ProxyRefused(f"{what}: {e}") from None
     except BaseException as e:
         if stopped.is_set():
-            raise ServerUnreachable(f"{what}: cut off: stopping") from None
+            raise CutOff(f"{what}: cut off: stopping") from None
         if expired.is_set() or isinstance(e, (TimeoutError, socket.timeout)):
             raise ServerUnreachable(f"{what}: no answer within {timeout:g} s (--timeout bounds the "
                                     f"whole request{', the proxy included' if route.proxy else ''})"
