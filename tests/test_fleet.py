@@ -468,7 +468,8 @@ def test_two_keepers_of_one_server_never_share_a_working_file(kept, tmp_path):
         k.wait_for("stop", timeout=10)      # every line read
         bad = [e for e in k.seen if e["event"] == "error" or "not stored" in e["message"]]   # none half-written
         assert not bad, bad
-    assert not list(kept.save_dir.glob(INCOMING_GLOB))
+    pids = {str(k.proc.pid) for k in keepers}
+    assert not [p for p in kept.save_dir.glob(INCOMING_GLOB) if p.name.split("-")[3] in pids]
     for p in store.iterdir():
         assert not open_slot_file(p).errors, p.name
 
@@ -608,3 +609,23 @@ def test_an_s3_store_is_held_under_max_size_by_prunes_rules(seaweed, monkeypatch
     assert left == ["keep-slot0-incoming-7-0a0b0c0d.bin", "slot0-c.bin"]
     assert bytes(obstore.get(seaweed.client(), "budget/slot0-c.bin").bytes()) == data
     S3_STORE.reset()
+
+
+def test_keep_removes_the_working_files_of_keepers_that_are_gone(tmp_path):
+    """A keep SIGKILLed mid-save leaves its private working file; a keep starting removes those of processes that
+    are gone and untouched for an hour, and nothing else (a live keeper's, a recent one, any other file)."""
+    from slotctl.fleet.keep import ORPHAN_AGE, Keeper
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old = time.time() - ORPHAN_AGE - 60
+    names = {"gone-old": f"keep-slot0-incoming-{dead.pid}-0a0b0c0d.bin", "gone-new": f"keep-slot1-incoming-{dead.pid}-1a1b1c1d.bin",
+             "alive": f"keep-slot0-incoming-{os.getppid()}-2a2b2c2d.bin", "other": "slot0-x.bin"}
+    for key, name in names.items():
+        (tmp_path / name).write_bytes(b"x")
+        if key != "gone-new":
+            os.utime(tmp_path / name, (old, old))
+    seen = []
+    Keeper("http://127.0.0.1:9", tmp_path, emit=seen.append).sweep()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for k, n in names.items() if k != "gone-old")
+    assert [e.event for e in seen] == ["pruned"] and names["gone-old"] in seen[0].message

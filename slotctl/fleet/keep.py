@@ -48,6 +48,8 @@ from slotctl.live.prove import local_setup, prove
 INCOMING = "keep-slot{slot}-incoming-{pid}-{nonce}.bin"
 #: every keep's working files, whatever their process (prune never touches them)
 INCOMING_GLOB = "keep-slot*-incoming*.bin"
+#: seconds a working file of a keep process that is gone stays untouched before keep removes it at its start
+ORPHAN_AGE = 3600.0
 #: seconds a health check may take (a server that does not answer that fast is taken as down)
 HEALTH_TIMEOUT = 10.0
 
@@ -131,6 +133,7 @@ class Keeper:
         """Tick every ``every`` seconds until :meth:`stop`; then a last save of the changed slots. 0."""
         self._event("start", None, f"keeping {self.url}: slot dir {self.slot_dir}, store {self.store}, every "
                                    f"{self.every:g} s", every=self.every, store=str(self.store))
+        self.sweep()
         while not self._stop.is_set():
             self.tick()
             self._stop.wait(self.every)
@@ -138,6 +141,35 @@ class Keeper:
             self.save_changed()
         self._event("stop", None, "stopped: the last save of the changed slots is done")
         return 0
+
+    def sweep(self, now: float | None = None) -> None:
+        """Remove the working files of keep processes that are gone (killed: SIGKILL leaves no way to clean
+        up) and untouched for :data:`ORPHAN_AGE` seconds: the pid in the name is no process of this machine.
+        A keeper on another machine sharing the directory keeps its own, being recent."""
+        import re
+
+        now = time.time() if now is None else now
+        for p in self.slot_dir.glob(INCOMING_GLOB):
+            m = re.fullmatch(r"keep-slot\d+-incoming-(\d+)-[0-9a-f]+\.bin", p.name)
+            if m is None or int(m.group(1)) == os.getpid():
+                continue
+            try:
+                os.kill(int(m.group(1)), 0)
+                continue                        # its keeper is alive
+            except ProcessLookupError:
+                pass
+            except (PermissionError, OverflowError):
+                continue
+            try:
+                st = p.stat()
+                if now - st.st_mtime < ORPHAN_AGE:
+                    continue
+                p.unlink()
+            except OSError:
+                continue
+            self._event("pruned", None, f"{p}: deleted (the working file of keep process {m.group(1)}, which is "
+                                        f"gone), {st.st_size:,} bytes", path=str(p), size=st.st_size,
+                        action="deleted")
 
     def tick(self) -> None:
         self.store.again()
