@@ -83,6 +83,7 @@ def rows_by_position(f, mem: Memory, version: int, rule: RotationRule | None, *,
     rotated). Only the first stream with cells of a KV section is read (a slot's state). ``below``: only
     the cells before the last one at a position below it are read (the rows are stored in cell order)."""
     from slotctl import tensors
+    from slotctl.format.records import row_elements
 
     out: dict = {}
     for si, (sl, sec) in enumerate(zip(mem.layout.sections, mem.sections)):
@@ -106,18 +107,19 @@ def rows_by_position(f, mem: Memory, version: int, rule: RotationRule | None, *,
                 for i, rec in enumerate(recs):
                     where = f"{sl.role} {tensor} record {i}"
                     if hasattr(rec, "el_size"):   # V element-major: [n_embd][cells]
-                        if not rec.n_embd:
+                        if not row_elements(rec, "memory"):
                             continue            # no rows to compare
                         raw = _read(f, rec.data)
                         _readable(rec.type, where)
-                        if rec.el_size != ggml.BY_ID[rec.type].block_bytes or len(raw) % (rec.el_size * rec.n_embd):
+                        if len(raw) % (rec.el_size * rec.n_embd):
                             raise Incomparable(f"{where}: {len(raw):,} bytes are not {rec.n_embd:,} rows of "
                                                f"{rec.el_size}-byte {ggml.type_name(rec.type)} elements")
                         rows = _finite(tensors.dequantize(raw, rec.type, 1).reshape(rec.n_embd, -1).T[:k], where)
                     else:
-                        if not rec.row_size:
+                        n = row_elements(rec, "memory")
+                        if not n:
                             continue            # zero-width rows (lfm2's short convolutions): nothing to compare
-                        rows = _rows(_read(f, rec.data, k * rec.row_size), rec.type, rec.row_size, rot, where)
+                        rows = _rows(_read(f, rec.data, k * rec.row_size), rec.type, n, rot, where)
                     out[(si, sl.role, i, tensor)] = (pos, rows)
         else:
             if not sec.cell_count:
@@ -125,16 +127,20 @@ def rows_by_position(f, mem: Memory, version: int, rule: RotationRule | None, *,
             pos = np.asarray(sec.cells.pos, dtype=np.int64)
             for tensor, recs in (("r", sec.r), ("s", sec.s)):
                 for i, rec in enumerate(recs):
-                    if hasattr(rec, "el_size") or not rec.row_size:
+                    if hasattr(rec, "el_size"):
                         continue
-                    out[(si, sl.role, i, tensor)] = (pos, _rows(_read(f, rec.data), rec.type, rec.row_size, 0,
+                    n = row_elements(rec, "memory")
+                    if not n:         # zero-width rows (lfm2's s): nothing to compare
+                        continue
+                    out[(si, sl.role, i, tensor)] = (pos, _rows(_read(f, rec.data), rec.type, n, 0,
                                                                 f"{sl.role} {tensor} record {i}"))
     return out
 
 
 class Incomparable(ValueError):
     """Rows of a file that cannot be turned into numbers as they claim (a rotation group wider than the row,
-    a row size that is not whole blocks of its type, a type without numbers): the candidate's reason."""
+    bytes that are not whole rows, a type without numbers, values that are not finite): the candidate's
+    reason. A width that is no whole blocks is format.records.row_elements' FormatError."""
 
 
 def _readable(type_id: int, where: str) -> None:
@@ -144,17 +150,14 @@ def _readable(type_id: int, where: str) -> None:
         raise Incomparable(f"{where}: rows of type {type_id} cannot be read as numbers")
 
 
-def _rows(raw: bytes, type_id: int, row_size: int, rot: int, where: str):
-    """``raw``, whole rows of ``row_size`` bytes of ``type_id``, as float32 ``[rows, n]`` with the rotation
-    ``rot`` undone; :class:`Incomparable` when the record's own fields do not allow it, or a value is not
-    finite."""
+def _rows(raw: bytes, type_id: int, n: int, rot: int, where: str):
+    """``raw``, whole rows of ``n`` elements of ``type_id`` (their width checked by
+    :func:`slotctl.format.records.row_elements`), as float32 ``[rows, n]`` with the rotation ``rot`` undone;
+    :class:`Incomparable` when the record's own fields do not allow it, or a value is not finite."""
     from slotctl import tensors
 
     _readable(type_id, where)
-    t = ggml.BY_ID[type_id]
-    n = tensors.row_elements(type_id, row_size)
-    if not n or t.row_size(n) != row_size:
-        raise Incomparable(f"{where}: a row of {row_size:,} bytes is not whole {t.name} blocks")
+    row_size = ggml.BY_ID[type_id].row_size(n)
     if len(raw) % row_size:
         raise Incomparable(f"{where}: {len(raw):,} bytes are not whole rows of {row_size:,}")
     if rot and (rot & (rot - 1) or n % rot):
@@ -327,9 +330,12 @@ def _candidate(path: str, model: str, draft: bool, n_tokens: int) -> Candidate:
     except Incomparable as e:
         cand.error = f"the file's rows cannot be compared: {e}"
         return cand
+    except SlotctlError as e:      # a record whose sizes hold no whole rows (format.records.row_elements)
+        cand.error = f"the file's rows cannot be read: {e}"
+        return cand
     try:
         theirs = rows_by_position(cf, cmem, version, rule)
-    except Incomparable as e:
+    except (Incomparable, SlotctlError) as e:
         cand.error = f"the candidate's rows cannot be compared: {e}"
         return cand
     cand.layers = compare(mine, theirs)

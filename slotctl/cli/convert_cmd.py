@@ -103,13 +103,14 @@ def convert(
 
 
 def _is_container(p) -> bool:
-    """A directory, or an s3:// prefix (ending with /, or naming no object)."""
+    """A directory, or an s3:// prefix with objects under it. Nothing at all under a URL is no container:
+    it is taken as the object it names, whose open says "no such object" (as inspect says of it)."""
     from slotctl.sources import list_prefix, remote_url
 
     url = remote_url(p)
     if url is None:
         return os.path.isdir(p)
-    return list_prefix(url) is not None
+    return bool(list_prefix(url))
 
 
 def _check_output(output, *, force: bool, follow_symlinks: bool, dry_run: bool) -> None:
