@@ -71,7 +71,9 @@ def use_store(values) -> None:
     if importlib.util.find_spec("obstore") is None:
         raise UsageError("s3:// paths need obstore, which is not installed: pip install 'slotctl[s3]'",
                          code="store_missing")
-    import slotctl.store.s3  # noqa: F401 - registers the s3 scheme with slotctl.sources
+    import slotctl.store.s3  # registers the s3 scheme with slotctl.sources
+
+    slotctl.store.s3.start_run()    # a command run in-process after another (the demo, tests) starts afresh
 
 
 def llama_available() -> bool:

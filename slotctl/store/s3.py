@@ -109,6 +109,12 @@ def set_deadline(seconds: float | None) -> None:
     _deadline = None if seconds is None else time.monotonic() + seconds
 
 
+def start_run() -> None:
+    """A command starts: no deadline yet (``--timeout`` sets one) and the store not known to be down."""
+    forget_down()
+    set_deadline(None)
+
+
 def forget_down() -> None:
     """Try the store again: a long-running process (``keep``) starts each of its runs afresh."""
     global _down
