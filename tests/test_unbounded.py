@@ -203,18 +203,12 @@ def test_stdin_within_the_bound_is_read(tmp_path):
 def test_keep_honours_sigterm_while_a_read_is_in_flight(serve, tmp_path, what):
     """keep --timeout 600 against a server whose /slots drips a byte every 0.2 s (or answers 63 MiB of
     escapes, 20.8 s to honour SIGTERM before the answer bound): SIGTERM cuts the read off, exit 0 at once."""
-    from test_hostile_server import GOOD_PROPS, send_json
+    from test_hostile_server import GOOD_PROPS, drip_body, send_json
 
     def answer(h):
         if h.path.startswith("/slots"):
             if what == "drip":
-                h.send_response(200)
-                h.send_header("Content-Length", "100000")
-                h.end_headers()
-                for _ in range(3000):
-                    h.wfile.write(b" ")
-                    h.wfile.flush()
-                    time.sleep(0.2)
+                drip_body(h)        # a byte every 0.2 s for 120 s
             else:
                 body = b'"' + b"\\u00e9" * ((63 << 20) // 6) + b'"'
                 h.send_response(200)
