@@ -427,7 +427,9 @@ def test_keep_killed_mid_copy_leaves_the_store_consistent(kept, tmp_path):
     # every file of the store is whole: a state under its final name, or a temporary file prune and ls skip
     for p in store.iterdir():
         if p.name.startswith("."):
-            assert ".slotctl-" in p.name and p.name.endswith(".tmp"), p.name
+            # a temporary file, or the keeper's lock and journal (slotctl.unattended.lock)
+            assert (".slotctl-" in p.name and p.name.endswith(".tmp")
+                    or re.fullmatch(r"\.slotctl-keep-[0-9a-f]{12}\.(lock|json)", p.name)), p.name
             continue
         sf = open_slot_file(p)
         assert not sf.errors, (p.name, sf.errors)
@@ -448,12 +450,13 @@ def test_keep_killed_mid_copy_leaves_the_store_consistent(kept, tmp_path):
 
 @server
 def test_two_keepers_of_one_server_never_share_a_working_file(kept, tmp_path):
-    """Two keep processes on one server and one store (the lock of "Running unattended" prevents it; the
-    working file is private anyway): each saves under its own name, none renames or reads the other's,
-    nothing half-written is skipped as damaged, and no working file stays."""
-    store = tmp_path / "store"
-    store.mkdir()
-    keepers = [Keep(kept, store, "--every", "0.1") for _ in range(2)]
+    """Two keep processes on one server, each with its own store (the lock refuses two on one store): both
+    have the server save into its one --slot-save-path, each under its own name, none renames or reads the
+    other's, nothing half-written is skipped as damaged, and no working file stays."""
+    stores = [tmp_path / "store-a", tmp_path / "store-b"]
+    for store in stores:
+        store.mkdir()
+    keepers = [Keep(kept, store, "--every", "0.1") for store in stores]
     try:
         for k in keepers:
             k.wait_for("up")
@@ -470,8 +473,11 @@ def test_two_keepers_of_one_server_never_share_a_working_file(kept, tmp_path):
         assert not bad, bad
     pids = {str(k.proc.pid) for k in keepers}
     assert not [p for p in kept.save_dir.glob(INCOMING_GLOB) if p.name.split("-")[3] in pids]
-    for p in store.iterdir():
-        assert not open_slot_file(p).errors, p.name
+    for store in stores:
+        states = [p for p in store.iterdir() if p.name.endswith(".bin")]
+        assert states
+        for p in states:
+            assert not open_slot_file(p).errors, p.name
 
 
 @server

@@ -292,6 +292,10 @@ _SERVER_OPTIONS: dict[str, tuple[type, dict]] = {
     "checkpoint_min_step": (int, dict(min=0, metavar="N", help="The server's least spacing of the checkpoints it "
                                                                "takes, in tokens.")),
     "spec_draft_n_max": (int, dict(min=0, metavar="N", help="Tokens the draft proposes per step (restore).")),
+    "spec_type": (Optional[str], dict(metavar="TYPES", help="Speculative types, comma-separated (draft-simple, "
+                                      "draft-eagle3, draft-mtp, ngram-mod, ...; default none). With -md and "
+                                      "none of them the server loads the draft model and builds no draft "
+                                      "context (only MTP heads, dflash and dspark are inferred from the GGUF).")),
     "threads": (int, dict(min=0, metavar="N", help="CPU threads; 0 = every core. Speed only: nothing saved "
                                                    "depends on it.")),
 }

@@ -33,6 +33,10 @@ ApiKeyOpt = Annotated[Optional[str], typer.Option("--api-key", envvar=server_api
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
                                            help="Give up on a request after this many seconds.")]
 ServerSlotOpt = Annotated[int, typer.Option("--slot", min=0, help="The slot id (0, 1, ...).")]
+#: keep and slots: a TOML configuration file (slotctl.unattended.config)
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", dir_okay=False, metavar="FILE",
+                                                  help="A TOML configuration file (docs/fleet.md); flags given here "
+                                                       "override it.")]
 
 # ... and their forms for commands that also work without a server (save, restore, validate)
 

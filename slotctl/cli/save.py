@@ -121,6 +121,11 @@ def save(
     from slotctl.server.requests import request_refusal
 
     configure_logging(verbose)
+    from slotctl.server.speculative import runtime_draft_model
+
+    draft_model, no_draft = runtime_draft_model(flags.spec_type, model, draft_model)
+    if no_draft:
+        out.note(no_draft)
     t0 = time.perf_counter()
     try:
         with out.progress("loading models", total=1000) as update:
