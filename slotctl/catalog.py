@@ -55,7 +55,7 @@ def _draft_size(sf) -> int:
     return n
 
 
-def _row_from(path: str, st, sf, report, now: float) -> dict:
+def _row_from(path: str, st, sf, report, now: float, standing=None) -> dict:
     tokens = sf.tokens.n_tokens if sf.tokens is not None and sf.tokens.error is None else None
     kind = sf.target.layout.kind if sf.target is not None else None
     checkpoints = [{"n_tokens": c.n_tokens, "pos_min": c.pos_min, "pos_max": c.pos_max,
@@ -84,6 +84,9 @@ def _row_from(path: str, st, sf, report, now: float) -> dict:
     }
     if report.verdict == "undecided" and sf.payload_cut:
         row["payload_cut"] = True    # refused or aborts, whichever: broken (ls/prune --broken)
+    if standing is not None:         # slotctl.validate.classes: broken, mismatch, useless, ok, undecided
+        row["class"] = str(standing.file_class)
+        row["remedy"] = standing.remedy
     if sf.damaged:
         row["error"] = {"code": "damaged", "message": sf.errors[0].one_line()}
     elif report.verdict in BROKEN_VERDICTS:
@@ -111,7 +114,8 @@ def _unreadable(path: str, e: Exception, st) -> dict:
             "atime": iso_time(st.used) if st and st.used is not None else None,
             "age_seconds": None, "state_version": None, "n_tokens": None, "memory_kind": None, "checkpoints": [],
             "draft_size": 0, "damaged": False, "verdict": "unreadable", "certain": True, "uncertain": [], "reuse": None,
-            "findings": [], "exit_code": int(ExitStatus.USAGE), "error": {"code": code, "message": message}}
+            "findings": [], "class": "broken", "remedy": None, "exit_code": int(ExitStatus.USAGE),
+            "error": {"code": code, "message": message}}
 
 
 class _Worker:
@@ -131,6 +135,7 @@ class _Worker:
         from slotctl.errors import StoreDown, UsageError
         from slotctl.sources import Entry, open_input, remote_url
         from slotctl.validate import validate_file
+        from slotctl.validate.classes import classify
 
         st = None
         try:
@@ -142,11 +147,12 @@ class _Worker:
                 s = os.stat(path)     # before reading: the access time as the server left it
                 st = Entry(path, s.st_size, s.st_mtime, None, s.st_atime)
                 report = validate_file(path, self.setup, self.models, self.checker)
+            standing = classify(report, self.setup)
         except StoreDown:       # the store stopped answering: the run stops, not row after row
             raise
         except (OSError, UsageError) as e:
             return _unreadable(path, e, st)
-        return _row_from(path, st, report.slot_file, report, now)
+        return _row_from(path, st, report.slot_file, report, now, standing)
 
     def close(self) -> None:
         if self.checker is not None:
@@ -211,8 +217,23 @@ def _remote_rows(paths: list[str], request: Request, now: float) -> Iterator[dic
 
 
 def is_broken(row: dict) -> bool:
-    """Whether the server refuses or aborts on the file of ``row`` (a payload cut short: one or the other)."""
+    """Whether the server refuses or aborts on the file of ``row`` whatever its flags: damage in the file
+    itself (:mod:`slotctl.validate.classes`; a payload cut short: one or the other)."""
+    if "class" in row:
+        return row["class"] == "broken"
     return row["verdict"] in BROKEN_VERDICTS or row.get("payload_cut", False)
+
+
+def is_mismatched(row: dict) -> bool:
+    """Whether the file of ``row`` is refused only by the flags or the model given (it restores in a server
+    started as it was saved): ``ls --mismatched``, ``prune --mismatched``."""
+    return row.get("class") == "mismatch"
+
+
+def is_useless(row: dict) -> bool:
+    """Whether the server restores the file of ``row`` but reuses none of it: ``ls --useless``,
+    ``prune --useless``."""
+    return row.get("class") == "useless"
 
 
 def is_undecided(row: dict) -> bool:

@@ -41,7 +41,8 @@ from slotctl.format.memory import MemoryLayout, candidate_layouts
 from slotctl.format.recurrent import records_fit, recurrent_head
 from slotctl.paths import STDIN, directory_files
 from slotctl.format.ahead import prefetch
-from slotctl.sources import first_bytes, input_size, list_prefix, open_input, raise_failure, ranged_view, remote_url
+from slotctl.sources import (first_bytes, input_size, list_prefix, open_input, prefix_exists, raise_failure,
+                             ranged_view, remote_url, sub_prefixes)
 
 SCAN_CHUNK = 1 << 20
 #: how far from the end of the file an appendix chain is looked for when the payload cannot be located
@@ -86,6 +87,27 @@ class Memory:
     @property
     def size(self) -> int:
         return self.end - self.offset
+
+
+def memory_flags(mem: Memory) -> tuple[str, str, str, int]:
+    """The server flags a memory was written with, as far as its bytes say: the K and V cache types and the
+    flash-attention setting (``-ctk``, ``-ctv``, ``-fa`` "on"/"off": V rows transposed without it) of its
+    first KV stream with cells, and its KV stream count (one per slot, or 1 with ``-kvu``); f16, "on" and 1
+    where it holds no KV rows (a recurrent state). ``identify`` and validate's file classes read it."""
+    from slotctl.format import ggml
+
+    n_stream = next((len(sec.streams) for sec in mem.sections if sec.type == "kv"), 1)
+    for sec in mem.sections:
+        if sec.type != "kv":
+            continue
+        st = next((s for s in sec.streams if s.cell_count), None)
+        if st is None:
+            continue
+        d = st.data
+        tk = ggml.type_name(d.k[0].type) if len(d.k) else "f16"
+        tv = ggml.type_name(d.v[0].type) if len(d.v) else tk
+        return tk, tv, "off" if d.v_trans else "on", n_stream
+    return "f16", "f16", "on", n_stream
 
 
 @dataclass
@@ -790,6 +812,8 @@ class Expansion:
     files: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     links: list[str] = field(default_factory=list)
+    #: the sub-prefixes of an ``s3://`` prefix given (its "subdirectories"): named, not read
+    prefixes: list[str] = field(default_factory=list)
 
 
 #: the ending of a file name that makes a directory entry a slot file whatever its first bytes: the name
@@ -844,9 +868,14 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
         url = remote_url(p)
         if url is not None:
             entries = list_prefix(url)
-            if entries is None or (not entries and not url.endswith("/")):
-                add(url)   # an object; or nothing there: the command says "no such object"
+            if entries is None:
+                add(url)   # an object
                 continue
+            subs = sub_prefixes(url)
+            if not entries and not subs and not (url.endswith("/") and prefix_exists(url)):
+                add(url)   # nothing there at all: the command says "no such object" (as of a missing directory)
+                continue
+            out.prefixes += subs     # a prefix that is there behaves as a directory: empty, it holds 0 files
             entries = [e for e in entries if e.path not in seen]
             for e, head in zip(entries, first_bytes([e.path for e in entries])):
                 if is_slot_entry(e.path.rstrip("/").rsplit("/", 1)[-1], head):

@@ -11,7 +11,7 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import JsonOpt
+from slotctl.cli.options import ArgsCommand, JsonOpt
 from slotctl.cli.output import Output
 from slotctl.errors import SlotctlError, UsageError
 
@@ -20,11 +20,12 @@ _STYLE = {"stored": "green", "restored": "green", "proof": "green", "down": "yel
 
 
 def register(app: typer.Typer) -> None:
-    app.command("keep")(keep)
+    app.command("keep", cls=ArgsCommand)(keep)
 
 
 @handle_errors
 def keep(
+    ctx: typer.Context,
     server: Annotated[Optional[str], typer.Option("--server", metavar="URL", help="The llama-server's base URL, "
                                                   "e.g. http://127.0.0.1:8080 (or the configuration's).")] = None,
     slot_dir: Annotated[Optional[Path], typer.Option("--slot-dir", file_okay=False, metavar="DIR",
@@ -55,6 +56,16 @@ def keep(
                                            "state the store does not have (llama-swap's cmdStop).")] = False,
     restore_all: Annotated[bool, typer.Option("--restore-all", help="One pass, then exit: restore (and prove) "
                                               "every empty slot from the store.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Restore a stored state even when validate says the "
+                                        "server now running refuses it or aborts on it.")] = False,
+    kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The server runs with -kvu (not "
+                                             "reported by the server): stored states are converted for it.")] = False,
+    cache_type_k: Annotated[Optional[str], typer.Option("--cache-type-k", "-ctk", help="The server's -ctk (not "
+                                                        "reported; default f16).")] = None,
+    cache_type_v: Annotated[Optional[str], typer.Option("--cache-type-v", "-ctv", help="The server's -ctv (not "
+                                                        "reported; default f16).")] = None,
+    allow_lossy: Annotated[bool, typer.Option("--allow-lossy", help="Re-encode a stored state's cache rows when "
+                                              "the server's cache types changed (lossy).")] = False,
     api_key: remote.ApiKeyOpt = None,
     timeout: Annotated[Optional[float], typer.Option("--timeout", min=0.001, max=86400.0, metavar="SECONDS",
                                                      help="Give up on a request after this many seconds "
@@ -68,7 +79,10 @@ def keep(
     last task changed is saved by the server, checked, and copied into the store (one file per state,
     named by slot, model and a hash of its tokens); the store is kept under --max-size by prune's
     rules; when the server comes back after being down, or runs another model, every empty slot gets
-    the newest state that validates for it, restored and proven (restore --prove). One keeper per
+    the newest state that validates for it (one the server would refuse or abort on is skipped, saying
+    why, unless --force), converted first when the server's -np, -kvu or cache types changed since it
+    was saved (as migrate converts: lossy re-encoding only with --allow-lossy), restored and proven
+    (restore --prove's policy). One keeper per
     server and store: a second one is refused (a flock in a directory store, a lease object in
     s3://). One log line per action; --json: one JSON line each. SIGTERM or SIGINT: a last save of
     the changed slots, exit 0. Under systemd (Type=notify): READY=1, WATCHDOG=1, STOPPING=1.
@@ -140,8 +154,14 @@ def keep(
         line.append(f" {remote._plain(ev.message)}")
         out.err.print(line)
 
+    from slotctl.server.flags import ServerFlags
+
+    given = remote.given_params(ctx) & {"kv_unified", "cache_type_k", "cache_type_v"}
+    flags = ServerFlags(kv_unified=kv_unified, cache_type_k=cache_type_k or ServerFlags().cache_type_k,
+                        cache_type_v=cache_type_v or ServerFlags().cache_type_v)
     keeper = Keeper(server, slot_dir, store, every=every, min_tokens=min_tokens, max_size=size, api_key=api_key,
-                    timeout=timeout, emit=emit, retention=keep_newest, prove=prove_restores)
+                    timeout=timeout, emit=emit, retention=keep_newest, prove=prove_restores, force=force,
+                    flags=flags, given=frozenset(given), allow_lossy=allow_lossy)
 
     def count_store() -> None:
         try:

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import JsonOpt
+from slotctl.cli.options import ArgsCommand, JsonOpt
 from slotctl.cli.output import Output
 from slotctl.errors import UsageError
 from slotctl.cli.remote import ApiKeyOpt, ConfigOpt, ServerOpt, ServerSlotOpt, TimeoutOpt, _cell, _plain
@@ -23,8 +23,8 @@ from slotctl.live import http as server_api
 
 
 def register(app: typer.Typer) -> None:
-    app.command("slots")(slots)
-    app.command("erase")(erase)
+    app.command("slots", cls=ArgsCommand)(slots)
+    app.command("erase", cls=ArgsCommand)(erase)
 
 
 @handle_errors
