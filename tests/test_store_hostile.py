@@ -248,3 +248,14 @@ def test_a_long_running_process_tries_the_store_again(objects, monkeypatch):
     finally:
         proxy.close()
         S3_STORE.reset()
+
+
+def test_every_request_of_the_store_goes_through_its_deadline():
+    """Every obstore request in slotctl/store/s3.py is made through ``call`` (the deadline, the run-stopping
+    error): one made directly would hang a command past --timeout (a LIST added later did, for ls)."""
+    import re
+
+    text = (ROOT / "slotctl" / "store" / "s3.py").read_text()
+    direct = [m.group(0) for m in re.finditer(r"(?<!lambda: bytes\()obstore\.(get|head|put|copy|delete|list\w*)\(",
+                                              text)]
+    assert not direct, direct

@@ -292,7 +292,7 @@ class S3:
         if not prefix:
             return True      # the bucket itself
         try:
-            res = obstore.list_with_delimiter(store, prefix.rstrip("/"))
+            res = call(url, "LIST", obstore.list_with_delimiter, store, prefix.rstrip("/"))
         except Exception as e:  # noqa: BLE001
             raise self.error(url, e, "LIST") from None
         if any(m["path"] in (prefix, prefix.rstrip("/")) for m in res["objects"]):
@@ -306,7 +306,7 @@ class S3:
         bucket = split_url(url)[0]
         prefix = key if not key or key.endswith("/") else key + "/"
         try:
-            res = obstore.list_with_delimiter(store, prefix or None)
+            res = call(url, "LIST", obstore.list_with_delimiter, store, prefix or None)
         except Exception as e:  # noqa: BLE001
             raise self.error(url, e, "LIST") from None
         return sorted(join_url(bucket, p.rstrip("/") + "/") for p in res.get("common_prefixes") or ()
