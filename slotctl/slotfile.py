@@ -848,6 +848,10 @@ def is_slot_file(path: str) -> bool:
     return is_slot_entry(os.path.basename(path), head)
 
 
+#: the name of the catalog slotctl keeps beside a directory's slot files (``slotctl.catalog.Index``)
+CATALOG_FILE = ".slotctl-catalog.sqlite"
+
+
 def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> Expansion:
     """Each path given, and each directory's slot files (not recursive, sorted; see :class:`Expansion`).
 
@@ -891,6 +895,8 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
                 full = os.path.join(p, name)
                 if is_slot_file(full):
                     add(full)
+                elif name.startswith(CATALOG_FILE):
+                    continue     # slotctl's own catalog of the directory (and its -wal, -shm): not counted
                 elif os.path.realpath(full) not in seen:
                     out.skipped.append(full)
         else:

@@ -125,12 +125,7 @@ def keep(
         raise UsageError("--server: no URL given (nor a server in --config)")
     if slot_dir is None:
         raise UsageError("--slot-dir: no directory given (nor slot_dir in --config)")
-    if not slot_dir.is_dir():
-        raise UsageError(f"--slot-dir {slot_dir}: not a directory")
-    if store is not None and "://" in store and not store.startswith("s3://"):
-        raise UsageError(f"--store {store}: a directory or an s3://BUCKET/PREFIX/")
-    if store is not None and "://" not in store and not Path(store).is_dir():
-        raise UsageError(f"--store {store}: not a directory")
+    remote.check_slot_dir_and_store(slot_dir, store)
     use_store([store])
     size = None
     if max_size is not None:

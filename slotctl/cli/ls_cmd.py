@@ -73,6 +73,8 @@ def ls(
     timeout: remote.LiveTimeoutOpt = DEFAULT_TIMEOUT,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="Worker processes (default: the "
                                                 "CPUs, for more than a few dozen files).")] = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Read every file: do not use the catalog (the "
+                                           "rows of unchanged files kept beside the directory).")] = False,
     json_out: JsonOpt = False,
     jsonl: Annotated[bool, typer.Option("--jsonl", help="One JSON object per file and line, then a summary line.")
                      ] = False,
@@ -153,7 +155,7 @@ def ls(
     human = _Cells(show_reuse=model is not None, names=names) if not (json_out or jsonl) else None
     with out.progress("reading", total=len(files)) as update:
         def rows() -> Iterable[dict]:
-            for i, row in enumerate(catalog(files, request, processes=jobs), 1):
+            for i, row in enumerate(catalog(files, request, processes=jobs, index=not no_cache), 1):
                 update(i)
                 totals.seen(row)
                 if human is not None and row.get("error") and row.get("exit_code") == 2:

@@ -140,6 +140,17 @@ def require_local(ctx: typer.Context | None, command: str, *, store: bool = Fals
                              f"{command} --server URL --slot N NAME)")
 
 
+def check_slot_dir_and_store(slot_dir: Path, store: str | None) -> None:
+    """UsageError unless ``--slot-dir`` is a directory and ``--store`` a directory or an ``s3://`` prefix (keep,
+    serve)."""
+    if not slot_dir.is_dir():
+        raise UsageError(f"--slot-dir {slot_dir}: not a directory")
+    if store is not None and "://" in store and not store.startswith("s3://"):
+        raise UsageError(f"--store {store}: a directory or an s3://BUCKET/PREFIX/")
+    if store is not None and "://" not in store and not Path(store).is_dir():
+        raise UsageError(f"--store {store}: not a directory")
+
+
 def _plain(text: str) -> str:
     """Untrusted text for a rich ``Text`` (which reads no markup): control characters escaped only."""
     return escape_text(text, keep_newlines=False)
