@@ -6,8 +6,14 @@ too (``inspect -m``, ``validate -m``) and memory measured on every command. A fi
 undocumented exit code, a message that is not one line, a timeout or a memory bound broken) is printed
 with its seed and mutation and the file is kept in ``--keep``.
 
-Run: ``python fuzz/fuzz_slotfiles.py --seconds 600 [--seed N] [--keep DIR]``. Prints the number of files
-and command runs, the exit codes seen, the slowest command and the largest peak allocation.
+Every command runs in this process (typer's CliRunner), not one process per run. ``--identify`` adds
+``identify -m`` (real llama-cpp-python contexts); ``--store`` starts a SeaweedFS (tests/seaweed.py, on
+127.0.0.1) and runs each mutant as an ``s3://`` object too: inspect, validate, ls of its prefix, cp down;
+``--fast`` runs only the quick commands and measures memory on the first only (for runs of many mutants).
+
+Run: ``python fuzz/fuzz_slotfiles.py --seconds 600 [--seed N] [--keep DIR] [--identify] [--store] [--fast]
+[--mutants N]``. Prints the number of files and command runs, the exit codes seen, the slowest command and the
+largest peak allocation, and the rate.
 """
 
 from __future__ import annotations
@@ -34,7 +40,13 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=600)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--keep", default="fuzz-findings")
+    ap.add_argument("--identify", action="store_true", help="identify -m too (llama-cpp-python)")
+    ap.add_argument("--store", action="store_true", help="each mutant as an s3:// object too (SeaweedFS)")
+    ap.add_argument("--fast", action="store_true", help="the quick commands only; memory on the first")
+    ap.add_argument("--mutants", type=int, default=0, help="stop after this many mutants (0: --seconds only)")
+    ap.add_argument("--report-every", type=float, default=300, help="seconds between progress lines")
     args = ap.parse_args()
+    store_url, put, stop = _store(args.store)
     rng = random.Random(args.seed)
     sources = mutate.sources()
     files = runs = 0
@@ -57,9 +69,15 @@ def main() -> None:
         return code, secs, peak
 
     mutate.check_command = counting
-    end = time.monotonic() + args.seconds
+    t0 = time.monotonic()
+    end = t0 + args.seconds
+    said = t0
     with tempfile.TemporaryDirectory() as d:
-        while time.monotonic() < end:
+        while time.monotonic() < end and not (args.mutants and files >= args.mutants):
+            if time.monotonic() - said > args.report_every:
+                said = time.monotonic()
+                print(f"... {files:,} files, {runs:,} runs, {len(findings)} findings, "
+                      f"{files / (said - t0):.1f} files/s", flush=True)
             src = rng.choice(sources)
             layer, off, size = rng.choice(src.layers)
             muts = []
@@ -73,20 +91,57 @@ def main() -> None:
             files += 1
             per_layer[(src.name, layer)] += 1
             try:
-                mutate.check_file(data, src, Path(d), full=True)
+                if store_url:
+                    put(data)
+                mutate.check_file(data, src, Path(d), full=not args.fast, identify=args.identify,
+                                  store=store_url)
             except Exception:   # noqa: BLE001 - every failure is a finding
                 os.makedirs(args.keep, exist_ok=True)
                 keep = Path(args.keep) / f"finding-{len(findings)}.bin"
                 keep.write_bytes(data)
                 findings.append((src.name, layer, muts, traceback.format_exc(limit=3)))
                 print(f"FINDING {len(findings)}: {src.name} {layer} {muts} -> {keep}\n{findings[-1][3]}", flush=True)
-    print(f"files: {files:,}; command runs: {runs:,}; seed {args.seed}; {args.seconds:g} s")
+    stop()
+    took = time.monotonic() - t0
+    print(f"files: {files:,}; command runs: {runs:,}; seed {args.seed}; {took:.0f} s: {files / took:.1f} files/s, "
+          f"{runs / took:.1f} runs/s" + (" (identify)" if args.identify else "") + (" (store)" if args.store else ""))
     print("files per (source, layer): " + ", ".join(f"{s}/{l}: {n}" for (s, l), n in sorted(per_layer.items())))
     print("exit codes: " + ", ".join(f"{c} {code}: {n}" for (c, code), n in sorted(codes.items())))
     print(f"slowest command: {slowest[0]:.2f} s ({slowest[1]}); largest peak allocation: "
           f"{biggest[0] / 2**20:.1f} MiB ({biggest[1]})")
     print(f"findings: {len(findings)}")
     sys.exit(1 if findings else 0)
+
+
+def _store(wanted: bool):
+    """(the object's URL, put(data), stop()) of a SeaweedFS started for the run; (None, ..) without."""
+    if not wanted:
+        return None, None, lambda: None
+    import shutil
+
+    from seaweed import BUCKET, Seaweed, weed_binary
+
+    from slotctl.store.s3 import S3_STORE
+
+    work = Path(tempfile.mkdtemp(prefix="fuzz-seaweed-"))
+    srv = Seaweed(work, weed_binary())
+    srv.start()
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        del os.environ[k]
+    os.environ.update(srv.env(), HOME=str(work))
+    S3_STORE.reset()
+    client = srv.client()
+    import obstore
+
+    def put(data: bytes) -> None:
+        obstore.put(client, "fuzz/mutated.bin", data)
+        S3_STORE.reset()     # nothing read before (a first read kept, a store marked down) carries over
+
+    def stop() -> None:
+        srv.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    return f"s3://{BUCKET}/fuzz/mutated.bin", put, stop
 
 
 if __name__ == "__main__":

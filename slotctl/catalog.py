@@ -134,7 +134,7 @@ class _Worker:
             self.checker = LoadChecker(self.setup, verbose=request.verbose)
 
     def row(self, path: str, now: float) -> dict:
-        from slotctl.errors import UsageError
+        from slotctl.errors import StoreDown, UsageError
         from slotctl.sources import Entry, open_input, remote_url
         from slotctl.validate import validate_file
         from slotctl.validate.classes import classify
@@ -150,6 +150,8 @@ class _Worker:
                 st = Entry(path, s.st_size, s.st_mtime, None, s.st_atime)
                 report = validate_file(path, self.setup, self.models, self.checker)
             standing = classify(report, self.setup)
+        except StoreDown:       # the store stopped answering: the run stops, not row after row
+            raise
         except (OSError, UsageError) as e:
             return _unreadable(path, e, st)
         return _row_from(path, st, report.slot_file, report, now, standing)

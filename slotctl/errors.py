@@ -17,8 +17,12 @@ class ExitStatus(enum.IntEnum):
     USAGE = 2
     #: ``validate`` without a model cannot tell what the server does with a file (``undecided``)
     UNDECIDED = 3
+    #: the terminal hung up (SIGHUP) while standard input was spooled: 128 + SIGHUP, as a shell reports it
+    HANGUP = 129
     #: interrupted (Ctrl-C: 128 + SIGINT, as a shell reports it)
     INTERRUPTED = 130
+    #: terminated (SIGTERM) while standard input was spooled: 128 + SIGTERM, as a shell reports it
+    TERMINATED = 143
     #: the reader of the output went away (``slotctl inspect F | head -1``: 128 + SIGPIPE, as for ``cat``)
     CLOSED_PIPE = 141
 
@@ -85,6 +89,16 @@ class FormatError(SlotctlError):
         return e
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived while slotctl held something to clean up (the spool of standard input:
+    :func:`slotctl.paths.stdin_copy`); raised by its handler, so that every ``finally`` runs on the way out.
+    A BaseException, as KeyboardInterrupt: no per-file ``except Exception`` takes it for a file's error."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class UsageError(SlotctlError):
     """A usage or I/O error (exit 2); ``code`` says which when a script may care (``no_such_file``)."""
 
@@ -94,6 +108,18 @@ class UsageError(SlotctlError):
         super().__init__(message)
         if code is not None:
             self.code = code
+
+
+class StoreDown(UsageError):
+    """An object store stopped answering, or the command's ``--timeout`` passed (``store_unreachable``):
+    the run stops with this one error. Every loop over files or objects that reports a file's error and
+    goes on lets this one through (re-raises it), and every later request to the store is refused at once
+    with it (:func:`slotctl.store.s3.call`)."""
+
+    code = "store_unreachable"
+
+    def __init__(self, message: str):
+        super().__init__(message, code="store_unreachable")
 
 
 def snake_case(name: str) -> str:

@@ -105,12 +105,21 @@ def rows_by_position(f, mem: Memory, version: int, rule: RotationRule | None, *,
                 rot_k = rot_v = 0
             for tensor, recs, rot in (("K", d.k, rot_k), ("V", d.v, rot_v)):
                 for i, rec in enumerate(recs):
+                    where = f"{sl.role} {tensor} record {i}"
                     if hasattr(rec, "el_size"):   # V element-major: [n_embd][cells]
-                        rows = tensors.dequantize(_read(f, rec.data), rec.type, 1).reshape(rec.n_embd, -1).T[:k]
+                        if not row_elements(rec, "memory"):
+                            continue            # no rows to compare
+                        raw = _read(f, rec.data)
+                        _readable(rec.type, where)
+                        if len(raw) % (rec.el_size * rec.n_embd):
+                            raise Incomparable(f"{where}: {len(raw):,} bytes are not {rec.n_embd:,} rows of "
+                                               f"{rec.el_size}-byte {ggml.type_name(rec.type)} elements")
+                        rows = _finite(tensors.dequantize(raw, rec.type, 1).reshape(rec.n_embd, -1).T[:k], where)
                     else:
                         n = row_elements(rec, "memory")
-                        raw = _read(f, rec.data, k * rec.row_size)
-                        rows = tensors.rotate(tensors.dequantize(raw, rec.type, n), rot)
+                        if not n:
+                            continue            # zero-width rows (lfm2's short convolutions): nothing to compare
+                        rows = _rows(_read(f, rec.data, k * rec.row_size), rec.type, n, rot, where)
                     out[(si, sl.role, i, tensor)] = (pos, rows)
         else:
             if not sec.cell_count:
@@ -123,8 +132,45 @@ def rows_by_position(f, mem: Memory, version: int, rule: RotationRule | None, *,
                     n = row_elements(rec, "memory")
                     if not n:         # zero-width rows (lfm2's s): nothing to compare
                         continue
-                    out[(si, sl.role, i, tensor)] = (pos, tensors.dequantize(_read(f, rec.data), rec.type, n))
+                    out[(si, sl.role, i, tensor)] = (pos, _rows(_read(f, rec.data), rec.type, n, 0,
+                                                                f"{sl.role} {tensor} record {i}"))
     return out
+
+
+class Incomparable(ValueError):
+    """Rows of a file that cannot be turned into numbers as they claim (a rotation group wider than the row,
+    bytes that are not whole rows, a type without numbers, values that are not finite): the candidate's
+    reason. A width that is no whole blocks is format.records.row_elements' FormatError."""
+
+
+def _readable(type_id: int, where: str) -> None:
+    from slotctl import tensors
+
+    if type_id not in ggml.BY_ID or not tensors.can_read(type_id):
+        raise Incomparable(f"{where}: rows of type {type_id} cannot be read as numbers")
+
+
+def _rows(raw: bytes, type_id: int, n: int, rot: int, where: str):
+    """``raw``, whole rows of ``n`` elements of ``type_id`` (their width checked by
+    :func:`slotctl.format.records.row_elements`), as float32 ``[rows, n]`` with the rotation ``rot`` undone;
+    :class:`Incomparable` when the record's own fields do not allow it, or a value is not finite."""
+    from slotctl import tensors
+
+    _readable(type_id, where)
+    row_size = ggml.BY_ID[type_id].row_size(n)
+    if len(raw) % row_size:
+        raise Incomparable(f"{where}: {len(raw):,} bytes are not whole rows of {row_size:,}")
+    if rot and (rot & (rot - 1) or n % rot):
+        raise Incomparable(f"{where}: the rotation recorded ({rot:,}) does not split rows of {n:,} elements into "
+                           f"groups of a power of two")
+    return _finite(tensors.rotate(tensors.dequantize(raw, type_id, n), rot), where)
+
+
+def _finite(rows, where: str):
+    """``rows``, or :class:`Incomparable` when a value is NaN or infinite (no cosine says anything then)."""
+    if not np.isfinite(rows).all():
+        raise Incomparable(f"{where}: rows holding values that are not finite (NaN or infinity)")
+    return rows
 
 
 def _prefix(pos: np.ndarray, below: int | None) -> int:
@@ -273,9 +319,16 @@ def _candidate(path: str, model: str, draft: bool, n_tokens: int) -> Candidate:
         return cand
     try:
         mine = rows_by_position(sf.stream, mem, sf.version, rule, below=n)
-        theirs = rows_by_position(cf, cmem, version, rule)
+    except Incomparable as e:
+        cand.error = f"the file's rows cannot be compared: {e}"
+        return cand
     except SlotctlError as e:      # a record whose sizes hold no whole rows (format.records.row_elements)
         cand.error = f"the file's rows cannot be read: {e}"
+        return cand
+    try:
+        theirs = rows_by_position(cf, cmem, version, rule)
+    except (Incomparable, SlotctlError) as e:
+        cand.error = f"the candidate's rows cannot be compared: {e}"
         return cand
     cand.layers = compare(mine, theirs)
     if not cand.layers:

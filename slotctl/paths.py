@@ -104,6 +104,20 @@ def open_regular(path: str | os.PathLike, *, what: str = "") -> BinaryIO:
         raise
 
 
+def read_bounded(path: str | os.PathLike, limit: int, *, what: str = "") -> bytes:
+    """The whole of the small file ``path`` (``--server-args @FILE``), refused in one line unless it is a
+    regular file of at most ``limit`` bytes: opened without blocking (:func:`open_regular`: a FIFO or
+    ``/dev/zero`` is refused before a byte is read), its size checked before it is read, and never more
+    than ``limit`` + 1 bytes read (a file that grows while it is read is refused too)."""
+    with open_regular(path, what=what) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(limit + 1) if size <= limit else b""
+    if size > limit or len(data) > limit:
+        raise UsageError(f"{what}{os.fspath(path)}: {max(size, len(data)):,} bytes, more than the "
+                         f"{limit:,} this takes", code="too_large")
+    return data
+
+
 def _open_noatime(p: str, flags: int) -> int:
     """``os.open`` without updating the access time where the system allows it: slotctl's reads are not
     uses of a file (``prune`` orders files by when a server last read them). ``O_NOATIME`` is refused
@@ -127,24 +141,94 @@ def stdin_copy(head: tuple[int, Callable[[bytes], bool]] | None = None) -> Itera
     ``head``: ``(n, ok)``: the first ``n`` bytes are read first, and the rest only when ``ok(first bytes)``;
     else the copy holds those bytes alone (the parse then says what they are), and standard input is
     read no further: a model or any other stream piped in by mistake costs ``n`` bytes, not its length.
+
+    The copy is bounded (:func:`stdin_limit`: past it, a one-line ``too_large`` error, exit 2) and removed
+    on every way out: the end of the block, an error, Ctrl-C (SIGINT), and SIGTERM or SIGHUP, which raise
+    :class:`~slotctl.errors.Terminated` while the copy exists (exit 143 or 129) where they would kill the
+    process and leave it behind.
     """
-    import shutil
     import tempfile   # here: tempfile (random, hashlib) and shutil cost every command's start-up
 
-    fd, tmp = tempfile.mkstemp(prefix="slotctl-stdin-", suffix=".bin")
+    limit = stdin_limit()
+    with _terminating():
+        fd, tmp = tempfile.mkstemp(prefix="slotctl-stdin-", suffix=".bin")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                src = sys.stdin.buffer
+                if head is not None:
+                    first = _read_up_to(src, head[0])
+                    f.write(first)
+                    if not head[1](first):
+                        src = None
+                if src is not None:
+                    done = f.tell()
+                    while True:
+                        chunk = src.read(1 << 20)
+                        if not chunk:
+                            break
+                        done += len(chunk)
+                        if done > limit:
+                            raise UsageError(f"standard input: more than {limit:,} bytes, the most spooled "
+                                             f"for - (SLOTCTL_STDIN_MAX, leaving 1 GiB of the temporary "
+                                             f"directory free): give the file's path instead", code="too_large")
+                        f.write(chunk)
+            yield tmp
+        finally:
+            os.unlink(tmp)
+
+
+#: the most bytes of standard input spooled for ``-`` by default (``SLOTCTL_STDIN_MAX`` replaces it)
+STDIN_MAX_BYTES = 64 << 30
+#: bytes of the temporary directory's file system the spool leaves free
+STDIN_KEEP_FREE = 1 << 30
+
+
+def stdin_limit() -> int:
+    """The most bytes of standard input spooled: ``SLOTCTL_STDIN_MAX`` (bytes) or :data:`STDIN_MAX_BYTES`,
+    and never so much that less than :data:`STDIN_KEEP_FREE` of the temporary directory's file system
+    would be left."""
+    import tempfile
+
+    value = os.environ.get("SLOTCTL_STDIN_MAX", "")
+    if value:
+        if not value.isdigit() or len(value) > 20:
+            raise UsageError(f"SLOTCTL_STDIN_MAX={value[:40]}: expected a number of bytes")
+        limit = int(value)
+    else:
+        limit = STDIN_MAX_BYTES
     try:
-        with os.fdopen(fd, "wb") as f:
-            src = sys.stdin.buffer
-            if head is not None:
-                first = _read_up_to(src, head[0])
-                f.write(first)
-                if not head[1](first):
-                    src = None
-            if src is not None:
-                shutil.copyfileobj(src, f, 1 << 20)
-        yield tmp
+        st = os.statvfs(tempfile.gettempdir())
+        limit = min(limit, max(0, st.f_bavail * st.f_frsize - STDIN_KEEP_FREE))
+    except OSError:
+        pass
+    return limit
+
+
+@contextmanager
+def _terminating() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise :class:`~slotctl.errors.Terminated` for the time of the block (where the
+    process has their default action, in the main thread), so that cleanup runs; the handlers are put back."""
+    import signal
+    import threading
+
+    from slotctl.errors import Terminated
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(signum)
+
+    old = {}
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+            old[sig] = signal.signal(sig, handler)
+    try:
+        yield
     finally:
-        os.unlink(tmp)
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 def _read_up_to(src: BinaryIO, n: int) -> bytes:

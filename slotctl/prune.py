@@ -525,7 +525,7 @@ def delete_object_checked(e: Entry) -> None:
     obstore: an object written under the same key between the HEAD and the DELETE (milliseconds) would be
     deleted; a bucket with versioning keeps it as a version (docs/store.md, prune). An object already gone
     (another host pruning the same prefix) is skipped, not an error."""
-    from slotctl.errors import SlotctlError
+    from slotctl.errors import SlotctlError, StoreDown
     from slotctl.sources import store_for
 
     store = store_for(e.path)
@@ -538,6 +538,8 @@ def delete_object_checked(e: Entry) -> None:
             e.action, e.reason = SKIPPED, "changed since it was planned (written again?)"
             return
         store.delete(e.path)
+    except StoreDown:       # the store stopped answering: the run stops, not object after object
+        raise
     except SlotctlError as err:
         e.action, e.error = FAILED, str(err)
 

@@ -76,7 +76,10 @@ EXTREMES = (0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, (1 << 63) - 1, (1 << 64) -
 
 
 def apply(data: bytes, kind: str, pos: int, arg: int) -> bytes:
-    """``data`` with one mutation at ``pos`` (clamped into the file); ``arg`` is the kind's parameter."""
+    """``data`` with one mutation at ``pos`` (clamped into the file); ``arg`` is the kind's parameter. An empty
+    ``data`` (an earlier mutation cut everything) stays empty."""
+    if not data:
+        return data
     pos = max(0, min(pos, len(data) - 1))
     b = bytearray(data)
     if kind == "truncate":
@@ -101,10 +104,13 @@ def apply(data: bytes, kind: str, pos: int, arg: int) -> bytes:
 # -- the contract -----------------------------------------------------------------------------------------
 
 
-def commands(path: Path, model: Path, *, full: bool = False, original: Path | None = None) -> list[list[str]]:
+def commands(path: Path, model: Path, *, full: bool = False, original: Path | None = None,
+             identify: bool = False, store: str | None = None) -> list[list[str]]:
     """The commands run on a mutated file (each leaves it as it is); ``full`` adds the slower ones (the fuzz
     run). ``original``: the intact file, which ``diff`` compares with the mutated one; ``convert`` writes
-    next to the file, re-encoding every K and V record (q8_0), or changing the state version."""
+    next to the file, re-encoding every K and V record (q8_0), or changing the state version. ``identify``:
+    identify with the model (real contexts: llama-cpp-python). ``store``: the same file as an
+    ``s3://`` object (uploaded by the caller): inspect, validate, ls of its prefix and cp of it down."""
     p, m, d = str(path), str(model), str(DATA / "draft.gguf")
     out_file = str(path.with_name("converted.bin"))
     convert = ["convert", p, "-m", m, "-md", d, "-o", out_file, "--force", "--json"]
@@ -118,11 +124,19 @@ def commands(path: Path, model: Path, *, full: bool = False, original: Path | No
                 ["validate", p, "-m", m, "--no-load", "--json"], [*convert, "--state-version", "3"]]
         if original is not None:
             out.append(["diff", p, str(original), "-m", m, "-md", d, "--json"])
+    if identify:
+        out.append(["identify", p, "-m", m, "--json"])
+    if store is not None:
+        prefix = store.rpartition("/")[0] + "/"
+        out += [["inspect", store, "--json"], ["validate", store, "--no-load", "--json"],
+                ["ls", prefix, "-m", m, "--json", "--timeout", "60"],
+                ["cp", store, str(path.with_name("downloaded.bin")), "--force", "--overwrite", "--json",
+                 "--timeout", "60"]]
     return out
 
 
 #: documented exit codes for a file that is read (docs/exit-codes.md): validate's 3 is "undecided without -m"
-ALLOWED_EXIT = {"validate": (0, 1, 3)}
+ALLOWED_EXIT = {"validate": (0, 1, 3), "ls": (0, 1, 3)}
 
 
 def check_command(args: list[str], *, measure: bool = True) -> tuple[int, float, int]:
@@ -179,18 +193,21 @@ def check_strip_in_place(path: Path) -> int:
     return code
 
 
-def check_file(data: bytes, src: Source, directory: Path, *, full: bool = False) -> list[int]:
+def check_file(data: bytes, src: Source, directory: Path, *, full: bool = False, identify: bool = False,
+               store: str | None = None, measure_all: bool | None = None) -> list[int]:
     """Every command on ``data``, a mutation of ``src`` (both written to ``directory``); the exit codes.
 
     Memory is measured (tracemalloc, which slows Python several times) on the first command, inspect;
-    with ``full`` on every command.
+    with ``full`` (or ``measure_all``) on every command. ``identify``, ``store``: see :func:`commands`
+    (the object at ``store`` holds ``data`` already).
     """
     p = directory / "mutated.bin"
     p.write_bytes(data)
     original = directory / "original.bin"
     if not original.exists() or original.read_bytes() != src.data:
         original.write_bytes(src.data)
-    cmds = commands(p, src.model, full=full, original=original)
-    codes = [check_command(args, measure=full or i == 0)[0] for i, args in enumerate(cmds)]
+    cmds = commands(p, src.model, full=full, original=original, identify=identify, store=store)
+    measure_all = full if measure_all is None else measure_all
+    codes = [check_command(args, measure=measure_all or i == 0)[0] for i, args in enumerate(cmds)]
     codes.append(check_strip_in_place(p))
     return codes

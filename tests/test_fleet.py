@@ -33,7 +33,7 @@ from seaweed import BUCKET
 from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 from slotctl.cli.app import app
 from slotctl.errors import ExitStatus
-from slotctl.fleet.keep import tokens_hash
+from slotctl.fleet.keep import INCOMING_GLOB, tokens_hash
 from slotctl.slotfile import open_slot_file
 from slotctl.tinymodels import SAMPLE_PROMPT
 
@@ -392,7 +392,7 @@ def test_keep_brings_a_slot_back_after_the_server_is_killed(kept, tmp_path):
         tokens = tokens_of(Path(stored["details"]["path"]))
         n = len(tokens)
         assert stored["details"]["n_tokens"] == n and stored["details"]["name"].startswith("slot0-")
-        assert not (kept.save_dir / "keep-slot0-incoming.bin").exists()
+        assert not list(kept.save_dir.glob(INCOMING_GLOB))
 
         kept.kill_and_start_again()
         keep.wait_for("restart")
@@ -454,6 +454,38 @@ def test_keep_killed_mid_copy_leaves_the_store_consistent(kept, tmp_path):
         assert open_slot_file(Path(ev["details"]["path"])).errors == []
     finally:
         assert keep.stop() == 0
+
+
+@server
+def test_two_keepers_of_one_server_never_share_a_working_file(kept, tmp_path):
+    """Two keep processes on one server, each with its own store (the lock refuses two on one store): both
+    have the server save into its one --slot-save-path, each under its own name, none renames or reads the
+    other's, nothing half-written is skipped as damaged, and no working file stays."""
+    stores = [tmp_path / "store-a", tmp_path / "store-b"]
+    for store in stores:
+        store.mkdir()
+    keepers = [Keep(kept, store, "--every", "0.1") for store in stores]
+    try:
+        for k in keepers:
+            k.wait_for("up")
+        for i in range(4):
+            kept.completion(SAMPLE_PROMPT + f" round {i}", slot=i % 2, n_predict=2)
+            for k in keepers:       # each keeper saved this state and stored it (or found it stored)
+                k.wait_for("saved", i % 2)
+    finally:
+        codes = [k.stop() for k in keepers]
+    assert codes == [0, 0]
+    for k in keepers:
+        k.wait_for("stop", timeout=10)      # every line read
+        bad = [e for e in k.seen if e["event"] == "error" or "not stored" in e["message"]]   # none half-written
+        assert not bad, bad
+    pids = {str(k.proc.pid) for k in keepers}
+    assert not [p for p in kept.save_dir.glob(INCOMING_GLOB) if p.name.split("-")[3] in pids]
+    for store in stores:
+        states = [p for p in store.iterdir() if p.name.endswith(".bin")]
+        assert states
+        for p in states:
+            assert not open_slot_file(p).errors, p.name
 
 
 @server
@@ -578,19 +610,39 @@ def test_an_s3_store_is_held_under_max_size_by_prunes_rules(seaweed, monkeypatch
     import obstore
 
     data = (DATA / "srv-np1.bin").read_bytes()
-    names = ["slot0-a.bin", "slot0-b.bin", "slot0-c.bin", "keep-slot0-incoming.bin"]
+    names = ["slot0-a.bin", "slot0-b.bin", "slot0-c.bin", "keep-slot0-incoming-7-0a0b0c0d.bin"]
     for name in names:      # Last-Modified has a resolution of a second
         obstore.put(seaweed.client(), f"budget/{name}", data)
         time.sleep(1.1)
     store = ObjectStore(f"s3://{BUCKET}/budget/")
     gone = []
-    store.prune(2 * len(data) + 1, ("keep-slot*-incoming.bin",), lambda path, size, action, reason: gone.append(
+    store.prune(2 * len(data) + 1, (INCOMING_GLOB,), lambda path, size, action, reason: gone.append(
         (path.rpartition("/")[2], action)))
     assert gone == [("slot0-a.bin", "deleted"), ("slot0-b.bin", "deleted")]
     left = sorted(o["path"].rpartition("/")[2] for o in obstore.list(seaweed.client(), "budget/").collect())
-    assert left == ["keep-slot0-incoming.bin", "slot0-c.bin"]
+    assert left == ["keep-slot0-incoming-7-0a0b0c0d.bin", "slot0-c.bin"]
     assert bytes(obstore.get(seaweed.client(), "budget/slot0-c.bin").bytes()) == data
     S3_STORE.reset()
+
+
+def test_keep_removes_the_working_files_of_keepers_that_are_gone(tmp_path):
+    """A keep SIGKILLed mid-save leaves its private working file; a keep starting removes those of processes that
+    are gone and untouched for an hour, and nothing else (a live keeper's, a recent one, any other file)."""
+    from slotctl.fleet.keep import ORPHAN_AGE, Keeper
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old = time.time() - ORPHAN_AGE - 60
+    names = {"gone-old": f"keep-slot0-incoming-{dead.pid}-0a0b0c0d.bin", "gone-new": f"keep-slot1-incoming-{dead.pid}-1a1b1c1d.bin",
+             "alive": f"keep-slot0-incoming-{os.getppid()}-2a2b2c2d.bin", "other": "slot0-x.bin"}
+    for key, name in names.items():
+        (tmp_path / name).write_bytes(b"x")
+        if key != "gone-new":
+            os.utime(tmp_path / name, (old, old))
+    seen = []
+    Keeper("http://127.0.0.1:9", tmp_path, emit=seen.append).sweep()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for k, n in names.items() if k != "gone-old")
+    assert [e.event for e in seen] == ["pruned"] and names["gone-old"] in seen[0].message
 
 
 # -- acts obey verdicts (issue 24) -------------------------------------------------------------------------

@@ -99,3 +99,68 @@ def test_damaged_file_and_usage(tmp_path):
     assert d["target"]["candidates"][0]["error"] and d["target"]["best"] is None
     res = runner.invoke(app, ["identify", str(DATA / "srv-np1.bin")])
     assert res.exit_code == 2 and "-m" in res.output
+
+
+# -- files it cannot compare: a finding with its reason, never an internal error (issue 27) ------------------
+
+
+def _records(path: Path):
+    from slotctl.model.info import read_model_info
+    from slotctl.slotfile import open_slot_file
+
+    sf = open_slot_file(path, layout=read_model_info(TARGET).layout())
+    assert not sf.errors, sf.errors
+    d = next(st for st in sf.target.sections[0].streams if st.cell_count).data
+    return d, list(d.k) + list(d.v)
+
+
+def test_a_rotation_that_does_not_split_the_rows_is_a_reason(tmp_path):
+    """n_rot_v = 8,388,608 on rows of 64 elements (the mutant identify-nrot.bin): exit 1, the candidate's
+    reason, no internal error; the candidate of another shape keeps its own reason."""
+    import struct
+
+    raw = bytearray((DATA / "srv-np1.bin").read_bytes())
+    d, recs = _records(DATA / "srv-np1.bin")
+    at = recs[0].data.offset - 12 - 8     # u32 n_rot_k, u32 n_rot_v, then the first K record: u32 type, u64 row size
+    assert struct.unpack_from("<II", raw, at) == (d.n_rot_k, d.n_rot_v) == (0, 0)
+    struct.pack_into("<I", raw, at + 4, 8388608)
+    path = tmp_path / "nrot.bin"
+    path.write_bytes(bytes(raw))
+    t = identify(path, "-m", TARGET, "-m", DATA / "draft.gguf", code=1)["target"]
+    assert t["best"] is None
+    assert "rotation recorded (8,388,608) does not split rows of 64 elements" in t["candidates"][0]["error"]
+    assert "shape" in t["candidates"][1]["error"]
+    res = runner.invoke(app, ["identify", str(path), "-m", str(TARGET)])
+    assert res.exit_code == 1 and "internal error" not in res.output and "rotation" in res.stdout
+
+
+def test_a_record_of_zero_width_is_not_compared(tmp_path):
+    """The last V record's row size 0, the file ending there (identify-reshape.bin): its rows are not compared,
+    the others still are (the writer matches)."""
+    import struct
+
+    raw = bytearray((DATA / "srv-np1.bin").read_bytes())
+    _, recs = _records(DATA / "srv-np1.bin")
+    last = recs[-1].data.offset
+    struct.pack_into("<Q", raw, last - 8, 0)
+    path = tmp_path / "zero.bin"
+    path.write_bytes(bytes(raw[:last]))
+    t = identify(path, "-m", TARGET, "-m", DATA / "draft.gguf")["target"]
+    assert t["best"] == str(TARGET)
+    assert len(t["candidates"][0]["layers"]) == len(recs) - 1
+
+
+def test_rows_that_are_not_finite_are_a_reason(tmp_path):
+    """An f16 value of the first K record set to infinity (a fuzz finding: a numpy RuntimeWarning, then NaN
+    cosines): the candidate's reason, exit 1, strict JSON."""
+    raw = bytearray((DATA / "srv-np1.bin").read_bytes())
+    _, recs = _records(DATA / "srv-np1.bin")
+    raw[recs[0].data.offset:recs[0].data.offset + 2] = b"\x00\x7c"    # f16 +inf
+    path = tmp_path / "inf.bin"
+    path.write_bytes(bytes(raw))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = identify(path, "-m", TARGET, code=1)["target"]
+    assert "not finite" in t["candidates"][0]["error"] and t["candidates"][0]["score"] is None

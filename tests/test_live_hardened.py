@@ -11,6 +11,7 @@ import resource
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -305,6 +306,9 @@ HOSTILE_ANSWER = textwrap.dedent("""
         "objects": b"[" + b"{}," * (21 << 20) + b"{}]",                 # 63 MiB of empty objects
         "slots": json.dumps([{"id": i} for i in range(100000)]).encode(),
         "deep": b"[" * 200000 + b"]" * 200000,
+        "escapes": b'"' + b"\\u00e9" * ((63 << 20) // 6) + b'"',       # 63 MiB: 1.4 GB of pieces once
+        "astral": b'"' + "\U0001F600".encode() + b"x" * ((16 << 20) - 7) + b'"',   # under the cap: 4 bytes a char
+        "strings": b"[" + b",".join([b'"' + "\U0001F600".encode() + b"y" * 120 + b'"'] * 120000) + b"]",
     }
     body = bodies[kind]
     class H(BaseHTTPRequestHandler):
@@ -320,12 +324,20 @@ HOSTILE_ANSWER = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("kind, said", [
-    ("objects", "more than 1,000,000 values"),
+    ("objects", "larger than 16 MiB"),
     ("slots", "100,000 slots, where a llama-server has at most 256"),
     ("deep", "nested deeper than 64 levels"),
+    ("escapes", "larger than 16 MiB"),
+    ("astral", "should be a list"),
+    ("strings", "120,000 slots"),
 ])
 def test_a_hostile_answer_costs_neither_memory_nor_time(kind, said):
-    """Under a 1 GiB address-space limit and in seconds: a clear answer error, exit 2, a JSON document."""
+    """Under a 1 GiB address-space limit, within --timeout 3 (start-up aside): a clear answer error, exit 2,
+    a JSON document; the whole process's peak RSS measured (wait4) and held to the start-up's plus ten
+    times the byte cap (the parse's bound, tests/test_live_hardened.py::test_parse_answer_memory...).
+    It was 1.74 GB and 25.6 s for 63 MiB of escapes."""
+    from slotctl.live.http import MAX_ANSWER_BYTES
+
     srv = subprocess.Popen([sys.executable, "-c", HOSTILE_ANSWER, kind], stdout=subprocess.PIPE, text=True)
     try:
         port = int(srv.stdout.readline())
@@ -335,17 +347,61 @@ def test_a_hostile_answer_costs_neither_memory_nor_time(kind, said):
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
         t0 = time.monotonic()
-        res = subprocess.run([sys.executable, "-m", "slotctl", "slots", "--server", f"http://127.0.0.1:{port}",
-                              "--json"], capture_output=True, text=True, preexec_fn=cap, timeout=120,
-                             env={**os.environ, "PYTHONPATH": ROOT})
-        took = time.monotonic() - t0
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "slotctl", "slots", "--server",
+                                     f"http://127.0.0.1:{port}", "--json", "--timeout", "3"], stdout=out, stderr=err,
+                                    text=True, preexec_fn=cap, env={**os.environ, "PYTHONPATH": ROOT})
+            _, status, usage = os.wait4(proc.pid, 0)    # this child's own peak RSS
+            took = time.monotonic() - t0
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            out.seek(0)
+            err.seek(0)
+            out, err = out.read(), err.read()
     finally:
         srv.kill()
         srv.wait()
-    assert res.returncode == 2, res.stderr
-    doc = json.loads(res.stdout)
+    assert proc.returncode == 2, err
+    doc = json.loads(out)
     assert doc["error"]["code"] == "server_answer" and said in doc["error"]["message"], doc
-    assert "Traceback" not in res.stderr and took < 30, took
+    assert "Traceback" not in err and took < 20, took
+    start_up = 96 << 20     # the interpreter and slotctl's imports, with room
+    assert usage.ru_maxrss << 10 < start_up + 10 * MAX_ANSWER_BYTES, (kind, usage.ru_maxrss >> 10)
+    assert MAX_ANSWER_BYTES == 16 << 20
+
+
+def test_parse_answer_memory_is_bounded_by_the_byte_cap():
+    """tracemalloc's peak of parse_answer over hostile answers of at most the byte cap: under 10 x the cap
+    (the widest: a Python string of 4-byte characters, 4 bytes a character, decoded whole and again as a
+    value), whether it is refused or parsed."""
+    import tracemalloc
+
+    from slotctl.live.http import MAX_ANSWER_BYTES as C, ServerAnswerError, parse_answer
+
+    def fill(unit: bytes, n: int) -> bytes:
+        return (b"[" + b",".join([unit] * n) + b"]")[:C]
+
+    astral = "\U0001F600".encode()
+    shapes = {
+        "objects of 4-byte strings": fill(b'{"k":"' + astral + b"x" * 120 + b'"}', 120_000),
+        "short strings": fill(b'"' + b"y" * 62 + b'"', 249_000),
+        "escapes in one string": b'"' + b"\\u00e9" * 249_000 + b"z" * (C - 249_000 * 6 - 2) + b'"',
+        "one 4-byte character": b'"' + astral + b"x" * (C - 6) + b'"',
+        "surrogate pairs": b'"' + b"\\ud83d\\ude00" * 124_000 + b"z" * (C - 124_000 * 12 - 2) + b'"',
+        "too many escapes": b'"' + b"\\u00e9" * ((C - 2) // 6) + b'"',
+        "too many objects": fill(b"{}", (C - 2) // 3),
+        "too many keys": b"{" + b",".join(b'"k%d":1' % i for i in range(400_000)) + b"}",
+    }
+    for name, raw in shapes.items():
+        assert len(raw) <= C, name
+        tracemalloc.start()
+        try:
+            parse_answer(raw, "GET /slots")
+        except ServerAnswerError:
+            pass
+        finally:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        assert peak < 10 * C, (name, peak / C)
 
 
 @pytest.mark.parametrize("command", [["inspect"], ["convert", "-o", "{out}", "--state-version", "3"]])

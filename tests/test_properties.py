@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mutate import EXTREMES, KINDS, apply, check_file, sources
+from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 
 SOURCES = {s.name: s for s in sources()}
 LAYERS = sorted({name for s in SOURCES.values() for name, _, _ in s.layers})
@@ -51,3 +52,29 @@ def test_one_damaged_layer_keeps_every_command_within_its_contract(source, layer
             check_file(data, src, Path(d))
 
     run()
+
+
+def test_the_fuzz_contract_covers_identify_and_the_store(seaweed, monkeypatch, tmp_path):
+    """What fuzz/fuzz_slotfiles.py --identify --store runs on each mutant keeps the contract: identify -m (real
+    contexts) and the mutant as an s3:// object (inspect, validate, ls of its prefix, cp down), on each source
+    intact, cut in its target memory and with a count overwritten there."""
+    import os
+
+    import obstore
+
+    from seaweed import BUCKET
+    from slotctl.store.s3 import S3_STORE
+
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    for k, v in {**seaweed.env(), "HOME": str(seaweed.dir)}.items():
+        monkeypatch.setenv(k, v)
+    url = f"s3://{BUCKET}/fuzz-contract/mutated.bin"
+    for src in sources():
+        _, off, size = next(layer for layer in src.layers if layer[0] == "target memory")
+        for data in (src.data, apply(src.data, "truncate", off + size // 2, 0), apply(src.data, "u32", off + 8, 0x7FFFFFFF)):
+            S3_STORE.reset()
+            obstore.put(seaweed.client(), "fuzz-contract/mutated.bin", data)
+            codes = check_file(data, src, tmp_path, identify=True, store=url)
+            assert len(codes) == 11, codes
+    S3_STORE.reset()

@@ -232,4 +232,11 @@ def main(argv: list[str] | None = None) -> None:
         from slotctl.cli.errors import leave
 
         leave(e, inside=False)
+    store = sys.modules.get("slotctl.store.s3")
+    if store is not None and any(t.is_alive() for t in store.STUCK):
+        # requests to a store left to themselves at --timeout: the process ends now, not when they do
+        import os
+
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 0 if code is None else 1)
     sys.exit(code)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from pathlib import Path
 from typing import Iterator
 
 import typer
 
 from slotctl.cli.output import Output, escape_text
-from slotctl.errors import SlotctlError, UsageError, worst
+from slotctl.errors import SlotctlError, Terminated, UsageError, worst
 
 
 def handle_errors(fn):
@@ -29,13 +30,26 @@ def handle_errors(fn):
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
-        except (Exception, KeyboardInterrupt) as e:
+        except (Exception, KeyboardInterrupt, Terminated) as e:
             from slotctl.cli.errors import leave
 
             leave(e, json_mode=bool(kwargs.get("json_out")), jsonl=bool(kwargs.get("jsonl")),
                   command=fn.__name__.replace("_", "-"))
 
     return wrapper
+
+
+def store_deadline(timeout: float | None, paths) -> bool:
+    """Whether ``paths`` name an ``s3://`` object or prefix; if so, ``--timeout`` (when given) is the deadline
+    of the whole command's requests to the store, from now (the store module is in: :func:`use_store`)."""
+    from slotctl.sources import remote_url
+
+    store = any(remote_url(p) for p in (paths if isinstance(paths, (list, tuple)) else [paths]) if p is not None)
+    if store and timeout is not None:
+        from slotctl.store.s3 import set_deadline
+
+        set_deadline(timeout)
+    return store
 
 
 def use_store(values) -> None:
@@ -57,7 +71,9 @@ def use_store(values) -> None:
     if importlib.util.find_spec("obstore") is None:
         raise UsageError("s3:// paths need obstore, which is not installed: pip install 'slotctl[s3]'",
                          code="store_missing")
-    import slotctl.store.s3  # noqa: F401 - registers the s3 scheme with slotctl.sources
+    import slotctl.store.s3  # registers the s3 scheme with slotctl.sources
+
+    slotctl.store.s3.start_run()    # a command run in-process after another (the demo, tests) starts afresh
 
 
 def llama_available() -> bool:
@@ -120,18 +136,30 @@ def check_file(path) -> None:
     check_readable(path)
 
 
+#: the most bytes of a prompt read from a file or standard input (2^24 tokens, the most a context holds, are
+#: about 64 MiB of text)
+PROMPT_MAX_BYTES = 256 << 20
+
+
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     """The prompt text from --prompt, --prompt-file F or --prompt-file - (stdin), exactly as given."""
     if (prompt is None) == (prompt_file is None):
         raise UsageError("give the prompt with exactly one of --prompt TEXT and --prompt-file FILE (- for stdin)")
     if prompt is not None:
         return prompt
-    if str(prompt_file) == "-":
-        return typer.get_text_stream("stdin").read()
+    if str(prompt_file) == "-":     # bounded: a stream that never ends is refused at the cap
+        raw = sys.stdin.buffer.read(PROMPT_MAX_BYTES + 1)
+        if len(raw) > PROMPT_MAX_BYTES:
+            raise UsageError(f"--prompt-file -: more than {PROMPT_MAX_BYTES:,} bytes", code="too_large")
+        where = "standard input"
+    else:     # a regular file of at most the cap (a FIFO or a device is refused unread)
+        from slotctl.paths import read_bounded
+
+        raw, where = read_bounded(prompt_file, PROMPT_MAX_BYTES, what="--prompt-file "), str(prompt_file)
     try:
-        return prompt_file.read_text(encoding="utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UsageError(f"{prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise UsageError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 @contextlib.contextmanager
@@ -204,7 +232,10 @@ def shown(path) -> str:
 def file_error(path: str | os.PathLike, e: Exception) -> dict:
     """The entry of a file that could not be read at all, in a command over many files."""
     from slotctl.cli.errors import failure
+    from slotctl.errors import StoreDown
 
+    if isinstance(e, StoreDown):    # the store stopped answering: the run stops with this one error
+        raise e
     f = failure(e, path=path)
     return {"path": os.fspath(path), "exit_code": f.status, "error": {"code": f.code, "message": f.message}}
 

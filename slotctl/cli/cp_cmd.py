@@ -8,8 +8,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from slotctl.cli.common import FileRun, handle_errors
-from slotctl.cli.options import JsonlOpt, JsonOpt, QuietOpt
+from slotctl.cli.common import FileRun, handle_errors, store_deadline
+from slotctl.cli.options import JsonlOpt, JsonOpt, QuietOpt, StoreTimeoutOpt
 from slotctl.cli.output import Output, human_bytes, markup_safe
 
 _STYLE = {"copied": "green", "refused": "bold red", "failed": "red"}
@@ -30,6 +30,7 @@ def cp(
                          ] = False,
     force: Annotated[bool, typer.Option("--force", help="Copy a file the server refuses or aborts on whatever "
                                         "its flags (refused otherwise).")] = False,
+    timeout: StoreTimeoutOpt = None,
     json_out: JsonOpt = False,
     jsonl: JsonlOpt = False,
     quiet: QuietOpt = False,
@@ -49,6 +50,7 @@ def cp(
     from slotctl.store.cp import COPIED, FAILED, REFUSED, copy_files
     from slotctl.slotfile import expand_slot_paths
 
+    store_deadline(timeout, paths)
     out = Output(json_mode=json_out, jsonl=jsonl, quiet=quiet)
     if len(paths) < 2:
         raise UsageError("give the files to copy and then the destination: slotctl cp SRC... DST", code="usage")

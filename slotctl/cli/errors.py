@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, NoReturn
 
 import typer
 
-from slotctl.errors import ExitStatus, SlotctlError, os_error_code
+from slotctl.errors import ExitStatus, SlotctlError, Terminated, os_error_code
 
 
 class Failure(NamedTuple):
@@ -95,6 +95,11 @@ TABLE: tuple[Row, ...] = (
         ExitStatus.USAGE, lambda e: isinstance(e, OSError), lambda e, argv, cmd, path: _os_message(e, path)),
     Row("interrupted (Ctrl-C, SIGINT)", "interrupted", ExitStatus.INTERRUPTED,
         lambda e: isinstance(e, KeyboardInterrupt), lambda e, argv, cmd, path: "interrupted"),
+    Row("terminated (SIGTERM) while standard input is spooled (`inspect -`): the spool removed", "terminated",
+        ExitStatus.TERMINATED, lambda e: isinstance(e, Terminated) and e.signum == ExitStatus.TERMINATED - 128,
+        lambda e, argv, cmd, path: "terminated"),
+    Row("hung up (SIGHUP) while standard input is spooled: the spool removed", "hangup", ExitStatus.HANGUP,
+        lambda e: isinstance(e, Terminated), lambda e, argv, cmd, path: "hung up"),
     Row("aborted (end of input at a prompt)", "aborted", ExitStatus.INTERRUPTED,
         lambda e: isinstance(e, typer.Abort), lambda e, argv, cmd, path: "aborted"),
     Row("a usage error: unknown command or option, missing argument, bad value (naming the flag as typed)",

@@ -184,6 +184,11 @@ def _default_text(p: Parameter) -> str:
 # -- usage errors ---------------------------------------------------------------------------------------
 
 
+#: a value typed longer than this is named by its length in a usage error, not echoed (a 5,000,000-digit
+#: number is one line either way, but not one a person reads)
+MAX_ECHO = 256
+
+
 def usage_error_line(e: typer.TyperException, argv: list[str]) -> str:
     """One line for a usage error, naming the flag as it was typed and pointing at the command's help."""
     from slotctl.cli.params import MissingValue
@@ -201,7 +206,7 @@ def usage_error_line(e: typer.TyperException, argv: list[str]) -> str:
             where = typed_name(param, argv)
             value = typed_value(where, argv)
             if value is not None:
-                where += f" {value}"
+                where += f" {value}" if len(value) <= MAX_ECHO else f" ({len(value):,} characters)"
         msg = f"{where}: {_plain(e.message)}"
     elif isinstance(e, typer.BadParameter):  # raised by slotctl with the whole message (no parameter)
         msg = _plain(e.message)

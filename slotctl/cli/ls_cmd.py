@@ -10,7 +10,7 @@ import typer
 from rich.text import Text
 
 from slotctl.cli import remote
-from slotctl.cli.common import handle_errors
+from slotctl.cli.common import handle_errors, store_deadline
 from slotctl.cli.options import (
     ArgsCommand,
     DraftModelOpt,
@@ -98,6 +98,7 @@ def ls(
     from slotctl.catalog import Request, catalog, is_broken, is_mismatched, is_undecided, is_useless
     from slotctl.validate import VERDICTS as VERDICT_NAMES
 
+    store = store_deadline(timeout if remote._source(ctx, "timeout") == "COMMANDLINE" else None, paths or [])
     out = Output(json_mode=json_out or jsonl, verbose=verbose)
     if sort not in SORT_KEYS:
         raise UsageError(f"--sort {sort}: expected one of {', '.join(SORT_KEYS)}")
@@ -110,7 +111,7 @@ def ls(
         raise UsageError("--load needs -m (the model to load the files with)")
     lv = remote.learn_from_server(ctx, out, "ls", server, api_key=api_key, timeout=timeout, flags=flags,
                                   model=model, draft_model=draft_model, slot=slot, mmproj=False,
-                                  state_version=state_version)
+                                  state_version=state_version, store=store)
     if lv is not None:
         model, draft_model, flags, slot = lv.model, lv.draft_model, lv.server_flags, lv.slot
     setup = None

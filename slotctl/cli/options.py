@@ -39,6 +39,10 @@ DraftModelOpt = Annotated[Optional[Path], typer.Option("--draft-model", "-md", "
 
 
 SlotOpt = Annotated[int, typer.Option("--slot", min=0, help="The slot (sequence id).")]
+StoreTimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", min=0.001, metavar="SECONDS",
+                                                          help="With s3:// paths: the whole command's time for its "
+                                                               "requests to the store; past it, one error, exit 2 "
+                                                               "(docs/store.md).")]
 
 
 # -- the command line as typed ----------------------------------------------------------------------------
@@ -140,7 +144,12 @@ def server_command_line(command, ctx, args: list[str]) -> tuple[list[str], list[
 
     local = "--server" not in args[:args.index("--")] if "--" in args else "--server" not in args
     own_options = {False: _own_options(command, ctx, local), True: _own_options(command, ctx, local, pasted=True)}
-    out: list[str] = []
+    # an option given many times that takes one value: the last wins, as in click, which is told the last only
+    # (click looks for close matches of every short option it reads: 1 ms each, 9,000 in 64 KiB cost 15 s)
+    single = {name: p.name for p in command.get_params(ctx) if p.param_type_name == "option"
+              and not getattr(p, "multiple", False) and not getattr(p, "count", False)
+              for name in (*p.opts, *p.secondary_opts)}
+    groups: list[tuple[str | None, list[str]]] = []
     ignored: list[str] = []
     env: dict[str, str] = {}
 
@@ -150,7 +159,7 @@ def server_command_line(command, ctx, args: list[str]) -> tuple[list[str], list[
         while i < len(words):
             word = words[i]
             if word == "--" and not pasted:
-                out.extend(words[i:])
+                groups.append((None, words[i:]))
                 return
             if not pasted and not word.startswith("-") and Path(word).name.startswith("llama-server"):
                 # llama-server's own command line pasted as it is, its program first: the rest is the server's
@@ -169,9 +178,8 @@ def server_command_line(command, ctx, args: list[str]) -> tuple[list[str], list[
                 i += 1
                 continue
             if norm in own:
-                out.append(norm + eq + value)
                 n = 1 if own[norm] and not eq else 0
-                out.extend(words[i + 1:i + 1 + n])
+                groups.append((single.get(norm), [norm + eq + value, *words[i + 1:i + 1 + n]]))
                 i += 1 + n
                 continue
             arg = server_arg(name) if name.startswith("-") and name != "-" else None
@@ -189,11 +197,20 @@ def server_command_line(command, ctx, args: list[str]) -> tuple[list[str], list[
                 what = "is not a flag llama-server b11434 takes" if word.startswith("-") else \
                     "is neither a flag nor the value of one"
                 raise UsageError(f"--server-args: {word} {what}")
-            out.append(word)
+            groups.append((None, [word]))
             i += 1
 
     walk(args, pasted=False)
+    last = {name: i for i, (name, _) in enumerate(groups) if name is not None}
+    out = [w for i, (name, ws) in enumerate(groups) if name is None or last[name] == i for w in ws]
     return out, ignored, env
+
+
+#: the most bytes ``--server-args`` takes, as text or from ``@FILE`` (a llama-server command line is a few hundred
+#: bytes; Linux passes one argument of at most 128 KiB): past it, refused before a byte more is read
+SERVER_ARGS_MAX_BYTES = 64 << 10
+#: the longest word ``--server-args`` takes: a path (PATH_MAX) is the longest value a server flag has
+MAX_WORD = 4096
 
 
 def _split_server_args(text: str, UsageError) -> tuple[list[str], dict[str, str]]:  # noqa: N803
@@ -202,23 +219,40 @@ def _split_server_args(text: str, UsageError) -> tuple[list[str], dict[str, str]
     file's command line). Leading ``NAME=value`` words are the server's environment (``LLAMA_ARG_CTX_SIZE=4096
     llama-server ...``); a first word that is not a flag is the program (``/usr/bin/llama-server``) and is
     skipped. Returns (the words, the environment)."""
+    import re
     import shlex
 
+    from slotctl.errors import UsageError as Refused
+
     if text.startswith("@"):
+        from slotctl.paths import read_bounded
+
         path = Path(text[1:])
         try:
-            text = path.read_text(encoding="utf-8", errors="replace")
+            text = read_bounded(path, SERVER_ARGS_MAX_BYTES, what="--server-args @").decode("utf-8", "replace")
+        except Refused as e:
+            raise UsageError(str(e)) from None
         except OSError as e:
             raise UsageError(f"--server-args @{path}: {e.strerror or e}") from None
-    try:
-        words = shlex.split(text.replace("\\\n", " "), comments=True)
+    elif len(text) > SERVER_ARGS_MAX_BYTES:
+        raise UsageError(f"--server-args: {len(text):,} characters, more than the {SERVER_ARGS_MAX_BYTES:,} "
+                         f"this takes")
+    text = text.replace("\\\n", " ")
+    try:   # shlex reads a character at a time (16 us each): text without quotes, escapes or comments is split at C speed
+        words = re.split(r"[ \t\r\n]+", text.strip(" \t\r\n")) if not re.search(r"['\"\\\\#]", text) else \
+            shlex.split(text, comments=True)
     except ValueError as e:
         raise UsageError(f"--server-args: {e} (quote as a shell does)") from None
+    words = [w for w in words if w]
+    long = next((w for w in words if len(w) > MAX_WORD), None)
+    if long is not None:
+        raise UsageError(f"--server-args: a word of {len(long):,} characters ({long[:16]}...): longer than any "
+                         f"flag or value llama-server takes (a path is at most {MAX_WORD:,})")
     env = {}
     while words and "=" in words[0] and not words[0].startswith("-") and words[0].split("=", 1)[0].isidentifier():
         name, _, value = words.pop(0).partition("=")
         env[name] = value
-    program = next((i for i, w in enumerate(words) if Path(w).name.startswith("llama-server")), None)
+    program = next((i for i, w in enumerate(words) if w.rpartition("/")[2].startswith("llama-server")), None)
     if program is not None:  # the program and whatever runs it (exec, env, nohup, numactl -N 0, ...)
         del words[:program + 1]
     elif words and not words[0].startswith("-"):
@@ -407,7 +441,8 @@ def _environment_flags(ctx, values: dict, assigned: dict[str, str]) -> dict[str,
         if field in given or field not in values:
             continue
         values[field] = value
-        said[field] = f"{var}={({**os.environ, **assigned}).get(var, '')}"
+        text = ({**os.environ, **assigned}).get(var, "")
+        said[field] = f"{var}={text}" if len(text) <= 64 else f"{var} ({len(text):,} characters)"
     return said
 
 

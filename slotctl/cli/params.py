@@ -28,6 +28,11 @@ from typer.models import ParameterInfo
 SPEC = "slotctl_plain"
 
 
+#: the longest number a value may be written as: every number slotctl takes fits in 64 bits (20 digits); a
+#: float may have more digits, never thousands. Longer text is refused by its length, not converted
+MAX_NUMBER_CHARS = 64
+
+
 class MissingValue(typer.BadParameter):
     """A required argument or option was not given (raised by a plain parameter)."""
 
@@ -64,6 +69,9 @@ class Plain:
                 return False
             raise typer.BadParameter(f"expected a flag value, got {value!r}", ctx=ctx, param=param)
         if leaf in (int, float):
+            if isinstance(value, str) and len(value.strip()) > MAX_NUMBER_CHARS:   # refused before any conversion
+                raise typer.BadParameter(f"expected {'a whole number' if leaf is int else 'a number'}, got "
+                                         f"{len(value.strip()):,} characters", ctx=ctx, param=param)
             try:
                 n = leaf(value) if not isinstance(value, str) or leaf is float else int(value.strip(), 10)
             except (TypeError, ValueError):

@@ -8,8 +8,9 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
-from slotctl.cli.common import handle_errors
+from slotctl.cli.common import handle_errors, store_deadline
 from slotctl.cli.options import (
+    StoreTimeoutOpt,
     ArgsCommand,
     DraftModelOpt,
     JsonOpt,
@@ -68,6 +69,7 @@ def prune(
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     slot: SlotOpt = 0,
+    timeout: StoreTimeoutOpt = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
     flags: ServerFlags = ServerFlags(),
@@ -93,6 +95,7 @@ def prune(
     """
     from slotctl.prune import DEFAULT_GRACE, Policy, execute, parse_age, parse_size, plan
 
+    store_deadline(timeout, directory)
     out = Output(json_mode=json_out, verbose=verbose)
     policy = Policy(max_size=parse_size(max_size) if max_size is not None else None,
                     older_than=parse_age(older_than) if older_than is not None else None,

@@ -49,7 +49,9 @@ SlotFileTimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metav
                                                    help="With --server: give up on a request after this many "
                                                         "seconds.")]
 LiveTimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
-                                               help="With --server: give up on a request after this many seconds.")]
+                                               help="With --server: give up on a request after this many seconds. "
+                                                    "Given with s3:// paths: the whole command's time for its "
+                                                    "requests to the store (docs/store.md).")]
 LiveApiKeyOpt = Annotated[Optional[str], typer.Option("--api-key", envvar=server_api.API_KEY_ENV, show_envvar=True,
                                                       help="With --server: the server's API key (sent as "
                                                            "Authorization: Bearer).")]
@@ -125,9 +127,10 @@ def refuse_local_options(ctx: typer.Context | None, command: str, why: str, also
                          f"{command} only ({why})")
 
 
-def require_local(ctx: typer.Context | None, command: str, **required: Any) -> None:
-    """Local mode (no ``--server``): the options it needs are there and no live-only option was typed."""
-    live_only = [n for n in _SERVER_ONLY if _source(ctx, n) == "COMMANDLINE"]
+def require_local(ctx: typer.Context | None, command: str, *, store: bool = False, **required: Any) -> None:
+    """Local mode (no ``--server``): the options it needs are there and no live-only option was typed
+    (``store``: an ``s3://`` path is given, and ``--timeout`` is its deadline)."""
+    live_only = [n for n in _SERVER_ONLY if _source(ctx, n) == "COMMANDLINE" and not (store and n == "timeout")]
     if live_only:
         names = ", ".join(option_name(ctx, n) for n in live_only)
         raise UsageError(f"{names} {'goes' if len(live_only) == 1 else 'go'} with --server URL (live mode)")
@@ -340,13 +343,13 @@ JudgeServerOpt = Annotated[Optional[str], typer.Option("--server", metavar="URL"
 
 def learn_from_server(ctx: typer.Context, out: Output, command: str, server: str | None, *, api_key: str | None,
                       timeout: float, flags, model: Path | None, draft_model: Path | None, slot: int,
-                      mmproj: bool, state_version: int):
+                      mmproj: bool, state_version: int, store: bool = False):
     """``--server`` of validate and ls: the running server's model and flags where it says them, flags given
     on the command line winning (:func:`slotctl.live.learn.learn_flags`), its lines printed
     (:func:`render_live`); a :class:`~slotctl.live.learn.LiveValidate`, or None without ``--server``
     (then no live-only option may have been typed)."""
     if server is None:
-        require_local(ctx, command)  # --api-key / --timeout typed without --server
+        require_local(ctx, command, store=store)  # --api-key / --timeout typed without --server
         return None
     from slotctl.live.http import server_facts
     from slotctl.live.learn import learn_flags

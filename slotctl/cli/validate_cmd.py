@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.cli import remote
-from slotctl.cli.common import FileRun, NoteCounter, handle_errors, llama_available, llama_install
+from slotctl.cli.common import FileRun, NoteCounter, handle_errors, llama_available, llama_install, store_deadline
 from slotctl.cli.options import (
     ArgsCommand,
     DraftModelOpt,
@@ -85,6 +85,7 @@ def validate(
     from slotctl.slotfile import expand_slot_paths
     from slotctl.validate import ServerSetup, validate_paths
 
+    store = store_deadline(timeout if remote._source(ctx, "timeout") == "COMMANDLINE" else None, files)
     out = Output(json_mode=json_out, jsonl=jsonl, quiet=quiet, verbose=verbose)
     if mmproj is not None:
         from slotctl.paths import check_readable
@@ -92,7 +93,7 @@ def validate(
         check_readable(mmproj, what="mmproj ")
     lv = remote.learn_from_server(ctx, out, "validate", server, api_key=api_key, timeout=timeout, flags=flags,
                                   model=model, draft_model=draft_model, slot=slot, mmproj=mmproj is not None,
-                                  state_version=state_version)
+                                  state_version=state_version, store=store)
     if lv is not None:
         model, draft_model, flags, slot = lv.model, lv.draft_model, lv.server_flags, lv.slot
     setup = ServerSetup.from_flags(flags, target=model, draft=draft_model, slot=slot,

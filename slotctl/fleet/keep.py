@@ -15,7 +15,8 @@ Every ``every`` seconds (:meth:`Keeper.tick`):
   with ``allow_lossy``); a state that cannot be is skipped, saying why.
 * **save**: each idle slot (``is_processing`` false) whose last task (``/slots`` ``id_task``, ``n_prompt_tokens``)
   changed since keep last saved or restored it, with at least ``min_tokens`` prompt tokens, is saved by the
-  server under a working name (``keep-slotN-incoming.bin`` in ``--slot-save-path``); only after the save
+  server under a working name (``keep-slotN-incoming-PID-RANDOM.bin`` in ``--slot-save-path``, private to the
+  process); only after the save
   answered 200 and the file parses with the token count and size the server reported is it copied into the
   store, atomically, as ``slotN-MODEL-TOKENS.bin`` (MODEL: a hash of the server's model identity, TOKENS: a
   hash of the saved tokens: one state is stored once). The working file is then removed.
@@ -46,8 +47,13 @@ from slotctl.fleet.migrate import IDENTITY_KEYS
 from slotctl.fleet.states import copy_atomic, open_store
 from slotctl.live.prove import local_setup, prove
 
-#: the name the server saves a slot under before keep checks it (in --slot-save-path)
-INCOMING = "keep-slot{slot}-incoming.bin"
+#: the name the server saves a slot under before keep checks it (in --slot-save-path): private to this keep
+#: process (its pid and a random word: two keepers of one server never share it), removed on every way out
+INCOMING = "keep-slot{slot}-incoming-{pid}-{nonce}.bin"
+#: every keep's working files, whatever their process (prune never touches them)
+INCOMING_GLOB = "keep-slot*-incoming*.bin"
+#: seconds a working file of a keep process that is gone stays untouched before keep removes it at its start
+ORPHAN_AGE = 3600.0
 #: seconds a health check may take (a server that does not answer that fast is taken as down)
 HEALTH_TIMEOUT = 10.0
 
@@ -137,8 +143,11 @@ class Keeper:
     # -- the loop ---------------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Ask the loop to do a last save and return (safe from a signal handler)."""
+        """Ask the loop to do a last save and return (safe from a signal handler): a read in flight is cut
+        off (a server that drips its answer holds keep no longer), and the last save's look at the slots
+        waits at most :data:`HEALTH_TIMEOUT`."""
         self._stop.set()
+        http.cut_off_reads()
 
     def abandon(self, why: Exception) -> None:
         """Stop at once, without the last save: the lock was lost (another keeper may be writing)."""
@@ -150,6 +159,7 @@ class Keeper:
         the lock was lost)."""
         self._event("start", None, f"keeping {self.url}: slot dir {self.slot_dir}, store {self.store}, every "
                                    f"{self.every:g} s", every=self.every, store=str(self.store))
+        self.sweep()
         while not self._stop.is_set():
             self.beat = time.monotonic()
             self.tick()
@@ -163,6 +173,35 @@ class Keeper:
             self.save_changed()
         self._event("stop", None, "stopped: the last save of the changed slots is done")
         return 0
+
+    def sweep(self, now: float | None = None) -> None:
+        """Remove the working files of keep processes that are gone (killed: SIGKILL leaves no way to clean
+        up) and untouched for :data:`ORPHAN_AGE` seconds: the pid in the name is no process of this machine.
+        A keeper on another machine sharing the directory keeps its own, being recent."""
+        import re
+
+        now = time.time() if now is None else now
+        for p in self.slot_dir.glob(INCOMING_GLOB):
+            m = re.fullmatch(r"keep-slot\d+-incoming-(\d+)-[0-9a-f]+\.bin", p.name)
+            if m is None or int(m.group(1)) == os.getpid():
+                continue
+            try:
+                os.kill(int(m.group(1)), 0)
+                continue                        # its keeper is alive
+            except ProcessLookupError:
+                pass
+            except (PermissionError, OverflowError):
+                continue
+            try:
+                st = p.stat()
+                if now - st.st_mtime < ORPHAN_AGE:
+                    continue
+                p.unlink()
+            except OSError:
+                continue
+            self._event("pruned", None, f"{p}: deleted (the working file of keep process {m.group(1)}, which is "
+                                        f"gone), {st.st_size:,} bytes", path=str(p), size=st.st_size,
+                        action="deleted")
 
     def once(self, *, restore: bool) -> int:
         """One pass, then return (llama-swap's ``cmdStop``, a start hook): the server's facts, then every
@@ -188,9 +227,12 @@ class Keeper:
         return 2 if self.errors else 0
 
     def tick(self) -> None:
+        self.store.again()
         try:
             http.get_health(self.url, api_key=self.api_key, timeout=min(self.timeout, HEALTH_TIMEOUT))
             facts = http.server_facts(self.url, api_key=self.api_key, timeout=self.timeout)
+        except http.CutOff:     # by stop(): the server's state is not known to have changed
+            return
         except (http.ServerUnreachable, http.ServerRefused) as e:
             if self.on_look is not None:
                 self.on_look(False)
@@ -226,7 +268,9 @@ class Keeper:
     # -- saving -----------------------------------------------------------------------------------------
 
     def _slots(self) -> list[dict]:
-        return http.get_slots(self.url, api_key=self.api_key, timeout=self.timeout)
+        stopping = self._stop.is_set()
+        return http.get_slots(self.url, api_key=self.api_key,
+                              timeout=min(self.timeout, HEALTH_TIMEOUT) if stopping else self.timeout)
 
     @staticmethod
     def signature(entry: dict) -> tuple | None:
@@ -260,11 +304,22 @@ class Keeper:
         self._each_idle_slot(self._changed, lambda e: self.save(e["id"], self.signature(e)))
 
     def save(self, slot: int, sig: tuple) -> None:
+        import secrets
+
+        work = INCOMING.format(slot=slot, pid=os.getpid(), nonce=secrets.token_hex(4))
+        path = self.slot_dir / work
+        try:
+            self._save(slot, sig, work, path)
+        finally:    # stored (moved), refused or failed: the working file never stays
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def _save(self, slot: int, sig: tuple, work: str, path: Path) -> None:
         from slotctl.slotfile import open_slot_file
 
-        work = INCOMING.format(slot=slot)
         answer = http.save_slot(self.url, slot, work, api_key=self.api_key, timeout=self.timeout, check=False)
-        path = self.slot_dir / work
         self._event("saved", slot, f"slot {slot} saved by the server: {answer['n_saved']:,} tokens, "
                                    f"{answer['n_written']:,} bytes", answer=answer)
         sf = open_slot_file(path)
@@ -288,7 +343,16 @@ class Keeper:
             return
         if self.lock is not None:
             self.lock.check()
-        self.store.put(path, name)
+        try:
+            self.store.put(path, name)
+        except SlotctlError as e:
+            if getattr(e, "code", None) != "exists":
+                raise
+            # another keeper of the same server stored the same state between the look and the copy
+            self._event("unchanged", slot, f"slot {slot}: {name} is already in the store (the same tokens)",
+                        name=name)
+            self._remember(slot, sig, name)
+            return
         self._remember(slot, sig, name)
         where = self.store.where(name)
         self._event("stored", slot, f"slot {slot}: stored as {where} ({sf.size:,} bytes, {n:,} tokens)",
@@ -311,7 +375,7 @@ class Keeper:
                                                                  f"{slot}")
         if self.max_size is None:
             return
-        self.store.prune(self.max_size, (INCOMING.format(slot="*"),), pruned)
+        self.store.prune(self.max_size, (INCOMING_GLOB,), pruned)
 
     # -- restoring --------------------------------------------------------------------------------------
 

@@ -26,6 +26,9 @@ class DirectoryStore:
     def where(self, name: str) -> str:
         return os.fspath(self.path / name)
 
+    def again(self) -> None:
+        """A new run of a long-running process (keep's tick): nothing to forget here."""
+
     def has(self, name: str) -> bool:
         return (self.path / name).exists()
 
@@ -103,6 +106,13 @@ class ObjectStore:
 
     def where(self, name: str) -> str:
         return self.url + name
+
+    def again(self) -> None:
+        """A new run of a long-running process (keep's tick): a store that stopped answering in the last one
+        (which stopped that run) is tried again."""
+        from slotctl.store.s3 import forget_down
+
+        forget_down()
 
     def has(self, name: str) -> bool:
         from slotctl.store.s3 import S3_STORE

@@ -59,8 +59,9 @@ DEFAULT_TIMEOUT = 30.0
 #: the environment variable that holds the API key when ``--api-key`` is not given
 API_KEY_ENV = "LLAMA_API_KEY"
 
-#: at most this many bytes of an answer are read (a slot listing of hundreds of slots is far smaller)
-MAX_ANSWER_BYTES = 64 << 20
+#: at most this many bytes of an answer are read (a slot listing of 256 slots is far smaller); what its parse
+#: holds is a small multiple of it (:func:`parse_answer`)
+MAX_ANSWER_BYTES = 16 << 20
 
 
 class ServerError(SlotctlError):
@@ -71,6 +72,10 @@ class ServerUnreachable(ServerError):
     """No usable answer: connection refused or reset, unknown host, timeout, not a llama-server."""
 
     exit_status = ExitStatus.USAGE
+
+
+class CutOff(ServerUnreachable):
+    """A read cut off because the process is stopping (:func:`cut_off_reads`), not for anything the server did."""
 
 
 class ServerAnswerError(ServerUnreachable):
@@ -327,6 +332,19 @@ def _api_key(api_key: str | None) -> str | None:
 # -- requests ----------------------------------------------------------------------------------------
 
 
+#: every GET in flight: (its "stopped" event, its cut-off) (:func:`cut_off_reads`)
+_READS: set = set()
+
+
+def cut_off_reads() -> None:
+    """Cut off every GET in flight now (safe from a signal handler): a process stopping (``keep`` on
+    SIGTERM) does not wait out a server that drips its answer. Slot actions (save, restore) are not cut:
+    the server goes on with them whatever the client does."""
+    for stopped, cut in list(_READS):
+        stopped.set()
+        cut()
+
+
 def request(url: str, method: str, path: str, body: Any = None, *, query: dict[str, str] | None = None,
             api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
     """Send one request to the server at ``url`` and return its parsed JSON answer.
@@ -377,6 +395,9 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
     timer = threading.Timer(timeout, cut_off)
     timer.daemon = True
     timer.start()
+    stopped = threading.Event()
+    if method == "GET":
+        _READS.add((stopped, cut_off))
     conn = None
     sent = False
     try:
@@ -394,6 +415,8 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
     except ProxyRefused as e:
         raise ProxyRefused(f"{what}: {e}") from None
     except BaseException as e:
+        if stopped.is_set():
+            raise CutOff(f"{what}: cut off: stopping") from None
         if expired.is_set() or isinstance(e, (TimeoutError, socket.timeout)):
             raise ServerUnreachable(f"{what}: no answer within {timeout:g} s (--timeout bounds the "
                                     f"whole request{', the proxy included' if route.proxy else ''})"
@@ -412,6 +435,7 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
         raise
     finally:
         timer.cancel()
+        _READS.discard((stopped, cut_off))
         if conn is not None:
             conn.close()
         for sock in sockets:
@@ -427,7 +451,8 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
                              f"(the API key goes only to the URL given): give the server's own URL",
                              status=status, location=location)
     if len(raw) > MAX_ANSWER_BYTES:
-        raise ServerUnreachable(f"{what}: answer larger than {MAX_ANSWER_BYTES >> 20} MiB: not a llama-server")
+        raise ServerAnswerError(f"{what}: unexpected answer: larger than {MAX_ANSWER_BYTES >> 20} MiB (is this a "
+                                f"llama-server?)")
     if status >= 400:
         _raise_http_error(what, status, raw)
     if not 200 <= status < 300:
@@ -439,9 +464,11 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
                                 f"({_snippet(raw)}): is this a llama-server?") from None
 
 
-#: the most values (objects, lists, strings, numbers...) and the deepest nesting an answer may have: a
-#: llama-server's answers (256 slots at most, /props, a completion with its probabilities) are far below
-MAX_ANSWER_ITEMS = 1_000_000
+#: the most values (objects, lists, strings, numbers...), escapes (``\\n``, ``\\u00e9``) and the deepest nesting an
+#: answer may have: a llama-server's answers (256 slots at most, /props, a completion with its probabilities)
+#: are far below
+MAX_ANSWER_ITEMS = 250_000
+MAX_ANSWER_ESCAPES = 250_000
 MAX_ANSWER_DEPTH = 64
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
@@ -449,20 +476,33 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def parse_answer(raw: bytes, what: str) -> Any:
-    """The JSON answer ``raw``, bounded in values and depth before it is parsed (ServerAnswerError past
-    :data:`MAX_ANSWER_ITEMS` or :data:`MAX_ANSWER_DEPTH`): 64 MiB of ``[{},...]`` would make 1.7 GB of
-    objects, and deep nesting a RecursionError. ValueError when it is not JSON.
+    """The JSON answer ``raw`` (at most :data:`MAX_ANSWER_BYTES`), bounded in values, escapes and depth
+    before it is parsed (ServerAnswerError past :data:`MAX_ANSWER_ITEMS`, :data:`MAX_ANSWER_ESCAPES` or
+    :data:`MAX_ANSWER_DEPTH`): 64 MiB of ``[{},...]`` made 1.7 GB of objects, 62 MiB of ``"\\u00e9..."``
+    1.4 GB of pieces of one string, and deep nesting a RecursionError. ValueError when it is not JSON.
 
-    The bounds are counted on the bytes with every string emptied (C-speed regular expression and
-    ``bytes.count``); only the brackets, at most twice the bound, are walked for the depth.
+    Every count is made on the bytes (``bytes.count``, a C-speed regular expression) before anything of
+    their size is made: the strings (each a quote pair) are counted before they are emptied, so the
+    emptied copy has at most as many pieces as the bound; only the brackets, at most twice the bound,
+    are walked for the depth. What the parse then holds is bounded by the byte cap (measured in
+    tests/test_live_hardened.py: peak under 10 x :data:`MAX_ANSWER_BYTES`, the width of a Python string
+    of 4-byte characters included).
     """
+    def refuse(why: str) -> ServerAnswerError:
+        return ServerAnswerError(f"{what}: unexpected answer: {why} (is this a llama-server?)")
+
+    escapes = raw.count(b"\\")
+    if escapes > MAX_ANSWER_ESCAPES:
+        raise refuse(f"more than {MAX_ANSWER_ESCAPES:,} escaped characters")
+    if raw.count(b'"') // 2 > MAX_ANSWER_ITEMS:
+        raise refuse(f"more than {MAX_ANSWER_ITEMS:,} strings")
     bare = _JSON_STRING.sub(b'""', raw)
     opens = bare.count(b"[") + bare.count(b"{")
     items = bare.count(b",") + opens + 1
     if items > MAX_ANSWER_ITEMS:
-        raise ServerAnswerError(f"{what}: unexpected answer: more than {MAX_ANSWER_ITEMS:,} values "
-                                f"(is this a llama-server?)")
+        raise refuse(f"more than {MAX_ANSWER_ITEMS:,} values")
     brackets = bare.translate(None, _NOT_BRACKETS)
+    del bare
     if len(brackets) <= 2 * opens:   # more closing than opening brackets: not JSON, json says where
         depth = deepest = 0
         for c in brackets:
@@ -470,12 +510,11 @@ def parse_answer(raw: bytes, what: str) -> Any:
             if depth > deepest:
                 deepest = depth
                 if deepest > MAX_ANSWER_DEPTH:
-                    raise ServerAnswerError(f"{what}: unexpected answer: nested deeper than {MAX_ANSWER_DEPTH} "
-                                            f"levels (is this a llama-server?)")
+                    raise refuse(f"nested deeper than {MAX_ANSWER_DEPTH} levels")
     try:
         return json.loads(raw)
     except RecursionError:   # pragma: no cover - the depth bound is far below the interpreter's
-        raise ServerAnswerError(f"{what}: unexpected answer: nested too deep (is this a llama-server?)") from None
+        raise refuse("nested too deep") from None
 
 
 def _reason(reason: Any, timeout: float) -> str:

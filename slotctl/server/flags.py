@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 
 from slotctl.errors import UsageError
@@ -160,11 +161,10 @@ def from_environment(environ: dict | None = None) -> dict[str, tuple[str, object
                 if arg.negated:  # handler_bool; a switch without a negation (--swa-full) ignores a falsey value
                     found[field] = (var, False)
             elif arg.negated:
-                raise UsageError(f"{var}={value}: expected on, off, true, false, 1 or 0 (llama-server reads it as "
+                raise UsageError(f"{_shown(var, value)}: expected on, off, true, false, 1 or 0 (llama-server reads it as "
                                  f"{flag_name(field)})")
         elif kind is int:
-            found[field] = (var, _stoi(value, f"{var}={value}: expected a number (llama-server reads it as "
-                                                   f"{flag_name(field)})"))
+            found[field] = (var, _stoi(value, var, flag_name(field)))
         else:
             found[field] = (var, value)
     return found
@@ -175,17 +175,30 @@ _TRUTHY = {"on", "enabled", "true", "1"}
 _FALSEY = {"off", "disabled", "false", "0"}
 
 
-def _stoi(value: str, error: str) -> int:
-    """``std::stoi``: leading blanks, a sign and digits; what follows them is ignored; no digits is an error."""
-    s = value.lstrip()
-    sign = s[:1] if s[:1] in "+-" else ""
-    digits = ""
-    for ch in s[len(sign):]:
-        if not ch.isdigit():
-            break
-        digits += ch
-    if not digits:
-        raise UsageError(error)
+#: ``std::stoi`` reads an ``int``: the server's numeric flags hold 32 bits, and a value outside them makes
+#: it throw ``std::out_of_range``: the server does not start ("error while handling argument")
+INT_MAX = 2**31 - 1
+_LEADING_INT = re.compile(r"[ \t\n\v\f\r]*([+-]?)([0-9]+)")
+
+
+def _shown(var: str, value: str) -> str:
+    """``VAR=value`` for a message, a value of absurd length named by its length instead."""
+    return f"{var}={value}" if len(value) <= 64 else f"{var} ({len(value):,} characters)"
+
+
+def _stoi(value: str, var: str, flag: str) -> int:
+    """``std::stoi`` of the variable ``var`` (read as ``flag``): leading blanks, a sign and digits; what
+    follows them is ignored; no digits is an error, and so is a value outside ``int`` (``std::out_of_range``:
+    decided on the count of digits first, so a number of millions of digits costs nothing)."""
+    shown = _shown(var, value)
+    m = _LEADING_INT.match(value)
+    if m is None:
+        raise UsageError(f"{shown}: expected a number (llama-server reads it as {flag})")
+    sign, digits = m.groups()
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > 10 or not -INT_MAX - 1 <= int(sign + digits) <= INT_MAX:
+        raise UsageError(f"{shown}: out of range: llama-server reads {flag} as a 32-bit int (std::stoi) and "
+                         f"does not start with it")
     return int(sign + digits)
 
 
@@ -204,7 +217,8 @@ class FlagError(UsageError):
         super().__init__(self.as_typed(flag_name(field)))
 
     def as_typed(self, flag: str) -> str:
-        return f"{flag} {self.value}: {self.expected}"
+        shown = str(self.value)
+        return f"{flag} {shown if len(shown) <= 64 else f'({len(shown):,} characters)'}: {self.expected}"
 
 
 def cache_type(value: str, field: str) -> str:
@@ -295,6 +309,11 @@ class ServerFlags:
         for name in ("batch_size", "ubatch_size"):
             if getattr(self, name) < 1:
                 raise FlagError(name, getattr(self, name), "expected 1 or more")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if type(value) is int and value > INT_MAX:
+                raise FlagError(f.name, value, f"expected {INT_MAX:,} or less (llama-server reads it as a 32-bit "
+                                               f"int, std::stoi, and does not start)")
 
     def context_settings(self) -> ContextSettings:
         """The target context's options, as the server builds its context from these flags."""
@@ -332,14 +351,8 @@ def check_slot(slot: int, parallel: int) -> None:
 def env_switch(name: str, environ: dict | None = None) -> bool:
     """An environment switch read as llama.cpp reads it (``atoi``: leading blanks and a sign, then digits;
     non-zero is on)."""
-    value = (os.environ if environ is None else environ).get(name, "").strip()
-    digits = value[1:] if value[:1] in "+-" else value
-    n = ""
-    for ch in digits:
-        if not ch.isdigit():
-            break
-        n += ch
-    return bool(n) and int(n) != 0
+    m = _LEADING_INT.match((os.environ if environ is None else environ).get(name, ""))
+    return m is not None and m.group(2).strip("0") != ""   # any digit but 0: non-zero (or out of range: UB in atoi)
 
 
 def attn_rot_disable(environ: dict | None = None) -> bool:

@@ -49,6 +49,10 @@ def join_url(bucket: str, key: str) -> str:
 # -- configuration -------------------------------------------------------------------------------------
 
 
+#: the most bytes of an AWS configuration or credentials file read (a FIFO or device is refused unread)
+CONFIG_MAX_BYTES = 1 << 20
+
+
 def _profile_files() -> tuple[dict, dict]:
     """The sections of ``~/.aws/credentials`` and ``~/.aws/config`` for ``AWS_PROFILE`` (or ``default``)."""
     env = os.environ
@@ -58,9 +62,14 @@ def _profile_files() -> tuple[dict, dict]:
     conf_path = env.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config")
 
     def section(path: str, name: str) -> dict:
+        from slotctl.paths import read_bounded
+
         cp = configparser.RawConfigParser()
-        try:
-            cp.read(path, encoding="utf-8")
+        if not os.path.lexists(path):       # as configparser's read: a file that is not there is no section
+            return {}
+        try:    # bounded before it is read whole: a FIFO hung, /dev/zero was a MemoryError
+            cp.read_string(read_bounded(path, CONFIG_MAX_BYTES, what="AWS configuration file ").decode("utf-8"),
+                           source=path)
         except (configparser.Error, OSError, UnicodeDecodeError):
             raise UsageError(f"{path}: not an AWS configuration file this can read", code="bad_config") from None
         return dict(cp.items(name)) if cp.has_section(name) else {}

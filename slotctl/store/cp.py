@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from slotctl.atomic import COPY_CHUNK, atomic_writer
-from slotctl.errors import ExitStatus, SlotctlError, UsageError, os_error_code
+from slotctl.errors import ExitStatus, SlotctlError, StoreDown, UsageError, os_error_code
 from slotctl.progress import Progress
 from slotctl.slotfile import read_slot_file
 from slotctl.sources import open_input, remote_url
@@ -80,6 +80,8 @@ def copy_files(sources: Iterable[str], dst: str, *, overwrite: bool = False, for
         try:
             target = destination(src, dst, many)
             out.append(copy_one(src, target, overwrite=overwrite, force=force, progress=progress, refuses=refuses))
+        except StoreDown:       # the store stopped answering: the run stops, not file after file
+            raise
         except (SlotctlError, OSError) as e:
             out.append(_failed(src, target or dst, e))
     return out

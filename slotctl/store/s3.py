@@ -15,13 +15,14 @@ import contextlib
 import os
 import re
 import threading
+import time
 from typing import Iterator, Sequence
 
 import obstore
 from obstore import exceptions as obx
 from obstore.store import S3Store
 
-from slotctl.errors import UsageError
+from slotctl.errors import StoreDown, UsageError
 from slotctl.store.config import EXISTS, Config, join_url, split_url
 from slotctl.sources import HEAD_BYTES, TOTALS, Entry, RangedFile, register_store
 
@@ -55,7 +56,10 @@ def _scrub(text: str, secrets: Sequence[str]) -> str:
 
 
 def store_error(url: str, e: Exception, secrets: Sequence[str] = (), *, action: str = "") -> UsageError:
-    """The one-line error (exit 2) for an obstore failure on ``url``; never a credential in it."""
+    """The one-line error (exit 2) for an obstore failure on ``url``; never a credential in it. A failure
+    that says the store does not answer is a :class:`~slotctl.errors.StoreDown`: the run stops."""
+    if isinstance(e, StoreDown):
+        return e
     msg = str(e)
     m = _S3_CODE.search(msg)
     s3code = m.group(1) if m else None
@@ -80,7 +84,80 @@ def store_error(url: str, e: Exception, secrets: Sequence[str] = (), *, action: 
             code, words = "store_unreachable", f"the store does not answer ({_short(first)})"
         else:
             code, words = "store_error", _short(first)
-    return UsageError(_scrub(f"{url}: {words}{doing}", secrets), code=code)
+    message = _scrub(f"{url}: {words}{doing}", secrets)
+    if code == "store_unreachable":     # the store stopped answering: the run stops here, with this error
+        return _stopped(message)
+    return UsageError(message, code=code)
+
+
+# -- one deadline for a whole command; a store that stopped answering stops the run ----------------------
+
+#: the monotonic time by which a command must be done with its stores (``--timeout``: :func:`set_deadline`)
+_deadline: float | None = None
+_timeout: float | None = None
+#: the first failure that said the store stopped answering: every later request is refused with it
+_down: StoreDown | None = None
+#: calls still running in their threads when the deadline came (the process ends without waiting for them)
+STUCK: list = []
+
+
+def set_deadline(seconds: float | None) -> None:
+    """Give the command ``seconds`` in all for its requests to stores, from now (None: no deadline; each
+    request is still bounded by :data:`~slotctl.store.config.REQUEST_TIMEOUT`)."""
+    global _deadline, _timeout
+    _timeout = seconds
+    _deadline = None if seconds is None else time.monotonic() + seconds
+
+
+def start_run() -> None:
+    """A command starts: no deadline yet (``--timeout`` sets one) and the store not known to be down."""
+    forget_down()
+    set_deadline(None)
+
+
+def forget_down() -> None:
+    """Try the store again: a long-running process (``keep``) starts each of its runs afresh."""
+    global _down
+    _down = None
+
+
+def _stopped(message: str) -> StoreDown:
+    global _down
+    if _down is None:
+        _down = StoreDown(message)
+    return _down
+
+
+def call(url: str, action: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, an obstore request on ``url``, within the command's deadline: past it, the
+    run stops (:class:`~slotctl.errors.StoreDown`, ``no answer within --timeout``) and the request is left
+    to itself (a thread of its own: obstore's calls cannot be interrupted). A store already known to be
+    down refuses at once, with the first error. Other failures are raised as they are (the caller says
+    what they mean)."""
+    if _down is not None:
+        raise _down
+    if _deadline is None:
+        return fn(*args, **kwargs)
+    remaining = _deadline - time.monotonic()
+    if remaining <= 0:
+        raise _stopped(f"{url}: no answer within --timeout {_timeout:g} s ({action}): the run stops")
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True, name=f"slotctl-store-{action}")
+    t.start()
+    t.join(remaining)
+    if t.is_alive():
+        STUCK.append(t)
+        raise _stopped(f"{url}: no answer within --timeout {_timeout:g} s ({action}): the run stops")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 #: obstore's (reqwest's, hyper's) words for a response body that ended before its length: a dropped
@@ -124,6 +201,8 @@ class S3:
         self._stores.clear()
         self._heads.clear()
         self._head_bytes = 0
+        forget_down()
+        set_deadline(None)
 
     def bucket(self, url: str) -> tuple[S3Store, str]:
         bucket, key = split_url(url)
@@ -145,6 +224,8 @@ class S3:
         def one(url: str) -> bytes | None:
             try:
                 r = self.open(url)
+            except StoreDown:
+                raise
             except UsageError:
                 return None
             with self._lock:
@@ -179,7 +260,7 @@ class S3:
         if not key or key.endswith("/"):
             return None
         try:
-            meta = obstore.head(store, key)
+            meta = call(url, "HEAD", obstore.head, store, key)
         except (obx.NotFoundError, FileNotFoundError):
             return None
         except Exception as e:  # noqa: BLE001 - every obstore failure: one line
@@ -192,7 +273,7 @@ class S3:
         prefix = key if not key or key.endswith("/") else key + "/"
         out: list[Entry] = []
         try:
-            res = obstore.list_with_delimiter(store, prefix or None)
+            res = call(url, "LIST", obstore.list_with_delimiter, store, prefix or None)
             for meta in res["objects"]:
                 if meta["path"] == prefix or meta["path"] + "/" == prefix:
                     continue     # the prefix's own marker (SeaweedFS keeps one for an emptied "directory")
@@ -211,7 +292,7 @@ class S3:
         if not prefix:
             return True      # the bucket itself
         try:
-            res = obstore.list_with_delimiter(store, prefix.rstrip("/"))
+            res = call(url, "LIST", obstore.list_with_delimiter, store, prefix.rstrip("/"))
         except Exception as e:  # noqa: BLE001
             raise self.error(url, e, "LIST") from None
         if any(m["path"] in (prefix, prefix.rstrip("/")) for m in res["objects"]):
@@ -225,7 +306,7 @@ class S3:
         bucket = split_url(url)[0]
         prefix = key if not key or key.endswith("/") else key + "/"
         try:
-            res = obstore.list_with_delimiter(store, prefix or None)
+            res = call(url, "LIST", obstore.list_with_delimiter, store, prefix or None)
         except Exception as e:  # noqa: BLE001
             raise self.error(url, e, "LIST") from None
         return sorted(join_url(bucket, p.rstrip("/") + "/") for p in res.get("common_prefixes") or ()
@@ -235,7 +316,7 @@ class S3:
         """DELETE the object (prune); one that is already gone is no error (S3's DELETE is idempotent)."""
         store, key = self.bucket(url)
         try:
-            obstore.delete(store, key)
+            call(url, "DELETE", obstore.delete, store, key)
         except (obx.NotFoundError, FileNotFoundError):
             return
         except Exception as e:  # noqa: BLE001
@@ -244,7 +325,7 @@ class S3:
     def _check_bucket(self, store: S3Store, url: str) -> None:
         """An empty listing of a bucket that does not exist is an error (a missing prefix is just empty)."""
         try:
-            obstore.list_with_delimiter(store, None)
+            call(url, "LIST", obstore.list_with_delimiter, store, None)
         except Exception as e:  # noqa: BLE001
             raise self.error(url, e, "LIST") from None
 
@@ -278,8 +359,8 @@ class ObjectReader(RangedFile):
     def _first(self) -> None:
         """The first read: the object's size, ETag and last-modified time with its first bytes."""
         try:
-            res = obstore.get(self.store, self.key, options={"range": (0, HEAD_BYTES)})
-            data = bytes(res.bytes())
+            res = call(self.name, "GET", obstore.get, self.store, self.key, options={"range": (0, HEAD_BYTES)})
+            data = bytes(call(self.name, "GET", res.bytes))
             meta = res.meta
         except (obx.NotFoundError, FileNotFoundError) as e:
             raise self.s3.error(self.name, e) from None
@@ -287,7 +368,7 @@ class ObjectReader(RangedFile):
             if "416" not in str(e) and "InvalidRange" not in str(e):
                 raise self.s3.error(self.name, e, "GET") from None
             try:
-                meta, data = obstore.head(self.store, self.key), b""
+                meta, data = call(self.name, "HEAD", obstore.head, self.store, self.key), b""
             except Exception as e2:  # noqa: BLE001
                 raise self.s3.error(self.name, e2, "HEAD") from None
         self.requests += 1
@@ -314,7 +395,8 @@ class ObjectReader(RangedFile):
         if self.etag:
             options["if_match"] = self.etag
         try:
-            return bytes(obstore.get(self.store, self.key, options=options).bytes())
+            return call(self.name, f"GET bytes {offset}-{offset + n - 1}",
+                        lambda: bytes(obstore.get(self.store, self.key, options=options).bytes()))
         except Exception as e:  # noqa: BLE001
             raise self.s3.error(self.name, e, f"GET bytes {offset}-{offset + n - 1}") from None
 
@@ -463,10 +545,10 @@ class Writer:
         target = key if (overwrite or not multipart) else temp_key(key)
         try:
             if multipart:
-                res = obstore.put(store, target, iter(parts), use_multipart=True, chunk_size=parts.part,
+                res = call(url, "PUT", obstore.put, store, target, iter(parts), use_multipart=True, chunk_size=parts.part,
                                   max_concurrency=UPLOAD_CONCURRENCY)
             else:
-                res = obstore.put(store, target, b"".join(parts), mode="overwrite" if overwrite else "create",
+                res = call(url, "PUT", obstore.put, store, target, b"".join(parts), mode="overwrite" if overwrite else "create",
                                   use_multipart=False)
         except UsageError:
             raise
@@ -482,7 +564,7 @@ class Writer:
                 self._verify(store, key, url, size, parts.md5s, multipart, md5=False)
             finally:
                 try:
-                    obstore.delete(store, target)
+                    call(url, "DELETE", obstore.delete, store, target)
                 except Exception:  # noqa: BLE001 - a temporary key left behind is named by listings as such
                     pass
             method = "multipart+copy"
@@ -500,12 +582,12 @@ class Writer:
         if etag is None:
             entry = self.s3.stat(src)
             etag = entry.etag if entry is not None else None
-        copy_object(self.s3.config, src, etag, dst, size, if_none_match=not overwrite)
+        call(dst, "COPY", copy_object, self.s3.config, src, etag, dst, size, if_none_match=not overwrite)
 
     def _verify(self, store, key: str, url: str, size: int, md5s, multipart: bool, *, md5: bool = True) -> str | None:
         """The object's size checked against ``size``; with ``md5``, its ETag against the parts' MD5s."""
         try:
-            meta = obstore.head(store, key)
+            meta = call(url, "HEAD", obstore.head, store, key)
         except Exception as e:  # noqa: BLE001
             raise self.s3.error(url, e, "HEAD") from None
         if meta["size"] != size:
@@ -527,7 +609,7 @@ class Writer:
             from slotctl.store.s3copy import copy_object
 
             self._refuse_existing(dst, overwrite)
-            copy_object(self.s3.config, src, etag, dst, size, if_none_match=not overwrite)
+            call(dst, "COPY", copy_object, self.s3.config, src, etag, dst, size, if_none_match=not overwrite)
             return {"method": "server_copy", "checksum": None}
         if size:
             self._refuse_existing(dst, overwrite)
@@ -536,9 +618,9 @@ class Writer:
         store, dkey = self.s3.bucket(dst)
         try:
             if overwrite:
-                obstore.copy(store, skey, dkey, overwrite=True)
+                call(dst, "COPY", obstore.copy, store, skey, dkey, overwrite=True)
             else:
-                obstore.copy(self._copy_store(sb), skey, dkey, overwrite=False)
+                call(dst, "COPY", obstore.copy, self._copy_store(sb), skey, dkey, overwrite=False)
         except Exception as e:  # noqa: BLE001
             raise self.s3.error(dst, e, "COPY") from None
         return {"method": "server_copy", "checksum": None}
@@ -552,8 +634,9 @@ class Writer:
         options: dict = {"if_match": reader.etag} if reader.etag else {}
         done = 0
         try:
-            res = obstore.get(reader.store, reader.key, options=options)
-            for chunk in res.stream(min_chunk_size=PART_SIZE):
+            res = call(reader.name, "GET", obstore.get, reader.store, reader.key, options=options)
+            stream = iter(res.stream(min_chunk_size=PART_SIZE))
+            while (chunk := call(reader.name, "GET", next, stream, None)) is not None:
                 data = bytes(chunk)
                 done += len(data)
                 if progress:
