@@ -550,9 +550,17 @@ def test_keep_log_lines_while_the_server_is_down(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", f"http://127.0.0.1:{free_port()}",
                              "--slot-dir", str(tmp_path), "--every", "0.1", "--timeout", "5"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    time.sleep(3)
+    # SIGTERM once keep has said it is down (its handler installed): a fixed sleep raced a loaded machine's
+    # start-up (killed by the signal's default action, exit -15)
+    head = []
+    while not any(" down " in f" {line} " for line in head):
+        line = proc.stderr.readline()
+        assert line, ("keep ended early", head)
+        head.append(line)
+    time.sleep(1)       # more looks while down: still said once
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
+    out, rest = proc.communicate(timeout=30)
+    err = "".join(head) + rest
     assert proc.returncode == 0 and out == "", (out, err)
     events = [line.split()[1] for line in err.splitlines()]
     assert events[0] == "start" and events.count("down") == 1 and events[-1] == "stop", err
