@@ -98,29 +98,30 @@ def _inspect_one(real: str, path: str, target_info, draft_info, model, *, tokens
         sf = open_slot_file(real, draft_layout=draft_info.layout() if draft_info else None)
     else:
         sf, another = _with_model(real, target_info, draft_info)
-    sf.path = path
-    text = None
-    if model is not None and another is None and sf.tokens is not None and not sf.tokens.error:
-        from slotctl.runtime.vocab import detokenize
+    with sf:
+        sf.path = path
+        text = None
+        if model is not None and another is None and sf.tokens is not None and not sf.tokens.error:
+            from slotctl.runtime.vocab import detokenize
 
-        text = detokenize(model, sf.tokens.tokens, verbose=verbose)
-    found = file_findings(sf)
-    if another is not None:
-        found.insert(0, another)
-    if target_info is not None and another is None and sf.tokens is not None and not sf.tokens.error:
-        from slotctl.server.findings import invalid_tokens_finding
+            text = detokenize(model, sf.tokens.tokens, verbose=verbose)
+        found = file_findings(sf)
+        if another is not None:
+            found.insert(0, another)
+        if target_info is not None and another is None and sf.tokens is not None and not sf.tokens.error:
+            from slotctl.server.findings import invalid_tokens_finding
 
-        bad = invalid_tokens_finding(sf.tokens.tokens, target_info.n_vocab, [s for s, _ in sf.tokens.media],
-                                     Path(target_info.path).name)
-        if bad is not None:
-            found.append(bad)
-    reuse = _reuse(sf, target_info, found)
-    data = describe_file(sf, tokens=tokens, text=text, info=target_info if another is None else None,
-                         draft_info=draft_info, findings=found)
-    data["reuse"] = reuse
-    if any(f.severity == "error" for f in found):   # does not fit the model given: 1, as in validate
-        data["exit_code"] = max(data["exit_code"], 1)
-    return data
+            bad = invalid_tokens_finding(sf.tokens.tokens, target_info.n_vocab, [s for s, _ in sf.tokens.media],
+                                         Path(target_info.path).name)
+            if bad is not None:
+                found.append(bad)
+        reuse = _reuse(sf, target_info, found)
+        data = describe_file(sf, tokens=tokens, text=text, info=target_info if another is None else None,
+                             draft_info=draft_info, findings=found)
+        data["reuse"] = reuse
+        if any(f.severity == "error" for f in found):   # does not fit the model given: 1, as in validate
+            data["exit_code"] = max(data["exit_code"], 1)
+        return data
 
 
 def _with_model(real: str, target_info, draft_info):

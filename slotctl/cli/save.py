@@ -160,8 +160,8 @@ def save(
     from slotctl.server.findings import file_findings
     from slotctl.slotfile import open_slot_file
 
-    sf = open_slot_file(output, layout=layout, draft_layout=draft_layout)
-    described = describe_file(sf, text=prompt_text, info=tinfo, draft_info=dinfo, findings=file_findings(sf))
+    with open_slot_file(output, layout=layout, draft_layout=draft_layout) as sf:
+        described = describe_file(sf, text=prompt_text, info=tinfo, draft_info=dinfo, findings=file_findings(sf))
     timings = {"load_ms": round(t_load * 1000, 3), "evaluate_ms": round(t_eval * 1000, 3),
                "write_ms": round(t_write * 1000, 3)}
     if json_out:

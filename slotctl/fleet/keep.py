@@ -206,28 +206,28 @@ class Keeper:
         path = self.slot_dir / work
         self._event("saved", slot, f"slot {slot} saved by the server: {answer['n_saved']:,} tokens, "
                                    f"{answer['n_written']:,} bytes", answer=answer)
-        sf = open_slot_file(path)
-        n = sf.tokens.n_tokens if sf.tokens is not None else 0
-        if sf.errors or n != answer["n_saved"] or sf.size != answer["n_written"]:
-            why = sf.errors[0] if sf.errors else (f"{n:,} tokens in {sf.size:,} bytes where the server saved "
-                                                  f"{answer['n_saved']:,} in {answer['n_written']:,}")
-            self._event("skipped", slot, f"{path}: not stored: {why}")
-            return
-        self.seen[slot] = sig
-        if n < self.min_tokens:
-            self._event("skipped", slot, f"slot {slot}: {n:,} tokens, fewer than --min-tokens {self.min_tokens}")
-            os.unlink(path)
-            return
-        name = stored_name(slot, model_hash(self.facts), tokens_hash(sf.tokens.tokens))
-        if self.store.has(name):
-            os.unlink(path)
-            self._event("unchanged", slot, f"slot {slot}: {name} is already in the store (the same tokens)",
-                        name=name)
-            return
-        self.store.put(path, name)
-        where = self.store.where(name)
-        self._event("stored", slot, f"slot {slot}: stored as {where} ({sf.size:,} bytes, {n:,} tokens)",
-                    name=name, path=where, size=sf.size, n_tokens=n)
+        with open_slot_file(path) as sf:
+            n = sf.tokens.n_tokens if sf.tokens is not None else 0
+            if sf.errors or n != answer["n_saved"] or sf.size != answer["n_written"]:
+                why = sf.errors[0] if sf.errors else (f"{n:,} tokens in {sf.size:,} bytes where the server saved "
+                                                      f"{answer['n_saved']:,} in {answer['n_written']:,}")
+                self._event("skipped", slot, f"{path}: not stored: {why}")
+                return
+            self.seen[slot] = sig
+            if n < self.min_tokens:
+                self._event("skipped", slot, f"slot {slot}: {n:,} tokens, fewer than --min-tokens {self.min_tokens}")
+                os.unlink(path)
+                return
+            name = stored_name(slot, model_hash(self.facts), tokens_hash(sf.tokens.tokens))
+            if self.store.has(name):
+                os.unlink(path)
+                self._event("unchanged", slot, f"slot {slot}: {name} is already in the store (the same tokens)",
+                            name=name)
+                return
+            self.store.put(path, name)
+            where = self.store.where(name)
+            self._event("stored", slot, f"slot {slot}: stored as {where} ({sf.size:,} bytes, {n:,} tokens)",
+                        name=name, path=where, size=sf.size, n_tokens=n)
         self.prune()
 
     def prune(self) -> None:

@@ -190,17 +190,17 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_di
         if not path.is_file():
             raise UsageError(f"{path}: the source answered that it saved {name}, but --from-dir holds no such "
                              "file (is --from-dir the source's --slot-save-path?)")
-        sf = open_slot_file(path)
-        if sf.errors:
-            raise Refused(f"{path}: {sf.errors[0]}")
-        saved = steps["save"].details["answer"]
-        n = sf.tokens.n_tokens if sf.tokens is not None else 0
-        if n != saved["n_saved"] or sf.size != saved["n_written"]:
-            raise Refused(f"{path}: holds {n:,} tokens in {sf.size:,} bytes, the source saved {saved['n_saved']:,} "
-                          f"in {saved['n_written']:,} (another file under that name?)")
-        state["path"] = path
-        s.details = {"path": os.fspath(path), "size": sf.size, "n_tokens": n, "state_version": sf.version}
-        return f"{path}: {n:,} tokens, {sf.size:,} bytes"
+        with open_slot_file(path) as sf:
+            if sf.errors:
+                raise Refused(f"{path}: {sf.errors[0]}")
+            saved = steps["save"].details["answer"]
+            n = sf.tokens.n_tokens if sf.tokens is not None else 0
+            if n != saved["n_saved"] or sf.size != saved["n_written"]:
+                raise Refused(f"{path}: holds {n:,} tokens in {sf.size:,} bytes, the source saved {saved['n_saved']:,} "
+                              f"in {saved['n_written']:,} (another file under that name?)")
+            state["path"] = path
+            s.details = {"path": os.fspath(path), "size": sf.size, "n_tokens": n, "state_version": sf.version}
+            return f"{path}: {n:,} tokens, {sf.size:,} bytes"
 
     def check(s: Step) -> str:
         from slotctl import convert as conv
