@@ -65,9 +65,7 @@ class StripStatus(StrEnum):
 
 STRIPPED, UNCHANGED, REFUSED, WOULD_STRIP, UNREADABLE = StripStatus
 
-_SCKP_HEAD = struct.Struct("<III")         # magic, version, count
-_CKPT_HEAD = struct.Struct("<qiiQ")        # n_tokens, pos_min, pos_max, target blob length
-_EMPTY_BLOBS = struct.pack("<QQ", 0, 0)    # draft blob length 0, speculative state length 0
+_EMPTY_BLOBS = apx.BlobLength.build(0) * 2    # draft blob length 0, speculative state length 0
 
 Piece = Union[Span, bytes]
 
@@ -167,7 +165,7 @@ def _sdft_damage(sf: SlotFile) -> tuple[int, str] | None:
         return None
     at = sf.trailing.offset
     head = sf.read_at(at, 4)
-    magic = struct.pack("<I", apx.SDFT_MAGIC)
+    magic = apx.SDFT_MAGIC_BYTES
     if not sf.errors:
         if sf.trailing.size < 4 and magic.startswith(head):
             return at, (f"SDFT appendix at 0x{at:x} ({at}): the file ends {len(head)} byte(s) into its magic "
@@ -200,9 +198,10 @@ def _plan(sf: SlotFile, identity: _Identity, checkpoints: bool, damage: tuple[in
     pos = 0   # the old file is copied from here up to the next removed part
     if rebuild_sckp:
         pieces.append(Span(0, sf.sckp.offset))
-        pieces.append(_SCKP_HEAD.pack(apx.SCKP_MAGIC, apx.SCKP_VERSION, len(ckpts)))
+        pieces.append(apx.SckpHead.build(dict(magic=apx.SCKP_MAGIC, version=apx.SCKP_VERSION, count=len(ckpts))))
         for c in ckpts:
-            pieces.append(_CKPT_HEAD.pack(c.n_tokens, c.pos_min, c.pos_max, c.tgt.span.size))
+            pieces.append(apx.CheckpointHead.build(dict(n_tokens=c.n_tokens, pos_min=c.pos_min, pos_max=c.pos_max))
+                          + apx.BlobLength.build(c.tgt.span.size))
             pieces.append(c.tgt.span)
             pieces.append(_EMPTY_BLOBS)
         pos = sf.sckp.end
