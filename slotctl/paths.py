@@ -50,7 +50,7 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _stat_error(p: str, e: OSError, what: str) -> UsageError:
+def stat_error(p: str, e: OSError, what: str = "") -> UsageError:
     """The one-line usage error for a path that cannot be stat'ed or opened."""
     reason = {errno.ENOENT: "no such file or directory", errno.ELOOP: "too many levels of symbolic links",
               errno.EACCES: "permission denied", errno.ENOTDIR: "not a directory (a component of the path)",
@@ -68,7 +68,7 @@ def check_readable(path: str | os.PathLike, *, what: str = "") -> os.stat_result
     try:
         st = os.stat(p)
     except OSError as e:
-        raise _stat_error(p, e, what) from None
+        raise stat_error(p, e, what) from None
     if stat.S_ISDIR(st.st_mode):
         raise UsageError(f"{what}{p}: is a directory", code="is_a_directory")
     if not stat.S_ISREG(st.st_mode):
@@ -89,7 +89,7 @@ def open_regular(path: str | os.PathLike, *, what: str = "") -> BinaryIO:
     try:
         fd = _open_noatime(p, flags)
     except OSError as e:
-        raise _stat_error(p, e, what) from None
+        raise stat_error(p, e, what) from None
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):

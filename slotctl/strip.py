@@ -33,7 +33,7 @@ from typing import Callable, Union
 
 from slotctl.progress import Progress
 from slotctl.atomic import atomic_writer, check_destination, copy_range
-from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError, os_error_code
+from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError, error_entry
 from slotctl.format import appendix as apx
 from slotctl.format.common import Span, coalesce
 from slotctl.format.memory import MemoryLayout
@@ -414,8 +414,8 @@ def strip_files(files: list[str], *, output: str | os.PathLike | None = None, ch
             res.status, res.error, res.error_code, res.exit_status = UNREADABLE, str(e), e.error_code, ExitStatus.USAGE
             continue
         except OSError as e:
-            res.status, res.error, res.error_code = UNREADABLE, _os_error(path, e), os_error_code(e)
-            res.exit_status = ExitStatus.USAGE
+            err = error_entry(e, path)
+            res.status, res.error, res.error_code, res.exit_status = UNREADABLE, err.message, err.code, err.exit_status
             continue
         res.size_before, res.size_after, res.removed = plan.size_before, plan.size_after, list(plan.removed)
         res.draft_size, res.checkpoint_draft_size, res.repaired = (plan.draft_size, plan.checkpoint_draft_bytes,
@@ -453,10 +453,8 @@ def strip_files(files: list[str], *, output: str | os.PathLike | None = None, ch
         except SourceChanged as e:
             _refused(res, str(e), e.error_code, ExitStatus.FAILED)
         except (OSError, UsageError) as e:
-            if isinstance(e, OSError):
-                _refused(res, _os_error(dest, e), os_error_code(e), ExitStatus.USAGE)
-            else:
-                _refused(res, str(e), e.error_code, ExitStatus.USAGE)
+            err = error_entry(e, dest)
+            _refused(res, err.message, err.code, ExitStatus.USAGE)
         else:
             res.status, res.output = (STRIPPED if plan.changes else UNCHANGED), written_to
     return results
@@ -467,6 +465,3 @@ def _refused(res: FileResult, error: str, code: str, status: ExitStatus) -> None
     res.status, res.size_after, res.removed, res.method = REFUSED, None, [], None
     res.error, res.error_code, res.exit_status = error, code, status
 
-
-def _os_error(path: str, e: OSError) -> str:
-    return f"{e.filename or path}: {e.strerror or e}"

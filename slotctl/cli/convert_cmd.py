@@ -14,7 +14,7 @@ from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt, flag_option
 from slotctl.cli.output import Output, human_bytes, markup_safe
 from slotctl.atomic import check_destination
 from slotctl.sources import is_remote
-from slotctl.errors import ExitStatus, FormatError, UsageError
+from slotctl.errors import ExitStatus, FormatError, UsageError, error_entry
 from slotctl.server.flags import flag_name
 
 _TYPE_HELP = "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 (iq4_nl read only)"
@@ -180,9 +180,7 @@ def _convert_many(out: Output, json_out: bool, src, dest, req, layouts: dict, **
                    "exit_code": int(ExitStatus.FAILED)}
             counts["refused"] += 1
         except (SlotctlError, OSError) as e:
-            message = str(e) if isinstance(e, SlotctlError) else f"{shown(p)}: {e.strerror or e}"
-            code = e.error_code if isinstance(e, SlotctlError) else "io_error"
-            doc = {"path": shown(p), "output": target, "error": {"code": code, "message": message},
+            doc = {"path": shown(p), "output": target, "error": error_entry(e, shown(p)).as_dict(),
                    "exit_code": int(ExitStatus.USAGE)}
             counts["failed"] += 1
         if "error" in doc and not json_out:

@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from slotctl.errors import SlotctlError
+from slotctl.errors import SlotctlError, error_entry
 from slotctl.live import http
 from slotctl.fleet.migrate import IDENTITY_KEYS
 from slotctl.fleet.states import copy_atomic, open_store
@@ -298,6 +298,5 @@ class Keeper:
 
     def _error(self, slot: int | None, e: Exception) -> None:
         self.errors += 1
-        msg = str(e) if isinstance(e, SlotctlError) else f"{getattr(e, 'filename', '') or ''}: {e}".lstrip(": ")
-        code = e.error_code if isinstance(e, SlotctlError) else "io_error"
-        self._event("error", slot, msg, error={"code": code, "message": msg})
+        err = error_entry(e)
+        self._event("error", slot, err.message, error=err.as_dict())

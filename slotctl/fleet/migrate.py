@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slotctl.errors import ExitStatus, SlotctlError, UsageError
+from slotctl.errors import ExitStatus, SlotctlError, UsageError, error_entry
 from slotctl.live import http
 from slotctl.live.prove import Proof, local_setup, prove
 from slotctl.fleet.states import copy_atomic
@@ -148,13 +148,10 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_di
         except Refused as e:
             s.status, s.message, s.error = "refused", str(e), {"code": e.error_code, "message": str(e)}
             m.exit_status = ExitStatus.FAILED
-        except SlotctlError as e:
-            s.status, s.message, s.error = "failed", str(e), {"code": e.error_code, "message": str(e)}
-            m.exit_status = e.exit_status
-        except OSError as e:
-            msg = f"{e.filename or ''}: {e.strerror or e}".lstrip(": ")
-            s.status, s.message, s.error = "failed", msg, {"code": "io_error", "message": msg}
-            m.exit_status = ExitStatus.USAGE
+        except (SlotctlError, OSError) as e:
+            err = error_entry(e)
+            s.status, s.message, s.error = "failed", err.message, err.as_dict()
+            m.exit_status = ExitStatus(err.exit_status)
         s.ms = (time.perf_counter() - t0) * 1000
         return s.status == "ok"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Sequence
 
 from slotctl.sources import open_input, raise_failure, remote_url
-from slotctl.errors import FormatError, UsageError, os_error_code
+from slotctl.errors import FormatError, UsageError, error_entry
 from slotctl.server.findings import (Finding, ServerRules, checkpoints_read, invalid_tokens_finding,
                                      structural_findings)
 from slotctl.format.blob import FLAGS_NONE, FLAGS_PARTIAL_ONLY
@@ -516,11 +516,9 @@ def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, re
             try:
                 reports.append(validate_file(p, setup, models, checker))
             except (OSError, UsageError) as e:
-                message = str(e) if isinstance(e, UsageError) else f"{p}: {e.strerror or e}"
-                r = FileReport(p, verdict=Verdict.UNREADABLE,
-                               error={"code": e.error_code if isinstance(e, UsageError) else os_error_code(e),
-                                      "message": message})
-                r.findings.append(Finding("file", "error", "unreadable", message, None))
+                err = error_entry(e, p)
+                r = FileReport(p, verdict=Verdict.UNREADABLE, error=err.as_dict())
+                r.findings.append(Finding("file", "error", "unreadable", err.message, None))
                 reports.append(r)
             if on_report:
                 on_report(reports[-1])
