@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from slotctl.cli.common import check_file, handle_errors, local_input, local_output, shown
-from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt, flag_option
+from slotctl.cli.options import ConvertStateVersionOpt, DraftModelOpt, JsonOpt, ModelOpt, flag_option
 from slotctl.cli.output import Output, human_bytes, markup_safe
 from slotctl.atomic import check_destination
 from slotctl.sources import is_remote
@@ -31,8 +31,7 @@ def convert(
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the converted file (a file "
                                          "or s3://bucket/key); for a directory or prefix, a directory or "
                                          "s3:// prefix (same names).")],
-    state_version: Annotated[Optional[int], typer.Option("--state-version", min=2, max=4,
-                                                         help="Write this state version (exact, or refused).")] = None,
+    state_version: ConvertStateVersionOpt = None,
     parallel: Annotated[Optional[int], flag_option("parallel", min=1, max=256,
                                                    help="For a server with this many slots (KV streams).")] = None,
     kv_unified: Annotated[bool, flag_option("kv_unified", help="For a server with one KV stream for all slots.")

@@ -11,7 +11,8 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import JsonOpt
+from slotctl.cli.options import ApiKeyOpt, ServerOpt, TimeoutOpt, store_option
+from slotctl.live import SLOT_FILE_TIMEOUT
 from slotctl.cli.output import Output
 from slotctl.errors import UsageError
 
@@ -25,12 +26,11 @@ def register(app: typer.Typer) -> None:
 
 @handle_errors
 def keep(
-    server: remote.ServerOpt,
+    server: ServerOpt,
     slot_dir: Annotated[Path, typer.Option("--slot-dir", file_okay=False, metavar="DIR",
                                            help="The server's --slot-save-path as this machine sees it.")],
-    store: Annotated[Optional[str], typer.Option("--store", metavar="DIR|s3://BUCKET/PREFIX/",
-                                                 help="Where the states are kept: a directory or an s3:// prefix "
-                                                      "(docs/store.md; default: --slot-dir itself).")] = None,
+    store: Annotated[Optional[str], store_option("Where the states are kept: a directory or an s3:// prefix "
+                                                 "(docs/store.md; default: --slot-dir itself).")] = None,
     every: Annotated[float, typer.Option("--every", min=0.05, metavar="SECONDS", help="Seconds between two looks "
                                          "at the server.")] = 30.0,
     min_tokens: Annotated[int, typer.Option("--min-tokens", min=1, metavar="N", help="Save only slots whose last "
@@ -38,9 +38,8 @@ def keep(
     max_size: Annotated[Optional[str], typer.Option("--max-size", metavar="SIZE", help="Keep the store under SIZE "
                                                     "(20G, 500M) by prune's rules, least recently used first "
                                                     "(a directory store only).")] = None,
-    api_key: remote.ApiKeyOpt = None,
-    timeout: Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
-                                           help="Give up on a request after this many seconds.")] = remote.SLOT_FILE_TIMEOUT,
+    api_key: ApiKeyOpt = None,
+    timeout: TimeoutOpt = SLOT_FILE_TIMEOUT,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per action on stdout "
                                            "(docs/json.md) instead of log lines on stderr.")] = False,
 ) -> None:

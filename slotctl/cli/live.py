@@ -13,9 +13,10 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import JsonOpt
+from slotctl.cli.options import ApiKeyOpt, JsonOpt, ServerOpt, ServerSlotOpt, TimeoutOpt
 from slotctl.cli.output import Output
-from slotctl.cli.remote import ApiKeyOpt, ServerOpt, ServerSlotOpt, TimeoutOpt, _cell, _plain
+from slotctl.cli.remote import _cell, _plain
+from slotctl.live import DEFAULT_TIMEOUT
 from slotctl.live import http as server_api
 
 
@@ -28,7 +29,7 @@ def register(app: typer.Typer) -> None:
 def slots(
     server: ServerOpt,
     api_key: ApiKeyOpt = None,
-    timeout: TimeoutOpt = server_api.DEFAULT_TIMEOUT,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
     json_out: JsonOpt = False,
 ) -> None:
     """List a running llama-server's slots: id, context size, speculative decoding, busy, cached tokens.
@@ -98,7 +99,7 @@ def erase(
     server: ServerOpt,
     slot: ServerSlotOpt,
     api_key: ApiKeyOpt = None,
-    timeout: TimeoutOpt = server_api.DEFAULT_TIMEOUT,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
     json_out: JsonOpt = False,
 ) -> None:
     """Erase a slot of a running llama-server: it forgets its cached prompt (POST /slots/N?action=erase).

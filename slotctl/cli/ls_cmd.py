@@ -14,8 +14,12 @@ from slotctl.cli.common import handle_errors
 from slotctl.cli.options import (
     ArgsCommand,
     DraftModelOpt,
+    JudgeServerOpt,
     JsonOpt,
+    LiveApiKeyOpt,
+    LiveTimeoutOpt,
     ModelOpt,
+    ServerStateVersionOpt,
     SlotOpt,
     VerboseOpt,
     with_server_flags,
@@ -23,8 +27,8 @@ from slotctl.cli.options import (
 from rich.cells import cell_len
 
 from slotctl.cli.output import FOLD_WIDTH, VERDICT_STYLE, Output, escape_text, human_bytes
-from slotctl.server.flags import ServerFlags
-from slotctl.live.http import DEFAULT_TIMEOUT
+from slotctl.server.flags import SERVER_STATE_VERSION, ServerFlags
+from slotctl.live import DEFAULT_TIMEOUT
 from slotctl.errors import UsageError, worst
 
 SORT_KEYS = ("name", "size", "age", "tokens")
@@ -55,14 +59,12 @@ def ls(
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     slot: SlotOpt = 0,
-    state_version: Annotated[int, typer.Option("--state-version", min=2, max=4,
-                                               help="The server's state version: its loader accepts no other "
-                                                    "(4: llama.cpp b11434 and later).")] = 4,
+    state_version: ServerStateVersionOpt = SERVER_STATE_VERSION,
     load: Annotated[bool, typer.Option("--load", help="With -m: also load every layer of every file into real "
                                        "contexts (validate's real check; slow).")] = False,
-    server: remote.JudgeServerOpt = None,
-    api_key: remote.LiveApiKeyOpt = None,
-    timeout: remote.LiveTimeoutOpt = DEFAULT_TIMEOUT,
+    server: JudgeServerOpt = None,
+    api_key: LiveApiKeyOpt = None,
+    timeout: LiveTimeoutOpt = DEFAULT_TIMEOUT,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="Worker processes (default: the "
                                                 "CPUs, for more than a few dozen files).")] = None,
     json_out: JsonOpt = False,

@@ -11,7 +11,8 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import JsonOpt
+from slotctl.cli.options import ApiKeyOpt, JsonOpt, TimeoutOpt, flag_option, store_option
+from slotctl.live import SLOT_FILE_TIMEOUT
 from slotctl.cli.output import Output
 from slotctl.format.ggml import CACHE_TYPE_NAMES
 
@@ -36,23 +37,20 @@ def migrate(
                                                    "the source's).")] = None,
     name: Annotated[Optional[str], typer.Option("--name", help="The file name to save and place under (default "
                                                 "migrate-slotN-TIME-PID.bin).")] = None,
-    store: Annotated[Optional[str], typer.Option("--store", metavar="DIR|s3://BUCKET/PREFIX/",
-                                                 help="Also keep the (converted) file there, and place the "
-                                                      "store's copy (docs/store.md).")] = None,
+    store: Annotated[Optional[str], store_option("Also keep the (converted) file there, and place the store's "
+                                                 "copy (docs/store.md).")] = None,
     kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The destination runs with -kvu (not "
                                              "reported by the server).")] = False,
-    cache_type_k: Annotated[Optional[str], typer.Option("--cache-type-k", "-ctk", help="The destination's -ctk "
-                                                        f"(not reported; default f16): {', '.join(CACHE_TYPE_NAMES)}."
-                                                        )] = None,
-    cache_type_v: Annotated[Optional[str], typer.Option("--cache-type-v", "-ctv", help="The destination's -ctv "
-                                                        "(not reported; default f16).")] = None,
+    cache_type_k: Annotated[Optional[str], flag_option("cache_type_k", help="The destination's -ctk (not reported; "
+                                                       f"default f16): {', '.join(CACHE_TYPE_NAMES)}.")] = None,
+    cache_type_v: Annotated[Optional[str], flag_option("cache_type_v", help="The destination's -ctv (not reported; "
+                                                       "default f16).")] = None,
     allow_lossy: Annotated[bool, typer.Option("--allow-lossy", help="Re-encode the cache rows when the "
                                               "destination's cache types differ (lossy; measured).")] = False,
-    api_key: remote.ApiKeyOpt = None,
+    api_key: ApiKeyOpt = None,
     to_api_key: Annotated[Optional[str], typer.Option("--to-api-key", help="The destination's API key (default: "
                                                       "--api-key).")] = None,
-    timeout: Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
-                                           help="Give up on a request after this many seconds.")] = remote.SLOT_FILE_TIMEOUT,
+    timeout: TimeoutOpt = SLOT_FILE_TIMEOUT,
     json_out: JsonOpt = False,
 ) -> None:
     """Move a slot from one running llama-server to another: save, check, convert, place, restore, prove.

@@ -13,7 +13,7 @@ or a usage error exits 2, always with one line on stderr.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Any
 
 import typer
 from rich.table import Table
@@ -23,42 +23,6 @@ from slotctl.live import http as server_api
 from slotctl.cli.options import LIVE_ONLY_PARAMS, ArgsCommand, raw_value
 from slotctl.cli.output import Output, escape_text, markup_safe
 from slotctl.errors import UsageError
-
-# -- options of the live commands (save/restore/validate --server reuse them) ------------------------------
-
-ServerOpt = Annotated[str, typer.Option("--server", metavar="URL",
-                                        help="The llama-server's base URL, e.g. http://127.0.0.1:8080.")]
-ApiKeyOpt = Annotated[Optional[str], typer.Option("--api-key", envvar=server_api.API_KEY_ENV, show_envvar=True,
-                                                  help="The server's API key (sent as Authorization: Bearer).")]
-TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
-                                           help="Give up on a request after this many seconds.")]
-ServerSlotOpt = Annotated[int, typer.Option("--slot", min=0, help="The slot id (0, 1, ...).")]
-
-# ... and their forms for commands that also work without a server (save, restore, validate)
-
-LiveServerOpt = Annotated[Optional[str], typer.Option("--server", metavar="URL",
-                                                      help="Act through a running llama-server at this base URL "
-                                                           "(live mode, docs/live.md).")]
-#: save and restore: the server writes or reads the whole slot, and waits for a busy slot to be idle first
-SLOT_FILE_TIMEOUT = 600.0
-SlotFileTimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
-                                                   help="With --server: give up on a request after this many "
-                                                        "seconds.")]
-LiveTimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
-                                               help="With --server: give up on a request after this many seconds.")]
-LiveApiKeyOpt = Annotated[Optional[str], typer.Option("--api-key", envvar=server_api.API_KEY_ENV, show_envvar=True,
-                                                      help="With --server: the server's API key (sent as "
-                                                           "Authorization: Bearer).")]
-LocalModelOpt = Annotated[Optional[Path], typer.Option("--model", "-m", dir_okay=False,
-                                                       help="The target model's GGUF (llama-server -m); needed "
-                                                            "unless --server.")]
-
-ProveOpt = Annotated[bool, typer.Option("--prove", help="With --server: after the restore, send the file's own "
-                                        "prompt (nothing generated) and check the server's own counts (timings "
-                                        "cache_n, prompt_n) against validate's predicted reuse; needs --slot-dir.")]
-SlotDirOpt = Annotated[Optional[Path], typer.Option("--slot-dir", file_okay=False, metavar="DIR",
-                                                    help="With --prove: the server's --slot-save-path as this "
-                                                         "machine sees it (the file is read there).")]
 
 #: parameters save and restore take in live mode; any other one given is a usage error there
 _LIVE_PARAMS = frozenset({"server", "api_key", "timeout", "slot", "json_out", "verbose", "name", "file", "prove",
@@ -279,13 +243,6 @@ def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 # -- validate --server ------------------------------------------------------------------------------------------
-
-
-#: validate and ls: judge the files for a running server (its model and flags) instead of flags given
-JudgeServerOpt = Annotated[Optional[str], typer.Option("--server", metavar="URL",
-                                                       help="Judge the files for the running llama-server at this "
-                                                            "URL: its model, -c and -np from GET /props and /slots "
-                                                            "(flags given here win; docs/live.md).")]
 
 
 def learn_from_server(ctx: typer.Context, out: Output, command: str, server: str | None, *, api_key: str | None,

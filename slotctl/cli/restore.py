@@ -15,7 +15,9 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import check_file, handle_errors, read_prompt, require_llama
-from slotctl.cli.options import ArgsCommand, DraftModelOpt, JsonOpt, SlotOpt, VerboseOpt, with_server_flags
+from slotctl.cli.options import (ArgsCommand, DraftModelOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt, LiveTimeoutOpt,
+                                 LocalModelOpt, ProveOpt, SlotDirOpt, SlotOpt, VerboseOpt, with_server_flags)
+from slotctl.live import SLOT_FILE_TIMEOUT
 from slotctl.cli.output import Output, elide, escape_text, markup_safe
 from slotctl.errors import ExitStatus, UsageError
 from slotctl.server.flags import ServerFlags, check_slot
@@ -36,7 +38,7 @@ def restore(
     ctx: typer.Context,
     file: Annotated[Path, typer.Argument(help="The slot file (with --server: its name in the server's "
                                          "--slot-save-path).")],
-    model: remote.LocalModelOpt = None,
+    model: LocalModelOpt = None,
     draft_model: DraftModelOpt = None,
     continue_text: Annotated[Optional[str], typer.Option("--continue", help="Go on from the restored state: "
                                                          "the saved text followed by TEXT, as a new request.")] = None,
@@ -53,11 +55,11 @@ def restore(
                                           "evaluate the file's prompt from scratch; exit 1 unless text, prompt "
                                           "tokens evaluated, drafted and accepted counts all agree.")] = False,
     slot: SlotOpt = 0,
-    server: remote.LiveServerOpt = None,
-    prove: remote.ProveOpt = False,
-    slot_dir: remote.SlotDirOpt = None,
-    api_key: remote.LiveApiKeyOpt = None,
-    timeout: remote.SlotFileTimeoutOpt = remote.SLOT_FILE_TIMEOUT,
+    server: LiveServerOpt = None,
+    prove: ProveOpt = False,
+    slot_dir: SlotDirOpt = None,
+    api_key: LiveApiKeyOpt = None,
+    timeout: LiveTimeoutOpt = SLOT_FILE_TIMEOUT,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
     flags: ServerFlags = ServerFlags(),

@@ -12,11 +12,13 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors, read_prompt, require_llama
-from slotctl.cli.options import ArgsCommand, DraftModelOpt, JsonOpt, SlotOpt, VerboseOpt, with_server_flags
+from slotctl.cli.options import (ArgsCommand, DraftModelOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt, LiveTimeoutOpt,
+                                 LocalModelOpt, SaveStateVersionOpt, SlotOpt, VerboseOpt, with_server_flags)
+from slotctl.live import SLOT_FILE_TIMEOUT
 from slotctl.cli.output import Output
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
 from slotctl.paths import check_readable
-from slotctl.server.flags import ServerFlags, check_slot
+from slotctl.server.flags import SERVER_STATE_VERSION, ServerFlags, check_slot
 
 #: state versions ``save`` writes: 4 (current llama-server) and 3 (this llama-cpp-python)
 STATE_VERSIONS = (3, 4)
@@ -39,7 +41,7 @@ def save(
     name: Annotated[Optional[str], typer.Argument(metavar="NAME", show_default=False,
                                                   help="With --server: the file name the server writes in its "
                                                        "--slot-save-path.")] = None,
-    model: remote.LocalModelOpt = None,
+    model: LocalModelOpt = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="The slot file to write (needed unless "
                                                    "--server).", dir_okay=False)] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt text.")] = None,
@@ -47,8 +49,7 @@ def save(
                                                         "UTF-8 file, or from stdin with -.", dir_okay=False,
                                                         allow_dash=True)] = None,
     draft_model: DraftModelOpt = None,
-    state_version: Annotated[int, typer.Option("--state-version", help="4: what current llama-server reads; "
-                                               "3: what this llama-cpp-python reads.")] = 4,
+    state_version: SaveStateVersionOpt = SERVER_STATE_VERSION,
     checkpoint_at: Annotated[Optional[list[int]], typer.Option("--checkpoint-at", help="Take a context "
                                                                "checkpoint when the prompt reaches N tokens "
                                                                "(repeatable; written as an SCKP appendix).")] = None,
@@ -68,9 +69,9 @@ def save(
                                                                 "implies --server-checkpoints.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
     slot: SlotOpt = 0,
-    server: remote.LiveServerOpt = None,
-    api_key: remote.LiveApiKeyOpt = None,
-    timeout: remote.SlotFileTimeoutOpt = remote.SLOT_FILE_TIMEOUT,
+    server: LiveServerOpt = None,
+    api_key: LiveApiKeyOpt = None,
+    timeout: LiveTimeoutOpt = SLOT_FILE_TIMEOUT,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
     flags: ServerFlags = ServerFlags(),

@@ -15,9 +15,13 @@ from slotctl.cli.common import FileRun, NoteCounter, handle_errors, llama_availa
 from slotctl.cli.options import (
     ArgsCommand,
     DraftModelOpt,
+    JudgeServerOpt,
     JsonlOpt,
     JsonOpt,
+    LiveApiKeyOpt,
+    LiveTimeoutOpt,
     ModelOpt,
+    ServerStateVersionOpt,
     QuietOpt,
     SlotOpt,
     VerboseOpt,
@@ -25,8 +29,8 @@ from slotctl.cli.options import (
 )
 from slotctl.cli.output import VERDICT_STYLE, Output, escape_text, human_bytes
 from slotctl.errors import UsageError
-from slotctl.server.flags import ServerFlags, attn_rot_disable
-from slotctl.live.http import DEFAULT_TIMEOUT
+from slotctl.server.flags import SERVER_STATE_VERSION, ServerFlags, attn_rot_disable
+from slotctl.live import DEFAULT_TIMEOUT
 
 _SEVERITY_STYLE = {"error": "red", "drop": "yellow", "note": "dim"}
 _VERDICT_WORDS = {"restores": "restores completely", "restores_with_drops": "restores, with layers dropped",
@@ -54,15 +58,13 @@ def validate(
     mmproj: Annotated[Optional[Path], typer.Option("--mmproj", "-mm", dir_okay=False,
                                                    help="The server's multimodal projector: media chunks in the "
                                                         "prompt restore only with one (not loaded).")] = None,
-    state_version: Annotated[int, typer.Option("--state-version", min=2, max=4,
-                                               help="The server's state version: its loader accepts no other "
-                                                    "(4: llama.cpp b11434 and later).")] = 4,
+    state_version: ServerStateVersionOpt = SERVER_STATE_VERSION,
     load: Annotated[bool, typer.Option("--load/--no-load",
                                        help="With -m: also load every layer into real contexts built with these "
                                             "flags, in a child process (--no-load: predict only).")] = True,
-    server: remote.JudgeServerOpt = None,
-    api_key: remote.LiveApiKeyOpt = None,
-    timeout: remote.LiveTimeoutOpt = DEFAULT_TIMEOUT,
+    server: JudgeServerOpt = None,
+    api_key: LiveApiKeyOpt = None,
+    timeout: LiveTimeoutOpt = DEFAULT_TIMEOUT,
     json_out: JsonOpt = False,
     jsonl: JsonlOpt = False,
     quiet: QuietOpt = False,

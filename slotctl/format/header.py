@@ -9,6 +9,7 @@ import construct as cs
 import numpy as np
 from construct import this
 
+from slotctl.format import SUPPORTED_VERSIONS
 from slotctl.format.arrays import NumpyArray
 from slotctl.format.cells import MAX_CELLS
 from slotctl.format.common import Counted, Expect, hex32
@@ -19,8 +20,6 @@ STATE_SEQ_MAGIC = 0x67677371
 STATE_MAGIC_BYTES = STATE_SEQ_MAGIC.to_bytes(4, "little")
 #: the first four bytes of a GGUF model file
 GGUF_MAGIC_BYTES = b"GGUF"
-#: state versions slotctl understands
-SUPPORTED_VERSIONS = (2, 3, 4)
 #: the header's fixed part, its fields as they are before any check (what a loader reads first, and what
 #: slotctl writes): :data:`StateHeader` parses it with the checks; every other read or write of these bytes
 #: goes through this
