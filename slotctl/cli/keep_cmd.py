@@ -13,11 +13,9 @@ from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
 from slotctl.cli.options import ApiKeyOpt, ServerOpt, TimeoutOpt, store_option
 from slotctl.live import SLOT_FILE_TIMEOUT
-from slotctl.cli.output import Output
+from slotctl.cli.output import Output, style_of
 from slotctl.errors import UsageError
 
-_STYLE = {"stored": "green", "restored": "green", "proof": "green", "down": "yellow", "restart": "yellow",
-          "skipped": "yellow", "error": "bold red", "pruned": "yellow"}
 
 
 def register(app: typer.Typer) -> None:
@@ -75,7 +73,7 @@ def keep(
             out.json_line(ev.as_dict())
             return
         line = Text(f"{ev.as_dict()['time']} ")
-        line.append(ev.event, style=_STYLE.get(ev.event, "bold"))
+        line.append(ev.event, style=style_of(ev.event, "bold"))
         line.append(f" {remote._plain(ev.message)}")
         out.err.print(line)
 

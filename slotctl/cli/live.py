@@ -14,7 +14,7 @@ from rich.text import Text
 
 from slotctl.cli.common import handle_errors
 from slotctl.cli.options import ApiKeyOpt, JsonOpt, ServerOpt, ServerSlotOpt, TimeoutOpt
-from slotctl.cli.output import Output
+from slotctl.cli.output import Output, style_of
 from slotctl.cli.remote import _cell, _plain
 from slotctl.live import DEFAULT_TIMEOUT
 from slotctl.live import http as server_api
@@ -80,7 +80,7 @@ def render_slots(out: Output, doc: dict) -> None:
             _cell(s.get("id")),
             _cell(s.get("n_ctx")),
             "yes" if s.get("speculative") else "no",
-            Text("busy", style="yellow") if busy else Text("idle", style="green"),
+            Text("busy", style=style_of("busy")) if busy else Text("idle", style=style_of("idle")),
             _cell(s.get("n_prompt_tokens")),
             _cell(s.get("id_task")),
         )

@@ -26,7 +26,7 @@ from slotctl.cli.options import (
 )
 from rich.cells import cell_len
 
-from slotctl.cli.output import FOLD_WIDTH, VERDICT_STYLE, Output, escape_text, human_bytes
+from slotctl.cli.output import FOLD_WIDTH, Output, escape_text, human_bytes, style_of
 from slotctl.server.flags import SERVER_STATE_VERSION, ServerFlags
 from slotctl.live import DEFAULT_TIMEOUT
 from slotctl.errors import UsageError, worst
@@ -287,7 +287,7 @@ class _Cells:
         out.print(_tail(totals, broken=broken))
 
     def _cell(self, title: str, value: str) -> Text:
-        return Text(value, style=VERDICT_STYLE.get(value, "") if title == "verdict" else "")
+        return Text(value, style=style_of(value) if title == "verdict" else "")
 
     def _line(self, cells: list[str], widths: list[int], gap: int, name: str, room: int, *,
               head: bool = False) -> Text:

@@ -13,10 +13,9 @@ from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
 from slotctl.cli.options import ApiKeyOpt, JsonOpt, TimeoutOpt, flag_option, store_option
 from slotctl.live import SLOT_FILE_TIMEOUT
-from slotctl.cli.output import Output
+from slotctl.cli.output import Output, style_of
 from slotctl.format.ggml import CACHE_TYPE_NAMES
 
-_STATUS_STYLE = {"ok": "green", "refused": "bold red", "failed": "bold red", "skipped": "dim"}
 
 
 def register(app: typer.Typer) -> None:
@@ -97,7 +96,7 @@ def render(out: Output, doc: dict) -> None:
     for col, just in (("step", "left"), ("status", "left"), ("ms", "right"), ("what happened", "left")):
         t.add_column(col, justify=just)
     for s in doc["steps"]:
-        t.add_row(s["step"], Text(s["status"], style=_STATUS_STYLE.get(s["status"], "")),
+        t.add_row(s["step"], Text(s["status"], style=style_of(s["status"])),
                   f"{s['ms']:,.1f}" if s["ms"] is not None else "-", remote._plain(s["message"] or ""))
     out.print(t)
     if doc["proof"] is not None:

@@ -37,9 +37,27 @@ def _escape_char(c: str) -> str:
     return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
 
 
-#: the colour of each verdict of validate (and of ls, which shows validate's verdicts)
-VERDICT_STYLE = {"restores": "green", "restores_with_drops": "yellow", "aborts": "bold red", "refused": "bold red",
-                 "unreadable": "bold red", "undecided": "magenta"}
+#: the one colour table: every word a command shows as a verdict, a status, a step's outcome or an event,
+#: and its style. Green: as wanted; yellow: done with a loss, or worth a look; red: lost or refused (bold when
+#: the whole file or run is); cyan: what a dry run would do; magenta: not decided; dim: nothing happened.
+STYLES = {
+    **dict.fromkeys(("restores", "restored", "ok", "fits", "copied", "stored", "proof", "proven", "stripped",
+                     "pinned", "idle", "same"), "green"),
+    **dict.fromkeys(("restores_with_drops", "dropped", "drop", "ignored", "skipped", "down", "restart", "pruned",
+                     "busy"), "yellow"),
+    **dict.fromkeys(("mismatch", "partial", "deleted"), "red"),
+    **dict.fromkeys(("refused", "failed", "error", "unreadable", "aborts", "aborted", "aborts_later", "reevaluated",
+                     "differs"), "bold red"),
+    **dict.fromkeys(("would_strip", "would_delete"), "cyan"),
+    "undecided": "magenta",
+    **dict.fromkeys(("unchanged", "kept", "absent", "note"), "dim"),
+}
+
+
+def style_of(word: str, default: str = "", *, bold: bool = False) -> str:
+    """The style of ``word`` in :data:`STYLES` (``default`` for a word not in it); ``bold``: made bold."""
+    style = STYLES.get(word, default)
+    return f"bold {style}" if bold and style and not style.startswith("bold") else style
 
 
 def escape_text(text: str, *, keep_newlines: bool = True) -> str:

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from slotctl.live import http as server_api
 from slotctl.cli.options import LIVE_ONLY_PARAMS, ArgsCommand, raw_value
-from slotctl.cli.output import Output, escape_text, markup_safe
+from slotctl.cli.output import Output, escape_text, markup_safe, style_of
 from slotctl.errors import UsageError
 
 #: parameters save and restore take in live mode; any other one given is a usage error there
@@ -212,14 +212,11 @@ def _answer(out: Output, answer: Any, json_out: bool, url: str, head: str, *, sl
     out.print(t)
 
 
-_PROOF_STYLE = {"proven": "green", "reevaluated": "bold red", "undecided": "yellow"}
-
-
 def render_proof(out: Output, p: dict, indent: str = "  ") -> None:
     """The lines of a proof (:meth:`slotctl.live.prove.Proof.as_dict`): the server's counts against the
     prediction, and why when they differ."""
     line = Text(indent + "proof ", style="bold")
-    line.append(p["verdict"], style=_PROOF_STYLE.get(p["verdict"], ""))
+    line.append(p["verdict"], style=style_of(p["verdict"]))
     line.append(f": of the file's {p['n_prompt']:,} prompt tokens the server reused {p['n_reused']:,} and "
                 f"evaluated {p['n_evaluated']:,} (timings cache_n, prompt_n)")
     if p["predicted_evaluated"] is not None:

@@ -18,14 +18,13 @@ from slotctl.cli.common import check_file, handle_errors, read_prompt, require_l
 from slotctl.cli.options import (ArgsCommand, DraftModelOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt, LiveTimeoutOpt,
                                  LocalModelOpt, ProveOpt, SlotDirOpt, SlotOpt, VerboseOpt, with_server_flags)
 from slotctl.live import SLOT_FILE_TIMEOUT
-from slotctl.cli.output import Output, elide, escape_text, markup_safe
+from slotctl.cli.output import Output, elide, escape_text, markup_safe, style_of
 from slotctl.errors import ExitStatus, UsageError
 from slotctl.server.flags import ServerFlags, check_slot
 
 #: ``-n`` when the continuation is asked for without it
 DEFAULT_N_PREDICT = 16
 
-_STATUS_STYLE = {"restored": "green", "absent": "dim", "ignored": "yellow", "dropped": "yellow", "refused": "bold red"}
 
 
 def register(app: typer.Typer) -> None:
@@ -246,7 +245,7 @@ def render(out: Output, r: dict) -> None:
     for c in ("step", "status", "bytes", "ms", "note"):
         t.add_column(c, justify="right" if c in ("bytes", "ms") else "left")
     for s in r["steps"]:
-        t.add_row(s["step"], Text(s["status"], style=_STATUS_STYLE.get(s["status"], "")), f"{s['bytes']:,}",
+        t.add_row(s["step"], Text(s["status"], style=style_of(s["status"])), f"{s['bytes']:,}",
                   f"{s['ms']:.1f}", markup_safe(_note(s)))
     out.table(t, keep=("step", "status", "bytes", "ms"))   # the note folds; no value is cut
     for s in r["steps"]:
@@ -331,5 +330,5 @@ def _compare_table(cmp: dict) -> Table:
     for ch in cmp["checks"]:
         fmt = (lambda v: Text(escape_text(v), overflow="fold")) if ch["check"] == "text" else str
         t.add_row(ch["check"], fmt(ch["restored"]), fmt(ch["fresh"]),
-                  Text("same", style="green") if ch["equal"] else Text("differs", style="bold red"))
+                  Text("same", style=style_of("same")) if ch["equal"] else Text("differs", style=style_of("differs")))
     return t
