@@ -34,7 +34,7 @@ from pathlib import Path
 from slotctl.errors import ExitStatus, SlotctlError, UsageError, error_entry
 from slotctl.live import http
 from slotctl.live.prove import Proof, local_setup, prove
-from slotctl.fleet.states import copy_atomic
+from slotctl.fleet.states import copy_atomic, read_saved
 from slotctl.server.flags import ServerFlags
 
 #: the /v1/models meta keys that tell two models apart (llama_model_n_vocab, n_embd, n_params, size, n_ctx_train)
@@ -120,8 +120,6 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_di
     for flag, d in (("--from-dir", from_dir), ("--to-dir", to_dir)):
         if not d.is_dir():
             raise UsageError(f"{flag} {d}: not a directory")
-    src_url, dst_url = http.normalize_url(src_url), http.normalize_url(dst_url)
-    to_key = api_key if to_api_key is None else to_api_key
     if (to_dir / name).exists() and not _same_dir(from_dir, to_dir):
         raise UsageError(f"{to_dir / name}: exists in --to-dir (give another --name)")
     kept = None
@@ -131,84 +129,111 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_di
         kept = open_store(store, to_dir)
         if kept.has(name):
             raise UsageError(f"{kept.where(name)}: exists in --store (give another --name)")
-    steps = {s: Step(s) for s in STEPS}
-    m = Migration({"server": src_url, "slot": src_slot, "dir": os.fspath(from_dir)},
-                  {"server": dst_url, "slot": dst_slot, "dir": os.fspath(to_dir)}, name, list(steps.values()))
-    state: dict = {}
+    run = _Migrator(http.normalize_url(src_url), src_slot, http.normalize_url(dst_url), dst_slot, from_dir,
+                    to_dir, name, kept, dst_flags, given, allow_lossy, api_key,
+                    api_key if to_api_key is None else to_api_key, timeout)
     staging = tempfile.mkdtemp(prefix="slotctl-migrate-")
+    run.staging = Path(staging)
+    try:
+        for step in STEPS:
+            if step == "store" and kept is None:
+                continue
+            if not run.step(step, progress):
+                break
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return run.m
 
-    def run(step: str, fn) -> bool:
-        s = steps[step]
+
+class _Migrator:
+    """One migration: a method per step of the module docstring (named as the step), each returning its
+    message and leaving its figures in its :class:`Step`'s details and what later steps need in ``self``."""
+
+    def __init__(self, src_url, src_slot, dst_url, dst_slot, from_dir: Path, to_dir: Path, name: str, kept,
+                 dst_flags, given, allow_lossy: bool, api_key, to_key, timeout: float):
+        self.src_url, self.src_slot, self.dst_url, self.dst_slot = src_url, src_slot, dst_url, dst_slot
+        self.from_dir, self.to_dir, self.name, self.kept = from_dir, to_dir, name, kept
+        self.dst_flags, self.given, self.allow_lossy = dst_flags, given, allow_lossy
+        self.api_key, self.to_key, self.timeout = api_key, to_key, timeout
+        self.steps = {s: Step(s) for s in STEPS}
+        self.m = Migration({"server": src_url, "slot": src_slot, "dir": os.fspath(from_dir)},
+                           {"server": dst_url, "slot": dst_slot, "dir": os.fspath(to_dir)}, name,
+                           list(self.steps.values()))
+        self.staging: Path | None = None
+        self.src = self.dst = self.setup = None
+        self.path: Path | None = None          # the file the source saved (step fetch)
+        self.placed_from: Path | None = None   # the file that goes to the destination (check, store)
+
+    def step(self, step: str, progress=None) -> bool:
+        """Run the step ``step``: its outcome recorded, True when it succeeded."""
+        s = self.steps[step]
         if progress:
             progress(step)
         t0 = time.perf_counter()
         try:
-            s.message = fn(s)
+            s.message = getattr(self, step)(s)
             s.status = "ok"
         except Refused as e:
             s.status, s.message, s.error = "refused", str(e), {"code": e.error_code, "message": str(e)}
-            m.exit_status = ExitStatus.FAILED
+            self.m.exit_status = ExitStatus.FAILED
         except (SlotctlError, OSError) as e:
             err = error_entry(e)
             s.status, s.message, s.error = "failed", err.message, err.as_dict()
-            m.exit_status = ExitStatus(err.exit_status)
+            self.m.exit_status = ExitStatus(err.exit_status)
         s.ms = (time.perf_counter() - t0) * 1000
         return s.status == "ok"
 
-    def source(s: Step) -> str:
-        http.check_slot(src_url, src_slot, api_key=api_key, timeout=timeout)
-        f = state["src"] = http.server_facts(src_url, src_slot, api_key=api_key, timeout=timeout)
-        s.details = {"model": f.model_path, "total_slots": f.total_slots, "n_ctx_slot": f.n_ctx_slot,
-                     "build_info": f.build_info}
-        return f"{src_url}: slot {src_slot} of {f.total_slots}, model {f.model_path}"
+    def _facts(self, url: str, slot: int, api_key) -> http.ServerFacts:
+        http.check_slot(url, slot, api_key=api_key, timeout=self.timeout)
+        return http.server_facts(url, slot, api_key=api_key, timeout=self.timeout)
 
-    def destination(s: Step) -> str:
-        http.check_slot(dst_url, dst_slot, api_key=to_key, timeout=timeout)
-        f = state["dst"] = http.server_facts(dst_url, dst_slot, api_key=to_key, timeout=timeout)
-        s.details = {"model": f.model_path, "total_slots": f.total_slots, "n_ctx_slot": f.n_ctx_slot,
-                     "build_info": f.build_info}
-        why = other_model(state["src"], f)
+    @staticmethod
+    def _facts_details(f: http.ServerFacts) -> dict:
+        return {"model": f.model_path, "total_slots": f.total_slots, "n_ctx_slot": f.n_ctx_slot,
+                "build_info": f.build_info}
+
+    def source(self, s: Step) -> str:
+        f = self.src = self._facts(self.src_url, self.src_slot, self.api_key)
+        s.details = self._facts_details(f)
+        return f"{self.src_url}: slot {self.src_slot} of {f.total_slots}, model {f.model_path}"
+
+    def destination(self, s: Step) -> str:
+        f = self.dst = self._facts(self.dst_url, self.dst_slot, self.to_key)
+        s.details = self._facts_details(f)
+        why = other_model(self.src, f)
         if why:
             raise Refused(why)
-        setup, notes = local_setup(f, dst_slot, dst_flags, given)
-        state["setup"] = setup
-        s.details["notes"] = notes
-        return f"{dst_url}: slot {dst_slot} of {f.total_slots}, model {f.model_path}"
+        self.setup, s.details["notes"] = local_setup(f, self.dst_slot, self.dst_flags, self.given)
+        return f"{self.dst_url}: slot {self.dst_slot} of {f.total_slots}, model {f.model_path}"
 
-    def save(s: Step) -> str:
-        answer = http.save_slot(src_url, src_slot, name, api_key=api_key, timeout=timeout, check=False)
+    def save(self, s: Step) -> str:
+        answer = http.save_slot(self.src_url, self.src_slot, self.name, api_key=self.api_key, timeout=self.timeout,
+                                check=False)
         s.details = {"answer": answer}
-        return f"slot {src_slot} saved to {name}: {answer['n_saved']:,} tokens, {answer['n_written']:,} bytes"
+        return (f"slot {self.src_slot} saved to {self.name}: {answer['n_saved']:,} tokens, "
+                f"{answer['n_written']:,} bytes")
 
-    def fetch(s: Step) -> str:
-        from slotctl.slotfile import open_slot_file
-
-        path = from_dir / name
+    def fetch(self, s: Step) -> str:
+        path = self.from_dir / self.name
         if not path.is_file():
-            raise UsageError(f"{path}: the source answered that it saved {name}, but --from-dir holds no such "
+            raise UsageError(f"{path}: the source answered that it saved {self.name}, but --from-dir holds no such "
                              "file (is --from-dir the source's --slot-save-path?)")
-        with open_slot_file(path) as sf:
-            if sf.errors:
-                raise Refused(f"{path}: {sf.errors[0]}")
-            saved = steps["save"].details["answer"]
-            n = sf.tokens.n_tokens if sf.tokens is not None else 0
-            if n != saved["n_saved"] or sf.size != saved["n_written"]:
-                raise Refused(f"{path}: holds {n:,} tokens in {sf.size:,} bytes, the source saved {saved['n_saved']:,} "
-                              f"in {saved['n_written']:,} (another file under that name?)")
-            state["path"] = path
-            s.details = {"path": os.fspath(path), "size": sf.size, "n_tokens": n, "state_version": sf.version}
-            return f"{path}: {n:,} tokens, {sf.size:,} bytes"
+        saved = read_saved(path, self.steps["save"].details["answer"])
+        if saved.problem is not None:
+            raise Refused(f"{path}: {saved.problem}" + ("" if saved.damaged else " (another file under that name?)"))
+        self.path = path
+        s.details = {"path": os.fspath(path), "size": saved.size, "n_tokens": saved.n_tokens,
+                     "state_version": saved.version}
+        return f"{path}: {saved.n_tokens:,} tokens, {saved.size:,} bytes"
 
-    def check(s: Step) -> str:
+    def check(self, s: Step) -> str:
         from slotctl import convert as conv
         from slotctl.validate.check import validate_file
         from slotctl.validate.setup import Models
 
-        setup = state["setup"]
-        models = Models(setup)
-        flags = setup.flags
-        rule = None
-        layout = None
+        models = Models(self.setup)
+        flags = self.setup.flags
+        rule = layout = None
         if models.target is not None:
             from slotctl.model.predict import rotation_rule
 
@@ -217,23 +242,22 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_di
                                               conv.cache_type_id(flags.cache_type_k, "-ctk"),
                                               conv.cache_type_id(flags.cache_type_v, "-ctv"), rule))
         try:
-            plan = conv.plan_convert(state["path"], req, layout=layout)
+            plan = conv.plan_convert(self.path, req, layout=layout)
         except conv.ConversionRefused as e:
             raise Refused(f"the file cannot be converted for the destination: {e}") from None
         changes = [c.describe() for c in plan.changes]
         lossy = [c.describe() for c in plan.changes if c.what in ("K type", "V type")]
         s.details = {"changes": changes, "lossy": lossy, "converted": bool(plan.changes)}
-        if lossy and not allow_lossy:
+        if lossy and not self.allow_lossy:
             raise Refused(f"the destination's cache types differ ({'; '.join(lossy)}): re-encoding is lossy, "
                           "pass --allow-lossy to accept it")
-        path = state["path"]
+        path = self.path
         if plan.changes:
-            path = Path(staging) / name
+            path = self.staging / self.name
             errors = conv.write_converted(plan, path, layout=layout)
-            worst = max((e.max_abs_error for e in errors), default=None)
-            s.details["max_abs_error"] = worst
-        state["placed_from"] = path
-        report = validate_file(path, setup, models)
+            s.details["max_abs_error"] = max((e.max_abs_error for e in errors), default=None)
+        self.placed_from = path
+        report = validate_file(path, self.setup, models)
         s.details["verdict"] = report.verdict
         s.details["findings"] = [f.as_dict() for f in report.findings if f.severity != "note"]
         if report.verdict not in ("restores", "restores_with_drops", "undecided"):
@@ -244,51 +268,42 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_di
         done = "converted (" + "; ".join(changes) + ")" if changes else "no conversion needed"
         return f"{done}; validate for the destination: {report.verdict}"
 
-    def keep_it(s: Step) -> str:
-        kept.put(state["placed_from"], name, move=False)
-        (Path(staging) / "from-store").mkdir(exist_ok=True)
-        local = kept.local(name, Path(staging) / "from-store")
+    def store(self, s: Step) -> str:
+        kept, name = self.kept, self.name
+        kept.put(self.placed_from, name, move=False)
+        (self.staging / "from-store").mkdir(exist_ok=True)
+        local = kept.local(name, self.staging / "from-store")
         s.details = {"where": kept.where(name)}
-        state["placed_from"] = local
+        self.placed_from = local
         return f"{kept.where(name)}: written"
 
-    def place(s: Step) -> str:
-        src, dest = state["placed_from"], to_dir / name
-        if kept is not None and os.fspath(src) == os.fspath(dest):
+    def place(self, s: Step) -> str:
+        src, dest = self.placed_from, self.to_dir / self.name
+        if self.kept is not None and os.fspath(src) == os.fspath(dest):
             s.details = {"path": os.fspath(dest), "copied": False}
             return f"{dest}: already there (--store is --to-dir)"
-        if src == state["path"] and _same_dir(from_dir, to_dir):
+        if src == self.path and _same_dir(self.from_dir, self.to_dir):
             s.details = {"path": os.fspath(dest), "copied": False}
             return f"{dest}: already there (--from-dir and --to-dir are one directory)"
         copy_atomic(src, dest)
         s.details = {"path": os.fspath(dest), "copied": True, "size": os.path.getsize(dest)}
         return f"{dest}: written ({s.details['size']:,} bytes)"
 
-    def restore(s: Step) -> str:
-        answer = http.restore_slot(dst_url, dst_slot, name, api_key=to_key, timeout=timeout, check=False)
+    def restore(self, s: Step) -> str:
+        answer = http.restore_slot(self.dst_url, self.dst_slot, self.name, api_key=self.to_key,
+                                   timeout=self.timeout, check=False)
         s.details = {"answer": answer}
-        return f"{name} restored into slot {dst_slot}: {answer['n_restored']:,} tokens, {answer['n_read']:,} bytes"
+        return (f"{self.name} restored into slot {self.dst_slot}: {answer['n_restored']:,} tokens, "
+                f"{answer['n_read']:,} bytes")
 
-    def proof(s: Step) -> str:
-        p = m.proof = prove(dst_url, dst_slot, state["placed_from"], state["setup"],
-                            build_info=state["dst"].build_info, api_key=to_key, timeout=timeout)
+    def prove(self, s: Step) -> str:
+        p = self.m.proof = prove(self.dst_url, self.dst_slot, self.placed_from, self.setup,
+                                 build_info=self.dst.build_info, api_key=self.to_key, timeout=self.timeout)
         if p.exit_status:
-            m.exit_status = p.exit_status
+            self.m.exit_status = p.exit_status
         s.details = {"verdict": p.verdict}
         return (f"{p.verdict}: the destination reused {p.n_reused:,} and evaluated {p.n_evaluated:,} of "
                 f"{p.n_prompt:,} prompt tokens")
-
-    try:
-        for step, fn in (("source", source), ("destination", destination), ("save", save), ("fetch", fetch),
-                         ("check", check), ("store", keep_it), ("place", place), ("restore", restore),
-                         ("prove", proof)):
-            if step == "store" and kept is None:
-                continue
-            if not run(step, fn):
-                break
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return m
 
 
 def _same_dir(a: Path, b: Path) -> bool:
