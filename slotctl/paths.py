@@ -15,7 +15,7 @@ import os
 import stat
 import sys
 from contextlib import contextmanager
-from typing import BinaryIO, Callable, Iterable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from slotctl.errors import UsageError
 
@@ -164,34 +164,3 @@ def directory_files(p: str, follow_symlinks: bool) -> list[str]:
     symbolic links only with ``follow_symlinks``."""
     with os.scandir(p) as it:
         return sorted(e.name for e in it if e.is_file(follow_symlinks=follow_symlinks) and not is_temp_file(e.name))
-
-
-def expand_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> list[str]:
-    """Each file as given; each directory's regular files (not recursive, sorted).
-
-    Temporary files of slotctl's atomic writes are skipped. Symbolic links inside a directory are skipped
-    unless ``follow_symlinks`` (a command that only reads may follow them; one that rewrites files must
-    not); so are FIFOs, devices and sockets. A path given twice (or a file also found in a given
-    directory) is listed once. A path given that is not a directory is checked by :func:`check_readable`
-    (missing, a FIFO or device, a symbolic link loop: a usage error).
-    """
-    out: list[str] = []
-    seen: set[str] = set()
-
-    def add(p: str) -> None:
-        key = os.path.realpath(p)
-        if key not in seen:
-            seen.add(key)
-            out.append(p)
-
-    for raw in paths:
-        p = os.fspath(raw)
-        if os.path.isdir(p):
-            for name in directory_files(p, follow_symlinks):
-                add(os.path.join(p, name))
-        elif os.path.isfile(p):
-            add(p)
-        else:
-            check_readable(p)   # raises the usage error that names what the path is
-            raise UsageError(f"{p}: not a regular file or a directory")  # pragma: no cover - a race
-    return out

@@ -22,7 +22,7 @@ LAYERS = [
     {"runtime"},
     {"store"},
     {"describe", "strip", "convert", "diff"},
-    {"tensors"},
+    {"tensors", "inputs"},
     {"server"},
     {"model", "slotfile"},
     {"format"},

@@ -71,7 +71,9 @@ def convert(
     from slotctl import convert as conv
 
     out = Output(json_mode=json_out)
-    many = _is_container(file)
+    from slotctl.inputs import is_container
+
+    many = is_container(file)
     if not many:
         check_file(file)
     if parallel is None and not kv_unified and state_version is None and not any(
@@ -99,16 +101,6 @@ def convert(
         out.json(_doc(file, output, plan, errors, dry_run))
         return
     render(out, plan, errors, file, output, dry_run)
-
-
-def _is_container(p) -> bool:
-    """A directory, or an s3:// prefix (ending with /, or naming no object)."""
-    from slotctl.sources import list_prefix, remote_url
-
-    url = remote_url(p)
-    if url is None:
-        return os.path.isdir(p)
-    return list_prefix(url) is not None
 
 
 def _check_output(output, *, force: bool, follow_symlinks: bool, dry_run: bool) -> None:
@@ -154,7 +146,7 @@ def _convert_many(out: Output, json_out: bool, src, dest, req, layouts: dict, **
     (same names); the others still converted when one fails. ``{"files": [...], "summary", "exit_code"}``."""
     from slotctl import convert as conv
     from slotctl.errors import SlotctlError
-    from slotctl.slotfile import expand_slot_paths
+    from slotctl.inputs import expand_slot_paths
 
     if not is_remote(dest) and not os.path.isdir(dest):
         raise UsageError(f"-o {dest}: converting a directory or prefix needs an existing directory or an "

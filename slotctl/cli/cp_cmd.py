@@ -45,7 +45,7 @@ def cp(
     """
     from slotctl.errors import UsageError
     from slotctl.store.cp import COPIED, FAILED, REFUSED, copy_files
-    from slotctl.slotfile import expand_slot_paths
+    from slotctl.inputs import expand_slot_paths
 
     out = Output(json_mode=json_out, jsonl=jsonl, quiet=quiet)
     if len(paths) < 2:

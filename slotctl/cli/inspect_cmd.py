@@ -16,7 +16,8 @@ from slotctl.cli.output import Output
 from slotctl.describe import describe_file
 from slotctl.errors import SlotctlError
 from slotctl.server.findings import Finding, file_findings
-from slotctl.slotfile import expand_slot_paths, open_slot_file
+from slotctl.inputs import expand_slot_paths
+from slotctl.slotfile import open_slot_file
 
 
 def register(app: typer.Typer) -> None:

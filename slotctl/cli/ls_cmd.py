@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Iterable, Optional
 
@@ -118,7 +117,7 @@ def ls(
 
             Models(setup)   # unreadable models and settings llama.cpp refuses: usage errors before any file
 
-    from slotctl.slotfile import expand_slot_paths
+    from slotctl.inputs import expand_slot_paths
 
     expansion = expand_slot_paths(paths or [Path(".")], follow_symlinks=True)
     files, not_slot = expansion.files, len(expansion.skipped)
@@ -133,7 +132,7 @@ def ls(
         return not want or row["verdict"] in want
 
     totals = _Totals(not_slot)
-    names = len(paths or [Path(".")]) == 1 and _is_dir((paths or [Path(".")])[0])
+    names = len(paths or [Path(".")]) == 1 and bool(expansion.containers)   # a directory or prefix, listed once
     human = _Cells(show_reuse=model is not None, names=names) if not (json_out or jsonl) else None
     with out.progress("reading", total=len(files)) as update:
         def rows() -> Iterable[dict]:
@@ -169,16 +168,6 @@ def ls(
         human.render(out, totals, broken=broken)
     if totals.exit_code:
         raise typer.Exit(totals.exit_code)
-
-
-def _is_dir(p) -> bool:
-    """A directory, or a prefix of objects in a store (its rows show names, not paths)."""
-    from slotctl.sources import list_prefix, remote_url
-
-    url = remote_url(p)
-    if url is None:
-        return os.path.isdir(p)
-    return list_prefix(url) is not None
 
 
 _SORTS = {

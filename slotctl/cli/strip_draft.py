@@ -13,7 +13,7 @@ from slotctl.cli.common import FileRun, handle_errors
 from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt
 from slotctl.cli.output import Output, human_bytes, markup_safe, style_of
 from slotctl.errors import UsageError
-from slotctl.slotfile import expand_slot_paths
+from slotctl.inputs import expand_slot_paths
 from slotctl.sources import is_remote
 from slotctl.paths import DEFAULT_GRACE
 from slotctl.strip import COPY, REFUSED, STRIPPED, UNCHANGED, UNREADABLE, WOULD_STRIP, FileResult, strip_files

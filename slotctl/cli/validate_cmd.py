@@ -83,7 +83,7 @@ def validate(
     error; 3 without -m, what the server does with a file cannot be decided (undecided). Keys and finding codes: docs/validate.md.
     """
     from slotctl.paths import STDIN, stdin_copy
-    from slotctl.slotfile import expand_slot_paths
+    from slotctl.inputs import expand_slot_paths
     from slotctl.validate import ServerSetup, validate_paths
 
     out = Output(json_mode=json_out, jsonl=jsonl, quiet=quiet, verbose=verbose)

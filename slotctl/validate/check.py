@@ -21,7 +21,7 @@ from slotctl.model.info import ModelInfo
 from slotctl.model.predict import Prediction
 from slotctl.server.checkpoints import may_load, rolls_back
 from slotctl.server.restore import cut_payload_outcome
-from slotctl.slotfile import (Blob, SlotFile, expand_slot_paths, is_checkpoint_layer, parse_blob, parse_memory,
+from slotctl.slotfile import (Blob, SlotFile, is_checkpoint_layer, parse_blob, parse_memory,
                               read_for_layout, read_slot_file)
 from slotctl.validate.child import ChildProcess, LoadChecker
 from slotctl.validate.compare import (
@@ -503,6 +503,8 @@ def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, re
     are still validated. ``child``: a :class:`ChildProcess` to run the real check in (left open),
     instead of a new one.
     """
+    from slotctl.inputs import expand_slot_paths
+
     files = expand_slot_paths(paths, follow_symlinks=True).files
     models = Models(setup)
     own = checker = None
