@@ -155,6 +155,12 @@ def stream_identity(f) -> tuple | None:
         st = os.fstat(f.fileno())
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
         return None
+    return stat_identity(st)
+
+
+def stat_identity(st: os.stat_result) -> tuple:
+    """What tells that a file is still the one that was parsed: (device, inode, size, modification time in
+    ns), from its stat."""
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 

@@ -22,7 +22,7 @@ LAYERS = [
     {"runtime"},
     {"store"},
     {"describe", "strip", "convert", "diff"},
-    {"tensors", "inputs"},
+    {"tensors", "inputs", "rewrite"},
     {"server"},
     {"model", "slotfile"},
     {"format"},
