@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import tempfile
 from contextlib import contextmanager
 from typing import BinaryIO, Iterator
 
@@ -32,6 +31,38 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (
 
 def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+#: the longest name of a directory entry, in bytes (Linux's NAME_MAX, and most filesystems' own limit)
+NAME_MAX = 255
+#: hex digits of the hash that stands for the cut part of a long name
+_HASH_DIGITS = 16
+
+
+def private_name(name: str, tag: str) -> str:
+    """The private name slotctl gives a file of its own beside the file ``name``: ``.NAME.slotctl-TAG.tmp``
+    (the form listings skip, :func:`slotctl.paths.is_temp_file`), never longer than :data:`NAME_MAX` bytes.
+
+    A name of 231-255 bytes (a server saves whatever name a client sends) would pass the limit once the
+    marks are added ("File name too long"): then NAME is cut, at a character boundary, and followed by
+    ``~`` and 16 hex digits of the SHA-256 of the whole name, so two long names that share their first
+    bytes still get names of their own. The one rule of every private name: atomic writes' temporary files,
+    ``prune``'s files set aside, an object store's temporary keys."""
+    tail = f".slotctl-{tag}.tmp"
+    whole = f".{name}{tail}"
+    raw = os.fsencode(whole)
+    if len(raw) <= NAME_MAX:
+        return whole
+    import hashlib   # here: only long names pay for it
+
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:_HASH_DIGITS]
+    room = NAME_MAX - len(os.fsencode(tail)) - 2 - _HASH_DIGITS     # the leading "." and the "~"
+    cut = os.fsencode(name)[:max(0, room)]
+    while cut and (cut[-1] & 0xC0) == 0x80:     # a UTF-8 character cut in its middle: drop its pieces
+        cut = cut[:-1]
+    if cut and cut[-1] >= 0xC0:
+        cut = cut[:-1]
+    return f".{os.fsdecode(cut)}~{digest}{tail}"
 
 
 def check_destination(path: str | os.PathLike, *, overwrite: bool, follow_symlinks: bool = False,
@@ -98,7 +129,7 @@ def atomic_writer(path: str | os.PathLike, *, overwrite: bool = False,
     path = check_destination(path, overwrite=overwrite, follow_symlinks=follow_symlinks)
     directory = os.path.dirname(os.path.abspath(path))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.slotctl-", suffix=".tmp", dir=directory)
+        fd, tmp = make_private(directory, os.path.basename(path))
     except OSError as e:
         raise _named(e, path, "cannot create a temporary file beside it") from None
     try:
@@ -124,6 +155,20 @@ def atomic_writer(path: str | os.PathLike, *, overwrite: bool = False,
         except FileNotFoundError:
             pass
         raise
+
+
+def make_private(directory: str, name: str) -> tuple[int, str]:
+    """A new file (mode 0600, opened for writing) under a private name beside ``name`` in ``directory``
+    (:func:`private_name` with a random tag: ``.NAME.slotctl-RANDOM.tmp``, at most 255 bytes
+    whatever the length of ``name``): its descriptor and path."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = os.path.join(directory, private_name(name, os.urandom(4).hex()))
+        try:
+            return os.open(tmp, flags, 0o600), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", os.path.join(directory, name))
 
 
 def _named(e: OSError, path: str, doing: str = "") -> OSError:

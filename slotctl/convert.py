@@ -105,7 +105,9 @@ class Recode:
 
     @property
     def n_rows(self) -> int:
-        return self.span.size // ggml.BY_ID[self.src].row_size(self.n_per_row)
+        """Rows in the span; 0 for rows of 0 elements (a zero-width record holds no bytes to recode)."""
+        row = ggml.BY_ID[self.src].row_size(self.n_per_row)
+        return self.span.size // row if row else 0
 
     @property
     def size(self) -> int:

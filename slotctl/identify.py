@@ -83,6 +83,7 @@ def rows_by_position(f, mem: Memory, version: int, rule: RotationRule | None, *,
     rotated). Only the first stream with cells of a KV section is read (a slot's state). ``below``: only
     the cells before the last one at a position below it are read (the rows are stored in cell order)."""
     from slotctl import tensors
+    from slotctl.format.records import row_elements
 
     out: dict = {}
     for si, (sl, sec) in enumerate(zip(mem.layout.sections, mem.sections)):
@@ -107,7 +108,7 @@ def rows_by_position(f, mem: Memory, version: int, rule: RotationRule | None, *,
                     if hasattr(rec, "el_size"):   # V element-major: [n_embd][cells]
                         rows = tensors.dequantize(_read(f, rec.data), rec.type, 1).reshape(rec.n_embd, -1).T[:k]
                     else:
-                        n = tensors.row_elements(rec.type, rec.row_size)
+                        n = row_elements(rec, "memory")
                         raw = _read(f, rec.data, k * rec.row_size)
                         rows = tensors.rotate(tensors.dequantize(raw, rec.type, n), rot)
                     out[(si, sl.role, i, tensor)] = (pos, rows)
@@ -117,9 +118,11 @@ def rows_by_position(f, mem: Memory, version: int, rule: RotationRule | None, *,
             pos = np.asarray(sec.cells.pos, dtype=np.int64)
             for tensor, recs in (("r", sec.r), ("s", sec.s)):
                 for i, rec in enumerate(recs):
-                    if hasattr(rec, "el_size") or not rec.row_size:
+                    if hasattr(rec, "el_size"):
                         continue
-                    n = tensors.row_elements(rec.type, rec.row_size)
+                    n = row_elements(rec, "memory")
+                    if not n:         # zero-width rows (lfm2's s): nothing to compare
+                        continue
                     out[(si, sl.role, i, tensor)] = (pos, tensors.dequantize(_read(f, rec.data), rec.type, n))
     return out
 
@@ -283,8 +286,13 @@ def _judge(cand: Candidate, sf, info, layout, draft: bool, n_tokens: int, model:
     except (SlotctlError, ValueError, OSError) as e:
         cand.error = f"cannot evaluate the prompt: {e}"
         return cand
-    mine = rows_by_position(sf.stream, mem, sf.version, rule, below=n)
-    cand.layers = compare(mine, rows_by_position(cf, cmem, version, rule))
+    try:
+        mine = rows_by_position(sf.stream, mem, sf.version, rule, below=n)
+        theirs = rows_by_position(cf, cmem, version, rule)
+    except SlotctlError as e:      # a record whose sizes hold no whole rows (format.records.row_elements)
+        cand.error = f"the file's rows cannot be read: {e}"
+        return cand
+    cand.layers = compare(mine, theirs)
     if not cand.layers:
         cand.error = "no rows at the same positions to compare"
     return cand

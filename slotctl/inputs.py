@@ -20,13 +20,14 @@ from slotctl.sources import first_bytes, list_prefix, remote_url
 
 
 def is_container(p: str | os.PathLike) -> bool:
-    """A directory, or an ``s3://`` prefix (ending with ``/``, or naming no object): what a command reads
-    many files from. (A command that expands its arguments reads this from :attr:`Expansion.containers`
+    """A directory, or an ``s3://`` prefix with objects under it: what a command reads many files from.
+    Nothing at all under a URL is no container: it is taken as the object it names, whose open says "no
+    such object". (A command that expands its arguments reads this from :attr:`Expansion.containers`
     instead: no second listing.)"""
     url = remote_url(p)
     if url is None:
         return os.path.isdir(p)
-    return list_prefix(url) is not None
+    return bool(list_prefix(url))
 
 
 @dataclass
@@ -67,7 +68,8 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
             if entries is None or (not entries and not url.endswith("/")):
                 add(url)   # an object; or nothing there: the command says "no such object"
                 continue
-            out.containers.append(p)
+            if entries:
+                out.containers.append(p)
             entries = [e for e in entries if e.path not in seen]
             for e, head in zip(entries, first_bytes([e.path for e in entries])):
                 if is_slot_entry(e.path.rstrip("/").rsplit("/", 1)[-1], head):

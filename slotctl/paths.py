@@ -161,6 +161,15 @@ def _read_up_to(src: BinaryIO, n: int) -> bytes:
 
 def directory_files(p: str, follow_symlinks: bool) -> list[str]:
     """The names of the regular files directly in directory ``p``, sorted, without slotctl's temporary files;
-    symbolic links only with ``follow_symlinks``."""
+    symbolic links only with ``follow_symlinks``. An entry that cannot be stat'ed (a symbolic link loop:
+    ``ELOOP``; one whose target is gone or denied) is passed over as a dangling link is: it is no file to read,
+    and it does not stop the others."""
     with os.scandir(p) as it:
-        return sorted(e.name for e in it if e.is_file(follow_symlinks=follow_symlinks) and not is_temp_file(e.name))
+        return sorted(e.name for e in it if _is_file(e, follow_symlinks) and not is_temp_file(e.name))
+
+
+def _is_file(e: os.DirEntry, follow_symlinks: bool) -> bool:
+    try:
+        return e.is_file(follow_symlinks=follow_symlinks)
+    except OSError:       # ELOOP, EACCES, ENAMETOOLONG on the link's target: not a file this command can read
+        return False

@@ -25,11 +25,13 @@ import re
 import stat
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable
 
 from slotctl.catalog import iso_time
 from slotctl.slotfile import is_slot_file
-from slotctl.errors import UsageError
+from slotctl.errors import UsageError, error_entry
+from slotctl.atomic import private_name
 from slotctl.paths import DEFAULT_GRACE, being_written, is_temp_file
 
 # actions
@@ -105,14 +107,16 @@ class Policy:
     pins: tuple[str, ...] = ()
     broken: bool = False
     grace: float = DEFAULT_GRACE
+    #: also delete the temporary files (objects) killed writes left (``--temp-files``)
+    temp: bool = False
 
     def __post_init__(self) -> None:
         budgets = [self.max_size, self.older_than, self.keep]
         if self.broken and any(b is not None for b in budgets):
             raise UsageError("--broken removes only the files a server would refuse: give it without "
                              "--max-size, --older-than and --keep")
-        if not self.broken and all(b is None for b in budgets):
-            raise UsageError("nothing to prune by: give --max-size, --older-than, --keep or --broken")
+        if not self.broken and not self.temp and all(b is None for b in budgets):
+            raise UsageError("nothing to prune by: give --max-size, --older-than, --keep, --broken or --temp-files")
 
 
 @dataclass
@@ -132,6 +136,8 @@ class Entry:
     reason: str = ""
     verdict: str | None = None
     error: str | None = None
+    #: a temporary file of slotctl's (``.NAME.slotctl-*.tmp``), not a slot file: outside every budget
+    temp: bool = False
 
     @property
     def undecided(self) -> bool:
@@ -150,7 +156,7 @@ class Entry:
 
         d = {"path": self.path, "size": self.size, "disk_size": self.disk_size, "mtime": iso_time(self.mtime),
              "atime": iso_time(self.atime), "last_used": iso_time(self.used), "action": self.action,
-             "reason": self.reason, "verdict": self.verdict, "exit_code": int(self.exit_status)}
+             "reason": self.reason, "verdict": self.verdict, "temp": self.temp, "exit_code": int(self.exit_status)}
         if self.error:
             d["error"] = {"code": "delete_failed", "message": self.error}
         return d
@@ -170,7 +176,9 @@ class Plan:
 
     @property
     def freed(self) -> int:
-        return sum(e.size for e in self.entries if e.action in (DELETE, WOULD_DELETE))
+        """Bytes of slot files deleted (or to be): what ``size_after`` subtracts (temporary files are not in
+        ``size_before``)."""
+        return sum(e.size for e in self.entries if e.action in (DELETE, WOULD_DELETE) and not e.temp)
 
     @property
     def size_after(self) -> int:
@@ -195,7 +203,8 @@ def _scan(directory: str, now: float, policy: Policy, source: str) -> tuple[list
         e = Entry(d.path, st.st_size, st.st_blocks * 512, st.st_mtime, st.st_atime, st.st_ino)
         e.used = max(st.st_mtime, st.st_atime) if source == "atime" else st.st_mtime
         if is_temp_file(d.name):
-            e.action, e.reason = SKIPPED, "a slotctl temporary file (a write in progress)"
+            e.temp = True
+            e.action, e.reason = _temp_action(d.name, st.st_mtime, policy, now)
         elif not is_slot_file(d.path):
             e.action, e.reason = SKIPPED, "not a slot file (no state magic, not named *.bin)"
         else:
@@ -209,6 +218,21 @@ def _scan(directory: str, now: float, policy: Policy, source: str) -> tuple[list
     return entries, total
 
 
+def _temp_action(name: str, mtime: float, policy: Policy, now: float, *, what: str = "file") -> tuple[str, str]:
+    """What prune does with one of slotctl's temporary files (objects): without ``--temp-files`` nothing;
+    with it, delete one a killed write left (untouched for ``--grace`` seconds; locally, the deletion checks
+    again that no process has it open, :func:`delete_checked`). Never a file a prune set aside (or its
+    note): those are put back (:func:`restore_set_aside`), never deleted."""
+    if not policy.temp:
+        return SKIPPED, f"a slotctl temporary {what} (a write in progress, or one killed: --temp-files removes it)"
+    if ".slotctl-prune-" in name:
+        return SKIPPED, "set aside by a prune that is running, or kept beside a newer file of its name"
+    busy = being_written(SimpleNamespace(st_mtime=mtime), policy.grace, now)
+    if busy:
+        return SKIPPED, busy
+    return DELETE, f"a temporary {what} a killed write left, untouched for {_ago(now - mtime)} (--temp-files)"
+
+
 #: why an object's last use is its last-modified time
 OBJECT_TIME = ("an object store keeps no access time: last use is the object's Last-Modified (when it was "
                "written)")
@@ -216,12 +240,12 @@ OBJECT_TIME = ("an object store keeps no access time: last use is the object's L
 
 def _scan_prefix(url: str, now: float, policy: Policy) -> tuple[list[Entry], int]:
     """The objects directly under the prefix ``url`` as :func:`_scan` sees a directory's files."""
-    from types import SimpleNamespace
-
     from slotctl.format.header import file_kind
     from slotctl.sources import first_bytes, list_prefix
 
     listed = list_prefix(url.rstrip("/") + "/") or []
+    if not listed:     # a store has no directories: a prefix is there when an object is under it
+        raise UsageError(f"{url}: no such prefix (no object under it)", code="no_such_file")
     names = [o.path.rpartition("/")[2] for o in listed]
     slot = [not is_temp_file(n) for n in names]
     heads = first_bytes([o.path for o, ok in zip(listed, slot) if ok])
@@ -231,7 +255,8 @@ def _scan_prefix(url: str, now: float, policy: Policy) -> tuple[list[Entry], int
         e = Entry(o.path, o.size, o.size, o.mtime, o.mtime, 0, used=o.mtime, etag=o.etag)
         head = next(it) if ok else None
         if not ok:
-            e.action, e.reason = SKIPPED, "a slotctl temporary object (a copy in progress, or one killed)"
+            e.temp = True
+            e.action, e.reason = _temp_action(name, o.mtime, policy, now, what="object")
         elif head is not None and file_kind(head) != "slot" and not name.endswith(".bin"):
             e.action, e.reason = SKIPPED, "not a slot file (no state magic, not named *.bin)"
         else:
@@ -260,7 +285,8 @@ def plan(directory: str, policy: Policy, *, now: float | None = None,
         entries, total = _scan_prefix(url, now, policy)
     else:
         if not os.path.isdir(directory):
-            raise UsageError(f"{directory}: not a directory")
+            raise UsageError(f"{directory}: " + ("not a directory" if os.path.lexists(directory)
+                                                 else "no such directory"), code="no_such_file")
         restore_set_aside(directory)   # what a killed prune left under a private name
         source, why = time_source(directory)
         entries, total = _scan(directory, now, policy, source)
@@ -335,11 +361,54 @@ def execute(p: Plan, *, dry_run: bool, now_fn: Callable[[], float] = time.time,
 
 #: the private name a file is set aside under while it is checked for the last time
 _ASIDE = re.compile(r"^\.(?P<name>.+)\.slotctl-prune-(?P<pid>\d+)\.tmp$")
+#: a set-aside name whose NAME part was cut to fit (atomic.private_name): the whole name is in a note beside it
+_CUT = re.compile(r"~[0-9a-f]{16}$")
 
 
 def _aside_name(path: str) -> str:
     directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}.slotctl-prune-{os.getpid()}.tmp")
+    return os.path.join(directory, private_name(name, f"prune-{os.getpid()}"))
+
+
+def _note_name(aside: str) -> str:
+    """Where the whole name of a file set aside under a cut name is kept: ``.slotctl-prune-PID-HASH.name.tmp``
+    beside it (HASH: the cut name's; short whatever the name; a temporary file to listings, not a set-aside
+    one to :data:`_ASIDE`)."""
+    directory, name = os.path.split(aside)
+    m = _ASIDE.match(name)
+    digest = _CUT.search(m.group("name")).group(0)[1:]
+    return os.path.join(directory, f".slotctl-prune-{m.group('pid')}-{digest}.name.tmp")
+
+
+def _set_aside(path: str) -> str:
+    """``path`` renamed to its private name (:func:`_aside_name`); when that name had to be cut (a name of
+    231-255 bytes), its whole name written first, durably, to a note beside it, so that a prune killed
+    before it puts the file back or deletes it leaves what :func:`restore_set_aside` needs."""
+    aside = _aside_name(path)
+    if _CUT.search(_ASIDE.match(os.path.basename(aside)).group("name")):
+        from slotctl.atomic import fsync_dir
+
+        with open(_note_name(aside), "wb") as f:
+            f.write(os.fsencode(os.path.basename(path)))
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(os.path.dirname(path) or ".")
+    try:
+        os.rename(path, aside)
+    except BaseException:
+        _drop_note(aside)
+        raise
+    return aside
+
+
+def _drop_note(aside: str) -> None:
+    m = _ASIDE.match(os.path.basename(aside))
+    if not m or not _CUT.search(m.group("name")):
+        return
+    try:
+        os.unlink(_note_name(aside))
+    except FileNotFoundError:
+        pass
 
 
 def delete_checked(e: Entry, grace: float, now_fn: Callable[[], float] = time.time) -> None:
@@ -358,14 +427,13 @@ def delete_checked(e: Entry, grace: float, now_fn: Callable[[], float] = time.ti
     between. A process killed between 1 and 3 leaves the file under its private name, which the next
     prune of the directory puts back (:func:`restore_set_aside`).
     """
-    aside = _aside_name(e.path)
     try:
-        os.rename(e.path, aside)
+        aside = _set_aside(e.path)
     except FileNotFoundError:
         e.action, e.reason = SKIPPED, "gone before it was deleted"
         return
     except OSError as err:
-        e.action, e.error = FAILED, f"{e.path}: {err.strerror or err}"
+        e.action, e.error = FAILED, error_entry(err, e.path).message
         return
     fd = None
     try:
@@ -378,11 +446,12 @@ def delete_checked(e: Entry, grace: float, now_fn: Callable[[], float] = time.ti
             busy = "open in another process (being written or read?)"
         if not changed and not busy:
             os.unlink(aside)
+            _drop_note(aside)
             return
     except OSError as err:
         _put_back(e, aside)
         if e.action != FAILED:
-            e.action, e.error = FAILED, f"{e.path}: {err.strerror or err}"
+            e.action, e.error = FAILED, error_entry(err, e.path).message
         return
     finally:
         if fd is not None:
@@ -451,13 +520,17 @@ def _put_back(e: Entry, aside: str) -> None:
             os.rename(aside, e.path)   # no hard links here: a rename onto the (still free) name
         except OSError as err:
             e.action, e.error = FAILED, f"{e.path}: could not be put back, kept as {aside}: {err.strerror or err}"
+            return
+        _drop_note(aside)
         return
     os.unlink(aside)
+    _drop_note(aside)
 
 
 def restore_set_aside(directory: str) -> list[str]:
     """Put back the files a killed prune left under their private names in ``directory`` (where the name
-    is free and the prune that set them aside is gone); the paths put back."""
+    is free and the prune that set them aside is gone); the paths put back. A cut private name takes the
+    whole name from its note (:func:`_set_aside`), and only when the note's name gives that private name."""
     back = []
     try:
         with os.scandir(directory) as it:
@@ -468,12 +541,23 @@ def restore_set_aside(directory: str) -> list[str]:
         m = _ASIDE.match(name)
         if not m or _alive(int(m.group("pid"))):
             continue
-        src, dst = os.path.join(directory, name), os.path.join(directory, m.group("name"))
+        src = os.path.join(directory, name)
+        original = m.group("name")
+        if _CUT.search(original):
+            try:
+                with open(_note_name(src), "rb") as f:
+                    original = os.fsdecode(f.read(4096))
+            except OSError:
+                continue                  # no note: left under its private name, never guessed
+            if private_name(original, f"prune-{m.group('pid')}") != name:
+                continue
+        dst = os.path.join(directory, original)
         try:
             os.link(src, dst)
             os.unlink(src)
         except OSError:
             continue
+        _drop_note(src)
         back.append(dst)
     return back
 

@@ -118,10 +118,6 @@ def rotate(values: np.ndarray, n: int) -> np.ndarray:
     return (values.reshape(-1, n) @ hadamard(n)).reshape(rows, width)
 
 
-#: elements in a row of ``row_size`` bytes of type ``type_id`` (written once, in slotctl.format.ggml)
-row_elements = ggml.row_elements
-
-
 def rows_per_chunk(row_bytes: int, budget: int = 8 << 20) -> int:
     """How many rows of ``row_bytes`` to convert at once so a chunk stays near ``budget`` bytes."""
     return max(1, budget // max(1, row_bytes))

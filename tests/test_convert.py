@@ -29,6 +29,7 @@ from slotctl.cli.app import app
 from slotctl.model.info import read_model_info
 from slotctl.slotfile import open_slot_file
 from slotctl import tensors
+from slotctl.format.records import row_elements
 
 runner = CliRunner()
 TARGET = DATA / "target.gguf"
@@ -158,7 +159,7 @@ def _rows(path: Path) -> list[np.ndarray]:
     with open(path, "rb") as f:
         for recs, rot in ((st.data.k, st.data.n_rot_k), (st.data.v, st.data.n_rot_v)):
             for r in recs:
-                n = tensors.row_elements(r.type, r.row_size)
+                n = row_elements(r, "test")
                 out.append(tensors.rotate(tensors.dequantize(r.data.read(f), r.type, n), rot))
     return out
 

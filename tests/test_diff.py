@@ -176,3 +176,41 @@ def test_damaged_and_missing_files(tmp_path):
     assert cli("diff", DATA / "srv-np1.bin", tmp_path).exit_code == 2
     shutil.copyfile(DATA / "srv-np1.bin", tmp_path / "copy.bin")
     assert cli("diff", DATA / "srv-np1.bin", tmp_path / "copy.bin").exit_code == 0
+
+
+#: every file a real llama-server saved, of every memory kind (the project's shared vectors are these bytes)
+SERVER_FILES = sorted(DATA.rglob("srv-*.bin"))
+
+
+@pytest.mark.parametrize("path", SERVER_FILES, ids=lambda p: str(p.relative_to(DATA)))
+def test_every_real_server_file_equals_itself(path):
+    """A file compared with itself is identical, for every memory kind: lfm2's zero-width s records (its
+    short-convolution layers) included (format.records.row_elements: zero is a width)."""
+    doc = diff_json(path, path, code=0)
+    assert doc["differences"] == [] and not doc["a"]["damaged"] and not doc["b"]["damaged"]
+    res = cli("diff", path, path)
+    assert res.exit_code == 0 and "damaged" not in res.output
+
+
+def test_zero_width_records_are_rows_of_no_elements_and_a_partial_row_is_still_damage():
+    """lfm2's s records have a row size of 0: every reader takes them as rows of 0 elements; a row size
+    that is not a whole number of its type's blocks stays damage, named at its field."""
+    from slotctl.errors import FormatError
+    from slotctl.format.records import row_elements
+    from slotctl.slotfile import open_slot_file
+
+    path = DATA / "kinds" / "srv-lfm2.bin"
+    sf = open_slot_file(path)
+    assert not sf.errors
+    sec = next(s for s in sf.target.sections if s.type != "kv")
+    zero = [r for r in sec.s if r.row_size == 0]
+    assert zero and all(row_elements(r, "t") == 0 for r in zero)
+    assert all(row_elements(r, "t") > 0 for r in sec.r if r.row_size)
+    # a row size of 2 (half an f32) or an element size that is not the type's: damage, named
+    import construct as cs
+
+    with pytest.raises(FormatError, match="multiple of 4 bytes, found 2"):
+        row_elements(cs.Container(type=0, row_size=2, data=b""), "t")
+    with pytest.raises(FormatError, match="element size of 2, found 4"):
+        row_elements(cs.Container(type=1, el_size=4, n_embd=0, data=b""), "t")
+    assert row_elements(cs.Container(type=1, el_size=2, n_embd=0, data=b""), "t") == 0

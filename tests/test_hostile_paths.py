@@ -151,3 +151,63 @@ def test_check_readable_and_open_regular(tmp_path, fifo, loop):
 def test_directory_skips_fifos_and_devices(tmp_path, fifo):
     (tmp_path / "a.bin").write_bytes(SLOT.read_bytes())
     assert expand_paths([tmp_path]) == [str(tmp_path / "a.bin")]
+
+
+#: every command that reads a directory's files, over a directory (``{}``) holding a symbolic link loop
+DIRECTORY_COMMANDS = {
+    "ls": ["ls", "{}", "--json"],
+    "inspect": ["inspect", "{}", "--json"],
+    "validate": ["validate", "{}", "--no-load", "--json"],
+    "strip-draft": ["strip-draft", "{}", "--dry-run", "--grace", "0", "--json"],
+    "cp": ["cp", "{}", "{out}", "--json"],
+    "prune": ["prune", "{}", "--keep", "5", "--dry-run", "--json"],
+}
+
+
+@pytest.mark.parametrize("cmd", sorted(DIRECTORY_COMMANDS))
+def test_a_symlink_loop_in_a_directory_is_passed_over_as_a_dangling_link(cmd, tmp_path):
+    """``ln -s a D/b; ln -s b D/a``: the loop is no file to read, passed over as a FIFO and a dangling link
+    are; the slot files beside it get their rows and the run exits 0 (it stopped ls, inspect, validate,
+    strip-draft and cp: "D/b: Too many levels of symbolic links", exit 2, no rows)."""
+    import json
+
+    d, out = tmp_path / "D", tmp_path / "out"
+    d.mkdir()
+    out.mkdir()
+    for name in ("one.bin", "two.bin"):
+        (d / name).write_bytes(SLOT.read_bytes())
+    (d / "b").symlink_to("a")
+    (d / "a").symlink_to("b")
+    (d / "gone.bin").symlink_to("nowhere.bin")
+    os.mkfifo(d / "pipe.bin")
+    res = run([a.replace("{}", str(d)).replace("{out}", str(out)) for a in DIRECTORY_COMMANDS[cmd]], timeout=60)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    doc = json.loads(res.stdout)
+    paths = sorted(f.get("source") or f["path"] for f in doc["files"])
+    assert paths == [str(d / "one.bin"), str(d / "two.bin")], doc["files"]
+
+
+def test_names_that_are_not_utf8_stay_apart_in_tables(tmp_path):
+    """Two names whose bytes are not UTF-8 (0xfe, 0xff) looked identical on a terminal (each one replacement
+    character); each byte is shown as \\xNN, in every command's table and message, and the JSON keeps them
+    apart too."""
+    import json
+
+    d = tmp_path / "D"
+    d.mkdir()
+    raw = SLOT.read_bytes()
+    for name in (b"\xfe.bin", b"\xff.bin", b"\xc3.bin", "é.bin".encode()):
+        with open(os.path.join(os.fsencode(d), name), "wb") as f:
+            f.write(raw)
+    assert escape_text(os.fsdecode(b"a\xffb\xc3")) == "a\\xffb\\xc3" and escape_text("é") == "é"
+    for args in (["ls", str(d)], ["validate", str(d), "--no-load"], ["inspect", str(d)],
+                 ["strip-draft", str(d), "--dry-run", "--grace", "0"], ["prune", str(d), "--keep", "0", "--dry-run",
+                                                                       "--grace", "0"]):
+        res = run(args)
+        assert res.returncode == 0, res.stderr
+        assert "\ufffd" not in res.stdout + res.stderr
+        for shown in ("\\xfe.bin", "\\xff.bin", "\\xc3.bin", "é.bin"):
+            assert shown in res.stdout, (args, res.stdout)
+    res = run(["ls", str(d), "--json"])
+    names = sorted(f["name"] for f in json.loads(res.stdout)["files"])
+    assert len(set(names)) == 4

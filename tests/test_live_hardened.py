@@ -410,3 +410,21 @@ def test_an_https_server_through_a_connect_proxy_with_credentials(proxy, tls_ser
     monkeypatch.delenv("SSL_CERT_FILE")
     res = _via(f"http://ops:pw@127.0.0.1:{p.port}", "slots", "--server", url)
     assert res.returncode == 2 and "CERTIFICATE_VERIFY_FAILED" in res.stderr, res.stderr
+
+
+def test_a_token_in_the_query_or_a_user_part_of_the_server_url_is_never_echoed(serve):
+    """``?token=SECRET`` (refused: a base URL has no query), a fragment, and a user part without a password
+    (``http://TOKEN@host``): not in the usage error, the JSON, or any line on stderr (with --verbose too)."""
+    url, script = serve(by_path({"/props": (200, GOOD_PROPS), "/slots": (200, GOOD_SLOTS)}))
+    for bad in (url + "/?token=QSECRET", url + "/?a=1&token=QSECRET", url + "/#QSECRET", url + "/?QSECRET",
+                url.replace("http://", "http://u:QSECRET@") + "/?token=QSECRET"):
+        for extra in ([], ["--json"]):
+            res = runner.invoke(app, ["slots", "--server", bad, *extra])
+            assert res.exit_code == 2 and "QSECRET" not in res.stdout + res.stderr, res.stdout + res.stderr
+            assert "***" in res.stdout + res.stderr
+    token_url = url.replace("http://", "http://QSECRET@")
+    res = runner.invoke(app, ["slots", "--server", token_url, "--json"])
+    assert res.exit_code == 0 and "QSECRET" not in res.stdout + res.stderr, res.output
+    assert json.loads(res.stdout)["server"] == url.replace("http://", "http://***@")
+    res = runner.invoke(app, ["slots", "--server", "http://QSECRET@127.0.0.1:1"])
+    assert res.exit_code == 2 and "QSECRET" not in res.stdout + res.stderr and "***@" in one_error_line(res)

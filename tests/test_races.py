@@ -397,3 +397,48 @@ def test_a_file_a_killed_prune_left_aside_is_put_back_by_the_next(tmp_path):
     res = cli("prune", tmp_path, "--keep", "1", "--dry-run", "--json")
     assert res.exit_code == 0, res.output
     assert (tmp_path / "s0001.bin").read_bytes() == raw and not aside.exists()
+
+
+def test_prune_temp_files_deletes_what_killed_writes_left_and_nothing_in_use(tmp_path):
+    """--temp-files: a `.NAME.slotctl-*.tmp` a killed write left (untouched for --grace) goes; one still being
+    written (recent), one another process holds open (an atomic write still writing), a file a running prune
+    set aside and its note stay; --dry-run deletes nothing; without the option they are skipped."""
+    raw = SLOT.read_bytes()[:4096]
+    slot = tmp_path / "a.bin"
+    left = tmp_path / ".a.bin.slotctl-1a2b3c4d.tmp"          # a killed write's
+    recent = tmp_path / ".b.bin.slotctl-5e6f7a8b.tmp"        # a write in progress
+    held = tmp_path / ".c.bin.slotctl-9c0d1e2f.tmp"          # open in another process
+    aside = tmp_path / f".d.bin.slotctl-prune-{os.getpid()}.tmp"    # a running prune's (this process is alive)
+    for p in (slot, left, recent, held, aside):
+        p.write_bytes(raw)
+        if p is not recent:
+            old(p)
+
+    def actions(*args):
+        res = cli("prune", tmp_path, *args, "--json")
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        assert doc["policy"]["temp_files"] == ("--temp-files" in args)
+        return {Path(f["path"]).name: (f["action"], f["temp"]) for f in doc["files"]}, doc["summary"]
+
+    got, _ = actions("--keep", "5")
+    assert all(got[p.name] == ("skipped", True) for p in (left, recent, held, aside))
+    got, summary = actions("--temp-files", "--dry-run")
+    assert got[left.name] == ("would_delete", True) and got[recent.name] == ("skipped", True)
+    assert got[aside.name] == ("skipped", True) and got[slot.name] == ("kept", False)
+    assert summary["size_before"] == summary["size_after"] == len(raw) and left.exists()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; f = open(sys.argv[1], 'r+b'); print('open', "
+                               "flush=True); sys.stdin.read()", str(held)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        got, summary = actions("--temp-files")
+    finally:
+        holder.communicate("", timeout=30)
+    assert got[left.name] == ("deleted", True) and not left.exists()
+    assert got[held.name] == ("skipped", True) and held.read_bytes() == raw
+    assert recent.exists() and aside.exists() and slot.read_bytes() == raw
+    assert summary["freed"] == len(raw) and summary["size_after"] == len(raw)
+    got, _ = actions("--temp-files", "--keep", "0", "--grace", "0")      # with a budget: both kinds go
+    assert got[slot.name] == ("deleted", False) and got[held.name] == ("deleted", True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [aside.name]

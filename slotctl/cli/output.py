@@ -29,12 +29,17 @@ _UNBOUNDED = 1 << 20
 #: one ``column: value`` block per row instead
 FOLD_WIDTH = 12
 
-# C0 and C1 controls (not tab and newline), and the format characters that reorder or break a line
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# C0 and C1 controls (not tab and newline), the format characters that reorder or break a line, and lone
+# surrogates: the bytes of a file name that are not UTF-8 (os.fsdecode's surrogateescape gives byte B as
+# U+DC00+B), which a terminal would show as one replacement character whatever the byte
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def _escape_char(c: str) -> str:
-    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+    n = ord(c)
+    if 0xDC80 <= n <= 0xDCFF:    # a byte of a name that is not UTF-8: shown as that byte, \xNN
+        n -= 0xDC00
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}"
 
 
 #: the one colour table: every word a command shows as a verdict, a status, a step's outcome or an event,
@@ -61,7 +66,8 @@ def style_of(word: str, default: str = "", *, bold: bool = False) -> str:
 
 
 def escape_text(text: str, *, keep_newlines: bool = True) -> str:
-    """Untrusted text made safe for a terminal: control characters as ``\\xNN`` (as gguf_dump does).
+    """Untrusted text made safe for a terminal: control characters as ``\\xNN`` (as gguf_dump does), and
+    the bytes of a name that are not UTF-8 as ``\\xNN`` too (two such names never look alike).
 
     Bidirectional overrides and Unicode line separators become ``\\uNNNN``. Without ``keep_newlines``
     (one-line messages) newline and tab are escaped too.

@@ -88,6 +88,8 @@ class Plain:
             if hi is not None and n > hi:
                 raise typer.BadParameter(f"expected {hi} or less", ctx=ctx, param=param)
             return n
+        if isinstance(value, str):
+            _check_url(value, param, ctx)
         return self.path(value if isinstance(value, leaf) else leaf(os.fspath(value)), param, ctx)
 
     def path(self, value: PurePath, param, ctx) -> PurePath:
@@ -114,6 +116,17 @@ class Plain:
         if info.writable and not os.access(real, os.W_OK):
             raise typer.BadParameter(f"{label} {where} is not writable", ctx=ctx, param=param)
         return type(value)(real)
+
+
+def _check_url(text: str, param, ctx) -> None:
+    """A usage error for a store URL without a bucket (``s3:///x.bin``): a path collapses its slashes
+    (``s3:/x.bin``), which would read as bucket ``x.bin``."""
+    scheme, sep, rest = text.partition("://")
+    if sep and rest.startswith("/") and scheme.isalnum():
+        from slotctl.sources import SCHEMES
+
+        if scheme in SCHEMES:
+            raise typer.BadParameter(f"{text}: no bucket (expected {scheme}://BUCKET/KEY)", ctx=ctx, param=param)
 
 
 def path_kind(info: ParameterInfo | None) -> str:

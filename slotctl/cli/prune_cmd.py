@@ -49,6 +49,10 @@ def prune(
                                          "counted: -m decides them.")] = False,
     grace: Annotated[float, typer.Option("--grace", metavar="SECONDS", min=0, help="Files modified less than "
                                          "this long ago are being written: never touched.")] = 60.0,
+    temp_files: Annotated[bool, typer.Option("--temp-files", help="Also delete slotctl's temporary files "
+                                             "(.NAME.slotctl-*.tmp; temporary keys under an s3:// prefix) that "
+                                             "killed writes left: those untouched for --grace seconds and open "
+                                             "in no other process. On its own, only those.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be deleted; delete nothing.")] = False,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
@@ -62,8 +66,8 @@ def prune(
 
     Least recently used first: by access time where the filesystem keeps it (a server restoring a file
     reads it; slotctl's own reads do not count), else by modification time; the report says which.
-    Never touched: --pin matches, slotctl's temporary files, files modified in the last --grace seconds,
-    files that are not slot files. Each deletion is one unlink, checked just before: killed at any
+    Never touched: --pin matches, slotctl's temporary files (unless --temp-files: those killed writes
+    left), files modified in the last --grace seconds, files that are not slot files. Each deletion is one unlink, checked just before: killed at any
     moment, every file is either as it was or gone. Details: docs/directories.md.
 
     With --broken and without -m, a file whose verdict cannot be told without the model (undecided) is
@@ -80,7 +84,8 @@ def prune(
     out = Output(json_mode=json_out, verbose=verbose)
     policy = Policy(max_size=parse_size(max_size) if max_size is not None else None,
                     older_than=parse_age(older_than) if older_than is not None else None,
-                    keep=keep, pins=tuple(pin or ()), broken=broken, grace=grace if grace is not None else DEFAULT_GRACE)
+                    keep=keep, pins=tuple(pin or ()), broken=broken, grace=grace if grace is not None else DEFAULT_GRACE,
+                    temp=temp_files)
     verdicts = None
     if broken:
         setup = None
@@ -143,7 +148,8 @@ def report(p, *, dry_run: bool, exit_code: int) -> dict:
         "time_source": p.source,
         "time_source_reason": p.source_reason,
         "policy": {"max_size": pol.max_size, "older_than_seconds": pol.older_than, "keep": pol.keep,
-                   "pins": list(pol.pins), "broken": pol.broken, "grace_seconds": pol.grace},
+                   "pins": list(pol.pins), "broken": pol.broken, "grace_seconds": pol.grace,
+                   "temp_files": pol.temp},
         "files": [e.as_dict() for e in p.entries],
         "summary": {"files": len(p.entries), **counts, "undecided": sum(e.undecided for e in p.entries),
                     "freed": sum(e.size for e in gone),

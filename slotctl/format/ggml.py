@@ -64,9 +64,3 @@ def by_name(name: str) -> GGMLType:
 def is_quantized(type_id: int) -> bool:
     t = BY_ID.get(type_id)
     return t is not None and t.block > 1
-
-
-def row_elements(type_id: int, row_size: int) -> int:
-    """Elements in a row of ``row_size`` bytes of type ``type_id``."""
-    t = BY_ID[type_id]
-    return row_size // t.block_bytes * t.block

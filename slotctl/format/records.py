@@ -130,23 +130,24 @@ def row_elements(rec, layer: str) -> int:
     """The elements of one row of a parsed record (a row record's row; all ``n_embd`` elements of one cell
     of an element-major record), when its header sizes hold whole rows of its type.
 
-    A :class:`~slotctl.errors.FormatError` naming the field otherwise: a row size that is not a whole,
-    non-zero number of blocks of its type, an element size that is not the type's (element-major records
-    hold unquantized types only), or no elements. The one check for every command that reads a record's
-    rows as numbers (diff, convert); the schema does not need it to locate the record.
+    Zero is a width: a record of zero-width rows (a row size of 0, an ``n_embd`` of 0) holds no bytes and
+    is what the server writes for a tensor of no elements per cell (lfm2's short-convolution layers have an
+    ``s`` of 0 elements, b11434 ``llama_memory_recurrent::state_write_data``), so it reads as rows of 0
+    elements. A :class:`~slotctl.errors.FormatError` naming the field otherwise: a row size that is not a
+    whole number of blocks of its type, an element size that is not the type's (element-major records hold
+    unquantized types only). The one rule of a record's width for every command that reads a record's rows
+    as numbers (diff, convert, identify, fit); the schema does not need it to locate the record.
     """
     t = ggml.BY_ID[rec.type]
     if "row_size" in rec:
         rs = rec.row_size
-        if rs == 0 or rs % t.block_bytes:
-            raise FormatError(layer, _field_at(rec, 4), f"a {t.name} row size that is a non-zero multiple of "
+        if rs % t.block_bytes:
+            raise FormatError(layer, _field_at(rec, 4), f"a {t.name} row size that is a multiple of "
                                                         f"{t.block_bytes} bytes, found {rs:,}")
         return rs // t.block_bytes * t.block
     if t.block != 1 or rec.el_size != t.block_bytes:
         want = f"{t.block_bytes}" if t.block == 1 else "that of an unquantized type (a transposed V is never quantized)"
         raise FormatError(layer, _field_at(rec, 4), f"a {t.name} element size of {want}, found {rec.el_size:,}")
-    if rec.n_embd == 0:
-        raise FormatError(layer, _field_at(rec, 8), "an n_embd of at least 1, found 0")
     return rec.n_embd
 
 

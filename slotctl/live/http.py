@@ -114,12 +114,27 @@ class ServerRefused(ServerError):
 
 
 def redact(url: str) -> str:
-    """``url`` with the password of its user part (``http://user:PASSWORD@host``) shown as ``***``: what
-    is printed and put in JSON wherever a URL given or configured appears."""
-    return _PASSWORD.sub(r"\1***@", str(url))
+    """``url`` with its secrets shown as ``***``: the password of its user part (``http://user:PASSWORD@host``),
+    a user part without a password (``http://TOKEN@host``), every value of its query (``?token=SECRET``)
+    and its fragment: what is printed and put in JSON wherever a URL given or configured appears (a usage
+    error that refuses the URL included)."""
+    text = str(url)
+    head, q, rest = text.partition("?")
+    if not q:
+        head, q, rest = text.partition("#")
+    head = _USER_ONLY.sub(r"\1***@", _PASSWORD.sub(r"\1***@", head))
+    if not q:
+        return head
+    if q == "#":
+        return f"{head}#***" if rest else f"{head}#"
+    query, hashmark, fragment = rest.partition("#")
+    query = re.sub(r"=[^&;]*", "=***", query)
+    query = re.sub(r"(^|[&;])([^=&;]+)(?=[&;]|$)", r"\1***", query)   # a bare value (``?SECRET``)
+    return f"{head}?{query}" + ("#***" if fragment else hashmark)
 
 
 _PASSWORD = re.compile(r"((?:^|//)[^/?#@:]*:)[^/?#@]*@")
+_USER_ONLY = re.compile(r"((?:^|//))[^/?#@:]+@")
 
 
 def normalize_url(url: str) -> str:

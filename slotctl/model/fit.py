@@ -8,7 +8,8 @@ Only what no flag changes: the memory kind, the KV layer count of each section, 
 
 from __future__ import annotations
 
-from slotctl.format import ggml
+from slotctl.errors import FormatError
+from slotctl.format.records import row_elements
 from slotctl.model.info import ModelInfo
 
 
@@ -32,7 +33,11 @@ def shape_differences(info: ModelInfo, mem) -> list[str]:
                 out.append(f"{kv}: {st.data.n_layer} layers in the file, {len(layers)} in the model")
                 break
             for il, rec in zip(layers, st.data.k):
-                n = ggml.row_elements(rec.type, rec.row_size)
+                try:
+                    n = row_elements(rec, kv)
+                except FormatError as e:
+                    out.append(f"{kv}: K rows that are not whole rows of their type ({e.expected})")
+                    break
                 if n != info.n_embd_k_gqa(il):
                     out.append(f"{kv}: K rows of {n} elements in the file, {info.n_embd_k_gqa(il)} in "
                                "the model")

@@ -73,12 +73,20 @@ def store_error(url: str, e: Exception, secrets: Sequence[str] = (), *, action: 
     else:
         first = _scrub(msg.split("\n", 1)[0], secrets).removeprefix("Generic S3 error: ")
         low = first.lower()
-        if any(w in low for w in ("connect", "timed out", "timeout", "connection", "dns", "error sending request",
-                                  "broken pipe", "reset by peer")):
+        if any(w in low for w in _CUT_SHORT):
+            code, words = "store_unreachable", "the store's answer ended early (the connection closed mid-body)"
+        elif any(w in low for w in ("connect", "timed out", "timeout", "connection", "dns", "error sending request",
+                                    "broken pipe", "reset by peer")):
             code, words = "store_unreachable", f"the store does not answer ({_short(first)})"
         else:
             code, words = "store_error", _short(first)
     return UsageError(_scrub(f"{url}: {words}{doing}", secrets), code=code)
+
+
+#: obstore's (reqwest's, hyper's) words for a response body that ended before its length: a dropped
+#: connection mid-read, the store's to answer again, never the object's damage
+_CUT_SHORT = ("body error", "error decoding response body", "unexpected eof", "incompletemessage",
+              "end of file before message length reached")
 
 
 def _short(text: str) -> str:
@@ -381,8 +389,10 @@ def temp_key(key: str) -> str:
     temporary files of local atomic writes)."""
     import secrets
 
+    from slotctl.atomic import private_name
+
     head, _, name = key.rpartition("/")
-    return f"{head + '/' if head else ''}.{name}.slotctl-{secrets.token_hex(6)}.tmp"
+    return f"{head + '/' if head else ''}{private_name(name, secrets.token_hex(6))}"
 
 
 class Writer:
@@ -438,11 +448,9 @@ class Writer:
         checksum = self._verify(store, target, url, size, parts.md5s, multipart)
         method = "multipart" if multipart else "put"
         if target != key:
+            bucket = split_url(url)[0]
             try:
-                try:
-                    obstore.copy(self._copy_store(split_url(url)[0]), target, key, overwrite=False)
-                except Exception as e:  # noqa: BLE001
-                    raise self.s3.error(url, e, "COPY") from None
+                self._copy_within(bucket, target, url, size, overwrite=False)
                 self._verify(store, key, url, size, parts.md5s, multipart, md5=False)
             finally:
                 try:
@@ -451,6 +459,20 @@ class Writer:
                     pass
             method = "multipart+copy"
         return {"method": method, "checksum": checksum}
+
+    def _copy_within(self, bucket: str, skey: str, dst: str, size: int, *, overwrite: bool,
+                     etag: str | None = None) -> None:
+        """``size`` bytes of ``skey`` copied to ``dst`` in the same bucket, server-side, in parts of at most
+        5 GiB (:func:`slotctl.store.s3copy.parts_for`: S3's bound on one copy part, which obstore's copy,
+        one ``CopyObject`` or one ``UploadPartCopy``, would pass), pinned to ``etag`` (else to the source's
+        ETag now); without ``overwrite`` completed only if nothing is at ``dst``."""
+        from slotctl.store.s3copy import copy_object
+
+        src = join_url(bucket, skey)
+        if etag is None:
+            entry = self.s3.stat(src)
+            etag = entry.etag if entry is not None else None
+        copy_object(self.s3.config, src, etag, dst, size, if_none_match=not overwrite)
 
     def _verify(self, store, key: str, url: str, size: int, md5s, multipart: bool, *, md5: bool = True) -> str | None:
         """The object's size checked against ``size``; with ``md5``, its ETag against the parts' MD5s."""
@@ -469,14 +491,19 @@ class Writer:
 
     def copy(self, src: str, dst: str, *, overwrite: bool, etag: str | None = None, size: int | None = None) -> dict:
         """A server-side copy (nothing passes through this machine); conditional without ``overwrite``.
-        Within one bucket obstore's copy; to another bucket of the endpoint a multipart upload of part copies
-        (:func:`slotctl.store.s3copy.copy_object`: ``size`` bytes, pinned to the source's ``etag``)."""
+        Within one bucket or to another of the endpoint a multipart upload of part copies of at most 5 GiB
+        (:func:`slotctl.store.s3copy.copy_object`: ``size`` bytes, pinned to the source's ``etag``); obstore's
+        copy (one part) only when the size is not known or 0."""
         sb, skey = split_url(src)
         if sb != split_url(dst)[0]:
             from slotctl.store.s3copy import copy_object
 
             self._refuse_existing(dst, overwrite)
             copy_object(self.s3.config, src, etag, dst, size, if_none_match=not overwrite)
+            return {"method": "server_copy", "checksum": None}
+        if size:
+            self._refuse_existing(dst, overwrite)
+            self._copy_within(sb, skey, dst, size, overwrite=overwrite, etag=etag)
             return {"method": "server_copy", "checksum": None}
         store, dkey = self.s3.bucket(dst)
         try:

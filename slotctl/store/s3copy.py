@@ -32,7 +32,9 @@ TIMEOUT = 300
 
 def parts_for(size: int) -> list[tuple[int, int]]:
     """``(offset, size)`` of the part copies that make ``size`` bytes: as few as S3 allows (each at most
-    5 GiB, every one but the last at least 5 MiB)."""
+    :data:`MAX_PART`, 5 GiB, every one but the last at least 5 MiB). The one rule of every server-side copy:
+    a copy within one bucket, to another bucket, an upload's temporary key to its name, a rewrite in place.
+    ``MAX_PART`` is read at each call (a test sets it small to see several parts of a small object)."""
     if size <= 0:
         return []
     n = -(-size // MAX_PART)
@@ -99,6 +101,9 @@ class Signed:
         except OSError as e:
             raise UsageError(f"s3://{self.bucket}/{key}: the store does not answer ({e.strerror or e})",
                              code="store_unreachable") from None
+        except http.client.HTTPException:   # an answer cut short (IncompleteRead), or not HTTP at all
+            raise UsageError(f"s3://{self.bucket}/{key}: the store's answer ended early (the connection closed "
+                             "mid-body)", code="store_unreachable") from None
         finally:
             conn.close()
 
