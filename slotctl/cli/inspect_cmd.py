@@ -6,11 +6,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.text import Text
 
 from slotctl.cli.common import (FileRun, NoteCounter, file_error, handle_errors, llama_available, llama_install,
                                 readable)
-from slotctl.cli.inspect_view import render
 from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt, VerboseOpt
 from slotctl.cli.output import Output
 from slotctl.describe import describe_file
@@ -85,10 +83,20 @@ def inspect(
     if not (json_out or jsonl):
         notes.render(out)
         if len(run.expansion.files) > 1 or run.expansion.skipped:
+            from rich.text import Text
+
             out.print(Text(f"{summary['files']} file(s): {summary['parsed']} parsed, {summary['damaged']} damaged, "
                            f"{summary['unreadable']} unreadable; {summary['skipped']} skipped (not slot files)",
                            style="bold"))
     run.finish(summary)
+
+
+def render(out: Output, data: dict, **kwargs) -> None:
+    """The human view of one file (:func:`slotctl.cli.inspect_view.render`, imported here: rich is loaded
+    only where something is drawn, never for ``--json``)."""
+    from slotctl.cli.inspect_view import render as view
+
+    view(out, data, **kwargs)
 
 
 def _inspect_one(real: str, path: str, target_info, draft_info, model, *, tokens: bool, verbose: bool):
