@@ -163,15 +163,11 @@ def _with_model(real: str, target_info, draft_info):
 def _reuse(sf, target_info, found: list) -> dict | None:
     """The tokens a restored slot keeps for a request extending the saved prompt (with the server's
     defaults: ``--ctx-checkpoints`` 32, no ``--swa-full``), and a note in ``found`` when it is fewer than all."""
-    from slotctl.server.findings import checkpoints_read
-    from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS
-    from slotctl.server.reuse import predict_reuse, server_n_swa
+    from slotctl.server.reuse import reuse_for
 
     if sf.damaged and sf.target is None:
         return None
-    n_swa = server_n_swa(target_info) if target_info is not None else None
-    r = predict_reuse(sf, n_swa=n_swa, n_ctx_checkpoints=DEFAULT_CTX_CHECKPOINTS,
-                      checkpoints_read=checkpoints_read(sf))
+    r = reuse_for(sf, target_info)   # the server's defaults: --ctx-checkpoints 32, no --swa-full
     if r is None:
         return None
     if r.n_reused < r.n_tokens:

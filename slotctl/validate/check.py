@@ -163,11 +163,9 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
     if sf.tokens is not None and sf.tokens.error is None:
         report.n_tokens = sf.tokens.n_tokens
     if report.verdict in ("restores", "restores_with_drops") and sf.target is not None:
-        from slotctl.server.reuse import predict_reuse
+        from slotctl.server.reuse import reuse_for
 
-        n_swa = server_n_swa(tinfo, swa_full=setup.settings.swa_full) if tinfo is not None else None
-        r = predict_reuse(sf, n_swa=n_swa,
-                          n_ctx_checkpoints=setup.n_ctx_checkpoints, checkpoints_read=checkpoints_read(sf))
+        r = reuse_for(sf, tinfo, swa_full=setup.settings.swa_full, n_ctx_checkpoints=setup.n_ctx_checkpoints)
         report.reuse = r.as_dict() if r is not None else None
     return report
 
