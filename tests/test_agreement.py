@@ -162,9 +162,22 @@ def header_end_of(data: bytes) -> int:
 def kv_fields(data: bytes, header_end: int) -> dict[str, int]:
     """Offsets of the fields of a version-4 payload of one KV stream (cells without ext), read from its bytes
     as the loader reads them: the cells, the data header, and each K and V record's header."""
-    (cells,) = struct.unpack_from("<I", data, header_end + 4)
-    at = {"cells": header_end + 8}
-    pos = header_end + 8 + 12 * cells
+    return kv_section_fields(data, header_end)[0]
+
+
+def _put(data: bytes, offset: int, fmt: str, value: int) -> bytes:
+    out = bytearray(data)
+    struct.pack_into(fmt, out, offset, value)
+    return bytes(out)
+
+
+def kv_section_fields(data: bytes, pos: int) -> tuple[dict[str, int], int]:
+    """Offsets of the fields of a version-4 KV section of one stream at ``pos`` (cells without ext), read from
+    its bytes as the loader reads them, and where the section ends: n_stream, the cell count, the cells, the
+    data header (v_trans, n_layer, the rotations) and each K and V record's header."""
+    (cells,) = struct.unpack_from("<I", data, pos + 4)
+    at = {"n_stream": pos, "cell count": pos + 4, "cells": pos + 8}
+    pos += 8 + 12 * cells
     v_trans, n_layer = struct.unpack_from("<II", data, pos)
     at["data header"] = pos
     pos += 16
@@ -177,7 +190,74 @@ def kv_fields(data: bytes, header_end: int) -> dict[str, int]:
             else:
                 _t, row = struct.unpack_from("<iQ", data, pos)
                 pos += 12 + cells * row
-    return at
+    return at, pos
+
+
+def loader_order_damages(base: bytes) -> dict[str, bytes]:
+    """Copies of ``base`` (a version-4 file of one KV section of one stream, or of an iSWA model's two) with a
+    field b11434's loader checks changed, and cut halfway through the last record's data, so that a parse
+    that believed the changed field would overrun the end: v_trans, a record's type or row size, n_layer,
+    the cell count (one more, beyond the context), n_stream, a rotation, a cell's n_seq_id, and the token
+    word count (which moves every later field). The loader checks the changed field before it reads past
+    the end: each is refused, for certain (llama_kv_cache::state_read_sinfo / state_read_meta /
+    state_read_data; llama_context::state_seq_load_file)."""
+    he = header_end_of(base)
+    at, end = kv_section_fields(base, he)
+    sections = [at]
+    if end < len(base) and struct.unpack_from("<I", base, end)[0] == 1:   # a second (SWA) section
+        sections.append(kv_section_fields(base, end)[0])
+    cut = len(base) - 40
+    (cells,) = struct.unpack_from("<I", base, at["cell count"])
+    (v_trans,) = struct.unpack_from("<I", base, at["data header"])
+    out = {}
+    for n, f in enumerate(sections):
+        sec = "" if n == 0 else "swa-"
+        dh = f["data header"]
+        out.update({
+            f"{sec}v-trans-flipped": _put(base, dh, "<I", 1 - v_trans),
+            f"{sec}n-layer-3": _put(base, dh + 4, "<I", 3),
+            f"{sec}n-layer-4096": _put(base, dh + 4, "<I", 4096),
+            f"{sec}rot-k-64": _put(base, dh + 8, "<I", 64),
+            f"{sec}k0-type-q8_0": _put(base, f["K0"], "<i", 8),
+            f"{sec}k1-row-size-2^40": _put(base, f["K1"] + 4, "<Q", 1 << 40),
+            f"{sec}v0-type-bf16": _put(base, f["V0"], "<i", 30),
+            f"{sec}cell-2-n-seq-id-2": _put(base, f["cells"] + 12 * 2 + 4, "<I", 2),
+            f"{sec}n-stream-2": _put(base, f["n_stream"], "<I", 2),
+            f"{sec}cell-count-5000": _put(base, f["cell count"], "<I", 5000),
+        })
+        if not v_trans:
+            out[f"{sec}v1-row-size-257"] = _put(base, f["V1"] + 4, "<Q", 257)
+        else:
+            out[f"{sec}v1-width-2^20"] = _put(base, f["V1"] + 8, "<I", 1 << 20)
+    out["cell-count-plus-1"] = _put(base, at["cell count"], "<I", cells + 1)
+    out["token-words-plus-1"] = _put(base, 8, "<I", struct.unpack_from("<I", base, 8)[0] + 1)
+    out["token-words-plus-2"] = _put(base, 8, "<I", struct.unpack_from("<I", base, 8)[0] + 2)
+    return {f"order-{name}": data[:cut] for name, data in out.items()}
+
+
+def recurrent_order_damages(data: bytes) -> dict[str, bytes]:
+    """Copies of a recurrent (mamba) file with a field ``llama_memory_recurrent::state_read`` checks changed
+    and cut halfway through the last s record's data: the cell count (beyond the one cell a slot has), the
+    cell's n_seq_id, s_trans, n_layer, an r record's type and row size, an s record's row size."""
+    he = header_end_of(data)
+    (cells,) = struct.unpack_from("<I", data, he)
+    head = he + 4 + 8 * cells
+    (n_layer,) = struct.unpack_from("<I", data, head + 4)
+    pos, at = head + 8, {}
+    for kind in ("r", "s"):
+        for i in range(n_layer):
+            at[f"{kind}{i}"] = pos
+            pos += 12 + cells * struct.unpack_from("<Q", data, pos + 4)[0]
+    out = {
+        "cell-count-2": _put(data, he, "<I", 2),
+        "n-seq-id-1": _put(data, he + 8, "<I", 1),
+        "s-trans-1": _put(data, head, "<I", 1),
+        "n-layer-3": _put(data, head + 4, "<I", 3),
+        "r0-type-f16": _put(data, at["r0"], "<i", 1),
+        "r1-row-size-2^40": _put(data, at["r1"] + 4, "<Q", 1 << 40),
+        "s0-row-size-8": _put(data, at["s0"] + 4, "<Q", 8),
+    }
+    return {f"order-{name}": d[:len(data) - 100] for name, d in out.items()}
 
 
 def recurrent_header_cuts(data: bytes, header_end: int) -> dict[str, bytes]:
@@ -313,7 +393,7 @@ def b11434_matrix(llama_server_bin, models, tmp_path_factory) -> Matrix:
     # written by slotctl save
     for name, args in (("slotctl-np1.bin", ("-c", "256", "-np", "1", "-fa", "on")),
                        ("slotctl-fa-off.bin", ("-c", "256", "-np", "1", "-fa", "off")),
-                       ("slotctl-draft.bin", ("-c", "256", "-np", "1", "-fa", "on", "-md", str(models["draft"])))):
+                       ("slotctl-draft.bin", ("-c", "256", "-np", "1", "-fa", "on", "-md", str(models["draft"]), "--spec-type", "draft-simple"))):
         _slotctl_save(slots / name, models["target"], *args)
         llama_files[name] = slots / name
     base = (DATA / "srv-np1.bin").read_bytes()
@@ -323,7 +403,13 @@ def b11434_matrix(llama_server_bin, models, tmp_path_factory) -> Matrix:
     for name, data in header_cuts(base, header_end_of(base)).items():
         (slots / f"np1-{name}.bin").write_bytes(data)
         llama_files[f"np1-{name}.bin"] = slots / f"np1-{name}.bin"
+    for name, data in loader_order_damages(base).items():
+        (slots / f"np1-{name}.bin").write_bytes(data)
+        llama_files[f"np1-{name}.bin"] = slots / f"np1-{name}.bin"
     base = (DATA / "srv-fa-off.bin").read_bytes()
+    for name, data in loader_order_damages(base).items():
+        (slots / f"fa-off-{name}.bin").write_bytes(data)
+        llama_files[f"fa-off-{name}.bin"] = slots / f"fa-off-{name}.bin"
     cuts = {**damaged(base, header_end_of(base)), **header_cuts(base, header_end_of(base))}
     for name in ("cut-kv-half", "one-short", "cut-v0-type", "cut-v1-row-size"):
         (slots / f"fa-off-{name}.bin").write_bytes(cuts[name])
@@ -332,7 +418,8 @@ def b11434_matrix(llama_server_bin, models, tmp_path_factory) -> Matrix:
     for kind in ("gemma2", "mamba"):
         data = (DATA / "kinds" / f"srv-{kind}.bin").read_bytes()
         kind_files[kind] = {}
-        cuts = recurrent_header_cuts(data, header_end_of(data)) if kind == "mamba" else {}
+        cuts = ({**recurrent_header_cuts(data, header_end_of(data)), **recurrent_order_damages(data)}
+                if kind == "mamba" else loader_order_damages(data))
         for name, blob in (("", data), ("-one-short", data[:-1]), ("-cut-half", data[:len(data) // 2]),
                            ("-extra-16", data + bytes(16)), *((f"-{n}", b) for n, b in cuts.items())):
             p = slots / f"srv-{kind}{name}.bin"
@@ -469,10 +556,13 @@ def appendix_flag_sets(models: dict[str, Path]) -> list[tuple[str, tuple[str, ..
     d, t = str(models["draft"]), str(models["target"])
     return [
         ("no-draft", ()),
-        ("draft", ("-md", d)),
-        ("draft-ctkd-q8_0", ("-md", d, "-ctkd", "q8_0", "-ctvd", "q8_0")),
-        ("draft-of-another-shape", ("-md", t)),
-        ("draft-ctx-checkpoints-1", ("-md", d, "--ctx-checkpoints", "1")),
+        ("draft", ("-md", d, "--spec-type", "draft-simple")),
+        ("draft-ctkd-q8_0", ("-md", d, "--spec-type", "draft-simple", "-ctkd", "q8_0", "-ctvd", "q8_0")),
+        ("draft-of-another-shape", ("-md", t, "--spec-type", "draft-simple")),
+        ("draft-ctx-checkpoints-1", ("-md", d, "--spec-type", "draft-simple", "--ctx-checkpoints", "1")),
+        # -md without --spec-type: b11434 loads the draft model and builds no drafter, so no draft context:
+        # a file's draft state is dropped (server.speculative.draft_context)
+        ("draft-without-spec-type", ("-md", d)),
     ]
 
 
@@ -505,8 +595,8 @@ def appendix_matrix(models, tmp_path_factory) -> Matrix:
     tmp = tmp_path_factory.mktemp("agreement-appendix")
     t, d = models["target"], str(models["draft"])
     _slotctl_save(tmp / "base.bin", t, *COMMON)
-    _slotctl_save(tmp / "draft.bin", t, *COMMON, "-md", d)
-    _slotctl_save(tmp / "ckpt-draft.bin", t, *COMMON, "-md", d, "--checkpoint-at", "20", "--checkpoint-at", "40")
+    _slotctl_save(tmp / "draft.bin", t, *COMMON, "-md", d, "--spec-type", "draft-simple")
+    _slotctl_save(tmp / "ckpt-draft.bin", t, *COMMON, "-md", d, "--spec-type", "draft-simple", "--checkpoint-at", "20", "--checkpoint-at", "40")
     full = (tmp / "ckpt-draft.bin").read_bytes()
     head = SCKP + struct.pack("<II", 1, 2)   # the checkpoints at 20 and 40 (a batch split changes the payload)
     at = full.find(head)

@@ -129,8 +129,8 @@ def test_two_prompts_first_differing_token_and_cells(tiny_models, tmp_path):
 
 def test_checkpoints_and_draft_state_compared_the_same_way(tiny_models, tmp_path):
     t, dr = tiny_models.target, tiny_models.draft
-    f16 = save(t, tmp_path / "f16.bin", SAMPLE_PROMPT, "-md", dr, "--checkpoint-at", "40")
-    q8 = save(t, tmp_path / "q8.bin", SAMPLE_PROMPT, "-md", dr, "--checkpoint-at", "40", "-ctkd", "q8_0",
+    f16 = save(t, tmp_path / "f16.bin", SAMPLE_PROMPT, "-md", dr, "--spec-type", "draft-simple", "--checkpoint-at", "40")
+    q8 = save(t, tmp_path / "q8.bin", SAMPLE_PROMPT, "-md", dr, "--spec-type", "draft-simple", "--checkpoint-at", "40", "-ctkd", "q8_0",
               "-ctvd", "q8_0")
     assert diff_json(f16, f16, code=0)["n_checkpoints"] == [1, 1]
     doc = diff_json(f16, q8, code=1)

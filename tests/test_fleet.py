@@ -427,7 +427,9 @@ def test_keep_killed_mid_copy_leaves_the_store_consistent(kept, tmp_path):
     # every file of the store is whole: a state under its final name, or a temporary file prune and ls skip
     for p in store.iterdir():
         if p.name.startswith("."):
-            assert ".slotctl-" in p.name and p.name.endswith(".tmp"), p.name
+            # a temporary file, or the keeper's lock and journal (slotctl.unattended.lock)
+            assert (".slotctl-" in p.name and p.name.endswith(".tmp")
+                    or re.fullmatch(r"\.slotctl-keep-[0-9a-f]{12}\.(lock|json)", p.name)), p.name
             continue
         sf = open_slot_file(p)
         assert not sf.errors, (p.name, sf.errors)

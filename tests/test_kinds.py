@@ -81,7 +81,7 @@ def child():
 
 
 def restore(model, path, *args, draft=None) -> tuple[dict, int]:
-    extra = ["-md", draft] if draft else []
+    extra = ["-md", draft, "--spec-type", "draft-simple"] if draft else []
     res = cli("restore", path, "-m", model, *extra, *CTX, *args, "--json")
     return json.loads(res.stdout), res.exit_code
 
@@ -159,6 +159,23 @@ def test_add_checkpoint_keeps_the_newest_and_thins_out_other_tasks():
     assert [c.n_tokens for c in cps] == [100, 200, 300]
     add_checkpoint(cps, _Cp(300, 1), n_max=32, min_step=0)  # the same n_tokens is superseded
     assert [c.n_tokens for c in cps] == [100, 200, 300]
+
+
+@pytest.mark.parametrize("before,new,n_max,min_step,after", [
+    # issue 24: create_checkpoint checks "full" again at every step: 2 and 4 go, then there is room
+    ((0, 2, 4, 6), 200, 4, 8, (0, 6, 200)),
+    # 2, 4 and 6 go (each within 8 of 0); then there is room and 8 stays
+    ((0, 2, 4, 6, 8), 200, 4, 8, (0, 8, 200)),
+    # not full: nothing is thinned out, however close
+    ((0, 2), 200, 4, 8, (0, 2, 200)),
+    # the current task's own checkpoints are never thinned out
+    ((0, 2, 4, 6), 200, 4, 8, (2, 4, 6, 200)),
+])
+def test_add_checkpoint_checks_full_at_every_step(before, new, n_max, min_step, after):
+    own = 7 if after == (2, 4, 6, 200) else 1
+    cps = [_Cp(n, own if own == 7 else -1) for n in before]
+    add_checkpoint(cps, _Cp(new, 7), n_max=n_max, min_step=min_step)
+    assert tuple(c.n_tokens for c in cps) == after
 
 
 def _server_cps(model, tokens, **kw) -> list[Checkpoint]:
@@ -302,7 +319,7 @@ def test_inspect_names_the_kinds_it_cannot_tell_apart(files, tmp_path):
 
 def _validate(child, path, model, **settings):
     setup = ServerSetup(target=model, settings=ContextSettings(**settings))
-    (r,) = validate_paths([path], setup, child=child).files
+    (r,) = validate_paths([path], setup, child=child, confirm_refusals=True).files
     return r
 
 
@@ -449,7 +466,7 @@ def test_save_refuses_an_empty_delimiter(models, tmp_path):
                                            ("lfm2-swa", "lfm2-swa")])
 def test_speculative_decoding_with_recurrent_and_hybrid_targets(models, tmp_path, target, draft):
     path = tmp_path / "spec.bin"
-    res = cli("save", "-m", models[target], "-md", models[draft], "--prompt", PROMPT, "-o", path, *CTX,
+    res = cli("save", "-m", models[target], "-md", models[draft], "--spec-type", "draft-simple", "--prompt", PROMPT, "-o", path, *CTX,
               "--server-checkpoints")
     assert res.exit_code == 0, res.stderr
     d, code = restore(models[target], path, "--continue", " And the", "-n", "16", "--compare", draft=models[draft])
@@ -467,7 +484,7 @@ def test_speculative_decoding_with_recurrent_and_hybrid_targets(models, tmp_path
 
 def test_the_server_aborts_with_a_recurrent_draft_for_a_target_that_removes_positions(models, tmp_path):
     path = tmp_path / "abort.bin"
-    res = cli("save", "-m", models["llama"], "-md", models["mamba"], "--prompt", PROMPT, "-o", path, *CTX)
+    res = cli("save", "-m", models["llama"], "-md", models["mamba"], "--spec-type", "draft-simple", "--prompt", PROMPT, "-o", path, *CTX)
     assert res.exit_code == 0, res.stderr
     d, code = restore(models["llama"], path, "--continue", " And the", "-n", "16", draft=models["mamba"])
     assert code == 1 and not d["ok"]

@@ -15,6 +15,7 @@ LAYERS = [
     {"__main__"},
     {"cli"},
     {"fleet"},
+    {"unattended"},
     {"prune"},
     {"catalog"},
     {"live"},

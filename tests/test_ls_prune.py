@@ -35,7 +35,7 @@ def saved(tiny_models, tmp_path_factory):
     d = tmp_path_factory.mktemp("ls-saved")
     t, dr = str(tiny_models.target), str(tiny_models.draft)
     out = {}
-    for name, extra in (("draft.bin", ["-md", dr, "--checkpoint-at", "40"]), ("plain.bin", [])):
+    for name, extra in (("draft.bin", ["-md", dr, "--spec-type", "draft-simple", "--checkpoint-at", "40"]), ("plain.bin", [])):
         res = cli("save", "-m", t, "--prompt", SAMPLE_PROMPT, "-o", d / name, "-c", "256", "-t", "1", *extra)
         assert res.exit_code == 0, res.output
         out[name] = d / name

@@ -56,8 +56,8 @@ def files(models, tmp_path_factory):
     t = models["target"]
     out = {}
     for name, extra in {
-        "v4": ["-md", t, "--checkpoint-at", "40"],
-        "v3": ["-md", t, "--state-version", "3"],
+        "v4": ["-md", t, "--spec-type", "draft-simple", "--checkpoint-at", "40"],
+        "v3": ["-md", t, "--spec-type", "draft-simple", "--state-version", "3"],
         "nodraft": [],
     }.items():
         path = d / f"{name}.bin"
@@ -185,7 +185,7 @@ def test_restore_and_continue_equals_never_saved(files, models, prompt_tokens, n
     """The seed change's test: the target drafts for itself; restored and never saved agree."""
     prompt, request, _ = prompt_tokens
     t = models["target"]
-    d, res = restore(models, files["v4"], "-md", t, "--continue", CONTINUE, "-n", N, "--compare")
+    d, res = restore(models, files["v4"], "-md", t, "--spec-type", "draft-simple", "--continue", CONTINUE, "-n", N, "--compare")
     assert res.stderr == ""
     assert d["ok"] and "error" not in d and d["draft_status"] == "restored" and d["exit_code"] == 0
     s = steps(d)
@@ -238,7 +238,7 @@ def test_every_state_version_and_the_runtimes_own_files_restore(kind, files, mod
 
 
 def test_a_draft_model_with_another_layer_count_drops_the_draft_state(files, models, never_saved):
-    res = cli("restore", files["v4"], "-m", models["target"], "-md", models["draft"], *CTX, "--continue", CONTINUE,
+    res = cli("restore", files["v4"], "-m", models["target"], "-md", models["draft"], "--spec-type", "draft-simple", *CTX, "--continue", CONTINUE,
               "-n", N, "--compare", "--json")
     d = json.loads(res.stdout)
     draft = steps(d)["draft"]
@@ -253,7 +253,7 @@ def test_a_draft_model_with_another_layer_count_drops_the_draft_state(files, mod
 
 
 def test_another_draft_cache_type_drops_the_draft_state_and_drafts_worse(files, models, never_saved):
-    d, res = restore(models, files["v4"], "-md", models["target"], "-ctkd", "q8_0", "--continue", CONTINUE,
+    d, res = restore(models, files["v4"], "-md", models["target"], "--spec-type", "draft-simple", "-ctkd", "q8_0", "--continue", CONTINUE,
                      "-n", N, "--compare", code=0)
     draft = steps(d)["draft"]
     assert draft["status"] == "dropped" and "mismatched key type (8 != 1, layer 0)" in draft["reason"]
@@ -269,7 +269,7 @@ def test_another_draft_cache_type_drops_the_draft_state_and_drafts_worse(files, 
 
 
 def test_a_file_without_draft_state_drafts_from_an_empty_draft(files, models, never_saved):
-    d, res = restore(models, files["nodraft"], "-md", models["target"], "--continue", CONTINUE, "-n", N,
+    d, res = restore(models, files["nodraft"], "-md", models["target"], "--spec-type", "draft-simple", "--continue", CONTINUE, "-n", N,
                      "--compare", code=0)
     assert steps(d)["draft"]["status"] == "absent" and d["draft_status"] == "absent"
     assert d["compare"]["difference"].endswith("fresh: the file holds no draft state")
@@ -278,7 +278,7 @@ def test_a_file_without_draft_state_drafts_from_an_empty_draft(files, models, ne
 
 
 def test_restore_without_continuation_reports_the_steps_only(files, models):
-    d, res = restore(models, files["v4"], "-md", models["target"])
+    d, res = restore(models, files["v4"], "-md", models["target"], "--spec-type", "draft-simple")
     assert d["continuation"] is None and d["compare"] is None and res.stderr == ""
     assert set(d["timings"]) == {"load_ms", "restore_ms"}
 
@@ -309,11 +309,11 @@ def test_save_from_slot_2_of_4_restores_into_slot_0(models, tmp_path, never_save
     path = tmp_path / "np4.bin"
     np4 = ["-np", "4", "-c", "1024", "-t", "1"]
     res = cli("save", "-m", models["target"], "--prompt", SAMPLE_PROMPT, "-o", path, *np4, "--slot", "2",
-              "-md", models["target"], "--json")
+              "-md", models["target"], "--spec-type", "draft-simple", "--json")
     assert res.exit_code == 0, res.stderr
     sec = open_slot_file(path).target.sections[0]
     assert [s.cell_count for s in sec.streams] == [0, 0, 99, 0]
-    res = cli("restore", path, "-m", models["target"], "-md", models["target"], *np4, "--slot", "0",
+    res = cli("restore", path, "-m", models["target"], "-md", models["target"], "--spec-type", "draft-simple", *np4, "--slot", "0",
               "--continue", CONTINUE, "-n", N, "--compare", "--json")
     assert res.exit_code == 0, res.stderr
     d = json.loads(res.stdout)
@@ -345,20 +345,20 @@ def test_damaged_appendices_are_ignored_not_fatal(files, models, tmp_path):
     # a truncated draft state: "invalid draft state ... ignored"
     cut = tmp_path / "cut.bin"
     cut.write_bytes(files["v4"].read_bytes()[:sf.sdft.offset + 20])
-    d, _ = restore(models, cut, "-md", models["target"])
+    d, _ = restore(models, cut, "-md", models["target"], "--spec-type", "draft-simple")
     s = steps(d)
     assert s["checkpoints"]["status"] == "restored"
     assert s["draft"]["status"] == "ignored" and "invalid draft state (truncated) - ignored" in s["draft"]["reason"]
     # a checkpoint appendix of an unknown version is ignored; the draft loader then finds no SDFT there
     path = _patched(files["v4"], tmp_path / "sckp.bin", sf.sckp.offset + 4, struct.pack("<I", 7))
-    d, _ = restore(models, path, "-md", models["target"])
+    d, _ = restore(models, path, "-md", models["target"], "--spec-type", "draft-simple")
     s = steps(d)
     assert (s["checkpoints"]["status"], s["checkpoints"]["bytes"]) == ("ignored", 0)
     assert "version 7" in s["checkpoints"]["reason"]
     assert s["draft"]["status"] == "absent"
     # a draft appendix of an unknown version
     path = _patched(files["v4"], tmp_path / "sdft.bin", sf.sdft.offset + 4, struct.pack("<I", 2))
-    d, _ = restore(models, path, "-md", models["target"])
+    d, _ = restore(models, path, "-md", models["target"], "--spec-type", "draft-simple")
     assert steps(d)["draft"]["status"] == "ignored" and "version 2" in steps(d)["draft"]["reason"]
 
 
@@ -376,14 +376,14 @@ def test_at_most_ctx_checkpoints_are_kept(models, tmp_path):
 
 
 def test_spec_draft_n_max_bounds_each_draft(files, models):
-    d, _ = restore(models, files["v4"], "-md", models["target"], "--continue", CONTINUE, "-n", N,
+    d, _ = restore(models, files["v4"], "-md", models["target"], "--spec-type", "draft-simple", "--continue", CONTINUE, "-n", N,
                    "--spec-draft-n-max", "1")
     c = d["continuation"]
     assert c["n_draft_max"] == 1 and 0 < c["n_drafted"] <= c["n_verify_steps"]
 
 
 def test_human_output(files, models):
-    res = cli("restore", files["nodraft"], "-m", models["target"], "-md", models["target"], *CTX, "--continue",
+    res = cli("restore", files["nodraft"], "-m", models["target"], "-md", models["target"], "--spec-type", "draft-simple", *CTX, "--continue",
               CONTINUE, "-n", "4", "--compare")
     assert res.exit_code == 0    # the difference is the server's documented behaviour: said, not an error
     for word in ("target", "tokens", "checkpoints", "draft", "absent", "continuation", "compare", "expected"):
@@ -410,7 +410,7 @@ def _documented_keys(section: str) -> set[str]:
 
 
 def test_json_keys_are_stable_and_documented(files, models):
-    d, _ = restore(models, files["v4"], "-md", models["target"], "--continue", CONTINUE, "-n", "4", "--compare")
+    d, _ = restore(models, files["v4"], "-md", models["target"], "--spec-type", "draft-simple", "--continue", CONTINUE, "-n", "4", "--compare")
     assert set(d) | {"error"} == _documented_keys("restore")   # error: only when the restore failed
     step_keys = set().union(*(set(s) for s in d["steps"]))
     assert step_keys == _documented_keys("step")
@@ -435,7 +435,7 @@ def test_a_restored_swa_slot_goes_back_to_its_last_checkpoint(tmp_path):
     to a checkpoint to reuse the prompt (or evaluate it all again); a slot that was never saved still
     holds every cell. --compare reports the difference, as the server would show it."""
     g = str(GEMMA2)
-    args = ["-m", g, "-md", g, *CTX]
+    args = ["-m", g, "-md", g, "--spec-type", "draft-simple", *CTX]
     with_cps, without = tmp_path / "cps.bin", tmp_path / "none.bin"
     for path, extra in ((with_cps, ["--checkpoint-at", "20", "--checkpoint-at", "40"]), (without, [])):
         res = cli("save", *args, "--prompt", SWA_PROMPT, "-o", path, "--no-server-checkpoints", *extra)
@@ -451,7 +451,7 @@ def test_a_restored_swa_slot_goes_back_to_its_last_checkpoint(tmp_path):
         f"prompt tokens evaluated: {c['n_evaluated']} after restore, {f['n_evaluated']} fresh"
     assert d["compare"]["explained"] and "goes back to the checkpoint at 40 tokens" in d["compare"]["note"]
     # no checkpoint early enough: the whole prompt is evaluated again
-    d, _ = restore({"target": g}, without, "-md", g, "--continue", " and the", "-n", "2")
+    d, _ = restore({"target": g}, without, "-md", g, "--spec-type", "draft-simple", "--continue", " and the", "-n", "2")
     c = d["continuation"]
     assert (c["checkpoint"], c["n_reused"], c["n_evaluated"]) == (None, 0, c["n_prompt"])
 
@@ -484,7 +484,7 @@ def test_progress_bars_on_a_terminal(files, models, tmp_path, monkeypatch):
     from slotctl.cli.output import Output
 
     monkeypatch.setattr(Output, "interactive", property(lambda self: True))
-    res = cli("restore", files["v4"], "-m", models["target"], "-md", models["target"], *CTX, "--continue",
+    res = cli("restore", files["v4"], "-m", models["target"], "-md", models["target"], "--spec-type", "draft-simple", *CTX, "--continue",
               CONTINUE, "-n", "4", "--compare", "--json")
     assert res.exit_code == 0, res.stderr
     assert json.loads(res.stdout)["compare"]["agree"]
@@ -501,7 +501,7 @@ DATA = Path(__file__).parent / "data"
 @pytest.mark.parametrize("name, flags", [
     ("srv-np2-slot1.bin", ["-c", "512", "-np", "2", "--slot", "1"]),
     ("srv-kvq8.bin", ["-c", "256", "-ctk", "q8_0", "-ctv", "q8_0"]),  # version-4 rotation 64, checked
-    ("srv-draft.bin", ["-c", "256", "-md", DATA / "draft.gguf", "-ctkd", "q8_0"]),
+    ("srv-draft.bin", ["-c", "256", "-md", DATA / "draft.gguf", "--spec-type", "draft-simple", "-ctkd", "q8_0"]),
 ])
 def test_files_a_real_server_saved_restore_and_continue(name, flags):
     res = cli("restore", DATA / name, "-m", DATA / "target.gguf", "-fa", "on", "-t", "1", *flags,

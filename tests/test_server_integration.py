@@ -80,7 +80,7 @@ class Config:
         """The same flags for slotctl (validate)."""
         flags = ["-c", str(self.ctx), "-np", str(self.np), "-fa", self.fa]
         if self.draft and draft_path:
-            flags += ["-md", str(draft_path), "-ctkd", self.ctkd, "-ctvd", self.ctvd]
+            flags += ["-md", str(draft_path), "--spec-type", "draft-simple", "-ctkd", self.ctkd, "-ctvd", self.ctvd]
         return flags
 
     def settings(self) -> ContextSettings:

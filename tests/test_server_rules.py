@@ -6,6 +6,7 @@ contexts, with appendices built by the same code the runtime writes them with.
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import sys
@@ -101,10 +102,76 @@ def test_the_token_rule_is_server_tokens_validate():
     assert list(rs.invalid_token_indices([1, 100, -2], n_vocab)) == [1, 2]
     # -1 is a media chunk's position only where a chunk starts (and the -1 words after it)
     assert list(rs.invalid_token_indices([1, -1, -1, 5], n_vocab)) == [1, 2]
-    assert list(rs.invalid_token_indices([1, -1, -1, 5], n_vocab, media_starts=[1])) == []
-    assert list(rs.invalid_token_indices([1, -1, -1, 5, -1], n_vocab, media_starts=[1])) == [4]
+    assert list(rs.invalid_token_indices([1, -1, -1, 5], n_vocab, media=[1])) == []
+    assert list(rs.invalid_token_indices([1, -1, -1, 5, -1], n_vocab, media=[1])) == [4]
     # a chunk start that is not a -1 word
-    assert list(rs.invalid_token_indices([1, 2, 3], n_vocab, media_starts=[1])) == [1]
+    assert list(rs.invalid_token_indices([1, 2, 3], n_vocab, media=[1])) == [1]
+
+
+def _chunk(type_: int = 1, nx: int = 2, ny: int = 1, entries: int = 1, pos_type: int = 0, merge: int = 1,
+           audio_tokens: int = 0) -> bytes:
+    """An mtmd chunk (serialization version 2) as mtmd_input_chunk_save writes one, built here field by field."""
+    out = struct.pack("<QI", 2, type_) + struct.pack("<Q", 0)       # version, type, no text tokens
+    if type_ == 1:
+        out += b"\x01" + struct.pack("<IIIII", nx, ny, pos_type, 0, merge) + struct.pack("<Q", 3) + b"img"
+        out += b"\x00" + struct.pack("<Q", entries) + b"".join(struct.pack("<BBiii", 0, 0, 0, 4, 4)
+                                                                 for _ in range(entries))
+    else:
+        out += b"\x00"
+    if type_ == 2:
+        out += b"\x01" + struct.pack("<I", audio_tokens) + struct.pack("<Q", 3) + b"aud" + b"\x01" + struct.pack("<Q", 0)
+    else:
+        out += b"\x00"
+    return out
+
+
+@pytest.mark.parametrize("chunk,n_tokens,n_pos", [
+    (_chunk(nx=2, ny=1), 2, 2),
+    (_chunk(nx=3, ny=2, entries=2), 12, 12),               # nx * ny per batch entry
+    (_chunk(nx=3, ny=2, entries=3, merge=2), 12, 12),      # 3 entries merged by 2: 2 frames
+    (_chunk(nx=3, ny=2, pos_type=1), 6, 3),                # M-RoPE: max(nx, ny) positions
+    (_chunk(nx=3, ny=2, pos_type=2), 10, 10),              # HunyuanVL: (nx + 1) * ny + 2
+    (_chunk(type_=2, audio_tokens=5), 5, 5),
+    (_chunk(type_=0), 0, 0),
+])
+def test_a_media_chunk_counts_as_mtmd_counts_it(chunk, n_tokens, n_pos):
+    ext = rs.chunk_extent(chunk)
+    assert (ext.n_tokens, ext.n_pos, ext.text) == (n_tokens, n_pos, chunk[8] == 0)
+
+
+def test_media_words_are_exactly_each_chunks_tokens(tmp_path):
+    """server_tokens::validate (b11434): at a -1 word a chunk must start; exactly its n_tokens -1 words
+    follow; it is not text and has n_pos > 0; every chunk is met (issue 24: any run of -1 words from a media
+    start was taken as the chunk's)."""
+    two = rs.MediaExtent(False, 2, 2)
+    bad = lambda toks, media: list(rs.invalid_token_indices(toks, 100, media))   # noqa: E731
+    first = lambda toks, media: bad(toks, media)[:1]   # noqa: E731  (the server stops at the first)
+    assert bad([1, -1, -1, 5], {1: two}) == []
+    assert bad([1, -1, -1, -1, 5], {1: two}) == [3]                    # one -1 word more than the chunk's
+    assert first([1, -1, 5, 6], {1: two}) == [1]                         # fewer
+    assert first([1, -1, -1], {1: rs.MediaExtent(False, 3, 3)}) == [1]   # more than the tokens left
+    assert first([1, -1, -1, 5], {1: rs.MediaExtent(False, 2, 0)}) == [1]     # n_pos 0
+    assert first([1, -1, -1, 5], {1: rs.MediaExtent(True, 2, 2)}) == [1]      # a text chunk
+    assert bad([1, -1, -1, -1, -1, 5], {1: two, 3: two}) == []               # two chunks back to back
+    assert bad([1, -1, -1, -1, -1, 5], {1: two, 2: two})[0] == 2              # a start inside a chunk: never met
+    assert bad([1, 2, -1, -1], {1: two, 2: two}) == [1]                       # a start on a text token
+    # the chunk's extent unknown (unreadable: refused by the chunk loader first): the run from its start
+    assert bad([1, -1, -1, -1, 5], {1: None}) == []
+    # a file: the words the chunk says, validated with a model, and one -1 word more
+    from slotctl.format.tokens import pack_tokens
+    from slotctl.slotfile import build_header
+
+    raw = (DATA / "srv-np1.bin").read_bytes()
+    sf = open_slot_file(DATA / "srv-np1.bin")
+    for toks, ok in (([1, -1, -1, 5], True), ([1, -1, -1, -1, 5], False)):
+        words = pack_tokens(toks, media=[(1, _chunk(nx=2, ny=1))])
+        (tmp_path / "m.bin").write_bytes(build_header(4, words) + raw[sf.target.offset:])
+        sf2 = open_slot_file(tmp_path / "m.bin")
+        assert (rs.check_tokens(decode_tokens(words), n_ctx_slot=256, n_vocab=100, has_mtmd=True).status
+                == rs.RESTORED) is ok
+        from slotctl.server.findings import invalid_tokens_finding, media_extents
+
+        assert (invalid_tokens_finding(sf2.tokens.tokens, 100, media_extents(sf2)) is None) is ok
 
 
 def test_check_tokens_in_the_servers_order():
@@ -361,7 +428,7 @@ def test_validate_says_a_draft_simple_server_ignores_the_speculative_state(tmp_p
     sf0 = open_slot_file(src, layout=_layout())
     path = tmp_path / "spec.bin"
     path.write_bytes(src.read_bytes()[:sf0.target.end] + apx.build_sdft(b"", b"\x01" * 24))
-    res = _invoke("validate", path, "-m", DATA / "target.gguf", "-md", DATA / "draft.gguf", "--no-load", "--json")
+    res = _invoke("validate", path, "-m", DATA / "target.gguf", "-md", DATA / "draft.gguf", "--spec-type", "draft-simple", "--no-load", "--json")
     doc = json.loads(res.stdout)
     codes = [f["code"] for f in doc["files"][0]["findings"]]
     assert "speculative_state_ignored" in codes
@@ -412,7 +479,8 @@ def test_validate_opens_each_file_once(tmp_path):
     whole.write_bytes((DATA / "srv-draft.bin").read_bytes())
     cut = tmp_path / "cut.bin"
     cut.write_bytes(whole.read_bytes()[:-1000])
-    setup = ServerSetup(target=DATA / "target.gguf", draft=DATA / "draft.gguf", settings=ContextSettings(n_ctx=4096))
+    setup = ServerSetup(target=DATA / "target.gguf", draft=DATA / "draft.gguf", settings=ContextSettings(n_ctx=4096),
+                        spec_type="draft-simple")
     for path in (whole, cut):
         _OPENED = []
         try:
@@ -529,3 +597,73 @@ def test_each_appendix_is_named_with_the_change_that_reads_it(tmp_path):
         assert has in f.message and lacks not in f.message, f.message
         assert (f.doubt is not None) == (name == "sckp")
     assert "b11434" in _ANSWER_KEYS["n_read"] and "appendices" in _ANSWER_KEYS["n_read"]
+
+
+# -- the draft context from the flags -------------------------------------------------------------------------
+
+
+def test_the_draft_context_as_b11434_builds_it_from_its_flags():
+    import dataclasses
+
+    from slotctl.model.info import gguf_spec_types, read_model_info
+    from slotctl.server.speculative import draft_context, parse_spec_types, server_spec_types
+
+    t, d = read_model_info(DATA / "target.gguf"), read_model_info(DATA / "draft.gguf")
+    # -md alone: the default list is none, nothing is inferred from a plain GGUF: no drafter, no context
+    got = draft_context(None, d, t)
+    assert not got.built and got.types == ("none",) and "--spec-type" in got.why
+    assert draft_context("draft-simple", d, t).built
+    assert draft_context("ngram-mod", d, t).built          # an implementation: ctx_dft is kept
+    assert not draft_context("none", d, t).built
+    assert not draft_context("draft-simple", None, t).built    # no draft model, no MTP
+    # the types inferred from a draft GGUF (common_speculative_types_from_gguf): MTP heads, dflash, dspark
+    assert gguf_spec_types("qwen3", 3, frozenset({"blk.2.nextn.eh_proj.weight"})) == ("draft-mtp",)
+    assert gguf_spec_types("qwen3", 3, frozenset({"blk.1.nextn.eh_proj.weight"})) == ()
+    assert gguf_spec_types("dflash", 2, frozenset()) == ("draft-dflash",)
+    assert gguf_spec_types("dflash", 2, frozenset({"markov_w1.weight"})) == ("draft-dspark",)
+    assert gguf_spec_types("eagle3", 1, frozenset()) == ()     # eagle3 only by --spec-type draft-eagle3
+    mtp = dataclasses.replace(d, spec_types_gguf=("draft-mtp",))
+    assert server_spec_types(None, mtp) == ("draft-mtp",)
+    assert server_spec_types("draft-simple", mtp) == ("none", "draft-simple")   # a flag: nothing inferred
+    assert server_spec_types("none", mtp) == ("none", "none")                   # even "none"
+    got = draft_context(None, mtp, t)
+    assert got.built and got.mtp
+    assert parse_spec_types("ngram-mod,draft-simple") == ("ngram-mod", "draft-simple")
+    assert parse_spec_types("draft-simple,none") == ("none",)
+    with pytest.raises(FlagError, match="unknown speculative type: draft-fast"):
+        ServerFlags(spec_type="draft-fast")
+
+
+def test_an_mtp_draft_context_holds_the_nextn_layers_only():
+    import dataclasses
+
+    from slotctl.model.info import read_model_info
+
+    t = read_model_info(DATA / "target.gguf")
+    with pytest.raises(UsageError, match="needs nextn layers"):
+        t.mtp_context()
+    # two blocks, the last an MTP head: the main context holds block 0, the MTP context block 1
+    head = dataclasses.replace(t, n_layer=1, attention_layers=(True, False))
+    m = head.mtp_context()
+    assert m.kv_layers() == (1,) and head.kv_layers() == (0,)
+    hybrid = dataclasses.replace(head, memory_kind="hybrid")
+    assert hybrid.mtp_context().memory_kind == "unsupported"
+
+
+def test_validate_drops_a_draft_state_for_md_alone_and_says_why(tmp_path):
+    from slotctl.format.appendix import SDFT_MAGIC
+
+    raw = (DATA / "srv-np1.bin").read_bytes()
+    blob = (DATA / "srv-draft.bin").read_bytes()
+    path = tmp_path / "sdft.bin"
+    # a draft blob that is some state: its bytes do not matter, the server has no context to put it in
+    dft = b"\0" * 64
+    path.write_bytes(raw + struct.pack("<II", SDFT_MAGIC, 1) + struct.pack("<Q", len(dft)) + dft
+                     + struct.pack("<Q", 0))
+    del blob
+    base = ["validate", path, "-m", DATA / "target.gguf", "-md", DATA / "draft.gguf", "-c", "256", "-fa", "on",
+            "--no-load", "--json"]
+    res = _invoke(*base)
+    (rep,) = json.loads(res.stdout)["files"]
+    (f,) = [x for x in rep["findings"] if x["code"] == "no_draft_context"]
+    assert "builds no drafter" in f["message"] and rep["verdict"] == "restores_with_drops"

@@ -105,8 +105,11 @@ def check(child, path, model=None, draft=None, *, load=True, ctkd="f16", ctvd="f
           **settings) -> FileReport:
     """Validate one file (the library call the CLI makes), the real check in the module's child."""
     setup = ServerSetup(target=model, draft=draft, settings=ContextSettings(**settings), draft_type_k=ctkd,
+                        spec_type="draft-simple" if draft is not None else None,
                         draft_type_v=ctvd, slot=slot, mmproj=mmproj)
-    (report,) = validate_paths([path], setup, real_check=load, child=child).files
+    # confirm_refusals: the real loader is asked about every layer, the refused ones too (the CLI never does),
+    # so that each predicted refusal is checked against llama.cpp's own
+    (report,) = validate_paths([path], setup, real_check=load, child=child, confirm_refusals=True).files
     return report
 
 
@@ -505,7 +508,8 @@ def test_a_checkpoint_blob_that_does_not_load_is_an_error_where_the_server_rolls
 
 
 def test_too_many_checkpoints_are_dropped(child, models, made):
-    setup = ServerSetup(models.target, models.draft, ContextSettings(n_ctx=256), n_ctx_checkpoints=1)
+    setup = ServerSetup(models.target, models.draft, ContextSettings(n_ctx=256), n_ctx_checkpoints=1,
+                        spec_type="draft-simple")
     (r,) = validate_paths([made.good], setup, child=child).files
     assert finding(r, "too_many_checkpoints").severity == "drop"
     assert r.verdict == "restores_with_drops"
@@ -564,7 +568,7 @@ def test_an_abort_in_llama_cpp_is_a_finding_and_the_next_file_still_validates(ch
     assert open_slot_file(bad, layout=read_model_info(KINDS / "mamba.gguf").layout()).errors == []
     setup = ServerSetup(KINDS / "mamba.gguf", settings=ContextSettings(n_ctx=256, n_parallel=2))
     started = child.started
-    report = validate_paths([bad, KINDS / "srv-mamba.bin"], setup, child=child)
+    report = validate_paths([bad, KINDS / "srv-mamba.bin"], setup, child=child, confirm_refusals=True)
     r, ok = report.files
     f = finding(r, "load_aborted", "target memory")
     assert f.severity == "error" and "GGML_ASSERT" in f.message and "signal 6" in f.message
@@ -573,7 +577,8 @@ def test_an_abort_in_llama_cpp_is_a_finding_and_the_next_file_still_validates(ch
     assert (c.predicted, c.loaded, c.effect) == ("mismatch", "aborted", "aborts")
     assert r.verdict == "aborts"
     assert ok.verdict == "restores" and layer_check(ok, "target memory").loaded == "fits"
-    assert child.started == started + 1    # a new child after the abort
+    # a new child after the abort (when no child ran yet, the first file's load started one)
+    assert child.started == max(started, 1) + 1
     # with one slot llama.cpp refuses it instead ("not enough cells"): the prediction names that too
     r1 = check(child, bad, KINDS / "mamba.gguf", n_ctx=256)
     assert r1.verdict == "refused"
@@ -732,7 +737,7 @@ def test_cli_json_document():
 
 
 def test_cli_a_file_with_checkpoints_and_draft_restores(models, made):
-    res = _invoke(made.good, "-m", models.target, "-md", models.draft, "-c", 256)
+    res = _invoke(made.good, "-m", models.target, "-md", models.draft, "--spec-type", "draft-simple", "-c", 256)
     assert res.exit_code == 0, res.output
     assert "restores completely" in res.stdout and res.stderr == ""
     for layer in ("target memory", "checkpoint 1 draft", "draft"):
@@ -781,13 +786,55 @@ def test_cli_escapes_what_it_did_not_write(tmp_path):
 
 
 def test_cli_an_abort_is_reported_not_suffered(tmp_path):
+    """The prediction says the server aborts: the CLI's real load never loads that layer (issue 24: validate
+    never loads what the prediction refuses), so nothing aborts here, and the report says why it was not
+    loaded. (The child's handling of an abort: test_an_abort_in_llama_cpp_is_a_finding...)"""
     bad = _mamba_two_cells(tmp_path / "mamba-2cells.bin")
     res = _invoke(bad, "-m", KINDS / "mamba.gguf", "-c", 256, "-np", 2, "--json")
     assert res.exit_code == 1
     (f,) = json.loads(res.stdout)["files"]
     assert f["verdict"] == "aborts"
-    assert any(x["code"] == "load_aborted" for x in f["findings"])
-    assert "GGML_ASSERT" not in res.stderr     # the child's stderr is kept, not passed through
+    assert not any(x["code"] == "load_aborted" for x in f["findings"])
+    (c,) = f["checks"]
+    assert c["loaded"] == "skipped" and "the prediction already keeps it out (recurrent_cells)" in c["reason"]
+    assert "GGML_ASSERT" not in res.stderr
+
+
+def test_the_real_load_never_loads_what_the_prediction_refuses(child, tmp_path):
+    """Issue 24 item 10: a file the prediction refuses is never handed to the child (no child even starts
+    when no layer is to be loaded); a sparse file whose claimed counts make its layer gigabytes is refused
+    at its counts, at no cost of them; a layer the prediction passes but larger than LOAD_MAX_BYTES is not
+    loaded either, and the report says so."""
+    from slotctl.validate.load import LOAD_MAX_BYTES
+
+    setup = ServerSetup(DATA / "target.gguf", settings=ContextSettings(n_ctx=256))
+    started = child.started
+    (r,) = validate_paths([DATA / "srv-fa-off.bin"], setup, child=child).files     # v_trans: refused
+    (c,) = r.checks
+    assert (r.verdict, c.predicted, c.loaded) == ("refused", "mismatch", "skipped")
+    assert "v_trans_mismatch" in c.reason
+    # a sparse file: a stream claiming 2^24 cells, its KV data 2^40 bytes past a hole
+    raw = bytearray((DATA / "srv-np1.bin").read_bytes())
+    he = 12 + 4 * struct.unpack_from("<I", raw, 8)[0]
+    struct.pack_into("<I", raw, he + 4, 1 << 24)
+    p = tmp_path / "sparse.bin"
+    with open(p, "wb") as out:
+        out.write(raw)
+        out.truncate(1 << 40)
+    (r,) = validate_paths([p], setup, child=child).files
+    (c,) = r.checks
+    assert (r.verdict, c.loaded) == ("refused", "skipped") and "too_many_cells" in c.reason
+    assert child.started == started     # nothing was loaded: no child was started for either file
+    # a layer the prediction passes, larger than the bound: not loaded, said
+    from slotctl.validate.compare import _MemLayer, _target_side
+    from slotctl.validate.load import _real_check
+    from slotctl.validate.report import LayerCheck
+
+    big = _MemLayer(_target_side(), LayerCheck("target memory", he, LOAD_MAX_BYTES + 1, "target"), he,
+                    LOAD_MAX_BYTES + 1, False, 0, None, None)
+    assert _real_check([big], None, None, None, setup, None, None) == []   # no checker is even asked
+    assert big.check.loaded == "skipped" and "more than the real load takes" in big.check.reason
+    assert [i.finding.code for i in big.issues] == ["load_skipped"]
 
 
 def test_cli_no_load_predicts_only():

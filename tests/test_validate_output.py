@@ -49,7 +49,7 @@ def _finding_lines(stdout: str) -> list[str]:
 
 def test_a_refused_file_says_its_error_first_and_each_remedy_once(spec):
     target, draft, path = spec
-    args = ("validate", path, "-m", target, "-md", draft, "-c", "256", "-np", "2", "-fa", "on", "--no-load")
+    args = ("validate", path, "-m", target, "-md", draft, "--spec-type", "draft-simple", "-c", "256", "-np", "2", "-fa", "on", "--no-load")
     r = run(*args)
     assert r.exit_code == 1
     assert "the server refuses it" in r.stdout
@@ -109,7 +109,7 @@ def _on_terminal(args: list[str], columns: int) -> str:
 
 def test_a_refused_file_fits_a_narrow_terminal_in_few_lines(spec):
     target, draft, path = spec
-    shown = _on_terminal(["validate", path, "-m", target, "-md", draft, "-c", "256", "-np", "2", "-fa", "on",
+    shown = _on_terminal(["validate", path, "-m", target, "-md", draft, "--spec-type", "draft-simple", "-c", "256", "-np", "2", "-fa", "on",
                           "--no-load"], 60)
     lines = shown.splitlines()
     assert "the server refuses it" in " ".join(shown.split())
@@ -121,7 +121,7 @@ def test_notes_of_many_files_are_said_once_on_stdout_not_as_warnings(spec, tmp_p
     target, draft, path = spec
     for name in ("a.bin", "b.bin"):
         shutil.copyfile(path, tmp_path / name)
-    r = run("validate", tmp_path, "-m", target, "-md", draft, "-c", "256", "-fa", "on", "--no-load")
+    r = run("validate", tmp_path, "-m", target, "-md", draft, "--spec-type", "draft-simple", "-c", "256", "-fa", "on", "--no-load")
     assert r.exit_code == 0, r.output
     assert r.stderr == ""
     notes = [line for line in r.stdout.splitlines() if line.startswith("note (2 files) ")]

@@ -72,6 +72,8 @@ COMMANDS: dict[str, CommandEntry] = {
                             "save, check, convert, place, restore, prove.", "A running llama-server"),
     "keep": CommandEntry("slotctl.cli.keep_cmd", "Keep a running llama-server's slots across its restarts: save "
                          "idle slots, restore them after.", "A running llama-server"),
+    "unit": CommandEntry("slotctl.cli.unit_cmd", "Print a systemd unit file shipped with slotctl: keep's "
+                         "template, one instance per configuration file.", "A running llama-server"),
 }
 
 

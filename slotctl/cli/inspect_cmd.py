@@ -118,9 +118,9 @@ def _inspect_one(real: str, path: str, target_info, draft_info, model, *, tokens
         if another is not None:
             found.insert(0, another)
         if target_info is not None and another is None and sf.tokens is not None and not sf.tokens.error:
-            from slotctl.server.findings import invalid_tokens_finding
+            from slotctl.server.findings import invalid_tokens_finding, media_extents
 
-            bad = invalid_tokens_finding(sf.tokens.tokens, target_info.n_vocab, [s for s, _ in sf.tokens.media],
+            bad = invalid_tokens_finding(sf.tokens.tokens, target_info.n_vocab, media_extents(sf),
                                          Path(target_info.path).name)
             if bad is not None:
                 found.append(bad)

@@ -11,10 +11,10 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ApiKeyOpt, ServerOpt, TimeoutOpt, store_option
-from slotctl.live import SLOT_FILE_TIMEOUT
+from slotctl.cli.options import ApiKeyOpt, ConfigOpt, store_option
 from slotctl.cli.output import Output, style_of
-from slotctl.errors import UsageError
+from slotctl.errors import SlotctlError, UsageError
+from slotctl.live import SLOT_FILE_TIMEOUT
 
 
 
@@ -24,20 +24,39 @@ def register(app: typer.Typer) -> None:
 
 @handle_errors
 def keep(
-    server: ServerOpt,
-    slot_dir: Annotated[Path, typer.Option("--slot-dir", file_okay=False, metavar="DIR",
-                                           help="The server's --slot-save-path as this machine sees it.")],
+    server: Annotated[Optional[str], typer.Option("--server", metavar="URL", help="The llama-server's base URL, "
+                                                  "e.g. http://127.0.0.1:8080 (or the configuration's).")] = None,
+    slot_dir: Annotated[Optional[Path], typer.Option("--slot-dir", file_okay=False, metavar="DIR",
+                                                     help="The server's --slot-save-path as this machine sees it.")] = None,
     store: Annotated[Optional[str], store_option("Where the states are kept: a directory or an s3:// prefix "
                                                  "(docs/store.md; default: --slot-dir itself).")] = None,
-    every: Annotated[float, typer.Option("--every", min=0.05, metavar="SECONDS", help="Seconds between two looks "
-                                         "at the server.")] = 30.0,
-    min_tokens: Annotated[int, typer.Option("--min-tokens", min=1, metavar="N", help="Save only slots whose last "
-                                            "prompt had at least N tokens.")] = 1,
+    every: Annotated[Optional[float], typer.Option("--every", min=0.05, max=86400.0, metavar="SECONDS",
+                                                   help="Seconds between two looks at the server [default: 30].")] = None,
+    min_tokens: Annotated[Optional[int], typer.Option("--min-tokens", min=1, max=1 << 24, metavar="N",
+                                                      help="Save only slots whose last prompt had at least N tokens "
+                                                           "[default: 1].")] = None,
     max_size: Annotated[Optional[str], typer.Option("--max-size", metavar="SIZE", help="Keep the store under SIZE "
-                                                    "(20G, 500M) by prune's rules, least recently used first "
-                                                    "(a directory store only).")] = None,
+                                                    "(20G, 500M) by prune's rules, least recently used first.")] = None,
+    keep_newest: Annotated[Optional[int], typer.Option("--keep-newest", min=1, max=1 << 20, metavar="N",
+                                                       help="Keep only the newest N states of each slot and model "
+                                                            "(older ones deleted after each new state).")] = None,
+    prove_restores: Annotated[Optional[bool], typer.Option("--prove/--no-prove", help="Prove each restore with "
+                                                           "the server's own counts [default: --prove].")] = None,
+    config: ConfigOpt = None,
+    lease: Annotated[Optional[float], typer.Option("--lease", min=1.0, max=86400.0, metavar="SECONDS",
+                                                   help="With an s3:// store: seconds the keeper's lease holds "
+                                                        "without a renewal [default: 60].")] = None,
+    listen: Annotated[Optional[str], typer.Option("--listen", metavar="HOST:PORT",
+                                                  help="Serve /metrics, /livez and /readyz there (loopback unless "
+                                                       "a host is given).")] = None,
+    save_all: Annotated[bool, typer.Option("--save-all", help="One pass, then exit: save every idle slot whose "
+                                           "state the store does not have (llama-swap's cmdStop).")] = False,
+    restore_all: Annotated[bool, typer.Option("--restore-all", help="One pass, then exit: restore (and prove) "
+                                              "every empty slot from the store.")] = False,
     api_key: ApiKeyOpt = None,
-    timeout: TimeoutOpt = SLOT_FILE_TIMEOUT,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", min=0.001, max=86400.0, metavar="SECONDS",
+                                                     help="Give up on a request after this many seconds "
+                                                          "[default: 600].")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per action on stdout "
                                            "(docs/json.md) instead of log lines on stderr.")] = False,
 ) -> None:
@@ -47,38 +66,134 @@ def keep(
     last task changed is saved by the server, checked, and copied into the store (one file per state,
     named by slot, model and a hash of its tokens); the store is kept under --max-size by prune's
     rules; when the server comes back after being down, or runs another model, every empty slot gets
-    the newest state that validates for it, restored and proven (restore --prove). One log line per
-    action; --json: one JSON line each. SIGTERM or SIGINT: a last save of the changed slots, exit 0.
+    the newest state that validates for it, restored and proven (restore --prove). One keeper per
+    server and store: a second one is refused (a flock in a directory store, a lease object in
+    s3://). One log line per action; --json: one JSON line each. SIGTERM or SIGINT: a last save of
+    the changed slots, exit 0. Under systemd (Type=notify): READY=1, WATCHDOG=1, STOPPING=1.
     Details: docs/fleet.md.
 
-    Exit codes: 0 stopped by SIGTERM or SIGINT; 2 usage error (a missing directory, a bad --max-size).
+    --save-all (or --restore-all): one pass under the same lock, then exit.
+
+    Exit codes: 0 stopped by SIGTERM or SIGINT (--save-all, --restore-all: done); 2 usage error (a missing directory, a bad --max-size,
+    a bad configuration file, another keeper keeping this server with this store, the lease lost).
     """
+    from slotctl.cli.common import use_store
     from slotctl.fleet.keep import Keeper
+    from slotctl.unattended import lock as locks
+    from slotctl.unattended import systemd
+    from slotctl.unattended.config import Config, load
 
     out = Output(json_mode=json_out)
+    cfg = load(config) if config is not None else Config()
+    entry = cfg.server(server) if config is not None else None
+    if entry is not None:
+        server = entry.url
+        slot_dir = slot_dir if slot_dir is not None else (Path(entry.slot_dir) if entry.slot_dir else None)
+        store = store if store is not None else entry.store
+        api_key = api_key if api_key is not None else entry.api_key()
+    k = cfg.keep
+
+    def pick(flag, key, default):
+        return flag if flag is not None else k.get(key, default)
+
+    every, min_tokens = pick(every, "every", 30.0), pick(min_tokens, "min_tokens", 1)
+    timeout, lease = pick(timeout, "timeout", SLOT_FILE_TIMEOUT), pick(lease, "lease", locks.DEFAULT_TTL)
+    listen = pick(listen, "listen", None) or None
+    max_size = max_size if max_size is not None else cfg.max_size
+    keep_newest = keep_newest if keep_newest is not None else cfg.newest
+    if prove_restores is None:
+        prove_restores = cfg.proof != "never"
+    if save_all and restore_all:
+        raise UsageError("--save-all and --restore-all: give one")
+    if server is None:
+        raise UsageError("--server: no URL given (nor a server in --config)")
+    if slot_dir is None:
+        raise UsageError("--slot-dir: no directory given (nor slot_dir in --config)")
     if not slot_dir.is_dir():
         raise UsageError(f"--slot-dir {slot_dir}: not a directory")
     if store is not None and "://" in store and not store.startswith("s3://"):
         raise UsageError(f"--store {store}: a directory or an s3://BUCKET/PREFIX/")
     if store is not None and "://" not in store and not Path(store).is_dir():
         raise UsageError(f"--store {store}: not a directory")
+    use_store([store])
     size = None
     if max_size is not None:
         from slotctl.prune import parse_size
 
         size = parse_size(max_size)
 
+    metrics = None
+
     def emit(ev) -> None:
+        doc = ev.as_dict()
+        if metrics is not None:
+            metrics.observe(doc)
+            if ev.event in ("up", "restart", "stored", "pruned"):
+                count_store()
         if json_out:
-            out.json_line(ev.as_dict())
+            out.json_line(doc)
             return
-        line = Text(f"{ev.as_dict()['time']} ")
+        line = Text(f"{doc['time']} ")
         line.append(ev.event, style=style_of(ev.event, "bold"))
         line.append(f" {remote._plain(ev.message)}")
         out.err.print(line)
 
     keeper = Keeper(server, slot_dir, store, every=every, min_tokens=min_tokens, max_size=size, api_key=api_key,
-                    timeout=timeout, emit=emit)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: keeper.stop())
-    raise typer.Exit(keeper.run())
+                    timeout=timeout, emit=emit, retention=keep_newest, prove=prove_restores)
+
+    def count_store() -> None:
+        try:
+            metrics.store_usage(*keeper.store.usage())
+        except (SlotctlError, OSError) as e:
+            metrics.store_failed(str(e))
+
+    held = locks.acquire(store if store is not None else slot_dir, keeper.url, ttl=lease)
+    keeper.lock = held
+    endpoint = watchdog = None
+    try:
+        if isinstance(held, locks.Lease):
+            held.start(keeper.abandon)
+        if listen is not None:
+            from slotctl.unattended.metrics import Endpoint, KeepMetrics
+
+            metrics = KeepMetrics(keeper.url)
+            keeper.on_look = metrics.look
+            count_store()
+            endpoint = Endpoint(listen, metrics.registry.exposition,
+                                lambda: metrics.ready(3 * keeper.every + keeper.timeout),
+                                lambda: _alive(keeper)).start()
+            if not json_out:
+                out.err.print(f"metrics: {endpoint.url}/metrics, /livez, /readyz", markup=False, highlight=False)
+        wd = systemd.watchdog_seconds()
+        if wd is not None:
+            watchdog = systemd.Watchdog(lambda: _alive(keeper)[0], wd).start()
+        def stopping(*_) -> None:
+            systemd.notify("STOPPING=1")
+            keeper.stop()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, stopping)
+        if save_all or restore_all:
+            code = keeper.once(restore=restore_all)
+        else:
+            systemd.notify("READY=1", f"STATUS=keeping {keeper.url} (store {keeper.store})")
+            code = keeper.run()
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+        if endpoint is not None:
+            endpoint.stop()
+        held.release()
+    raise typer.Exit(code)
+
+
+def _alive(keeper) -> tuple[bool, str]:
+    """The loop lives when its last sign of life (a look, an event) is more recent than a look, a wait and
+    every request of a look could take together."""
+    import time
+
+    age = time.monotonic() - keeper.beat
+    limit = keeper.every + 4 * keeper.timeout + 60
+    if keeper.lost is not None:
+        return False, f"the lock is lost: {keeper.lost}"
+    return age <= limit, f"the loop's last sign of life {age:.1f} s ago (limit {limit:g} s)"

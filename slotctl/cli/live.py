@@ -8,14 +8,17 @@ exits 2, always with one line on stderr.
 
 from __future__ import annotations
 
+from typing import Annotated, Optional
+
 import typer
 from rich.table import Table
 from rich.text import Text
 
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ApiKeyOpt, JsonOpt, ServerOpt, ServerSlotOpt, TimeoutOpt
+from slotctl.cli.options import ApiKeyOpt, ConfigOpt, JsonOpt, ServerOpt, ServerSlotOpt, TimeoutOpt
 from slotctl.cli.output import Output, style_of
 from slotctl.cli.remote import _cell, _plain
+from slotctl.errors import UsageError
 from slotctl.live import DEFAULT_TIMEOUT
 from slotctl.live import http as server_api
 
@@ -27,7 +30,13 @@ def register(app: typer.Typer) -> None:
 
 @handle_errors
 def slots(
-    server: ServerOpt,
+    server: Annotated[Optional[list[str]], typer.Option("--server", metavar="URL", help="A llama-server's base URL, "
+                                                        "e.g. http://127.0.0.1:8080; repeat it for several "
+                                                        "servers (one table).")] = None,
+    config: ConfigOpt = None,
+    watch: Annotated[Optional[float], typer.Option("--watch", min=0.1, max=86400.0, metavar="SECONDS",
+                                                   help="Read again every SECONDS: redrawn in place on a terminal, "
+                                                        "the rows alone on a pipe; Ctrl-C stops.")] = None,
     api_key: ApiKeyOpt = None,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT,
     json_out: JsonOpt = False,
@@ -35,12 +44,114 @@ def slots(
     """List a running llama-server's slots: id, context size, speculative decoding, busy, cached tokens.
 
     Reads GET /slots and GET /props. With --json: {server, model, total_slots, props, slots}, where slots
-    and props are the server's answers as they came.
+    and props are the server's answers as they came. Several servers (--server repeated, or --config):
+    one table of every server's slots (model, slot, tokens, idle or busy, last saved and the states
+    stored, from each server's store in --config); --json: {servers: [...], exit_code}; --watch redraws it.
 
     Exit codes: 0 listed; 1 the server refused (e.g. started with --no-slots); 2 unreachable, wrong API
-    key, usage error.
+    key, usage error (with several servers: the worst, every server still shown).
     """
     out = Output(json_mode=json_out)
+    servers = list(server or [])
+    if config is None and watch is None and len(servers) == 1:
+        return _one_server(out, servers[0], api_key, timeout, json_out)
+    from slotctl.fleet.view import Target
+
+    targets = [Target(u, api_key=api_key) for u in servers]
+    if config is not None:
+        from slotctl.cli.common import use_store
+        from slotctl.unattended.config import load
+
+        cfg = load(config)
+        targets += [Target(e.url, e.name, e.store, e.api_key() or api_key) for e in cfg.servers]
+        use_store([e.store for e in cfg.servers])
+    if not targets:
+        raise UsageError("--server: no URL given (nor [[servers]] in --config)")
+    if watch is None:
+        raise typer.Exit(_fleet_once(out, targets, timeout, json_out))
+    _watch(out, targets, timeout, json_out, watch)
+
+
+def _fleet_once(out: Output, targets, timeout: float, json_out: bool, *, rows_only: bool = False,
+                line: bool = False) -> int:
+    from slotctl.errors import worst
+    from slotctl.fleet.view import fleet
+
+    docs = fleet(targets, timeout)
+    code = int(worst(d["exit_code"] for d in docs))
+    servers = [{k: v for k, v in d.items() if k != "exit_code"} for d in docs]
+    if json_out:
+        (out.json_line if line else out.json)({"servers": servers, "exit_code": code})
+    elif rows_only:
+        out._stdout.write("".join("\t".join(row) + "\n" for row in fleet_rows(servers)))
+    else:
+        render_fleet(out, servers)
+    if not json_out:
+        for d in servers:
+            if d["error"] is not None:
+                out.err.print(Text(f"{_plain(d['name'] or d['server'])}: {_plain(d['error']['message'])}"))
+    return code
+
+
+FLEET_COLUMNS = ("server", "model", "slot", "tokens", "state", "last saved", "stored")
+
+
+def fleet_rows(servers: list[dict]) -> list[tuple[str, ...]]:
+    """One row per slot (a server that did not answer: one row with its error), every value whole."""
+    import os
+
+    rows = []
+    for d in servers:
+        name = _plain(d["name"] or d["server"])
+        if d["error"] is not None and not d["slots"]:
+            rows.append((name, "-", "-", "-", "error", "-", "-"))
+            continue
+        model = _plain(os.path.basename(d["model"] or "") or "-")
+        for s in d["slots"]:
+            rows.append((name, model, str(s["slot"]), "-" if s["n_tokens"] is None else f"{s['n_tokens']:,}",
+                         "busy" if s["busy"] else "idle", s["last_saved"] or "-",
+                         "-" if s["stored_states"] is None else str(s["stored_states"])))
+    return rows
+
+
+def render_fleet(out: Output, servers: list[dict]) -> None:
+    t = Table(show_edge=False)
+    for col in FLEET_COLUMNS:
+        t.add_column(col, justify="right" if col in ("slot", "tokens", "stored") else "left")
+    for row in fleet_rows(servers):
+        style = {"busy": "yellow", "idle": "green", "error": "bold red"}[row[4]]
+        t.add_row(*row[:4], Text(row[4], style=style), *row[5:])
+    out.table(t, keep=("slot", "tokens", "state", "last saved", "stored"))
+    n = sum(len(d["slots"]) for d in servers)
+    busy = sum(1 for d in servers for s in d["slots"] if s["busy"])
+    down = sum(1 for d in servers if d["error"] is not None)
+    out.print(Text(f"{len(servers)} server(s), {n} slot(s), {busy} busy" + (f", {down} with an error" if down else ""),
+                   style="dim"))
+
+
+def _watch(out: Output, targets, timeout: float, json_out: bool, every: float) -> None:
+    """Redraw in place on a terminal (the cursor home, the screen cleared below); the rows alone (or one JSON
+    line) per refresh on a pipe. Ctrl-C stops with exit 0."""
+    import sys
+    import time
+
+    tty = out.console.is_terminal and not json_out
+    try:
+        while True:
+            if tty:
+                with out.console.capture() as cap:
+                    _fleet_once(out, targets, timeout, json_out)
+                sys.stdout.write("\x1b[H\x1b[J" + cap.get())
+                sys.stdout.flush()
+            else:
+                _fleet_once(out, targets, timeout, json_out, rows_only=True, line=True)
+                out._stdout.flush()
+            time.sleep(every)
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+def _one_server(out: Output, server: str, api_key, timeout: float, json_out: bool) -> None:
     url = server_api.normalize_url(server)
     slot_list = server_api.get_slots(url, api_key=api_key, timeout=timeout)
     props = server_api.get_props(url, api_key=api_key, timeout=timeout)

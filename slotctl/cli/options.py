@@ -74,6 +74,10 @@ ApiKeyOpt = Annotated[Optional[str], typer.Option("--api-key", envvar=API_KEY_EN
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
                                            help="Give up on a request after this many seconds.")]
 ServerSlotOpt = Annotated[int, typer.Option("--slot", min=0, help="The slot id (0, 1, ...).")]
+#: keep and slots: a TOML configuration file (slotctl.unattended.config)
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", dir_okay=False, metavar="FILE",
+                                                  help="A TOML configuration file (docs/fleet.md); flags given here "
+                                                       "override it.")]
 
 # ... and their forms for commands that also work without a server (save, restore, validate, ls)
 
@@ -319,6 +323,10 @@ _SERVER_OPTIONS: dict[str, tuple[type, dict]] = {
     "checkpoint_min_step": (int, dict(min=0, metavar="N", help="The server's least spacing of the checkpoints it "
                                                                "takes, in tokens.")),
     "spec_draft_n_max": (int, dict(min=0, metavar="N", help="Tokens the draft proposes per step (restore).")),
+    "spec_type": (Optional[str], dict(metavar="TYPES", help="Speculative types, comma-separated (draft-simple, "
+                                      "draft-eagle3, draft-mtp, ngram-mod, ...; default none). With -md and "
+                                      "none of them the server loads the draft model and builds no draft "
+                                      "context (only MTP heads, dflash and dspark are inferred from the GGUF).")),
     "threads": (int, dict(min=0, metavar="N", help="CPU threads; 0 = every core. Speed only: nothing saved "
                                                    "depends on it.")),
 }

@@ -108,6 +108,11 @@ def restore(
     from slotctl.runtime.slot import ServerContexts
 
     configure_logging(verbose)
+    from slotctl.server.speculative import runtime_draft_model
+
+    draft_model, no_draft = runtime_draft_model(flags.spec_type, model, draft_model)
+    if no_draft:
+        out.note(no_draft)
     report: dict = {"path": str(file), "slot": slot, "state_version": None, "runtime_state_version": STATE_VERSION,
                     "size": os.path.getsize(file), "ok": False, "n_tokens": None, "token_format": None,
                     "bytes_read": None,

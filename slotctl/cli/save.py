@@ -108,6 +108,11 @@ def save(
 
     from slotctl.runtime.save import save_prompt
 
+    from slotctl.server.speculative import runtime_draft_model
+
+    draft_model, no_draft = runtime_draft_model(flags.spec_type, model, draft_model)
+    if no_draft:
+        out.note(no_draft)
     done = save_prompt(model, text, output, flags, slot=slot, draft_model=draft_model, state_version=state_version,
                        checkpoint_at=checkpoint_at or (), checkpoint_every=checkpoint_every,
                        user_delimiter=user_delimiter or (), server_checkpoints=server_checkpoints, overwrite=force,

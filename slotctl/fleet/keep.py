@@ -100,7 +100,8 @@ class Keeper:
 
     def __init__(self, url: str, slot_dir: str | os.PathLike, store: str | os.PathLike | None = None, *,
                  every: float = 30.0, min_tokens: int = 1, max_size: int | None = None,
-                 api_key: str | None = None, timeout: float = 600.0, emit: Callable[[Event], None] = print):
+                 api_key: str | None = None, timeout: float = 600.0, emit: Callable[[Event], None] = print,
+                 lock=None, retention: int | None = None, prove: bool = True):
         self.url = http.normalize_url(url)
         self.slot_dir = Path(slot_dir)
         self.store = open_store(store, self.slot_dir)
@@ -113,6 +114,14 @@ class Keeper:
         self.seen: dict[int, tuple] = {}
         self._stop = threading.Event()
         self.errors = 0
+        #: running unattended (slotctl.unattended): the lock of this server and store (its journal; checked
+        #: before each write), the newest states kept per slot and model, whether restores are proven
+        self.lock, self.retention, self.prove = lock, retention, prove
+        #: a lost lock: the loop stops without its last save; monotonic time of the loop's last sign of life
+        self.lost: Exception | None = None
+        self.beat = time.monotonic()
+        #: called after each look at the server with whether it answered (metrics, readiness)
+        self.on_look: Callable[[bool], None] | None = None
 
     # -- the loop ---------------------------------------------------------------------------------------
 
@@ -120,23 +129,60 @@ class Keeper:
         """Ask the loop to do a last save and return (safe from a signal handler)."""
         self._stop.set()
 
+    def abandon(self, why: Exception) -> None:
+        """Stop at once, without the last save: the lock was lost (another keeper may be writing)."""
+        self.lost = why
+        self._stop.set()
+
     def run(self) -> int:
-        """Tick every ``every`` seconds until :meth:`stop`; then a last save of the changed slots. 0."""
+        """Tick every ``every`` seconds until :meth:`stop`; then a last save of the changed slots. 0 (2 when
+        the lock was lost)."""
         self._event("start", None, f"keeping {self.url}: slot dir {self.slot_dir}, store {self.store}, every "
                                    f"{self.every:g} s", every=self.every, store=str(self.store))
         while not self._stop.is_set():
+            self.beat = time.monotonic()
             self.tick()
+            self.beat = time.monotonic()
             self._stop.wait(self.every)
+        if self.lost is not None:
+            self._error(None, self.lost)
+            self._event("stop", None, "stopped without a last save: the lock is lost")
+            return 2
         if self.up:
             self.save_changed()
         self._event("stop", None, "stopped: the last save of the changed slots is done")
         return 0
+
+    def once(self, *, restore: bool) -> int:
+        """One pass, then return (llama-swap's ``cmdStop``, a start hook): the server's facts, then every
+        idle slot whose state the store does not have saved (``restore`` False), or every empty slot
+        restored and proven (``restore`` True). 0; 2 when the server does not answer or an action failed."""
+        self._event("start", None, f"{'restoring' if restore else 'saving'} every slot of {self.url} once: slot "
+                                   f"dir {self.slot_dir}, store {self.store}", every=0.0, store=str(self.store))
+        try:
+            facts = http.server_facts(self.url, api_key=self.api_key, timeout=self.timeout)
+        except SlotctlError as e:
+            self._error(None, e)
+            self._event("stop", None, "stopped: the server did not answer")
+            return 2
+        self.up, self.identity, self.facts = True, server_identity(facts), facts
+        if self.lock is not None:
+            self.seen.update(self.lock.known(model_hash(facts), self.store.has))
+        if restore:
+            self.restore_all()
+        else:
+            self.save_changed()
+        self._event("stop", None, f"stopped: every slot {'restored' if restore else 'saved'} once"
+                                  + (f", {self.errors} error(s)" if self.errors else ""))
+        return 2 if self.errors else 0
 
     def tick(self) -> None:
         try:
             http.get_health(self.url, api_key=self.api_key, timeout=min(self.timeout, HEALTH_TIMEOUT))
             facts = http.server_facts(self.url, api_key=self.api_key, timeout=self.timeout)
         except (http.ServerUnreachable, http.ServerRefused) as e:
+            if self.on_look is not None:
+                self.on_look(False)
             if self.up is not False:
                 self._event("down", None, f"the server does not answer: {e}")
             self.up = False
@@ -144,6 +190,8 @@ class Keeper:
         except SlotctlError as e:
             self._error(None, e)
             return
+        if self.on_look is not None:
+            self.on_look(True)
         ident = server_identity(facts)
         first, back = self.up is None, self.up is False
         changed = self.identity is not None and ident != self.identity
@@ -159,6 +207,8 @@ class Keeper:
                                                             f"{facts.model_path}", identity=ident)
             if back or changed or fresh:
                 self.seen.clear()
+            elif self.lock is not None:     # keep started: the states its journal says the store has
+                self.seen.update(self.lock.known(model_hash(facts), self.store.has))
             self.restore_all()
         self.save_changed()
 
@@ -219,21 +269,33 @@ class Keeper:
             os.unlink(path)
             self._event("unchanged", slot, f"slot {slot}: {name} is already in the store (the same tokens)",
                         name=name)
+            self._remember(slot, sig, name)
             return
+        if self.lock is not None:
+            self.lock.check()
         self.store.put(path, name)
+        self._remember(slot, sig, name)
         where = self.store.where(name)
         self._event("stored", slot, f"slot {slot}: stored as {where} ({saved.size:,} bytes, {n:,} tokens)",
                     name=name, path=where, size=saved.size, n_tokens=n)
-        self.prune()
+        self.prune(slot)
 
-    def prune(self) -> None:
-        if self.max_size is None:
-            return
+    def _remember(self, slot: int, sig: tuple | None, name: str) -> None:
+        if self.lock is not None:
+            self.lock.remember(slot, sig, model_hash(self.facts), name)
 
+    def prune(self, slot: int | None = None) -> None:
         def pruned(path: str, size: int, action: str, reason: str) -> None:
             self._event("pruned", None, f"{path}: {action} ({reason}), {size:,} bytes", path=path, size=size,
                         action=action)
 
+        if self.retention is not None and slot is not None:
+            for name in self.candidates(slot)[self.retention:]:
+                size = self.store.delete(name)
+                pruned(self.store.where(name), size, "deleted", f"older than the newest {self.retention} of slot "
+                                                                 f"{slot}")
+        if self.max_size is None:
+            return
         self.store.prune(self.max_size, (INCOMING.format(slot="*"),), pruned)
 
     # -- restoring --------------------------------------------------------------------------------------
@@ -279,17 +341,24 @@ class Keeper:
                 os.unlink(placed)
         self._event("restored", slot, f"{name} restored into slot {slot}: {answer['n_restored']:,} tokens",
                     name=name, answer=answer)
+        if not self.prove:
+            entry = next((e for e in self._slots() if e["id"] == slot), {})
+            self.seen[slot] = self.signature(entry)
+            self._remember(slot, self.seen[slot], name)
+            return True
         p = prove(self.url, slot, path, setup, build_info=self.facts.build_info, api_key=self.api_key,
                   timeout=self.timeout)
         self._event("proof", slot, f"slot {slot}: {p.verdict}: the server reused {p.n_reused:,} and evaluated "
                                    f"{p.n_evaluated:,} of {p.n_prompt:,} prompt tokens", proof=p.as_dict())
         entry = next((e for e in self._slots() if e["id"] == slot), {})
         self.seen[slot] = self.signature(entry)   # the proving request is not a change to save
+        self._remember(slot, self.seen[slot], name)
         return True
 
     # -- events -----------------------------------------------------------------------------------------
 
     def _event(self, event: str, slot: int | None, message: str, **details) -> None:
+        self.beat = time.monotonic()
         self.emit(Event(event, slot, message, details))
 
     def _error(self, slot: int | None, e: Exception) -> None:

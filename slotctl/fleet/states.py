@@ -55,6 +55,29 @@ class DirectoryStore:
         """A local file holding the state ``name`` (the store's own file here)."""
         return self.path / name
 
+    def mtime(self, name: str) -> float:
+        return (self.path / name).stat().st_mtime
+
+    def delete(self, name: str) -> int:
+        """Delete the state ``name`` (keep's retention); its size (0 when it was already gone)."""
+        try:
+            size = (self.path / name).stat().st_size
+            os.unlink(self.path / name)
+        except FileNotFoundError:
+            return 0
+        return size
+
+    def usage(self) -> tuple[int, int]:
+        """The store's states (``*.bin``, temporary files never): how many, and their bytes."""
+        sizes = [e.stat().st_size for e in os.scandir(self.path) if e.name.endswith(".bin")
+                 and not e.name.startswith(".") and e.is_file(follow_symlinks=False)]
+        return len(sizes), sum(sizes)
+
+    def reachable(self) -> None:
+        """OSError unless the store's directory can be listed."""
+        os.stat(self.path)
+        os.listdir(self.path)
+
     def prune(self, max_size: int, pins: tuple[str, ...], on_file) -> None:
         """Hold the store under ``max_size`` by :mod:`slotctl.prune`'s rules (``pins`` never touched);
         ``on_file(path, size, action, reason)`` for each file deleted."""
@@ -99,6 +122,34 @@ class ObjectStore:
         found = [e for e in S3_STORE.list(self.url) if e.path.rpartition("/")[2].startswith(prefix)
                  and e.path.endswith(".bin")]
         return [e.path.rpartition("/")[2] for e in sorted(found, key=lambda e: e.mtime, reverse=True)]
+
+    def mtime(self, name: str) -> float:
+        from slotctl.store.s3 import S3_STORE
+
+        entry = S3_STORE.stat(self.where(name))
+        if entry is None:
+            raise UsageError(f"{self.where(name)}: no such object", code="no_such_file")
+        return entry.mtime
+
+    def delete(self, name: str) -> int:
+        from slotctl.store.s3 import S3_STORE
+
+        entry = S3_STORE.stat(self.where(name))
+        if entry is None:
+            return 0
+        S3_STORE.delete(self.where(name))
+        return entry.size
+
+    def usage(self) -> tuple[int, int]:
+        from slotctl.store.s3 import S3_STORE
+
+        found = [e for e in S3_STORE.list(self.url) if e.path.endswith(".bin")
+                 and not e.path.rpartition("/")[2].startswith(".")]
+        return len(found), sum(e.size for e in found)
+
+    def reachable(self) -> None:
+        """A UsageError unless the prefix can be listed."""
+        self.usage()
 
     def local(self, name: str, staging: Path) -> Path:
         dest = staging / name

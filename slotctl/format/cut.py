@@ -79,6 +79,11 @@ class Cut:
     settled: bool = True
     refuses: str | None = None
     completion: list[Piece] | None = field(default_factory=list)
+    #: the check that refuses (a finding code: "layer_count_mismatch", ...) and where its field is, when the
+    #: loader refuses on a field the file holds whole, before it reads past the end (``before_end``)
+    code: str | None = None
+    at: int | None = None
+    before_end: bool = False
 
     def describe(self) -> str:
         if self.in_data:
@@ -92,7 +97,36 @@ class _Beyond(Exception):
 
 
 class _Refuses(Exception):
-    pass
+    """The loader refuses the payload here. ``code``: the check (a finding code), ``at``: the field's offset,
+    ``whole``: the file holds the field whole (a refusal before any read past the end)."""
+
+    def __init__(self, reason: str, code: str | None = None, at: int | None = None, whole: bool = False):
+        super().__init__(reason)
+        self.code, self.at, self.whole = code, at, whole
+
+
+#: what each check's failure is called (the finding codes of :mod:`slotctl.validate.compare`) and the
+#: loader's own words (b11434 src/llama-kv-cache.cpp, src/llama-memory-recurrent.cpp)
+_CHECKS = {
+    "n_stream": ("n_stream_mismatch", "n_stream mismatch"),
+    "cell_count": ("too_many_cells", "not enough cells in kv cache"),
+    "n_seq_id": ("invalid_cell", "invalid seq_id-agnostic kv cell"),
+    "v_trans": ("v_trans_mismatch", "incompatible V transposition"),
+    "s_trans": ("s_trans_mismatch", "incompatible s transposition"),
+    "n_layer": ("layer_count_mismatch", "mismatched layer count"),
+    "n_rot_k": ("k_rotation_mismatch", "incompatible key rotation"),
+    "n_rot_v": ("v_rotation_mismatch", "incompatible value rotation"),
+    "k_type": ("k_type_mismatch", "mismatched key type"),
+    "k_row_size": ("k_row_size_mismatch", "mismatched key row size"),
+    "v_type": ("v_type_mismatch", "mismatched value type"),
+    "v_row_size": ("v_row_size_mismatch", "mismatched value row size"),
+    "v_el_size": ("v_row_size_mismatch", "mismatched value element size"),
+    "n_embd_v_gqa": ("v_row_size_mismatch", "mismatched GQA embedding size"),
+    "r_type": ("r_type_mismatch", "mismatched r type"),
+    "r_row_size": ("r_row_size_mismatch", "mismatched r row size"),
+    "s_type": ("s_type_mismatch", "mismatched s type"),
+    "s_row_size": ("s_row_size_mismatch", "mismatched s row size"),
+}
 
 
 def _bounded(value: int, limit: int) -> int:
@@ -108,6 +142,30 @@ class _Reader:
         self.f, self.pos, self.size, self.expected = f, pos, size, expected
         self.cut: Cut | None = None
         self.section = 0
+        #: the last field read: (offset, whole in the file)
+        self.last: tuple[int, bool] = (pos, True)
+        #: how a refusal names the section ("" for a memory of one section)
+        self.label = ""
+
+    def want(self, key: str, record: int | None = None) -> int | None:
+        return self.expected(key, self.section, record) if self.expected is not None else None
+
+    def check(self, what: str, key: str, value: int, at: int, whole: bool, record: int | None = None, *,
+              want: int | None = None, most: bool = False) -> None:
+        """The loader's check of a field it read (``at``: its offset): a field the file holds ``whole``
+        that fails it refuses the payload there, for certain (b11434 checks before it reads on: the first
+        check that fails decides). A field read past the end is left to the cut reasoning."""
+        if not whole:
+            return
+        if want is None:
+            want = self.want(key, record)
+        if want is None or (value <= want if most else value == want):
+            return
+        code, words = _CHECKS[key]
+        what = self.label + what
+        found = (f"{value:,} cells, more than the {want:,} the context has" if most
+                 else f"{value:,}, the context expects {want:,}")
+        raise _Refuses(f"{what} is {found} (\"{words}\")", code, at, True)
 
     def _at_end(self, what: str, key: str | None, n: int, in_data: bool) -> int:
         """Note a field at or after the end (``key``: its check, None for an unchecked field); the bytes
@@ -120,16 +178,24 @@ class _Reader:
         return have
 
     def value(self, fmt: str, what: str, key: str | None = None, record: int | None = None, *,
-              want: int | None = None, most: bool = False, fill: int | None = None) -> int:
+              want: int | None = None, most: bool = False, fill: int | None = None, check: bool = True) -> int:
         """One field (``fmt``: one struct code) the loader checks against ``key`` (None: unchecked).
         ``want``: the value the check expects (default: the caller's ``expected``); ``most``: the check
-        is ``value <= want``. Beyond the end the field is completed with ``fill`` (default: ``want``, or
-        0 for a ``most`` check, the least value the bytes held allow)."""
+        is ``value <= want``. Held whole by the file, it is checked here unless ``check`` is False (the
+        loader reads a group of fields and checks them after: the caller calls :meth:`check` in the
+        loader's order). Beyond the end the field is completed with ``fill`` (default: ``want``, or 0 for
+        a ``most`` check, the least value the bytes held allow)."""
         n = struct.calcsize(fmt)
         if self.pos + n <= self.size:
             self.f.seek(self.pos)
+            at = self.pos
             self.pos += n
-            return struct.unpack(fmt, self.f.read(n))[0]
+            got = struct.unpack(fmt, self.f.read(n))[0]
+            self.last = (at, True)
+            if check and key is not None:
+                self.check(what, key, got, at, True, record, want=want, most=most)
+            return got
+        self.last = (self.pos, False)
         have = self._at_end(what, key, n, False)
         if key is not None and want is None and self.expected is not None:
             want = self.expected(key, self.section, record)
@@ -174,6 +240,7 @@ def locate_cut(f: BinaryIO, offset: int, size: int, layout: MemoryLayout, versio
     try:
         for si, sec in enumerate(layout.sections):
             r.section = si
+            r.label = f"the {sec.describe()} section's " if len(layout.sections) > 1 else ""
             if sec.type == "kv":
                 _walk_kv(r, sec, version)
             else:
@@ -181,7 +248,10 @@ def locate_cut(f: BinaryIO, offset: int, size: int, layout: MemoryLayout, versio
     except _Beyond:
         return None
     except _Refuses as e:      # refused where nothing more can be made of the rest
-        r.cut.refuses, r.cut.completion = str(e), None
+        if r.cut is None:      # before any read past the end: the first check that fails decides
+            r.cut = Cut(r.size, "", r.section, in_data=True)
+        r.cut.refuses, r.cut.completion, r.cut.code, r.cut.at = str(e), None, e.code, e.at
+        r.cut.before_end = e.whole and (e.at is None or e.at < r.size)
     return r.cut
 
 
@@ -214,6 +284,9 @@ def _cells(r: _Reader, n: int, ext: int, n_seq_want: int) -> None:
         if r.pos + 8 <= r.size:
             r.f.seek(r.pos)
             n_seq = struct.unpack("<iI", r.f.read(8))[1]
+            if n_seq != n_seq_want:   # state_read_meta checks each cell's count as it reads it
+                raise _Refuses(f"cell {i} lists {n_seq:,} sequence ids, a single-sequence save {n_seq_want} "
+                               "(\"invalid seq_id-agnostic kv cell\")", "invalid_cell", r.pos + 4, True)
             rec = 8 + ext + 4 * n_seq
             m = min(n - i, max(1, (1 << 20) // rec), (r.size - r.pos) // rec)
         else:
@@ -239,34 +312,43 @@ def _cells(r: _Reader, n: int, ext: int, n_seq_want: int) -> None:
 
 
 def _fits(r: _Reader, cells: int) -> None:
-    """A cell count the file holds whole that is more than the context has: the loader refuses it there
-    ("not enough cells in kv cache"), whatever follows; nothing after it is walked or completed (a count of
-    millions would make millions of cells)."""
-    have = r.expected("cell_count", r.section, None) if r.expected is not None else None
+    """A cell count more than the context has: the loader refuses it before it reads a cell
+    (``state_read_meta``: "not enough cells in kv cache"), whatever follows; nothing after it is walked or
+    completed (a count of millions would make millions of cells). Read in part (the least value its bytes
+    allow is beyond the context): refused as well."""
+    have = r.want("cell_count")
     if have is not None and cells > have:
+        at, whole = r.last
         if r.cut is None:      # the end lies further on, not walked
             r.cut = Cut(r.size, f"cells, or what follows them (its {cells:,} cells)", r.section, in_data=True)
         raise _Refuses(f"a stream of {cells:,} cells, more than the {have:,} the context has (\"not enough cells "
-                       "in kv cache\"; raise -c, or lower -np)")
+                       "in kv cache\"; raise -c, or lower -np)", "too_many_cells", at, whole)
 
 
 def _walk_kv(r: _Reader, sec, version: int) -> None:
-    """``llama_kv_cache::state_read_sinfo``: n_stream, then per stream its cell count, cells
-    (``state_read_meta``) and data (``state_read_data``)."""
+    """``llama_kv_cache::state_read_sinfo`` (b11434 src/llama-kv-cache.cpp): n_stream (checked at once),
+    then per stream its cell count and cells (``state_read_meta``: the count against the stream's cells
+    before any cell, each cell's n_seq_id as it is read) and data (``state_read_data``: v_trans, n_layer,
+    n_rot_k and n_rot_v read together, then checked in the order n_layer, the cell count, v_trans, n_rot_k,
+    n_rot_v; then each K record's type and row size, each checked as read; then V's)."""
     n_stream = _bounded(r.value("<I", "n_stream", "n_stream"), MAX_STREAMS)
     total = 0
     for s in range(n_stream):
-        cells = r.value("<I", f"stream {s} cell_count", "cell_count", most=True)
+        cells = r.value("<I", f"stream {s} cell_count", "cell_count", most=True, check=False)
         if not cells:
             continue
         _fits(r, cells)
         total = _bounded(total + cells, MAX_CELLS)
         _cells(r, cells, ext_size(version, sec.has_ext), 1)
-        v_trans = r.value("<I", f"stream {s} v_trans", "v_trans")
-        n_layer = _bounded(r.value("<I", f"stream {s} n_layer", "n_layer"), MAX_LAYERS)
-        if version >= 4:
-            r.value("<I", f"stream {s} n_rot_k", "n_rot_k")
-            r.value("<I", f"stream {s} n_rot_v", "n_rot_v")
+        head = []
+        for key in ("v_trans", "n_layer") + (("n_rot_k", "n_rot_v") if version >= 4 else ()):
+            value = r.value("<I", f"stream {s} {key}", key, check=False)
+            head.append((key, value, *r.last))
+        for key in ("n_layer", "v_trans", "n_rot_k", "n_rot_v"):   # the loader's order of checks
+            for k, value, at, whole in head:
+                if k == key:
+                    r.check(f"stream {s} {key}", key, int(bool(value)) if key == "v_trans" else value, at, whole)
+        v_trans, n_layer = head[0][1], _bounded(head[1][1], MAX_LAYERS)
         for i in range(n_layer):
             _record(r, "K", "k", False, i, cells, s)
         for i in range(n_layer if sec.v_records else 0):
@@ -274,13 +356,19 @@ def _walk_kv(r: _Reader, sec, version: int) -> None:
 
 
 def _walk_recurrent(r: _Reader, sec) -> None:
-    """``llama_memory_recurrent::state_read``: cell count, cells (n_seq_id 0 in a single-sequence save),
-    s_trans and n_layer, the r records, then the s records (data only when there are cells)."""
-    cells = _bounded(r.value("<I", "cell_count", "cell_count", most=True), MAX_SEQ)
+    """``llama_memory_recurrent::state_read`` (b11434 src/llama-memory-recurrent.cpp): the cell count
+    (against the cache's size before any cell, ``state_read_meta``), the cells (each n_seq_id 0 in a
+    single-sequence save, checked as read), then ``state_read_data``: s_trans and n_layer read together and
+    checked in the order n_layer, the cell count, s_trans; the r records, then the s records (each type and
+    row size checked as read; data only when there are cells)."""
+    cells = r.value("<I", "cell_count", "cell_count", most=True, check=False)
     _fits(r, cells)
+    cells = _bounded(cells, MAX_SEQ)
     _cells(r, cells, 0, 0)
-    s_trans = r.value("<I", "s_trans", "s_trans")
+    s_trans = r.value("<I", "s_trans", "s_trans", check=False)
+    s_at = r.last
     r.value("<I", "n_layer", "n_layer")
+    r.check("s_trans", "s_trans", int(bool(s_trans)), *s_at)
     for i in range(sec.n_r):
         _record(r, "r", "r", False, i, cells, 0)
     for i in range(sec.n_s):

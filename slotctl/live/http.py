@@ -166,7 +166,7 @@ def normalize_url(url: str) -> str:
     return redact(urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", "")))
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host.lower() in ("localhost", "localhost.localdomain") or host.lower().endswith(".localhost"):
         return True
     try:
@@ -209,7 +209,7 @@ def _route(base: str) -> _Route:
     host = parts.hostname or ""
     https = parts.scheme == "https"
     route = _Route(host, parts.port or (443 if https else 80), https, parts.path)
-    if _is_loopback(host):
+    if is_loopback(host):
         return route
     proxy = urllib.request.getproxies().get(parts.scheme)
     if not proxy or urllib.request.proxy_bypass(host):

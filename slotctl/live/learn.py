@@ -145,6 +145,29 @@ def learn_flags(facts: ServerFacts, flags: ServerFlags, *, given: set[str], mode
                          f"its draft model (b11434's /props and /slots do not): the draft state (SDFT appendix, "
                          f"draft checkpoint blobs) is checked only with -md")
 
+    # --spec-type: with -md, whether the server has a draft context at all (b11434 builds none for -md alone:
+    # slotctl.server.speculative.draft_context); /slots says whether a slot speculates, and its types once it
+    # ran a task
+    spec_type = flags.spec_type
+    if "spec_type" in given:
+        sources["spec_type"] = "command line"
+    elif facts.speculative_types:
+        named = [t for t in facts.speculative_types.split(",") if t and t != "none"]
+        from slotctl.server.speculative import SPEC_TYPE_NAMES
+
+        if all(t in SPEC_TYPE_NAMES for t in named):
+            spec_type, sources["spec_type"] = (",".join(named) or "none"), "server"
+        else:
+            sources["spec_type"] = "default"
+            notes.append(f"the server's speculative types ({facts.speculative_types}) are not b11434's: validated "
+                         "without --spec-type")
+    elif facts.speculative and draft_model is not None:
+        spec_type, sources["spec_type"] = "draft-simple", "server"
+        notes.append(f"slot {slot} decodes speculatively (GET /slots) with a draft model: validated with a draft "
+                     "context (--spec-type draft-simple; give --spec-type if the server runs another drafter)")
+    else:
+        sources["spec_type"] = "default"
+
     # what the server never reports
     unreported = {flag_name(name): (name, getattr(flags, name)) for name in UNREPORTED}
     unreported["--state-version"] = ("state_version", state_version)
@@ -159,7 +182,8 @@ def learn_flags(facts: ServerFacts, flags: ServerFlags, *, given: set[str], mode
              "draft_model": os.fspath(draft_model) if draft_model is not None else None,
              "ctx_size": ctx_size, "parallel": parallel, "kv_unified": kv_unified, "slot": slot, "mmproj": mmproj}
     return LiveValidate(facts=facts, model=model, draft_model=draft_model,
-                        server_flags=flags.replace(ctx_size=ctx_size, parallel=parallel), slot=slot, mmproj=mmproj,
+                        server_flags=flags.replace(ctx_size=ctx_size, parallel=parallel, spec_type=spec_type),
+                        slot=slot, mmproj=mmproj,
                         learned=learned, flags=shown, sources=sources, notes=notes, warnings=warnings)
 
 

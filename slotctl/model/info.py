@@ -25,6 +25,8 @@ and linear-attention recurrent layers, caches that reuse or share other layers' 
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import os
 import stat
@@ -111,6 +113,29 @@ class ModelInfo:
     unsupported: str | None = None
     n_embd_r_rule: str | None = None
     n_embd_s_rule: str | None = None
+    #: the speculative types b11434 infers from this GGUF when it is a draft model and no --spec-type is
+    #: given (:func:`gguf_spec_types`)
+    spec_types_gguf: tuple[str, ...] = ()
+    #: the context is an MTP draft context of the model's nextn layers (:meth:`mtp_context`)
+    mtp: bool = False
+
+    def mtp_context(self) -> "ModelInfo":
+        """The model as an MTP draft context sees it (``LLAMA_CONTEXT_TYPE_MTP``, b11434
+        src/llama-model.cpp ``create_memory``): its KV cache holds the nextn layers only (``il >=
+        n_layer``) where the attention-only filter splits trunk and head (``n_layer_nextn > 0 &&
+        n_layer() > 0``). Other memories' MTP contexts (hybrids, DSA and indexer caches) are not modelled:
+        the answer is unsupported, saying so. A model without nextn layers: UsageError, as
+        ``llama_init_from_model`` returns null ("context type MTP requested but model doesn't contain MTP
+        layers") and the server does not start."""
+        if self.n_layer_all == self.n_layer:
+            raise UsageError(f"{self.path}: an MTP draft context needs nextn layers and {self.arch} has none "
+                             "(the server does not start: \"context type MTP requested but model doesn't "
+                             "contain MTP layers\")")
+        if self.memory_kind in ("kv", "iswa") and 0 < self.n_layer:
+            layers = tuple(il >= self.n_layer for il in range(self.n_layer_all))
+            return dataclasses.replace(self, attention_layers=layers, mtp=True)
+        return dataclasses.replace(self, memory_kind="unsupported", mtp=True,
+                                   unsupported=f"an MTP draft context of a {self.memory_kind} model (not modelled)")
 
     def head_size_k(self, il: int) -> int:
         """``llama_hparams::n_embd_head_k(il)``: the SWA head size on SWA layers."""
@@ -259,7 +284,10 @@ def _open_gguf(path: str) -> dict:
     if magic != b"GGUF":
         raise UsageError(f"not a GGUF file: {path}")
     try:
-        return gguf.GGUFReader(path, "r").fields
+        reader = gguf.GGUFReader(path, "r")
+        fields = reader.fields
+        fields["\0tensor_names"] = frozenset(t.name for t in reader.tensors)   # not a key: the tensors' names
+        return fields
     except Exception as e:  # the reader raises whatever numpy or struct raise on a damaged file
         raise UsageError(f"not a GGUF file: {path} (damaged header: {' '.join(str(e).split())})") from None
 
@@ -301,6 +329,7 @@ def _read_model_info(path: str) -> ModelInfo:
     missing a key llama.cpp requires.
     """
     fields = _open_gguf(path)
+    tensor_names = fields.pop("\0tensor_names", frozenset())
     arch_field = fields.get("general.architecture")
     if arch_field is None or _is_array(arch_field):
         raise UsageError(f"{path}: GGUF has no general.architecture")
@@ -365,7 +394,20 @@ def _read_model_info(path: str) -> ModelInfo:
         n_layer_all=n_layer_all, head_dim_k_swa=head_k_swa, head_dim_v_swa=head_v_swa,
         swa_type=swa_type, attention_layers=attention, causal_attn=bool(h.value("attention.causal", True)),
         unsupported=unsupported, n_embd_r_rule=r_rule, n_embd_s_rule=s_rule,
+        spec_types_gguf=gguf_spec_types(arch, n_layer_all, tensor_names),
     )
+
+
+def gguf_spec_types(arch: str, block_count: int, tensor_names: frozenset) -> tuple[str, ...]:
+    """What b11434's ``common_speculative_types_from_gguf`` (common/speculative.cpp) finds in a draft GGUF:
+    a dflash GGUF is "draft-dspark" when it has the Markov head (``markov_w1.weight``), else "draft-dflash";
+    any other is "draft-mtp" when its last block has an MTP head (``blk.{block_count - 1}.nextn.eh_proj.weight``),
+    else nothing (eagle3 is never inferred: it needs ``--spec-type draft-eagle3``)."""
+    if arch == "dflash":
+        return ("draft-dspark",) if "markov_w1.weight" in tensor_names else ("draft-dflash",)
+    if f"blk.{block_count - 1}.nextn.eh_proj.weight" in tensor_names:
+        return ("draft-mtp",)
+    return ()
 
 
 def _recurrent_layers(h: _Header, n_layer: int, n_layer_all: int, n_head_kv: tuple[int, ...],

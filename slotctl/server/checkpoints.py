@@ -57,20 +57,24 @@ def seq_rm_type(memory_kind: str) -> str:
 
 def add_checkpoint(checkpoints: list, new, *, n_max: int = DEFAULT_CTX_CHECKPOINTS,
                    min_step: int = DEFAULT_CHECKPOINT_MIN_STEP) -> None:
-    """Append ``new`` to ``checkpoints`` as b11434's ``create_checkpoint`` does (``n_tokens`` and ``task``
-    attributes are all it looks at).
+    """Append ``new`` to ``checkpoints`` as b11434's ``create_checkpoint`` does (tools/server/server-context.cpp;
+    ``n_tokens`` and ``task`` attributes are all it looks at).
 
-    When the list is full (``len + 1 >= n_max``), checkpoints of other tasks that lie within ``min_step``
-    tokens of the one kept before them are erased first; then the oldest go until there is room; a
-    checkpoint at the same ``n_tokens`` is superseded.
+    While the list is full (``len + 1 >= n_max``, checked again at every step of the walk, so the erasing
+    stops as soon as there is room), a checkpoint of another task within ``min_step`` tokens of the one kept
+    before it is erased; then the oldest go until there is room; a checkpoint at the same ``n_tokens`` is
+    superseded. (n_max 4, min_step 8, [0, 2, 4, 6] then 200: 2 and 4 are erased, then the list has room:
+    [0, 6, 200].)
     """
-    kept, last = [], -1
-    full = len(checkpoints) + 1 >= n_max
-    for cp in checkpoints:
-        if full and cp.task != new.task and last >= 0 and cp.n_tokens <= last + min_step:
+    kept, last = list(checkpoints), -1
+    i = 0
+    while len(kept) + 1 >= n_max and i < len(kept):
+        cp = kept[i]
+        if cp.task != new.task and last >= 0 and cp.n_tokens <= last + min_step:
+            del kept[i]
             continue
         last = cp.n_tokens
-        kept.append(cp)
+        i += 1
     while kept and len(kept) >= n_max:
         kept.pop(0)
     kept = [cp for cp in kept if cp.n_tokens != new.n_tokens]

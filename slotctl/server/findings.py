@@ -185,18 +185,39 @@ def structural_findings(sf: SlotFile, *, n_ctx_checkpoints: int = DEFAULT_CTX_CH
     return out
 
 
-def invalid_tokens_finding(tokens, n_vocab: int, media_starts=(), model_name: str = "the model") -> Finding | None:
+def media_extents(sf: SlotFile, f: BinaryIO | None = None) -> dict:
+    """Each media chunk of the token words, by its start index: what ``server_tokens::validate`` asks of it
+    (:class:`slotctl.server.restore.MediaExtent`), None for a chunk the server's chunk loader cannot read."""
+    from slotctl.server.restore import chunk_extent
+
+    out = {}
+    if sf.tokens is None or not sf.tokens.media:
+        return out
+    with _opened(sf, f) as f:
+        for start, chunk in sf.tokens.media:
+            out[int(start)] = chunk_extent(chunk.read(f) if hasattr(chunk, "read") else bytes(chunk))
+    return out
+
+
+def invalid_tokens_finding(tokens, n_vocab: int, media=(), model_name: str = "the model") -> Finding | None:
     """The one finding for tokens ``server_tokens::validate`` rejects (b11434; the rule:
-    :func:`slotctl.server.restore.invalid_token_indices`): code ``invalid_tokens``, the server refuses the
-    file ("Invalid tokens in slot save file"). None when every token is valid. Read by inspect and validate."""
+    :func:`slotctl.server.restore.invalid_token_indices`; ``media``: :func:`media_extents`, or the chunks'
+    start indices alone): code ``invalid_tokens``, the server refuses the file ("Invalid tokens in slot save
+    file"). None when every token is valid. Read by inspect and validate."""
     from slotctl.server.restore import invalid_token_indices
 
     toks = np.asarray(tokens)
-    idx = invalid_token_indices(toks, n_vocab, media_starts)
+    idx = invalid_token_indices(toks, n_vocab, media)
     if not len(idx):
         return None
     first = int(idx[0])
     more = f" (and {len(idx) - 1:,} more token{'s' if len(idx) > 2 else ''})" if len(idx) > 1 else ""
+    if int(toks[first]) == -1:
+        return Finding("token words", "error", "invalid_tokens",
+                       f"the -1 word at index {first}{more} is no media chunk's as the server counts them (a chunk "
+                       "starts there, is not text, has tokens and positions, and exactly its token count of -1 "
+                       "words follow; every chunk is met so) (\"Invalid tokens in slot save file\"): the server "
+                       "refuses the file", 12)
     return Finding("token words", "error", "invalid_tokens",
                    f"token {int(toks[first])} at index {first}{more} is outside the vocabulary of {model_name} "
                    f"[0, {n_vocab:,}) (\"Invalid tokens in slot save file\"): the server refuses the file; it was "

@@ -102,6 +102,7 @@ _FIELD_SPELLINGS = {
     "ctx_checkpoints": "--ctx-checkpoints",
     "checkpoint_min_step": "--checkpoint-min-step",
     "spec_draft_n_max": "--spec-draft-n-max",
+    "spec_type": "--spec-type",
     "threads": "--threads",
 }
 
@@ -247,7 +248,9 @@ class ServerFlags:
     ``-ctkd`` / ``-ctvd``, the draft's (f16 whatever ``-ctk`` says). ``flash_attn``: ``-fa``.
     ``batch_size`` / ``ubatch_size``: ``-b`` / ``-ub``. ``swa_full``: ``--swa-full``. ``ctx_checkpoints``:
     ``-ctxcp``. ``checkpoint_min_step``: ``-cms``. ``spec_draft_n_max``: ``--spec-draft-n-max``.
-    ``threads``: ``-t``, 0 = every core (speed only).
+    ``spec_type``: ``--spec-type`` (None: not given), which with ``-md`` decides whether the server builds a
+    draft context at all (:func:`slotctl.server.speculative.draft_context`). ``threads``: ``-t``, 0 = every
+    core (speed only).
     """
 
     # the flags that build the target context default to the context's own defaults, written once in
@@ -267,9 +270,19 @@ class ServerFlags:
     ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS
     checkpoint_min_step: int = DEFAULT_CHECKPOINT_MIN_STEP
     spec_draft_n_max: int = DEFAULT_SPEC_DRAFT_N_MAX
+    #: ``--spec-type`` as given (None: not given; the server's default list is "none", and a draft GGUF's
+    #: inferred types apply: :func:`slotctl.server.speculative.server_spec_types`)
+    spec_type: str | None = None
     threads: int = _CONTEXT.n_threads
 
     def __post_init__(self) -> None:
+        if self.spec_type is not None:
+            from slotctl.server.speculative import parse_spec_types
+
+            try:
+                parse_spec_types(self.spec_type)
+            except ValueError as e:
+                raise FlagError("spec_type", self.spec_type, str(e)) from None
         for name in ("cache_type_k", "cache_type_v", "spec_draft_type_k", "spec_draft_type_v"):
             cache_type(getattr(self, name), name)
         object.__setattr__(self, "flash_attn", flash_attn_value(self.flash_attn))

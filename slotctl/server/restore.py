@@ -30,7 +30,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import BinaryIO, Callable, Sequence
+from typing import BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -136,7 +136,7 @@ CUT_UNDEFINED = ("b11434's loader compares variables the file never filled (loca
 
 
 def cut_payload_outcome(field: str, offset: int, *, fits: bool, settled: bool,
-                        refuses: str | None = None) -> Outcome:
+                        refuses: str | None = None, first: int | None = None) -> Outcome:
     """``llama_state_seq_load_file`` on a file that ends inside the payload (b11434, POSIX).
 
     ``llama_file::read_raw_unsafe`` clamps each read to the bytes left, so a field the end falls in gets
@@ -151,7 +151,17 @@ def cut_payload_outcome(field: str, offset: int, *, fits: bool, settled: bool,
     :data:`CUT_UNDEFINED` as the doubt (the x86-64 build of slotctl's tests keeps each local's value from
     the record before, and so aborts where the record before fits). On Windows ``read_raw`` throws at the
     end of the file instead: every cut is refused there.
+
+    The loader's order comes first: ``first`` (the offset of a field the file holds whole whose check fails,
+    ``refuses`` saying which) is where the loader refuses the file, for certain, whatever the end
+    (``state_read_meta`` and ``state_read_data`` return false at the first check that fails; b11434 checks
+    n_stream, each stream's cell count, each cell's n_seq_id, then n_layer, the cell count, v_trans, the
+    rotations, and each record's type and row size as it reads them: :mod:`slotctl.format.cut`).
     """
+    if first is not None:
+        return Outcome("target", REFUSED, message=TARGET_ERROR, reason=(
+            f"{refuses} at 0x{first:x}: the loader checks it before any check of what lies past the end of "
+            f"the file (at 0x{offset:x}) and refuses the file there"))
     where = f"the file ends inside the target memory's {field} (at 0x{offset:x})"
     if refuses:
         return Outcome("target", REFUSED, message=TARGET_ERROR, reason=f"{where}: {refuses}: the loader refuses "
@@ -175,28 +185,100 @@ def cut_payload_outcome(field: str, offset: int, *, fits: bool, settled: bool,
 # -- 3. the tokens -------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class MediaExtent:
+    """What ``server_tokens::validate`` asks of a media chunk: its type is text (``text``), its token count
+    (``mtmd_input_chunk_get_n_tokens``) and its position count (``mtmd_input_chunk_get_n_pos``)."""
+
+    text: bool
+    n_tokens: int
+    n_pos: int
+
+
+def media_extent(chunk) -> MediaExtent:
+    """A parsed media chunk (:data:`slotctl.format.tokens.MediaChunk`) as b11434's mtmd counts it
+    (tools/mtmd/mtmd.cpp): text, the text tokens; image, ``mtmd_image_tokens::n_tokens`` (``(nx + 1) * ny +
+    2`` for HunyuanVL positions, else ``nx * ny`` times the batch's entries, merged by ``n_temporal_merge``)
+    and positions ``max(nx, ny)`` for M-RoPE, else the token count; audio, its ``n_tokens`` both."""
+    if chunk.type == 0:
+        return MediaExtent(True, int(chunk.n_text_tokens), int(chunk.n_text_tokens))
+    if chunk.type == 1 and chunk.image is not None:
+        im = chunk.image
+        if im.pos_type == 2:    # MTMD_POS_TYPE_HUNYUANVL
+            n = ((im.nx + 1) * im.ny + 2) & 0xFFFFFFFF
+        else:
+            nz = int(im.batch.n)
+            if im.n_temporal_merge > 1:
+                nz = nz // im.n_temporal_merge + (1 if nz % im.n_temporal_merge else 0)
+            n = (im.nx * im.ny * nz) & 0xFFFFFFFF      # uint32_t arithmetic
+        n_pos = max(im.nx, im.ny) if im.pos_type == 1 else n   # MTMD_POS_TYPE_MROPE
+        return MediaExtent(False, n, n_pos if n_pos < 2**31 else n_pos - 2**32)   # llama_pos is int32
+    if chunk.type == 2 and chunk.audio is not None:
+        n = int(chunk.audio.n_tokens)
+        return MediaExtent(False, n, n if n < 2**31 else n - 2**32)
+    return MediaExtent(False, 0, 0)
+
+
+def chunk_extent(data: bytes) -> MediaExtent | None:
+    """:func:`media_extent` of a media chunk's bytes, None when ``mtmd_input_chunk_load`` cannot read them
+    (the server then refuses the file first: "Cannot load media chunk", :mod:`slotctl.server.findings`)."""
+    from slotctl.format.common import parse_bytes
+    from slotctl.format.tokens import MediaChunk
+
+    try:
+        return media_extent(parse_bytes(MediaChunk, bytes(data), "media chunk"))
+    except FormatError:
+        return None
+
+
 def invalid_token_indices(tokens: Sequence[int] | np.ndarray, n_vocab: int,
-                          media_starts: Sequence[int] = ()) -> np.ndarray:
+                          media: "Mapping[int, MediaExtent | None] | Sequence[int]" = ()) -> np.ndarray:
     """Indices of the tokens ``server_tokens::validate`` rejects (b11434 tools/server/server-common.cpp),
     the one token-validity rule of slotctl.
 
-    A token must be in ``[0, n_vocab)``, except ``LLAMA_TOKEN_NULL`` (-1) where a media chunk starts
-    (``media_starts``) and the -1 words that follow it (the chunk's positions; slotctl does not load the
-    chunk to count them, so the whole run of -1 words from its start counts as the chunk's). A media start
-    that is not a -1 word is rejected too (the server then finds fewer media than it holds).
+    A token must be in ``[0, n_vocab)``, except ``LLAMA_TOKEN_NULL`` (-1) words that are a media chunk's:
+    at a -1 word the server looks for a chunk starting there (``find_chunk``; none: rejected), and the chunk
+    must not be text, must have n_tokens > 0 and n_pos > 0, must fit in the tokens left, and exactly its
+    n_tokens words from its start must be -1 (``media``: start index -> :class:`MediaExtent`); the scan
+    then goes on after them, so a -1 word beyond the chunk needs a chunk of its own. Every chunk must be met
+    so (``n_media == map_idx_to_media.size()``): a start that is not a -1 word, or lies inside another
+    chunk, is rejected. A start given without its extent (None, or a plain sequence of starts) takes the
+    whole run of -1 words from it (the chunk could not be read: the chunk loader refuses it first).
     """
     toks = np.asarray(tokens, dtype=np.int64)
+    n = len(toks)
+    extents = dict(media) if isinstance(media, Mapping) else {int(s): None for s in media}
     bad = (toks < 0) | (toks >= n_vocab)
-    for start in sorted(set(int(s) for s in media_starts)):
-        if start >= len(toks):
-            continue
-        if toks[start] != -1:
-            bad[start] = True
-            continue
-        end = start
-        while end < len(toks) and toks[end] == -1:
-            end += 1
-        bad[start:end] = False
+    null = toks == -1
+    bad[null] = False
+    starts = sorted(s for s in extents if s < n)
+    # the runs of -1 words, each walked as the server walks it: chunk by chunk
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], null.view(np.int8), [0]))))
+    met = set()
+    k = 0
+    for run_start, run_end in zip(edges[0::2].tolist(), edges[1::2].tolist()):
+        i = run_start
+        while i < run_end:
+            ext = extents.get(i, False)
+            if ext is False:    # no chunk here: this word and those up to the next chunk start are rejected
+                while k < len(starts) and starts[k] <= i:
+                    k += 1
+                nxt = min(starts[k], run_end) if k < len(starts) else run_end
+                bad[i:nxt] = True
+                i = nxt
+                continue
+            met.add(i)
+            if ext is None:
+                i = run_end
+                continue
+            if ext.text or ext.n_tokens == 0 or ext.n_pos <= 0 or ext.n_tokens > n - i or i + ext.n_tokens > run_end:
+                bad[i] = True
+                i += 1
+                continue
+            i += ext.n_tokens
+    for s in starts:
+        if s not in met:
+            bad[s] = True
     return np.flatnonzero(bad)
 
 
@@ -215,7 +297,8 @@ def check_tokens(tokens, *, n_ctx_slot: int, n_vocab: int, has_mtmd: bool) -> Ou
     if n > n_ctx_slot:
         return Outcome("tokens", REFUSED, message="Restored prompt does not fit in the slot context",
                        reason=f"{n} tokens, the slot holds {n_ctx_slot}")
-    bad = invalid_token_indices(tokens.tokens, n_vocab, [s for s, _ in tokens.media])
+    bad = invalid_token_indices(tokens.tokens, n_vocab, {
+        int(s): chunk_extent(c) if isinstance(c, (bytes, bytearray, memoryview)) else None for s, c in tokens.media})
     if len(bad):
         i = int(bad[0])
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""

@@ -13,7 +13,7 @@ from typing import BinaryIO, Callable, Iterable, Sequence
 from slotctl.sources import open_input, raise_failure, remote_url
 from slotctl.errors import FormatError, UsageError, error_entry
 from slotctl.server.findings import (Finding, ServerRules, checkpoints_read, invalid_tokens_finding,
-                                     structural_findings)
+                                     media_extents, structural_findings)
 from slotctl.format.blob import FLAGS_NONE, FLAGS_PARTIAL_ONLY
 from slotctl.format import ggml
 from slotctl.format.cut import Cut, Expected, Extended, locate_cut
@@ -62,13 +62,16 @@ from slotctl.validate.wording import (ROLLBACK_HARMLESS, _kind_words, _part_word
 
 
 def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | None = None,
-                  checker: LoadChecker | None = None, *, f: BinaryIO | None = None) -> FileReport:
+                  checker: LoadChecker | None = None, *, f: BinaryIO | None = None,
+                  confirm_refusals: bool = False) -> FileReport:
     """Validate one slot file against ``setup`` (see the module docstring).
 
     ``models``: the setup's :class:`Models` (made here when None). ``checker``: a :class:`LoadChecker`
     for the real check, or None to predict only. OSError when the file cannot be read. The file is opened
     once: every later read (another layout, media chunks, a cut payload, the real load's bytes) uses it.
     ``path`` may be an object in a store (``s3://``, :mod:`slotctl.sources`); ``f``: the file already open.
+    ``confirm_refusals``: the real check loads the layers the prediction refuses too (bounded; see
+    :func:`slotctl.validate.load._real_check`), else it never does.
     """
     url = remote_url(path)
     path = url or os.fspath(path)
@@ -76,7 +79,7 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
     if skipped:   # the child loads layers from a local path: an object would be downloaded whole
         checker = None
     with (nullcontext(f) if f is not None else open_input(path)) as f:
-        report = _validate_open(f, path, setup, models or Models(setup), checker)
+        report = _validate_open(f, path, setup, models or Models(setup), checker, confirm_refusals)
         raise_failure(f)   # a store that failed mid-read: its error (exit 2), not damage
     if skipped:
         report.findings.append(Finding("file", "note", "load_not_run_remote",
@@ -87,7 +90,7 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
 
 
 def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
-                   checker: LoadChecker | None) -> FileReport:
+                   checker: LoadChecker | None, confirm_refusals: bool = False) -> FileReport:
     tinfo, dinfo = models.target, models.draft
     rules = ServerRules(state_version=setup.state_version, mmproj=setup.mmproj)
     report = FileReport(path)
@@ -108,7 +111,7 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
     if cut is not None:
         sf, cut_error = cut[1], cut[2]
         model_parse = sf.target is not None
-    layers = _memory_layers(sf, f, model_parse, tinfo, dinfo, issues)
+    layers = _memory_layers(sf, f, model_parse, tinfo, dinfo, issues, models.draft_context.why)
     explained = {id(e) for e in _explained_errors(sf, layers)}
     if cut is not None:
         explained.add(id(cut_error))
@@ -135,14 +138,14 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
         issues += _token_issues(sf, tpred, tinfo, setup)
     if tinfo is not None and (sf.draft_spec is not None or sf.checkpoints):
         issues += [_Issue(sp, EFFECT_DROPPED if sp.severity == "drop" else EFFECT_OK)
-                   for sp in speculative_findings(sf, f, tinfo, dinfo)]
+                   for sp in speculative_findings(sf, f, tinfo, dinfo, models.draft_context.types)]
 
     if cut is not None:
         issues += _cut_issues(cut[0], layers[0] if layers and layers[0].side.layer == TARGET else None)
 
     # the real check
     if checker is not None and tinfo is not None:
-        issues += _real_check(layers, checker, sf, f, setup, tpred, dpred)
+        issues += _real_check(layers, checker, sf, f, setup, tpred, dpred, issues, confirm_refusals)
 
     kind = tinfo.layout().kind if tinfo is not None else (sf.target.layout.kind if sf.target else None)
     from slotctl.server.reuse import server_n_swa
@@ -270,15 +273,22 @@ def _expected(pred: Prediction) -> Expected:
 
 
 def _cut_issues(cut: Cut, target: _MemLayer | None) -> list[_Issue]:
-    """What b11434 does with a file that ends inside the target payload
-    (:func:`slotctl.server.restore.cut_payload_outcome`), as a finding on the target memory: the checks
-    before the end (and of the bytes the file holds of the field the end falls in) are the comparison's
-    issues already. Not certain, and then the worst, when the loader checks what the file never filled."""
+    """What b11434 does with a file whose target payload its loader reads past the end of
+    (:func:`slotctl.server.restore.cut_payload_outcome`), as a finding on the target memory. A check the
+    file's own bytes fail, met in the loader's order before any check of what the file never filled,
+    decides: refused, for certain (the finding is named for that check). Else the checks before the end (and
+    of the bytes the file holds of the field the end falls in) are the comparison's issues already. Not
+    certain, and then the worst, when the loader checks what the file never filled."""
     if target is None:
         return []
+    if not cut.before_end:
+        target.no_load = ("the file ends inside the payload; this runtime's loader reads a buffer and stops at "
+                          "its end, b11434's file loader reads on past it: not comparable")
+    if cut.before_end:
+        got = cut_payload_outcome(cut.describe(), cut.offset, fits=False, settled=True, refuses=cut.refuses,
+                                  first=cut.at)
+        return [_Issue(Finding(TARGET, "error", cut.code or "payload_cut", got.reason, cut.at), EFFECT_REFUSED)]
     blocking = any(i.finding.severity != "note" for i in target.issues)
-    target.no_load = ("the file ends inside the payload; this runtime's loader reads a buffer and stops at its "
-                      "end, b11434's file loader reads on past it: not comparable")
     unparsed = cut.refuses is None and target.memory is None    # the completion did not parse: not settled
     got = cut_payload_outcome(cut.describe(), cut.offset, fits=not blocking, settled=cut.settled and not unparsed,
                               refuses=cut.refuses)
@@ -291,7 +301,7 @@ def _cut_issues(cut: Cut, target: _MemLayer | None) -> list[_Issue]:
 
 
 def _memory_layers(sf: SlotFile, f: BinaryIO, model_parse: bool, tinfo: ModelInfo | None,
-                   dinfo: ModelInfo | None, issues: list[_Issue]) -> list[_MemLayer]:
+                   dinfo: ModelInfo | None, issues: list[_Issue], no_draft: str | None = None) -> list[_MemLayer]:
     """The memory layers of ``sf`` to check, each parsed with its model's layout when there is a model
     (``model_parse``: the target payload was; else it is of another kind, or there is no model)."""
     out: list[_MemLayer] = []
@@ -327,10 +337,12 @@ def _memory_layers(sf: SlotFile, f: BinaryIO, model_parse: bool, tinfo: ModelInf
         if sf.draft is not None and sf.draft.span.size:
             side = _draft_side()
             if tinfo is not None and dinfo is None:
+                why = (no_draft if no_draft and not no_draft.startswith("no draft model")
+                       else "the server has no draft model; give -md (and --spec-type) to check it against one")
                 issues.append(_issue(side, "no_draft_context",
                                      f"the file holds a draft state ({sf.draft.span.size:,} bytes) and the server "
-                                     "has no draft model: the server drops it (\"does not match the draft "
-                                     "context\"); give -md to check it against a draft model", sf.draft.span.offset))
+                                     f"has no draft context: it drops it (\"does not match the draft context\"): "
+                                     f"{why}", sf.draft.span.offset))
             else:
                 out.append(_blob_layer(f, sf, sf.draft, side, dinfo, FLAGS_NONE, partial=False))
     return out
@@ -480,7 +492,7 @@ def _token_issues(sf: SlotFile, tpred: Prediction, tinfo: ModelInfo, setup: Serv
         out.append(_issue(side, "prompt_too_long",
                           f"the prompt has {n:,} tokens, the slot context {tpred.n_ctx_slot:,} (\"Restored prompt "
                           f"does not fit in the slot context\"): {remedy}", 12))
-    bad = invalid_tokens_finding(tk.tokens, tinfo.n_vocab, [start for start, _ in tk.media], Path(tinfo.path).name)
+    bad = invalid_tokens_finding(tk.tokens, tinfo.n_vocab, media_extents(sf), Path(tinfo.path).name)
     if bad is not None:
         out.append(_Issue(bad, EFFECT_REFUSED))
     return out
@@ -492,14 +504,14 @@ def _token_issues(sf: SlotFile, tpred: Prediction, tinfo: ModelInfo, setup: Serv
 def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, real_check: bool = True,
                    verbose: bool = False, on_file: Callable[[int, int, str], None] | None = None,
                    on_report: Callable[[FileReport], None] | None = None,
-                   child: ChildProcess | None = None) -> Report:
+                   child: ChildProcess | None = None, confirm_refusals: bool = False) -> Report:
     """Validate every file of ``paths`` (directories expanded to their slot files) against ``setup``.
 
     The real check runs when there is a target model and ``real_check``: one child process for all
     files (a new one after an abort). ``on_file(done, total, path)`` is called before each file,
     ``on_report(report)`` after it. A file that cannot be read is an "unreadable" report; the others
     are still validated. ``child``: a :class:`ChildProcess` to run the real check in (left open),
-    instead of a new one.
+    instead of a new one. ``confirm_refusals``: see :func:`validate_file`.
     """
     from slotctl.inputs import expand_slot_paths
 
@@ -514,7 +526,7 @@ def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, re
             if on_file:
                 on_file(i, len(files), p)
             try:
-                reports.append(validate_file(p, setup, models, checker))
+                reports.append(validate_file(p, setup, models, checker, confirm_refusals=confirm_refusals))
             except (OSError, UsageError) as e:
                 err = error_entry(e, p)
                 r = FileReport(p, verdict=Verdict.UNREADABLE, error=err.as_dict())

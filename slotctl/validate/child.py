@@ -164,7 +164,15 @@ class LoadChecker:
         self.child = child or ChildProcess(verbose=verbose)
         self._contexts: dict | None = None
         s = setup
-        self._init = {"init": True, "target": os.fspath(s.target), "draft": os.fspath(s.draft) if s.draft else None,
+        draft = None
+        if s.draft is not None:   # the draft context the server builds, if any (-md alone builds none)
+            from slotctl.server.speculative import runtime_draft_model
+
+            try:
+                draft = runtime_draft_model(s.spec_type, s.target, s.draft)[0]
+            except UsageError:    # an MTP context: not built by the runtime; the prediction decides
+                draft = None
+        self._init = {"init": True, "target": os.fspath(s.target), "draft": os.fspath(draft) if draft else None,
                       "settings": dataclasses.asdict(s.settings), "draft_type_k": s.draft_type_k.lower(),
                       "draft_type_v": s.draft_type_v.lower(), "verbose": self.child.verbose}
 

@@ -29,15 +29,59 @@ from slotctl.validate.report import (
 from slotctl.validate.setup import ServerSetup
 
 
+#: the most bytes of one layer the real load hands its child (through the pipe, then into llama.cpp): with
+#: the contexts, the real load of any file stays under 1 GiB (the child holds up to three copies of a layer
+#: while it converts one between state versions) and ~10 s whatever its counts say; a larger
+#: layer is not loaded, and the report says so (the prediction decides it)
+LOAD_MAX_BYTES = 256 << 20
+
+
+def _refusing(issues: list[_Issue]) -> list[_Issue]:
+    """The issues that keep a layer, or the file, out of the slot (not notes)."""
+    return [i for i in issues if i.finding.severity != "note"]
+
+
 def _real_check(layers: list[_MemLayer], checker: LoadChecker, sf: SlotFile, f: BinaryIO, setup: ServerSetup,
-                tpred: Prediction | None, dpred: Prediction | None) -> list[_Issue]:
+                tpred: Prediction | None, dpred: Prediction | None,
+                file_issues: list[_Issue] | None = None, confirm_refusals: bool = False) -> list[_Issue]:
     """Load each layer (results on the layers; its bytes read from ``f``, the open file); returns the
-    findings about the file as a whole."""
+    findings about the file as a whole.
+
+    Bounded: a layer the prediction already refuses (or drops), or of a file it refuses whole
+    (``file_issues``: the state header, the token words), is never loaded (a load would repeat the refusal
+    at the cost of its bytes: a sparse file's claimed gigabytes); nor is a layer of more than
+    :data:`LOAD_MAX_BYTES`. Each such layer is "skipped", with the reason. ``confirm_refusals`` (a library
+    caller's choice, never the CLI's): load the refused layers too, within the same byte bound, to see the real
+    loader refuse them for the predicted reason (the test suite's check of the prediction)."""
     if not layers:
+        return []
+    file_refused = _refusing(file_issues or [])
+    todo = []
+    for ml in layers:
+        if ml.no_load:
+            ml.check.loaded, ml.check.reason = SKIPPED, ml.no_load
+            continue
+        refused = _refusing(ml.issues) or (file_refused if ml.side.main else [])
+        if refused and not confirm_refusals:
+            ml.check.loaded = SKIPPED
+            ml.check.reason = (f"not loaded: the prediction already keeps it out ({refused[0].finding.code}), and a "
+                               "load would only repeat that at the cost of its bytes")
+            continue
+        if ml.span_size > LOAD_MAX_BYTES:
+            ml.check.loaded = SKIPPED
+            ml.check.reason = (f"not loaded: {ml.span_size:,} bytes, more than the real load takes "
+                               f"({LOAD_MAX_BYTES >> 20} MiB, so that it stays within 1 GiB and seconds); the "
+                               "prediction alone decides")
+            ml.issues.append(_Issue(Finding(ml.side.layer, "note", "load_skipped",
+                                            f"{ml.side.what} was not loaded into a real context: {ml.check.reason}",
+                                            ml.span_offset), EFFECT_OK))
+            continue
+        todo.append(ml)
+    if not todo:      # nothing to load: no child is started, no model loaded
         return []
     ctx = checker.contexts()
     if ctx is None:
-        for ml in layers:
+        for ml in todo:
             ml.check.loaded, ml.check.reason = SKIPPED, checker.failure
         return [_Issue(Finding("file", "note", "load_skipped", f"the real check did not run: {checker.failure}; "
                                                                "the prediction alone decides", None), EFFECT_OK)]
@@ -53,11 +97,8 @@ def _real_check(layers: list[_MemLayer], checker: LoadChecker, sf: SlotFile, f: 
                 f"the {key} context llama.cpp built has {got['n_ctx']:,} cells ({got['n_ctx_seq']:,} per "
                 f"sequence), slotctl predicted {pred.n_ctx:,} ({pred.n_ctx_seq:,}): a slotctl bug; the "
                 "prediction of this file cannot be trusted", None), EFFECT_REFUSED))
-    for ml in layers:
+    for ml in todo:
         if ml.side.kind == "draft" and not ctx.get("draft"):
-            continue
-        if ml.no_load:
-            ml.check.loaded, ml.check.reason = SKIPPED, ml.no_load
             continue
         if sf.version != checker.runtime_version and ml.parsed_layout is None:
             ml.check.loaded = SKIPPED

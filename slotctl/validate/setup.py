@@ -13,6 +13,7 @@ from slotctl.model.info import ModelInfo, read_model_info
 from slotctl.model.predict import Prediction, predict, requested_n_ctx
 from slotctl.model.settings import DRAFT_CACHE_TYPE_DEFAULT, ContextSettings
 from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS, SERVER_STATE_VERSION, ServerFlags, cache_type, check_slot
+from slotctl.server.speculative import draft_context
 
 
 # -- what the server is --------------------------------------------------------------------------------
@@ -28,6 +29,8 @@ class ServerSetup:
     ``slot``: the slot restored into. ``mmproj``: the server has a multimodal projector (``--mmproj``).
     ``n_ctx_checkpoints``: ``--ctx-checkpoints``. ``state_version``: the state version of the server
     (its loader accepts no other). ``attn_rot_disable``: the server runs with ``LLAMA_ATTN_ROT_DISABLE``.
+    ``spec_type``: ``--spec-type`` (None: not given), which decides with ``draft`` whether the server has a
+    draft context (:func:`slotctl.server.speculative.draft_context`: ``-md`` alone builds none).
     """
 
     target: Path | None = None
@@ -40,6 +43,7 @@ class ServerSetup:
     n_ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS
     state_version: int = SERVER_STATE_VERSION
     attn_rot_disable: bool = False
+    spec_type: str | None = None
 
     def __post_init__(self) -> None:
         if self.draft is not None and self.target is None:
@@ -54,14 +58,15 @@ class ServerSetup:
     def from_flags(cls, flags: ServerFlags, **more) -> ServerSetup:
         """The setup of a server started with ``flags`` (``more``: models, slot, mmproj, state version, ...)."""
         return cls(settings=flags.context_settings(), draft_type_k=flags.spec_draft_type_k,
-                   draft_type_v=flags.spec_draft_type_v, n_ctx_checkpoints=flags.ctx_checkpoints, **more)
+                   draft_type_v=flags.spec_draft_type_v, n_ctx_checkpoints=flags.ctx_checkpoints,
+                   spec_type=flags.spec_type, **more)
 
     @property
     def flags(self) -> ServerFlags:
         """The setup's server flags."""
         return ServerFlags.from_settings(self.settings, spec_draft_type_k=self.draft_type_k,
                                          spec_draft_type_v=self.draft_type_v,
-                                         ctx_checkpoints=self.n_ctx_checkpoints)
+                                         ctx_checkpoints=self.n_ctx_checkpoints, spec_type=self.spec_type)
 
     @property
     def draft_settings_types(self) -> tuple[str, str]:
@@ -79,6 +84,7 @@ class ServerSetup:
             "ctx_checkpoints": self.n_ctx_checkpoints,
             "state_version": self.state_version,
             "attn_rot_disable": self.attn_rot_disable,
+            "spec_type": self.spec_type,
         }
 
 
@@ -92,7 +98,16 @@ class Models:
     def __init__(self, setup: ServerSetup):
         self.setup = setup
         self.target: ModelInfo | None = read_model_info(setup.target) if setup.target else None
-        self.draft: ModelInfo | None = read_model_info(setup.draft) if setup.draft else None
+        #: the draft model given (``-md``), whether or not the server builds a context of it
+        self.draft_model: ModelInfo | None = read_model_info(setup.draft) if setup.draft else None
+        #: the draft context the server builds (:func:`slotctl.server.speculative.draft_context`)
+        self.draft_context = draft_context(setup.spec_type, self.draft_model, self.target)
+        #: what the draft context is of: the draft model, its MTP context, the target's MTP context, or None
+        #: when the server builds none (``-md`` without a drafter: the file's draft state is dropped)
+        self.draft: ModelInfo | None = None
+        if self.target is not None and self.draft_context.built:
+            model = self.draft_model if self.draft_model is not None else self.target
+            self.draft = model.mtp_context() if self.draft_context.mtp else model
         self._cache: dict[int, tuple[Prediction | None, Prediction | None]] = {}
         if self.target is not None:
             self.predictions(setup.state_version)

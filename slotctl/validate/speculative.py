@@ -10,16 +10,17 @@ from slotctl.server.speculative import decoder_kind, expected_size, keeps_state,
 from slotctl.slotfile import SlotFile
 
 
-def speculative_findings(sf: SlotFile, f: BinaryIO, tinfo, dinfo) -> list[Finding]:
+def speculative_findings(sf: SlotFile, f: BinaryIO, tinfo, dinfo, types: tuple[str, ...] | None = None) -> list[Finding]:
     """What becomes of each non-empty speculative state: ignored by a decoder that keeps none (a note), or,
     for eagle3 with a recurrent or hybrid target, applied when its size is the draft model's, whatever its
     values (``set_state`` checks the size only: a row that is not finite is applied, a note), and a state
     of another size silently dropped by ``set_state`` (a drop for the live state, a note for a
     checkpoint's, which only a rollback would load). Without a target model nothing is said (the decoder
-    is unknown)."""
+    is unknown). ``types``: the server's speculative types (:func:`slotctl.server.speculative.server_spec_types`;
+    eagle3 only with "draft-eagle3")."""
     if tinfo is None:
         return []
-    kind = decoder_kind(dinfo)
+    kind = decoder_kind(dinfo, types)
     keeps = keeps_state(kind, tinfo)
     want = expected_size(kind, dinfo)
     states = [(i, c.spec) for i, c in enumerate(sf.checkpoints or ())]
@@ -31,8 +32,8 @@ def speculative_findings(sf: SlotFile, f: BinaryIO, tinfo, dinfo) -> list[Findin
             continue
         layer = "draft" if i is None else f"checkpoint {i} speculative"
         if not keeps:
-            who = ("no draft model (-md) names the decoder" if dinfo is None
-                   else f"{dinfo.arch} drafts keep none" if kind is None
+            who = ("no draft context" if dinfo is None
+                   else f"its drafter ({', '.join(types or ()) or dinfo.arch}) keeps none" if kind is None
                    else f"eagle3 keeps one only for recurrent or hybrid targets, {tinfo.arch} is {tinfo.memory_kind}")
             out.append(Finding(layer, "note", "speculative_state_ignored",
                                f"{span.size:,} bytes of speculative state: the server ignores them ({who})",

@@ -1,0 +1,354 @@
+"""One keeper per server and store, and its journal of what it stored (docs/fleet.md, "One keeper").
+
+A keeper holds a lock named after the server it keeps (:func:`server_key`) in the store it writes:
+
+* a **directory** store: ``flock(LOCK_EX | LOCK_NB)`` on ``.slotctl-keep-KEY.lock`` in the store. The kernel
+  releases it when the process ends, however it ends (SIGKILL included), so there is nothing to expire.
+* an **``s3://``** store: a lease object ``.slotctl-keep-KEY.lease`` under the prefix, created with a
+  conditional put (``If-None-Match: *``: only if absent) and renewed every ``ttl / 3`` seconds with a
+  conditional put on its own ETag (``If-Match``). The lease says until when it holds (``expires``, the
+  holder's clock). Another keeper refuses while ``expires`` is ahead of its clock; after it, it takes the
+  lease over with a put conditional on the ETag it read, so of two that try at once one wins. The holder
+  counts its own lease lost when it could not renew it within ``ttl`` (its monotonic clock): it stops
+  writing before anyone may take over. So a keeper killed with SIGKILL is taken over after the expiry and
+  never before (the clocks of the two hosts are assumed to agree to well within ``ttl``).
+
+The lock's refusal is :class:`Held` (exit 2, one line naming the holder). Beside the lock lives the
+keeper's **journal**: for each slot, the ``/slots`` signature and name of the state last stored or restored
+(:meth:`Lock.remember`); a keeper that starts again reads it (:meth:`Lock.known`) and does not save again a
+slot whose state is already the store's. In a directory store the journal is ``.slotctl-keep-KEY.json``
+(written atomically); in ``s3://`` it is part of the lease object.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Callable
+
+from slotctl.errors import SlotctlError, UsageError
+from slotctl.live.http import is_loopback
+
+#: seconds an ``s3://`` lease holds without a renewal (``keep --lease``)
+DEFAULT_TTL = 60.0
+#: the shortest lease accepted (a renewal is a round trip to the store)
+MIN_TTL = 1.0
+#: a lease or journal larger than this is not a keeper's: not parsed
+MAX_LEASE_BYTES = 1 << 20
+
+
+class Held(UsageError):
+    """Another keeper holds the lock of this server and store (exit 2)."""
+
+    code = "locked"
+
+
+class Lost(SlotctlError):
+    """This keeper's lease was not renewed in time or was taken over: it must stop writing (exit 2)."""
+
+    code = "lease_lost"
+
+
+def server_key(url: str) -> str:
+    """A short name for the server at ``url`` (normalized: scheme, host, port, path). A loopback host
+    (``127.0.0.1``, ``localhost``) names a server of this machine, so it is qualified by the host name:
+    keepers of two hosts, each beside its own ``127.0.0.1:8080``, may share one ``s3://`` store."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    if is_loopback(host):
+        host = "loopback@" + socket.gethostname()
+    ident = f"{parts.scheme}://{host}:{parts.port or ''}{parts.path.rstrip('/')}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:12]
+
+
+def _holder(server: str, expires: float | None = None) -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "server": server, "since": time.time(),
+            **({"expires": expires} if expires is not None else {})}
+
+
+def _describe(holder: dict) -> str:
+    from slotctl.catalog import iso_time
+
+    pid, host = holder.get("pid"), holder.get("host")
+    since = holder.get("since")
+    when = f" since {iso_time(since)}" if isinstance(since, (int, float)) else ""
+    return f"pid {pid} on {host}{when}" if pid is not None else "another process"
+
+
+def _parse(raw: bytes) -> dict:
+    """A lease or journal document; {} when it is not one (never trusted further than its shape)."""
+    if len(raw) > MAX_LEASE_BYTES:
+        return {}
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _journal_entries(doc: dict) -> dict[int, dict]:
+    out = {}
+    journal = doc.get("journal")
+    if not isinstance(journal, dict):
+        return out
+    for slot, e in journal.items():
+        if (isinstance(slot, str) and slot.isdigit() and len(slot) <= 4 and isinstance(e, dict)
+                and isinstance(e.get("name"), str) and isinstance(e.get("model"), str)
+                and isinstance(e.get("signature"), list)):
+            out[int(slot)] = e
+    return out
+
+
+class Lock:
+    """What both kinds of lock share: the journal (slot -> signature, model hash, name)."""
+
+    path: str
+
+    def __init__(self, server: str):
+        self.server = server
+        self.journal: dict[int, dict] = {}
+
+    def known(self, model: str, has: Callable[[str], bool]) -> dict[int, tuple]:
+        """The signatures of the slots whose state, for the server's model ``model``, the journal names and
+        the store still has (``has(name)``): a keeper starting again does not save those again."""
+        return {slot: tuple(e["signature"]) for slot, e in self.journal.items()
+                if e["model"] == model and has(e["name"])}
+
+    def remember(self, slot: int, signature: tuple | None, model: str, name: str) -> None:
+        if signature is None:
+            return
+        self.journal[slot] = {"signature": list(signature), "model": model, "name": name}
+        self._write_journal()
+
+    def _write_journal(self) -> None:
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise :class:`Lost` when the lock no longer holds (a lease not renewed in time)."""
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+
+class DirectoryLock(Lock):
+    """``flock`` on ``DIR/.slotctl-keep-KEY.lock``; the journal in ``DIR/.slotctl-keep-KEY.json``."""
+
+    def __init__(self, directory: str | os.PathLike, server: str):
+        super().__init__(server)
+        key = server_key(server)
+        self.path = os.path.join(os.fspath(directory), f".slotctl-keep-{key}.lock")
+        self.journal_path = os.path.join(os.fspath(directory), f".slotctl-keep-{key}.json")
+        self.fd: int | None = None
+
+    def acquire(self) -> "DirectoryLock":
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise UsageError(f"{self.path}: cannot open the keeper's lock: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _parse(os.pread(fd, MAX_LEASE_BYTES, 0))
+            os.close(fd)
+            raise Held(f"{self.server}: another keeper keeps this server with this store ({_describe(holder)}; "
+                       f"lock {self.path})") from None
+        body = json.dumps(_holder(self.server)).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, body, 0)
+        self.fd = fd
+        try:
+            with open(self.journal_path, "rb") as f:
+                self.journal = _journal_entries(_parse(f.read(MAX_LEASE_BYTES + 1)))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise UsageError(f"{self.journal_path}: {e.strerror}") from None
+        return self
+
+    def _write_journal(self) -> None:
+        from slotctl.atomic import atomic_writer
+
+        with atomic_writer(self.journal_path, overwrite=True) as out:
+            out.write(json.dumps({"server": self.server, "journal": {str(k): v for k, v in self.journal.items()}})
+                      .encode())
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)      # the kernel drops the flock; the file stays (another may have it open)
+            self.fd = None
+
+
+class Lease(Lock):
+    """The lease object ``PREFIX/.slotctl-keep-KEY.lease`` of an ``s3://`` store (module docstring)."""
+
+    def __init__(self, prefix: str, server: str, ttl: float = DEFAULT_TTL, *, clock=time.time):
+        super().__init__(server)
+        self.url = prefix.rstrip("/") + "/" + f".slotctl-keep-{server_key(server)}.lease"
+        self.path = self.url
+        self.ttl = float(ttl)
+        self.clock = clock
+        self.etag: str | None = None
+        #: monotonic time of the last successful write of the lease
+        self.renewed: float | None = None
+        self.lost: str | None = None
+        self._io = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- the store ------------------------------------------------------------------------------------
+
+    def _stores(self):
+        from slotctl.store.config import split_url
+        from slotctl.store.s3 import S3_STORE
+
+        store, key = S3_STORE.bucket(self.url)
+        cond = getattr(self, "_cond", None)
+        if cond is None:
+            cond = self._cond = S3_STORE.config.store(split_url(self.url)[0], conditional_put="etag")
+        return store, cond, key
+
+    def _error(self, e: Exception, action: str) -> UsageError:
+        from slotctl.store.s3 import S3_STORE
+
+        return S3_STORE.error(self.url, e, action)
+
+    def _body(self, since: float) -> bytes:
+        doc = {**_holder(self.server, self.clock() + self.ttl), "since": since, "ttl": self.ttl,
+               "journal": {str(k): v for k, v in self.journal.items()}}
+        return json.dumps(doc).encode()
+
+    def _read(self) -> tuple[dict, str | None] | None:
+        import obstore
+        from obstore import exceptions as obx
+
+        store, _, key = self._stores()
+        try:
+            res = obstore.get(store, key)
+            raw = bytes(res.bytes())
+            return _parse(raw), res.meta.get("e_tag")
+        except (obx.NotFoundError, FileNotFoundError):
+            return None
+        except Exception as e:  # noqa: BLE001
+            raise self._error(e, "GET") from None
+
+    def _put(self, body: bytes, etag: str | None) -> str | None:
+        """Create the lease (``etag`` None: only if absent) or replace it (only if its ETag is ``etag``);
+        the new ETag. :class:`Held` when the condition fails."""
+        import obstore
+        from obstore import exceptions as obx
+
+        store, cond, key = self._stores()
+        try:
+            if etag is None:
+                res = obstore.put(store, key, body, mode="create", use_multipart=False)
+            else:
+                res = obstore.put(cond, key, body, mode={"e_tag": etag}, use_multipart=False)
+        except (obx.AlreadyExistsError, obx.PreconditionError):
+            raise Held(f"{self.server}: another keeper took the lease {self.url} first") from None
+        except Exception as e:  # noqa: BLE001
+            if "412" in str(e) or "PreconditionFailed" in str(e):
+                raise Held(f"{self.server}: another keeper took the lease {self.url} first") from None
+            raise self._error(e, "PUT") from None
+        return res.get("e_tag")
+
+    # -- holding ----------------------------------------------------------------------------------------
+
+    def acquire(self) -> "Lease":
+        """Take the lease: create it, or take it over once the holder's ``expires`` has passed. :class:`Held`
+        (exit 2) while another keeper's lease holds."""
+        from slotctl.catalog import iso_time
+
+        self.since = self.clock()
+        got = self._read()
+        if got is None:
+            self.etag = self._put(self._body(self.since), None)
+        else:
+            doc, etag = got
+            expires = doc.get("expires")
+            now = self.clock()
+            if isinstance(expires, (int, float)) and expires > now and doc.get("released") is not True:
+                raise Held(f"{self.server}: another keeper keeps this server with this store "
+                           f"({_describe(doc)}; its lease {self.url} holds until {iso_time(expires)}, "
+                           f"{expires - now:.0f} s from now)")
+            self.journal = _journal_entries(doc)
+            self.etag = self._put(self._body(self.since), etag)
+        self.renewed = time.monotonic()
+        return self
+
+    def renew(self) -> None:
+        """Write the lease again (a new ``expires``, the journal), on condition that it is still ours."""
+        with self._io:
+            if self.lost:
+                raise Lost(self.lost)
+            try:
+                self.etag = self._put(self._body(self.since), self.etag)
+            except Held:
+                self.lost = f"{self.url}: another keeper took the lease over: this keeper stops writing"
+                raise Lost(self.lost) from None
+            self.renewed = time.monotonic()
+
+    def check(self) -> None:
+        if self.lost:
+            raise Lost(self.lost)
+        if self.renewed is None or time.monotonic() - self.renewed >= self.ttl * 0.9:
+            self.lost = (f"{self.url}: the lease was not renewed within {self.ttl:g} s (the store did not "
+                         f"answer): this keeper stops writing")
+            raise Lost(self.lost)
+
+    def _write_journal(self) -> None:
+        self.renew()
+
+    def start(self, on_lost: Callable[[Exception], None]) -> None:
+        """Renew every ``ttl / 3`` seconds on a thread until :meth:`release`; ``on_lost(error)`` once when
+        the lease is lost (taken over, or not renewed within ``ttl``)."""
+
+        def loop() -> None:
+            while not self._stop.wait(self.ttl / 3):
+                try:
+                    self.renew()
+                except Lost as e:
+                    on_lost(e)
+                    return
+                except SlotctlError:
+                    try:
+                        self.check()
+                    except Lost as e:
+                        on_lost(e)
+                        return
+
+        self._thread = threading.Thread(target=loop, name="slotctl-lease", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Stop renewing; mark the lease released (conditionally: only if it is still ours), so the next
+        keeper need not wait for its expiry."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.ttl)
+        if self.lost or self.etag is None:
+            return
+        with self._io:
+            doc = json.loads(self._body(self.since))
+            doc.update(released=True, expires=self.clock())
+            try:
+                self._put(json.dumps(doc).encode(), self.etag)
+            except SlotctlError:
+                pass     # it expires by itself
+            self.etag = None
+
+
+def acquire(store: str | os.PathLike, server: str, *, ttl: float = DEFAULT_TTL) -> Lock:
+    """The lock of ``server`` (a normalized URL) in ``store`` (a directory or an ``s3://`` prefix), held."""
+    s = os.fspath(store)
+    if s.startswith("s3://"):
+        return Lease(s, server, ttl).acquire()
+    if not Path(s).is_dir():
+        raise UsageError(f"{s}: not a directory")
+    return DirectoryLock(s, server).acquire()

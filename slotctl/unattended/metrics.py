@@ -1,0 +1,304 @@
+"""Metrics and health of a long-running slotctl: counters and gauges written in Prometheus's text format
+(version 0.0.4), served with ``/livez`` and ``/readyz`` by a small standard-library HTTP server thread
+(docs/fleet.md, "Metrics and health").
+
+Names follow Prometheus's practice: ``slotctl_`` first, base units, ``_total`` for counters, ``_bytes`` and
+``_seconds`` for sizes and times. :class:`KeepMetrics` turns keep's events (``slotctl.fleet.keep.Event``, as
+``as_dict()``) into them, so what is counted is what keep reported, one event at a time.
+
+Answering never makes a request to the server or the store: ``/readyz`` reads what the keeper last saw
+(its last look at the server and at the store, and how long ago), so a scrape never wakes a sleeping
+server, never makes llama-swap load a model and never costs the store a request.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+from typing import Callable, Iterable
+
+from slotctl.errors import UsageError
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(v: float) -> str:
+    if isinstance(v, int):
+        return str(v)
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    if math.isnan(v):
+        return "NaN"
+    return repr(float(v))
+
+
+class Family:
+    """One metric: a name, its type (counter or gauge), its help, its label names, a value per label set."""
+
+    def __init__(self, name: str, kind: str, help_: str, labels: tuple[str, ...]):
+        self.name, self.kind, self.help, self.labels = name, kind, help_, labels
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def _key(self, labels: dict) -> tuple[str, ...]:
+        if set(labels) != set(self.labels):
+            raise ValueError(f"{self.name}: labels {sorted(labels)}, expected {list(self.labels)}")
+        return tuple("" if labels[k] is None else str(labels[k]) for k in self.labels)
+
+    def inc(self, amount: float = 1, **labels) -> None:
+        if amount < 0:
+            raise ValueError(f"{self.name}: a counter only goes up")
+        k = self._key(labels)
+        self.values[k] = self.values.get(k, 0) + amount
+
+    def set(self, value: float, **labels) -> None:
+        self.values[self._key(labels)] = value
+
+    def get(self, **labels) -> float:
+        return self.values.get(self._key(labels), 0)
+
+    def lines(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} {self.kind}"
+        for key in sorted(self.values):
+            inner = ",".join(f'{n}="{_escape(v)}"' for n, v in zip(self.labels, key))
+            yield f"{self.name}{{{inner}}} {_number(self.values[key])}" if inner else f"{self.name} {_number(self.values[key])}"
+
+
+class Registry:
+    def __init__(self):
+        self.families: dict[str, Family] = {}
+        self.lock = threading.Lock()
+
+    def counter(self, name: str, help_: str, labels: tuple[str, ...] = ()) -> Family:
+        assert name.endswith("_total"), name
+        return self._add(Family(name, "counter", help_, labels))
+
+    def gauge(self, name: str, help_: str, labels: tuple[str, ...] = ()) -> Family:
+        return self._add(Family(name, "gauge", help_, labels))
+
+    def _add(self, f: Family) -> Family:
+        self.families[f.name] = f
+        return f
+
+    def exposition(self) -> str:
+        """The text format: each family's HELP, TYPE and samples (a counter's ``# TYPE`` names it without
+        ``_total``, as the format's parsers expect)."""
+        with self.lock:
+            out = []
+            for f in self.families.values():
+                for line in f.lines():
+                    if line.startswith(("# HELP", "# TYPE")) and f.kind == "counter":
+                        line = line.replace(f" {f.name} ", f" {f.name.removesuffix('_total')} ", 1)
+                    out.append(line)
+            return "\n".join(out) + "\n"
+
+
+class KeepMetrics:
+    """keep's metrics, counted from its events; ``server`` is the label of the server kept."""
+
+    def __init__(self, server: str):
+        self.server = server
+        r = self.registry = Registry()
+        s, ss = ("server",), ("server", "slot")
+        self.looks = r.counter("slotctl_keep_looks_total", "Looks at the server (GET /health), by outcome (up, down).",
+                               ("server", "outcome"))
+        self.up = r.gauge("slotctl_keep_server_up", "1 when the last look found the server answering, else 0.", s)
+        self.saves = r.counter("slotctl_keep_saves_total", "Slot saves, by outcome (stored: a new state in the "
+                               "store; unchanged: the store had it; skipped: the file did not check).",
+                               ss + ("outcome",))
+        self.saved_bytes = r.counter("slotctl_keep_stored_bytes_total", "Bytes of the states stored.", ss)
+        self.restores = r.counter("slotctl_keep_restores_total", "Restores into slots, by outcome (restored; "
+                                  "refused: validate's verdict refused a state, which was not sent).",
+                                  ss + ("outcome",))
+        self.proofs = r.counter("slotctl_keep_proofs_total", "Restores proven by the server's own counts, by "
+                                "verdict (proven, reevaluated, undecided).", ss + ("verdict",))
+        self.reused = r.counter("slotctl_keep_prompt_tokens_reused_total", "Prompt tokens of the proving "
+                                "requests the server reused, measured (timings) and predicted.",
+                                ss + ("source",))
+        self.evaluated = r.counter("slotctl_keep_prompt_tokens_evaluated_total", "Prompt tokens of the proving "
+                                   "requests the server evaluated, measured (timings) and predicted.",
+                                   ss + ("source",))
+        self.pruned = r.counter("slotctl_keep_pruned_total", "States deleted from the store (budget, retention).", s)
+        self.pruned_bytes = r.counter("slotctl_keep_pruned_bytes_total", "Bytes of the states deleted.", s)
+        self.errors = r.counter("slotctl_keep_errors_total", "Errors, by code (docs/exit-codes.md).", ("server", "code"))
+        self.objects = r.gauge("slotctl_keep_store_objects", "States in the store (at the last count).", s)
+        self.bytes = r.gauge("slotctl_keep_store_bytes", "Bytes of the states in the store (at the last count).", s)
+        self.last = r.gauge("slotctl_keep_last_success_timestamp_seconds", "When each action last succeeded "
+                            "(Unix time): look, save, restore, proof.", ("server", "action"))
+        self.started = r.gauge("slotctl_keep_start_timestamp_seconds", "When this keep started (Unix time).", s)
+        self.started.set(time.time(), server=server)
+        #: what /readyz reads: the last look at the store (the keeper's own state says the server's)
+        self.store_ok: tuple[bool, float, str] | None = None
+
+    def observe(self, ev: dict) -> None:
+        """Count one of keep's events (``Event.as_dict()``)."""
+        with self.registry.lock:
+            self._observe(ev)
+
+    def _observe(self, ev: dict) -> None:
+        e, slot, d, now = ev["event"], ev.get("slot"), ev.get("details") or {}, time.time()
+        srv = self.server
+        if e in ("up", "restart"):
+            self.up.set(1, server=srv)
+        elif e == "down":
+            self.up.set(0, server=srv)
+        elif e in ("stored", "unchanged"):
+            self.saves.inc(server=srv, slot=slot, outcome=e)
+            if e == "stored":
+                self.saved_bytes.inc(d.get("size") or 0, server=srv, slot=slot)
+            self.last.set(now, server=srv, action="save")
+            self.store_ok = (True, time.monotonic(), "")
+        elif e == "skipped" and slot is not None and "verdict" in d:
+            self.restores.inc(server=srv, slot=slot, outcome="refused")
+        elif e == "skipped" and slot is not None and "answer" not in d and "name" not in d \
+                and "not stored" in ev.get("message", ""):
+            self.saves.inc(server=srv, slot=slot, outcome="skipped")
+        elif e == "restored":
+            self.restores.inc(server=srv, slot=slot, outcome="restored")
+            self.last.set(now, server=srv, action="restore")
+        elif e == "proof":
+            p = d.get("proof") or {}
+            self.proofs.inc(server=srv, slot=slot, verdict=p.get("verdict"))
+            for fam, measured, predicted in ((self.reused, "n_reused", "predicted_reused"),
+                                            (self.evaluated, "n_evaluated", "predicted_evaluated")):
+                for source, key in (("measured", measured), ("predicted", predicted)):
+                    v = p.get(key)
+                    if isinstance(v, int) and not isinstance(v, bool):
+                        fam.inc(v, server=srv, slot=slot, source=source)
+            if p.get("verdict") == "proven":
+                self.last.set(now, server=srv, action="proof")
+        elif e == "pruned":
+            self.pruned.inc(server=srv)
+            self.pruned_bytes.inc(d.get("size") or 0, server=srv)
+        elif e == "error":
+            code = (d.get("error") or {}).get("code") or "error"
+            self.errors.inc(server=srv, code=code)
+            if code.startswith(("store", "no_such_bucket", "bad_credentials")):
+                self.store_ok = (False, time.monotonic(), ev.get("message", ""))
+
+    def store_usage(self, objects: int, size: int) -> None:
+        with self.registry.lock:
+            self.objects.set(objects, server=self.server)
+            self.bytes.set(size, server=self.server)
+            self.store_ok = (True, time.monotonic(), "")
+
+    def store_failed(self, message: str) -> None:
+        with self.registry.lock:
+            self.store_ok = (False, time.monotonic(), message)
+
+    def look(self, up: bool) -> None:
+        """One look at the server (``GET /health``) and what it found."""
+        with self.registry.lock:
+            self.looks.inc(server=self.server, outcome="up" if up else "down")
+            self.up.set(1 if up else 0, server=self.server)
+            if up:
+                self.last.set(time.time(), server=self.server, action="look")
+            self.server_ok = (up, time.monotonic())
+
+    server_ok: tuple[bool, float] | None = None
+
+    def ready(self, max_age: float) -> tuple[bool, list[str]]:
+        """Ready when the last look, within ``max_age`` seconds, found the server up, and the store answered
+        its last request (both as the keeper last saw them: no request is made here)."""
+        now = time.monotonic()
+        why = []
+        if self.server_ok is None:
+            why.append("server: not looked at yet")
+        elif not self.server_ok[0]:
+            why.append("server: down at the last look")
+        elif now - self.server_ok[1] > max_age:
+            why.append(f"server: last looked at {now - self.server_ok[1]:.0f} s ago")
+        else:
+            why.append("server: up")
+        if self.store_ok is None:
+            why.append("store: not reached yet")
+        elif not self.store_ok[0]:
+            why.append(f"store: failed ({self.store_ok[2]})")
+        else:
+            why.append("store: reachable")
+        ok = (self.server_ok is not None and self.server_ok[0] and now - self.server_ok[1] <= max_age
+              and self.store_ok is not None and self.store_ok[0])
+        return ok, why
+
+
+# -- the HTTP endpoint ------------------------------------------------------------------------------------
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6; ``:PORT`` or ``PORT`` alone: 127.0.0.1)."""
+    t = text.strip()
+    host, sep, port = t.rpartition(":")
+    if not sep:
+        host, port = "", t
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or len(port) > 5 or not 0 <= int(port) <= 65535:
+        raise UsageError(f"--listen {text!r}: expected HOST:PORT (a port from 0 to 65535)")
+    return host, int(port)
+
+
+class Endpoint:
+    """``GET /metrics``, ``/livez`` and ``/readyz`` on ``HOST:PORT``, answered by a daemon thread."""
+
+    def __init__(self, listen: str, metrics: Callable[[], str], ready: Callable[[], tuple[bool, list[str]]],
+                 alive: Callable[[], tuple[bool, str]]):
+        import http.server
+
+        host, port = parse_listen(listen)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            server_version = "slotctl"
+
+            def do_GET(self):  # noqa: N802 - the standard library's name
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, metrics().encode(), CONTENT_TYPE)
+                elif path == "/livez":
+                    ok, why = alive()
+                    self._send(200 if ok else 503, (why + "\n").encode())
+                elif path == "/readyz":
+                    ok, why = ready()
+                    self._send(200 if ok else 503, ("\n".join(why) + "\n").encode())
+                else:
+                    self._send(404, b"not found: /metrics, /livez, /readyz\n")
+
+            def _send(self, status: int, body: bytes, ctype: str = "text/plain; charset=utf-8"):
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):   # no line per scrape on stderr
+                pass
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        class Server(http.server.ThreadingHTTPServer):
+            address_family = family
+            daemon_threads = True
+
+        try:
+            self.httpd = Server((host, port), Handler)
+        except OSError as e:
+            raise UsageError(f"--listen {listen}: cannot listen there: {e.strerror}") from None
+        self.host, self.port = host, self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="slotctl-metrics", daemon=True)
+
+    @property
+    def url(self) -> str:
+        h = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{h}:{self.port}"
+
+    def start(self) -> "Endpoint":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -1,0 +1,618 @@
+"""Running unattended (docs/fleet.md): one keeper per server and store, the configuration file, metrics and
+health, systemd's notify protocol, the unit files.
+
+Every keeper here is a real ``slotctl keep`` process (its signals, its lock and its sockets are real); the
+stores are directories and a real SeaweedFS (tests/seaweed.py); the servers real llama-server b11434.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import json_schemas
+
+from llama_server import free_port
+from seaweed import BUCKET
+from test_fleet import Keep, kept, one, slotctl, three  # noqa: F401 - the keep process helper, real servers
+from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
+from slotctl.tinymodels import SAMPLE_PROMPT
+
+ROOT = Path(__file__).resolve().parents[1]
+server = pytest.mark.server
+
+
+def _env(extra: dict | None = None, drop_aws: bool = False) -> dict:
+    env = {k: v for k, v in os.environ.items() if not (drop_aws and k.startswith("AWS_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env.update(extra or {})
+    return env
+
+
+def keep_proc(url: str, slot_dir: Path, *more: str, env: dict | None = None) -> subprocess.Popen:
+    """``slotctl keep --json`` as a process of its own."""
+    return subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(slot_dir),
+                             "--json", "--timeout", "5", *more], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env or _env())
+
+
+def first_line(proc: subprocess.Popen, timeout: float = 60) -> dict:
+    """The first JSON line of a keep process (its ``start`` event), or the failure it exited with."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout):
+        raise AssertionError(f"keep said nothing within {timeout} s")
+    line = proc.stdout.readline()
+    assert line, f"keep exited with {proc.wait(5)}: {proc.stderr.read()}"
+    return json.loads(line)
+
+
+def stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(30)
+    finally:
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+# -- one keeper per server and store ----------------------------------------------------------------------
+
+
+def test_a_second_keeper_of_a_server_and_directory_store_is_refused(tmp_path):
+    """flock in the store: the second keep exits 2 with one line naming the first; a keep killed with
+    SIGKILL leaves nothing held (the kernel drops the lock), so the next one starts at once."""
+    url = f"http://127.0.0.1:{free_port()}"      # nothing listens: keep runs, its looks say "down"
+    a = keep_proc(url, tmp_path, "--every", "0.2")
+    try:
+        assert first_line(a)["event"] == "start"
+        b = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(tmp_path)],
+                           capture_output=True, text=True, env=_env(), timeout=60)
+        assert b.returncode == 2 and b.stdout == "", b
+        lines = b.stderr.strip().splitlines()
+        assert len(lines) == 1 and "another keeper keeps this server with this store" in lines[0], b.stderr
+        assert f"pid {a.pid}" in lines[0]
+        # the same store for another server: no conflict
+        other = keep_proc(f"http://127.0.0.1:{free_port()}", tmp_path, "--every", "0.2")
+        assert first_line(other)["event"] == "start"
+        assert stop(other) == 0
+        # --json: the refusal is a JSON document too
+        b = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(tmp_path),
+                            "--json"], capture_output=True, text=True, env=_env(), timeout=60)
+        assert b.returncode == 2 and json.loads(b.stdout)["error"]["code"] == "locked", b
+    finally:
+        stop(a, signal.SIGKILL)
+    c = keep_proc(url, tmp_path, "--every", "0.2")
+    try:
+        assert first_line(c)["event"] == "start"
+    finally:
+        assert stop(c) == 0
+
+
+def _lease(seaweed, prefix: str) -> tuple[str, dict]:
+    import obstore
+
+    client = seaweed.client()
+    found = [m["path"] for m in obstore.list(client, prefix=prefix).collect() if m["path"].endswith(".lease")]
+    assert len(found) == 1, found
+    return found[0], json.loads(bytes(obstore.get(client, found[0]).bytes()))
+
+
+def test_an_s3_lease_is_refused_while_it_holds_and_taken_over_after_its_expiry(seaweed, tmp_path):
+    """A keeper killed with SIGKILL: its lease is refused to the next until its expiry, never before, and
+    taken over after it; the journal it wrote passes to the next."""
+    env = _env({**seaweed.env(), "HOME": str(seaweed.dir)}, drop_aws=True)
+    store = f"s3://{BUCKET}/lease-{tmp_path.name}/"
+    url = f"http://127.0.0.1:{free_port()}"
+    args = ("--store", store, "--every", "0.2", "--lease", "6")
+    a = keep_proc(url, tmp_path, *args, env=env)
+    assert first_line(a)["event"] == "start"
+    key, doc = _lease(seaweed, f"lease-{tmp_path.name}/")
+    assert doc["pid"] == a.pid and doc["ttl"] == 6
+    stop(a, signal.SIGKILL)
+    killed = time.time()
+    _, doc = _lease(seaweed, f"lease-{tmp_path.name}/")
+    expires = doc["expires"]
+    assert expires > killed
+    refused = 0
+    while time.time() < expires - 1.5:      # before the expiry (with a margin for the process's start-up)
+        b = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(tmp_path),
+                            *args], capture_output=True, text=True, env=env, timeout=60)
+        if time.time() < expires:
+            assert b.returncode == 2, (b, time.time() - expires)
+            assert "its lease" in b.stderr and "holds until" in b.stderr and f"pid {a.pid}" in b.stderr, b.stderr
+            assert len(b.stderr.strip().splitlines()) == 1
+            refused += 1
+    assert refused >= 1
+    time.sleep(max(0.0, expires - time.time()) + 0.2)
+    c = keep_proc(url, tmp_path, *args, env=env)
+    try:
+        assert first_line(c)["event"] == "start"
+        _, doc = _lease(seaweed, f"lease-{tmp_path.name}/")
+        assert doc["pid"] == c.pid and doc["expires"] > time.time()
+    finally:
+        assert stop(c) == 0
+    # stopped cleanly: the lease is marked released, the next keeper need not wait
+    _, doc = _lease(seaweed, f"lease-{tmp_path.name}/")
+    assert doc["released"] is True
+    d = keep_proc(url, tmp_path, *args, env=env)
+    try:
+        assert first_line(d)["event"] == "start"
+    finally:
+        assert stop(d) == 0
+
+
+def test_a_keeper_whose_lease_was_taken_over_stops_writing(seaweed, tmp_path):
+    """A keeper frozen (SIGSTOP) past its lease's expiry finds, when it runs again, that another took it
+    over: it stops at once without a last save, exit 2, an error line lease_lost."""
+    env = _env({**seaweed.env(), "HOME": str(seaweed.dir)}, drop_aws=True)
+    store = f"s3://{BUCKET}/taken-{tmp_path.name}/"
+    url = f"http://127.0.0.1:{free_port()}"
+    args = ("--store", store, "--every", "0.2", "--lease", "3")
+    a = keep_proc(url, tmp_path, *args, env=env)
+    assert first_line(a)["event"] == "start"
+    a.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(3.5)
+        b = keep_proc(url, tmp_path, *args, env=env)
+        assert first_line(b)["event"] == "start"
+    finally:
+        a.send_signal(signal.SIGCONT)
+    try:
+        assert a.wait(30) == 2
+        events = [json.loads(x) for x in a.stdout.read().splitlines()]
+        errors = [e for e in events if e["event"] == "error"]
+        assert errors and errors[-1]["details"]["error"]["code"] == "lease_lost", events
+        assert events[-1]["event"] == "stop" and "without a last save" in events[-1]["message"]
+        _, doc = _lease(seaweed, f"taken-{tmp_path.name}/")
+        assert doc["pid"] == b.pid        # the frozen keeper wrote nothing over the new holder's lease
+    finally:
+        stop(a)
+        assert stop(b) == 0
+
+
+@server
+def test_a_keeper_started_again_does_not_save_what_the_store_has(kept, tmp_path):
+    """The journal: a keep stopped and started again against the same server and store does not ask the
+    server to save a slot whose state the store already has; a new task is saved as before."""
+    store = tmp_path / "store"
+    store.mkdir()
+    keep = Keep(kept, store, "--every", "0.2")
+    try:
+        keep.wait_for("up")
+        kept.completion(SAMPLE_PROMPT + " The journal", slot=0, n_predict=3)
+        stored = keep.wait_for("stored", 0)["details"]
+    finally:
+        assert keep.stop() == 0
+    journal = [p for p in store.iterdir() if p.name.endswith(".json")]
+    assert len(journal) == 1 and json.loads(journal[0].read_text())["journal"]["0"]["name"] == stored["name"]
+    keep = Keep(kept, store, "--every", "0.2")
+    try:
+        keep.wait_for("up")
+        time.sleep(2)       # ten looks
+        kept.completion(SAMPLE_PROMPT + " The journal goes on", slot=0, n_predict=3)
+        again = keep.wait_for("stored", 0)["details"]
+        assert again["name"] != stored["name"]
+    finally:
+        assert keep.stop() == 0
+    # one save of slot 0 in the second run: the new task's (the state the store had was not saved again)
+    assert [e["event"] for e in keep.seen if e["slot"] == 0] == ["saved", "stored"], keep.seen
+
+
+# -- the configuration file --------------------------------------------------------------------------------
+
+BAD_CONFIGS = [
+    ("[keep]\nevery = 'often'\n", "keep.every: expected seconds from 0.05 to 86400, got 'often'"),
+    ("[keep]\nevery = 0\n", "keep.every: expected seconds from 0.05 to 86400, got 0"),
+    ("[keep]\nmin_tokens = 2.5\n", "keep.min_tokens: expected an integer from 1 to 16,777,216, got 2.5"),
+    ("[keep]\nevry = 3\n", "keep.evry: unknown key (expected one of: server, every, min_tokens, timeout, lease, "
+                           "listen)"),
+    ("[keep]\nlisten = 'here'\n", "keep.listen: expected HOST:PORT, got 'here'"),
+    ("[[servers]]\nslot_dir = '/x'\n", "servers[0].url: expected the server's URL (http://HOST:PORT)"),
+    ("[[servers]]\nurl = 'http://a'\nstore = 'ftp://x/'\n",
+     "servers[0].store: expected a directory or s3://BUCKET/PREFIX/, got 'ftp://x/'"),
+    ("[[servers]]\nurl = 'http://a'\napi_key_env = 'my key'\n",
+     "servers[0].api_key_env: expected the name of an environment variable, got 'my key'"),
+    ("servers = 3\n", "servers: expected an array of tables ([[servers]]), got 3"),
+    ("[budget]\nmax_size = 'lots'\n", "budget.max_size: expected a size such as 20G or 500M, got 'lots'"),
+    ("[retention]\nnewest = 0\n", "retention.newest: expected an integer from 1 to 1,048,576, got 0"),
+    ("[proof]\npolicy = 'sometimes'\n", 'proof.policy: expected "always" or "never", got \'sometimes\''),
+    ("[surprise]\n", "surprise: unknown key (expected one of: servers, keep, budget, retention, proof)"),
+    ("[keep\n", "not TOML: Expected ']' at the end of a table declaration (at line 1, column 6)"),
+    ("[keep]\nevery = " + "9" * 500_000 + "\n", "line 2: a number of 500,000 digits: expected at most 24"),
+    ("[keep]\nevery = " + "9" * 5_000_000 + "\n", "more than 1,048,576 bytes: expected a configuration file of at most that"),
+    ("[[servers]]\nurl = 'http://a'\nname = 'x'\n[[servers]]\nurl = 'http://b'\nname = 'y'\n",
+     "keep.server: expected the name of one of the 2 [[servers]] (x, y)"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD_CONFIGS, ids=[m.split(":")[0] for _, m in BAD_CONFIGS])
+def test_a_bad_configuration_is_one_line_naming_the_key(tmp_path, text, message):
+    cfg = tmp_path / "keep.toml"
+    cfg.write_text(text)
+    res = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--config", str(cfg), "--slot-dir", str(tmp_path)],
+                         capture_output=True, text=True, env=_env(), timeout=60)
+    assert res.returncode == 2 and res.stdout == "", res
+    assert res.stderr.strip().splitlines() == [f"error: {cfg}: {message}"], res.stderr
+
+
+def test_the_configuration_drives_keep_and_flags_override_it(tmp_path):
+    """The server, its slot directory and the settings from the file; --every given on the command line
+    wins over the file's."""
+    store = tmp_path / "store"
+    store.mkdir()
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg = tmp_path / "keep.toml"
+    cfg.write_text(f"[[servers]]\nname = 'tiny'\nurl = '{url}'\nslot_dir = '{tmp_path}'\nstore = '{store}'\n"
+                   f"[keep]\nevery = 600\nmin_tokens = 8\n[budget]\nmax_size = '1G'\n[retention]\nnewest = 2\n")
+    proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--config", str(cfg), "--every", "0.25",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        start = first_line(proc)
+        assert start["event"] == "start" and start["details"] == {"every": 0.25, "store": str(store)}, start
+        assert url in start["message"]
+        # the lock is in the configured store
+        assert [p.name for p in store.iterdir() if p.name.endswith(".lock")]
+    finally:
+        assert stop(proc) == 0
+
+
+# -- metrics and health --------------------------------------------------------------------------------------
+
+
+def scrape(base: str, path: str = "/metrics") -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(base + path, timeout=10) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type", ""), e.read().decode()
+
+
+def samples(text: str) -> dict[tuple, float]:
+    """Every sample of an exposition, parsed by prometheus_client's parser: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        assert fam.name.startswith("slotctl_keep_"), fam.name
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(ss: dict, name: str, **labels) -> float:
+    return ss.get((name, tuple(sorted({k: str(v) for k, v in labels.items()}.items()))), 0.0)
+
+
+def wait_until(check, timeout: float = 30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout} s")
+
+
+class Answering:
+    """A stand-in for a llama-server started with --api-key, asked without one: /health answers (it is
+    public), /props is 401; each look of keep is then an error with a code (the metrics count them)."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                ok = self.path == "/health"
+                body = (b'{"status": "ok"}' if ok else
+                        b'{"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}')
+                self.send_response(200 if ok else 401)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_metrics_count_errors_and_readyz_says_why_not(tmp_path):
+    """A server down, then one whose answers do not check: /livez 200 throughout, /readyz 503 with the
+    reason, errors counted by code, looks by outcome; the port is loopback when only a port is given."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    down = f"http://127.0.0.1:{free_port()}"
+    proc = keep_proc(down, tmp_path, "--every", "0.2", "--listen", str(port))
+    try:
+        first_line(proc)
+        ss = wait_until(lambda: (lambda s: s if value(s, "slotctl_keep_looks_total", server=down,
+                                                     outcome="down") >= 3 else None)(samples(scrape(base)[2])))
+        assert value(ss, "slotctl_keep_server_up", server=down) == 0
+        assert value(ss, "slotctl_keep_looks_total", server=down, outcome="up") == 0
+        status, ctype, body = scrape(base, "/readyz")
+        assert status == 503 and "server: down at the last look" in body and "store: reachable" in body
+        status, _, body = scrape(base, "/livez")
+        assert status == 200, body
+        assert scrape(base, "/nothing")[0] == 404
+        status, ctype, _ = scrape(base)
+        assert ctype.startswith("text/plain; version=0.0.4")
+    finally:
+        assert stop(proc) == 0
+    fake = Answering()
+    proc = keep_proc(fake.url, tmp_path, "--every", "0.2", "--listen", f"127.0.0.1:{port}")
+    try:
+        first_line(proc)
+        wait_until(lambda: value(samples(scrape(base)[2]), "slotctl_keep_errors_total", server=fake.url,
+                                 code="server_auth") >= 2)
+    finally:
+        assert stop(proc) == 0
+        fake.close()
+
+
+@server
+def test_metrics_equal_what_keep_did(kept, tmp_path):
+    """Scraped and parsed with prometheus_client: saves, stored bytes, the store's objects and bytes,
+    restores, proofs and the prompt tokens of the proofs equal keep's own events; readyz 200 while the
+    server is up; the last-success timestamps are set."""
+    store = tmp_path / "store"
+    store.mkdir()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    keep = Keep(kept, store, "--every", "0.3", "--listen", f"127.0.0.1:{port}")
+    url = kept.url
+    try:
+        keep.wait_for("up")
+        kept.completion(SAMPLE_PROMPT + " The metrics", slot=0, n_predict=3)
+        stored = keep.wait_for("stored", 0)["details"]
+        ss = samples(scrape(base)[2])
+        assert value(ss, "slotctl_keep_saves_total", server=url, slot=0, outcome="stored") == 1
+        assert value(ss, "slotctl_keep_stored_bytes_total", server=url, slot=0) == stored["size"]
+        assert value(ss, "slotctl_keep_store_objects", server=url) == 1
+        assert value(ss, "slotctl_keep_store_bytes", server=url) == Path(stored["path"]).stat().st_size
+        assert value(ss, "slotctl_keep_server_up", server=url) == 1
+        assert value(ss, "slotctl_keep_last_success_timestamp_seconds", server=url, action="save") > time.time() - 60
+        assert scrape(base, "/readyz")[0] == 200
+        kept.kill_and_start_again()
+        keep.wait_for("restart")
+        restored = keep.wait_for("restored", 0)
+        proof = keep.wait_for("proof", 0)["details"]["proof"]
+        time.sleep(1)
+        ss = samples(scrape(base)[2])
+        assert value(ss, "slotctl_keep_restores_total", server=url, slot=0, outcome="restored") == 1
+        assert restored["details"]["name"] == stored["name"]
+        assert value(ss, "slotctl_keep_proofs_total", server=url, slot=0, verdict=proof["verdict"]) == 1
+        for name, key, source in (("reused", "n_reused", "measured"), ("reused", "predicted_reused", "predicted"),
+                                  ("evaluated", "n_evaluated", "measured"),
+                                  ("evaluated", "predicted_evaluated", "predicted")):
+            assert value(ss, f"slotctl_keep_prompt_tokens_{name}_total", server=url, slot=0,
+                         source=source) == proof[key], (name, source)
+        assert value(ss, "slotctl_keep_last_success_timestamp_seconds", server=url, action="proof") > 0
+        assert value(ss, "slotctl_keep_looks_total", server=url, outcome="up") >= 2
+    finally:
+        assert keep.stop() == 0
+    every = [e for e in keep.seen if e["event"] == "stored"]
+    assert len(every) == 1
+
+
+# -- systemd --------------------------------------------------------------------------------------------------
+
+
+def test_keep_speaks_systemds_notify_protocol(tmp_path):
+    """A unix datagram socket the test binds as NOTIFY_SOCKET: READY=1 (with a STATUS), WATCHDOG=1 every
+    half WATCHDOG_USEC while the loop lives, STOPPING=1 on SIGTERM, exit 0."""
+    sock_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(30)
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = keep_proc(url, tmp_path, "--every", "0.2",
+                     env=_env({"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "400000"}))
+    got: list[str] = []
+    try:
+        while got.count("WATCHDOG=1") < 3:
+            got += sock.recv(4096).decode().split("\n")
+        assert got[0] == "READY=1" and got[1].startswith("STATUS=keeping ") and url in got[1], got
+        proc.send_signal(signal.SIGTERM)
+        while "STOPPING=1" not in got:
+            got += sock.recv(4096).decode().split("\n")
+        assert proc.wait(30) == 0
+    finally:
+        stop(proc)
+        sock.close()
+    # the order: ready first, then the pings, stopping last of what was said before the exit
+    assert got.index("READY=1") < got.index("WATCHDOG=1") < got.index("STOPPING=1")
+
+
+def test_the_watchdog_of_another_process_is_not_answered_and_an_abstract_socket_works(tmp_path):
+    name = f"slotctl-test-{os.getpid()}-{time.monotonic_ns()}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind("\0" + name)
+    sock.settimeout(5)
+    proc = keep_proc(f"http://127.0.0.1:{free_port()}", tmp_path, "--every", "0.2",
+                     env=_env({"NOTIFY_SOCKET": "@" + name, "WATCHDOG_USEC": "200000", "WATCHDOG_PID": "1"}))
+    try:
+        assert sock.recv(4096).decode().split("\n")[0] == "READY=1"
+        time.sleep(1.0)     # five watchdog intervals: nothing, the watchdog is another process's
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            sock.recv(4096)
+    finally:
+        assert stop(proc) == 0
+        sock.close()
+
+
+def test_the_shipped_unit_is_printed_and_systemd_accepts_it(tmp_path):
+    import shutil
+
+    res = slotctl("unit", "keep", code=0)
+    text = res.stdout
+    for line in ("Type=notify", "WatchdogSec=", "NotifyAccess=main", "KillSignal=SIGTERM",
+                 "ExecStart=/usr/bin/env slotctl keep --config /etc/slotctl/%i.toml"):
+        assert line in text, line
+    from slotctl.unattended.systemd import unit_text
+
+    assert text == unit_text("keep")
+    assert "expected one of: keep" in slotctl("unit", "nothing", code=2).stderr
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    unit = tmp_path / "slotctl-keep@test.service"
+    unit.write_text(text)
+    res = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stderr == "", res
+
+
+# -- keep --save-all, --restore-all, --keep-newest -------------------------------------------------------------
+
+
+def keep_once(srv, store: Path, *more: str) -> tuple[int, list[dict]]:
+    res = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--server", srv.url, "--slot-dir",
+                          str(srv.save_dir), "--store", str(store), "--json", "--timeout", "60", *more],
+                         capture_output=True, text=True, env=_env(), timeout=300)
+    lines = [json.loads(x) for x in res.stdout.splitlines()]
+    for line in lines:
+        json_schemas.check("keep", line, "line")
+    return res.returncode, lines
+
+
+@server
+def test_save_all_then_restore_all_after_a_restart(kept, tmp_path):
+    """--save-all (llama-swap's cmdStop): one pass storing every slot with a task, exit 0; a second pass
+    stores nothing again (the journal); the server killed and started again, --restore-all restores and
+    proves it, exit 0."""
+    store = tmp_path / "store"
+    store.mkdir()
+    kept.completion(SAMPLE_PROMPT + " Save all", slot=1, n_predict=3)
+    code, lines = keep_once(kept, store, "--save-all")
+    assert code == 0, lines
+    stored = [e for e in lines if e["event"] == "stored"]
+    assert 1 in [e["slot"] for e in stored] and lines[-1]["event"] == "stop"
+    code, again = keep_once(kept, store, "--save-all")
+    assert code == 0 and not [e for e in again if e["event"] in ("saved", "stored")], again
+    kept.kill_and_start_again()
+    code, lines = keep_once(kept, store, "--restore-all")
+    assert code == 0, lines
+    mine = next(e for e in stored if e["slot"] == 1)["details"]
+    restored = next(e for e in lines if e["event"] == "restored" and e["slot"] == 1)["details"]
+    assert restored["name"] == mine["name"]
+    proof = next(e for e in lines if e["event"] == "proof" and e["slot"] == 1)["details"]["proof"]
+    assert (proof["verdict"], proof["n_reused"]) == ("proven", mine["n_tokens"] - 1)
+    assert slotctl("keep", "--server", kept.url, "--slot-dir", tmp_path, "--save-all", "--restore-all",
+                   code=2).stderr.strip() == "error: --save-all and --restore-all: give one"
+
+
+@server
+def test_keep_newest_keeps_the_newest_states_of_a_slot(kept, tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    keep = Keep(kept, store, "--every", "0.2", "--keep-newest", "1")
+    try:
+        keep.wait_for("up")
+        kept.completion(SAMPLE_PROMPT + " first", slot=1, n_predict=2)
+        first = keep.wait_for("stored", 1)["details"]
+        kept.completion(SAMPLE_PROMPT + " second", slot=1, n_predict=2)
+        second = keep.wait_for("stored", 1)["details"]
+        pruned = keep.wait_for("pruned")["details"]
+        assert pruned["path"] == first["path"] and pruned["size"] == first["size"]
+        states = sorted(p.name for p in store.iterdir() if p.name.startswith("slot1-"))
+        assert states == [second["name"]]
+    finally:
+        assert keep.stop() == 0
+
+
+# -- the fleet view --------------------------------------------------------------------------------------------
+
+
+@server
+def test_slots_shows_every_servers_slots_in_one_table(one, three, tmp_path):
+    """Two real servers (-np 2 and -np 3), one of them with a store keep --save-all wrote: one document with
+    both servers' slots, the tokens of the slot used, its stored state and when it was saved; a server
+    down is a row with its error and exit 2, the others still shown."""
+    store = tmp_path / "store"
+    store.mkdir()
+    one.completion(SAMPLE_PROMPT + " The fleet", slot=1, n_predict=2)
+    code, lines = keep_once(one, store, "--save-all")
+    assert code == 0, lines
+    saved = next(e for e in lines if e["event"] == "saved" and e["slot"] == 1)["details"]["answer"]
+    cfg = tmp_path / "fleet.toml"
+    cfg.write_text(f"[[servers]]\nname = 'one'\nurl = '{one.url}'\nstore = '{store}'\n"
+                   f"[[servers]]\nname = 'three'\nurl = '{three.url}'\n")
+    doc = json.loads(slotctl("slots", "--config", cfg, "--json", code=0).stdout)
+    json_schemas.check("slots", doc)
+    a, b = doc["servers"]
+    assert (a["name"], b["name"]) == ("one", "three") and [len(a["slots"]), len(b["slots"])] == [2, 3]
+    row = a["slots"][1]
+    assert row["n_tokens"] == saved["n_saved"] and row["busy"] is False
+    assert row["stored_states"] == 1 and row["last_saved"] is not None
+    assert all(s["stored_states"] is None for s in b["slots"])     # no store for three
+    # repeated --server: both servers (before, the last one only)
+    doc = json.loads(slotctl("slots", "--server", one.url, "--server", three.url, "--json", code=0).stdout)
+    assert [d["server"] for d in doc["servers"]] == [one.url, three.url]
+    # a server down: its row says so, exit 2, the others shown
+    down = f"http://127.0.0.1:{free_port()}"
+    res = slotctl("slots", "--server", one.url, "--server", down, code=2)
+    assert res.stdout.count(" idle ") == 2 and res.stdout.count(" error ") == 1, res.stdout
+    assert "2 server(s), 2 slot(s), 0 busy, 1 with an error" in res.stdout
+    assert f"{down}: GET {down}/props: connection refused" in res.stderr
+    doc = json.loads(slotctl("slots", "--server", one.url, "--server", down, "--json", code=2).stdout)
+    json_schemas.check("slots", doc)
+    assert doc["servers"][1]["error"]["code"] == "server_unreachable"
+
+
+@server
+def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three):
+    import pty
+    import select
+
+    args = [sys.executable, "-m", "slotctl", "slots", "--server", one.url, "--server", three.url, "--watch", "0.2"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    lines = []
+    try:
+        while len(lines) < 15:      # three refreshes of 5 rows
+            lines.append(proc.stdout.readline())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        proc.stdout.close()
+        proc.stderr.close()
+    rows = [line.rstrip("\n").split("\t") for line in lines]
+    assert all(len(r) == 7 for r in rows) and not any("\x1b" in line for line in lines), lines
+    assert [r[0] for r in rows[:5]] == [one.url] * 2 + [three.url] * 3
+    assert [r[2] for r in rows[:5]] == ["0", "1", "0", "1", "2"] and rows[:5] == rows[5:10]
+    # a terminal: the cursor home and the screen cleared before each table
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(args, stdout=slave, stderr=slave, env=_env({"COLUMNS": "160", "TERM": "xterm"}))
+    os.close(slave)
+    out = b""
+    try:
+        deadline = time.monotonic() + 60
+        while out.count(b"\x1b[H\x1b[J") < 3 and time.monotonic() < deadline:
+            if select.select([master], [], [], 1)[0]:
+                out += os.read(master, 65536)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        os.close(master)
+    assert out.count(b"\x1b[H\x1b[J") >= 3
+    assert out.count(b"last saved") >= 3 and b"2 server(s), 5 slot(s)" in out
