@@ -224,6 +224,8 @@ class Output:
 
     def _record(self, cells: list) -> None:
         """One table row as ``column: value`` items (:meth:`record`)."""
+        from rich.text import Text
+
         items = []
         for col, cell in cells:
             value = cell if isinstance(cell, Text) else self.console.render_str(str(cell), style="")
