@@ -35,7 +35,7 @@ from slotctl.errors import ExitStatus
 
 DEFAULT_DIR = Path("slotctl-demo")
 #: server flags shared by every step of the full run: what a server would be started with
-SERVER_FLAGS = ["-c", "512", "-np", "1", "-fa", "on"]
+SERVER_FLAGS = ["-c", "512", "-np", "1", "-fa", "on", "--spec-type", "draft-simple"]
 
 
 @dataclass(frozen=True)
