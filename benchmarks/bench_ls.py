@@ -17,6 +17,9 @@ Then it times whole processes, each over the whole directory:
 * ``ls``: ``slotctl ls DIR --jsonl`` (rows streamed), cold (page cache dropped, when this process may
   write /proc/sys/vm/drop_caches; else it says so) and warm;
 * ``ls --json`` and ``ls --sort size``, warm;
+* with the catalog (``SLOTCTL_CACHE_DIR`` a directory of the run's own): ``ls --jsonl`` a first time (every
+  file read, every row written) and again (no file changed: no file read), and ``ls --json`` again; every
+  other run with ``--no-cache``;
 
 with peak RSS (the largest of the process and its workers), and ``ls --jsonl`` on a tenth of the files
 to show memory flat in the number of files. It prints the disk the directory used and removes it.
@@ -269,25 +272,34 @@ def main() -> None:
               f"(largest {max(sizes) / 2**30:.1f} GiB), disk used {used / 2**20:,.0f} MiB")
         py = sys.executable
         ls = [py, "-m", "slotctl", "ls", d]
+        nc = ["--no-cache"]
+        os.environ["SLOTCTL_CACHE_DIR"] = os.path.join(parent, "cache")   # the catalog: empty, this run's own
+        time.sleep(3.5)     # a row made within 3 s of its file's last change is not trusted (docs/directories.md)
         results = []
         cold = drop_caches()
         base_cold = timed([py, "-c", BASELINE, d])
         drop_caches()
-        ls_cold = timed([*ls, "--jsonl"])
+        ls_cold = timed([*ls, "--jsonl", *nc])
         base_warm = timed([py, "-c", BASELINE, d])
-        ls_warm = timed([*ls, "--jsonl"])
-        json_warm = timed([*ls, "--json"])
-        sort_warm = timed([*ls, "--sort", "size"])
-        tenth = timed([py, "-m", "slotctl", "ls", small, "--jsonl"])
+        ls_warm = timed([*ls, "--jsonl", *nc])
+        ls_first = timed([*ls, "--jsonl"])            # the catalog empty: every file read, every row written
+        ls_again = timed([*ls, "--jsonl"])            # every file unchanged: no file read
+        again_json = timed([*ls, "--json"])
+        json_warm = timed([*ls, "--json", *nc])
+        sort_warm = timed([*ls, "--sort", "size", *nc])
+        tenth = timed([py, "-m", "slotctl", "ls", small, "--jsonl", *nc])
         note = "" if cold else " (not cold: cannot write /proc/sys/vm/drop_caches; the page cache was warm)"
         results += [
             (f"baseline cold{note}", base_cold, None),
             (f"ls --jsonl cold{note}", ls_cold, base_cold[0]),
             ("baseline warm", base_warm, None),
-            ("ls --jsonl warm", ls_warm, base_warm[0]),
-            ("ls --json warm", json_warm, base_warm[0]),
-            ("ls --sort size warm (human)", sort_warm, base_warm[0]),
-            (f"ls --jsonl warm, {len(os.listdir(small)):,} files", tenth, None),
+            ("ls --jsonl warm --no-cache", ls_warm, base_warm[0]),
+            ("ls --jsonl warm, the catalog empty (first)", ls_first, base_warm[0]),
+            ("ls --jsonl warm, the catalog holding every row", ls_again, base_warm[0]),
+            ("ls --json warm, the catalog holding every row", again_json, base_warm[0]),
+            ("ls --json warm --no-cache", json_warm, base_warm[0]),
+            ("ls --sort size warm (human) --no-cache", sort_warm, base_warm[0]),
+            (f"ls --jsonl warm --no-cache, {len(os.listdir(small)):,} files", tenth, None),
         ]
         cores = os.cpu_count() or 1
         print(f"load average {os.getloadavg()[0]:.1f} on {cores} cores (other processes share them)")

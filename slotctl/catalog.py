@@ -12,6 +12,7 @@ and yields rows in the order of the paths, one at a time (memory stays flat in t
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Iterable, Iterator
 
 from slotctl.errors import ExitStatus
 from slotctl.validate.report import Verdict
+from slotctl.slotfile import CATALOG_FILE
 from slotctl.sources import remote_url
 
 #: verdicts of files a server refuses or aborts on (``ls --broken``, ``prune --broken``)
@@ -55,7 +57,7 @@ def _draft_size(sf) -> int:
     return n
 
 
-def _row_from(path: str, st, sf, report, now: float) -> dict:
+def _row_from(path: str, st, sf, report, now: float, standing=None) -> dict:
     tokens = sf.tokens.n_tokens if sf.tokens is not None and sf.tokens.error is None else None
     kind = sf.target.layout.kind if sf.target is not None else None
     checkpoints = [{"n_tokens": c.n_tokens, "pos_min": c.pos_min, "pos_max": c.pos_max,
@@ -84,6 +86,9 @@ def _row_from(path: str, st, sf, report, now: float) -> dict:
     }
     if report.verdict == "undecided" and sf.payload_cut:
         row["payload_cut"] = True    # refused or aborts, whichever: broken (ls/prune --broken)
+    if standing is not None:         # slotctl.validate.classes: broken, mismatch, useless, ok, undecided
+        row["class"] = str(standing.file_class)
+        row["remedy"] = standing.remedy
     if sf.damaged:
         row["error"] = {"code": "damaged", "message": sf.errors[0].one_line()}
     elif report.verdict in BROKEN_VERDICTS:
@@ -110,7 +115,8 @@ def _unreadable(path: str, e: Exception, st) -> dict:
             "atime": iso_time(st.used) if st and st.used is not None else None,
             "age_seconds": None, "state_version": None, "n_tokens": None, "memory_kind": None, "checkpoints": [],
             "draft_size": 0, "damaged": False, "verdict": "unreadable", "certain": True, "uncertain": [], "reuse": None,
-            "findings": [], "exit_code": int(ExitStatus.USAGE), "error": err.as_dict()}
+            "findings": [], "class": "broken", "remedy": None, "exit_code": int(ExitStatus.USAGE),
+            "error": err.as_dict()}
 
 
 class _Worker:
@@ -131,6 +137,7 @@ class _Worker:
         from slotctl.paths import stat_error
         from slotctl.sources import Entry, open_input, remote_url
         from slotctl.validate import validate_file
+        from slotctl.validate.classes import classify
 
         st = None
         try:
@@ -145,9 +152,10 @@ class _Worker:
                     raise stat_error(path, e) from None
                 st = Entry(path, s.st_size, s.st_mtime, None, s.st_atime)
                 report = validate_file(path, self.setup, self.models, self.checker)
+            standing = classify(report, self.setup)
         except (OSError, UsageError) as e:
             return _unreadable(path, e, st)
-        return _row_from(path, st, report.slot_file, report, now)
+        return _row_from(path, st, report.slot_file, report, now, standing)
 
     def close(self) -> None:
         if self.checker is not None:
@@ -167,18 +175,101 @@ def _work(args: tuple[str, float]) -> dict:
 
 
 def catalog(paths: Iterable[str], request: Request = Request(), *, processes: int | None = None,
-            now: float | None = None) -> Iterator[dict]:
+            now: float | None = None, index: bool = True) -> Iterator[dict]:
     """A row per path, in order. ``processes``: worker processes (default: the CPUs, when the files are
-    many and no real check runs; the real check has a child process of its own per worker)."""
+    many and no real check runs; the real check has a child process of its own per worker). ``index``: a
+    local file whose identity has not changed since its row was made for the same question is not read
+    again (:class:`Index`, beside its directory); False: every file is read."""
     paths = list(paths)
     now = time.time() if now is None else now
     if any(remote_url(p) for p in paths):
         yield from _remote_rows(paths, request, now)
         return
+    if not index:
+        yield from _rows(paths, request, processes, now)
+        return
+    known, stats, indexes = _indexed(paths, request)
+    misses = [p for p in paths if p not in known]
+    made = iter(_rows(misses, request, processes, now))
+    fresh: dict[str, list] = {}
+    for p in paths:
+        c = known.get(p)
+        if c is not None:
+            st = stats[p]
+            yield dict(c.row, path=p, name=os.path.basename(p), age_seconds=max(0, int(now - st.st_mtime)),
+                       atime=iso_time(st.st_atime))
+            continue
+        row = next(made)
+        st = stats.get(p)
+        if st is not None and row.get("exit_code") != int(ExitStatus.USAGE):
+            fresh.setdefault(_dir_of(p), []).append((os.path.abspath(p), local_identity(st), st.st_mtime_ns,
+                                                     Cached(row, row.get("memory_kind"), None, None)))
+        yield row
+    key = request_key(request)
+    for d, items in fresh.items():
+        if d in indexes:
+            indexes[d].put(key, items)
+    for ix in indexes.values():
+        ix.close()
+
+
+def _dir_of(p: str) -> str:
+    return os.path.dirname(os.path.abspath(p))
+
+
+def request_key(request: Request) -> str:
+    """What a row depends on besides its file: the server it was judged for (the models named by their
+    identity, not only their paths), whether the real check ran, and slotctl's version."""
+    import hashlib
+
+    from slotctl import __version__
+
+    parts = [__version__, repr(request.setup), str(request.real_check)]
+    for attr in ("target", "draft"):
+        m = getattr(request.setup, attr, None)
+        if m is not None:
+            try:
+                parts.append(local_identity(os.stat(m)))
+            except OSError:
+                parts.append("missing")
+    return "row:" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def _indexed(paths: list[str], request: Request) -> tuple[dict, dict, dict]:
+    """The rows the index holds for ``paths`` (path -> Cached), each path's stat, the indexes opened."""
+    stats, by_dir = {}, {}
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        import stat as stat_mod
+
+        if stat_mod.S_ISREG(st.st_mode):
+            stats[p] = st
+            by_dir.setdefault(_dir_of(p), []).append(p)
+    key = request_key(request)
+    known, indexes = {}, {}
+    for d, ps in by_dir.items():
+        ix = Index(index_path(d))
+        if not ix.usable:
+            continue
+        indexes[d] = ix
+        absolute = {os.path.abspath(p): p for p in ps}
+        got = ix.get(list(absolute), key, {a: local_identity(stats[p]) for a, p in absolute.items()})
+        for a, c in got.items():
+            if c.row is not None:
+                known[absolute[a]] = c
+    return known, stats, indexes
+
+
+def _rows(paths: list[str], request: Request, processes: int | None, now: float) -> Iterator[dict]:
     if processes is None:
         processes = os.cpu_count() or 1
         if len(paths) < POOL_MIN_FILES or request.real_check:
             processes = 1
+    if not paths:
+        return
     if processes <= 1:
         w = _Worker(request)
         try:
@@ -212,11 +303,232 @@ def _remote_rows(paths: list[str], request: Request, now: float) -> Iterator[dic
 
 
 def is_broken(row: dict) -> bool:
-    """Whether the server refuses or aborts on the file of ``row`` (a payload cut short: one or the other)."""
+    """Whether the server refuses or aborts on the file of ``row`` whatever its flags: damage in the file
+    itself (:mod:`slotctl.validate.classes`; a payload cut short: one or the other)."""
+    if "class" in row:
+        return row["class"] == "broken"
     return row["verdict"] in BROKEN_VERDICTS or row.get("payload_cut", False)
+
+
+def is_mismatched(row: dict) -> bool:
+    """Whether the file of ``row`` is refused only by the flags or the model given (it restores in a server
+    started as it was saved): ``ls --mismatched``, ``prune --mismatched``."""
+    return row.get("class") == "mismatch"
+
+
+def is_useless(row: dict) -> bool:
+    """Whether the server restores the file of ``row`` but reuses none of it: ``ls --useless``,
+    ``prune --useless``."""
+    return row.get("class") == "useless"
 
 
 def is_undecided(row: dict) -> bool:
     """Whether what the server does with the file cannot be told without the model (and it is not cut short:
     that one is broken either way). ``ls --broken`` lists these too; ``prune --broken`` leaves them."""
     return row["verdict"] == "undecided" and not row.get("payload_cut", False)
+
+
+# -- the index on disk (SQLite) ------------------------------------------------------------------------------
+#
+# What parsing a file found, kept so that a file whose identity has not changed is not parsed again: per
+# file (and per question asked of it: ``key``) its identity (a local file's device, inode, size, mtime_ns and
+# ctime_ns; an object's key and ETag), when it was read, the row ls prints, its tokens (for serve's prefix
+# lookups), its memory kind and the model fingerprint it was stored under. SQLite from the standard library,
+# in WAL mode with short transactions, so that several processes share it.
+
+#: the index's layout; an index of another version (or another slotctl version) is rebuilt, never read
+INDEX_VERSION = 1
+#: the index of a store directory, beside its files (when the directory is writable); ls does not count it
+INDEX_NAME = CATALOG_FILE
+#: a row read less than this long after its file last changed is not trusted (a file may still change
+#: within its mtime's granularity): the file is read again
+RACY_SECONDS = 3.0
+#: how long a process waits for another's transaction before going on without the index
+BUSY_SECONDS = 2.0
+
+_SCHEMA = """
+CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE files (
+    path TEXT NOT NULL,          -- the file's absolute path, or the object's s3:// URL
+    key TEXT NOT NULL,           -- what was asked of it: the verdict inputs of an ls row, or 'tokens'
+    identity TEXT NOT NULL,      -- local: dev:ino:size:mtime_ns:ctime_ns, object: etag:ETAG:size
+    changed_ns INTEGER NOT NULL, -- the file's mtime (ns)
+    read_ns INTEGER NOT NULL,    -- when the row was made (ns)
+    row TEXT,                    -- ls's row (JSON), for key != 'tokens'
+    kind TEXT,                   -- the memory kind
+    n_tokens INTEGER,
+    tokens BLOB,                 -- the tokens, int32 little-endian
+    model TEXT,                  -- the model fingerprint the file was stored under, when known
+    PRIMARY KEY (path, key)
+);
+"""
+
+
+def cache_home() -> str:
+    """slotctl's cache directory: ``$SLOTCTL_CACHE_DIR``, else ``$XDG_CACHE_HOME/slotctl``, else
+    ``~/.cache/slotctl``."""
+    if os.environ.get("SLOTCTL_CACHE_DIR"):
+        return os.path.expanduser(os.environ["SLOTCTL_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "slotctl")
+
+
+def index_path(where: str, *, beside: bool = False) -> str:
+    """Where the index of the directory or ``s3://`` prefix ``where`` lives: with ``beside`` (a store
+    slotctl writes: serve's) beside a writable directory's files; else (a directory ls only reads, an
+    ``s3://`` prefix, a read-only directory) under :func:`cache_home`, named by a hash of its path."""
+    import hashlib
+
+    if beside and remote_url(where) is None and os.access(where, os.W_OK):
+        return os.path.join(where, INDEX_NAME)
+    name = os.path.abspath(where) if remote_url(where) is None else where.rstrip("/") + "/"
+    return os.path.join(cache_home(), "catalog", hashlib.sha256(name.encode()).hexdigest()[:24] + ".sqlite")
+
+
+def local_identity(st: os.stat_result) -> str:
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def object_identity(etag: str | None, size: int) -> str | None:
+    return f"etag:{etag}:{size}" if etag else None
+
+
+@dataclass
+class Cached:
+    """A row of the index: ``row`` (ls's, or None), ``kind``, ``tokens`` (numpy int32, or None), ``model``."""
+
+    row: dict | None
+    kind: str | None
+    tokens: object
+    model: str | None
+
+
+class Index:
+    """The index at ``path`` (see :func:`index_path`). Every method is one short transaction; any SQLite
+    error (a corrupt file, a lock held too long) makes the index unusable for this process: callers then
+    read the files themselves (:attr:`usable`). A file of another version, or one that is not an index, is
+    rebuilt."""
+
+    def __init__(self, path: str, *, log=None):
+        self.path = path
+        self.log = log or (lambda message: None)
+        self.usable = True
+        self._conn = None
+        try:
+            self._conn = self._open()
+        except (OSError, Exception) as e:  # noqa: BLE001 - sqlite3.Error and the rest: no index, never a failure
+            self._give_up(e)
+
+    def _give_up(self, e: Exception) -> None:
+        self.usable = False
+        self.log(f"{self.path}: the catalog is not used ({e})")
+
+    def _open(self):
+        import sqlite3
+
+        from slotctl import __version__
+
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        for attempt in (0, 1):
+            conn = sqlite3.connect(self.path, timeout=BUSY_SECONDS, isolation_level=None, check_same_thread=False)
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+                version = conn.execute("PRAGMA user_version").fetchone()[0]
+                if version == 0 and not conn.execute("SELECT 1 FROM sqlite_master").fetchone():
+                    conn.execute("BEGIN IMMEDIATE")
+                    if not conn.execute("SELECT 1 FROM sqlite_master").fetchone():
+                        for statement in _SCHEMA.split(";"):
+                            if statement.strip():
+                                conn.execute(statement)
+                        conn.execute("INSERT INTO meta VALUES ('slotctl', ?)", (__version__,))
+                        conn.execute(f"PRAGMA user_version={INDEX_VERSION}")
+                    conn.execute("COMMIT")
+                    return conn
+                made_by = conn.execute("SELECT value FROM meta WHERE name='slotctl'").fetchone()
+                if version == INDEX_VERSION and made_by and made_by[0] == __version__:
+                    return conn
+                raise _Stale(f"version {version} made by slotctl {made_by[0] if made_by else '?'}")
+            except (sqlite3.DatabaseError, _Stale) as e:
+                conn.close()
+                if attempt:
+                    raise
+                if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
+                    raise
+                self.log(f"{self.path}: rebuilt ({e})")
+                for suffix in ("", "-wal", "-shm"):
+                    try:
+                        os.unlink(self.path + suffix)
+                    except FileNotFoundError:
+                        pass
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self.usable = False
+
+    def get(self, paths: list[str], key: str, identities: dict[str, str]) -> dict[str, Cached]:
+        """The rows of ``paths`` for ``key`` whose identity is still ``identities[path]`` and that were made
+        at least :data:`RACY_SECONDS` after their file last changed; the rest are not returned."""
+        if not self.usable or not paths:
+            return {}
+        import sqlite3
+
+        import numpy as np
+
+        out: dict[str, Cached] = {}
+        racy = int(RACY_SECONDS * 1e9)
+        try:
+            cur = self._conn.cursor()
+            for i in range(0, len(paths), 500):
+                chunk = paths[i:i + 500]
+                q = (f"SELECT path, identity, changed_ns, read_ns, row, kind, tokens, model FROM files "
+                     f"WHERE key = ? AND path IN ({','.join('?' * len(chunk))})")
+                for path, ident, changed, read, row, kind, tokens, model in cur.execute(q, (key, *chunk)):
+                    if ident != identities.get(path) or read - changed < racy:
+                        continue
+                    out[path] = Cached(json.loads(row) if row is not None else None, kind,
+                                       np.frombuffer(tokens, dtype="<i4") if tokens is not None else None, model)
+        except sqlite3.Error as e:
+            self._give_up(e)
+            return {}
+        return out
+
+    def put(self, key: str, items: list[tuple[str, str, int, Cached]]) -> None:
+        """Rows made now: (path, identity, changed_ns, Cached) each, in one transaction."""
+        if not self.usable or not items:
+            return
+        import sqlite3
+
+        import numpy as np
+
+        now = time.time_ns()
+        try:
+            with self._conn:
+                self._conn.execute("BEGIN IMMEDIATE")
+                self._conn.executemany(
+                    "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    [(path, key, ident, changed, now, json.dumps(c.row) if c.row is not None else None, c.kind,
+                      len(c.tokens) if c.tokens is not None else None,
+                      np.asarray(c.tokens, dtype="<i4").tobytes() if c.tokens is not None else None, c.model)
+                     for path, ident, changed, c in items])
+        except sqlite3.Error as e:
+            self._give_up(e)
+
+    def forget(self, paths: list[str]) -> None:
+        if not self.usable or not paths:
+            return
+        import sqlite3
+
+        try:
+            with self._conn:
+                self._conn.execute("BEGIN IMMEDIATE")
+                self._conn.executemany("DELETE FROM files WHERE path = ?", [(p,) for p in paths])
+        except sqlite3.Error as e:
+            self._give_up(e)
+
+
+class _Stale(Exception):
+    pass

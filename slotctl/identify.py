@@ -172,18 +172,10 @@ def blob_memory(blob: bytes, layout: MemoryLayout, version: int, layer: str) -> 
 
 def flags_of(mem: Memory) -> tuple[str, str, str]:
     """The K and V cache types and the flash-attention setting a memory was written with:
-    (type_k, type_v, "on"/"off"); f16 where a memory holds no KV rows."""
-    for sec in mem.sections:
-        if sec.type != "kv":
-            continue
-        st = next((s for s in sec.streams if s.cell_count), None)
-        if st is None:
-            continue
-        d = st.data
-        tk = ggml.type_name(d.k[0].type) if len(d.k) else "f16"
-        tv = ggml.type_name(d.v[0].type) if len(d.v) else tk
-        return tk, tv, "off" if d.v_trans else "on"
-    return "f16", "f16", "on"
+    (type_k, type_v, "on"/"off"); f16 where a memory holds no KV rows (:func:`slotctl.slotfile.memory_flags`)."""
+    from slotctl.slotfile import memory_flags
+
+    return memory_flags(mem)[:3]
 
 
 def _shape_error(info, mem: Memory) -> str | None:

@@ -15,8 +15,8 @@ from typing import Iterable
 
 from slotctl.errors import UsageError
 from slotctl.paths import STDIN, check_readable, directory_files
-from slotctl.slotfile import is_slot_entry, is_slot_file
-from slotctl.sources import first_bytes, list_prefix, remote_url
+from slotctl.slotfile import CATALOG_FILE, is_slot_entry, is_slot_file
+from slotctl.sources import first_bytes, list_prefix, prefix_exists, remote_url, sub_prefixes
 
 
 def is_container(p: str | os.PathLike) -> bool:
@@ -46,6 +46,8 @@ class Expansion:
     skipped: list[str] = field(default_factory=list)
     links: list[str] = field(default_factory=list)
     containers: list[str] = field(default_factory=list)
+    #: the sub-prefixes of an ``s3://`` prefix given (its "subdirectories"): named, not read
+    prefixes: list[str] = field(default_factory=list)
 
 
 def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> Expansion:
@@ -65,11 +67,15 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
         url = remote_url(p)
         if url is not None:
             entries = list_prefix(url)
-            if entries is None or (not entries and not url.endswith("/")):
-                add(url)   # an object; or nothing there: the command says "no such object"
+            if entries is None:
+                add(url)   # an object
                 continue
-            if entries:
-                out.containers.append(p)
+            subs = sub_prefixes(url)
+            if not entries and not subs and not (url.endswith("/") and prefix_exists(url)):
+                add(url)   # nothing there at all: the command says "no such object" (as of a missing directory)
+                continue
+            out.containers.append(p)
+            out.prefixes += subs     # a prefix that is there behaves as a directory: empty, it holds 0 files
             entries = [e for e in entries if e.path not in seen]
             for e, head in zip(entries, first_bytes([e.path for e in entries])):
                 if is_slot_entry(e.path.rstrip("/").rsplit("/", 1)[-1], head):
@@ -86,6 +92,8 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
                 full = os.path.join(p, name)
                 if is_slot_file(full):
                     add(full)
+                elif name.startswith(CATALOG_FILE):
+                    continue     # slotctl's own catalog of the directory (and its -wal, -shm): not counted
                 elif os.path.realpath(full) not in seen:
                     out.skipped.append(full)
         else:

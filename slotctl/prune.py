@@ -109,14 +109,25 @@ class Policy:
     grace: float = DEFAULT_GRACE
     #: also delete the temporary files (objects) killed writes left (``--temp-files``)
     temp: bool = False
+    #: delete the files refused only by the flags or model given (``--mismatched``)
+    mismatched: bool = False
+    #: delete the files the server restores but reuses none of (``--useless``)
+    useless: bool = False
+
+    @property
+    def judged(self) -> bool:
+        """The files are selected by what the server does with them (``--broken``, ``--mismatched``,
+        ``--useless``), not by a budget."""
+        return self.broken or self.mismatched or self.useless
 
     def __post_init__(self) -> None:
         budgets = [self.max_size, self.older_than, self.keep]
-        if self.broken and any(b is not None for b in budgets):
-            raise UsageError("--broken removes only the files a server would refuse: give it without "
-                             "--max-size, --older-than and --keep")
-        if not self.broken and not self.temp and all(b is None for b in budgets):
-            raise UsageError("nothing to prune by: give --max-size, --older-than, --keep, --broken or --temp-files")
+        if self.judged and any(b is not None for b in budgets):
+            raise UsageError("--broken, --mismatched and --useless select files by what the server does with them: "
+                             "give them without --max-size, --older-than and --keep")
+        if not self.judged and not self.temp and all(b is None for b in budgets):
+            raise UsageError("nothing to prune by: give --max-size, --older-than, --keep, --broken, --mismatched, "
+                             "--useless or --temp-files")
 
 
 @dataclass
@@ -136,6 +147,8 @@ class Entry:
     reason: str = ""
     verdict: str | None = None
     error: str | None = None
+    #: the file's class (:mod:`slotctl.validate.classes`) when judged: broken, mismatch, useless, ok, undecided
+    file_class: str | None = None
     #: a temporary file of slotctl's (``.NAME.slotctl-*.tmp``), not a slot file: outside every budget
     temp: bool = False
 
@@ -156,7 +169,8 @@ class Entry:
 
         d = {"path": self.path, "size": self.size, "disk_size": self.disk_size, "mtime": iso_time(self.mtime),
              "atime": iso_time(self.atime), "last_used": iso_time(self.used), "action": self.action,
-             "reason": self.reason, "verdict": self.verdict, "temp": self.temp, "exit_code": int(self.exit_status)}
+             "reason": self.reason, "verdict": self.verdict, "class": self.file_class, "temp": self.temp,
+             "exit_code": int(self.exit_status)}
         if self.error:
             d["error"] = {"code": "delete_failed", "message": self.error}
         return d
@@ -241,10 +255,12 @@ OBJECT_TIME = ("an object store keeps no access time: last use is the object's L
 def _scan_prefix(url: str, now: float, policy: Policy) -> tuple[list[Entry], int]:
     """The objects directly under the prefix ``url`` as :func:`_scan` sees a directory's files."""
     from slotctl.format.header import file_kind
-    from slotctl.sources import first_bytes, list_prefix
+    from slotctl.sources import first_bytes, list_prefix, prefix_exists
 
     listed = list_prefix(url.rstrip("/") + "/") or []
-    if not listed:     # a store has no directories: a prefix is there when an object is under it
+    if not listed and not prefix_exists(url.rstrip("/") + "/"):
+        # a store has no directories: a prefix is there when something is under it (an object, a sub-prefix, the
+        # store's marker of an emptied prefix)
         raise UsageError(f"{url}: no such prefix (no object under it)", code="no_such_file")
     names = [o.path.rpartition("/")[2] for o in listed]
     slot = [not is_temp_file(n) for n in names]
@@ -273,8 +289,8 @@ def _scan_prefix(url: str, now: float, policy: Policy) -> tuple[list[Entry], int
 def plan(directory: str, policy: Policy, *, now: float | None = None,
          verdicts: Callable[[list[str]], dict[str, str]] | None = None) -> Plan:
     """What prune would delete in ``directory`` (or under an ``s3://`` prefix). ``verdicts(paths) ->
-    {path: verdict}`` judges the candidates for ``policy.broken`` (:mod:`slotctl.catalog` rows, made by the
-    caller)."""
+    {path: (verdict, class, remedy)}`` judges the candidates for ``--broken``, ``--mismatched`` and
+    ``--useless`` (:mod:`slotctl.catalog` rows, made by the caller)."""
     from slotctl.sources import remote_url
 
     now = time.time() if now is None else now
@@ -292,18 +308,11 @@ def plan(directory: str, policy: Policy, *, now: float | None = None,
         entries, total = _scan(directory, now, policy, source)
     p = Plan(directory, policy, source, why, entries, total)
     cands = sorted((e for e in entries if e.action == KEEP), key=lambda e: (e.used, e.path))
-    if policy.broken:
-        from slotctl.catalog import BROKEN_VERDICTS, CUT_SHORT
-
+    if policy.judged:
         judged = verdicts([e.path for e in cands]) if verdicts else {}
         for e in cands:
-            e.verdict = judged.get(e.path)
-            if e.verdict in BROKEN_VERDICTS or e.verdict == CUT_SHORT:
-                e.action, e.reason = DELETE, f"the server would not restore it ({e.verdict})"
-            elif e.verdict == "undecided":     # it may restore: never deleted on a guess
-                e.reason = UNDECIDED_REASON
-            else:
-                e.reason = "restores" if e.verdict is None else e.verdict
+            e.verdict, e.file_class, remedy = judged.get(e.path, (None, None, None))
+            _judged_action(e, policy, remedy)
         return p
     if policy.older_than is not None:
         for e in cands:
@@ -325,6 +334,32 @@ def plan(directory: str, policy: Policy, *, now: float | None = None,
         if e.action == KEEP and not e.reason:
             e.reason = "within the budget"
     return p
+
+
+def _judged_action(e: Entry, policy: Policy, remedy: str | None) -> None:
+    """What ``--broken``, ``--mismatched`` and ``--useless`` do with a file of class ``e.file_class``."""
+    fix = f": {remedy}" if remedy else ""
+    if e.file_class == "broken":
+        if policy.broken:
+            e.action, e.reason = DELETE, (f"the server refuses it or aborts on it whatever its flags: damage in the "
+                                          f"file itself ({e.verdict})")
+        else:
+            e.reason = f"broken ({e.verdict}): --broken deletes it"
+    elif e.file_class == "mismatch":
+        if policy.mismatched:
+            e.action, e.reason = DELETE, f"refused only by the flags or model given (--mismatched){fix}"
+        else:
+            e.reason = (f"refused only by the flags or model given, not broken: it restores in a server started as "
+                        f"it was saved; --mismatched deletes it{fix}")
+    elif e.file_class == "useless":
+        if policy.useless:
+            e.action, e.reason = DELETE, f"restores, but the server reuses none of it (--useless){fix}"
+        else:
+            e.reason = f"restores, but the server reuses none of it: --useless deletes it{fix}"
+    elif e.file_class == "undecided" or e.verdict == "undecided":     # it may restore: never deleted on a guess
+        e.reason = UNDECIDED_REASON
+    else:
+        e.reason = "restores" if e.verdict is None else e.verdict
 
 
 def _ago(seconds: float) -> str:

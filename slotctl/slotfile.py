@@ -88,6 +88,27 @@ class Memory:
         return self.end - self.offset
 
 
+def memory_flags(mem: Memory) -> tuple[str, str, str, int]:
+    """The server flags a memory was written with, as far as its bytes say: the K and V cache types and the
+    flash-attention setting (``-ctk``, ``-ctv``, ``-fa`` "on"/"off": V rows transposed without it) of its
+    first KV stream with cells, and its KV stream count (one per slot, or 1 with ``-kvu``); f16, "on" and 1
+    where it holds no KV rows (a recurrent state). ``identify`` and validate's file classes read it."""
+    from slotctl.format import ggml
+
+    n_stream = next((len(sec.streams) for sec in mem.sections if sec.type == "kv"), 1)
+    for sec in mem.sections:
+        if sec.type != "kv":
+            continue
+        st = next((s for s in sec.streams if s.cell_count), None)
+        if st is None:
+            continue
+        d = st.data
+        tk = ggml.type_name(d.k[0].type) if len(d.k) else "f16"
+        tv = ggml.type_name(d.v[0].type) if len(d.v) else tk
+        return tk, tv, "off" if d.v_trans else "on", n_stream
+    return "f16", "f16", "on", n_stream
+
+
 @dataclass
 class Blob:
     """An in-memory state blob inside an appendix."""
@@ -812,3 +833,7 @@ def is_slot_file(path: str) -> bool:
     except (OSError, UsageError):
         head = None
     return is_slot_entry(os.path.basename(path), head)
+
+
+#: the name of the catalog slotctl keeps beside a directory's slot files (``slotctl.catalog.Index``)
+CATALOG_FILE = ".slotctl-catalog.sqlite"

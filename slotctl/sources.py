@@ -322,6 +322,19 @@ def first_bytes(paths: Sequence[str], n: int = 4) -> list[bytes | None]:
     return out
 
 
+def sub_prefixes(url: str) -> list[str]:
+    """The prefixes directly under ``url`` (``s3://b/p/sub/``), when its store lists them; else none."""
+    lister = getattr(store_for(url), "prefixes", None)
+    return lister(url) if lister is not None else []
+
+
+def prefix_exists(url: str) -> bool:
+    """Whether ``url`` taken as a prefix is there (something under it, a sub-prefix, or the store's marker of an
+    emptied prefix), when its store tells; a store has no directories, so nothing at all under it is none."""
+    exists = getattr(store_for(url), "prefix_exists", None)
+    return exists(url) if exists is not None else False
+
+
 def list_prefix(url: str) -> list[Entry] | None:
     """The objects directly under ``url`` taken as a prefix (``s3://b/p`` and ``s3://b/p/`` alike), sorted by
     key; None when ``url`` names an object itself."""

@@ -177,13 +177,19 @@ def steps(doc) -> dict:
 @server
 def test_migrate_between_servers_with_other_np_and_kvu(one, three):
     one.completion(SAMPLE_PROMPT, slot=1, n_predict=8)
-    doc, _ = migrate(one, 1, three, 2, "--name", "moved.bin", "-kvu", code=OK)
+    kept_dir = three.save_dir.parent / "kept-moved"
+    kept_dir.mkdir()
+    doc, _ = migrate(one, 1, three, 2, "--name", "moved.bin", "-kvu", "--store", kept_dir, code=OK)
     st = steps(doc)
-    assert [s["status"] for s in doc["steps"]] == ["ok"] * 5 + ["skipped"] + ["ok"] * 3, doc["steps"]
+    assert [s["status"] for s in doc["steps"]] == ["ok"] * 10, doc["steps"]
     assert st["check"]["details"]["converted"] and any("n_stream 2 -> 1" in c for c in st["check"]["details"]["changes"])
+    # the working files are gone after success (the source's save, the copy placed); the store keeps its copy
     placed = three.save_dir / "moved.bin"
-    assert placed.is_file() and open_slot_file(placed).target.sections[0].n_stream == 1
-    tokens = tokens_of(placed)
+    assert sorted(st["cleanup"]["details"]["removed"]) == sorted([str(one.save_dir / "moved.bin"), str(placed)])
+    assert not placed.exists() and not (one.save_dir / "moved.bin").exists()
+    stored = kept_dir / "moved.bin"
+    assert open_slot_file(stored).target.sections[0].n_stream == 1
+    tokens = tokens_of(stored)
     n = len(tokens)
     assert doc["proof"]["verdict"] == "proven" and (doc["proof"]["n_reused"], doc["proof"]["n_evaluated"]) == (n - 1, 1)
     # the destination's own timings: a request extending the prompt evaluates only the new tokens there,
@@ -203,7 +209,8 @@ def test_migrate_refuses_another_model_before_touching_it(one, other):
     doc, res = migrate(one, 1, other, 0, "--name", "foreign.bin", code=FAILED)
     st = steps(doc)
     assert st["destination"]["status"] == "refused" and "another model" in st["destination"]["message"]
-    assert all(st[s]["status"] == "skipped" for s in ("save", "fetch", "check", "store", "place", "restore", "prove"))
+    assert all(st[s]["status"] == "skipped" for s in ("save", "fetch", "check", "store", "place", "restore", "prove",
+                                                       "cleanup"))
     assert sorted(os.listdir(other.save_dir)) == before and cached(other, 0) in (None, 0)
     assert "another model" in res.stderr
 
@@ -225,9 +232,10 @@ def test_migrate_refuses_a_lossy_cache_type_change_without_allow_lossy(one, thre
                   code=FAILED)
     cells = [[w for w in line.split() if w != "│"] for line in res.stdout.splitlines()[1:]]
     rows = {c[0]: c[1] for c in cells if len(c) > 1 and c[0] in ("source", "destination", "save", "fetch", "check",
-                                                                   "store", "place", "restore", "prove")}
+                                                                   "store", "place", "restore", "prove", "cleanup")}
     assert rows == {"source": "ok", "destination": "ok", "save": "ok", "fetch": "ok", "check": "refused",
-                    "store": "skipped", "place": "skipped", "restore": "skipped", "prove": "skipped"}, res.stdout
+                    "store": "skipped", "place": "skipped", "restore": "skipped", "prove": "skipped",
+                    "cleanup": "skipped"}, res.stdout
     assert res.stderr.strip().startswith("error: migrate: check: ") and "--allow-lossy" in res.stderr
 
 
@@ -543,12 +551,12 @@ def test_migrate_through_an_s3_store(one, three, seaweed, monkeypatch):
         store = f"s3://{BUCKET}/migrate/"
         doc, _ = migrate(one, 0, three, 0, "--name", "via-s3.bin", "-kvu", "--store", store, code=OK)
         st = steps(doc)
-        assert [s["status"] for s in doc["steps"]] == ["ok"] * 9, doc["steps"]
+        assert [s["status"] for s in doc["steps"]] == ["ok"] * 10, doc["steps"]
         assert st["store"]["details"]["where"] == store + "via-s3.bin"
         assert doc["proof"]["verdict"] == "proven"
         row = json.loads(slotctl("ls", store, "--json", code=OK).stdout)["files"][0]
-        placed = three.save_dir / "via-s3.bin"
-        assert row["path"] == store + "via-s3.bin" and row["size"] == placed.stat().st_size
+        assert not (three.save_dir / "via-s3.bin").exists()     # the working copy removed, the object kept
+        assert row["path"] == store + "via-s3.bin" and row["size"] == st["place"]["details"]["size"]
         assert row["n_tokens"] == doc["proof"]["n_prompt"]
     finally:
         S3_STORE.reset()
@@ -583,3 +591,241 @@ def test_an_s3_store_is_held_under_max_size_by_prunes_rules(seaweed, monkeypatch
     assert left == ["keep-slot0-incoming.bin", "slot0-c.bin"]
     assert bytes(obstore.get(seaweed.client(), "budget/slot0-c.bin").bytes()) == data
     S3_STORE.reset()
+
+
+# -- acts obey verdicts (issue 24) -------------------------------------------------------------------------
+
+
+def _cut(src: Path, dest: Path, n: int = 100) -> None:
+    """``dest``: ``src`` with its last ``n`` bytes cut (a payload cut short: b11434 dies on it)."""
+    data = src.read_bytes()
+    dest.write_bytes(data[:-n])
+
+
+def _alive(srv) -> bool:
+    status, _ = srv.get("/health")
+    return status == 200 and srv.proc.poll() is None
+
+
+def _restores_logged(srv, name: str) -> bool:
+    """Whether the server's log shows a restore of ``name`` (what reaches it is what it logs)."""
+    return name in srv.log_text()
+
+
+@server
+def test_restore_server_never_sends_a_file_validate_says_it_aborts_on(one):
+    one.completion(SAMPLE_PROMPT, slot=0, n_predict=4)
+    one.save(0, "whole.bin")
+    _cut(one.save_dir / "whole.bin", one.save_dir / "cut100.bin")
+    doc = json.loads(slotctl("validate", "--server", one.url, one.save_dir / "cut100.bin", "--json", *TIMEOUT).stdout)
+    assert doc["files"][0]["verdict"] == "aborts", doc["files"][0]
+    for more in ([], ["--prove"]):
+        res = slotctl("restore", "--server", one.url, "--slot", "0", "cut100.bin", "--slot-dir", one.save_dir,
+                      *more, "--json", *TIMEOUT, code=FAILED)
+        err = json.loads(res.stdout)["error"]
+        assert err["code"] == "not_sent" and "aborts" in err["message"] and "--force" in err["message"], err
+    assert _alive(one) and not _restores_logged(one, "cut100.bin")
+    # an intact file is judged and sent; the JSON says nothing was forced
+    res = slotctl("restore", "--server", one.url, "--slot", "0", "whole.bin", "--slot-dir", one.save_dir, "--json",
+                  *TIMEOUT, code=OK)
+    assert "note" not in json.loads(res.stdout)
+    # without --slot-dir the file cannot be read: it is sent, and the output says it was not judged
+    res = slotctl("restore", "--server", one.url, "--slot", "0", "whole.bin", "--json", *TIMEOUT, code=OK)
+    assert json.loads(res.stdout)["note"].startswith("not judged: give --slot-dir")
+    # --force is for a local restore's refusal only with --server
+    res = slotctl("restore", one.save_dir / "whole.bin", "-m", one.save_dir / "whole.bin", "--force", code=USAGE)
+    assert "go with --server" in res.stderr
+
+
+@server
+def test_a_server_that_drops_the_connection_at_a_restore_may_have_crashed(llama_server_bin, tiny_models, tmp_path):
+    """--force sends the cut file to a server of its own: b11434 dies on it (GGML_ASSERT), and slotctl says
+    the server may have crashed, not that it may not be a llama-server."""
+    with serving(llama_server_bin, tiny_models.target, tmp_path, "doomed", ["-c", "512", "-np", "1"]) as srv:
+        srv.completion(SAMPLE_PROMPT, slot=0, n_predict=4)
+        srv.save(0, "whole.bin")
+        _cut(srv.save_dir / "whole.bin", srv.save_dir / "cut100.bin")
+        res = slotctl("restore", "--server", srv.url, "--slot", "0", "cut100.bin", "--slot-dir", srv.save_dir,
+                      "--force", *TIMEOUT, code=USAGE)
+        line = " ".join(res.stderr.split())
+        assert "closed the connection without answering: it may have crashed" in line, res.stderr
+        assert "is this a llama-server" not in line
+        srv.proc.wait(timeout=30)
+        assert srv.proc.poll() is not None and "GGML_ASSERT" in srv.log_text()
+
+
+@server
+def test_migrate_never_sends_a_file_validate_says_the_destination_aborts_on(one, monkeypatch):
+    """The file the source saved is cut by 100 bytes on its way (the source's answer says the size it has):
+    the check step judges it for the destination, refuses it, and nothing reaches the destination."""
+    from slotctl.live import http as live_http
+
+    real_save = live_http.save_slot
+
+    def save_then_cut(url, slot, filename, **kw):
+        answer = real_save(url, slot, filename, **kw)
+        path = one.save_dir / filename
+        _cut(path, path)
+        return dict(answer, n_written=answer["n_written"] - 100)
+
+    monkeypatch.setattr(live_http, "save_slot", save_then_cut)
+    one.completion(SAMPLE_PROMPT, slot=1, n_predict=3)
+    # to a destination of the source's own flags: no conversion, the cut decides (to ``three``, -kvu, the
+    # loader refuses the stream count first, before it reads far enough to die)
+    before = sorted(os.listdir(one.save_dir))
+    doc, res = migrate(one, 1, one, 0, "--name", "cut-on-the-way.bin", code=FAILED)
+    st = steps(doc)
+    assert st["check"]["status"] == "refused" and "aborts" in st["check"]["message"], \
+        [(s["step"], s["status"], s["message"]) for s in doc["steps"]]
+    assert "--force" in st["check"]["message"]
+    assert all(st[s]["status"] == "skipped" for s in ("place", "restore", "prove", "cleanup"))
+    assert set(os.listdir(one.save_dir)) == {*before, "cut-on-the-way.bin"} and _alive(one)
+    assert not _restores_logged(one, "cut-on-the-way.bin")
+
+
+@server
+def test_migrate_to_slot_defaults_to_a_slot_the_destination_has(three, one):
+    """The source's slot 2 does not exist on a destination of two slots: an idle slot of the destination
+    is taken (it was slot 2 before, and the server refused it)."""
+    three.completion(SAMPLE_PROMPT + " The default", slot=2, n_predict=2)
+    one.erase(0), one.erase(1)
+    res = slotctl("migrate", "--from", three.url, "--slot", "2", "--to", one.url, "--from-dir", three.save_dir,
+                  "--to-dir", one.save_dir, "--name", "default-slot.bin", "--json", *TIMEOUT, code=OK)
+    doc = json.loads(res.stdout)
+    assert doc["to"]["slot"] in (0, 1) and steps(doc)["destination"]["details"]["slot_given"] is False
+    assert doc["proof"]["verdict"] == "proven"
+    assert cached(one, doc["to"]["slot"]) == doc["proof"]["n_prompt"]
+
+
+@server
+def test_keep_never_restores_a_stored_state_validate_says_the_server_aborts_on(kept, tmp_path):
+    from slotctl.fleet.keep import model_hash, stored_name
+    from slotctl.live import http as live_http
+
+    kept.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
+    kept.save(0, "keep-whole.bin")
+    store = tmp_path / "store"
+    store.mkdir()
+    name = stored_name(0, model_hash(live_http.server_facts(kept.url)), "cut100")
+    _cut(kept.save_dir / "keep-whole.bin", store / name)
+    kept.erase(0), kept.erase(1)
+    keep = Keep(kept, store, "--every", "0.3")
+    try:
+        skipped = keep.wait_for("skipped", 0)
+        assert name in skipped["message"] and "not restored" in skipped["message"], skipped
+        assert "aborts" in skipped["message"] and "--force" in skipped["message"]
+        assert skipped["details"]["verdict"] == "aborts"
+    finally:
+        assert keep.stop() == 0
+    assert not any(e["event"] == "restored" for e in keep.seen)
+    assert _alive(kept) and not _restores_logged(kept, name)
+
+
+# -- a proof that does not spend what it proves (issue 24) ------------------------------------------------
+
+
+@server
+def test_a_recurrent_state_restored_by_keep_is_reused_by_the_next_extending_request(llama_server_bin, tmp_path):
+    """mamba at b11434: the proving request (the saved prompt itself) would make the server evaluate the
+    whole prompt again (a recurrent state holds its last position only, and b11434 keeps no checkpoint of a
+    restored file), so keep does not send it; the next request that extends the prompt then reuses every
+    saved token (the server's own counts)."""
+    from slotctl.tinymodels import make_kind_model
+
+    model = make_kind_model("mamba", tmp_path / "mamba.gguf")
+    with serving(llama_server_bin, model, tmp_path, "mamba", ["-c", "512", "-np", "1"]) as srv:
+        store = tmp_path / "store"
+        store.mkdir()
+        keep = Keep(srv, store, "--every", "0.3")
+        try:
+            keep.wait_for("up")
+            srv.completion(SAMPLE_PROMPT, slot=0, n_predict=6)
+            stored = keep.wait_for("stored", 0)
+            tokens = tokens_of(Path(stored["details"]["path"]))
+            n = len(tokens)
+            srv.kill_and_start_again()
+            keep.wait_for("restart")
+            assert keep.wait_for("restored", 0)["details"]["answer"]["n_restored"] == n
+            proof = keep.wait_for("proof", 0)
+            p = proof["details"]["proof"]
+            assert (p["verdict"], p["n_reused"], p["n_evaluated"]) == ("not_taken", None, None), p
+            assert (p["predicted_reused"], p["predicted_evaluated"]) == (0, n) and "recurrent" in p["reason"]
+            assert p["extending"]["b11434"]["n_reused"] == n and "not taken" in proof["message"]
+            more = tokens + srv.tokenize(" The river Seine", add_special=False)
+            assert counts(srv, 0, more) == (n, len(more) - n)
+        finally:
+            assert keep.stop() == 0
+
+        # restore --prove: the same policy; --prove-anyway sends it, and the server's counts are the prediction's
+        (srv.save_dir / "again.bin").write_bytes(Path(stored["details"]["path"]).read_bytes())
+        srv.erase(0)
+        res = slotctl("restore", "--server", srv.url, "--slot", "0", "again.bin", "--prove", "--slot-dir",
+                      srv.save_dir, "--json", *TIMEOUT, code=OK)
+        p = json.loads(res.stdout)["proof"]
+        assert p["verdict"] == "not_taken" and "--prove-anyway sends it" in p["notes"]
+        assert counts(srv, 0, more) == (n, len(more) - n)
+        res = slotctl("restore", "--server", srv.url, "--slot", "0", "again.bin", "--prove", "--prove-anyway",
+                      "--slot-dir", srv.save_dir, "--json", *TIMEOUT, code=OK)
+        p = json.loads(res.stdout)["proof"]
+        assert (p["verdict"], p["n_reused"], p["n_evaluated"], p["predicted_evaluated"]) == ("proven", 0, n, n)
+        res = slotctl("restore", "--server", srv.url, "--slot", "0", "again.bin", "--prove", "--slot-dir",
+                      srv.save_dir, *TIMEOUT, code=OK)
+        assert "proof not taken" in " ".join(res.stdout.split()), res.stdout
+
+
+@server
+def test_cp_copies_a_file_with_trailing_bytes_the_server_restores(one, tmp_path):
+    """A file b11434 saved, with bytes after it that look like a damaged checkpoint appendix (b11434 reads
+    the target only and never looks at them): cp copies it (it refused every damaged structure before), and
+    the server restores the copy; a file the server refuses whatever its flags is still refused, its remedy an
+    option cp has."""
+    import struct
+
+    one.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
+    one.save(0, "tail-src.bin")
+    n = len(tokens_of(one.save_dir / "tail-src.bin"))
+    src = tmp_path / "tail.bin"
+    src.write_bytes((one.save_dir / "tail-src.bin").read_bytes() + b"SCKP" + struct.pack("<I", 1) + b"\xff" * 20)
+    assert open_slot_file(src).damaged
+    doc = json.loads(slotctl("cp", src, one.save_dir / "tail-copy.bin", "--json", code=OK).stdout)
+    assert doc["files"][0]["status"] == "copied" and doc["files"][0]["damaged"] is True
+    status, answer = one.restore(0, "tail-copy.bin")
+    assert status == 200 and answer["n_restored"] == n
+    half = tmp_path / "half.bin"
+    raw = src.read_bytes()
+    half.write_bytes(raw[:len(raw) // 2])
+    res = slotctl("cp", half, tmp_path / "half-copy.bin", "--json", code=FAILED)
+    err = json.loads(res.stdout)["files"][0]["error"]["message"]
+    assert "whatever its flags" in err and "--force copies it" in err and not (tmp_path / "half-copy.bin").exists()
+    slotctl("cp", half, tmp_path / "half-copy.bin", "--force", code=OK)
+
+
+@server
+def test_keep_converts_a_state_saved_before_the_servers_np_changed(kept, tmp_path):
+    """A state of one KV stream (saved at -np 1, made here by slotctl convert from the server's own file) in
+    the store of a server now at -np 2: keep converts it as migrate does (exact), restores it and the server
+    reuses it."""
+    from slotctl.fleet.keep import model_hash, stored_name
+    from slotctl.live import http as live_http
+
+    kept.completion(SAMPLE_PROMPT + " The convert", slot=1, n_predict=3)
+    kept.save(1, "keep-np2.bin")
+    tokens = tokens_of(kept.save_dir / "keep-np2.bin")
+    n = len(tokens)
+    store = tmp_path / "store"
+    store.mkdir()
+    name = stored_name(1, model_hash(live_http.server_facts(kept.url)), "np1")
+    slotctl("convert", kept.save_dir / "keep-np2.bin", "-o", store / name, "-np", "1", code=OK)
+    assert open_slot_file(store / name).target.sections[0].n_stream == 1
+    kept.erase(0), kept.erase(1)
+    keep = Keep(kept, store, "--every", "0.3")
+    try:
+        converted = keep.wait_for("converted", 1)
+        assert any("n_stream 1 -> 2" in c for c in converted["details"]["changes"]), converted
+        assert keep.wait_for("restored", 1)["details"]["answer"]["n_restored"] == n
+        assert keep.wait_for("proof", 1)["details"]["proof"]["verdict"] == "proven"
+    finally:
+        assert keep.stop() == 0
+    more = tokens + kept.tokenize(" The river Seine", add_special=False)
+    assert counts(kept, 1, more) == (n, len(more) - n)
+    assert open_slot_file(store / name).target.sections[0].n_stream == 1     # the store's state is left as it was

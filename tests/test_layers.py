@@ -14,6 +14,7 @@ PKG = ROOT / "slotctl"
 LAYERS = [
     {"__main__"},
     {"cli"},
+    {"serve"},
     {"fleet"},
     {"unattended"},
     {"prune"},

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from slotctl.cli.app import app
 from slotctl.tinymodels import SAMPLE_PROMPT
+from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 
 DATA = Path(__file__).parent / "data"
 SERVER_FILES = sorted(DATA.glob("srv-*.bin")) + sorted((DATA / "kinds").glob("srv-*.bin"))
@@ -122,8 +123,13 @@ def test_ls_human_table_has_every_row_and_totals(slotdir):
     assert lines[0].split()[:3] == ["size", "age", "ver"] and max(map(len, lines)) <= 80   # a pipe: 80
     total = " ".join(" ".join(lines[next(i for i, ln in enumerate(lines) if ln.startswith("total: ")):]).split())
     assert total.startswith("total: 13 file(s)")
-    assert sum(ln.endswith(".bin") for ln in lines) == 13
+    # every row, its name folded onto a line of its own below its column where it is longer than the room left
+    flat = "".join(ln.strip() for ln in lines)
+    assert all(p.name in flat for p in slotdir.glob("*.bin")) and len(list(slotdir.glob("*.bin"))) == 13
     assert "1 undecided" in total and "1 file(s) that are not slot files left out" in total
+    # the class column: shown because a file restores but reuses nothing (gemma2 at b11434), said why
+    assert "verdict class" in " ".join(lines[0].split())
+    assert "restores useless" in " ".join(next(ln for ln in lines if "srv-gemma2" in ln).split()), res.stdout
 
 
 def test_ls_with_the_servers_flags(slotdir):
@@ -448,3 +454,149 @@ def test_a_missing_file_is_a_row_and_the_others_are_listed(tmp_path):
     res = cli("ls", DATA / "srv-np1.bin", tmp_path / "nope.bin")
     assert res.exit_code == 2 and "srv-np1.bin" in "".join(res.stdout.split())
     assert "no such file or directory" in " ".join(res.stdout.split())
+
+
+# -- broken means broken (issue 24) ------------------------------------------------------------------------
+
+
+def _mixed(d: Path) -> dict[str, Path]:
+    """Intact files llama-server b11434 saved at -np 1 (plain, -fa off, a q8_0 cache) and one of them cut
+    by 100 bytes (a payload cut short: b11434 aborts on it at -np 1)."""
+    d.mkdir()
+    old = time.time() - 3 * DAY
+    files = {}
+    for name in ("srv-np1.bin", "srv-fa-off.bin", "srv-kvq8.bin"):
+        files[name] = d / name
+        shutil.copyfile(DATA / name, files[name])
+    raw = (DATA / "srv-np1.bin").read_bytes()
+    files["cut.bin"] = d / "cut.bin"
+    files["cut.bin"].write_bytes(raw[:-100])
+    for p in files.values():
+        os.utime(p, (old, old))
+    return files
+
+
+NP2 = ["-m", DATA / "target.gguf", "-c", "1024", "-np", "2"]
+
+
+def _prune_actions(*args) -> dict[str, dict]:
+    res = cli("prune", *args, "--grace", "0", "--json")
+    doc = json.loads(res.stdout)
+    return {Path(e["path"]).name: e for e in doc["files"]}, res.exit_code
+
+
+def _check_mismatch_and_broken(where: str, names) -> None:
+    # ls: the class of each, with the remedy for the files refused only by the flags given
+    doc = json.loads(cli("ls", where, *NP2, "--json").stdout)
+    rows = {r["name"]: r for r in doc["files"]}
+    assert {n: (r["verdict"], r["class"]) for n, r in rows.items()} == {
+        "srv-np1.bin": ("refused", "mismatch"), "srv-fa-off.bin": ("refused", "mismatch"),
+        "srv-kvq8.bin": ("refused", "mismatch"), "cut.bin": ("refused", "broken")}
+    assert all("convert FILE -o OUT -np 2" in rows[n]["remedy"] for n in names if n != "cut.bin")
+    assert doc["summary"]["classes"]["mismatch"] == 3 and doc["summary"]["classes"]["broken"] == 1
+    listed = json.loads(cli("ls", where, *NP2, "--broken", "--json").stdout)["files"]
+    assert [r["name"] for r in listed] == ["cut.bin"]
+    listed = json.loads(cli("ls", where, *NP2, "--mismatched", "--json").stdout)["files"]
+    assert sorted(r["name"] for r in listed) == ["srv-fa-off.bin", "srv-kvq8.bin", "srv-np1.bin"]
+    human = runner.invoke(app, ["ls", where, *map(str, NP2)], env={"COLUMNS": "200"}).stdout
+    assert "refused only by the flags given: target memory: the target memory has 1 KV stream" in human
+
+    # prune --broken with -np 2 flags: only the damaged file, the intact -np 1 files are kept and said why
+    acts, code = _prune_actions(where, "--broken", *NP2, "--dry-run")
+    assert {n: e["action"] for n, e in acts.items()} == {"cut.bin": "would_delete", "srv-np1.bin": "kept",
+                                                         "srv-fa-off.bin": "kept", "srv-kvq8.bin": "kept"}
+    assert "--mismatched deletes it" in acts["srv-np1.bin"]["reason"] and acts["srv-np1.bin"]["class"] == "mismatch"
+    acts, code = _prune_actions(where, "--broken", *NP2)
+    assert code == 0 and [n for n, e in acts.items() if e["action"] == "deleted"] == ["cut.bin"]
+    # --mismatched deletes them, when asked, after --dry-run shows them
+    acts, _ = _prune_actions(where, "--mismatched", *NP2, "--dry-run")
+    assert sorted(n for n, e in acts.items() if e["action"] == "would_delete") == ["srv-fa-off.bin", "srv-kvq8.bin",
+                                                                                   "srv-np1.bin"]
+    acts, _ = _prune_actions(where, "--mismatched", *NP2)
+    assert sorted(n for n, e in acts.items() if e["action"] == "deleted") == ["srv-fa-off.bin", "srv-kvq8.bin",
+                                                                              "srv-np1.bin"]
+
+
+def test_prune_broken_over_intact_np1_files_with_np2_flags_deletes_none_of_them(tmp_path):
+    files = _mixed(tmp_path / "slots")
+    _check_mismatch_and_broken(str(tmp_path / "slots"), files)
+    assert not any(p.exists() for p in files.values())
+
+
+def test_prune_broken_over_an_s3_prefix_keeps_the_mismatched_objects(seaweed, monkeypatch, tmp_path):
+    """The issue's own case, on the real SeaweedFS: an s3:// prefix of intact -np 1 files and a damaged one."""
+    from seaweed import BUCKET
+
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    for k, v in {**seaweed.env(), "HOME": str(seaweed.dir)}.items():
+        monkeypatch.setenv(k, v)
+    from slotctl.store.s3 import S3_STORE
+
+    S3_STORE.reset()
+    try:
+        files = _mixed(tmp_path / "local")
+        prefix = f"s3://{BUCKET}/broken-means-broken/"
+        res = cli("cp", *files.values(), prefix, "--force")
+        assert res.exit_code == 0, res.output
+        _check_mismatch_and_broken(prefix, files)
+        # a prefix behaves as a directory: empty now, it holds 0 files (exit 0); its sub-prefixes are named
+        res = cli("ls", prefix, "--json")
+        assert res.exit_code == 0 and json.loads(res.stdout)["files"] == [], res.output
+        res = cli("prune", prefix, "--broken", *NP2, "--json")
+        assert res.exit_code == 0 and json.loads(res.stdout)["files"] == [], res.output
+        # nothing at all under a prefix: none there, as a missing directory (a store has no directories)
+        res = cli("ls", f"s3://{BUCKET}/never-written/", "--json")
+        assert res.exit_code == 2, res.output
+        shutil.copyfile(DATA / "srv-np1.bin", tmp_path / "one.bin")
+        assert cli("cp", tmp_path / "one.bin", prefix + "sub/").exit_code == 0
+        doc = json.loads(cli("ls", prefix, "--json").stdout)
+        assert doc["files"] == [] and doc["summary"]["prefixes"] == [prefix + "sub/"] and doc["exit_code"] == 0
+        assert (prefix + "sub/") in " ".join(cli("ls", prefix).stdout.split())
+    finally:
+        S3_STORE.reset()
+
+
+# -- operator edges (issue 24) ------------------------------------------------------------------------------
+
+
+def test_a_pasted_server_command_line_and_its_slot_save_path(tmp_path):
+    """llama-server's command line pasted as it is, its program path first: the rest is the server's (its -np
+    is read, its other flags ignored), and its --slot-save-path is the directory when no path is given."""
+    d = tmp_path / "slots"
+    files = _mixed(d)
+    line = ["/opt/llama/bin/llama-server", "-m", DATA / "target.gguf", "-c", "1024", "-np", "2", "--port", "8080",
+            "-ngl", "99", "--slot-save-path", d]
+    res = cli("ls", "--json", *line)
+    assert res.exit_code == 1, res.output
+    rows = {r["name"]: r["class"] for r in json.loads(res.stdout)["files"]}
+    assert rows == {"srv-np1.bin": "mismatch", "srv-fa-off.bin": "mismatch", "srv-kvq8.bin": "mismatch",
+                    "cut.bin": "broken"}
+    res = cli("prune", "--broken", "--dry-run", "--json", *line)    # after the program, all is the server's
+    acts = {Path(e["path"]).name: e["action"] for e in json.loads(res.stdout)["files"]}
+    assert [n for n, a in acts.items() if a == "would_delete"] == ["cut.bin"], res.output
+    res = cli("prune", "--broken")
+    assert res.exit_code == 2 and "--slot-save-path" in res.output
+    assert all(p.exists() for p in files.values())
+
+
+def test_a_second_server_is_never_dropped_silently():
+    for args in (["ls", "--server", "http://127.0.0.1:9", "--server", "http://127.0.0.1:10"],
+                 ["erase", "--server", "http://127.0.0.1:9", "--server=http://127.0.0.1:10", "--slot", "0"],
+                 ["keep", "--server", "http://127.0.0.1:9", "--server", "http://127.0.0.1:10", "--slot-dir", "."],
+                 ["restore", "--server", "http://127.0.0.1:9", "--server", "http://127.0.0.1:10", "--slot", "0", "x.bin"],
+                 ["migrate", "--from", "http://a:1", "--from", "http://b:1", "--to", "http://c:1", "--slot", "0",
+                  "--from-dir", ".", "--to-dir", "."]):
+        res = cli(*args)
+        assert res.exit_code == 2 and "given 2 times" in res.output, (args, res.output)
+    # slots takes several servers: each is listed, none dropped (not a usage error of this kind)
+    assert "given 2 times" not in cli("slots", "--server", "http://127.0.0.1:9", "--server", "http://127.0.0.1:10",
+                                      "--timeout", "1").output
+
+
+def test_no_layer_shows_server_ok_beside_a_verdict_that_refuses():
+    res = runner.invoke(app, ["validate", str(DATA / "srv-np1.bin"), "-m", str(DATA / "target.gguf"), "-kvu",
+                              "--kv-unified-per-slot", "64"], env={"COLUMNS": "150"})
+    assert res.exit_code == 1 and "the server refuses it" in res.stdout
+    row = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith("target memory"))
+    assert row.split()[-2:] == ["not", "restored"] and " ok" not in row

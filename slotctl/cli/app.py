@@ -53,8 +53,9 @@ COMMANDS: dict[str, CommandEntry] = {
                        "checkpoints, draft-state bytes, and the verdict of validate for each (what a server does "
                        "with it).", "Slot directories"),
     "prune": CommandEntry("slotctl.cli.prune_cmd", "Delete slot files to keep a directory under a budget: "
-                          "--max-size, --older-than, --keep; or only the files a server would not restore "
-                          "(--broken).", "Slot directories"),
+                          "--max-size, --older-than, --keep; or only the files a server refuses or aborts on "
+                          "whatever its flags (--broken), those refused only by the flags or model given "
+                          "(--mismatched), those it restores but reuses none of (--useless).", "Slot directories"),
     "cp": CommandEntry("slotctl.cli.cp_cmd", "Copy slot files: local to S3, S3 to local, S3 to S3 (server-side, "
                        "within a bucket or across).", "Slot directories"),
     "identify": CommandEntry("slotctl.cli.identify_cmd", "Which of the candidate models wrote this slot file "
@@ -72,6 +73,8 @@ COMMANDS: dict[str, CommandEntry] = {
                             "save, check, convert, place, restore, prove.", "A running llama-server"),
     "keep": CommandEntry("slotctl.cli.keep_cmd", "Keep a running llama-server's slots across its restarts: save "
                          "idle slots, restore them after.", "A running llama-server"),
+    "serve": CommandEntry("slotctl.cli.serve_cmd", "Serve a llama-server through a prompt cache on disk or in S3: "
+                          "restore, request, save.", "A running llama-server"),
     "unit": CommandEntry("slotctl.cli.unit_cmd", "Print a systemd unit file shipped with slotctl: keep's "
                          "template, one instance per configuration file.", "A running llama-server"),
 }

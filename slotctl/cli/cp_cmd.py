@@ -27,20 +27,21 @@ def cp(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing destination (without it an "
                                             "object is created only if none is there: If-None-Match: *).")
                          ] = False,
-    force: Annotated[bool, typer.Option("--force", help="Copy a file whose structure is damaged (refused "
-                                        "otherwise).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Copy a file the server refuses or aborts on whatever "
+                                        "its flags (refused otherwise).")] = False,
     json_out: JsonOpt = False,
     jsonl: JsonlOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Copy slot files: local to S3, S3 to local, S3 to S3 (server-side, within a bucket or across).
 
-    Each file's structure is read first (metadata only): a damaged file is refused unless --force. An
+    Each file's structure is read first (metadata only): a file the server refuses or aborts on whatever
+    its flags is refused unless --force (trailing bytes it ignores are copied). An
     existing destination is never replaced unless --overwrite. Large files go up in parts (8 MiB) with
     a progress bar. After the copy the size is checked, and the MD5 where the store's ETag is one.
     Killed at any moment, no half-written object or file is visible. s3:// configuration: docs/store.md.
 
-    Exit codes: 0 every file copied; 1 a file was refused (damaged); 2 usage or I/O error (a store
+    Exit codes: 0 every file copied; 1 a file was refused (broken); 2 usage or I/O error (a store
     error, an existing destination, a size or checksum that does not match).
     """
     from slotctl.errors import UsageError
@@ -56,7 +57,7 @@ def cp(
     many = len(expansion.files) > 1 or len(expansion.files) != len(sources)
     with out.progress("copying", bytes_=True) as update:
         results = copy_files(expansion.files, dst, overwrite=overwrite, force=force, many=many,
-                             progress=lambda done, total: update(done, total=total))
+                             progress=lambda done, total: update(done, total=total), refuses=_refuses)
     for r in results:
         run.add(r.as_dict())
         if r.error and not out.json_mode:
@@ -68,6 +69,21 @@ def cp(
     if not out.json_mode:
         render(out, results, summary)
     run.finish(summary)
+
+
+def _refuses(path: str, f) -> str | None:
+    """Why cp does not copy ``path`` (open as ``f``): the server refuses it or aborts on it whatever its flags
+    (validate's class ``broken``, judged on the structure and the default server's rules); None to copy."""
+    from slotctl.validate import Models, ServerSetup, validate_file
+    from slotctl.validate.classes import FileClass, classify
+
+    setup = ServerSetup()
+    report = validate_file(path, setup, Models(setup), f=f)
+    if classify(report, setup).file_class != FileClass.BROKEN:
+        return None
+    first = next((x for x in report.ordered_findings() if x.severity == "error"), None)
+    return ("the server refuses it or aborts on it whatever its flags"
+            + (f": {first.layer}: {first.message}" if first is not None else f" ({report.verdict})"))
 
 
 def render(out: Output, results, summary: dict) -> None:

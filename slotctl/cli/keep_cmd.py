@@ -11,7 +11,7 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ApiKeyOpt, ConfigOpt, store_option
+from slotctl.cli.options import ApiKeyOpt, ArgsCommand, ConfigOpt, flag_option, store_option
 from slotctl.cli.output import Output, style_of
 from slotctl.errors import SlotctlError, UsageError
 from slotctl.live import SLOT_FILE_TIMEOUT
@@ -19,11 +19,12 @@ from slotctl.live import SLOT_FILE_TIMEOUT
 
 
 def register(app: typer.Typer) -> None:
-    app.command("keep")(keep)
+    app.command("keep", cls=ArgsCommand)(keep)
 
 
 @handle_errors
 def keep(
+    ctx: typer.Context,
     server: Annotated[Optional[str], typer.Option("--server", metavar="URL", help="The llama-server's base URL, "
                                                   "e.g. http://127.0.0.1:8080 (or the configuration's).")] = None,
     slot_dir: Annotated[Optional[Path], typer.Option("--slot-dir", file_okay=False, metavar="DIR",
@@ -53,6 +54,16 @@ def keep(
                                            "state the store does not have (llama-swap's cmdStop).")] = False,
     restore_all: Annotated[bool, typer.Option("--restore-all", help="One pass, then exit: restore (and prove) "
                                               "every empty slot from the store.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Restore a stored state even when validate says the "
+                                        "server now running refuses it or aborts on it.")] = False,
+    kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The server runs with -kvu (not "
+                                             "reported by the server): stored states are converted for it.")] = False,
+    cache_type_k: Annotated[Optional[str], flag_option("cache_type_k", help="The server's -ctk (not reported; "
+                                                       "default f16).")] = None,
+    cache_type_v: Annotated[Optional[str], flag_option("cache_type_v", help="The server's -ctv (not reported; "
+                                                       "default f16).")] = None,
+    allow_lossy: Annotated[bool, typer.Option("--allow-lossy", help="Re-encode a stored state's cache rows when "
+                                              "the server's cache types changed (lossy).")] = False,
     api_key: ApiKeyOpt = None,
     timeout: Annotated[Optional[float], typer.Option("--timeout", min=0.001, max=86400.0, metavar="SECONDS",
                                                      help="Give up on a request after this many seconds "
@@ -66,7 +77,10 @@ def keep(
     last task changed is saved by the server, checked, and copied into the store (one file per state,
     named by slot, model and a hash of its tokens); the store is kept under --max-size by prune's
     rules; when the server comes back after being down, or runs another model, every empty slot gets
-    the newest state that validates for it, restored and proven (restore --prove). One keeper per
+    the newest state that validates for it (one the server would refuse or abort on is skipped, saying
+    why, unless --force), converted first when the server's -np, -kvu or cache types changed since it
+    was saved (as migrate converts: lossy re-encoding only with --allow-lossy), restored and proven
+    (restore --prove's policy). One keeper per
     server and store: a second one is refused (a flock in a directory store, a lease object in
     s3://). One log line per action; --json: one JSON line each. SIGTERM or SIGINT: a last save of
     the changed slots, exit 0. Under systemd (Type=notify): READY=1, WATCHDOG=1, STOPPING=1.
@@ -109,12 +123,7 @@ def keep(
         raise UsageError("--server: no URL given (nor a server in --config)")
     if slot_dir is None:
         raise UsageError("--slot-dir: no directory given (nor slot_dir in --config)")
-    if not slot_dir.is_dir():
-        raise UsageError(f"--slot-dir {slot_dir}: not a directory")
-    if store is not None and "://" in store and not store.startswith("s3://"):
-        raise UsageError(f"--store {store}: a directory or an s3://BUCKET/PREFIX/")
-    if store is not None and "://" not in store and not Path(store).is_dir():
-        raise UsageError(f"--store {store}: not a directory")
+    remote.check_slot_dir_and_store(slot_dir, store)
     use_store([store])
     size = None
     if max_size is not None:
@@ -138,8 +147,14 @@ def keep(
         line.append(f" {remote._plain(ev.message)}")
         out.err.print(line)
 
+    from slotctl.server.flags import ServerFlags
+
+    given = remote.given_params(ctx) & {"kv_unified", "cache_type_k", "cache_type_v"}
+    flags = ServerFlags(kv_unified=kv_unified, cache_type_k=cache_type_k or ServerFlags().cache_type_k,
+                        cache_type_v=cache_type_v or ServerFlags().cache_type_v)
     keeper = Keeper(server, slot_dir, store, every=every, min_tokens=min_tokens, max_size=size, api_key=api_key,
-                    timeout=timeout, emit=emit, retention=keep_newest, prove=prove_restores)
+                    timeout=timeout, emit=emit, retention=keep_newest, prove=prove_restores, force=force,
+                    flags=flags, given=frozenset(given), allow_lossy=allow_lossy)
 
     def count_store() -> None:
         try:

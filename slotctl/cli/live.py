@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ApiKeyOpt, ConfigOpt, JsonOpt, ServerOpt, ServerSlotOpt, TimeoutOpt
+from slotctl.cli.options import ApiKeyOpt, ArgsCommand, ConfigOpt, JsonOpt, ServerOpt, ServerSlotOpt, TimeoutOpt
 from slotctl.cli.output import Output, style_of
 from slotctl.cli.remote import _cell, _plain
 from slotctl.errors import UsageError
@@ -24,8 +24,8 @@ from slotctl.live import http as server_api
 
 
 def register(app: typer.Typer) -> None:
-    app.command("slots")(slots)
-    app.command("erase")(erase)
+    app.command("slots", cls=ArgsCommand)(slots)
+    app.command("erase", cls=ArgsCommand)(erase)
 
 
 @handle_errors

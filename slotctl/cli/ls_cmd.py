@@ -21,6 +21,7 @@ from slotctl.cli.options import (
     ServerStateVersionOpt,
     SlotOpt,
     VerboseOpt,
+    remote_paths,
     with_server_flags,
 )
 from rich.cells import cell_len
@@ -47,9 +48,16 @@ def ls(
     sort: Annotated[str, typer.Option("--sort", metavar="KEY", help="name, size (largest first), age (oldest "
                                       "first) or tokens (most first).")] = "name",
     reverse: Annotated[bool, typer.Option("--reverse", "-r", help="Reverse the order.")] = False,
-    broken: Annotated[bool, typer.Option("--broken", help="Only files the server would refuse or abort on "
-                                         "(verdict refused, aborts or unreadable), and those it may: undecided "
+    broken: Annotated[bool, typer.Option("--broken", help="Only files the server refuses or aborts on whatever "
+                                         "its flags (damage in the file itself), and those it may: undecided "
                                          "without -m (give -m to decide them).")] = False,
+    mismatched: Annotated[bool, typer.Option("--mismatched", help="Only files refused only by the flags or model "
+                                             "given: they restore in a server started as they were saved (the "
+                                             "remedy: convert, or the flag).")] = False,
+    useless: Annotated[bool, typer.Option("--useless", help="Only files the server restores but reuses none of.")
+                       ] = False,
+    fail_useless: Annotated[bool, typer.Option("--fail-useless", help="Exit 1 when a listed file is useless (the "
+                                               "server restores it but reuses none of it); for scripts.")] = False,
     has_draft: Annotated[bool, typer.Option("--has-draft", help="Only files holding draft state (SDFT or "
                                             "checkpoint draft blobs).")] = False,
     verdict: Annotated[Optional[list[str]], typer.Option("--verdict", metavar="V", help="Only files with this "
@@ -66,6 +74,8 @@ def ls(
     timeout: LiveTimeoutOpt = DEFAULT_TIMEOUT,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="Worker processes (default: the "
                                                 "CPUs, for more than a few dozen files).")] = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Read every file: do not use the catalog (the "
+                                           "rows of unchanged files kept beside the directory).")] = False,
     json_out: JsonOpt = False,
     jsonl: Annotated[bool, typer.Option("--jsonl", help="One JSON object per file and line, then a summary line.")
                      ] = False,
@@ -86,7 +96,7 @@ def ls(
     server abort or loses a layer; 2 usage or I/O error (a file that cannot be read); 3 without -m, a
     listed file is undecided and none failed. A run reports the worst: 2, then 1, then 3.
     """
-    from slotctl.catalog import Request, catalog, is_broken, is_undecided
+    from slotctl.catalog import Request, catalog, is_broken, is_mismatched, is_undecided, is_useless
     from slotctl.validate import VERDICTS as VERDICT_NAMES
 
     out = Output(json_mode=json_out or jsonl, verbose=verbose)
@@ -119,24 +129,33 @@ def ls(
 
     from slotctl.inputs import expand_slot_paths
 
-    expansion = expand_slot_paths(paths or [Path(".")], follow_symlinks=True)
+    if not paths:     # none given: the --slot-save-path of a pasted server command line, else here
+        from slotctl.cli.options import pasted_slot_dir
+
+        paths = [Path(pasted_slot_dir(ctx) or ".")]
+    expansion = expand_slot_paths(remote_paths(ctx, paths), follow_symlinks=True)
     files, not_slot = expansion.files, len(expansion.skipped)
+    prefixes = expansion.prefixes
     request = Request(setup=setup, real_check=load, verbose=verbose)
     want = set(verdict or ())
 
     def keep(row: dict) -> bool:
-        if broken and not (is_broken(row) or is_undecided(row)):
+        if fail_useless and is_useless(row):
+            row["exit_code"] = int(worst([row["exit_code"], 1]))    # the opt-in exit code (docs/exit-codes.md)
+        chosen = [f for f, on in ((lambda r: is_broken(r) or is_undecided(r), broken), (is_mismatched, mismatched),
+                                  (is_useless, useless)) if on]
+        if chosen and not any(f(row) for f in chosen):
             return False
         if has_draft and not row["draft_size"]:
             return False
         return not want or row["verdict"] in want
 
-    totals = _Totals(not_slot)
-    names = len(paths or [Path(".")]) == 1 and bool(expansion.containers)   # a directory or prefix, listed once
+    totals = _Totals(not_slot, prefixes)
+    names = len(paths) == 1 and bool(expansion.containers)   # a directory or prefix, listed once
     human = _Cells(show_reuse=model is not None, names=names) if not (json_out or jsonl) else None
     with out.progress("reading", total=len(files)) as update:
         def rows() -> Iterable[dict]:
-            for i, row in enumerate(catalog(files, request, processes=jobs), 1):
+            for i, row in enumerate(catalog(files, request, processes=jobs, index=not no_cache), 1):
                 update(i)
                 totals.seen(row)
                 if human is not None and row.get("error") and row.get("exit_code") == 2:
@@ -179,11 +198,13 @@ _SORTS = {
 
 
 class _Totals:
-    def __init__(self, not_slot: int):
+    def __init__(self, not_slot: int, prefixes: list[str] = ()):
         self.not_slot = not_slot
+        self.prefixes = list(prefixes)
         self.files = self.size = self.tokens = self.draft = self.checkpoints = 0
         self.read = 0
         self.verdicts: dict[str, int] = {}
+        self.classes: dict[str, int] = {}
         self.codes: set[int] = set()
 
     def seen(self, row: dict) -> None:
@@ -196,6 +217,8 @@ class _Totals:
         self.draft += row["draft_size"]
         self.checkpoints += len(row["checkpoints"])
         self.verdicts[row["verdict"]] = self.verdicts.get(row["verdict"], 0) + 1
+        if row.get("class"):
+            self.classes[row["class"]] = self.classes.get(row["class"], 0) + 1
         self.codes.add(row["exit_code"])
 
     @property
@@ -207,7 +230,9 @@ class _Totals:
 
         return {"files": self.files, "read": self.read, "skipped": self.not_slot, "size": self.size,
                 "n_tokens": self.tokens, "draft_size": self.draft, "n_checkpoints": self.checkpoints,
-                "verdicts": {v: self.verdicts.get(v, 0) for v in VERDICT_NAMES}}
+                "verdicts": {v: self.verdicts.get(v, 0) for v in VERDICT_NAMES},
+                "classes": {c: self.classes.get(c, 0) for c in ("ok", "broken", "mismatch", "useless", "undecided")},
+                "prefixes": list(self.prefixes)}
 
 
 def human_age(seconds: int | None) -> str:
@@ -221,7 +246,7 @@ def human_age(seconds: int | None) -> str:
 
 #: the columns before the name, and whether each is aligned left (the others right)
 _COLUMNS = (("size", False), ("age", False), ("ver", False), ("tokens", False), ("kind", True), ("ckpt", False),
-            ("draft", False), ("verdict", True))
+            ("draft", False), ("verdict", True), ("class", True))
 class _Cells:
     """The human listing: each row's cells as short strings, laid out when every width is known.
 
@@ -240,17 +265,29 @@ class _Cells:
         cells = [human_bytes(r["size"]), human_age(r["age_seconds"]), str(r["state_version"] or "-"),
                  f"{r['n_tokens']:,}" if r["n_tokens"] is not None else "-", r["memory_kind"] or "-",
                  str(len(r["checkpoints"])), human_bytes(r["draft_size"]) if r["draft_size"] else "-",
-                 r["verdict"]]
+                 r["verdict"], r.get("class") or "-"]
         if len(self.columns) > len(_COLUMNS):
             cells.append(_reuse_text(r.get("reuse")))
         error = r["error"]["message"] if r.get("error") else None
+        if r.get("remedy") and r.get("class") in ("mismatch", "useless"):
+            what = "refused only by the flags given" if r["class"] == "mismatch" else "reuses nothing"
+            error = (f"{what}: {r['remedy']}" if error is None or error == r["remedy"]
+                     else f"{error} ({what}: {r['remedy']})")
         if r.get("uncertain"):     # the verdict rests on undefined behaviour or on a reading: said in words too
             doubt = "not certain: " + "; ".join(r["uncertain"])
             error = doubt if error is None else f"{error} ({doubt})"
         self.rows.append((cells, escape_text(r["name" if self.names else "path"], keep_newlines=False),
                           None if error is None else escape_text(error, keep_newlines=False)))
 
+    def _drop_column(self, title: str) -> None:
+        i = [t for t, _ in self.columns].index(title)
+        del self.columns[i]
+        self.rows = [(cells[:i] + cells[i + 1:], name, error) for cells, name, error in self.rows]
+
     def render(self, out: Output, totals: _Totals, *, broken: bool) -> None:
+        if not any(c in ("mismatch", "useless") for c in totals.classes):
+            # the class says no more than the verdict (ok: restores, broken: refused or aborts): not shown
+            self._drop_column("class")
         width = out.console.width
         heads = [title for title, _ in self.columns]
         widths = [max([cell_len(h)] + [cell_len(cells[i]) for cells, _, _ in self.rows])
@@ -276,6 +313,8 @@ class _Cells:
         out.print(_tail(totals, broken=broken))
 
     def _cell(self, title: str, value: str) -> Text:
+        if title == "class":
+            return Text(value, style=style_of(f"class.{value}", style_of(value)))
         return Text(value, style=style_of(value) if title == "verdict" else "")
 
     def _line(self, cells: list[str], widths: list[int], gap: int, name: str, room: int, *,
@@ -322,6 +361,8 @@ def _tail(totals: _Totals, *, broken: bool) -> Text:
         tail += f" ({s['read'] - s['files']:,} filtered out)"
     if s["skipped"]:
         tail += f"; {s['skipped']:,} file(s) that are not slot files left out"
+    if s["prefixes"]:
+        tail += f"; sub-prefixes (not read, as subdirectories): {', '.join(escape_text(p) for p in s['prefixes'])}"
     if s["verdicts"]["undecided"]:
         tail += ("; undecided: the server may restore, refuse or abort on "
                  f"{'them (listed with --broken)' if broken else 'them'}: give -m with the server's model and "

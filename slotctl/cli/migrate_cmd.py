@@ -11,7 +11,7 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ApiKeyOpt, JsonOpt, TimeoutOpt, flag_option, store_option
+from slotctl.cli.options import ApiKeyOpt, ArgsCommand, JsonOpt, TimeoutOpt, flag_option, store_option
 from slotctl.live import SLOT_FILE_TIMEOUT
 from slotctl.cli.output import Output, style_of
 from slotctl.format.ggml import CACHE_TYPE_NAMES
@@ -19,7 +19,7 @@ from slotctl.format.ggml import CACHE_TYPE_NAMES
 
 
 def register(app: typer.Typer) -> None:
-    app.command("migrate")(migrate)
+    app.command("migrate", cls=ArgsCommand)(migrate)
 
 
 @handle_errors
@@ -33,7 +33,8 @@ def migrate(
     to_dir: Annotated[Path, typer.Option("--to-dir", file_okay=False, metavar="DIR",
                                          help="The destination's --slot-save-path as this machine sees it.")],
     to_slot: Annotated[Optional[int], typer.Option("--to-slot", min=0, help="The destination's slot (default: "
-                                                   "the source's).")] = None,
+                                                   "the source's when the destination has it, else an idle "
+                                                   "one of the destination).")] = None,
     name: Annotated[Optional[str], typer.Option("--name", help="The file name to save and place under (default "
                                                 "migrate-slotN-TIME-PID.bin).")] = None,
     store: Annotated[Optional[str], store_option("Also keep the (converted) file there, and place the store's "
@@ -46,6 +47,8 @@ def migrate(
                                                        "default f16).")] = None,
     allow_lossy: Annotated[bool, typer.Option("--allow-lossy", help="Re-encode the cache rows when the "
                                               "destination's cache types differ (lossy; measured).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Send the file even when validate says the destination "
+                                        "refuses it or aborts on it.")] = False,
     api_key: ApiKeyOpt = None,
     to_api_key: Annotated[Optional[str], typer.Option("--to-api-key", help="The destination's API key (default: "
                                                       "--api-key).")] = None,
@@ -58,8 +61,10 @@ def migrate(
     when it cannot work there (another model by /v1/models, a context too small, flags validate says
     the server refuses), converts it for the destination's -np/-kvu (exact) and cache types (lossy, only
     with --allow-lossy), writes it into --to-dir atomically, restores it into the destination's slot and
-    proves it (the file's own prompt, the server's own counts, as restore --prove). The source's slot is
-    never changed. One line per step; --json: one document with each step's outcome. Details: docs/fleet.md.
+    proves it (the file's own prompt, the server's own counts, as restore --prove), then removes its
+    working files (the store keeps its copy). A file validate says the destination refuses or aborts on
+    is never sent unless --force. The source's slot is never changed. One line per step; --json: one
+    document with each step's outcome. Details: docs/fleet.md.
 
     Exit codes: 0 migrated and proven; 1 refused (nothing sent to the destination), the destination
     refused the file, or the proof found more prompt tokens evaluated than predicted; 2 usage error, a
@@ -72,9 +77,9 @@ def migrate(
     given = remote.given_params(ctx) & {"kv_unified", "cache_type_k", "cache_type_v"}
     flags = ServerFlags(kv_unified=kv_unified, cache_type_k=cache_type_k or ServerFlags().cache_type_k,
                         cache_type_v=cache_type_v or ServerFlags().cache_type_v)
-    m = run(from_url, slot, to_url, slot if to_slot is None else to_slot, from_dir=from_dir, to_dir=to_dir,
+    m = run(from_url, slot, to_url, to_slot, from_dir=from_dir, to_dir=to_dir,
             name=name, store=store, dst_flags=flags, given=frozenset(given), allow_lossy=allow_lossy, api_key=api_key,
-            to_api_key=to_api_key, timeout=timeout)
+            to_api_key=to_api_key, timeout=timeout, force=force)
     doc = m.as_dict()
     if json_out:
         out.json(doc)

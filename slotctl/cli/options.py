@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
@@ -101,8 +102,15 @@ ProveOpt = Annotated[bool, typer.Option("--prove", help="With --server: after th
                                         "prompt (nothing generated) and check the server's own counts (timings "
                                         "cache_n, prompt_n) against validate's predicted reuse; needs --slot-dir.")]
 SlotDirOpt = Annotated[Optional[Path], typer.Option("--slot-dir", file_okay=False, metavar="DIR",
-                                                    help="With --prove: the server's --slot-save-path as this "
-                                                         "machine sees it (the file is read there).")]
+                                                    help="With --server: the server's --slot-save-path as this "
+                                                         "machine sees it (the file is read there: validated "
+                                                         "for the server before it is sent; --prove needs it).")]
+ForceSendOpt = Annotated[bool, typer.Option("--force", help="With --server --slot-dir: send the file even when "
+                                            "validate says the server refuses it or aborts on it.")]
+ProveAnywayOpt = Annotated[bool, typer.Option("--prove-anyway", help="With --prove: send the proving request even "
+                                              "where it makes the server evaluate the prompt again (recurrent, "
+                                              "hybrid, SWA files b11434 keeps no checkpoint of): it spends the "
+                                              "restore it proves.")]
 
 
 # -- the command line as typed ----------------------------------------------------------------------------
@@ -121,6 +129,7 @@ class ArgsCommand(TyperCommand):
     """
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
+        _refuse_repeated(self, ctx, args)
         if any(p.name == SERVER_ARGS_PARAM for p in self.params):
             args, ctx.meta["slotctl.ignored_flags"], ctx.meta["slotctl.server_env"] = \
                 server_command_line(self, ctx, list(args))
@@ -131,6 +140,25 @@ class ArgsCommand(TyperCommand):
         except Exception:  # noqa: BLE001 - the real parse below reports whatever is wrong
             pass
         return super().parse_args(ctx, args)
+
+
+#: options naming one server: given twice, the first would be dropped silently (click keeps the last)
+ONE_SERVER_OPTIONS = ("--server", "--from", "--to")
+
+
+def _refuse_repeated(command, ctx, args: list[str]) -> None:
+    """A usage error when an option naming one server (:data:`ONE_SERVER_OPTIONS`) is given more than once to
+    a command that takes one (a command taking several declares the option ``multiple``)."""
+    words = args[:args.index("--")] if "--" in args else args
+    for p in command.get_params(ctx):
+        if p.param_type_name != "option" or getattr(p, "multiple", False):
+            continue
+        for name in (o for o in p.opts if o in ONE_SERVER_OPTIONS):
+            given = [w.partition("=")[2] if "=" in w else None for w in words
+                     if w == name or w.startswith(name + "=")]
+            if len(given) > 1:
+                raise typer.BadParameter(f"{name} given {len(given)} times: this command acts on one server "
+                                         f"(the first would be dropped); give {name} once", ctx=ctx)
 
 
 #: the parameter that takes llama-server's command line as one argument (``--server-args``)
@@ -172,7 +200,10 @@ def server_command_line(command, ctx, args: list[str]) -> tuple[list[str], list[
     (:func:`slotctl.server.flags.server_arg`) is removed here with the values it takes, whatever they look
     like (``-ngl -1``, ``--spec-type ngram-simple``), as the server reads them: always the next
     arguments. What is neither stays, and click refuses it as an unknown option.
-    ``--server-args TEXT`` (``@FILE``: read from a file) is a whole command line: see :func:`_split_server_args`.
+    ``--server-args TEXT`` (``@FILE``: read from a file) is a whole command line: see :func:`_split_server_args`;
+    so is everything after a word naming the program (``/usr/bin/llama-server -m M -c 4096 ...`` pasted as it
+    is). A ``--slot-save-path DIR`` among them is kept in ``ctx.meta["slotctl.slot_save_path"]``
+    (:func:`pasted_slot_dir`: ``ls`` and ``prune`` read DIR when given no path).
     """
     from slotctl.server.flags import server_arg
 
@@ -192,6 +223,10 @@ def server_command_line(command, ctx, args: list[str]) -> tuple[list[str], list[
             word = words[i]
             if word == "--" and not pasted:
                 out.extend(words[i:])
+                return
+            if not pasted and not word.startswith("-") and Path(word).name.startswith("llama-server"):
+                # llama-server's own command line pasted as it is, its program first: the rest is the server's
+                walk(words[i + 1:], pasted=True)
                 return
             name, eq, value = word.partition("=") if word.startswith("--") else (word, "", "")
             norm = name.replace("_", "-") if name.startswith("--") else name
@@ -216,7 +251,9 @@ def server_command_line(command, ctx, args: list[str]) -> tuple[list[str], list[
                 n = arg.values - (1 if eq else 0)
                 if len(words) - i - 1 < n:
                     raise UsageError(f"{name}: expected {'a value' if arg.values == 1 else f'{arg.values} values'}")
-                if name not in ignored:
+                if norm == "--slot-save-path":   # the directory a command of directories reads when given none
+                    ctx.meta["slotctl.slot_save_path"] = value if eq else words[i + 1]
+                if name not in ignored and norm != "--slot-save-path":
                     ignored.append(name)
                 i += 1 + max(n, 0)
                 continue
@@ -259,6 +296,27 @@ def _split_server_args(text: str, UsageError) -> tuple[list[str], dict[str, str]
     elif words and not words[0].startswith("-"):
         words.pop(0)
     return words, env
+
+
+def remote_paths(ctx: typer.Context | None, paths) -> list[str]:
+    """``paths`` (typer's ``Path`` values) as strings, each ``s3://`` one as typed: ``Path`` drops the trailing
+    ``/`` that makes ``s3://bucket/prefix/`` a prefix (a directory: empty, it holds 0 files)."""
+    from slotctl.sources import remote_url
+
+    typed = [remote_url(a) for a in (ctx.meta.get("slotctl.args") or ()) if remote_url(a)] if ctx is not None else []
+    out = []
+    for p in paths:
+        url = remote_url(p)
+        if url is None:
+            out.append(os.fspath(p))
+            continue
+        out.append(next((t for t in typed if t.rstrip("/") == url.rstrip("/")), url))
+    return out
+
+
+def pasted_slot_dir(ctx: typer.Context | None) -> str | None:
+    """The ``--slot-save-path`` of the server's command line pasted among the arguments, if any."""
+    return ctx.meta.get("slotctl.slot_save_path") if ctx is not None else None
 
 
 def raw_value(ctx: typer.Context | None, name: str, default: Any = None) -> Any:

@@ -56,7 +56,10 @@ STYLES = {
                      "differs"), "bold red"),
     **dict.fromkeys(("would_strip", "would_delete"), "cyan"),
     "undecided": "magenta",
+    "not_taken": "yellow",     # a proof not sent
     **dict.fromkeys(("unchanged", "kept", "absent", "note"), "dim"),
+    # a file's class (ls, validate.classes): "mismatch" there is a file for another setup, worth a look
+    "broken": "bold red", "useless": "yellow", "class.mismatch": "yellow",
 }
 
 

@@ -20,7 +20,7 @@ from slotctl.cli.options import (
 )
 from slotctl.cli.output import Output, escape_text, human_bytes, style_of
 from slotctl.server.flags import ServerFlags
-from slotctl.errors import ExitStatus, worst
+from slotctl.errors import ExitStatus, UsageError, worst
 
 
 
@@ -32,8 +32,10 @@ def register(app: typer.Typer) -> None:
 @with_server_flags
 def prune(
     ctx: typer.Context,
-    directory: Annotated[Path, typer.Argument(help="The slot directory (a server's --slot-save-path).",
-                                              file_okay=False)],
+    directory: Annotated[Optional[Path], typer.Argument(help="The slot directory (a server's --slot-save-path; "
+                                                        "default: the --slot-save-path of llama-server's "
+                                                        "command line pasted among the arguments).",
+                                                        file_okay=False)] = None,
     max_size: Annotated[Optional[str], typer.Option("--max-size", metavar="SIZE", help="Delete least recently "
                                                     "used files until the directory holds at most SIZE (20G, "
                                                     "500M, bytes).")] = None,
@@ -43,10 +45,17 @@ def prune(
                                                 "(pinned ones besides).")] = None,
     pin: Annotated[Optional[list[str]], typer.Option("--pin", metavar="GLOB", help="Never delete files whose name "
                                                      "(or path) matches GLOB (repeatable).")] = None,
-    broken: Annotated[bool, typer.Option("--broken", help="Delete only the files the server would not restore "
-                                         "(verdict refused, aborts or unreadable; with -m and the server's "
-                                         "flags, as validate predicts it). Undecided files are kept and "
+    broken: Annotated[bool, typer.Option("--broken", help="Delete only the files the server refuses or aborts on "
+                                         "whatever its flags (damage in the file itself; with -m and the "
+                                         "server's flags, as validate predicts it). A file refused only by the "
+                                         "flags given is kept (--mismatched); undecided files are kept and "
                                          "counted: -m decides them.")] = False,
+    mismatched: Annotated[bool, typer.Option("--mismatched", help="Delete the files refused only by the flags or "
+                                             "model given (-np, -kvu, cache types, -c, -m): they restore in a "
+                                             "server started as they were saved (slotctl convert fixes streams "
+                                             "and cache types). Try it with --dry-run first.")] = False,
+    useless: Annotated[bool, typer.Option("--useless", help="Delete the files the server restores but reuses none "
+                                          "of (validate's predicted reuse for b11434 is 0).")] = False,
     grace: Annotated[float, typer.Option("--grace", metavar="SECONDS", min=0, help="Files modified less than "
                                          "this long ago are being written: never touched.")] = 60.0,
     temp_files: Annotated[bool, typer.Option("--temp-files", help="Also delete slotctl's temporary files "
@@ -62,7 +71,8 @@ def prune(
     flags: ServerFlags = ServerFlags(),
 ) -> None:
     """Delete slot files to keep a directory under a budget: --max-size, --older-than, --keep; or only the
-    files a server would not restore (--broken).
+    files a server refuses or aborts on whatever its flags (--broken), those refused only by the flags
+    or model given (--mismatched), those it restores but reuses none of (--useless).
 
     Least recently used first: by access time where the filesystem keeps it (a server restoring a file
     reads it; slotctl's own reads do not count), else by modification time; the report says which.
@@ -85,9 +95,9 @@ def prune(
     policy = Policy(max_size=parse_size(max_size) if max_size is not None else None,
                     older_than=parse_age(older_than) if older_than is not None else None,
                     keep=keep, pins=tuple(pin or ()), broken=broken, grace=grace if grace is not None else DEFAULT_GRACE,
-                    temp=temp_files)
+                    temp=temp_files, mismatched=mismatched, useless=useless)
     verdicts = None
-    if broken:
+    if policy.judged:
         setup = None
         if model is not None:
             from slotctl.validate import ServerSetup
@@ -97,17 +107,25 @@ def prune(
             setup = ServerSetup.from_flags(flags, target=model, draft=draft_model, slot=slot,
                                            attn_rot_disable=attn_rot_disable())
 
-        def verdicts(paths: list[str]) -> dict[str, str]:
+        def verdicts(paths: list[str]) -> dict[str, tuple]:
             from slotctl.catalog import CUT_SHORT, Request, catalog
 
             with out.progress("judging", total=len(paths)) as update:
                 judged = {}
                 for i, row in enumerate(catalog(paths, Request(setup=setup, verbose=verbose)), 1):
-                    judged[row["path"]] = CUT_SHORT if row.get("payload_cut") else row["verdict"]
+                    judged[row["path"]] = (CUT_SHORT if row.get("payload_cut") else row["verdict"], row.get("class"),
+                                           row.get("remedy"))
                     update(i)
                 return judged
 
-    p = plan(str(directory), policy, verdicts=verdicts)
+    from slotctl.cli.options import pasted_slot_dir, remote_paths
+
+    if directory is None:
+        if pasted_slot_dir(ctx) is None:
+            raise UsageError("give the slot directory (DIRECTORY), or llama-server's command line with its "
+                             "--slot-save-path")
+        directory = Path(pasted_slot_dir(ctx))
+    p = plan(remote_paths(ctx, [directory])[0], policy, verdicts=verdicts)
     out.log(f"last use from {p.source}: {p.source_reason}")
     with out.progress("deleting", total=len(p.selected())) as update:
         done = [0]
@@ -148,8 +166,8 @@ def report(p, *, dry_run: bool, exit_code: int) -> dict:
         "time_source": p.source,
         "time_source_reason": p.source_reason,
         "policy": {"max_size": pol.max_size, "older_than_seconds": pol.older_than, "keep": pol.keep,
-                   "pins": list(pol.pins), "broken": pol.broken, "grace_seconds": pol.grace,
-                   "temp_files": pol.temp},
+                   "pins": list(pol.pins), "broken": pol.broken, "mismatched": pol.mismatched,
+                   "useless": pol.useless, "grace_seconds": pol.grace, "temp_files": pol.temp},
         "files": [e.as_dict() for e in p.entries],
         "summary": {"files": len(p.entries), **counts, "undecided": sum(e.undecided for e in p.entries),
                     "freed": sum(e.size for e in gone),

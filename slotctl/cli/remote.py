@@ -65,12 +65,13 @@ def option_name(ctx: typer.Context | None, name: str) -> str:
     return f"{short}/{long}" if short != long else long
 
 
-def refuse_local_options(ctx: typer.Context | None, command: str, why: str) -> None:
-    """UsageError naming every option typed that live mode of ``command`` does not take."""
+def refuse_local_options(ctx: typer.Context | None, command: str, why: str, also: frozenset[str] = frozenset()) -> None:
+    """UsageError naming every option typed that live mode of ``command`` does not take (``also``: the
+    parameters of its own that it takes besides :data:`_LIVE_PARAMS`)."""
     if ctx is None:
         return
     local = [p.name for p in ctx.command.params
-             if p.name not in _LIVE_PARAMS and _source(ctx, p.name) == "COMMANDLINE"]
+             if p.name not in _LIVE_PARAMS | also and _source(ctx, p.name) == "COMMANDLINE"]
     if local:
         names = ", ".join(option_name(ctx, n) for n in local)
         raise UsageError(f"{command} --server: {names} {'is' if len(local) == 1 else 'are'} for a local "
@@ -87,6 +88,17 @@ def require_local(ctx: typer.Context | None, command: str, **required: Any) -> N
         if value is None:
             raise UsageError(f"missing option {option_name(ctx, name)} (or act through a running llama-server: "
                              f"{command} --server URL --slot N NAME)")
+
+
+def check_slot_dir_and_store(slot_dir: Path, store: str | None) -> None:
+    """UsageError unless ``--slot-dir`` is a directory and ``--store`` a directory or an ``s3://`` prefix (keep,
+    serve)."""
+    if not slot_dir.is_dir():
+        raise UsageError(f"--slot-dir {slot_dir}: not a directory")
+    if store is not None and "://" in store and not store.startswith("s3://"):
+        raise UsageError(f"--store {store}: a directory or an s3://BUCKET/PREFIX/")
+    if store is not None and "://" not in store and not Path(store).is_dir():
+        raise UsageError(f"--store {store}: not a directory")
 
 
 def _plain(text: str) -> str:
@@ -145,27 +157,46 @@ def restore_refused_hint(url: str, name: str, slot_dir: Path | None) -> str:
 
 def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name: str, *, slot: int,
                       api_key: str | None, timeout: float, json_out: bool, prove: bool = False,
-                      slot_dir: Path | None = None) -> None:
-    """``slotctl restore --server URL --slot N NAME [--prove --slot-dir DIR]``: the server restores NAME
-    from its --slot-save-path; with ``prove``, the proving request (:mod:`slotctl.live.prove`) follows.
+                      slot_dir: Path | None = None, force: bool = False, prove_anyway: bool = False) -> None:
+    """``slotctl restore --server URL --slot N NAME [--slot-dir DIR] [--prove]``: the server restores NAME
+    from its --slot-save-path. With ``slot_dir`` the file is read there first and judged for that server
+    (:func:`slotctl.live.judge.check_sendable`): one it refuses or aborts on is not sent unless ``force``.
+    With ``prove``, the proving request (:mod:`slotctl.live.prove`) follows, unless it would spend the
+    restore it proves (``prove_anyway`` sends it then too).
 
     NAME is taken as typed (:func:`raw_value`), not as the ``Path`` typer made of it.
     """
-    refuse_local_options(ctx, "restore", "the server restores the file with its own model and flags")
+    refuse_local_options(ctx, "restore", "the server restores the file with its own model and flags",
+                         also=frozenset({"force", "prove_anyway"}))
     name = raw_value(ctx, "file", name)
     url = server_api.normalize_url(server)
     local = None
-    if prove:
-        if slot_dir is None:
-            raise UsageError("--prove needs --slot-dir DIR, the server's --slot-save-path as this machine sees it "
-                             "(the file's prompt and memory are read there)")
+    if prove and slot_dir is None:
+        raise UsageError("--prove needs --slot-dir DIR, the server's --slot-save-path as this machine sees it "
+                         "(the file's prompt and memory are read there)")
+    if prove_anyway and not prove:
+        raise UsageError("--prove-anyway goes with --prove")
+    note = None
+    setup = facts = None
+    if slot_dir is not None:
         server_api.check_filename(name)
         local = Path(slot_dir) / name
         from slotctl.paths import check_readable
 
         check_readable(local, what="slot file ")
-    elif slot_dir is not None:
-        raise UsageError("--slot-dir goes with --prove")
+        from slotctl.live.judge import check_sendable
+        from slotctl.live.prove import local_setup
+
+        facts = server_api.server_facts(url, slot, api_key=api_key, timeout=timeout)
+        setup, _notes = local_setup(facts, slot)
+        report = check_sendable(local, setup, force=force, remedy="--force")
+        if report.refused_or_aborts:
+            from slotctl.live.judge import why
+
+            note = f"sent with --force: {why(report)}"
+    else:
+        note = ("not judged: give --slot-dir DIR (the server's --slot-save-path as this machine sees it) and the "
+                "file is validated for this server first, and not sent when it would refuse or abort on it")
     try:
         answer = server_api.restore_slot(url, slot, name, api_key=api_key, timeout=timeout)
     except server_api.ServerRefused as e:
@@ -173,14 +204,19 @@ def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name:
             raise
         raise server_api.ServerRefused(f"{e}; {restore_refused_hint(url, name, slot_dir)}", status=e.status,
                                        message=e.message, error_type=e.error_type, body=e.body) from None
+    except server_api.ServerDropped as e:
+        raise server_api.ServerDropped(f"{e}; a file the server aborts on kills it while it restores: "
+                                       f"{restore_refused_hint(url, name, slot_dir)}") from None
     proof = None
-    if local is not None:
-        from slotctl.live.prove import local_setup, prove as run_proof
+    if prove:
+        from slotctl.live.prove import prove as run_proof
 
-        facts = server_api.server_facts(url, slot, api_key=api_key, timeout=timeout)
-        setup, _notes = local_setup(facts, slot)
-        proof = run_proof(url, slot, local, setup, build_info=facts.build_info, api_key=api_key, timeout=timeout)
-    _answer(out, answer, json_out, url, f"{name} restored into slot {slot}", slot=slot, name=name, proof=proof)
+        proof = run_proof(url, slot, local, setup, build_info=facts.build_info, api_key=api_key, timeout=timeout,
+                          spend=prove_anyway)
+        if proof.verdict == "not_taken":
+            proof.notes.append("--prove-anyway sends it")
+    _answer(out, answer, json_out, url, f"{name} restored into slot {slot}", slot=slot, name=name, proof=proof,
+            note=note)
     if proof is not None and proof.exit_status:
         out.error(f"--prove: {proof.verdict}: {proof.reason}")
         raise typer.Exit(int(proof.exit_status))
@@ -216,9 +252,12 @@ def render_proof(out: Output, p: dict, indent: str = "  ") -> None:
     """The lines of a proof (:meth:`slotctl.live.prove.Proof.as_dict`): the server's counts against the
     prediction, and why when they differ."""
     line = Text(indent + "proof ", style="bold")
-    line.append(p["verdict"], style=style_of(p["verdict"]))
-    line.append(f": of the file's {p['n_prompt']:,} prompt tokens the server reused {p['n_reused']:,} and "
-                f"evaluated {p['n_evaluated']:,} (timings cache_n, prompt_n)")
+    line.append(p["verdict"].replace("_", " "), style=style_of(p["verdict"]))
+    if p["verdict"] == "not_taken":
+        line.append(f": the proving request was not sent (the file's {p['n_prompt']:,} prompt tokens)")
+    else:
+        line.append(f": of the file's {p['n_prompt']:,} prompt tokens the server reused {p['n_reused']:,} and "
+                    f"evaluated {p['n_evaluated']:,} (timings cache_n, prompt_n)")
     if p["predicted_evaluated"] is not None:
         line.append(f"; predicted for {p['rule']}: {p['predicted_reused']:,} reused, "
                     f"{p['predicted_evaluated']:,} evaluated")

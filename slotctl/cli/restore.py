@@ -15,8 +15,9 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import check_file, handle_errors, read_prompt, require_llama
-from slotctl.cli.options import (ArgsCommand, DraftModelOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt, LiveTimeoutOpt,
-                                 LocalModelOpt, ProveOpt, SlotDirOpt, SlotOpt, VerboseOpt, with_server_flags)
+from slotctl.cli.options import (ArgsCommand, DraftModelOpt, ForceSendOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt,
+                                 LiveTimeoutOpt, LocalModelOpt, ProveAnywayOpt, ProveOpt, SlotDirOpt, SlotOpt, VerboseOpt,
+                                 with_server_flags)
 from slotctl.live import SLOT_FILE_TIMEOUT
 from slotctl.cli.output import Output, elide, escape_text, markup_safe, style_of
 from slotctl.errors import ExitStatus, UsageError
@@ -57,6 +58,8 @@ def restore(
     server: LiveServerOpt = None,
     prove: ProveOpt = False,
     slot_dir: SlotDirOpt = None,
+    force: ForceSendOpt = False,
+    prove_anyway: ProveAnywayOpt = False,
     api_key: LiveApiKeyOpt = None,
     timeout: LiveTimeoutOpt = SLOT_FILE_TIMEOUT,
     json_out: JsonOpt = False,
@@ -69,22 +72,28 @@ def restore(
     checkpoints, draft state): restored, absent, ignored or dropped, and why. --continue TEXT / -n N
     then go on from it (with -md by speculative decoding); --prompt sends a new prompt, rolled back to
     a checkpoint as the server does; --compare runs a slot that was never saved beside it.
-    With --server URL --slot N NAME: a running llama-server restores NAME (docs/live.md); with --prove
-    --slot-dir DIR it then sends the file's own prompt (nothing generated) and checks the server's own
-    counts against validate's predicted reuse (docs/fleet.md). Details: docs/save-restore.md.
+    With --server URL --slot N NAME: a running llama-server restores NAME (docs/live.md); with --slot-dir
+    DIR the file is read there and validated for that server first, and not sent when the server would
+    refuse it or abort on it (--force sends it); with --prove it then sends the file's own prompt (nothing
+    generated) and checks the server's own counts against validate's predicted reuse, unless that request
+    would make the server evaluate the prompt again (--prove-anyway: docs/fleet.md). Details:
+    docs/save-restore.md.
 
     Exit codes: 0 restored (a dropped draft state is reported, not fatal) and with --compare all
-    agreed (with --prove: the server evaluated no more than predicted); 1 the server would refuse the
-    file or the request, --compare found a difference, or --prove: the server evaluated more prompt
-    tokens than predicted; 2 usage or I/O error; 3 --prove cannot predict for the file.
+    agreed (with --prove: the server evaluated no more than predicted, or the proof was not taken); 1
+    the server would refuse the file or the request (with --server --slot-dir: not sent), --compare
+    found a difference, or --prove: the server evaluated more prompt tokens than predicted; 2 usage or
+    I/O error, or the server dropped the connection (it may have crashed); 3 --prove cannot predict.
     """
     out = Output(json_mode=json_out, verbose=verbose)
     if server is not None:  # live mode: docs/live.md
         return remote.restore_on_server(ctx, out, server, str(file), slot=slot, api_key=api_key, timeout=timeout,
-                                        json_out=json_out, prove=prove, slot_dir=slot_dir)
+                                        json_out=json_out, prove=prove, slot_dir=slot_dir, force=force,
+                                        prove_anyway=prove_anyway)
     remote.require_local(ctx, "restore", model=model)
-    if prove or slot_dir is not None:
-        raise UsageError("--prove and --slot-dir go with --server URL (a running llama-server restores the file)")
+    if prove or slot_dir is not None or force or prove_anyway:
+        raise UsageError("--prove, --prove-anyway, --slot-dir and --force go with --server URL (a running "
+                         "llama-server restores the file)")
     require_llama("restore")
     check_file(file)
     for path in (model, draft_model):

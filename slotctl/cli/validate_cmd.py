@@ -154,7 +154,8 @@ def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = 
             line.append(escape_text(why, keep_newlines=False))
             out.print(line)
         if fr.checks and any(c.predicted or c.loaded for c in fr.checks):
-            out.table(_checks(fr.checks), keep=("offset", "bytes", "predicted", "loaded", "server"))
+            out.table(_checks(fr.checks, fr.refused_or_aborts), keep=("offset", "bytes", "predicted", "loaded",
+                                                                      "server"))
         shown = [f for f in fr.ordered_findings() if not (many and notes.add(f.as_dict(), fr.path))]
         for f, same in fold_findings(shown):
             line = Text("  ")
@@ -257,7 +258,9 @@ def _same_line(first, same: list, verdict: str) -> Text:
     return line
 
 
-def _checks(checks) -> Table:
+def _checks(checks, stopped: bool = False) -> Table:
+    """The layers' table; ``stopped``: the server refuses the file or aborts on it, so no layer is restored and
+    none is shown as ``ok`` beside that verdict (``not restored``)."""
     t = Table(show_edge=False, box=None, padding=(0, 2))
     for col in ("layer", "offset", "bytes", "predicted", "loaded", "server"):
         t.add_column(col, justify="right" if col in ("offset", "bytes") else "left")
@@ -265,5 +268,6 @@ def _checks(checks) -> Table:
         t.add_row(c.layer, f"0x{c.offset:x}" if c.offset is not None else "-", human_bytes(c.size),
                   Text(c.predicted or "-", style=style_of(c.predicted, "dim")),
                   Text(c.loaded or "-", style=style_of(c.loaded, "dim")),
+                  Text("not restored", style=style_of("absent")) if stopped and c.effect == "ok" else
                   Text(c.effect.replace("_", " "), style=style_of(c.effect)))
     return t

@@ -7,8 +7,12 @@ Every ``every`` seconds (:meth:`Keeper.tick`):
   each time it answers. Back after being down, up with another identity (llama-swap swapped the model
   behind the URL), or a slot keep saved now showing no task at all (a new process, restarted between two
   looks) is a *restart*: every slot that holds nothing gets the newest state of the store that
-  validates for the server now running (:meth:`Keeper.restore_all`), restored and proven
-  (:mod:`slotctl.live.prove`). So does every empty slot when keep starts.
+  validates for the server now running (:meth:`Keeper.restore_all`; one the server would refuse or abort on
+  is never sent unless ``force``: :mod:`slotctl.live.judge`), restored and proven (:mod:`slotctl.live.prove`:
+  not where the proving request would spend the restore). So does every empty slot when keep starts. A
+  state saved before the server's ``-np``, ``-kvu`` or cache types changed is converted first, by migrate's
+  conversion step (:func:`slotctl.fleet.migrate.convert_for`: exact for streams, lossy for cache types only
+  with ``allow_lossy``); a state that cannot be is skipped, saying why.
 * **save**: each idle slot (``is_processing`` false) whose last task (``/slots`` ``id_task``, ``n_prompt_tokens``)
   changed since keep last saved or restored it, with at least ``min_tokens`` prompt tokens, is saved by the
   server under a working name (``keep-slotN-incoming.bin`` in ``--slot-save-path``); only after the save
@@ -50,8 +54,8 @@ HEALTH_TIMEOUT = 10.0
 
 @dataclass
 class Event:
-    """One action: ``event`` (start, up, down, restart, saved, stored, unchanged, skipped, restored, proof,
-    pruned, error, stop), the slot (or None), one line for people, the figures."""
+    """One action: ``event`` (start, up, down, restart, saved, stored, unchanged, skipped, converted, restored,
+    proof, pruned, error, stop), the slot (or None), one line for people, the figures."""
 
     event: str
     slot: int | None
@@ -101,12 +105,19 @@ class Keeper:
     def __init__(self, url: str, slot_dir: str | os.PathLike, store: str | os.PathLike | None = None, *,
                  every: float = 30.0, min_tokens: int = 1, max_size: int | None = None,
                  api_key: str | None = None, timeout: float = 600.0, emit: Callable[[Event], None] = print,
-                 lock=None, retention: int | None = None, prove: bool = True):
+                 lock=None, retention: int | None = None, prove: bool = True, force: bool = False, flags=None,
+                 given: frozenset[str] = frozenset(), allow_lossy: bool = False):
         self.url = http.normalize_url(url)
         self.slot_dir = Path(slot_dir)
         self.store = open_store(store, self.slot_dir)
         self.every, self.min_tokens, self.max_size = every, min_tokens, max_size
         self.api_key, self.timeout, self.emit = api_key, timeout, emit
+        #: restore a state even when validate says the server refuses it or aborts on it (``--force``)
+        self.force = force
+        #: the server's flags it does not report (``-kvu``, ``-ctk``, ``-ctv``: the fields named in ``given``)
+        self.flags, self.given = flags, given
+        #: re-encode a state's cache rows when the server's cache types changed (lossy: ``--allow-lossy``)
+        self.allow_lossy = allow_lossy
         self.up: bool | None = None
         self.identity: dict | None = None
         self.facts: http.ServerFacts | None = None
@@ -319,15 +330,29 @@ class Keeper:
 
     def _restore_one(self, slot: int, name: str, staging: Path) -> bool:
         """Restore the store's state ``name`` into ``slot`` and prove it; False when it does not validate."""
-        from slotctl.validate.check import validate_file
-        from slotctl.validate.setup import Models
+        from slotctl.fleet.migrate import Refused, convert_for
+        from slotctl.live.judge import NotSent, check_sendable, why
 
-        setup, _notes = local_setup(self.facts, slot)
+        setup, _notes = local_setup(self.facts, slot, self.flags, self.given)
         path = self.store.local(name, staging)
-        report = validate_file(path, setup, Models(setup))
-        if report.verdict not in ("restores", "restores_with_drops", "undecided"):
-            self._event("skipped", slot, f"{name}: does not validate for the server now running "
-                                         f"({report.verdict})", name=name, verdict=str(report.verdict))
+        # converted for the server now running as migrate converts (its -np, -kvu, cache types)
+        try:
+            conv = convert_for(path, setup, staging / f"converted-{name}", allow_lossy=self.allow_lossy,
+                               lossy_remedy="keep --allow-lossy re-encodes them")
+        except Refused as e:
+            self._event("skipped", slot, f"{name}: not restored: {e}", name=name, reason="conversion")
+            return False
+        except SlotctlError:     # a file that does not parse: judged as it is (validate says what the server does)
+            conv = None
+        if conv is not None and conv.changes:
+            self._event("converted", slot, f"{name}: converted for the server now running ("
+                                           + "; ".join(conv.changes) + ")", name=name, **conv.details)
+            path = conv.path
+        try:
+            report = check_sendable(path, setup, force=self.force)
+        except NotSent as e:
+            self._event("skipped", slot, f"{name}: not restored: {why(e.report)} (keep --force restores it "
+                                         "anyway)", name=name, verdict=str(e.report.verdict))
             return False
         placed = self.slot_dir / name
         copied = not placed.exists()
@@ -339,7 +364,8 @@ class Keeper:
         finally:
             if copied:     # the server has read it: the store keeps the state
                 os.unlink(placed)
-        self._event("restored", slot, f"{name} restored into slot {slot}: {answer['n_restored']:,} tokens",
+        forced = f" (sent with --force: {why(report)})" if report.refused_or_aborts else ""
+        self._event("restored", slot, f"{name} restored into slot {slot}: {answer['n_restored']:,} tokens{forced}",
                     name=name, answer=answer)
         if not self.prove:
             entry = next((e for e in self._slots() if e["id"] == slot), {})
@@ -348,8 +374,7 @@ class Keeper:
             return True
         p = prove(self.url, slot, path, setup, build_info=self.facts.build_info, api_key=self.api_key,
                   timeout=self.timeout)
-        self._event("proof", slot, f"slot {slot}: {p.verdict}: the server reused {p.n_reused:,} and evaluated "
-                                   f"{p.n_evaluated:,} of {p.n_prompt:,} prompt tokens", proof=p.as_dict())
+        self._event("proof", slot, f"slot {slot}: {p.summary()}", proof=p.as_dict())
         entry = next((e for e in self._slots() if e["id"] == slot), {})
         self.seen[slot] = self.signature(entry)   # the proving request is not a change to save
         self._remember(slot, self.seen[slot], name)

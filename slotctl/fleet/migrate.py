@@ -7,7 +7,7 @@ The steps, each with its outcome (:class:`Step`), stopping at the first that doe
    as the servers report it (``/v1/models`` meta: vocabulary, embedding size, parameters, tensor bytes,
    training context), else refused (:func:`other_model`);
 3. ``save``: the source saves the slot into its ``--slot-save-path`` (``--from-dir`` here);
-4. ``fetch``: the saved file parses and holds the slot's tokens;
+4. ``fetch``: the saved file holds the slot's tokens in the size the source answered;
 5. ``check``: the conversion the destination's flags need (:mod:`slotctl.convert`: ``-np``/``-kvu`` streams,
    exact; cache types, lossy, only with ``allow_lossy``), then validate's verdict for the converted file
    and the destination's own model and flags (:func:`slotctl.live.prove.local_setup`): refused when the
@@ -16,7 +16,13 @@ The steps, each with its outcome (:class:`Step`), stopping at the first that doe
    prefix, :mod:`slotctl.fleet.states`), never over a file of that name; the next step places the store's copy;
 7. ``place``: the (converted) file written into ``--to-dir`` atomically, under the same name;
 8. ``restore``: the destination restores it into its slot;
-9. ``prove``: the proving request (:mod:`slotctl.live.prove`).
+9. ``prove``: the proving request (:mod:`slotctl.live.prove`; not sent where it would spend the restore);
+10. ``cleanup``: after a migration that succeeded, the working files are removed (the source's save in
+    ``--from-dir``, the copy placed in ``--to-dir``; a ``store`` keeps its copy).
+
+The destination's slot, when not given, is the source's slot number if the destination has it, else an
+idle slot of the destination (:func:`default_slot`). A file validate says the destination refuses or aborts
+on is never placed unless ``force``.
 
 Nothing reaches the destination before step 7: a refusal leaves it untouched. The source's slot is only
 saved (``action=save`` reads the slot, changes nothing), so a failure anywhere leaves it as it was.
@@ -34,13 +40,13 @@ from pathlib import Path
 from slotctl.errors import ExitStatus, SlotctlError, UsageError, error_entry
 from slotctl.live import http
 from slotctl.live.prove import Proof, local_setup, prove
-from slotctl.fleet.states import copy_atomic, read_saved
+from slotctl.fleet.states import copy_atomic
 from slotctl.server.flags import ServerFlags
 
 #: the /v1/models meta keys that tell two models apart (llama_model_n_vocab, n_embd, n_params, size, n_ctx_train)
 IDENTITY_KEYS = ("n_vocab", "n_embd", "n_params", "size", "n_ctx_train")
 
-STEPS = ("source", "destination", "save", "fetch", "check", "store", "place", "restore", "prove")
+STEPS = ("source", "destination", "save", "fetch", "check", "store", "place", "restore", "prove", "cleanup")
 
 
 class Refused(SlotctlError):
@@ -48,6 +54,11 @@ class Refused(SlotctlError):
 
     exit_status = ExitStatus.FAILED
     code = "refused"
+
+    def __init__(self, message: str, details: dict | None = None):
+        super().__init__(message)
+        #: the figures of the step that refused (what a conversion would have changed)
+        self.details = details
 
 
 @dataclass
@@ -98,16 +109,62 @@ def other_model(src: http.ServerFacts, dst: http.ServerFacts) -> str | None:
     return f"the destination runs another model than the source{names}: {'; '.join(diffs)} (GET /v1/models)"
 
 
+@dataclass
+class Conversion:
+    """A file made fit for a server's flags (:func:`convert_for`): ``path`` the file to send (the original
+    when nothing changes), ``changes`` in words, ``details`` for a step's or an event's figures."""
+
+    path: Path
+    changes: list[str]
+    details: dict
+
+
+def convert_for(path: Path, setup, dest: Path, *, allow_lossy: bool, lossy_remedy: str,
+                who: str = "server") -> Conversion:
+    """``path`` converted for the server of ``setup`` (:mod:`slotctl.convert`: its ``-np``/``-kvu`` streams,
+    exact; its cache types, lossy, only with ``allow_lossy``) into ``dest`` when anything changes; the
+    one conversion step of ``migrate`` and ``keep``. :class:`Refused` when it cannot be converted, or the
+    conversion would be lossy and not allowed (``lossy_remedy``: what the caller's command takes to allow it)."""
+    from slotctl import convert as conv
+    from slotctl.validate.setup import Models
+
+    models = Models(setup)
+    flags = setup.flags
+    rule = layout = None
+    if models.target is not None:
+        from slotctl.model.predict import rotation_rule
+
+        rule, layout = rotation_rule(models.target), models.target.layout()
+    req = conv.Request(target=conv.Target(conv.stream_count(flags.parallel, flags.kv_unified),
+                                          conv.cache_type_id(flags.cache_type_k, "-ctk"),
+                                          conv.cache_type_id(flags.cache_type_v, "-ctv"), rule))
+    try:
+        plan = conv.plan_convert(path, req, layout=layout)
+    except conv.ConversionRefused as e:
+        raise Refused(f"the file cannot be converted for the {who}: {e}") from None
+    changes = [c.describe() for c in plan.changes]
+    lossy = [c.describe() for c in plan.changes if c.what in ("K type", "V type")]
+    details = {"changes": changes, "lossy": lossy, "converted": bool(plan.changes)}
+    if lossy and not allow_lossy:
+        raise Refused(f"the {who}'s cache types differ ({'; '.join(lossy)}): re-encoding is lossy, {lossy_remedy}",
+                      details)
+    if not plan.changes:
+        return Conversion(Path(path), [], details)
+    errors = conv.write_converted(plan, dest, layout=layout)
+    details["max_abs_error"] = max((e.max_abs_error for e in errors), default=None)
+    return Conversion(Path(dest), changes, details)
+
+
 def default_name(slot: int) -> str:
     """The file name a migration saves under when none is given."""
     return f"migrate-slot{slot}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}.bin"
 
 
-def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_dir: str | os.PathLike,
+def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int | None, *, from_dir: str | os.PathLike,
             to_dir: str | os.PathLike, name: str | None = None, store: str | None = None,
             dst_flags: ServerFlags | None = None,
             given: frozenset[str] = frozenset(), allow_lossy: bool = False, api_key: str | None = None,
-            to_api_key: str | None = None, timeout: float = 600.0, progress=None) -> Migration:
+            to_api_key: str | None = None, timeout: float = 600.0, progress=None, force: bool = False) -> Migration:
     """Run the steps of the module docstring. ``dst_flags`` / ``given``: the destination's flags it does not
     report (``-kvu``, ``-ctk``, ``-ctv``), for the fields named in ``given``. ``store``: a directory or an
     ``s3://`` prefix the (converted) file goes through on its way to ``to_dir``, and stays in (step ``store``;
@@ -120,6 +177,8 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_di
     for flag, d in (("--from-dir", from_dir), ("--to-dir", to_dir)):
         if not d.is_dir():
             raise UsageError(f"{flag} {d}: not a directory")
+    src_url, dst_url = http.normalize_url(src_url), http.normalize_url(dst_url)
+    to_key = api_key if to_api_key is None else to_api_key
     if (to_dir / name).exists() and not _same_dir(from_dir, to_dir):
         raise UsageError(f"{to_dir / name}: exists in --to-dir (give another --name)")
     kept = None
@@ -129,181 +188,175 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int, *, from_di
         kept = open_store(store, to_dir)
         if kept.has(name):
             raise UsageError(f"{kept.where(name)}: exists in --store (give another --name)")
-    run = _Migrator(http.normalize_url(src_url), src_slot, http.normalize_url(dst_url), dst_slot, from_dir,
-                    to_dir, name, kept, dst_flags, given, allow_lossy, api_key,
-                    api_key if to_api_key is None else to_api_key, timeout)
+    steps = {s: Step(s) for s in STEPS}
+    m = Migration({"server": src_url, "slot": src_slot, "dir": os.fspath(from_dir)},
+                  {"server": dst_url, "slot": dst_slot, "dir": os.fspath(to_dir)}, name, list(steps.values()))
+    given_slot = dst_slot is not None
+    state: dict = {}
     staging = tempfile.mkdtemp(prefix="slotctl-migrate-")
-    run.staging = Path(staging)
-    try:
-        for step in STEPS:
-            if step == "store" and kept is None:
-                continue
-            if not run.step(step, progress):
-                break
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return run.m
 
-
-class _Migrator:
-    """One migration: a method per step of the module docstring (named as the step), each returning its
-    message and leaving its figures in its :class:`Step`'s details and what later steps need in ``self``."""
-
-    def __init__(self, src_url, src_slot, dst_url, dst_slot, from_dir: Path, to_dir: Path, name: str, kept,
-                 dst_flags, given, allow_lossy: bool, api_key, to_key, timeout: float):
-        self.src_url, self.src_slot, self.dst_url, self.dst_slot = src_url, src_slot, dst_url, dst_slot
-        self.from_dir, self.to_dir, self.name, self.kept = from_dir, to_dir, name, kept
-        self.dst_flags, self.given, self.allow_lossy = dst_flags, given, allow_lossy
-        self.api_key, self.to_key, self.timeout = api_key, to_key, timeout
-        self.steps = {s: Step(s) for s in STEPS}
-        self.m = Migration({"server": src_url, "slot": src_slot, "dir": os.fspath(from_dir)},
-                           {"server": dst_url, "slot": dst_slot, "dir": os.fspath(to_dir)}, name,
-                           list(self.steps.values()))
-        self.staging: Path | None = None
-        self.src = self.dst = self.setup = None
-        self.path: Path | None = None          # the file the source saved (step fetch)
-        self.placed_from: Path | None = None   # the file that goes to the destination (check, store)
-
-    def step(self, step: str, progress=None) -> bool:
-        """Run the step ``step``: its outcome recorded, True when it succeeded."""
-        s = self.steps[step]
+    def run(step: str, fn) -> bool:
+        s = steps[step]
         if progress:
             progress(step)
         t0 = time.perf_counter()
         try:
-            s.message = getattr(self, step)(s)
+            s.message = fn(s)
             s.status = "ok"
         except Refused as e:
             s.status, s.message, s.error = "refused", str(e), {"code": e.error_code, "message": str(e)}
-            self.m.exit_status = ExitStatus.FAILED
+            s.details = e.details or s.details
+            m.exit_status = ExitStatus.FAILED
         except (SlotctlError, OSError) as e:
             err = error_entry(e)
             s.status, s.message, s.error = "failed", err.message, err.as_dict()
-            self.m.exit_status = ExitStatus(err.exit_status)
+            m.exit_status = ExitStatus(err.exit_status)
         s.ms = (time.perf_counter() - t0) * 1000
         return s.status == "ok"
 
-    def _facts(self, url: str, slot: int, api_key) -> http.ServerFacts:
-        http.check_slot(url, slot, api_key=api_key, timeout=self.timeout)
-        return http.server_facts(url, slot, api_key=api_key, timeout=self.timeout)
+    def source(s: Step) -> str:
+        http.check_slot(src_url, src_slot, api_key=api_key, timeout=timeout)
+        f = state["src"] = http.server_facts(src_url, src_slot, api_key=api_key, timeout=timeout)
+        s.details = {"model": f.model_path, "total_slots": f.total_slots, "n_ctx_slot": f.n_ctx_slot,
+                     "build_info": f.build_info}
+        return f"{src_url}: slot {src_slot} of {f.total_slots}, model {f.model_path}"
 
-    @staticmethod
-    def _facts_details(f: http.ServerFacts) -> dict:
-        return {"model": f.model_path, "total_slots": f.total_slots, "n_ctx_slot": f.n_ctx_slot,
-                "build_info": f.build_info}
-
-    def source(self, s: Step) -> str:
-        f = self.src = self._facts(self.src_url, self.src_slot, self.api_key)
-        s.details = self._facts_details(f)
-        return f"{self.src_url}: slot {self.src_slot} of {f.total_slots}, model {f.model_path}"
-
-    def destination(self, s: Step) -> str:
-        f = self.dst = self._facts(self.dst_url, self.dst_slot, self.to_key)
-        s.details = self._facts_details(f)
-        why = other_model(self.src, f)
+    def destination(s: Step) -> str:
+        nonlocal dst_slot
+        if dst_slot is None:
+            dst_slot = default_slot(dst_url, src_slot, api_key=to_key, timeout=timeout)
+            m.destination["slot"] = dst_slot
+        http.check_slot(dst_url, dst_slot, api_key=to_key, timeout=timeout)
+        f = state["dst"] = http.server_facts(dst_url, dst_slot, api_key=to_key, timeout=timeout)
+        s.details = {"model": f.model_path, "total_slots": f.total_slots, "n_ctx_slot": f.n_ctx_slot,
+                     "build_info": f.build_info, "slot_given": given_slot}
+        why = other_model(state["src"], f)
         if why:
             raise Refused(why)
-        self.setup, s.details["notes"] = local_setup(f, self.dst_slot, self.dst_flags, self.given)
-        return f"{self.dst_url}: slot {self.dst_slot} of {f.total_slots}, model {f.model_path}"
+        setup, notes = local_setup(f, dst_slot, dst_flags, given)
+        state["setup"] = setup
+        s.details["notes"] = notes
+        return f"{dst_url}: slot {dst_slot} of {f.total_slots}, model {f.model_path}"
 
-    def save(self, s: Step) -> str:
-        answer = http.save_slot(self.src_url, self.src_slot, self.name, api_key=self.api_key, timeout=self.timeout,
-                                check=False)
+    def save(s: Step) -> str:
+        answer = http.save_slot(src_url, src_slot, name, api_key=api_key, timeout=timeout, check=False)
         s.details = {"answer": answer}
-        return (f"slot {self.src_slot} saved to {self.name}: {answer['n_saved']:,} tokens, "
-                f"{answer['n_written']:,} bytes")
+        return f"slot {src_slot} saved to {name}: {answer['n_saved']:,} tokens, {answer['n_written']:,} bytes"
 
-    def fetch(self, s: Step) -> str:
-        path = self.from_dir / self.name
+    def fetch(s: Step) -> str:
+        from slotctl.slotfile import open_slot_file
+
+        path = from_dir / name
         if not path.is_file():
-            raise UsageError(f"{path}: the source answered that it saved {self.name}, but --from-dir holds no such "
+            raise UsageError(f"{path}: the source answered that it saved {name}, but --from-dir holds no such "
                              "file (is --from-dir the source's --slot-save-path?)")
-        saved = read_saved(path, self.steps["save"].details["answer"])
-        if saved.problem is not None:
-            raise Refused(f"{path}: {saved.problem}" + ("" if saved.damaged else " (another file under that name?)"))
-        self.path = path
-        s.details = {"path": os.fspath(path), "size": saved.size, "n_tokens": saved.n_tokens,
-                     "state_version": saved.version}
-        return f"{path}: {saved.n_tokens:,} tokens, {saved.size:,} bytes"
+        with open_slot_file(path) as sf:
+            # a damage is the check's to judge (validate's verdict for the destination; --force sends it)
+            state["damaged"] = sf.errors[0].one_line() if sf.errors else None
+            saved = steps["save"].details["answer"]
+            n = sf.tokens.n_tokens if sf.tokens is not None else 0
+            if n != saved["n_saved"] or sf.size != saved["n_written"]:
+                raise Refused(f"{path}: holds {n:,} tokens in {sf.size:,} bytes, the source saved {saved['n_saved']:,} "
+                              f"in {saved['n_written']:,} (another file under that name?)")
+            state["path"] = path
+            s.details = {"path": os.fspath(path), "size": sf.size, "n_tokens": n, "state_version": sf.version}
+            return f"{path}: {n:,} tokens, {sf.size:,} bytes"
 
-    def check(self, s: Step) -> str:
-        from slotctl import convert as conv
-        from slotctl.validate.check import validate_file
-        from slotctl.validate.setup import Models
+    def check(s: Step) -> str:
+        from slotctl.live.judge import judge, why
 
-        models = Models(self.setup)
-        flags = self.setup.flags
-        rule = layout = None
-        if models.target is not None:
-            from slotctl.model.predict import rotation_rule
-
-            rule, layout = rotation_rule(models.target), models.target.layout()
-        req = conv.Request(target=conv.Target(conv.stream_count(flags.parallel, flags.kv_unified),
-                                              conv.cache_type_id(flags.cache_type_k, "-ctk"),
-                                              conv.cache_type_id(flags.cache_type_v, "-ctv"), rule))
-        try:
-            plan = conv.plan_convert(self.path, req, layout=layout)
-        except conv.ConversionRefused as e:
-            raise Refused(f"the file cannot be converted for the destination: {e}") from None
-        changes = [c.describe() for c in plan.changes]
-        lossy = [c.describe() for c in plan.changes if c.what in ("K type", "V type")]
-        s.details = {"changes": changes, "lossy": lossy, "converted": bool(plan.changes)}
-        if lossy and not self.allow_lossy:
-            raise Refused(f"the destination's cache types differ ({'; '.join(lossy)}): re-encoding is lossy, "
-                          "pass --allow-lossy to accept it")
-        path = self.path
-        if plan.changes:
-            path = self.staging / self.name
-            errors = conv.write_converted(plan, path, layout=layout)
-            s.details["max_abs_error"] = max((e.max_abs_error for e in errors), default=None)
-        self.placed_from = path
-        report = validate_file(path, self.setup, models)
+        setup = state["setup"]
+        if state["damaged"]:   # judged as it is: a damaged file is not converted
+            conv = Conversion(state["path"], [], {"changes": [], "lossy": [], "converted": False,
+                                                  "damaged": state["damaged"]})
+        else:
+            conv = convert_for(state["path"], setup, Path(staging) / name, allow_lossy=allow_lossy,
+                               lossy_remedy="pass --allow-lossy to accept it", who="destination")
+        s.details = conv.details
+        path = state["placed_from"] = conv.path
+        report = judge(path, setup)
         s.details["verdict"] = report.verdict
         s.details["findings"] = [f.as_dict() for f in report.findings if f.severity != "note"]
-        if report.verdict not in ("restores", "restores_with_drops", "undecided"):
-            worst = next((f for f in report.findings if f.severity == "error"),
-                         next(iter(report.findings), None))
-            raise Refused(f"the destination would not restore the file ({report.verdict})"
-                          + (f": {worst.layer}: {worst.message}" if worst is not None else ""))
-        done = "converted (" + "; ".join(changes) + ")" if changes else "no conversion needed"
-        return f"{done}; validate for the destination: {report.verdict}"
+        if report.refused_or_aborts:
+            if not force:
+                raise Refused(f"the destination would not restore the file: {why(report)} (--force sends it anyway)",
+                          s.details)
+            s.details["forced"] = True
+        done = "converted (" + "; ".join(conv.changes) + ")" if conv.changes else "no conversion needed"
+        forced = " (sent with --force)" if s.details.get("forced") else ""
+        return f"{done}; validate for the destination: {report.verdict}{forced}"
 
-    def store(self, s: Step) -> str:
-        kept, name = self.kept, self.name
-        kept.put(self.placed_from, name, move=False)
-        (self.staging / "from-store").mkdir(exist_ok=True)
-        local = kept.local(name, self.staging / "from-store")
+    def keep_it(s: Step) -> str:
+        kept.put(state["placed_from"], name, move=False)
+        (Path(staging) / "from-store").mkdir(exist_ok=True)
+        local = kept.local(name, Path(staging) / "from-store")
         s.details = {"where": kept.where(name)}
-        self.placed_from = local
+        state["placed_from"] = local
         return f"{kept.where(name)}: written"
 
-    def place(self, s: Step) -> str:
-        src, dest = self.placed_from, self.to_dir / self.name
-        if self.kept is not None and os.fspath(src) == os.fspath(dest):
+    def place(s: Step) -> str:
+        src, dest = state["placed_from"], to_dir / name
+        if kept is not None and os.fspath(src) == os.fspath(dest):
             s.details = {"path": os.fspath(dest), "copied": False}
             return f"{dest}: already there (--store is --to-dir)"
-        if src == self.path and _same_dir(self.from_dir, self.to_dir):
+        if src == state["path"] and _same_dir(from_dir, to_dir):
             s.details = {"path": os.fspath(dest), "copied": False}
             return f"{dest}: already there (--from-dir and --to-dir are one directory)"
         copy_atomic(src, dest)
         s.details = {"path": os.fspath(dest), "copied": True, "size": os.path.getsize(dest)}
         return f"{dest}: written ({s.details['size']:,} bytes)"
 
-    def restore(self, s: Step) -> str:
-        answer = http.restore_slot(self.dst_url, self.dst_slot, self.name, api_key=self.to_key,
-                                   timeout=self.timeout, check=False)
+    def restore(s: Step) -> str:
+        answer = http.restore_slot(dst_url, dst_slot, name, api_key=to_key, timeout=timeout, check=False)
         s.details = {"answer": answer}
-        return (f"{self.name} restored into slot {self.dst_slot}: {answer['n_restored']:,} tokens, "
-                f"{answer['n_read']:,} bytes")
+        return f"{name} restored into slot {dst_slot}: {answer['n_restored']:,} tokens, {answer['n_read']:,} bytes"
 
-    def prove(self, s: Step) -> str:
-        p = self.m.proof = prove(self.dst_url, self.dst_slot, self.placed_from, self.setup,
-                                 build_info=self.dst.build_info, api_key=self.to_key, timeout=self.timeout)
+    def proof(s: Step) -> str:
+        p = m.proof = prove(dst_url, dst_slot, state["placed_from"], state["setup"],
+                            build_info=state["dst"].build_info, api_key=to_key, timeout=timeout)
         if p.exit_status:
-            self.m.exit_status = p.exit_status
+            m.exit_status = p.exit_status
         s.details = {"verdict": p.verdict}
-        return (f"{p.verdict}: the destination reused {p.n_reused:,} and evaluated {p.n_evaluated:,} of "
-                f"{p.n_prompt:,} prompt tokens")
+        return p.summary("the destination")
+
+    def cleanup(s: Step) -> str:
+        """The working files gone: the source's save in --from-dir and the copy placed in --to-dir (the
+        destination's slot holds the state now; ``store`` keeps a copy when given)."""
+        removed = []
+        for p in {os.fspath(from_dir / name), os.fspath(to_dir / name)}:
+            if kept is not None and os.fspath(p) == kept.where(name):
+                continue     # the store's own copy stays
+            if os.path.lexists(p):
+                os.unlink(p)
+                removed.append(p)
+        s.details = {"removed": sorted(removed)}
+        return f"removed {', '.join(sorted(removed))}" if removed else "nothing to remove"
+
+    try:
+        for step, fn in (("source", source), ("destination", destination), ("save", save), ("fetch", fetch),
+                         ("check", check), ("store", keep_it), ("place", place), ("restore", restore),
+                         ("prove", proof), ("cleanup", cleanup)):
+            if step == "store" and kept is None:
+                continue
+            if step == "cleanup" and m.exit_status:
+                continue     # a failed or unproven migration keeps its files, to look at
+            if not run(step, fn):
+                break
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return m
+
+
+def default_slot(url: str, src_slot: int, *, api_key: str | None, timeout: float) -> int:
+    """The destination's slot when ``--to-slot`` is not given: the source's slot number when the destination
+    has it, else its first idle slot that holds nothing, else its first idle slot, else slot 0 (``GET /slots``)."""
+    slots = http.get_slots(url, api_key=api_key, timeout=timeout)
+    ids = [e["id"] for e in slots]
+    if src_slot in ids:
+        return src_slot
+    idle = [e for e in slots if not e.get("is_processing")]
+    empty = [e["id"] for e in idle if not e.get("n_prompt_tokens")]
+    return (empty or [e["id"] for e in idle] or [min(ids, default=0)])[0]
 
 
 def _same_dir(a: Path, b: Path) -> bool:

@@ -72,6 +72,12 @@ class ServerAnswerError(ServerUnreachable):
     """The server answered, but not with what a llama-server answers there (a wrong shape or type)."""
 
 
+class ServerDropped(ServerUnreachable):
+    """The request was sent and the server closed the connection without an answer: it may have crashed."""
+
+    code = "connection_dropped"
+
+
 class ServerRedirect(ServerUnreachable):
     """The server answered with a redirect (HTTP 3xx); slotctl never follows one."""
 
@@ -367,11 +373,13 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
     timer.daemon = True
     timer.start()
     conn = None
+    sent = False
     try:
         conn, prefix = _connection(route, timeout, sockets)   # a proxy's CONNECT included
         if expired.is_set():
             raise TimeoutError
         conn.request(method, prefix + target, body=data, headers=headers)
+        sent = True
         resp = conn.getresponse()
         status, location = resp.status, resp.getheader("Location")
         reason = resp.reason or ""
@@ -385,6 +393,11 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
             raise ServerUnreachable(f"{what}: no answer within {timeout:g} s (--timeout bounds the "
                                     f"whole request{', the proxy included' if route.proxy else ''})"
                                     f"{_busy_hint(path)}") from None
+        if isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError)) and sent:
+            # the request went out and the connection closed with no answer: what a server that died while
+            # handling it leaves (a restore it aborts on: GGML_ASSERT), not a sign of another program
+            raise ServerDropped(f"{what}: the server closed the connection without answering: it may have "
+                                "crashed (see whether it still runs, and its log)") from None
         if isinstance(e, http.client.HTTPException):   # garbage instead of HTTP, or an answer cut short
             raise ServerUnreachable(f"{what}: not a valid HTTP answer ({type(e).__name__}): "
                                     f"is this a llama-server?") from None

@@ -10,6 +10,14 @@ the rule of b11434 or of a later server by ``/props`` ``build_info``, :func:`ser
 The proof fails (exit 1) when the server evaluated more prompt tokens than predicted; it is undecided
 (exit 3) when no prediction can be made for the file (media chunks, a memory that does not parse).
 
+**A proof that does not spend what it proves.** Where the prediction for the proving request is that the
+server evaluates more than the last token again (:func:`spends_restore`: a recurrent or hybrid state, an
+SWA window, with no checkpoint b11434 keeps: the same rule of :mod:`slotctl.server.reuse` that predicts it),
+sending it would make the server evaluate the prompt again and overwrite the restored state with one it
+rebuilt: the restore it proves would be spent. Then it is not sent (verdict ``not_taken``, exit 0): the
+prediction and why are said instead, with validate's prediction for a request that extends the prompt
+(which reuses the restored state). ``spend=True`` sends it anyway.
+
 What the proving request changes in the slot: the slot's tokens stay the file's (nothing generated);
 the last prompt token is evaluated again (``[TAG_PROMPT_LOGITS]``: the server needs its logits), or more
 when the server re-evaluates (the reason says why); a server that takes context checkpoints while it
@@ -60,8 +68,8 @@ class Proof:
     the saved prompt (its ``reuse`` object)."""
 
     n_prompt: int
-    n_reused: int
-    n_evaluated: int
+    n_reused: int | None
+    n_evaluated: int | None
     predicted_reused: int | None
     predicted_evaluated: int | None
     rule: str
@@ -74,7 +82,16 @@ class Proof:
 
     @property
     def exit_status(self) -> ExitStatus:
-        return {"proven": ExitStatus.OK, "reevaluated": ExitStatus.FAILED}.get(self.verdict, ExitStatus.UNDECIDED)
+        return {"proven": ExitStatus.OK, "reevaluated": ExitStatus.FAILED,
+                "not_taken": ExitStatus.OK}.get(self.verdict, ExitStatus.UNDECIDED)
+
+    def summary(self, who: str = "the server") -> str:
+        """One line: the verdict and the server's counts (or why the request was not sent)."""
+        if self.verdict == "not_taken":
+            return (f"not taken: the proving request would make {who} evaluate {self.predicted_evaluated:,} of the "
+                    f"{self.n_prompt:,} prompt tokens again and spend the restore it proves")
+        return (f"{self.verdict}: {who} reused {self.n_reused:,} and evaluated {self.n_evaluated:,} of "
+                f"{self.n_prompt:,} prompt tokens")
 
     def as_dict(self) -> dict:
         return {"verdict": self.verdict, "n_prompt": self.n_prompt, "n_reused": self.n_reused,
@@ -124,10 +141,18 @@ def predict_proof(path: str | os.PathLike, setup: ServerSetup, *, reads_checkpoi
     return report, r
 
 
+def spends_restore(n_tokens: int, predicted_reused: int) -> bool:
+    """Whether the proving request (the saved prompt itself) makes the server evaluate more than its last
+    token again, by the prediction of :func:`slotctl.server.reuse.predict_reuse` (``extends=False``) for the
+    server's rule: then it spends the restored state it would prove."""
+    return n_tokens - predicted_reused > 1
+
+
 def prove(url: str, slot: int, path: str | os.PathLike, setup: ServerSetup, *, build_info: str | None,
-          api_key: str | None = None, timeout: float = http.DEFAULT_TIMEOUT) -> Proof:
+          api_key: str | None = None, timeout: float = http.DEFAULT_TIMEOUT, spend: bool = False) -> Proof:
     """Send the proving request for the file at ``path`` (the file the server just restored into ``slot``)
-    and judge the server's counts against the prediction (see the module docstring).
+    and judge the server's counts against the prediction (see the module docstring); not sent, verdict
+    ``not_taken``, where it would spend the restore (:func:`spends_restore`) and not ``spend``.
 
     The server's errors propagate (:mod:`slotctl.live.http`); an answer without ``timings.cache_n`` /
     ``prompt_n`` is ServerAnswerError (exit 2).
@@ -141,6 +166,21 @@ def prove(url: str, slot: int, path: str | os.PathLike, setup: ServerSetup, *, b
         why = ("the file holds media chunks: its prompt cannot be sent as tokens" if tokens and sf.tokens.media
                else "the file holds no prompt tokens to send")
         return Proof(len(tokens), 0, 0, None, None, rule, why, "undecided", 0.0)
+    extending = report.reuse
+    if r is not None and not spend:
+        predicted = r.n_reused if reads else r.n_reused_b11434
+        if spends_restore(len(tokens), predicted):
+            why = r.reason if reads else r.reason_b11434
+            ext = ""
+            if extending:
+                n_ext = extending["n_reused"] if reads else extending["b11434"]["n_reused"]
+                ext = (f"; a request that extends the prompt is predicted to reuse {n_ext:,} of its "
+                       f"{extending['n_tokens']:,} saved tokens")
+            return Proof(len(tokens), None, None, predicted, len(tokens) - predicted, rule,
+                         f"not sent: the proving request (the saved prompt itself) would make the server evaluate "
+                         f"{len(tokens) - predicted:,} of the {len(tokens):,} tokens again ({why}), replacing the "
+                         f"restored state with one it rebuilds: the proof would spend the restore it proves{ext}",
+                         "not_taken", 0.0, None, extending)
     base = http.normalize_url(url)
     what = f"POST {base}/completion"
     body = {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True, "temperature": 0}
@@ -152,7 +192,6 @@ def prove(url: str, slot: int, path: str | os.PathLike, setup: ServerSetup, *, b
         raise http.ServerAnswerError(f"{what}: unexpected answer: id_slot should be {slot}, got {answer['id_slot']}")
     tm = answer["timings"]
     n_reused, n_evaluated = tm["cache_n"], tm["prompt_n"]
-    extending = report.reuse
     if r is None:
         return Proof(len(tokens), n_reused, n_evaluated, None, None, rule,
                      "no prediction for this file (its memory does not parse)", "undecided", ms,

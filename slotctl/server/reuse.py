@@ -239,3 +239,25 @@ def reuse_for(sf: SlotFile, info, *, swa_full: bool = False, n_ctx_checkpoints: 
     return predict_reuse(sf, n_swa=n_swa,
                          n_ctx_checkpoints=DEFAULT_CTX_CHECKPOINTS if n_ctx_checkpoints is None else n_ctx_checkpoints,
                          checkpoints_read=reads_checkpoints and checkpoints_read(sf), extends=extends)
+
+
+def request_reuse(kind: str, n_swa: int, n_file: int, common: int, n_request: int,
+                  extending: int | None) -> int:
+    """How many of a request's ``n_request`` prompt tokens a slot holding a state of ``n_file`` tokens
+    (memory ``kind``, the server's ``n_swa``) keeps when the two share their first ``common`` tokens
+    (b11434 ``update_slots``: ``n_past`` is the common prefix).
+
+    A request that extends the whole state (``common == n_file < n_request``) keeps ``extending``
+    (:func:`predict_reuse`'s ``n_reused`` for it: all of it for a plain KV cache; None: no prediction,
+    nothing). Otherwise a plain KV cache (no sliding window) drops the positions after the common prefix
+    and keeps it, less the last token when the prefix is the whole request (``[TAG_PROMPT_LOGITS]``: its
+    logits are needed); a memory that cannot drop positions (SWA, recurrent, hybrid) goes back to a
+    checkpoint, which b11434 never has after a restore: nothing is kept."""
+    common = max(0, min(common, n_file, n_request))
+    if common == 0:
+        return 0
+    if common == n_file and n_file < n_request:
+        return min(extending or 0, common)
+    if kind == "kv" and not n_swa:
+        return min(common, n_request - 1)
+    return 0

@@ -1,7 +1,8 @@
 """``slotctl cp``: slot files between local paths and object storage (local to S3, S3 to local, S3 to S3).
 
-Each file's structure is read first (metadata only, as ``inspect`` reads it): a damaged file is refused
-unless ``force``. Nothing is overwritten unless ``overwrite`` (an object is created with ``If-None-Match: *``;
+Each file's structure is read first (metadata only, as ``inspect`` reads it): a file the server refuses or
+aborts on whatever its flags (the caller's ``refuses``: validate's class ``broken``) is refused unless
+``force``; damage the server passes over (trailing bytes, an appendix b11434 never reads) is copied. Nothing is overwritten unless ``overwrite`` (an object is created with ``If-None-Match: *``;
 a local file through :func:`~slotctl.atomic.atomic_writer`). After the copy the size is checked, and the
 MD5 where the store's ETag is one. Killed at any moment, no half-written object or file is visible:
 uploads complete atomically (one PUT, or a multipart upload that exists only once completed), local
@@ -66,9 +67,11 @@ def destination(src: str, dst: str, many: bool) -> str:
 
 
 def copy_files(sources: Iterable[str], dst: str, *, overwrite: bool = False, force: bool = False,
-               progress: Progress | None = None, many: bool | None = None) -> list[CopyResult]:
+               progress: Progress | None = None, many: bool | None = None, refuses=None) -> list[CopyResult]:
     """Copy each of ``sources`` to ``dst`` (see the module docstring); one result per file, the others are
-    still copied when one fails."""
+    still copied when one fails. ``refuses(path, f)``: why a file is not copied (the server refuses it or
+    aborts on it whatever its flags: the CLI asks validate), None to copy it; without it, a file whose
+    structure is damaged is refused."""
     sources = list(sources)
     many = len(sources) > 1 if many is None else many
     out = []
@@ -76,7 +79,7 @@ def copy_files(sources: Iterable[str], dst: str, *, overwrite: bool = False, for
         target = None
         try:
             target = destination(src, dst, many)
-            out.append(copy_one(src, target, overwrite=overwrite, force=force, progress=progress))
+            out.append(copy_one(src, target, overwrite=overwrite, force=force, progress=progress, refuses=refuses))
         except (SlotctlError, OSError) as e:
             out.append(_failed(src, target or dst, e))
     return out
@@ -88,7 +91,7 @@ def _failed(src: str, dst: str, e: Exception) -> CopyResult:
 
 
 def copy_one(src: str, dst: str, *, overwrite: bool = False, force: bool = False,
-             progress: Progress | None = None) -> CopyResult:
+             progress: Progress | None = None, refuses=None) -> CopyResult:
     src = remote_url(src) or src
     res = CopyResult(src, dst)
     writer = None
@@ -104,10 +107,15 @@ def copy_one(src: str, dst: str, *, overwrite: bool = False, force: bool = False
     with open_input(src) as f:
         sf = read_slot_file(f, src)    # the structure, metadata only (raises a store's own failure)
         res.size, res.damaged = sf.size, sf.damaged
-        if sf.damaged and not force:
+        why = None
+        if not force:
+            if refuses is not None:
+                why = refuses(src, f)
+            elif sf.damaged:
+                why = sf.errors[0].one_line()
+        if why is not None:
             res.status, res.exit_code = REFUSED, int(ExitStatus.FAILED)
-            res.error = {"code": "damaged", "message": f"{src}: {sf.errors[0].one_line()} (not copied; --force "
-                                                       "copies a damaged file)"}
+            res.error = {"code": "damaged", "message": f"{src}: {why} (not copied; --force copies it)"}
             return res
         if remote_url(dst) is not None:
             if remote_url(src) is not None and sf.size > 0:   # server-side, within a bucket or across

@@ -194,14 +194,42 @@ class S3:
         try:
             res = obstore.list_with_delimiter(store, prefix or None)
             for meta in res["objects"]:
-                if meta["path"] == prefix:
-                    continue
+                if meta["path"] == prefix or meta["path"] + "/" == prefix:
+                    continue     # the prefix's own marker (SeaweedFS keeps one for an emptied "directory")
                 out.append(Entry(join_url(bucket, meta["path"]), meta["size"], _mtime(meta), meta.get("e_tag")))
         except Exception as e:  # noqa: BLE001
             raise self.error(url, e, "LIST") from None
         if not out and not res.get("common_prefixes"):
             self._check_bucket(store, url)
         return sorted(out, key=lambda en: en.path)
+
+    def prefix_exists(self, url: str) -> bool:
+        """Whether anything is under ``url`` taken as a prefix: an object, a sub-prefix, or the marker a store
+        keeps for an emptied "directory" (SeaweedFS): a prefix that is there, even with no slot file in it."""
+        store, key = self.bucket(url)
+        prefix = key if not key or key.endswith("/") else key + "/"
+        if not prefix:
+            return True      # the bucket itself
+        try:
+            res = obstore.list_with_delimiter(store, prefix.rstrip("/"))
+        except Exception as e:  # noqa: BLE001
+            raise self.error(url, e, "LIST") from None
+        if any(m["path"] in (prefix, prefix.rstrip("/")) for m in res["objects"]):
+            return True
+        return any(p.rstrip("/") + "/" == prefix for p in res.get("common_prefixes") or ())
+
+    def prefixes(self, url: str) -> list[str]:
+        """The sub-prefixes directly under ``url`` taken as a prefix (``s3://b/p/sub/``), sorted: what a
+        directory's subdirectories are (``ls`` names them; no command reads into them)."""
+        store, key = self.bucket(url)
+        bucket = split_url(url)[0]
+        prefix = key if not key or key.endswith("/") else key + "/"
+        try:
+            res = obstore.list_with_delimiter(store, prefix or None)
+        except Exception as e:  # noqa: BLE001
+            raise self.error(url, e, "LIST") from None
+        return sorted(join_url(bucket, p.rstrip("/") + "/") for p in res.get("common_prefixes") or ()
+                      if p.rstrip("/") + "/" != prefix)
 
     def delete(self, url: str) -> None:
         """DELETE the object (prune); one that is already gone is no error (S3's DELETE is idempotent)."""

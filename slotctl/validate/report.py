@@ -122,6 +122,16 @@ class FileReport:
         return not self.uncertain
 
     @property
+    def refused_or_aborts(self) -> bool:
+        """The server refuses the file or aborts on it, for the setup it was judged for: its verdict says so,
+        or its payload is cut short (undecided which, one or the other). An act (``restore --server``,
+        ``keep``, ``migrate``) never sends such a file unless forced."""
+        if Verdict(self.verdict).broken:
+            return True
+        sf = self.slot_file
+        return self.verdict == Verdict.UNDECIDED and bool(getattr(sf, "payload_cut", False))
+
+    @property
     def exit_status(self) -> ExitStatus:
         if self.verdict == Verdict.UNREADABLE:
             return ExitStatus.USAGE

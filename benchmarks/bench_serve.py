@@ -1,0 +1,252 @@
+"""``slotctl serve`` against the server alone: interleaved multi-turn conversations across a server restart.
+
+A real llama-server b11434 (tests/llama_server.py: the suite's build), a model of slotctl.tinymodels, ``-np 2``:
+``--conversations`` conversations (default 16, more than the 2 slots) of ``--turns`` turns each, sent round
+by round (turn 1 of every conversation, then turn 2 of every one, ...), each turn extending its own
+conversation by a new user line and the previous answer (greedy, ``--predict`` tokens). After round
+``--kill-after`` the server is SIGKILLed and started again on the same port. The whole run is made twice
+with the same model and flags, each on a server started anew: once straight to the server (its RAM prompt
+cache, ``--cache-ram``, is on by default: it serves returning turns until the restart), once through
+``slotctl serve`` (a whole process, a directory store). Printed side by side: the prompt tokens the server
+evaluated (its own ``timings.prompt_n``) on returning turns before and after the restart, the wall time of
+the run, and whether every answer is identical.
+
+serve's overhead: ``--overhead`` requests that need no restore (the same prompt again in the slot that holds
+it, one token generated), each sent straight and through serve alternately with a pause between (serve saves
+the slot after each answer, before the next request in that slot): the median difference of their times.
+
+``--s3``: two serve processes over one SeaweedFS bucket (tests/seaweed.py), each before its own server: a
+conversation begun behind one continues behind the other, its prefix restored from the bucket.
+
+Run: ``python benchmarks/bench_serve.py [--conversations 16] [--turns 4] [--overhead 40] [--s3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from llama_server import LlamaServer, server_binary  # noqa: E402
+
+from slotctl.tinymodels import SAMPLE_PROMPT  # noqa: E402
+from slotctl.tinymodels.llama import make_model  # noqa: E402
+
+TOPICS = ["river", "mountain", "library", "harbor", "garden", "engine", "forest", "market", "bridge", "castle",
+          "desert", "island", "museum", "orchard", "station", "village", "glacier", "canyon", "theater", "valley"]
+
+
+def post(url: str, path: str, body: dict, timeout: float = 600) -> tuple[float, dict]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    t0 = time.perf_counter()
+    with opener.open(req, timeout=timeout) as r:
+        raw = r.read()
+    return time.perf_counter() - t0, json.loads(raw)
+
+
+class Serve:
+    def __init__(self, upstream: str, slot_dir: Path, store: str, env: dict | None = None, log: Path | None = None):
+        cmd = [sys.executable, "-m", "slotctl", "serve", "--upstream", upstream, "--slot-dir", str(slot_dir),
+               "--store", store, "--listen", "127.0.0.1:0", "--json"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log or os.devnull, "w"), text=True,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+        self.events: list[dict] = []
+        q: queue.Queue = queue.Queue()
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                ev = json.loads(line)
+                self.events.append(ev)
+                q.put(ev)
+
+        threading.Thread(target=read, daemon=True).start()
+        first = q.get(timeout=120)
+        self.url = f"http://127.0.0.1:{first['details']['port']}"
+        while not any(e["event"] in ("up", "down") for e in self.events):
+            time.sleep(0.01)
+
+    def stats(self) -> dict:
+        with urllib.request.urlopen(self.url + "/slotctl/stats", timeout=30) as r:
+            return json.loads(r.read())["counters"]
+
+    def idle(self, timeout: float = 60) -> None:
+        """Until no save is pending (every answer's slot saved)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            c = self.stats()
+            if c["saves"] + c["saves_deduplicated"] + c["save_failures"] >= c["cached"] - c["client_disconnects"]:
+                return
+            time.sleep(0.02)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=120)
+
+
+def conversation_start(i: int) -> str:
+    topic = TOPICS[i % len(TOPICS)]
+    return f"Conversation {i} about the {topic}. " + " ".join([SAMPLE_PROMPT] * 2) + f" Now, about the {topic}:"
+
+
+def run(url: str, srv: LlamaServer, a, label: str, serve: Serve | None = None) -> dict:
+    prompts = [conversation_start(i) for i in range(a.conversations)]
+    rows = []
+    t0 = time.perf_counter()
+    for turn in range(a.turns):
+        if turn == a.kill_after:
+            srv.kill_and_start_again(300)
+        for i in range(a.conversations):
+            if turn:
+                prompts[i] += f" Question {turn}: and what of the {TOPICS[(i + turn) % len(TOPICS)]} after that?"
+            secs, ans = post(url, "/completion", {"prompt": prompts[i], "n_predict": a.predict, "temperature": 0})
+            rows.append({"conv": i, "turn": turn, "secs": secs, "content": ans["content"],
+                         "prompt_n": ans["timings"]["prompt_n"], "cache_n": ans["timings"]["cache_n"],
+                         "after_restart": turn >= a.kill_after})
+            prompts[i] += ans["content"]
+    wall = time.perf_counter() - t0
+    if serve is not None:
+        serve.idle()
+    return {"label": label, "rows": rows, "wall": wall}
+
+
+def summary(res: dict) -> dict:
+    rows = res["rows"]
+    back = [r for r in rows if r["turn"] > 0]
+    before = [r for r in back if not r["after_restart"]]
+    after = [r for r in back if r["after_restart"]]
+    return {"prompt_n_all": sum(r["prompt_n"] for r in rows),
+            "prompt_n_returning": sum(r["prompt_n"] for r in back),
+            "prompt_n_returning_before_restart": sum(r["prompt_n"] for r in before),
+            "prompt_n_returning_after_restart": sum(r["prompt_n"] for r in after),
+            "prompt_tokens_returning": sum(r["prompt_n"] + r["cache_n"] for r in back),
+            "wall_s": round(res["wall"], 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--kill-after", type=int, default=2, help="SIGKILL and restart the server before this round")
+    ap.add_argument("--predict", type=int, default=16)
+    ap.add_argument("--overhead", type=int, default=40)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--s3", action="store_true")
+    ap.add_argument("--dir", default=None)
+    a = ap.parse_args()
+    binary = server_binary()
+    with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
+        tmp = Path(tmp)
+        model = make_model(tmp / "bench.gguf", n_layer=a.layers, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
+                           n_ff=512, context_length=8192, name="slotctl-bench-serve")
+        args = ["-c", "8192", "-np", "2", "-fa", "on"]
+        results = {}
+        for label in ("server alone", "serve"):
+            d = tmp / label.replace(" ", "-")
+            (d / "slots").mkdir(parents=True)
+            (d / "store").mkdir()
+            srv = LlamaServer(binary, model, args=args, slot_save_path=d / "slots", log_path=d / "server.log")
+            srv.start(timeout=300)
+            serve = None
+            try:
+                if label == "serve":
+                    serve = Serve(srv.url, d / "slots", str(d / "store"), log=d / "serve.log")
+                results[label] = run(serve.url if serve else srv.url, srv, a, label, serve)
+                if serve is not None:
+                    results[label]["stats"] = serve.stats()
+                    results["overhead"] = overhead(srv, serve, a.overhead)
+            finally:
+                if serve is not None:
+                    results[label]["serve_exit"] = serve.stop()
+                srv.stop()
+        alone, cached = results["server alone"], results["serve"]
+        same = [x["content"] == y["content"] for x, y in zip(alone["rows"], cached["rows"])]
+        sa, sc = summary(alone), summary(cached)
+        print(f"{a.conversations} conversations x {a.turns} turns over -np 2, server SIGKILLed and restarted before "
+              f"round {a.kill_after + 1}; model {a.layers} layers, n_embd 256")
+        print(f"{'':44}{'server alone':>14}{'serve':>14}{'serve/alone':>14}")
+        for k in sa:
+            ratio = f"{sc[k] / sa[k]:.3f}" if sa[k] else "-"
+            print(f"{k:44}{sa[k]:>14,}{sc[k]:>14,}{ratio:>14}")
+        print(f"answers identical: {sum(same)}/{len(same)}")
+        st = cached["stats"]
+        print(f"serve: {st['restores']} restores, {st['saves']} saves ({st['saves_deduplicated']} deduplicated), "
+              f"{st['restore_failures']} restore failures, {st['save_failures']} save failures, exit "
+              f"{cached['serve_exit']}")
+        ov = results["overhead"]
+        print(f"serve's overhead on requests needing no restore ({ov['n']} pairs): median {ov['median_ms']:.2f} ms "
+              f"(straight {ov['straight_ms']:.2f} ms, through serve {ov['serve_ms']:.2f} ms at the median)")
+        if a.s3:
+            two_serves(binary, model, args, tmp, a)
+
+
+def overhead(srv: LlamaServer, serve: Serve, n: int) -> dict:
+    """Median extra time of a request through serve that needs no restore."""
+    prompt = conversation_start(999)
+    body = {"prompt": prompt, "n_predict": 1, "temperature": 0}
+    post(serve.url, "/completion", body)     # its slot now holds it (and the store)
+    serve.idle()
+    slot = post(srv.url, "/completion", dict(body, n_predict=0))[1].get("id_slot")
+    straight, through = [], []
+    for _ in range(n):
+        through.append(post(serve.url, "/completion", body)[0])
+        serve.idle()
+        straight.append(post(srv.url, "/completion", dict(body, id_slot=slot, cache_prompt=True))[0])
+        time.sleep(0.05)
+    diffs = [(b - s) * 1000 for s, b in zip(straight, through)]
+    return {"n": n, "median_ms": statistics.median(diffs), "straight_ms": statistics.median(straight) * 1000,
+            "serve_ms": statistics.median(through) * 1000}
+
+
+def two_serves(binary, model, args, tmp: Path, a) -> None:
+    from seaweed import BUCKET, Seaweed, weed_binary
+
+    weed = Seaweed(tmp / "seaweed", weed_binary())
+    (tmp / "seaweed").mkdir()
+    weed.start()
+    env = {**weed.env(), "HOME": str(tmp / "seaweed")}
+    store = f"s3://{BUCKET}/bench/"
+    servers, serves = [], []
+    try:
+        for name in ("a", "b"):
+            (tmp / name).mkdir()
+            srv = LlamaServer(binary, model, args=args, slot_save_path=tmp / name, log_path=tmp / f"{name}.log")
+            servers.append(srv.start(timeout=300))
+            serves.append(Serve(srv.url, tmp / name, store, env=env))
+        prompt = conversation_start(7)
+        _s, first = post(serves[0].url, "/completion", {"prompt": prompt, "n_predict": a.predict, "temperature": 0})
+        serves[0].idle()
+        prompt += first["content"] + " Question 1: and then?"
+        secs, second = post(serves[1].url, "/completion", {"prompt": prompt, "n_predict": a.predict,
+                                                            "temperature": 0})
+        _s, ref = post(servers[1].url, "/completion", {"prompt": prompt, "n_predict": a.predict, "temperature": 0,
+                                                       "cache_prompt": False})
+        print(f"two serve processes over one SeaweedFS bucket: the second turn behind the other serve evaluated "
+              f"{second['timings']['prompt_n']} prompt tokens ({second['timings']['cache_n']} reused; the server "
+              f"alone {ref['timings']['prompt_n']}), {secs * 1000:.0f} ms; answer identical: "
+              f"{second['content'] == ref['content']}; restores {serves[1].stats()['restores']}")
+    finally:
+        for s in serves:
+            s.stop()
+        for srv in servers:
+            srv.stop()
+        weed.stop()
+
+
+if __name__ == "__main__":
+    main()

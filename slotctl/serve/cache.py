@@ -1,0 +1,389 @@
+"""The blocking side of ``slotctl serve``: what it asks the server and the store, run in worker threads.
+
+Everything here reuses what slotctl has: live mode's HTTP API (``POST /slots/N?action=save|restore``,
+``/props`` and ``/slots`` read as :class:`~slotctl.live.http.ServerFacts`), the flags learned from it
+(:func:`slotctl.live.prove.local_setup`), validate's verdict (:func:`slotctl.validate.check.validate_file`),
+the predicted reuse (:mod:`slotctl.server.reuse`), the store (a directory or an ``s3://`` prefix,
+:mod:`slotctl.fleet.states`), prune's budget, keep's names (a hash of the model, a hash of the tokens).
+
+Every failure is the caller's to count: a method raises, the proxy sends the request uncached.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from slotctl.live import http
+from slotctl.fleet.keep import model_hash, tokens_hash
+from slotctl.live.prove import local_setup, server_reads_checkpoints
+from slotctl.fleet.states import copy_atomic, open_store
+from slotctl.serve.index import State, StateIndex, as_tokens
+from slotctl.server.reuse import predict_reuse, request_reuse, server_n_swa
+
+#: the name the server saves a slot under before serve checks it (in --slot-save-path): one per save, so
+#: that a slot is given again while its last save is being stored
+INCOMING = "serve-slot{slot}-{seq}-incoming.bin"
+#: the names of serve's states: the model's hash, the number of tokens (zero-padded: names sort by length),
+#: a hash of the tokens (one state stored once)
+STATE_NAME = "serve-{model}-{n:07d}-{tokens}.bin"
+#: verdicts serve restores (validate's: nothing dropped, nothing refused)
+RESTORABLE = ("restores",)
+
+
+def state_prefix(model: str) -> str:
+    return f"serve-{model}-"
+
+
+def state_name(model: str, tokens: np.ndarray) -> str:
+    return STATE_NAME.format(model=model, n=len(tokens), tokens=tokens_hash(tokens))
+
+
+@dataclass
+class Judged:
+    """validate's verdict on a stored state for one slot of the server now running, and what a request
+    extending the whole state keeps (``extending``: None when no prediction can be made)."""
+
+    verdict: str
+    extending: int | None
+    kind: str | None
+    n_swa: int
+    reason: str | None = None
+
+
+@dataclass
+class Saved:
+    """A slot the server saved, checked, not yet stored: its working file and the state's name."""
+
+    slot: int
+    path: Path
+    name: str
+    tokens: np.ndarray
+    kind: str | None
+    size: int
+
+
+@dataclass
+class Counters:
+    """What serve did, for ``GET /slotctl/stats`` and the log: requests seen, cached (given a slot and a
+    lookup), passed through untouched, restores done / skipped by the verdict / failed, saves done /
+    deduplicated / failed, lookups failed, prompt tokens predicted to be reused thanks to a restore."""
+
+    requests: int = 0
+    cached: int = 0
+    passed_through: int = 0
+    restores: int = 0
+    restores_refused_by_verdict: int = 0
+    restore_failures: int = 0
+    saves: int = 0
+    saves_deduplicated: int = 0
+    save_failures: int = 0
+    lookup_failures: int = 0
+    upstream_errors: int = 0
+    client_disconnects: int = 0
+    restored_tokens: int = 0
+    pruned: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+
+class Cache:
+    """The server at ``url`` (its ``--slot-save-path`` is ``slot_dir`` here) and the store (``store``: a
+    directory, an ``s3://`` prefix, or None: ``slot_dir`` itself)."""
+
+    def __init__(self, url: str, slot_dir: str | os.PathLike, store: str | None = None, *,
+                 api_key: str | None = None, max_size: int | None = None, timeout: float = 600.0,
+                 catalog: bool = True, log=None):
+        self.url = http.normalize_url(url)
+        self.slot_dir = Path(slot_dir)
+        self.store = open_store(store, self.slot_dir)
+        self.api_key, self.max_size, self.timeout = api_key, max_size, timeout
+        self.log = log or (lambda event, message, **details: None)
+        self.counters = Counters()
+        self.facts: http.ServerFacts | None = None
+        self.model: str | None = None
+        self.index: StateIndex | None = None
+        self._judged: dict[tuple[str, int], Judged] = {}
+        self._setups: dict[int, object] = {}
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._listed = 0.0
+        self.catalog = None
+        if catalog:
+            from slotctl.catalog import Index, index_path
+
+            self.catalog = Index(index_path(self.store.where(""), beside=True), log=lambda m: self.log("catalog", m))
+
+    # -- the server ------------------------------------------------------------------------------------
+
+    def refresh_facts(self, api_key: str | None = None) -> http.ServerFacts:
+        """``/props``, ``/slots``, ``/v1/models`` read again (``api_key``: a client's, when serve has none of its
+        own); a new model starts a new index."""
+        facts = http.server_facts(self.url, api_key=api_key or self.api_key, timeout=min(self.timeout, 30.0))
+        model = model_hash(facts)
+        with self._lock:
+            if model != self.model or facts.total_slots != (self.facts.total_slots if self.facts else None):
+                self._judged.clear()
+                self._setups.clear()
+            if model != self.model:
+                self.index = StateIndex(state_prefix(model))
+                self._listed = 0.0
+            self.facts, self.model = facts, model
+        return facts
+
+    def _setup(self, slot: int):
+        with self._lock:
+            setup = self._setups.get(slot)
+        if setup is None:
+            setup, _notes = local_setup(self.facts, slot)
+            with self._lock:
+                self._setups[slot] = setup
+        return setup
+
+    # -- the index -------------------------------------------------------------------------------------
+
+    def sync_index(self, every: float = 2.0) -> None:
+        """The index made to hold the store's states for the server's model (listed at most every ``every``
+        seconds: other serve processes may store states meanwhile). A state whose identity the catalog
+        knows is not read again (:class:`slotctl.catalog.Index`)."""
+        if self.index is None or time.monotonic() - self._listed < every:
+            return
+        listed = self._listing(self.index.prefix)
+        gone = set(self.index.states) - set(listed)
+        self.index.forget(gone)
+        new = [n for n in listed if n not in self.index.states]
+        if new:
+            where = {n: self.store.where(n) for n in new}
+            known = self.catalog.get(list(where.values()), "tokens", {where[n]: listed[n][0] for n in new
+                                                                      if listed[n][0]}) if self.catalog else {}
+            made = []
+            for n in new:
+                c = known.get(where[n])
+                if c is not None and c.tokens is not None:
+                    self.index.add(State(n, c.tokens, c.kind, listed[n][2]))
+                    continue
+                st = self._read_state(n)
+                if st is not None:
+                    self.index.add(st)
+                    if listed[n][0]:
+                        from slotctl.catalog import Cached
+
+                        made.append((where[n], listed[n][0], listed[n][1], Cached(None, st.kind, st.tokens,
+                                                                                  self.model)))
+            if self.catalog:
+                self.catalog.put("tokens", made)
+            self.log("indexed", f"{len(new)} stored state(s) indexed, {len(new) - len(made)} known to the "
+                                f"catalog", n=len(new), read=len(made))
+        if gone and self.catalog:
+            self.catalog.forget([self.store.where(n) for n in gone])
+        self._listed = time.monotonic()
+
+    def _listing(self, prefix: str) -> dict[str, tuple[str | None, int, int]]:
+        """The store's states beginning with ``prefix``: name -> (identity, changed_ns, size)."""
+        from slotctl.catalog import local_identity, object_identity
+
+        where = self.store.where("")
+        out = {}
+        if where.startswith("s3://"):
+            from slotctl.sources import list_prefix
+
+            for e in list_prefix(where) or ():
+                name = e.path.rpartition("/")[2]
+                if name.startswith(prefix) and name.endswith(".bin"):
+                    out[name] = (object_identity(e.etag, e.size), int(e.mtime * 1e9), e.size)
+            return out
+        with os.scandir(where) as it:
+            for d in it:
+                if d.name.startswith(prefix) and d.name.endswith(".bin"):
+                    try:
+                        st = d.stat()
+                    except FileNotFoundError:
+                        continue
+                    out[d.name] = (local_identity(st), st.st_mtime_ns, st.st_size)
+        return out
+
+    def _read_state(self, name: str) -> State | None:
+        """A stored state's tokens, memory kind and size, from its file (tensor bytes never read); None when
+        it does not parse (not offered)."""
+        from slotctl.slotfile import open_slot_file
+
+        try:
+            sf = open_slot_file(self.store.where(name))
+        except Exception as e:  # noqa: BLE001 - a state that does not read is not offered
+            self.log("error", f"{name}: not indexed: {e}", name=name)
+            return None
+        try:
+            if sf.tokens is None or sf.tokens.error is not None or sf.tokens.media:
+                return None
+            return State(name, as_tokens(sf.tokens.tokens), sf.target.layout.kind if sf.target else None, sf.size)
+        finally:
+            sf.close()
+
+    def lookup(self, tokens: np.ndarray) -> list[tuple[State, int]]:
+        self.sync_index()
+        return self.index.lookup(tokens) if self.index is not None else []
+
+    # -- judging and restoring -------------------------------------------------------------------------
+
+    def judge(self, state: State, slot: int) -> Judged:
+        """validate's verdict on ``state`` for ``slot`` of the server now running (memoized per state and
+        slot: a state's bytes never change under its name)."""
+        key = (state.name, slot)
+        with self._lock:
+            found = self._judged.get(key)
+        if found is not None:
+            return found
+        from slotctl.server.findings import checkpoints_read
+        from slotctl.validate.check import validate_file
+        from slotctl.validate.setup import Models
+
+        setup = self._setup(slot)
+        models = Models(setup)
+        report = validate_file(self.store.where(state.name), setup, models)
+        sf = report.slot_file
+        n_swa = (server_n_swa(models.target, swa_full=setup.settings.swa_full)
+                 if models.target is not None else 0)
+        extending = None
+        if sf is not None and sf.target is not None:
+            reads = server_reads_checkpoints(self.facts.build_info)
+            r = predict_reuse(sf, n_swa=n_swa if models.target is not None else None,
+                              n_ctx_checkpoints=setup.n_ctx_checkpoints,
+                              checkpoints_read=reads and checkpoints_read(sf), extends=True)
+            if r is not None:
+                extending = r.n_reused if reads else r.n_reused_b11434
+        if sf is not None:
+            sf.close()
+        first = next((f for f in report.findings if f.severity == "error"), None)
+        judged = Judged(str(report.verdict), extending, state.kind, n_swa,
+                        f"{first.layer}: {first.message}" if first else None)
+        with self._lock:
+            self._judged[key] = judged
+        return judged
+
+    def reuse(self, judged: Judged, state: State, common: int, n_request: int) -> int:
+        """The prompt tokens a request of ``n_request`` tokens sharing ``common`` with ``state`` keeps."""
+        return request_reuse(judged.kind or "", judged.n_swa, state.n_tokens, common, n_request, judged.extending)
+
+    def restore(self, state: State, slot: int, api_key: str | None = None) -> dict:
+        """``state`` placed in the server's slot directory and restored into ``slot`` (the placed copy
+        removed after, unless the store is the slot directory). The server's answer."""
+        name = state.name
+        placed = self.slot_dir / name
+        copied = not placed.exists()
+        if copied:
+            where = self.store.where(name)
+            if where.startswith("s3://"):
+                self.store.local(name, self.slot_dir)      # downloaded whole, complete or absent
+            else:
+                copy_atomic(where, placed)     # not a hard link: that would change the state's ctime, its identity
+        try:
+            return http.restore_slot(self.url, slot, name, api_key=api_key or self.api_key, timeout=self.timeout,
+                                     check=False)
+        finally:
+            if copied:
+                try:
+                    os.unlink(placed)
+                except FileNotFoundError:
+                    pass
+
+    # -- saving ----------------------------------------------------------------------------------------
+
+    def save(self, slot: int, api_key: str | None = None) -> Saved | None:
+        """The slot saved by the server into the slot directory (under a working name of its own) and
+        checked: it parses, with the token count and size the server reported. None when the slot holds
+        nothing (the working file removed); the working file is :meth:`store`'s to store or remove."""
+        from slotctl.slotfile import open_slot_file
+
+        with self._lock:
+            self._seq += 1
+            work = INCOMING.format(slot=slot, seq=f"{os.getpid()}-{self._seq}")
+        path = self.slot_dir / work
+        try:
+            answer = http.save_slot(self.url, slot, work, api_key=api_key or self.api_key, timeout=self.timeout,
+                                    check=False)
+            sf = open_slot_file(path)
+            try:
+                n = sf.tokens.n_tokens if sf.tokens is not None else 0
+                if sf.errors or n != answer["n_saved"] or sf.size != answer["n_written"]:
+                    why = sf.errors[0] if sf.errors else (f"{n:,} tokens in {sf.size:,} bytes where the server "
+                                                          f"saved {answer['n_saved']:,} in {answer['n_written']:,}")
+                    raise http.ServerAnswerError(f"{path}: not stored: {why}")
+                if n == 0 or sf.tokens.media:
+                    _unlink(path)
+                    return None
+                tokens = as_tokens(sf.tokens.tokens)
+                return Saved(slot, path, state_name(self.model, tokens), tokens,
+                             sf.target.layout.kind if sf.target is not None else None, sf.size)
+            finally:
+                sf.close()
+        except BaseException:
+            _unlink(path)
+            raise
+
+    def store_saved(self, saved: Saved) -> None:
+        """A checked save stored under its content's name (once: a state already stored is not stored
+        again; a directory store on the slot directory's file system takes a hard link, nothing copied),
+        indexed, the store held under its budget; the working file removed whatever happens."""
+        name, path = saved.name, saved.path
+        try:
+            where = self.store.where(name)
+            stored = False
+            if self.store.has(name):
+                pass
+            elif not where.startswith("s3://"):
+                try:
+                    os.link(path, where)          # never over a state of that name
+                    from slotctl.atomic import fsync_dir
+
+                    fsync_dir(os.path.dirname(where))
+                    stored = True
+                except FileExistsError:
+                    pass
+                except OSError:
+                    self.store.put(path, name, move=False)
+                    stored = True
+            else:
+                self.store.put(path, name, move=False)
+                stored = True
+            if stored:
+                self.counters.add("saves")
+                self.log("stored", f"slot {saved.slot}: stored as {where} ({saved.size:,} bytes, "
+                                   f"{len(saved.tokens):,} tokens)", slot=saved.slot, name=name, size=saved.size,
+                         n_tokens=len(saved.tokens))
+            else:
+                self.counters.add("saves_deduplicated")
+            if self.index is not None:
+                self.index.add(State(name, saved.tokens, saved.kind, saved.size))
+            self.prune()
+        finally:
+            _unlink(path)
+
+    def prune(self) -> None:
+        if self.max_size is None:
+            return
+
+        def pruned(path: str, size: int, action: str, reason: str) -> None:
+            self.counters.add("pruned")
+            if self.index is not None:
+                self.index.forget([path.rpartition("/")[2]])
+            self.log("pruned", f"{path}: {action} ({reason}), {size:,} bytes", path=path, size=size)
+
+        self.store.prune(self.max_size, (INCOMING.format(slot="*", seq="*"),), pruned)
+
+
+def _unlink(path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

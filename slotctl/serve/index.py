@@ -1,0 +1,107 @@
+"""The stored states serve can restore: each one's tokens, memory kind and size, for prefix lookups.
+
+A state is found by the longest common token prefix it shares with a request (:meth:`StateIndex.lookup`).
+The tokens are read once per stored file (its header and token list: tensor bytes are never read); the
+index is filled from the store's listing and from serve's own saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class State:
+    """One stored state: its name in the store, its tokens, its memory kind (``kv``, ``iswa``, ...), size."""
+
+    name: str
+    tokens: np.ndarray
+    kind: str | None
+    size: int
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """The number of leading tokens ``a`` and ``b`` share."""
+    m = min(len(a), len(b))
+    if m == 0:
+        return 0
+    eq = a[:m] == b[:m]
+    return m if bool(eq.all()) else int(np.argmin(eq))
+
+
+def as_tokens(tokens) -> np.ndarray:
+    return np.asarray(tokens, dtype=np.int32)
+
+
+def _key(tokens: np.ndarray) -> bytes:
+    """Tokens as bytes that sort as the token sequences do (big-endian, unsigned: token ids are >= 0)."""
+    return np.asarray(tokens, dtype=">u4").tobytes()
+
+
+def _common_bytes(a: bytes, b: bytes) -> int:
+    """The tokens two keys share (whole 4-byte words)."""
+    return common_prefix(np.frombuffer(a, dtype=">u4"), np.frombuffer(b, dtype=">u4"))
+
+
+class StateIndex:
+    """The states of one store for one model (names beginning with ``prefix``), kept in memory, sorted by
+    their tokens: the states sharing the longest prefix with a request sit next to where the request's
+    tokens would be (in a sorted list of sequences, the common prefix with a query only shrinks going away
+    from its place), so a lookup compares O(log n) keys and then only its neighbours."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.states: dict[str, State] = {}
+        self._keys: list[bytes] = []
+        self._names: list[str] = []
+
+    def add(self, state: State) -> None:
+        import bisect
+
+        if state.name in self.states:
+            return
+        self.states[state.name] = state
+        k = _key(state.tokens)
+        i = bisect.bisect_left(self._keys, k)
+        self._keys.insert(i, k)
+        self._names.insert(i, state.name)
+
+    def forget(self, names) -> None:
+        gone = {n for n in names if n in self.states}
+        if not gone:
+            return
+        for n in gone:
+            del self.states[n]
+        keep = [i for i, n in enumerate(self._names) if n not in gone]
+        self._keys = [self._keys[i] for i in keep]
+        self._names = [self._names[i] for i in keep]
+
+    def lookup(self, tokens: np.ndarray, limit: int = 4) -> list[tuple[State, int]]:
+        """Up to ``limit`` states sharing the longest common prefix with ``tokens``, longest first (ties: the
+        shorter state first), with that prefix; none sharing nothing."""
+        import bisect
+
+        q = _key(tokens)
+        i = bisect.bisect_left(self._keys, q)
+        found: list[tuple[int, int]] = []      # (common, position)
+        lo, hi = i - 1, i
+        c_lo = _common_bytes(self._keys[lo], q) if lo >= 0 else 0
+        c_hi = _common_bytes(self._keys[hi], q) if hi < len(self._keys) else 0
+        while len(found) < limit * 4 and (c_lo > 0 or c_hi > 0):
+            if c_hi >= c_lo:
+                found.append((c_hi, hi))
+                hi += 1
+                c_hi = _common_bytes(self._keys[hi], q) if hi < len(self._keys) else 0
+            else:
+                found.append((c_lo, lo))
+                lo -= 1
+                c_lo = _common_bytes(self._keys[lo], q) if lo >= 0 else 0
+        out = [(self.states[self._names[pos]], c) for c, pos in found]
+        out.sort(key=lambda f: (-f[1], f[0].n_tokens))
+        return out[:limit]

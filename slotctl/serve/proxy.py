@@ -1,0 +1,462 @@
+"""The HTTP side of ``slotctl serve``: a reverse proxy in front of one llama-server (aiohttp, server and
+client in one package: a response is passed on chunk by chunk as it comes, SSE included).
+
+Every request is passed on as it came (method, path and query, headers but the hop-by-hop ones, body) and
+its answer comes back as the server sent it (status, reason, headers, bytes: nothing decompressed or
+re-encoded). A completion request (:data:`slotctl.server.requests.COMPLETION_PATHS`) whose body is a JSON
+object is given a slot first (:meth:`Proxy.choose`), the stored state that pays restored into it
+(:meth:`Proxy.prepare`), and goes with ``id_slot`` and ``cache_prompt``; after a whole answer, the slot
+is saved into the store before another request may use it (:meth:`Proxy._save_then_release`). Whatever
+fails in the cache, the request goes on uncached; only an upstream that does not answer is an error
+(502, JSON).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from yarl import URL
+
+from slotctl.serve.cache import RESTORABLE, Cache
+from slotctl.serve.index import as_tokens, common_prefix
+from slotctl.server.requests import COMPLETION_PATHS, TOKENIZE_FLAGS, prompt_form
+
+#: headers of one connection only (RFC 9110 7.6.1), never passed on; Host and Content-Length are set anew
+HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+                        "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"))
+#: serve's own answer (everything else is the server's)
+STATS_PATH = "/slotctl/stats"
+#: a completion request's body is read whole (to find its prompt) up to this; the rest are streamed
+MAX_BODY = 256 << 20
+#: seconds serve waits for its own small requests (/slots, /tokenize, /apply-template)
+SMALL_TIMEOUT = 30.0
+#: the slots' state as serve last left it is unknown (a request it sent that was not saved)
+UNKNOWN = ("unknown",)
+EMPTY = np.zeros(0, dtype=np.int32)
+
+
+@dataclass
+class Slot:
+    """One slot of the server as serve knows it: the tokens it holds (the last prompt, or the state saved or
+    restored), the ``/slots`` signature then (a change serve did not make: the tokens are unknown), when it
+    was last used, and the requests holding or waiting for it."""
+
+    id: int
+    tokens: np.ndarray = field(default_factory=lambda: EMPTY)
+    sig: tuple | None = None
+    used: float = 0.0
+    pending: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def signature(entry: dict) -> tuple | None:
+    """A slot's state as ``GET /slots`` shows it (its last task and its prompt's length); None for a slot
+    that has run no task since the server started."""
+    if "id_task" not in entry:
+        return None
+    return entry.get("id_task"), entry.get("n_prompt_tokens")
+
+
+class UpstreamDown(Exception):
+    pass
+
+
+class Proxy:
+    """The proxy for ``cache``'s server. ``min_gain``: a stored state is restored only when it keeps at
+    least this many more prompt tokens than the slot already holds."""
+
+    def __init__(self, cache: Cache, *, min_gain: int = 16, facts_every: float = 5.0, log=None):
+        self.cache = cache
+        self.base = cache.url
+        self.min_gain = min_gain
+        self.facts_every = facts_every
+        self.log = log or cache.log
+        self.slots: dict[int, Slot] = {}
+        self.session: ClientSession | None = None
+        self._choose = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+        self._stop = asyncio.Event()
+
+    # -- the application -------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, _app) -> None:
+        # nothing added that the client did not send (aiohttp adds User-Agent, Accept, Accept-Encoding)
+        self.session = ClientSession(connector=TCPConnector(limit=0), auto_decompress=False,
+                                     timeout=ClientTimeout(total=None, sock_connect=10),
+                                     skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
+
+    async def begin(self) -> None:
+        """Once listening: the server's facts read (until then completions pass through uncached), then
+        read again every ``facts_every`` seconds."""
+        await self._refresh_facts()
+        self._spawn(self._facts_loop())
+
+    async def _cleanup(self, _app) -> None:
+        self._stop.set()
+        for t in list(self._tasks):     # saves in progress finish: a state half stored is never left
+            if not t.get_name().startswith("save"):
+                t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.session.close()
+
+    def _spawn(self, coro, name: str = "task") -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def _refresh_facts(self, key: str | None = None) -> None:
+        try:
+            await asyncio.to_thread(self.cache.refresh_facts, key)
+        except Exception as e:  # noqa: BLE001 - the server down or not a llama-server: pass through meanwhile
+            if self.cache.facts is not None or not getattr(self, "_said_down", False):
+                self.log("down", f"the server's facts cannot be read ({e}): requests pass through uncached")
+            self._said_down = True
+            return
+        if getattr(self, "_said_down", True):
+            f = self.cache.facts
+            self.log("up", f"{f.url}: {f.total_slots} slot(s) of {f.n_ctx_slot} tokens, model {f.model_path}, "
+                           f"{f.build_info}", total_slots=f.total_slots, model=self.cache.model)
+        self._said_down = False
+
+    async def _facts_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.facts_every)
+            except asyncio.TimeoutError:
+                await self._refresh_facts()
+
+    # -- every request ---------------------------------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._handle(request)
+        except (asyncio.CancelledError, web.HTTPException):
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug of serve's: one line, never a traceback
+            self.log("error", f"{request.method} {request.path}: {type(e).__name__}: {e}")
+            raise web.HTTPBadGateway(text=json.dumps({"error": {"code": 502, "type": "unavailable_error",
+                                                                "message": f"slotctl serve: {e}"}}),
+                                     content_type="application/json") from None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        c = self.cache.counters
+        c.add("requests")
+        if request.method == "GET" and request.path == STATS_PATH:
+            return web.json_response({"counters": c.as_dict(), "model": self.cache.model,
+                                      "states": len(self.cache.index.states) if self.cache.index else 0})
+        form = COMPLETION_PATHS.get(self._route(request.path)) if request.method == "POST" else None
+        if form is None:
+            c.add("passed_through")
+            return (await self.forward(request, request.content if request.body_exists else None))[0]
+        raw = await request.read()
+        return await self.completion(request, raw, form)
+
+    def _route(self, path: str) -> str:
+        """``path`` without the upstream's own prefix (``--api-prefix``) when the client used it."""
+        prefix = URL(self.base).path.rstrip("/")
+        return path[len(prefix):] if prefix and path.startswith(prefix + "/") else path
+
+    def _target(self, request: web.Request) -> URL:
+        prefix = URL(self.base).path.rstrip("/")
+        path = request.raw_path
+        if prefix and (path == prefix or path.startswith(prefix + "/")):
+            path = path[len(prefix):]
+        return URL(self.base.rstrip("/") + path, encoded=True)
+
+    @staticmethod
+    def _headers(request: web.Request) -> list[tuple[str, str]]:
+        return [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+
+    async def forward(self, request: web.Request, data, headers=None) -> tuple[web.StreamResponse, bool]:
+        """``request`` sent upstream with the body ``data`` (bytes or a stream) and the answer streamed back.
+        (the response, whether it came whole with status 200)."""
+        try:
+            up = await self.session.request(request.method, self._target(request),
+                                            headers=headers if headers is not None else self._headers(request),
+                                            data=data, allow_redirects=False)
+        except (ClientError, OSError, asyncio.TimeoutError) as e:
+            self.cache.counters.add("upstream_errors")
+            self.log("upstream", f"{request.method} {request.path}: the server does not answer: {e}")
+            return web.json_response({"error": {"code": 502, "type": "unavailable_error",
+                                                "message": f"slotctl serve: the server {self.base} does not "
+                                                           f"answer: {e or type(e).__name__}"}}, status=502), False
+        whole = False
+        resp = web.StreamResponse(status=up.status, reason=up.reason)
+        try:
+            for k, v in up.headers.items():
+                if k.lower() not in HOP_BY_HOP:
+                    resp.headers.add(k, v)
+            if up.content_length is not None and "chunked" not in up.headers.get("Transfer-Encoding", "").lower():
+                resp.content_length = up.content_length
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            whole = True
+            return resp, up.status == 200
+        except ConnectionResetError:
+            # the client went away: the answer is left unfinished (aiohttp's own end of it fails quietly)
+            self.cache.counters.add("client_disconnects")
+            self.log("disconnect", f"{request.method} {request.path}: the client went away: the request to the "
+                                   f"server is closed")
+            return resp, False
+        except (ClientError, asyncio.TimeoutError) as e:
+            # the server went away mid-answer: the client's connection is closed, never ended as if whole
+            self.cache.counters.add("upstream_errors")
+            self.log("upstream", f"{request.method} {request.path}: the server's answer broke off: {e}")
+            if request.transport is not None:
+                request.transport.close()
+            return resp, False
+        finally:
+            if whole:
+                up.release()
+            else:
+                up.close()      # the server sees the connection close and stops the task: the slot is freed
+
+    # -- completions -----------------------------------------------------------------------------------
+
+    async def completion(self, request: web.Request, raw: bytes, form: str) -> web.StreamResponse:
+        c = self.cache.counters
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        key = self._auth(request)
+        if isinstance(body, dict) and self.cache.facts is None:
+            await self._refresh_facts(key)   # not read yet (serve just started, the server was down, a key needed)
+        if (not isinstance(body, dict) or self.cache.facts is None or body.get("cache_prompt") is False
+                or not self._slot_id_ok(body.get("id_slot"))):
+            c.add("passed_through")
+            return (await self.forward(request, raw))[0]
+        try:
+            tokens = await self.tokens_of(raw, body, form, key)
+        except Exception as e:  # noqa: BLE001 - the cache never fails a request
+            c.add("lookup_failures")
+            self.log("error", f"{request.path}: the prompt's tokens cannot be had ({e}): passed through uncached")
+            tokens = None
+        if tokens is None or len(tokens) == 0:
+            c.add("passed_through")
+            return (await self.forward(request, raw))[0]
+        slot = await self.choose(tokens, body.get("id_slot"), key)
+        if slot is None:
+            c.add("passed_through")
+            return (await self.forward(request, raw))[0]
+        c.add("cached")
+        handed = False
+        try:
+            await slot.lock.acquire()
+        except BaseException:
+            slot.pending -= 1
+            raise
+        try:
+            try:
+                await asyncio.to_thread(self.prepare, slot, tokens, key)
+            except Exception as e:  # noqa: BLE001 - a restore that fails: the request goes uncached
+                c.add("restore_failures")
+                slot.tokens = EMPTY
+                self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id)
+            data = json.dumps(dict(body, id_slot=slot.id, cache_prompt=True)).encode()
+            headers = [(k, v) for k, v in self._headers(request)]
+            resp, ok = await self.forward(request, data, headers)
+            slot.used = time.monotonic()
+            if ok:
+                slot.tokens = tokens
+                slot.sig = UNKNOWN
+                self._spawn(self._save_then_release(slot, key), name=f"save-{slot.id}")
+                handed = True
+            else:
+                slot.sig = UNKNOWN
+            return resp
+        finally:
+            if not handed:
+                self._release(slot)
+
+    @staticmethod
+    def _slot_id_ok(v) -> bool:
+        return v is None or (isinstance(v, int) and not isinstance(v, bool))
+
+    def _auth(self, request: web.Request) -> str | None:
+        """The key for serve's own requests: ``--api-key``, else the client's bearer token (never kept)."""
+        if self.cache.api_key:
+            return self.cache.api_key
+        h = request.headers.get("Authorization", "")
+        return h[7:].strip() if h[:7].lower() == "bearer " else None
+
+    async def _post(self, path: str, body, key: str | None, raw: bytes | None = None):
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        data = raw if raw is not None else json.dumps(body).encode()
+        async with self.session.post(URL(self.base + path), data=data, headers=headers,
+                                     timeout=ClientTimeout(total=SMALL_TIMEOUT)) as r:
+            if r.status != 200:
+                raise UpstreamDown(f"POST {path}: HTTP {r.status}")
+            return await r.json(content_type=None)
+
+    async def _get(self, path: str, key: str | None):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with self.session.get(URL(self.base + path), headers=headers,
+                                    timeout=ClientTimeout(total=SMALL_TIMEOUT)) as r:
+            if r.status != 200:
+                raise UpstreamDown(f"GET {path}: HTTP {r.status}")
+            return await r.json(content_type=None)
+
+    async def tokens_of(self, raw: bytes, body: dict, form: str, key: str | None) -> np.ndarray | None:
+        """The request's prompt as the server tokenizes it: its own token ids, or the server's
+        ``/tokenize`` of its text (a chat through ``/apply-template`` first); None when the request holds
+        no one prompt serve can tokenize (several prompts, media)."""
+        if form == "chat":
+            if not isinstance(body.get("messages"), list) or self.cache.facts.mmproj:
+                return None
+            prompt = (await self._post("/apply-template", None, key, raw=raw)).get("prompt")
+        else:
+            prompt = body.get("prompt")
+        how = prompt_form(prompt)
+        if how == "tokens":
+            return as_tokens(prompt)
+        if how != "text":
+            return None
+        answer = await self._post("/tokenize", {"content": prompt, **TOKENIZE_FLAGS}, key)
+        toks = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
+            raise UpstreamDown("POST /tokenize: no token list in the answer")
+        return as_tokens(toks)
+
+    async def choose(self, tokens: np.ndarray, want, key: str | None) -> Slot | None:
+        """The slot for a request (its ``pending`` counted): ``want`` when given (not -1); else the idle
+        slot whose tokens share the longest prefix with ``tokens``, else the least recently used. None when
+        the server's slots cannot be read (``/slots`` refused or down)."""
+        try:
+            entries = await self._get("/slots", key)
+        except Exception as e:  # noqa: BLE001
+            self.log("error", f"GET /slots: {e}: the request passes through uncached")
+            return None
+        async with self._choose:
+            busy = set()
+            for entry in entries if isinstance(entries, list) else ():
+                if not isinstance(entry, dict) or not isinstance(entry.get("id"), int):
+                    continue
+                s = self.slots.setdefault(entry["id"], Slot(entry["id"]))
+                if not s.lock.locked() and s.pending == 0 and signature(entry) != s.sig:
+                    s.tokens, s.sig = EMPTY, signature(entry)   # a change serve did not make (a restart, a client)
+                if entry.get("is_processing") and not s.lock.locked():
+                    busy.add(s.id)
+            if not self.slots:
+                return None
+            if isinstance(want, int) and want >= 0:
+                s = self.slots.get(want)
+                if s is None:
+                    return None      # a slot the server does not have: its own answer
+            else:
+                free = [s for s in self.slots.values() if s.pending == 0 and s.id not in busy]
+                pool = free or list(self.slots.values())
+                best = max(pool, key=lambda s: (common_prefix(s.tokens, tokens), -s.used))
+                if common_prefix(best.tokens, tokens) == 0:
+                    best = min(pool, key=lambda s: (s.pending, s.used))
+                s = best
+            s.pending += 1
+            return s
+
+    def _release(self, slot: Slot) -> None:
+        slot.pending -= 1
+        slot.lock.release()
+
+    def prepare(self, slot: Slot, tokens: np.ndarray, key: str | None = None) -> None:
+        """In a worker thread, with the slot held: restore the stored state that keeps the most of the
+        prompt, when its verdict for this slot is ``restores`` and it keeps at least ``min_gain`` tokens
+        more than the slot holds."""
+        c = self.cache.counters
+        held = min(common_prefix(slot.tokens, tokens), len(tokens) - 1)
+        try:
+            found = self.cache.lookup(tokens)
+        except Exception as e:  # noqa: BLE001 - the store down: uncached
+            c.add("lookup_failures")
+            self.log("error", f"the store cannot be read ({e}): the request goes uncached")
+            return
+        for state, common in found:
+            if common - held < self.min_gain:
+                break
+            judged = self.cache.judge(state, slot.id)
+            if judged.verdict not in RESTORABLE:
+                c.add("restores_refused_by_verdict")
+                self.log("refused", f"{state.name}: not restored into slot {slot.id}: validate says "
+                                    f"{judged.verdict}" + (f" ({judged.reason})" if judged.reason else ""),
+                         slot=slot.id, name=state.name, verdict=judged.verdict)
+                continue
+            gain = self.cache.reuse(judged, state, common, len(tokens))
+            if gain - held < self.min_gain:
+                continue
+            slot.tokens = EMPTY         # whatever happens now, the slot's old tokens are gone
+            t0 = time.perf_counter()
+            answer = self.cache.restore(state, slot.id, key)
+            slot.tokens = state.tokens
+            c.add("restores")
+            c.add("restored_tokens", gain)
+            self.log("restored", f"{state.name} restored into slot {slot.id}: {answer.get('n_restored', 0):,} "
+                                 f"tokens in {(time.perf_counter() - t0) * 1000:.0f} ms; the request keeps "
+                                 f"{gain:,} of its {len(tokens):,} (the slot held {held:,})",
+                     slot=slot.id, name=state.name, n_restored=answer.get("n_restored"), reuse=gain, held=held)
+            return
+
+    async def _save_then_release(self, slot: Slot, key: str | None) -> None:
+        """After a whole answer: the slot saved by the server and checked, its ``/slots`` signature noted, then
+        freed; the state is stored after (the slot's next request need not wait for the copy)."""
+        saved = None
+        try:
+            try:
+                saved = await asyncio.to_thread(self.cache.save, slot.id, key)
+                if saved is not None:
+                    slot.tokens = saved.tokens
+            except Exception as e:  # noqa: BLE001 - a save that fails costs the next restore, nothing more
+                self.cache.counters.add("save_failures")
+                self.log("error", f"slot {slot.id}: not saved: {e}", slot=slot.id)
+            try:
+                entries = await self._get("/slots", key)
+                entry = next((e for e in entries if isinstance(e, dict) and e.get("id") == slot.id), None)
+                slot.sig = signature(entry) if entry is not None else UNKNOWN
+            except Exception:  # noqa: BLE001 - unknown: the next request finds the slot's tokens unknown
+                slot.sig = UNKNOWN
+        finally:
+            self._release(slot)
+        if saved is not None:
+            try:
+                await asyncio.to_thread(self.cache.store_saved, saved)
+            except Exception as e:  # noqa: BLE001 - the store down: the next restore misses it
+                self.cache.counters.add("save_failures")
+                self.log("error", f"slot {slot.id}: not stored: {e}", slot=slot.id)
+
+
+async def run(proxy: Proxy, host: str, port: int, *, ready=None, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (SIGTERM, SIGINT). ``ready(host, port)`` once listening, then the server's
+    facts are read (:meth:`Proxy.begin`)."""
+    runner = web.AppRunner(proxy.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()      # the client session made at start-up closed (the address in use, ...)
+        raise
+    bound = runner.addresses[0][1] if runner.addresses else port
+    if ready is not None:
+        ready(host, bound)
+    await proxy.begin()
+    stop = stop or asyncio.Event()
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,487 @@
+"""``slotctl serve``: a prompt cache in front of a real llama-server b11434 (docs/serve.md).
+
+serve runs as a process of its own (``python -m slotctl serve ... --json``: its signals and its event lines
+are real), in front of real llama-server processes with a tiny model; the store is a directory or a real
+SeaweedFS bucket. Every count of evaluated prompt tokens is the server's own ``timings.prompt_n``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import json_schemas
+
+from conftest import start_server
+from llama_server import LlamaServer, free_port
+from seaweed import BUCKET
+from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
+from slotctl.tinymodels import SAMPLE_PROMPT
+
+server = pytest.mark.server
+ARGS = ["-c", "1024", "-np", "2", "-fa", "on"]
+#: a conversation's first turn (about 200 tokens) and the turn that comes back to it
+TURN1 = " ".join([SAMPLE_PROMPT] * 2)
+TURN2_EXTRA = " And then the story went on, as stories do, to its end."
+
+
+class Serve:
+    """``slotctl serve`` as a process: its JSON event lines collected, its address read from the first."""
+
+    def __init__(self, upstream: str, slot_dir: Path, store: str | None = None, *extra: str, env=None):
+        cmd = [sys.executable, "-m", "slotctl", "serve", "--upstream", upstream, "--slot-dir", str(slot_dir),
+               "--listen", "127.0.0.1:0", "--json", "--min-gain", "4", *extra]
+        if store is not None:
+            cmd += ["--store", store]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.events: list[dict] = []
+        self.schema_errors: list[str] = []
+        self.stderr: list[str] = []
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, args=(self.proc.stdout, True), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.proc.stderr, False), daemon=True).start()
+        first = self._lines.get(timeout=60)
+        assert first is not None and first["event"] == "listening", (first, self.stderr)
+        self.port = first["details"]["port"]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _read(self, stream, is_json: bool) -> None:
+        for line in stream:
+            if is_json:
+                ev = json.loads(line)
+                self.schema_errors += json_schemas.errors("serve", ev)
+                self.events.append(ev)
+                self._lines.put(ev)
+            else:
+                self.stderr.append(line)
+        if is_json:
+            self._lines.put(None)
+
+    def stats(self) -> dict:
+        with urllib.request.urlopen(self.url + "/slotctl/stats", timeout=30) as r:
+            return json.loads(r.read())["counters"]
+
+    def wait_for(self, key: str, n: int, timeout: float = 60) -> dict:
+        """The counters once ``key`` reached ``n`` (saves are done after the answer)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            c = self.stats()
+            if c[key] >= n or time.monotonic() > deadline:
+                return c
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def output(self) -> str:
+        return "".join(json.dumps(e) + "\n" for e in self.events) + "".join(self.stderr)
+
+
+def call(url: str, method: str, path: str, body=None, *, raw: bytes | None = None, headers=None,
+         timeout: float = 120) -> tuple[int, dict, bytes]:
+    """(status, headers, body bytes) of one request (no proxy, no redirects followed)."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    h = {"Content-Type": "application/json"} if data is not None else {}
+    h.update(headers or {})
+    req = urllib.request.Request(url + path, data=data, headers=h, method=method)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def complete(url: str, prompt, path: str = "/completion", **extra) -> dict:
+    status, _h, raw = call(url, "POST", path, {"prompt": prompt, "n_predict": 8, "temperature": 0, **extra})
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+@contextlib.contextmanager
+def serving(upstream: LlamaServer, slot_dir: Path, store: str | None = None, *extra: str, env=None):
+    s = Serve(upstream.url, slot_dir, store, *extra, env=env)
+    try:
+        yield s
+    finally:
+        code = s.stop()
+        assert code == 0, s.output()
+        assert not s.schema_errors, s.schema_errors
+
+
+@pytest.fixture(scope="module")
+def llama(llama_server_bin, tiny_models, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    (tmp / "slots").mkdir()
+    srv = start_server(llama_server_bin, tiny_models.target, tmp, "serve", args=ARGS, slot_save_path=tmp / "slots")
+    srv.save_dir = tmp / "slots"
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def fresh(llama_server_bin, tiny_models, tmp_path):
+    """A server of its own (it is killed and started again)."""
+    (tmp_path / "slots").mkdir()
+    srv = start_server(llama_server_bin, tiny_models.target, tmp_path, "fresh", args=ARGS,
+                       slot_save_path=tmp_path / "slots")
+    srv.save_dir = tmp_path / "slots"
+    yield srv
+    srv.stop()
+
+
+def erase_all(srv: LlamaServer) -> None:
+    for i in range(2):
+        srv.erase(i)
+
+
+# -- pass-through ----------------------------------------------------------------------------------------
+
+
+@server
+def test_every_endpoint_passes_through_unchanged(llama, tmp_path):
+    with serving(llama, llama.save_dir) as s:
+        for method, path, body in (("GET", "/health", None), ("GET", "/v1/models", None),
+                                   ("GET", "/props", None), ("POST", "/tokenize", {"content": "hello world"}),
+                                   ("GET", "/no/such/endpoint", None), ("POST", "/detokenize", {"tokens": [1, 2]})):
+            direct = call(llama.url, method, path, body)
+            via = call(s.url, method, path, body)
+            assert via[0] == direct[0], path
+            assert via[2] == direct[2], path
+            assert via[1].get("Content-Type") == direct[1].get("Content-Type"), path
+        # a redirect or an error keeps its status; query strings reach the server as sent
+        assert call(s.url, "GET", "/slots?fail_on_no_slot=1")[0] == call(llama.url, "GET", "/slots?fail_on_no_slot=1")[0]
+
+
+@server
+def test_a_completion_through_serve_is_the_servers_answer(llama, tmp_path):
+    erase_all(llama)
+    direct = complete(llama.url, SAMPLE_PROMPT, id_slot=0)
+    erase_all(llama)
+    with serving(llama, llama.save_dir, str(tmp_path)) as s:
+        via = complete(s.url, SAMPLE_PROMPT)
+        assert via["content"] == direct["content"]
+        assert via["timings"]["prompt_n"] == direct["timings"]["prompt_n"]
+        c = s.wait_for("saves", 1)
+        assert c["cached"] == 1 and c["saves"] == 1
+        # stored under the model's hash and the token prefix, once per content
+        stored = sorted(p.name for p in tmp_path.glob("serve-*.bin"))
+        assert len(stored) == 1
+        assert complete(s.url, SAMPLE_PROMPT)["content"] == direct["content"]   # the same tokens: stored once
+        c = s.wait_for("saves_deduplicated", 1)
+        assert c["saves_deduplicated"] == 1 and c["saves"] == 1
+        assert len(list(tmp_path.glob("serve-*.bin"))) == 1
+        assert not list(llama.save_dir.glob("serve-slot*-incoming.bin"))   # the working file is removed
+
+
+@server
+def test_streaming_passes_through_event_by_event(llama, tmp_path):
+    erase_all(llama)
+    direct = complete(llama.url, SAMPLE_PROMPT, n_predict=16)
+    with serving(llama, llama.save_dir, str(tmp_path)) as s:
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+        conn.request("POST", "/completion", json.dumps({"prompt": SAMPLE_PROMPT, "n_predict": 16, "temperature": 0,
+                                                         "stream": True}), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and r.getheader("Content-Type").startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: ")]
+        conn.close()
+        assert len(events) > 2 and events[-1]["stop"] is True
+        assert "".join(e.get("content", "") for e in events) == direct["content"]
+        # OpenAI-style streaming too: data lines, then [DONE]
+        status, h, raw = call(s.url, "POST", "/v1/completions", {"prompt": SAMPLE_PROMPT, "max_tokens": 16,
+                                                                 "temperature": 0, "stream": True})
+        lines = [ln for ln in raw.decode().splitlines() if ln.startswith("data: ")]
+        assert status == 200 and lines[-1] == "data: [DONE]"
+        text = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines[:-1])
+        assert text == direct["content"]
+
+
+@server
+def test_chat_completions_are_cached(llama, tmp_path):
+    messages = [{"role": "user", "content": SAMPLE_PROMPT}]
+    erase_all(llama)
+    status, _h, direct = call(llama.url, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 8,
+                                                                          "temperature": 0})
+    assert status == 200, direct
+    erase_all(llama)
+    with serving(llama, llama.save_dir, str(tmp_path)) as s:
+        status, _h, via = call(s.url, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 8,
+                                                                       "temperature": 0})
+        assert status == 200
+        assert json.loads(via)["choices"][0]["message"] == json.loads(direct)["choices"][0]["message"]
+        assert s.wait_for("saves", 1)["cached"] == 1
+        # the stored state begins with the tokens serve computed for the prompt (apply-template + tokenize)
+        from slotctl.slotfile import open_slot_file
+
+        (name,) = [p for p in tmp_path.glob("serve-*.bin")]
+        _st, _h, tpl = call(llama.url, "POST", "/apply-template", {"messages": messages})
+        want = llama.post("/tokenize", {"content": json.loads(tpl)["prompt"], "add_special": True})[1]["tokens"]
+        assert [int(t) for t in open_slot_file(name).tokens.tokens][:len(want)] == want
+
+
+# -- bad input ---------------------------------------------------------------------------------------------
+
+
+@server
+def test_bad_input_goes_to_the_server_untouched(llama, tmp_path):
+    with serving(llama, llama.save_dir, str(tmp_path)) as s:
+        for raw in (b"{not json", b"[1, 2, 3]", b'"a string"', b"", b'{"prompt": {"a": 1}}',
+                    b'{"prompt": "x", "id_slot": "zero", "n_predict": 1}', b'{"prompt": ["a", "b"], "n_predict": 1}'):
+            direct = call(llama.url, "POST", "/completion", raw=raw)
+            via = call(s.url, "POST", "/completion", raw=raw)
+            assert via[0] == direct[0], raw
+            if direct[0] != 200:
+                assert via[2] == direct[2], raw
+        # unknown fields reach the server as sent
+        body = {"prompt": SAMPLE_PROMPT, "n_predict": 2, "temperature": 0, "no_such_field": [1, {"x": None}]}
+        assert call(s.url, "POST", "/completion", body)[0] == call(llama.url, "POST", "/completion", body)[0]
+        assert s.proc.poll() is None
+
+
+@server
+def test_upstream_down_is_a_502_with_a_json_error(tmp_path):
+    class Down:
+        url = f"http://127.0.0.1:{free_port()}"
+
+    with serving(Down, tmp_path) as s:
+        for path in ("/completion", "/health"):
+            status, h, raw = call(s.url, "POST" if path == "/completion" else "GET", path,
+                                  {"prompt": "x"} if path == "/completion" else None)
+            assert status == 502 and h["Content-Type"].startswith("application/json")
+            assert "does not answer" in json.loads(raw)["error"]["message"]
+        assert s.stats()["upstream_errors"] == 2
+
+
+@server
+def test_a_store_down_means_uncached_not_failed(llama, tmp_path):
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": "y", "AWS_REGION": "us-east-1", "HOME": str(tmp_path)}
+    erase_all(llama)
+    direct = complete(llama.url, SAMPLE_PROMPT)
+    with serving(llama, llama.save_dir, "s3://nobucket/serve/", env=env) as s:
+        for _ in range(2):
+            assert complete(s.url, SAMPLE_PROMPT)["content"] == direct["content"]
+        c = s.wait_for("save_failures", 2)
+        assert c["save_failures"] == 2 and c["lookup_failures"] >= 1 and c["saves"] == 0
+        assert not list(llama.save_dir.glob("serve-slot*-incoming.bin"))
+
+
+@server
+def test_a_client_that_goes_away_mid_stream_frees_the_slot(llama, tmp_path):
+    with serving(llama, llama.save_dir, str(tmp_path)) as s:
+        sock = socket.create_connection(("127.0.0.1", s.port), timeout=60)
+        # large events (200 probabilities a token): the answer is far more than the sockets' buffers hold, so
+        # the server is still generating (or its answer still on its way) when the client goes
+        body = json.dumps({"prompt": SAMPLE_PROMPT, "n_predict": 2000, "temperature": 0, "stream": True,
+                           "id_slot": 1, "ignore_eos": True, "n_probs": 200}).encode()
+        sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        got = b""
+        while got.count(b"data: ") < 3:
+            got += sock.recv(65536)
+        sock.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            slots = llama.get("/slots")[1]
+            if not slots[1]["is_processing"]:
+                break
+            time.sleep(0.1)
+        assert not slots[1]["is_processing"], "the server still generates for a client that went away"
+        assert s.wait_for("client_disconnects", 1)["client_disconnects"] == 1
+        # the slot is serve's to give again
+        assert complete(s.url, SAMPLE_PROMPT, id_slot=1)["id_slot"] == 1
+
+
+@server
+def test_requests_to_different_slots_run_in_parallel(llama, tmp_path):
+    with serving(llama, llama.save_dir, str(tmp_path)) as s:
+        results: dict = {}
+        seen_both = threading.Event()
+
+        def run(i: int) -> None:
+            results[i] = complete(s.url, f"{SAMPLE_PROMPT} {i}", n_predict=200, ignore_eos=True)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            slots = llama.get("/slots")[1]
+            if all(e["is_processing"] for e in slots):
+                seen_both.set()
+            time.sleep(0.02)
+        assert {results[0]["id_slot"], results[1]["id_slot"]} == {0, 1}
+        assert seen_both.is_set(), "the two requests never ran at the same time"
+
+
+@server
+def test_the_api_key_is_passed_on_and_never_logged(llama_server_bin, tiny_models, tmp_path):
+    key = "sk-serve-secret-4242"
+    (tmp_path / "slots").mkdir()
+    srv = start_server(llama_server_bin, tiny_models.target, tmp_path, "keyed", args=ARGS,
+                       slot_save_path=tmp_path / "slots", api_key=key)
+    try:
+        (tmp_path / "store").mkdir()
+        with serving(srv, tmp_path / "slots", str(tmp_path / "store"), env={"LLAMA_API_KEY": ""}) as s:
+            assert call(s.url, "POST", "/completion", {"prompt": "x", "n_predict": 1})[0] == 401
+            status, _h, raw = call(s.url, "POST", "/completion", {"prompt": SAMPLE_PROMPT, "n_predict": 2},
+                                   headers={"Authorization": f"Bearer {key}"})
+            assert status == 200, raw
+            assert s.wait_for("saves", 1)["saves"] == 1     # serve's own requests used the client's key
+        assert key not in s.output()
+    finally:
+        srv.stop()
+
+
+# -- the cache across a restart ------------------------------------------------------------------------------
+
+
+def conversation(url: str, turns: list[str], **extra) -> list[dict]:
+    out, prompt = [], ""
+    for t in turns:
+        prompt += t
+        a = complete(url, prompt, n_predict=8, **extra)
+        out.append(a)
+        prompt += a["content"]
+    return out
+
+
+@server
+def test_a_returning_turn_is_restored_after_a_restart(fresh, tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    turns = [TURN1, TURN2_EXTRA]
+    # the server alone, each turn in a slot that holds nothing
+    reference = []
+    prompt = ""
+    for t in turns:
+        erase_all(fresh)
+        prompt += t
+        a = complete(fresh.url, prompt, id_slot=0)
+        reference.append(a)
+        prompt += a["content"]
+    erase_all(fresh)
+    with serving(fresh, fresh.save_dir, str(store)) as s:
+        first = complete(s.url, TURN1)
+        assert first["content"] == reference[0]["content"]
+        s.wait_for("saves", 1)
+        fresh.kill_and_start_again()
+        second = complete(s.url, TURN1 + first["content"] + TURN2_EXTRA)
+        assert second["content"] == reference[1]["content"]
+        c = s.stats()
+        assert c["restores"] == 1, s.output()
+        # the server's own count: only the new turn's tokens (and the last of the state) evaluated
+        assert second["timings"]["prompt_n"] < reference[1]["timings"]["prompt_n"] // 4
+        assert second["timings"]["cache_n"] >= first["timings"]["prompt_n"]
+        assert any(e["event"] == "restored" for e in s.events)
+
+
+@server
+def test_a_state_the_verdict_refuses_is_never_sent(fresh, tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    with serving(fresh, fresh.save_dir, str(store)) as s:
+        complete(s.url, TURN1)
+        s.wait_for("saves", 1)
+    (state,) = store.glob("serve-*.bin")
+    data = state.read_bytes()
+    state.write_bytes(data[: len(data) // 2])      # its payload cut short: refused or aborts, not restores
+    fresh.kill_and_start_again()
+    with serving(fresh, fresh.save_dir, str(store)) as s:
+        a = complete(s.url, TURN1 + TURN2_EXTRA)
+        c = s.stats()
+        # a restore sent is counted as done or failed: neither
+        assert c["restores"] == 0 and c["restore_failures"] == 0, s.output()
+        assert c["restores_refused_by_verdict"] >= 1, s.output()
+        assert a["timings"]["cache_n"] == 0
+
+
+@server
+def test_two_serve_processes_share_one_s3_store(llama_server_bin, tiny_models, tmp_path, seaweed):
+    """A conversation begun behind one serve continues behind another (another server) with its prefix
+    restored from the S3 store."""
+    env = {**seaweed.env(), "HOME": str(seaweed.dir)}
+    store = f"s3://{BUCKET}/serve-{tmp_path.name}/"
+    servers = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        servers.append(start_server(llama_server_bin, tiny_models.target, tmp_path, name, args=ARGS,
+                                    slot_save_path=tmp_path / name))
+    try:
+        a, b = servers
+        with serving(a, tmp_path / "a", store, env=env) as sa, serving(b, tmp_path / "b", store, env=env) as sb:
+            first = complete(sa.url, TURN1)
+            sa.wait_for("saves", 1)
+            second = complete(sb.url, TURN1 + first["content"] + TURN2_EXTRA)
+            assert sb.stats()["restores"] == 1, sb.output()
+            direct = complete(b.url, TURN1 + first["content"] + TURN2_EXTRA, id_slot=1, cache_prompt=False)
+            assert second["content"] == direct["content"]
+            assert second["timings"]["prompt_n"] < direct["timings"]["prompt_n"] // 4
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
+@server
+def test_the_catalog_spares_reading_stored_states_again(llama, tmp_path):
+    """A second serve over the same store knows the stored states' tokens from the catalog (beside the store):
+    it reads none of them again; --no-cache reads them."""
+    with serving(llama, llama.save_dir, str(tmp_path)) as s:
+        complete(s.url, SAMPLE_PROMPT)
+        s.wait_for("saves", 1)
+    (state,) = tmp_path.glob("serve-*.bin")
+    old = time.time() - 3600
+    os.utime(state, (old, old))        # older than the catalog's 3 s: its row is trusted
+    from slotctl.catalog import INDEX_NAME
+
+    assert (tmp_path / INDEX_NAME).exists()
+    # the same request each time: the same state, stored once
+    for extra, read in (((), 1), ((), 0), (("--no-cache",), 1)):
+        with serving(llama, llama.save_dir, str(tmp_path), *extra) as s:
+            complete(s.url, SAMPLE_PROMPT)
+            (ev,) = [e for e in s.events if e["event"] == "indexed"]
+            assert ev["details"]["n"] == 1 and ev["details"]["read"] == read, ev
+    assert len(list(tmp_path.glob("serve-*.bin"))) == 1
+
+
+def test_usage_errors_are_one_line_and_exit_2(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        for args, words in (
+                (["--slot-dir", str(tmp_path / "missing")], "not a directory"),
+                (["--slot-dir", str(tmp_path), "--store", "ftp://x/"], "a directory or an s3://"),
+                (["--slot-dir", str(tmp_path), "--listen", "nohost"], "expected HOST:PORT"),
+                (["--slot-dir", str(tmp_path), "--max-size", "lots"], "expected a size"),
+                (["--slot-dir", str(tmp_path), "--listen", f"127.0.0.1:{port}"], f"--listen 127.0.0.1:{port}")):
+            r = subprocess.run([sys.executable, "-m", "slotctl", "serve", "--upstream", "http://127.0.0.1:9", *args],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2, (args, r.stderr)
+            assert words in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, \
+                (args, r.stderr)
+    finally:
+        taken.close()
