@@ -22,7 +22,7 @@ MODEL = DATA / "target.gguf"
 #: commands that take no slot file to judge: demo runs its own; slots and erase speak to a running server,
 #: migrate moves a slot between two, keep watches one (tests/test_live.py, tests/test_fleet.py and
 #: tests/test_store.py cover their exit codes)
-NO_FILE_INPUTS = {"demo", "slots", "erase", "migrate", "keep"}
+NO_FILE_INPUTS = {"demo", "slots", "erase", "migrate", "keep", "unit", "serve"}
 
 
 def slotctl(*args) -> subprocess.CompletedProcess:

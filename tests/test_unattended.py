@@ -32,6 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 server = pytest.mark.server
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _env(extra: dict | None = None, drop_aws: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items() if not (drop_aws and k.startswith("AWS_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
@@ -586,7 +590,9 @@ def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three)
     import select
 
     args = [sys.executable, "-m", "slotctl", "slots", "--server", one.url, "--server", three.url, "--watch", "0.2"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    # the child gets a default SIGINT (a suite run as a background job ignores it, and a child inherits that)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            preexec_fn=_default_sigint)
     lines = []
     try:
         while len(lines) < 15:      # three refreshes of 5 rows
@@ -602,7 +608,8 @@ def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three)
     assert [r[2] for r in rows[:5]] == ["0", "1", "0", "1", "2"] and rows[:5] == rows[5:10]
     # a terminal: the cursor home and the screen cleared before each table
     master, slave = pty.openpty()
-    proc = subprocess.Popen(args, stdout=slave, stderr=slave, env=_env({"COLUMNS": "160", "TERM": "xterm"}))
+    proc = subprocess.Popen(args, stdout=slave, stderr=slave, env=_env({"COLUMNS": "160", "TERM": "xterm"}),
+                            preexec_fn=_default_sigint)
     os.close(slave)
     out = b""
     try:
