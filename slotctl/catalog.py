@@ -107,17 +107,16 @@ def _reuse(report) -> dict | None:
 
 def _unreadable(path: str, e: Exception, st) -> dict:
     """The row of a file that could not be read at all (missing, not a regular file, no permission)."""
-    from slotctl.errors import SlotctlError, os_error_code
+    from slotctl.errors import error_entry
 
-    message = str(e) if isinstance(e, SlotctlError) else f"{path}: {(e.strerror or str(e)).lower()}"
-    code = e.error_code if isinstance(e, SlotctlError) else os_error_code(e)
+    err = error_entry(e, path)
     return {"path": path, "name": os.path.basename(path), "size": st.size if st else None,
             "mtime": iso_time(st.mtime) if st else None,
             "atime": iso_time(st.used) if st and st.used is not None else None,
             "age_seconds": None, "state_version": None, "n_tokens": None, "memory_kind": None, "checkpoints": [],
             "draft_size": 0, "damaged": False, "verdict": "unreadable", "certain": True, "uncertain": [], "reuse": None,
             "findings": [], "class": "broken", "remedy": None, "exit_code": int(ExitStatus.USAGE),
-            "error": {"code": code, "message": message}}
+            "error": err.as_dict()}
 
 
 class _Worker:
@@ -135,6 +134,7 @@ class _Worker:
 
     def row(self, path: str, now: float) -> dict:
         from slotctl.errors import StoreDown, UsageError
+        from slotctl.paths import stat_error
         from slotctl.sources import Entry, open_input, remote_url
         from slotctl.validate import validate_file
         from slotctl.validate.classes import classify
@@ -146,7 +146,10 @@ class _Worker:
                     st = Entry(path, f.size, f.mtime, f.etag, getattr(f, "used", None))
                     report = validate_file(path, self.setup, self.models, self.checker, f=f)
             else:
-                s = os.stat(path)     # before reading: the access time as the server left it
+                try:
+                    s = os.stat(path)     # before reading: the access time as the server left it
+                except OSError as e:
+                    raise stat_error(path, e) from None
                 st = Entry(path, s.st_size, s.st_mtime, None, s.st_atime)
                 report = validate_file(path, self.setup, self.models, self.checker)
             standing = classify(report, self.setup)

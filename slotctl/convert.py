@@ -39,8 +39,7 @@ from typing import Callable, Union
 
 import numpy as np
 
-from slotctl.atomic import atomic_writer, copy_range
-from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError
+from slotctl.errors import FormatError, UsageError
 from slotctl.format import ggml
 from slotctl.format.header import HEADER_FIXED_SIZE, fixed_header
 from slotctl.format.blob import BLOB_HEADER_SIZE
@@ -48,6 +47,7 @@ from slotctl.format.common import Span, coalesce
 from slotctl.format.convert import (ConversionRefused, RotationRule, added_rotation, check_dropped_rotation,
                                     check_ext)
 from slotctl.format.memory import MemoryLayout
+from slotctl.rewrite import piece_size, write_pieces
 from slotctl.format.records import check_rotation, row_elements
 from slotctl.slotfile import Blob, Memory, SlotFile, is_checkpoint_layer, open_slot_file
 
@@ -62,12 +62,6 @@ class ModelNeeded(UsageError):
 
     def __init__(self, part: str, at: int | None, expected: str):
         super().__init__(FormatError(part, at, expected).one_line())
-
-
-class SourceChanged(SlotctlError):
-    """The input changed while it was converted; nothing was written."""
-
-    exit_status = ExitStatus.FAILED
 
 
 @dataclass(frozen=True)
@@ -121,12 +115,6 @@ class Recode:
 
 
 Piece = Union[Span, bytes, Recode]
-
-
-def piece_size(p: Piece) -> int:
-    if isinstance(p, bytes):
-        return len(p)
-    return p.size
 
 
 @dataclass
@@ -186,10 +174,6 @@ class Plan:
     @property
     def recodes(self) -> list[Recode]:
         return [p for p in self.pieces if isinstance(p, Recode)]
-
-
-def _identity(st: os.stat_result) -> tuple:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 # -- planning ---------------------------------------------------------------------------------------------
@@ -419,29 +403,16 @@ def write_converted(plan: Plan, dest: str | os.PathLike, *, overwrite: bool = Fa
     file with ``overwrite``, a symbolic link with ``follow_symlinks``): :func:`~slotctl.atomic.check_destination`.
     """
     errors: dict[tuple, LayerError] = {}
-    done = 0
 
-    def tick(n: int) -> None:
-        if progress:
-            progress(done + n)
-
-    src = plan.parsed.stream
-    _check_same(plan, src)
-    with atomic_writer(dest, overwrite=overwrite, follow_symlinks=follow_symlinks) as dst:
-        for p in plan.pieces:
-            if isinstance(p, Span):
-                copy_range(src, dst, p.offset, p.size, progress=tick)
-            elif isinstance(p, bytes):
-                dst.write(p)
-            else:
-                _recode(src, dst, p, errors, tick)
-            done += piece_size(p)
-            tick(0)
-        _check_same(plan, src)
+    def check(dst) -> None:
         dst.flush()
         if dst.tell() != plan.output_size:   # pragma: no cover - a planning bug
             raise FormatError("output", dst.tell(), f"{plan.output_size:,} bytes as planned")
         _check_parses(dst, layout, draft_layout)
+
+    write_pieces(plan.parsed, plan.pieces, dest, overwrite=overwrite, follow_symlinks=follow_symlinks,
+                 progress=progress, write_other=lambda src, dst, r, tick: _recode(src, dst, r, errors, tick),
+                 before_replace=check)
     return list(errors.values())
 
 
@@ -487,11 +458,6 @@ def _recode(src, dst, r: Recode, errors: dict, tick) -> None:
                 err.max_abs_error = max(err.max_abs_error, float(np.max(np.abs(back_true - true)[finite])))
                 err.max_abs_value = max(err.max_abs_value, float(np.max(np.abs(true)[finite])))
         tick(written)
-
-
-def _check_same(plan: Plan, src) -> None:
-    if _identity(os.fstat(src.fileno())) != plan.identity:
-        raise SourceChanged(f"{plan.path}: the file changed while it was converted; nothing was written")
 
 
 # -- requests from flags ----------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import errno
+import os
 import re
+from typing import NamedTuple
 
 
 class ExitStatus(enum.IntEnum):
@@ -131,3 +133,28 @@ def os_error_code(e: OSError) -> str:
     """The ``--json`` error code of an I/O error."""
     return {errno.ENOENT: "no_such_file", errno.EACCES: "permission_denied", errno.EISDIR: "is_a_directory",
             errno.ENOSPC: "no_space"}.get(e.errno, "io_error")
+
+
+class ErrorEntry(NamedTuple):
+    """One thing's failure in a run over many (a file, a copy, a step): its ``code`` for scripts, its one
+    line, its exit status. :meth:`as_dict` is the ``error`` object of docs/json.md."""
+
+    code: str
+    message: str
+    exit_status: int
+
+    def as_dict(self) -> dict:
+        return {"code": self.code, "message": self.message}
+
+
+def error_entry(e: BaseException, path: str | os.PathLike | None = None) -> ErrorEntry | None:
+    """The failure of one file (``path``, when the caller knows which: else the error's own file name) for
+    a slotctl error or an I/O error; None for anything else. Every per-file failure is made here, and the
+    error table (``slotctl.cli.errors``) takes its rows for these two from it: one code per cause (an
+    ``OSError``: :func:`os_error_code`), one wording (``PATH: strerror``)."""
+    if isinstance(e, SlotctlError):
+        return ErrorEntry(e.error_code, str(e), int(e.exit_status))
+    if isinstance(e, OSError):
+        where = os.fspath(path) if path is not None else (e.filename or "")
+        return ErrorEntry(os_error_code(e), f"{where}: {e.strerror or e}".lstrip(": "), int(ExitStatus.USAGE))
+    return None

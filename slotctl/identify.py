@@ -275,7 +275,6 @@ def identify(path: str, models: list[str], *, draft: bool = False, n_tokens: int
 def _candidate(path: str, model: str, draft: bool, n_tokens: int) -> Candidate:
     from slotctl.errors import SlotctlError
     from slotctl.model.info import read_model_info
-    from slotctl.model.predict import rotation_rule
     from slotctl.slotfile import open_slot_file
 
     cand = Candidate(model)
@@ -285,7 +284,15 @@ def _candidate(path: str, model: str, draft: bool, n_tokens: int) -> Candidate:
     except SlotctlError as e:
         cand.error = str(e)
         return cand
-    sf = open_slot_file(path, **({"draft_layout": layout} if draft else {"layout": layout}))
+    with open_slot_file(path, **({"draft_layout": layout} if draft else {"layout": layout})) as sf:
+        return _judge(cand, sf, info, layout, draft, n_tokens, model)
+
+
+def _judge(cand: Candidate, sf, info, layout, draft: bool, n_tokens: int, model: str) -> Candidate:
+    """:func:`_candidate` on the file ``sf`` parsed with the candidate's ``layout``."""
+    from slotctl.errors import SlotctlError
+    from slotctl.model.predict import rotation_rule
+
     mem = (sf.draft.memory if sf.draft else None) if draft else sf.target
     if mem is None or (sf.errors and not draft):
         err = sf.draft.error if draft and sf.draft else (sf.errors[0] if sf.errors else None)

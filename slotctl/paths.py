@@ -15,7 +15,7 @@ import os
 import stat
 import sys
 from contextlib import contextmanager
-from typing import BinaryIO, Callable, Iterable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from slotctl.errors import UsageError
 
@@ -50,7 +50,7 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _stat_error(p: str, e: OSError, what: str) -> UsageError:
+def stat_error(p: str, e: OSError, what: str = "") -> UsageError:
     """The one-line usage error for a path that cannot be stat'ed or opened."""
     reason = {errno.ENOENT: "no such file or directory", errno.ELOOP: "too many levels of symbolic links",
               errno.EACCES: "permission denied", errno.ENOTDIR: "not a directory (a component of the path)",
@@ -68,7 +68,7 @@ def check_readable(path: str | os.PathLike, *, what: str = "") -> os.stat_result
     try:
         st = os.stat(p)
     except OSError as e:
-        raise _stat_error(p, e, what) from None
+        raise stat_error(p, e, what) from None
     if stat.S_ISDIR(st.st_mode):
         raise UsageError(f"{what}{p}: is a directory", code="is_a_directory")
     if not stat.S_ISREG(st.st_mode):
@@ -89,7 +89,7 @@ def open_regular(path: str | os.PathLike, *, what: str = "") -> BinaryIO:
     try:
         fd = _open_noatime(p, flags)
     except OSError as e:
-        raise _stat_error(p, e, what) from None
+        raise stat_error(p, e, what) from None
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
@@ -257,34 +257,3 @@ def _is_file(e: os.DirEntry, follow_symlinks: bool) -> bool:
         return e.is_file(follow_symlinks=follow_symlinks)
     except OSError:       # ELOOP, EACCES, ENAMETOOLONG on the link's target: not a file this command can read
         return False
-
-
-def expand_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> list[str]:
-    """Each file as given; each directory's regular files (not recursive, sorted).
-
-    Temporary files of slotctl's atomic writes are skipped. Symbolic links inside a directory are skipped
-    unless ``follow_symlinks`` (a command that only reads may follow them; one that rewrites files must
-    not); so are FIFOs, devices and sockets. A path given twice (or a file also found in a given
-    directory) is listed once. A path given that is not a directory is checked by :func:`check_readable`
-    (missing, a FIFO or device, a symbolic link loop: a usage error).
-    """
-    out: list[str] = []
-    seen: set[str] = set()
-
-    def add(p: str) -> None:
-        key = os.path.realpath(p)
-        if key not in seen:
-            seen.add(key)
-            out.append(p)
-
-    for raw in paths:
-        p = os.fspath(raw)
-        if os.path.isdir(p):
-            for name in directory_files(p, follow_symlinks):
-                add(os.path.join(p, name))
-        elif os.path.isfile(p):
-            add(p)
-        else:
-            check_readable(p)   # raises the usage error that names what the path is
-            raise UsageError(f"{p}: not a regular file or a directory")  # pragma: no cover - a race
-    return out

@@ -30,7 +30,7 @@ from typing import Callable
 
 from slotctl.catalog import iso_time
 from slotctl.slotfile import is_slot_file
-from slotctl.errors import UsageError
+from slotctl.errors import UsageError, error_entry
 from slotctl.atomic import private_name
 from slotctl.paths import DEFAULT_GRACE, being_written, is_temp_file
 
@@ -468,7 +468,7 @@ def delete_checked(e: Entry, grace: float, now_fn: Callable[[], float] = time.ti
         e.action, e.reason = SKIPPED, "gone before it was deleted"
         return
     except OSError as err:
-        e.action, e.error = FAILED, f"{e.path}: {err.strerror or err}"
+        e.action, e.error = FAILED, error_entry(err, e.path).message
         return
     fd = None
     try:
@@ -486,7 +486,7 @@ def delete_checked(e: Entry, grace: float, now_fn: Callable[[], float] = time.ti
     except OSError as err:
         _put_back(e, aside)
         if e.action != FAILED:
-            e.action, e.error = FAILED, f"{e.path}: {err.strerror or err}"
+            e.action, e.error = FAILED, error_entry(err, e.path).message
         return
     finally:
         if fd is not None:

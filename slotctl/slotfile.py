@@ -24,7 +24,7 @@ import struct
 import weakref
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import BinaryIO, Iterable
+from typing import BinaryIO
 
 import construct as cs
 import numpy as np
@@ -39,10 +39,9 @@ from slotctl.format.common import (CHECKPOINT_COST, CheckError, FileBudget, Span
 from slotctl.format.header import STATE_SEQ_MAGIC, StateHeader, file_kind, header_size
 from slotctl.format.memory import MemoryLayout, candidate_layouts
 from slotctl.format.recurrent import records_fit, recurrent_head
-from slotctl.paths import STDIN, directory_files
+from slotctl.paths import STDIN
 from slotctl.format.ahead import prefetch
-from slotctl.sources import (first_bytes, input_size, list_prefix, open_input, prefix_exists, raise_failure,
-                             ranged_view, remote_url, sub_prefixes)
+from slotctl.sources import input_size, open_input, raise_failure, ranged_view, remote_url
 
 SCAN_CHUNK = 1 << 20
 #: how far from the end of the file an appendix chain is looked for when the payload cannot be located
@@ -177,6 +176,12 @@ def stream_identity(f) -> tuple | None:
         st = os.fstat(f.fileno())
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
         return None
+    return stat_identity(st)
+
+
+def stat_identity(st: os.stat_result) -> tuple:
+    """What tells that a file is still the one that was parsed: (device, inode, size, modification time in
+    ns), from its stat."""
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -795,25 +800,7 @@ def rebuild(sf: SlotFile) -> bytes:
     return b"".join(parts)
 
 
-# -- many slot files: the FILE... arguments of inspect, validate and strip-draft ----------------------------
-
-
-@dataclass
-class Expansion:
-    """The files a command over many slot files works on, and what it passed over.
-
-    ``files``: each path given (as given, even when missing or unreadable: the command reports it as
-    that file's error and goes on; ``-`` is standard input), then each directory's slot files
-    (:func:`is_slot_file`). ``skipped``: the regular files in the directories that are not slot files (a
-    README, a model, a JSON sidecar): they are only counted. ``links``: the symbolic links in the
-    directories, when they are not followed (a command that rewrites files): only counted too.
-    """
-
-    files: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    links: list[str] = field(default_factory=list)
-    #: the sub-prefixes of an ``s3://`` prefix given (its "subdirectories"): named, not read
-    prefixes: list[str] = field(default_factory=list)
+# -- which directory entries are slot files (the expansion itself: slotctl.inputs) ---------------------
 
 
 #: the ending of a file name that makes a directory entry a slot file whatever its first bytes: the name
@@ -850,55 +837,3 @@ def is_slot_file(path: str) -> bool:
 
 #: the name of the catalog slotctl keeps beside a directory's slot files (``slotctl.catalog.Index``)
 CATALOG_FILE = ".slotctl-catalog.sqlite"
-
-
-def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> Expansion:
-    """Each path given, and each directory's slot files (not recursive, sorted; see :class:`Expansion`).
-
-    Like :func:`expand_paths`, but a path that is missing or not a regular file is kept for the command to
-    report, and in a directory only slot files (:func:`is_slot_file`) are taken.
-    """
-    out = Expansion()
-    seen: set[str] = set()
-
-    def add(p: str) -> None:
-        key = p if p == STDIN or remote_url(p) else os.path.realpath(p)
-        if key not in seen:
-            seen.add(key)
-            out.files.append(p)
-
-    for raw in paths:
-        p = os.fspath(raw)
-        url = remote_url(p)
-        if url is not None:
-            entries = list_prefix(url)
-            if entries is None:
-                add(url)   # an object
-                continue
-            subs = sub_prefixes(url)
-            if not entries and not subs and not (url.endswith("/") and prefix_exists(url)):
-                add(url)   # nothing there at all: the command says "no such object" (as of a missing directory)
-                continue
-            out.prefixes += subs     # a prefix that is there behaves as a directory: empty, it holds 0 files
-            entries = [e for e in entries if e.path not in seen]
-            for e, head in zip(entries, first_bytes([e.path for e in entries])):
-                if is_slot_entry(e.path.rstrip("/").rsplit("/", 1)[-1], head):
-                    add(e.path)
-                else:
-                    out.skipped.append(e.path)
-            continue
-        if p != STDIN and os.path.isdir(p):
-            if not follow_symlinks:
-                out.links += [os.path.join(p, n) for n in directory_files(p, True)
-                              if os.path.islink(os.path.join(p, n))]
-            for name in directory_files(p, follow_symlinks):
-                full = os.path.join(p, name)
-                if is_slot_file(full):
-                    add(full)
-                elif name.startswith(CATALOG_FILE):
-                    continue     # slotctl's own catalog of the directory (and its -wal, -shm): not counted
-                elif os.path.realpath(full) not in seen:
-                    out.skipped.append(full)
-        else:
-            add(p)
-    return out

@@ -29,16 +29,17 @@ import struct
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Callable, Union
+from typing import Callable
 
 from slotctl.progress import Progress
-from slotctl.atomic import atomic_writer, check_destination, copy_range
-from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError, os_error_code
+from slotctl.atomic import check_destination
+from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError, error_entry
 from slotctl.format import appendix as apx
 from slotctl.format.common import Span, coalesce
 from slotctl.format.memory import MemoryLayout
 from slotctl.paths import DEFAULT_GRACE, being_written, check_readable
-from slotctl.slotfile import SlotFile, open_slot_file
+from slotctl.rewrite import Piece, SourceChanged, check_unchanged, write_pieces
+from slotctl.slotfile import SlotFile, open_slot_file, stat_identity
 
 #: what ``removed`` lists
 REMOVED_SDFT = "SDFT"
@@ -65,37 +66,16 @@ class StripStatus(StrEnum):
 
 STRIPPED, UNCHANGED, REFUSED, WOULD_STRIP, UNREADABLE = StripStatus
 
-_SCKP_HEAD = struct.Struct("<III")         # magic, version, count
-_CKPT_HEAD = struct.Struct("<qiiQ")        # n_tokens, pos_min, pos_max, target blob length
-_EMPTY_BLOBS = struct.pack("<QQ", 0, 0)    # draft blob length 0, speculative state length 0
+_EMPTY_BLOBS = apx.BlobLength.build(0) * 2    # draft blob length 0, speculative state length 0
 
-Piece = Union[Span, bytes]
+#: what a refusal for a file changed since its parse says follows
+_LEFT = "left as it is now, run again"
 
 
 class BeingWritten(SlotctlError):
     """The file was modified within the grace period: a server may still be writing it; it is left alone."""
 
     exit_status = ExitStatus.FAILED
-
-
-class SourceChanged(SlotctlError):
-    """The file changed between the parse and the end of the copy; it is left as it now is."""
-
-    exit_status = ExitStatus.FAILED
-
-
-@dataclass(frozen=True)
-class _Identity:
-    """What tells that a file is still the one that was parsed."""
-
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> "_Identity":
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @dataclass(frozen=True)
@@ -106,7 +86,8 @@ class Plan:
     size_before: int
     removed: tuple[str, ...]
     pieces: tuple[Piece, ...]
-    identity: _Identity
+    #: the file's identity when it was parsed (:attr:`slotctl.slotfile.SlotFile.identity`)
+    identity: tuple
     #: bytes of checkpoint draft and speculative blobs that only ``--checkpoints`` removes (0 with it)
     checkpoint_draft_bytes: int = 0
     #: every byte of draft state in the file: the SDFT appendix and the checkpoints' draft and speculative blobs
@@ -141,7 +122,7 @@ def plan_strip(path: str | os.PathLike, *, checkpoints: bool = False, layout: Me
     """
     path = os.fspath(path)
     sf = open_slot_file(path, layout=layout, draft_layout=draft_layout)
-    identity = _Identity(*sf.identity)
+    identity = sf.identity
     damage = _sdft_damage(sf)
     if damage is None and (sf.errors or sf.target is None):
         raise sf.errors[0] if sf.errors else FormatError("target memory", sf.header_end,
@@ -167,7 +148,7 @@ def _sdft_damage(sf: SlotFile) -> tuple[int, str] | None:
         return None
     at = sf.trailing.offset
     head = sf.read_at(at, 4)
-    magic = struct.pack("<I", apx.SDFT_MAGIC)
+    magic = apx.SDFT_MAGIC_BYTES
     if not sf.errors:
         if sf.trailing.size < 4 and magic.startswith(head):
             return at, (f"SDFT appendix at 0x{at:x} ({at}): the file ends {len(head)} byte(s) into its magic "
@@ -181,7 +162,7 @@ def _sdft_damage(sf: SlotFile) -> tuple[int, str] | None:
     return None
 
 
-def _plan(sf: SlotFile, identity: _Identity, checkpoints: bool, damage: tuple[int, str] | None = None, *,
+def _plan(sf: SlotFile, identity: tuple, checkpoints: bool, damage: tuple[int, str] | None = None, *,
           links: int = 1) -> Plan:
     """The pieces of the stripped file: the old file's ranges around what goes, and rebuilt SCKP headers.
 
@@ -200,9 +181,10 @@ def _plan(sf: SlotFile, identity: _Identity, checkpoints: bool, damage: tuple[in
     pos = 0   # the old file is copied from here up to the next removed part
     if rebuild_sckp:
         pieces.append(Span(0, sf.sckp.offset))
-        pieces.append(_SCKP_HEAD.pack(apx.SCKP_MAGIC, apx.SCKP_VERSION, len(ckpts)))
+        pieces.append(apx.SckpHead.build(dict(magic=apx.SCKP_MAGIC, version=apx.SCKP_VERSION, count=len(ckpts))))
         for c in ckpts:
-            pieces.append(_CKPT_HEAD.pack(c.n_tokens, c.pos_min, c.pos_max, c.tgt.span.size))
+            pieces.append(apx.CheckpointHead.build(dict(n_tokens=c.n_tokens, pos_min=c.pos_min, pos_max=c.pos_max))
+                          + apx.BlobLength.build(c.tgt.span.size))
             pieces.append(c.tgt.span)
             pieces.append(_EMPTY_BLOBS)
         pos = sf.sckp.end
@@ -255,23 +237,11 @@ def write_plan(plan: Plan, dest: str | os.PathLike, *, overwrite: bool, follow_s
     leave a server's slot file owned by root; a user who may not write it is refused, as a truncate would
     be): :func:`~slotctl.atomic.atomic_writer`.
     """
-    src = plan.parsed.stream
-    _check_same(plan, src)
+    check_unchanged(plan.parsed, _LEFT)
     check_destination(dest, overwrite=overwrite, follow_symlinks=follow_symlinks)
     check_free_space(dest, plan.size_after)
-    with atomic_writer(dest, overwrite=overwrite, follow_symlinks=follow_symlinks) as dst:
-        done = 0
-        for piece in plan.pieces:
-            if isinstance(piece, Span):
-                copy_range(src, dst, piece.offset, piece.size,
-                           progress=(lambda n, base=done: progress(base + n)) if progress else None)
-                done += piece.size
-            else:
-                dst.write(piece)
-                done += len(piece)
-                if progress:
-                    progress(done)
-        _check_same(plan, src)
+    write_pieces(plan.parsed, plan.pieces, dest, overwrite=overwrite, follow_symlinks=follow_symlinks,
+                 progress=progress, changed=_LEFT)
 
 
 def truncate_in_place(plan: Plan, path: str | os.PathLike, *, all_links: bool = False) -> None:
@@ -286,8 +256,8 @@ def truncate_in_place(plan: Plan, path: str | os.PathLike, *, all_links: bool = 
     fd = os.open(os.fspath(path), os.O_WRONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)
-        if _Identity.of(st) != plan.identity:
-            raise SourceChanged(f"{plan.path}: the file changed since it was read; left as it is now, run again")
+        if stat_identity(st) != plan.identity:
+            raise SourceChanged(f"{plan.path}: the file changed since it was read; {_LEFT}")
         if st.st_nlink > 1 and not all_links:
             raise SourceChanged(f"{plan.path}: the file was given other names (hard links) since it was read; "
                                 f"left as it is now, run again")
@@ -309,12 +279,6 @@ def check_free_space(dest: str | os.PathLike, need: int) -> None:
         raise UsageError(f"{directory}: the stripped copy needs {need + FREE_SPACE_MARGIN:,} bytes free, "
                          f"{free:,} are; free space first (strip-draft without --checkpoints and without -o "
                          f"cuts the file in place and needs none)")
-
-
-def _check_same(plan: Plan, src) -> None:
-    """Raise :class:`SourceChanged` when ``src`` is no longer the file ``plan`` was made from."""
-    if _Identity.of(os.fstat(src.fileno())) != plan.identity:
-        raise SourceChanged(f"{plan.path}: the file changed since it was read; left as it is now, run again")
 
 
 @dataclass
@@ -415,8 +379,8 @@ def strip_files(files: list[str], *, output: str | os.PathLike | None = None, ch
             res.status, res.error, res.error_code, res.exit_status = UNREADABLE, str(e), e.error_code, ExitStatus.USAGE
             continue
         except OSError as e:
-            res.status, res.error, res.error_code = UNREADABLE, _os_error(path, e), os_error_code(e)
-            res.exit_status = ExitStatus.USAGE
+            err = error_entry(e, path)
+            res.status, res.error, res.error_code, res.exit_status = UNREADABLE, err.message, err.code, err.exit_status
             continue
         res.size_before, res.size_after, res.removed = plan.size_before, plan.size_after, list(plan.removed)
         res.draft_size, res.checkpoint_draft_size, res.repaired = (plan.draft_size, plan.checkpoint_draft_bytes,
@@ -454,10 +418,8 @@ def strip_files(files: list[str], *, output: str | os.PathLike | None = None, ch
         except SourceChanged as e:
             _refused(res, str(e), e.error_code, ExitStatus.FAILED)
         except (OSError, UsageError) as e:
-            if isinstance(e, OSError):
-                _refused(res, _os_error(dest, e), os_error_code(e), ExitStatus.USAGE)
-            else:
-                _refused(res, str(e), e.error_code, ExitStatus.USAGE)
+            err = error_entry(e, dest)
+            _refused(res, err.message, err.code, ExitStatus.USAGE)
         else:
             res.status, res.output = (STRIPPED if plan.changes else UNCHANGED), written_to
     return results
@@ -468,6 +430,3 @@ def _refused(res: FileResult, error: str, code: str, status: ExitStatus) -> None
     res.status, res.size_after, res.removed, res.method = REFUSED, None, [], None
     res.error, res.error_code, res.exit_status = error, code, status
 
-
-def _os_error(path: str, e: OSError) -> str:
-    return f"{e.filename or path}: {e.strerror or e}"

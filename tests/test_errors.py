@@ -149,8 +149,11 @@ def _blocked_reading_stdin(pid: int, timeout: float = 60) -> None:
 @pytest.mark.skipif(not Path("/proc/self/syscall").exists(), reason="needs /proc/PID/syscall")
 @pytest.mark.parametrize("extra", [[], ["--json"]])
 def test_ctrl_c_is_one_line_and_130(extra):
+    # the child gets a default SIGINT: a suite run as a background job (nohup ... &) ignores it, and a child
+    # inherits an ignored signal (Python then installs no KeyboardInterrupt handler)
     p = subprocess.Popen([sys.executable, "-m", "slotctl", "inspect", "-", *extra], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _blocked_reading_stdin(p.pid)
         p.send_signal(signal.SIGINT)

@@ -16,7 +16,8 @@ import pytest
 
 from slotctl.cli.output import Output, escape_text
 from slotctl.errors import UsageError
-from slotctl.paths import check_readable, expand_paths, open_regular
+from slotctl.inputs import expand_paths
+from slotctl.paths import check_readable, open_regular
 
 from conftest import DATA
 

@@ -24,7 +24,7 @@ LAYERS = [
     {"runtime"},
     {"store"},
     {"describe", "strip", "convert", "diff"},
-    {"tensors"},
+    {"tensors", "inputs", "rewrite"},
     {"server"},
     {"model", "slotfile"},
     {"format"},

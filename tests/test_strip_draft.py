@@ -28,7 +28,7 @@ from slotctl.cli.app import app
 from slotctl.format.appendix import SCKP_MAGIC, SDFT_MAGIC, build_sckp, build_sdft
 from slotctl.format.blob import blob_header
 from slotctl.slotfile import open_slot_file
-from slotctl.paths import expand_paths
+from slotctl.inputs import expand_paths
 from slotctl.strip import SourceChanged, plan_strip, strip_files, write_plan
 
 from conftest import DATA

@@ -83,16 +83,16 @@ COMMANDS: dict[str, CommandEntry] = {
 
 def load_command(name: str):
     """The command ``name`` (typer's ``TyperCommand``), built from its module (imported now)."""
-    from typer.main import get_command_from_info
-
     entry = COMMANDS[name]
     holder = typer.Typer()
     importlib.import_module(entry.module).register(holder)
     for info in holder.registered_commands:
         if info.name == name:
             info.cls = _with_help(info.cls if isinstance(info.cls, type) else TyperCommand)
-            return lighten(get_command_from_info(info, pretty_exceptions_short=True, rich_markup_mode=None),
-                           info.callback)
+            # an app of this one command: typer.main.get_command (public) makes it the command itself
+            one = typer.Typer(add_completion=False, pretty_exceptions_short=True, rich_markup_mode=None)
+            one.registered_commands.append(info)
+            return lighten(typer.main.get_command(one), info.callback)
     raise LookupError(f"{entry.module}.register adds no command {name!r}")  # a bug in COMMANDS
 
 

@@ -10,11 +10,11 @@ import typer
 from rich.table import Table
 
 from slotctl.cli.common import check_file, handle_errors, local_input, local_output, shown
-from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt, flag_option
+from slotctl.cli.options import ConvertStateVersionOpt, DraftModelOpt, JsonOpt, ModelOpt, flag_option
 from slotctl.cli.output import Output, human_bytes, markup_safe
 from slotctl.atomic import check_destination
 from slotctl.sources import is_remote
-from slotctl.errors import ExitStatus, FormatError, UsageError
+from slotctl.errors import ExitStatus, FormatError, UsageError, error_entry
 from slotctl.server.flags import flag_name
 
 _TYPE_HELP = "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 (iq4_nl read only)"
@@ -31,8 +31,7 @@ def convert(
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the converted file (a file "
                                          "or s3://bucket/key); for a directory or prefix, a directory or "
                                          "s3:// prefix (same names).")],
-    state_version: Annotated[Optional[int], typer.Option("--state-version", min=2, max=4,
-                                                         help="Write this state version (exact, or refused).")] = None,
+    state_version: ConvertStateVersionOpt = None,
     parallel: Annotated[Optional[int], flag_option("parallel", min=1, max=256,
                                                    help="For a server with this many slots (KV streams).")] = None,
     kv_unified: Annotated[bool, flag_option("kv_unified", help="For a server with one KV stream for all slots.")
@@ -72,7 +71,9 @@ def convert(
     from slotctl import convert as conv
 
     out = Output(json_mode=json_out)
-    many = _is_container(file)
+    from slotctl.inputs import is_container
+
+    many = is_container(file)
     if not many:
         check_file(file)
     if parallel is None and not kv_unified and state_version is None and not any(
@@ -100,17 +101,6 @@ def convert(
         out.json(_doc(file, output, plan, errors, dry_run))
         return
     render(out, plan, errors, file, output, dry_run)
-
-
-def _is_container(p) -> bool:
-    """A directory, or an s3:// prefix with objects under it. Nothing at all under a URL is no container:
-    it is taken as the object it names, whose open says "no such object" (as inspect says of it)."""
-    from slotctl.sources import list_prefix, remote_url
-
-    url = remote_url(p)
-    if url is None:
-        return os.path.isdir(p)
-    return bool(list_prefix(url))
 
 
 def _check_output(output, *, force: bool, follow_symlinks: bool, dry_run: bool) -> None:
@@ -156,7 +146,7 @@ def _convert_many(out: Output, json_out: bool, src, dest, req, layouts: dict, **
     (same names); the others still converted when one fails. ``{"files": [...], "summary", "exit_code"}``."""
     from slotctl import convert as conv
     from slotctl.errors import SlotctlError
-    from slotctl.slotfile import expand_slot_paths
+    from slotctl.inputs import expand_slot_paths
 
     if not is_remote(dest) and not os.path.isdir(dest):
         raise UsageError(f"-o {dest}: converting a directory or prefix needs an existing directory or an "
@@ -181,9 +171,7 @@ def _convert_many(out: Output, json_out: bool, src, dest, req, layouts: dict, **
                    "exit_code": int(ExitStatus.FAILED)}
             counts["refused"] += 1
         except (SlotctlError, OSError) as e:
-            message = str(e) if isinstance(e, SlotctlError) else f"{shown(p)}: {e.strerror or e}"
-            code = e.error_code if isinstance(e, SlotctlError) else "io_error"
-            doc = {"path": shown(p), "output": target, "error": {"code": code, "message": message},
+            doc = {"path": shown(p), "output": target, "error": error_entry(e, shown(p)).as_dict(),
                    "exit_code": int(ExitStatus.USAGE)}
             counts["failed"] += 1
         if "error" in doc and not json_out:

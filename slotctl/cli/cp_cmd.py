@@ -10,9 +10,8 @@ from rich.text import Text
 
 from slotctl.cli.common import FileRun, handle_errors, store_deadline
 from slotctl.cli.options import JsonlOpt, JsonOpt, QuietOpt, StoreTimeoutOpt
-from slotctl.cli.output import Output, human_bytes, markup_safe
+from slotctl.cli.output import Output, human_bytes, markup_safe, style_of
 
-_STYLE = {"copied": "green", "refused": "bold red", "failed": "red"}
 
 
 def register(app: typer.Typer) -> None:
@@ -48,7 +47,7 @@ def cp(
     """
     from slotctl.errors import UsageError
     from slotctl.store.cp import COPIED, FAILED, REFUSED, copy_files
-    from slotctl.slotfile import expand_slot_paths
+    from slotctl.inputs import expand_slot_paths
 
     store_deadline(timeout, paths)
     out = Output(json_mode=json_out, jsonl=jsonl, quiet=quiet)
@@ -97,7 +96,7 @@ def render(out: Output, results, summary: dict) -> None:
         if out.quiet and r.status == "copied":
             continue
         t.add_row(markup_safe(r.source), markup_safe(r.path), human_bytes(r.size),
-                  Text(r.status, style=_STYLE[r.status]), r.method or "-",
+                  Text(r.status, style=style_of(r.status)), r.method or "-",
                   ("size, md5" if r.checksum == "md5" else "size") if r.status == "copied" else "-")
     if t.row_count:
         out.table(t, keep=("bytes", "status", "how", "checked"))

@@ -56,15 +56,15 @@ def diff(
         from slotctl.model.info import read_model_info
 
         draft_layout = read_model_info(draft_model).layout()
-    sa = open_slot_file(a, layout=layout, draft_layout=draft_layout)
-    sb = open_slot_file(b, layout=layout, draft_layout=draft_layout)
-    doc = diff_files(sa, sb)
-    first = doc["tokens"]["first_difference"] if doc["tokens"] else None
-    if model is not None and first is not None and not (sa.tokens.error or sb.tokens.error):
-        if llama_available():
-            doc["tokens"]["text"] = _text_around(model, sa, sb, first, verbose)
-        else:
-            out.warn(f"the text is not shown: decoding it needs llama-cpp-python ({llama_install()})")
+    with open_slot_file(a, layout=layout, draft_layout=draft_layout) as sa, \
+            open_slot_file(b, layout=layout, draft_layout=draft_layout) as sb:
+        doc = diff_files(sa, sb)
+        first = doc["tokens"]["first_difference"] if doc["tokens"] else None
+        if model is not None and first is not None and not (sa.tokens.error or sb.tokens.error):
+            if llama_available():
+                doc["tokens"]["text"] = _text_around(model, sa, sb, first, verbose)
+            else:
+                out.warn(f"the text is not shown: decoding it needs llama-cpp-python ({llama_install()})")
     status = ExitStatus.OK if doc["equal"] else ExitStatus.FAILED
     doc["exit_code"] = int(status)
     if json_out:

@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, NoReturn
 
 import typer
 
-from slotctl.errors import ExitStatus, SlotctlError, Terminated, os_error_code
+from slotctl.errors import ExitStatus, SlotctlError, Terminated, error_entry
 
 
 class Failure(NamedTuple):
@@ -46,10 +46,6 @@ def _is_closed_pipe(e: BaseException) -> bool:
 
 def _is_llama_missing(e: BaseException) -> bool:
     return isinstance(e, ModuleNotFoundError) and (e.name or "").partition(".")[0] == "llama_cpp"
-
-
-def _os_message(e: OSError, path: str | None) -> str:
-    return f"{path or e.filename or ''}: {e.strerror or e}".lstrip(": ")
 
 
 def _llama_missing(command: str) -> str:
@@ -92,7 +88,7 @@ TABLE: tuple[Row, ...] = (
     Row("a command that runs llama.cpp without llama-cpp-python (what to install)", "llama_missing",
         ExitStatus.USAGE, _is_llama_missing, lambda e, argv, cmd, path: _llama_missing(cmd)),
     Row("an I/O error (`no_such_file`, `permission_denied`, `is_a_directory`, `no_space`, `io_error`)", None,
-        ExitStatus.USAGE, lambda e: isinstance(e, OSError), lambda e, argv, cmd, path: _os_message(e, path)),
+        ExitStatus.USAGE, lambda e: isinstance(e, OSError), lambda e, argv, cmd, path: error_entry(e, path).message),
     Row("interrupted (Ctrl-C, SIGINT)", "interrupted", ExitStatus.INTERRUPTED,
         lambda e: isinstance(e, KeyboardInterrupt), lambda e, argv, cmd, path: "interrupted"),
     Row("terminated (SIGTERM) while standard input is spooled (`inspect -`): the spool removed", "terminated",
@@ -117,8 +113,8 @@ def failure(e: BaseException, *, argv: list[str] | None = None, command: str = "
     belongs to, when a command over many files reports it as that file's entry."""
     for row in TABLE:
         if row.matches(e):
-            code = row.code or (e.error_code if isinstance(e, SlotctlError)
-                                else os_error_code(e) if isinstance(e, OSError) else "error")
+            entry = error_entry(e)
+            code = row.code or (entry.code if entry is not None else "error")
             status = row.status if row.status is not None else getattr(e, "exit_status", ExitStatus.USAGE)
             if isinstance(e, typer.TyperException) and not isinstance(e, SlotctlError) and row.code == "usage":
                 status = getattr(e, "exit_code", status) or status

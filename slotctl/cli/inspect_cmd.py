@@ -6,17 +6,16 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.text import Text
 
 from slotctl.cli.common import (FileRun, NoteCounter, file_error, handle_errors, llama_available, llama_install,
                                 readable)
-from slotctl.cli.inspect_view import render
 from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt, VerboseOpt
 from slotctl.cli.output import Output
 from slotctl.describe import describe_file
 from slotctl.errors import SlotctlError
 from slotctl.server.findings import Finding, file_findings
-from slotctl.slotfile import expand_slot_paths, open_slot_file
+from slotctl.inputs import expand_slot_paths
+from slotctl.slotfile import open_slot_file
 
 
 def register(app: typer.Typer) -> None:
@@ -84,10 +83,20 @@ def inspect(
     if not (json_out or jsonl):
         notes.render(out)
         if len(run.expansion.files) > 1 or run.expansion.skipped:
+            from rich.text import Text
+
             out.print(Text(f"{summary['files']} file(s): {summary['parsed']} parsed, {summary['damaged']} damaged, "
                            f"{summary['unreadable']} unreadable; {summary['skipped']} skipped (not slot files)",
                            style="bold"))
     run.finish(summary)
+
+
+def render(out: Output, data: dict, **kwargs) -> None:
+    """The human view of one file (:func:`slotctl.cli.inspect_view.render`, imported here: rich is loaded
+    only where something is drawn, never for ``--json``)."""
+    from slotctl.cli.inspect_view import render as view
+
+    view(out, data, **kwargs)
 
 
 def _inspect_one(real: str, path: str, target_info, draft_info, model, *, tokens: bool, verbose: bool):
@@ -98,29 +107,30 @@ def _inspect_one(real: str, path: str, target_info, draft_info, model, *, tokens
         sf = open_slot_file(real, draft_layout=draft_info.layout() if draft_info else None)
     else:
         sf, another = _with_model(real, target_info, draft_info)
-    sf.path = path
-    text = None
-    if model is not None and another is None and sf.tokens is not None and not sf.tokens.error:
-        from slotctl.runtime.vocab import detokenize
+    with sf:
+        sf.path = path
+        text = None
+        if model is not None and another is None and sf.tokens is not None and not sf.tokens.error:
+            from slotctl.runtime.vocab import detokenize
 
-        text = detokenize(model, sf.tokens.tokens, verbose=verbose)
-    found = file_findings(sf)
-    if another is not None:
-        found.insert(0, another)
-    if target_info is not None and another is None and sf.tokens is not None and not sf.tokens.error:
-        from slotctl.server.findings import invalid_tokens_finding, media_extents
+            text = detokenize(model, sf.tokens.tokens, verbose=verbose)
+        found = file_findings(sf)
+        if another is not None:
+            found.insert(0, another)
+        if target_info is not None and another is None and sf.tokens is not None and not sf.tokens.error:
+            from slotctl.server.findings import invalid_tokens_finding, media_extents
 
-        bad = invalid_tokens_finding(sf.tokens.tokens, target_info.n_vocab, media_extents(sf),
-                                     Path(target_info.path).name)
-        if bad is not None:
-            found.append(bad)
-    reuse = _reuse(sf, target_info, found)
-    data = describe_file(sf, tokens=tokens, text=text, info=target_info if another is None else None,
-                         draft_info=draft_info, findings=found)
-    data["reuse"] = reuse
-    if any(f.severity == "error" for f in found):   # does not fit the model given: 1, as in validate
-        data["exit_code"] = max(data["exit_code"], 1)
-    return data
+            bad = invalid_tokens_finding(sf.tokens.tokens, target_info.n_vocab, media_extents(sf),
+                                         Path(target_info.path).name)
+            if bad is not None:
+                found.append(bad)
+        reuse = _reuse(sf, target_info, found)
+        data = describe_file(sf, tokens=tokens, text=text, info=target_info if another is None else None,
+                             draft_info=draft_info, findings=found)
+        data["reuse"] = reuse
+        if any(f.severity == "error" for f in found):   # does not fit the model given: 1, as in validate
+            data["exit_code"] = max(data["exit_code"], 1)
+        return data
 
 
 def _with_model(real: str, target_info, draft_info):
@@ -153,15 +163,11 @@ def _with_model(real: str, target_info, draft_info):
 def _reuse(sf, target_info, found: list) -> dict | None:
     """The tokens a restored slot keeps for a request extending the saved prompt (with the server's
     defaults: ``--ctx-checkpoints`` 32, no ``--swa-full``), and a note in ``found`` when it is fewer than all."""
-    from slotctl.server.findings import checkpoints_read
-    from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS
-    from slotctl.server.reuse import predict_reuse, server_n_swa
+    from slotctl.server.reuse import reuse_for
 
     if sf.damaged and sf.target is None:
         return None
-    n_swa = server_n_swa(target_info) if target_info is not None else None
-    r = predict_reuse(sf, n_swa=n_swa, n_ctx_checkpoints=DEFAULT_CTX_CHECKPOINTS,
-                      checkpoints_read=checkpoints_read(sf))
+    r = reuse_for(sf, target_info)   # the server's defaults: --ctx-checkpoints 32, no --swa-full
     if r is None:
         return None
     if r.n_reused < r.n_tokens:

@@ -11,12 +11,11 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ArgsCommand, JsonOpt
-from slotctl.cli.output import Output
+from slotctl.cli.options import ApiKeyOpt, ArgsCommand, ConfigOpt, flag_option, store_option
+from slotctl.cli.output import Output, style_of
 from slotctl.errors import SlotctlError, UsageError
+from slotctl.live import SLOT_FILE_TIMEOUT
 
-_STYLE = {"stored": "green", "restored": "green", "proof": "green", "down": "yellow", "restart": "yellow",
-          "skipped": "yellow", "error": "bold red", "pruned": "yellow"}
 
 
 def register(app: typer.Typer) -> None:
@@ -30,9 +29,8 @@ def keep(
                                                   "e.g. http://127.0.0.1:8080 (or the configuration's).")] = None,
     slot_dir: Annotated[Optional[Path], typer.Option("--slot-dir", file_okay=False, metavar="DIR",
                                                      help="The server's --slot-save-path as this machine sees it.")] = None,
-    store: Annotated[Optional[str], typer.Option("--store", metavar="DIR|s3://BUCKET/PREFIX/",
-                                                 help="Where the states are kept: a directory or an s3:// prefix "
-                                                      "(docs/store.md; default: --slot-dir itself).")] = None,
+    store: Annotated[Optional[str], store_option("Where the states are kept: a directory or an s3:// prefix "
+                                                 "(docs/store.md; default: --slot-dir itself).")] = None,
     every: Annotated[Optional[float], typer.Option("--every", min=0.05, max=86400.0, metavar="SECONDS",
                                                    help="Seconds between two looks at the server [default: 30].")] = None,
     min_tokens: Annotated[Optional[int], typer.Option("--min-tokens", min=1, max=1 << 24, metavar="N",
@@ -45,7 +43,7 @@ def keep(
                                                             "(older ones deleted after each new state).")] = None,
     prove_restores: Annotated[Optional[bool], typer.Option("--prove/--no-prove", help="Prove each restore with "
                                                            "the server's own counts [default: --prove].")] = None,
-    config: remote.ConfigOpt = None,
+    config: ConfigOpt = None,
     lease: Annotated[Optional[float], typer.Option("--lease", min=1.0, max=86400.0, metavar="SECONDS",
                                                    help="With an s3:// store: seconds the keeper's lease holds "
                                                         "without a renewal [default: 60].")] = None,
@@ -60,13 +58,13 @@ def keep(
                                         "server now running refuses it or aborts on it.")] = False,
     kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The server runs with -kvu (not "
                                              "reported by the server): stored states are converted for it.")] = False,
-    cache_type_k: Annotated[Optional[str], typer.Option("--cache-type-k", "-ctk", help="The server's -ctk (not "
-                                                        "reported; default f16).")] = None,
-    cache_type_v: Annotated[Optional[str], typer.Option("--cache-type-v", "-ctv", help="The server's -ctv (not "
-                                                        "reported; default f16).")] = None,
+    cache_type_k: Annotated[Optional[str], flag_option("cache_type_k", help="The server's -ctk (not reported; "
+                                                       "default f16).")] = None,
+    cache_type_v: Annotated[Optional[str], flag_option("cache_type_v", help="The server's -ctv (not reported; "
+                                                       "default f16).")] = None,
     allow_lossy: Annotated[bool, typer.Option("--allow-lossy", help="Re-encode a stored state's cache rows when "
                                               "the server's cache types changed (lossy).")] = False,
-    api_key: remote.ApiKeyOpt = None,
+    api_key: ApiKeyOpt = None,
     timeout: Annotated[Optional[float], typer.Option("--timeout", min=0.001, max=86400.0, metavar="SECONDS",
                                                      help="Give up on a request after this many seconds "
                                                           "[default: 600].")] = None,
@@ -113,7 +111,7 @@ def keep(
         return flag if flag is not None else k.get(key, default)
 
     every, min_tokens = pick(every, "every", 30.0), pick(min_tokens, "min_tokens", 1)
-    timeout, lease = pick(timeout, "timeout", remote.SLOT_FILE_TIMEOUT), pick(lease, "lease", locks.DEFAULT_TTL)
+    timeout, lease = pick(timeout, "timeout", SLOT_FILE_TIMEOUT), pick(lease, "lease", locks.DEFAULT_TTL)
     listen = pick(listen, "listen", None) or None
     max_size = max_size if max_size is not None else cfg.max_size
     keep_newest = keep_newest if keep_newest is not None else cfg.newest
@@ -145,7 +143,7 @@ def keep(
             out.json_line(doc)
             return
         line = Text(f"{doc['time']} ")
-        line.append(ev.event, style=_STYLE.get(ev.event, "bold"))
+        line.append(ev.event, style=style_of(ev.event, "bold"))
         line.append(f" {remote._plain(ev.message)}")
         out.err.print(line)
 

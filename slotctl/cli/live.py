@@ -15,10 +15,11 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ArgsCommand, JsonOpt
-from slotctl.cli.output import Output
+from slotctl.cli.options import ApiKeyOpt, ArgsCommand, ConfigOpt, JsonOpt, ServerOpt, ServerSlotOpt, TimeoutOpt
+from slotctl.cli.output import Output, style_of
+from slotctl.cli.remote import _cell, _plain
 from slotctl.errors import UsageError
-from slotctl.cli.remote import ApiKeyOpt, ConfigOpt, ServerOpt, ServerSlotOpt, TimeoutOpt, _cell, _plain
+from slotctl.live import DEFAULT_TIMEOUT
 from slotctl.live import http as server_api
 
 
@@ -37,7 +38,7 @@ def slots(
                                                    help="Read again every SECONDS: redrawn in place on a terminal, "
                                                         "the rows alone on a pipe; Ctrl-C stops.")] = None,
     api_key: ApiKeyOpt = None,
-    timeout: TimeoutOpt = server_api.DEFAULT_TIMEOUT,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
     json_out: JsonOpt = False,
 ) -> None:
     """List a running llama-server's slots: id, context size, speculative decoding, busy, cached tokens.
@@ -190,7 +191,7 @@ def render_slots(out: Output, doc: dict) -> None:
             _cell(s.get("id")),
             _cell(s.get("n_ctx")),
             "yes" if s.get("speculative") else "no",
-            Text("busy", style="yellow") if busy else Text("idle", style="green"),
+            Text("busy", style=style_of("busy")) if busy else Text("idle", style=style_of("idle")),
             _cell(s.get("n_prompt_tokens")),
             _cell(s.get("id_task")),
         )
@@ -209,7 +210,7 @@ def erase(
     server: ServerOpt,
     slot: ServerSlotOpt,
     api_key: ApiKeyOpt = None,
-    timeout: TimeoutOpt = server_api.DEFAULT_TIMEOUT,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
     json_out: JsonOpt = False,
 ) -> None:
     """Erase a slot of a running llama-server: it forgets its cached prompt (POST /slots/N?action=erase).

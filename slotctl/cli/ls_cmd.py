@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Iterable, Optional
 
@@ -14,8 +13,12 @@ from slotctl.cli.common import handle_errors, store_deadline
 from slotctl.cli.options import (
     ArgsCommand,
     DraftModelOpt,
+    JudgeServerOpt,
     JsonOpt,
+    LiveApiKeyOpt,
+    LiveTimeoutOpt,
     ModelOpt,
+    ServerStateVersionOpt,
     SlotOpt,
     VerboseOpt,
     remote_paths,
@@ -23,9 +26,9 @@ from slotctl.cli.options import (
 )
 from rich.cells import cell_len
 
-from slotctl.cli.output import FOLD_WIDTH, VERDICT_STYLE, Output, escape_text, human_bytes
-from slotctl.server.flags import ServerFlags
-from slotctl.live.http import DEFAULT_TIMEOUT
+from slotctl.cli.output import FOLD_WIDTH, Output, escape_text, human_bytes, style_of
+from slotctl.server.flags import SERVER_STATE_VERSION, ServerFlags
+from slotctl.live import DEFAULT_TIMEOUT
 from slotctl.errors import UsageError, worst
 
 SORT_KEYS = ("name", "size", "age", "tokens")
@@ -63,14 +66,12 @@ def ls(
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     slot: SlotOpt = 0,
-    state_version: Annotated[int, typer.Option("--state-version", min=2, max=4,
-                                               help="The server's state version: its loader accepts no other "
-                                                    "(4: llama.cpp b11434 and later).")] = 4,
+    state_version: ServerStateVersionOpt = SERVER_STATE_VERSION,
     load: Annotated[bool, typer.Option("--load", help="With -m: also load every layer of every file into real "
                                        "contexts (validate's real check; slow).")] = False,
-    server: remote.JudgeServerOpt = None,
-    api_key: remote.LiveApiKeyOpt = None,
-    timeout: remote.LiveTimeoutOpt = DEFAULT_TIMEOUT,
+    server: JudgeServerOpt = None,
+    api_key: LiveApiKeyOpt = None,
+    timeout: LiveTimeoutOpt = DEFAULT_TIMEOUT,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="Worker processes (default: the "
                                                 "CPUs, for more than a few dozen files).")] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Read every file: do not use the catalog (the "
@@ -127,7 +128,7 @@ def ls(
 
             Models(setup)   # unreadable models and settings llama.cpp refuses: usage errors before any file
 
-    from slotctl.slotfile import expand_slot_paths
+    from slotctl.inputs import expand_slot_paths
 
     if not paths:     # none given: the --slot-save-path of a pasted server command line, else here
         from slotctl.cli.options import pasted_slot_dir
@@ -151,7 +152,7 @@ def ls(
         return not want or row["verdict"] in want
 
     totals = _Totals(not_slot, prefixes)
-    names = len(paths) == 1 and _is_dir(remote_paths(ctx, paths)[0])
+    names = len(paths) == 1 and bool(expansion.containers)   # a directory or prefix, listed once
     human = _Cells(show_reuse=model is not None, names=names) if not (json_out or jsonl) else None
     with out.progress("reading", total=len(files)) as update:
         def rows() -> Iterable[dict]:
@@ -187,16 +188,6 @@ def ls(
         human.render(out, totals, broken=broken)
     if totals.exit_code:
         raise typer.Exit(totals.exit_code)
-
-
-def _is_dir(p) -> bool:
-    """A directory, or a prefix of objects in a store (its rows show names, not paths)."""
-    from slotctl.sources import list_prefix, remote_url
-
-    url = remote_url(p)
-    if url is None:
-        return os.path.isdir(p)
-    return list_prefix(url) is not None
 
 
 _SORTS = {
@@ -257,9 +248,6 @@ def human_age(seconds: int | None) -> str:
 #: the columns before the name, and whether each is aligned left (the others right)
 _COLUMNS = (("size", False), ("age", False), ("ver", False), ("tokens", False), ("kind", True), ("ckpt", False),
             ("draft", False), ("verdict", True), ("class", True))
-_CLASS_STYLE = {"broken": "bold red", "mismatch": "yellow", "useless": "yellow", "ok": "green"}
-
-
 class _Cells:
     """The human listing: each row's cells as short strings, laid out when every width is known.
 
@@ -327,8 +315,8 @@ class _Cells:
 
     def _cell(self, title: str, value: str) -> Text:
         if title == "class":
-            return Text(value, style=_CLASS_STYLE.get(value, ""))
-        return Text(value, style=VERDICT_STYLE.get(value, "") if title == "verdict" else "")
+            return Text(value, style=style_of(f"class.{value}", style_of(value)))
+        return Text(value, style=style_of(value) if title == "verdict" else "")
 
     def _line(self, cells: list[str], widths: list[int], gap: int, name: str, room: int, *,
               head: bool = False) -> Text:

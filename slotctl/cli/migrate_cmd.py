@@ -11,11 +11,11 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ArgsCommand, JsonOpt
-from slotctl.cli.output import Output
+from slotctl.cli.options import ApiKeyOpt, ArgsCommand, JsonOpt, TimeoutOpt, flag_option, store_option
+from slotctl.live import SLOT_FILE_TIMEOUT
+from slotctl.cli.output import Output, style_of
 from slotctl.format.ggml import CACHE_TYPE_NAMES
 
-_STATUS_STYLE = {"ok": "green", "refused": "bold red", "failed": "bold red", "skipped": "dim"}
 
 
 def register(app: typer.Typer) -> None:
@@ -37,25 +37,22 @@ def migrate(
                                                    "one of the destination).")] = None,
     name: Annotated[Optional[str], typer.Option("--name", help="The file name to save and place under (default "
                                                 "migrate-slotN-TIME-PID.bin).")] = None,
-    store: Annotated[Optional[str], typer.Option("--store", metavar="DIR|s3://BUCKET/PREFIX/",
-                                                 help="Also keep the (converted) file there, and place the "
-                                                      "store's copy (docs/store.md).")] = None,
+    store: Annotated[Optional[str], store_option("Also keep the (converted) file there, and place the store's "
+                                                 "copy (docs/store.md).")] = None,
     kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The destination runs with -kvu (not "
                                              "reported by the server).")] = False,
-    cache_type_k: Annotated[Optional[str], typer.Option("--cache-type-k", "-ctk", help="The destination's -ctk "
-                                                        f"(not reported; default f16): {', '.join(CACHE_TYPE_NAMES)}."
-                                                        )] = None,
-    cache_type_v: Annotated[Optional[str], typer.Option("--cache-type-v", "-ctv", help="The destination's -ctv "
-                                                        "(not reported; default f16).")] = None,
+    cache_type_k: Annotated[Optional[str], flag_option("cache_type_k", help="The destination's -ctk (not reported; "
+                                                       f"default f16): {', '.join(CACHE_TYPE_NAMES)}.")] = None,
+    cache_type_v: Annotated[Optional[str], flag_option("cache_type_v", help="The destination's -ctv (not reported; "
+                                                       "default f16).")] = None,
     allow_lossy: Annotated[bool, typer.Option("--allow-lossy", help="Re-encode the cache rows when the "
                                               "destination's cache types differ (lossy; measured).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Send the file even when validate says the destination "
                                         "refuses it or aborts on it.")] = False,
-    api_key: remote.ApiKeyOpt = None,
+    api_key: ApiKeyOpt = None,
     to_api_key: Annotated[Optional[str], typer.Option("--to-api-key", help="The destination's API key (default: "
                                                       "--api-key).")] = None,
-    timeout: Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
-                                           help="Give up on a request after this many seconds.")] = remote.SLOT_FILE_TIMEOUT,
+    timeout: TimeoutOpt = SLOT_FILE_TIMEOUT,
     json_out: JsonOpt = False,
 ) -> None:
     """Move a slot from one running llama-server to another: save, check, convert, place, restore, prove.
@@ -104,7 +101,7 @@ def render(out: Output, doc: dict) -> None:
     for col, just in (("step", "left"), ("status", "left"), ("ms", "right"), ("what happened", "left")):
         t.add_column(col, justify=just)
     for s in doc["steps"]:
-        t.add_row(s["step"], Text(s["status"], style=_STATUS_STYLE.get(s["status"], "")),
+        t.add_row(s["step"], Text(s["status"], style=style_of(s["status"])),
                   f"{s['ms']:,.1f}" if s["ms"] is not None else "-", remote._plain(s["message"] or ""))
     out.print(t)
     if doc["proof"] is not None:

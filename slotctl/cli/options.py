@@ -11,7 +11,9 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 from typer.core import TyperCommand
 
+from slotctl.format import SUPPORTED_VERSIONS
 from slotctl.format.ggml import CACHE_TYPE_NAMES
+from slotctl.live import API_KEY_ENV
 
 # -- the help panels options are grouped under (``rich_help_panel``); options without one come last --
 
@@ -43,6 +45,78 @@ StoreTimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", min=0.001
                                                           help="With s3:// paths: the whole command's time for its "
                                                                "requests to the store; past it, one error, exit 2 "
                                                                "(docs/store.md).")]
+
+#: ls and validate: the state version of the server the files are judged for (default
+#: :data:`slotctl.server.flags.SERVER_STATE_VERSION`)
+ServerStateVersionOpt = Annotated[int, typer.Option("--state-version", min=min(SUPPORTED_VERSIONS),
+                                                    max=max(SUPPORTED_VERSIONS),
+                                                    help="The server's state version: its loader accepts no other "
+                                                         "(4: llama.cpp b11434 and later).")]
+#: save: the state version to write (default :data:`slotctl.server.flags.SERVER_STATE_VERSION`)
+SaveStateVersionOpt = Annotated[int, typer.Option("--state-version", help="4: what current llama-server reads; "
+                                                  "3: what this llama-cpp-python reads.")]
+#: convert: the state version to write (default: the file's own)
+ConvertStateVersionOpt = Annotated[Optional[int], typer.Option("--state-version", min=min(SUPPORTED_VERSIONS),
+                                                               max=max(SUPPORTED_VERSIONS),
+                                                               help="Write this state version (exact, or "
+                                                                    "refused).")]
+
+
+def store_option(help: str) -> Any:
+    """``--store``: a directory or an ``s3://`` prefix where slot files are kept (keep, migrate; docs/store.md)."""
+    return typer.Option("--store", metavar="DIR|s3://BUCKET/PREFIX/", help=help)
+
+
+# -- live mode: a running llama-server (docs/live.md); defaults in :mod:`slotctl.live` ----------------------
+
+#: the live commands (slots, erase, keep, migrate): the server is the point
+ServerOpt = Annotated[str, typer.Option("--server", metavar="URL",
+                                        help="The llama-server's base URL, e.g. http://127.0.0.1:8080.")]
+ApiKeyOpt = Annotated[Optional[str], typer.Option("--api-key", envvar=API_KEY_ENV, show_envvar=True,
+                                                  help="The server's API key (sent as Authorization: Bearer).")]
+#: default :data:`slotctl.live.DEFAULT_TIMEOUT`, or :data:`slotctl.live.SLOT_FILE_TIMEOUT` where a request
+#: moves a whole slot file
+TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
+                                           help="Give up on a request after this many seconds.")]
+ServerSlotOpt = Annotated[int, typer.Option("--slot", min=0, help="The slot id (0, 1, ...).")]
+#: keep and slots: a TOML configuration file (slotctl.unattended.config)
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", dir_okay=False, metavar="FILE",
+                                                  help="A TOML configuration file (docs/fleet.md); flags given here "
+                                                       "override it.")]
+
+# ... and their forms for commands that also work without a server (save, restore, validate, ls)
+
+LiveServerOpt = Annotated[Optional[str], typer.Option("--server", metavar="URL",
+                                                      help="Act through a running llama-server at this base URL "
+                                                           "(live mode, docs/live.md).")]
+#: validate and ls: judge the files for a running server (its model and flags) instead of flags given
+JudgeServerOpt = Annotated[Optional[str], typer.Option("--server", metavar="URL",
+                                                       help="Judge the files for the running llama-server at this "
+                                                            "URL: its model, -c and -np from GET /props and /slots "
+                                                            "(flags given here win; docs/live.md).")]
+LiveTimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
+                                               help="With --server: give up on a request after this many seconds. "
+                                                    "Given with s3:// paths: the whole command's time for its "
+                                                    "requests to the store (docs/store.md).")]
+LiveApiKeyOpt = Annotated[Optional[str], typer.Option("--api-key", envvar=API_KEY_ENV, show_envvar=True,
+                                                      help="With --server: the server's API key (sent as "
+                                                           "Authorization: Bearer).")]
+LocalModelOpt = Annotated[Optional[Path], typer.Option("--model", "-m", dir_okay=False,
+                                                       help="The target model's GGUF (llama-server -m); needed "
+                                                            "unless --server.")]
+ProveOpt = Annotated[bool, typer.Option("--prove", help="With --server: after the restore, send the file's own "
+                                        "prompt (nothing generated) and check the server's own counts (timings "
+                                        "cache_n, prompt_n) against validate's predicted reuse; needs --slot-dir.")]
+SlotDirOpt = Annotated[Optional[Path], typer.Option("--slot-dir", file_okay=False, metavar="DIR",
+                                                    help="With --server: the server's --slot-save-path as this "
+                                                         "machine sees it (the file is read there: validated "
+                                                         "for the server before it is sent; --prove needs it).")]
+ForceSendOpt = Annotated[bool, typer.Option("--force", help="With --server --slot-dir: send the file even when "
+                                            "validate says the server refuses it or aborts on it.")]
+ProveAnywayOpt = Annotated[bool, typer.Option("--prove-anyway", help="With --prove: send the proving request even "
+                                              "where it makes the server evaluate the prompt again (recurrent, "
+                                              "hybrid, SWA files b11434 keeps no checkpoint of): it spends the "
+                                              "restore it proves.")]
 
 
 # -- the command line as typed ----------------------------------------------------------------------------

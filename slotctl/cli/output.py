@@ -3,6 +3,8 @@
 Commands hand it data (dicts for ``--json``, rich renderables for people) and never print. Data goes to
 stdout; warnings, errors and progress go to stderr. Text that comes from a slot file is untrusted and is
 escaped before it reaches a terminal (control characters shown as ``\\xNN``, rich markup disabled).
+
+rich is imported where something is drawn (the consoles are made on first use): ``--json`` never imports it.
 """
 
 from __future__ import annotations
@@ -12,13 +14,12 @@ import os
 import re
 import sys
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
-from rich.console import Console as _RichConsole
-from rich.markup import escape as _markup_escape
-from rich.measure import Measurement
-from rich.table import Table
-from rich.text import Text
+if TYPE_CHECKING:   # annotations only: rich is imported where something is drawn
+    from rich.table import Table
+    from rich.text import Text
 
 #: the width output is laid out for when stdout is not a terminal and ``COLUMNS`` does not say one: prose
 #: and tables wrap there, a value longer than a line folds onto the next (never cut)
@@ -42,9 +43,30 @@ def _escape_char(c: str) -> str:
     return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}"
 
 
-#: the colour of each verdict of validate (and of ls, which shows validate's verdicts)
-VERDICT_STYLE = {"restores": "green", "restores_with_drops": "yellow", "aborts": "bold red", "refused": "bold red",
-                 "unreadable": "bold red", "undecided": "magenta"}
+#: the one colour table: every word a command shows as a verdict, a status, a step's outcome or an event,
+#: and its style. Green: as wanted; yellow: done with a loss, or worth a look; red: lost or refused (bold when
+#: the whole file or run is); cyan: what a dry run would do; magenta: not decided; dim: nothing happened.
+STYLES = {
+    **dict.fromkeys(("restores", "restored", "ok", "fits", "copied", "stored", "proof", "proven", "stripped",
+                     "pinned", "idle", "same"), "green"),
+    **dict.fromkeys(("restores_with_drops", "dropped", "drop", "ignored", "skipped", "down", "restart", "pruned",
+                     "busy"), "yellow"),
+    **dict.fromkeys(("mismatch", "partial", "deleted"), "red"),
+    **dict.fromkeys(("refused", "failed", "error", "unreadable", "aborts", "aborted", "aborts_later", "reevaluated",
+                     "differs"), "bold red"),
+    **dict.fromkeys(("would_strip", "would_delete"), "cyan"),
+    "undecided": "magenta",
+    "not_taken": "yellow",     # a proof not sent
+    **dict.fromkeys(("unchanged", "kept", "absent", "note"), "dim"),
+    # a file's class (ls, validate.classes): "mismatch" there is a file for another setup, worth a look
+    "broken": "bold red", "useless": "yellow", "class.mismatch": "yellow",
+}
+
+
+def style_of(word: str, default: str = "", *, bold: bool = False) -> str:
+    """The style of ``word`` in :data:`STYLES` (``default`` for a word not in it); ``bold``: made bold."""
+    style = STYLES.get(word, default)
+    return f"bold {style}" if bold and style and not style.startswith("bold") else style
 
 
 def escape_text(text: str, *, keep_newlines: bool = True) -> str:
@@ -62,7 +84,9 @@ def escape_text(text: str, *, keep_newlines: bool = True) -> str:
 
 def markup_safe(text: str, *, keep_newlines: bool = True) -> str:
     """Untrusted text escaped for the terminal and for rich markup."""
-    return _markup_escape(escape_text(text, keep_newlines=keep_newlines))
+    from rich.markup import escape
+
+    return escape(escape_text(text, keep_newlines=keep_newlines))
 
 
 def elide(text: str, limit: int = 600) -> str:
@@ -109,12 +133,22 @@ class Output:
         self.verbose = verbose
         self._stdout = stdout or sys.stdout
         self._stderr = stderr or sys.stderr
-        self.console = Console(file=self._stdout, highlight=False, soft_wrap=False)
-        if not self.console.is_terminal:
-            self.console = Console(file=self._stdout, highlight=False, soft_wrap=False, width=pipe_width())
-        self.err = Console(file=self._stderr, highlight=False)
+
+    @cached_property
+    def console(self):
+        """The rich console of stdout (made on first use: ``--json`` never draws)."""
+        console = Console(file=self._stdout, highlight=False, soft_wrap=False)
+        if not console.is_terminal:
+            console = Console(file=self._stdout, highlight=False, soft_wrap=False, width=pipe_width())
+        return console
+
+    @cached_property
+    def err(self):
+        """The rich console of stderr (made on first use)."""
+        err = Console(file=self._stderr, highlight=False)
         # a message is one line on a pipe (grep finds it whole); a terminal gets it wrapped between words
-        self.err.soft_wrap = not self.err.is_terminal
+        err.soft_wrap = not err.is_terminal
+        return err
 
     # -- data -----------------------------------------------------------------------------------
     def json(self, data: Any) -> None:
@@ -139,6 +173,8 @@ class Output:
     def indented(self, text: Text | str, indent: int) -> None:
         """``text`` wrapped at the output's width less ``indent``, every line indented (a word longer than a
         line folds: nothing is cut)."""
+        from rich.text import Text
+
         text = text if isinstance(text, Text) else Text(str(text))
         for line in text.wrap(self.console, max(1, self.console.width - indent), overflow="fold"):
             line.rstrip()
@@ -169,6 +205,9 @@ class Output:
         The other columns wrap (folding a word longer than the column). When even that does not fit the
         terminal, each row is shown as ``column: value`` lines instead, so no value is ever cut.
         """
+        from rich.measure import Measurement
+        from rich.text import Text
+
         keep_whole(table, keep, self.console)
         # the width the table needs when the other columns fold down to FOLD_WIDTH cells, measured without
         # the terminal's limit (rich clamps a measurement to the width it is given)
@@ -188,6 +227,8 @@ class Output:
 
     def _record(self, cells: list) -> None:
         """One table row as ``column: value`` items (:meth:`record`)."""
+        from rich.text import Text
+
         items = []
         for col, cell in cells:
             value = cell if isinstance(cell, Text) else self.console.render_str(str(cell), style="")
@@ -200,6 +241,8 @@ class Output:
 
         An item is never split between lines unless it is longer than a line by itself: then it has lines
         of its own, folded at the width (wrapped, never cut)."""
+        from rich.text import Text
+
         width = self.console.width
         line = Text(" " * indent, overflow="fold")
         for name, value in items:
@@ -287,6 +330,8 @@ def keep_whole(table: Table, keep: Iterable[str] | None = None, console: Console
 
 def _cell_width(console: Console, cell: Any) -> int:
     """The widest line of a table cell, in terminal cells."""
+    from rich.text import Text
+
     text = cell if isinstance(cell, Text) else console.render_str(str(cell))
     return max((Text(line).cell_len for line in text.plain.split("\n")), default=0)
 
@@ -351,12 +396,22 @@ def _json_default(o: Any):
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
-class Console(_RichConsole):
+def Console(**kwargs):
     """rich's console, but a reader that went away (``slotctl inspect F | head -1``) is an error for slotctl's
     error table (``closed_pipe``, slotctl.cli.errors) to end the run with: rich itself would exit 1, which
-    reads as "damaged"."""
+    reads as "damaged". (A function: rich is imported when a console is first made.)"""
+    global _CONSOLE
+    if _CONSOLE is None:
+        from rich.console import Console as RichConsole
 
-    def on_broken_pipe(self) -> None:
-        import errno
+        class _Console(RichConsole):
+            def on_broken_pipe(self) -> None:
+                import errno
 
-        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+                raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+        _CONSOLE = _Console
+    return _CONSOLE(**kwargs)
+
+
+_CONSOLE = None

@@ -6,8 +6,19 @@ builds one too); importing pydantic (and through pydantic-core, asyncio and ssl)
 flags and paths, alone or in lists. :func:`lighten` reads each parameter's annotation and its
 ``typer.Option``/``typer.Argument`` settings from the command function's own signature and gives the
 parameter click's public ``process_value`` hook, converting and checking the same things without pydantic
-(:class:`Plain`). Only typer's public names are used (``typer.BadParameter``, ``typer.models.ParameterInfo``,
-the parameter objects' public attributes), so any typer 0.29 or later that keeps them works;
+(:class:`Plain`).
+
+What this relies on from typer beyond its documented API, here and nowhere else in slotctl (the one place;
+tests/test_typer_seam.py fails, naming the fact, when a typer release changes one of them):
+
+- ``typer.models.ParameterInfo``: the class of what ``typer.Option(...)``/``typer.Argument(...)`` return,
+  with the settings read here (``min``, ``max``, ``clamp``, ``parser``, ``exists``, ``file_okay``,
+  ``dir_okay``, ``readable``, ``writable``, ``resolve_path``, ``allow_dash``); typer documents the
+  arguments, not the object;
+- the parameter objects a command holds are instances of plain classes whose ``process_value(ctx, value)``
+  click calls for every value: :func:`lighten_param` gives each a subclass overriding it (``__class__``
+  swapped in place: the subclass adds no slots, so the instance's layout stays the same).
+
 tests/test_startup.py checks that every parameter of every command is plain, the conversions, and the
 modules each command imports.
 """

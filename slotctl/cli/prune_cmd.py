@@ -19,12 +19,10 @@ from slotctl.cli.options import (
     VerboseOpt,
     with_server_flags,
 )
-from slotctl.cli.output import Output, escape_text, human_bytes
+from slotctl.cli.output import Output, escape_text, human_bytes, style_of
 from slotctl.server.flags import ServerFlags
 from slotctl.errors import ExitStatus, UsageError, worst
 
-_STYLE = {"deleted": "red", "would_delete": "cyan", "kept": "dim", "pinned": "green", "skipped": "yellow",
-          "failed": "bold red"}
 
 
 def register(app: typer.Typer) -> None:
@@ -189,7 +187,7 @@ def render(out: Output, p, *, dry_run: bool) -> None:
     for e in p.entries:
         if e.action in ("kept",) and not e.undecided:
             continue
-        line = Text(f"{e.action:<13}", style=_STYLE.get(e.action, ""), overflow="fold")
+        line = Text(f"{e.action:<13}", style=style_of(e.action), overflow="fold")
         line.append(f"{human_bytes(e.size):>10}  ")
         line.append(escape_text(e.path, keep_newlines=False))
         line.append(f"  ({e.reason})", style="dim")

@@ -13,7 +13,7 @@ or a usage error exits 2, always with one line on stderr.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Any
 
 import typer
 from rich.table import Table
@@ -21,57 +21,8 @@ from rich.text import Text
 
 from slotctl.live import http as server_api
 from slotctl.cli.options import LIVE_ONLY_PARAMS, ArgsCommand, raw_value
-from slotctl.cli.output import Output, escape_text, markup_safe
+from slotctl.cli.output import Output, escape_text, markup_safe, style_of
 from slotctl.errors import UsageError
-
-# -- options of the live commands (save/restore/validate --server reuse them) ------------------------------
-
-ServerOpt = Annotated[str, typer.Option("--server", metavar="URL",
-                                        help="The llama-server's base URL, e.g. http://127.0.0.1:8080.")]
-ApiKeyOpt = Annotated[Optional[str], typer.Option("--api-key", envvar=server_api.API_KEY_ENV, show_envvar=True,
-                                                  help="The server's API key (sent as Authorization: Bearer).")]
-TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
-                                           help="Give up on a request after this many seconds.")]
-ServerSlotOpt = Annotated[int, typer.Option("--slot", min=0, help="The slot id (0, 1, ...).")]
-#: keep and slots: a TOML configuration file (slotctl.unattended.config)
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", dir_okay=False, metavar="FILE",
-                                                  help="A TOML configuration file (docs/fleet.md); flags given here "
-                                                       "override it.")]
-
-# ... and their forms for commands that also work without a server (save, restore, validate)
-
-LiveServerOpt = Annotated[Optional[str], typer.Option("--server", metavar="URL",
-                                                      help="Act through a running llama-server at this base URL "
-                                                           "(live mode, docs/live.md).")]
-#: save and restore: the server writes or reads the whole slot, and waits for a busy slot to be idle first
-SLOT_FILE_TIMEOUT = 600.0
-SlotFileTimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
-                                                   help="With --server: give up on a request after this many "
-                                                        "seconds.")]
-LiveTimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
-                                               help="With --server: give up on a request after this many seconds. "
-                                                    "Given with s3:// paths: the whole command's time for its "
-                                                    "requests to the store (docs/store.md).")]
-LiveApiKeyOpt = Annotated[Optional[str], typer.Option("--api-key", envvar=server_api.API_KEY_ENV, show_envvar=True,
-                                                      help="With --server: the server's API key (sent as "
-                                                           "Authorization: Bearer).")]
-LocalModelOpt = Annotated[Optional[Path], typer.Option("--model", "-m", dir_okay=False,
-                                                       help="The target model's GGUF (llama-server -m); needed "
-                                                            "unless --server.")]
-
-ProveOpt = Annotated[bool, typer.Option("--prove", help="With --server: after the restore, send the file's own "
-                                        "prompt (nothing generated) and check the server's own counts (timings "
-                                        "cache_n, prompt_n) against validate's predicted reuse; needs --slot-dir.")]
-SlotDirOpt = Annotated[Optional[Path], typer.Option("--slot-dir", file_okay=False, metavar="DIR",
-                                                    help="With --server: the server's --slot-save-path as this "
-                                                         "machine sees it (the file is read there: validated "
-                                                         "for the server before it is sent; --prove needs it).")]
-ForceSendOpt = Annotated[bool, typer.Option("--force", help="With --server --slot-dir: send the file even when "
-                                            "validate says the server refuses it or aborts on it.")]
-ProveAnywayOpt = Annotated[bool, typer.Option("--prove-anyway", help="With --prove: send the proving request even "
-                                              "where it makes the server evaluate the prompt again (recurrent, "
-                                              "hybrid, SWA files b11434 keeps no checkpoint of): it spends the "
-                                              "restore it proves.")]
 
 #: parameters save and restore take in live mode; any other one given is a usage error there
 _LIVE_PARAMS = frozenset({"server", "api_key", "timeout", "slot", "json_out", "verbose", "name", "file", "prove",
@@ -298,14 +249,11 @@ def _answer(out: Output, answer: Any, json_out: bool, url: str, head: str, *, sl
     out.print(t)
 
 
-_PROOF_STYLE = {"proven": "green", "reevaluated": "bold red", "undecided": "yellow", "not_taken": "yellow"}
-
-
 def render_proof(out: Output, p: dict, indent: str = "  ") -> None:
     """The lines of a proof (:meth:`slotctl.live.prove.Proof.as_dict`): the server's counts against the
     prediction, and why when they differ."""
     line = Text(indent + "proof ", style="bold")
-    line.append(p["verdict"].replace("_", " "), style=_PROOF_STYLE.get(p["verdict"], ""))
+    line.append(p["verdict"].replace("_", " "), style=style_of(p["verdict"]))
     if p["verdict"] == "not_taken":
         line.append(f": the proving request was not sent (the file's {p['n_prompt']:,} prompt tokens)")
     else:
@@ -332,13 +280,6 @@ def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 # -- validate --server ------------------------------------------------------------------------------------------
-
-
-#: validate and ls: judge the files for a running server (its model and flags) instead of flags given
-JudgeServerOpt = Annotated[Optional[str], typer.Option("--server", metavar="URL",
-                                                       help="Judge the files for the running llama-server at this "
-                                                            "URL: its model, -c and -np from GET /props and /slots "
-                                                            "(flags given here win; docs/live.md).")]
 
 
 def learn_from_server(ctx: typer.Context, out: Output, command: str, server: str | None, *, api_key: str | None,

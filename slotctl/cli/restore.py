@@ -15,15 +15,17 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import check_file, handle_errors, read_prompt, require_llama
-from slotctl.cli.options import ArgsCommand, DraftModelOpt, JsonOpt, SlotOpt, VerboseOpt, with_server_flags
-from slotctl.cli.output import Output, elide, escape_text, markup_safe
+from slotctl.cli.options import (ArgsCommand, DraftModelOpt, ForceSendOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt,
+                                 LiveTimeoutOpt, LocalModelOpt, ProveAnywayOpt, ProveOpt, SlotDirOpt, SlotOpt, VerboseOpt,
+                                 with_server_flags)
+from slotctl.live import SLOT_FILE_TIMEOUT
+from slotctl.cli.output import Output, elide, escape_text, markup_safe, style_of
 from slotctl.errors import ExitStatus, UsageError
 from slotctl.server.flags import ServerFlags, check_slot
 
 #: ``-n`` when the continuation is asked for without it
 DEFAULT_N_PREDICT = 16
 
-_STATUS_STYLE = {"restored": "green", "absent": "dim", "ignored": "yellow", "dropped": "yellow", "refused": "bold red"}
 
 
 def register(app: typer.Typer) -> None:
@@ -36,7 +38,7 @@ def restore(
     ctx: typer.Context,
     file: Annotated[Path, typer.Argument(help="The slot file (with --server: its name in the server's "
                                          "--slot-save-path).")],
-    model: remote.LocalModelOpt = None,
+    model: LocalModelOpt = None,
     draft_model: DraftModelOpt = None,
     continue_text: Annotated[Optional[str], typer.Option("--continue", help="Go on from the restored state: "
                                                          "the saved text followed by TEXT, as a new request.")] = None,
@@ -53,13 +55,13 @@ def restore(
                                           "evaluate the file's prompt from scratch; exit 1 unless text, prompt "
                                           "tokens evaluated, drafted and accepted counts all agree.")] = False,
     slot: SlotOpt = 0,
-    server: remote.LiveServerOpt = None,
-    prove: remote.ProveOpt = False,
-    slot_dir: remote.SlotDirOpt = None,
-    force: remote.ForceSendOpt = False,
-    prove_anyway: remote.ProveAnywayOpt = False,
-    api_key: remote.LiveApiKeyOpt = None,
-    timeout: remote.SlotFileTimeoutOpt = remote.SLOT_FILE_TIMEOUT,
+    server: LiveServerOpt = None,
+    prove: ProveOpt = False,
+    slot_dir: SlotDirOpt = None,
+    force: ForceSendOpt = False,
+    prove_anyway: ProveAnywayOpt = False,
+    api_key: LiveApiKeyOpt = None,
+    timeout: LiveTimeoutOpt = SLOT_FILE_TIMEOUT,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
     flags: ServerFlags = ServerFlags(),
@@ -257,7 +259,7 @@ def render(out: Output, r: dict) -> None:
     for c in ("step", "status", "bytes", "ms", "note"):
         t.add_column(c, justify="right" if c in ("bytes", "ms") else "left")
     for s in r["steps"]:
-        t.add_row(s["step"], Text(s["status"], style=_STATUS_STYLE.get(s["status"], "")), f"{s['bytes']:,}",
+        t.add_row(s["step"], Text(s["status"], style=style_of(s["status"])), f"{s['bytes']:,}",
                   f"{s['ms']:.1f}", markup_safe(_note(s)))
     out.table(t, keep=("step", "status", "bytes", "ms"))   # the note folds; no value is cut
     for s in r["steps"]:
@@ -342,5 +344,5 @@ def _compare_table(cmp: dict) -> Table:
     for ch in cmp["checks"]:
         fmt = (lambda v: Text(escape_text(v), overflow="fold")) if ch["check"] == "text" else str
         t.add_row(ch["check"], fmt(ch["restored"]), fmt(ch["fresh"]),
-                  Text("same", style="green") if ch["equal"] else Text("differs", style="bold red"))
+                  Text("same", style=style_of("same")) if ch["equal"] else Text("differs", style=style_of("differs")))
     return t

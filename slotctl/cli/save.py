@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,20 +11,14 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors, read_prompt, require_llama
-from slotctl.cli.options import ArgsCommand, DraftModelOpt, JsonOpt, SlotOpt, VerboseOpt, with_server_flags
+from slotctl.cli.options import (ArgsCommand, DraftModelOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt, LiveTimeoutOpt,
+                                 LocalModelOpt, SaveStateVersionOpt, SlotOpt, VerboseOpt, with_server_flags)
+from slotctl.live import SLOT_FILE_TIMEOUT
 from slotctl.cli.output import Output
-from slotctl.errors import ExitStatus, SlotctlError, UsageError
+from slotctl.errors import UsageError
 from slotctl.paths import check_readable
-from slotctl.server.flags import ServerFlags, check_slot
-
-#: state versions ``save`` writes: 4 (current llama-server) and 3 (this llama-cpp-python)
-STATE_VERSIONS = (3, 4)
-
-
-class PromptRefused(SlotctlError):
-    """The server would refuse the prompt (its message)."""
-
-    exit_status = ExitStatus.FAILED
+from slotctl.runtime.save import STATE_VERSIONS
+from slotctl.server.flags import SERVER_STATE_VERSION, ServerFlags, check_slot
 
 
 def register(app: typer.Typer) -> None:
@@ -39,7 +32,7 @@ def save(
     name: Annotated[Optional[str], typer.Argument(metavar="NAME", show_default=False,
                                                   help="With --server: the file name the server writes in its "
                                                        "--slot-save-path.")] = None,
-    model: remote.LocalModelOpt = None,
+    model: LocalModelOpt = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="The slot file to write (needed unless "
                                                    "--server).", dir_okay=False)] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt text.")] = None,
@@ -47,8 +40,7 @@ def save(
                                                         "UTF-8 file, or from stdin with -.", dir_okay=False,
                                                         allow_dash=True)] = None,
     draft_model: DraftModelOpt = None,
-    state_version: Annotated[int, typer.Option("--state-version", help="4: what current llama-server reads; "
-                                               "3: what this llama-cpp-python reads.")] = 4,
+    state_version: SaveStateVersionOpt = SERVER_STATE_VERSION,
     checkpoint_at: Annotated[Optional[list[int]], typer.Option("--checkpoint-at", help="Take a context "
                                                                "checkpoint when the prompt reaches N tokens "
                                                                "(repeatable; written as an SCKP appendix).")] = None,
@@ -68,9 +60,9 @@ def save(
                                                                 "implies --server-checkpoints.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
     slot: SlotOpt = 0,
-    server: remote.LiveServerOpt = None,
-    api_key: remote.LiveApiKeyOpt = None,
-    timeout: remote.SlotFileTimeoutOpt = remote.SLOT_FILE_TIMEOUT,
+    server: LiveServerOpt = None,
+    api_key: LiveApiKeyOpt = None,
+    timeout: LiveTimeoutOpt = SLOT_FILE_TIMEOUT,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
     flags: ServerFlags = ServerFlags(),
@@ -107,68 +99,34 @@ def save(
     for path, what in ((model, "model "), (draft_model, "draft model ")):
         if path is not None:
             check_readable(path, what=what)   # missing, a FIFO, a device, a symlink loop: one line
-    settings = flags.context_settings()
+    flags.context_settings()   # settings llama.cpp would refuse: a usage error before the models load
     check_slot(slot, flags.parallel)
 
     if user_delimiter is not None and any(not d for d in user_delimiter):
         raise UsageError("--user-delimiter: an empty delimiter matches everywhere; give the text that starts "
                          "a user message")
-    server_checkpoints = server_checkpoints or bool(user_delimiter)
 
-    from slotctl.runtime.log import configure_logging
-    from slotctl.runtime.slot import ServerContexts, evaluate_prompt, write_slot_file
-    from slotctl.server.checkpoints import CheckpointPolicy, requested_positions, user_starts
-    from slotctl.server.requests import request_refusal
+    from slotctl.runtime.save import save_prompt
 
-    configure_logging(verbose)
     from slotctl.server.speculative import runtime_draft_model
 
     draft_model, no_draft = runtime_draft_model(flags.spec_type, model, draft_model)
     if no_draft:
         out.note(no_draft)
-    t0 = time.perf_counter()
-    try:
-        with out.progress("loading models", total=1000) as update:
-            sc = ServerContexts.open(model, settings, draft_path=draft_model, draft_type_k=flags.spec_draft_type_k,
-                                     draft_type_v=flags.spec_draft_type_v, on_progress=lambda d, t: update(d, t))
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    with sc:
-        t_load = time.perf_counter() - t0
-        tokens = sc.target_model.tokenize(text)
-        refusal = request_refusal(len(tokens), sc.target.n_ctx_slot)
-        if refusal:
-            raise PromptRefused(refusal)
-        try:
-            at = requested_positions(checkpoint_at or [], checkpoint_every, len(tokens))
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        tm = sc.target_model
-        starts = user_starts(lambda d: tm.tokenize(d, add_special=False, parse_special=True), tokens,
-                             user_delimiter or [])
-        policy = CheckpointPolicy(server=server_checkpoints, n_ctx_checkpoints=flags.ctx_checkpoints,
-                                  min_step=flags.checkpoint_min_step, user_starts=tuple(starts), at=tuple(at))
-        t0 = time.perf_counter()
-        with out.progress("evaluating", total=len(tokens) * len(sc.contexts())) as update:
-            checkpoints = evaluate_prompt(sc, tokens, slot, policy=policy, on_progress=update)
-        t_eval = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        written = write_slot_file(output, sc, slot, tokens, version=state_version, checkpoints=checkpoints,
-                                  overwrite=force)
-        t_write = time.perf_counter() - t0
-        prompt_text = sc.target_model.detokenize(tokens)
-        tinfo, dinfo = sc.target_info, sc.draft_info
-        layout = tinfo.layout()
-        draft_layout = dinfo.layout() if dinfo is not None else None
+    done = save_prompt(model, text, output, flags, slot=slot, draft_model=draft_model, state_version=state_version,
+                       checkpoint_at=checkpoint_at or (), checkpoint_every=checkpoint_every,
+                       user_delimiter=user_delimiter or (), server_checkpoints=server_checkpoints, overwrite=force,
+                       verbose=verbose, bar=out.progress)
+    written, checkpoints, starts, timings = done.written, done.checkpoints, done.user_starts, done.timings
+    tinfo, dinfo = done.target_info, done.draft_info
 
     from slotctl.describe import describe_file
     from slotctl.server.findings import file_findings
     from slotctl.slotfile import open_slot_file
 
-    sf = open_slot_file(output, layout=layout, draft_layout=draft_layout)
-    described = describe_file(sf, text=prompt_text, info=tinfo, draft_info=dinfo, findings=file_findings(sf))
-    timings = {"load_ms": round(t_load * 1000, 3), "evaluate_ms": round(t_eval * 1000, 3),
-               "write_ms": round(t_write * 1000, 3)}
+    with open_slot_file(output, layout=tinfo.layout(), draft_layout=dinfo.layout() if dinfo is not None else None) as sf:
+        described = describe_file(sf, text=done.prompt_text, info=tinfo, draft_info=dinfo,
+                                  findings=file_findings(sf))
     if json_out:
         out.json({
             "path": written.path,

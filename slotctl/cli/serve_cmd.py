@@ -10,8 +10,10 @@ import typer
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
+from slotctl.cli.options import ApiKeyOpt
 from slotctl.cli.output import Output
 from slotctl.errors import UsageError
+from slotctl.live import SLOT_FILE_TIMEOUT
 
 _STYLE = {"restored": "green", "stored": "green", "up": "green", "down": "yellow", "refused": "yellow",
           "pruned": "yellow", "disconnect": "yellow", "upstream": "bold red", "error": "bold red"}
@@ -47,9 +49,9 @@ def serve(
                                           "holds.")] = 16,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Do not use the catalog (the SQLite index of the "
                                            "stored states' tokens): read every stored state.")] = False,
-    api_key: remote.ApiKeyOpt = None,
+    api_key: ApiKeyOpt = None,
     timeout: Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS", help="Give up on a save "
-                                           "or restore after this many seconds.")] = remote.SLOT_FILE_TIMEOUT,
+                                           "or restore after this many seconds.")] = SLOT_FILE_TIMEOUT,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per event on stdout "
                                            "(docs/json.md), the first saying where serve listens.")] = False,
 ) -> None:

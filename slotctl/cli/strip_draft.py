@@ -11,14 +11,13 @@ from rich.text import Text
 
 from slotctl.cli.common import FileRun, handle_errors
 from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt
-from slotctl.cli.output import Output, human_bytes, markup_safe
+from slotctl.cli.output import Output, human_bytes, markup_safe, style_of
 from slotctl.errors import UsageError
-from slotctl.slotfile import expand_slot_paths
+from slotctl.inputs import expand_slot_paths
 from slotctl.sources import is_remote
 from slotctl.paths import DEFAULT_GRACE
 from slotctl.strip import COPY, REFUSED, STRIPPED, UNCHANGED, UNREADABLE, WOULD_STRIP, FileResult, strip_files
 
-_STATUS_STYLE = {STRIPPED: "green", WOULD_STRIP: "cyan", UNCHANGED: "dim", REFUSED: "bold red", UNREADABLE: "bold red"}
 
 
 def register(app: typer.Typer) -> None:
@@ -140,7 +139,7 @@ def render(out: Output, results: list[FileResult], total: int, *, dry_run: bool)
     for r in results:
         if out.quiet and r.status not in (REFUSED, UNREADABLE):
             continue
-        t.add_row(markup_safe(r.path, keep_newlines=False), Text(r.status.replace("_", " "), style=_STATUS_STYLE[r.status]), human_bytes(r.size_before),
+        t.add_row(markup_safe(r.path, keep_newlines=False), Text(r.status.replace("_", " "), style=style_of(r.status)), human_bytes(r.size_before),
                   human_bytes(r.size_after), human_bytes(r.bytes_freed) if r.size_after is not None else "-",
                   ", ".join(r.removed) or "-")
     if t.row_count:

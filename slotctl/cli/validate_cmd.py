@@ -15,20 +15,23 @@ from slotctl.cli.common import FileRun, NoteCounter, handle_errors, llama_availa
 from slotctl.cli.options import (
     ArgsCommand,
     DraftModelOpt,
+    JudgeServerOpt,
     JsonlOpt,
     JsonOpt,
+    LiveApiKeyOpt,
+    LiveTimeoutOpt,
     ModelOpt,
+    ServerStateVersionOpt,
     QuietOpt,
     SlotOpt,
     VerboseOpt,
     with_server_flags,
 )
-from slotctl.cli.output import VERDICT_STYLE, Output, escape_text, human_bytes
+from slotctl.cli.output import Output, escape_text, human_bytes, style_of
 from slotctl.errors import UsageError
-from slotctl.server.flags import ServerFlags, attn_rot_disable
-from slotctl.live.http import DEFAULT_TIMEOUT
+from slotctl.server.flags import SERVER_STATE_VERSION, ServerFlags, attn_rot_disable
+from slotctl.live import DEFAULT_TIMEOUT
 
-_SEVERITY_STYLE = {"error": "red", "drop": "yellow", "note": "dim"}
 _VERDICT_WORDS = {"restores": "restores completely", "restores_with_drops": "restores, with layers dropped",
                   "aborts": "the server aborts on it", "refused": "the server refuses it",
                   "unreadable": "unreadable", "undecided": "undecided without the model (give -m)"}
@@ -54,15 +57,13 @@ def validate(
     mmproj: Annotated[Optional[Path], typer.Option("--mmproj", "-mm", dir_okay=False,
                                                    help="The server's multimodal projector: media chunks in the "
                                                         "prompt restore only with one (not loaded).")] = None,
-    state_version: Annotated[int, typer.Option("--state-version", min=2, max=4,
-                                               help="The server's state version: its loader accepts no other "
-                                                    "(4: llama.cpp b11434 and later).")] = 4,
+    state_version: ServerStateVersionOpt = SERVER_STATE_VERSION,
     load: Annotated[bool, typer.Option("--load/--no-load",
                                        help="With -m: also load every layer into real contexts built with these "
                                             "flags, in a child process (--no-load: predict only).")] = True,
-    server: remote.JudgeServerOpt = None,
-    api_key: remote.LiveApiKeyOpt = None,
-    timeout: remote.LiveTimeoutOpt = DEFAULT_TIMEOUT,
+    server: JudgeServerOpt = None,
+    api_key: LiveApiKeyOpt = None,
+    timeout: LiveTimeoutOpt = DEFAULT_TIMEOUT,
     json_out: JsonOpt = False,
     jsonl: JsonlOpt = False,
     quiet: QuietOpt = False,
@@ -82,7 +83,7 @@ def validate(
     error; 3 without -m, what the server does with a file cannot be decided (undecided). Keys and finding codes: docs/validate.md.
     """
     from slotctl.paths import STDIN, stdin_copy
-    from slotctl.slotfile import expand_slot_paths
+    from slotctl.inputs import expand_slot_paths
     from slotctl.validate import ServerSetup, validate_paths
 
     store = store_deadline(timeout if remote._source(ctx, "timeout") == "COMMANDLINE" else None, files)
@@ -143,7 +144,7 @@ def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = 
         if fr.error is not None:   # not read at all: said on stderr too, as every command says it
             out.error(fr.error["message"])
         head = Text.assemble((escape_text(fr.path, keep_newlines=False), "bold"), "  ")
-        head.append(_VERDICT_WORDS[fr.verdict], style=f"bold {VERDICT_STYLE[fr.verdict]}")
+        head.append(_VERDICT_WORDS[fr.verdict], style=style_of(fr.verdict, bold=True))
         if fr.size is not None:
             head.append(f"  {fr.size:,} bytes", style="dim")
         if fr.version is not None:
@@ -159,7 +160,7 @@ def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = 
         shown = [f for f in fr.ordered_findings() if not (many and notes.add(f.as_dict(), fr.path))]
         for f, same in fold_findings(shown):
             line = Text("  ")
-            line.append(f"{f.severity:<5}", style=_SEVERITY_STYLE[f.severity])
+            line.append(f"{f.severity:<5}", style=style_of(f.severity))
             line.append(f" {f.layer}", style="bold")
             if f.offset is not None:
                 line.append(f" @0x{f.offset:x}", style="dim")
@@ -264,14 +265,10 @@ def _checks(checks, stopped: bool = False) -> Table:
     t = Table(show_edge=False, box=None, padding=(0, 2))
     for col in ("layer", "offset", "bytes", "predicted", "loaded", "server"):
         t.add_column(col, justify="right" if col in ("offset", "bytes") else "left")
-    style = {"fits": "green", "mismatch": "red", "refused": "red", "aborted": "bold red", "partial": "red",
-             "skipped": "yellow"}
-    effect_style = {"ok": "green", "dropped": "yellow", "refused": "red", "aborts": "bold red",
-                    "aborts_later": "bold red"}
     for c in checks:
         t.add_row(c.layer, f"0x{c.offset:x}" if c.offset is not None else "-", human_bytes(c.size),
-                  Text(c.predicted or "-", style=style.get(c.predicted, "dim")),
-                  Text(c.loaded or "-", style=style.get(c.loaded, "dim")),
-                  Text("not restored", style="dim") if stopped and c.effect == "ok" else
-                  Text(c.effect.replace("_", " "), style=effect_style.get(c.effect, "")))
+                  Text(c.predicted or "-", style=style_of(c.predicted, "dim")),
+                  Text(c.loaded or "-", style=style_of(c.loaded, "dim")),
+                  Text("not restored", style=style_of("absent")) if stopped and c.effect == "ok" else
+                  Text(c.effect.replace("_", " "), style=style_of(c.effect)))
     return t

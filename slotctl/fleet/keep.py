@@ -41,10 +41,10 @@ from typing import Callable
 
 import numpy as np
 
-from slotctl.errors import SlotctlError
+from slotctl.errors import SlotctlError, error_entry
 from slotctl.live import http
 from slotctl.fleet.migrate import IDENTITY_KEYS
-from slotctl.fleet.states import copy_atomic, open_store
+from slotctl.fleet.states import copy_atomic, open_store, read_saved
 from slotctl.live.prove import local_setup, prove
 
 #: the name the server saves a slot under before keep checks it (in --slot-save-path): private to this keep
@@ -317,24 +317,20 @@ class Keeper:
                 pass
 
     def _save(self, slot: int, sig: tuple, work: str, path: Path) -> None:
-        from slotctl.slotfile import open_slot_file
-
         answer = http.save_slot(self.url, slot, work, api_key=self.api_key, timeout=self.timeout, check=False)
         self._event("saved", slot, f"slot {slot} saved by the server: {answer['n_saved']:,} tokens, "
                                    f"{answer['n_written']:,} bytes", answer=answer)
-        sf = open_slot_file(path)
-        n = sf.tokens.n_tokens if sf.tokens is not None else 0
-        if sf.errors or n != answer["n_saved"] or sf.size != answer["n_written"]:
-            why = sf.errors[0] if sf.errors else (f"{n:,} tokens in {sf.size:,} bytes where the server saved "
-                                                  f"{answer['n_saved']:,} in {answer['n_written']:,}")
-            self._event("skipped", slot, f"{path}: not stored: {why}")
+        saved = read_saved(path, answer)
+        if saved.problem is not None:
+            self._event("skipped", slot, f"{path}: not stored: {saved.problem}")
             return
+        n = saved.n_tokens
         self.seen[slot] = sig
         if n < self.min_tokens:
             self._event("skipped", slot, f"slot {slot}: {n:,} tokens, fewer than --min-tokens {self.min_tokens}")
             os.unlink(path)
             return
-        name = stored_name(slot, model_hash(self.facts), tokens_hash(sf.tokens.tokens))
+        name = stored_name(slot, model_hash(self.facts), tokens_hash(saved.tokens))
         if self.store.has(name):
             os.unlink(path)
             self._event("unchanged", slot, f"slot {slot}: {name} is already in the store (the same tokens)",
@@ -355,8 +351,8 @@ class Keeper:
             return
         self._remember(slot, sig, name)
         where = self.store.where(name)
-        self._event("stored", slot, f"slot {slot}: stored as {where} ({sf.size:,} bytes, {n:,} tokens)",
-                    name=name, path=where, size=sf.size, n_tokens=n)
+        self._event("stored", slot, f"slot {slot}: stored as {where} ({saved.size:,} bytes, {n:,} tokens)",
+                    name=name, path=where, size=saved.size, n_tokens=n)
         self.prune(slot)
 
     def _remember(self, slot: int, sig: tuple | None, name: str) -> None:
@@ -456,6 +452,5 @@ class Keeper:
 
     def _error(self, slot: int | None, e: Exception) -> None:
         self.errors += 1
-        msg = str(e) if isinstance(e, SlotctlError) else f"{getattr(e, 'filename', '') or ''}: {e}".lstrip(": ")
-        code = e.error_code if isinstance(e, SlotctlError) else "io_error"
-        self._event("error", slot, msg, error={"code": code, "message": msg})
+        err = error_entry(e)
+        self._event("error", slot, err.message, error=err.as_dict())

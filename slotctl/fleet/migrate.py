@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slotctl.errors import ExitStatus, SlotctlError, UsageError
+from slotctl.errors import ExitStatus, SlotctlError, UsageError, error_entry
 from slotctl.live import http
 from slotctl.live.prove import Proof, local_setup, prove
 from slotctl.fleet.states import copy_atomic
@@ -207,13 +207,10 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int | None, *, 
             s.status, s.message, s.error = "refused", str(e), {"code": e.error_code, "message": str(e)}
             s.details = e.details or s.details
             m.exit_status = ExitStatus.FAILED
-        except SlotctlError as e:
-            s.status, s.message, s.error = "failed", str(e), {"code": e.error_code, "message": str(e)}
-            m.exit_status = e.exit_status
-        except OSError as e:
-            msg = f"{e.filename or ''}: {e.strerror or e}".lstrip(": ")
-            s.status, s.message, s.error = "failed", msg, {"code": "io_error", "message": msg}
-            m.exit_status = ExitStatus.USAGE
+        except (SlotctlError, OSError) as e:
+            err = error_entry(e)
+            s.status, s.message, s.error = "failed", err.message, err.as_dict()
+            m.exit_status = ExitStatus(err.exit_status)
         s.ms = (time.perf_counter() - t0) * 1000
         return s.status == "ok"
 
@@ -253,17 +250,17 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int | None, *, 
         if not path.is_file():
             raise UsageError(f"{path}: the source answered that it saved {name}, but --from-dir holds no such "
                              "file (is --from-dir the source's --slot-save-path?)")
-        sf = open_slot_file(path)
-        # a damage is the check's to judge (validate's verdict for the destination; --force sends it)
-        state["damaged"] = sf.errors[0].one_line() if sf.errors else None
-        saved = steps["save"].details["answer"]
-        n = sf.tokens.n_tokens if sf.tokens is not None else 0
-        if n != saved["n_saved"] or sf.size != saved["n_written"]:
-            raise Refused(f"{path}: holds {n:,} tokens in {sf.size:,} bytes, the source saved {saved['n_saved']:,} "
-                          f"in {saved['n_written']:,} (another file under that name?)")
-        state["path"] = path
-        s.details = {"path": os.fspath(path), "size": sf.size, "n_tokens": n, "state_version": sf.version}
-        return f"{path}: {n:,} tokens, {sf.size:,} bytes"
+        with open_slot_file(path) as sf:
+            # a damage is the check's to judge (validate's verdict for the destination; --force sends it)
+            state["damaged"] = sf.errors[0].one_line() if sf.errors else None
+            saved = steps["save"].details["answer"]
+            n = sf.tokens.n_tokens if sf.tokens is not None else 0
+            if n != saved["n_saved"] or sf.size != saved["n_written"]:
+                raise Refused(f"{path}: holds {n:,} tokens in {sf.size:,} bytes, the source saved {saved['n_saved']:,} "
+                              f"in {saved['n_written']:,} (another file under that name?)")
+            state["path"] = path
+            s.details = {"path": os.fspath(path), "size": sf.size, "n_tokens": n, "state_version": sf.version}
+            return f"{path}: {n:,} tokens, {sf.size:,} bytes"
 
     def check(s: Step) -> str:
         from slotctl.live.judge import judge, why

@@ -8,7 +8,9 @@ Every write is whole or absent: a local file through :func:`slotctl.atomic.atomi
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from slotctl.errors import UsageError
 
@@ -200,3 +202,30 @@ def copy_atomic(src: str | os.PathLike, dest: str | os.PathLike) -> None:
 
     with open_regular(os.fspath(src)) as f, atomic_writer(dest) as out:
         copy_range(f, out, 0, os.fstat(f.fileno()).st_size)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A slot file a server has just saved, read back (keep, migrate): its size, tokens and state version, and
+    ``problem``: why it is not the file the server's answer describes (damaged, or other counts), else None."""
+
+    size: int
+    n_tokens: int
+    version: int | None
+    tokens: Any
+    problem: str | None
+    damaged: bool = False
+
+
+def read_saved(path: str | os.PathLike, answer: dict) -> Saved:
+    """The file at ``path`` against the server's answer to its save (``n_saved`` tokens, ``n_written`` bytes)."""
+    from slotctl.slotfile import open_slot_file
+
+    with open_slot_file(path) as sf:
+        n = sf.tokens.n_tokens if sf.tokens is not None else 0
+        problem = str(sf.errors[0]) if sf.errors else None
+        if problem is None and (n != answer["n_saved"] or sf.size != answer["n_written"]):
+            problem = (f"{n:,} tokens in {sf.size:,} bytes where the server saved {answer['n_saved']:,} in "
+                       f"{answer['n_written']:,}")
+        return Saved(sf.size, n, sf.version, sf.tokens.tokens if sf.tokens is not None else None, problem,
+                     bool(sf.errors))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from slotctl.errors import ExitStatus, SlotctlError
+from slotctl.errors import ExitStatus, SlotctlError, error_entry
 from slotctl.live import http
 
 
@@ -57,8 +57,7 @@ def _server(t: Target, timeout: float) -> dict:
                     row["last_saved"] = iso_time(store.mtime(names[0]))
             except (SlotctlError, OSError) as e:
                 if doc["error"] is None:
-                    code = e.error_code if isinstance(e, SlotctlError) else "io_error"
-                    doc["error"] = {"code": code, "message": f"{t.store}: {e}"}
+                    doc["error"] = {"code": error_entry(e).code, "message": f"{t.store}: {e}"}
                     doc["exit_code"] = int(ExitStatus.USAGE)
         doc["slots"].append(row)
     return doc

@@ -26,7 +26,7 @@ from slotctl.format.appendix import SCKP_MAGIC, SDFT_MAGIC
 from slotctl.format.blob import BLOB_HEADER_SIZE
 from slotctl.format.cells import MAX_SEQ
 from slotctl.format.common import MAX_LAYERS, MAX_STREAMS
-from slotctl.format.header import STATE_SEQ_MAGIC
+from slotctl.format.header import HEADER_FIXED_SIZE, STATE_SEQ_MAGIC, SUPPORTED_VERSIONS, FixedHeader
 
 #: bytes fetched where the next stream, section or appendix is predicted to start, and at the end
 REGION = 16 << 10
@@ -220,17 +220,18 @@ def prefetch(f) -> list[tuple[int, int]]:
     :class:`~slotctl.sources.LocalRanges`, whose batch the kernel reads at once."""
     r = _Ranged(f)
     size = f.size
-    head = r.get(0, 12)
+    head = r.get(0, HEADER_FIXED_SIZE)
     if head is None:
         return []
-    magic, version, n_words = _u32s(head, 3)
-    if magic != STATE_SEQ_MAGIC or version not in (2, 3, 4) or n_words > (size - 12) // 4:
+    h = FixedHeader.parse(head)
+    version, n_words = h.version, h.n_words
+    if h.magic != STATE_SEQ_MAGIC or version not in SUPPORTED_VERSIONS or n_words > (size - HEADER_FIXED_SIZE) // 4:
         return []
     # with the first section's batch: the token words (beyond the first read for long prompts) and the end of
     # the file (a chain ends it); behind each section, the next one or an appendix
     fetched: list[tuple[int, int]] = []
-    extra = [(12, 4 * n_words)] + ([(size - REGION, REGION)] if size > REGION else [])
-    end = _sections(r, f, 12 + 4 * n_words, size, version, fetched, extra)
+    extra = [(HEADER_FIXED_SIZE, 4 * n_words)] + ([(size - REGION, REGION)] if size > REGION else [])
+    end = _sections(r, f, HEADER_FIXED_SIZE + 4 * n_words, size, version, fetched, extra)
     if end is None:
         return []
     _appendices(r, f, end, size, version, fetched)

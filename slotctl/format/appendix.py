@@ -16,16 +16,23 @@ SCKP_VERSION = 1
 SDFT_MAGIC = 0x54464453  # "SDFT"
 SDFT_VERSION = 1
 MAGICS = {SCKP_MAGIC: "SCKP", SDFT_MAGIC: "SDFT"}
+SCKP_MAGIC_BYTES = SCKP_MAGIC.to_bytes(4, "little")
+SDFT_MAGIC_BYTES = SDFT_MAGIC.to_bytes(4, "little")
+
+#: the fields as they are before any check (what the server's loader reads, and what strip-draft writes):
+#: an SCKP appendix's head, a checkpoint's positions, a blob's length. :data:`SckpAppendix` and
+#: :data:`Checkpoint` parse them with the checks; every other read or write of these bytes goes through these
+SckpHead = cs.Struct("magic" / cs.Int32ul, "version" / cs.Int32ul, "count" / cs.Int32ul)
+CheckpointHead = cs.Struct("n_tokens" / cs.Int64sl, "pos_min" / cs.Int32sl, "pos_max" / cs.Int32sl)
+BlobLength = cs.Int64ul
 
 
 def _sized(what: str) -> cs.Struct:
-    return cs.Struct("length" / cs.Int64ul, "data" / Payload(this.length, what))
+    return cs.Struct("length" / BlobLength, "data" / Payload(this.length, what))
 
 
 Checkpoint = cs.Struct(
-    "n_tokens" / cs.Int64sl,
-    "pos_min" / cs.Int32sl,
-    "pos_max" / cs.Int32sl,
+    *CheckpointHead.subcons,
     "tgt" / _sized("checkpoint target blob"),
     "dft" / _sized("checkpoint draft blob"),
     "spec" / _sized("checkpoint speculative state"),
@@ -39,7 +46,7 @@ Checkpoint = cs.Struct(
 #: A server writes at most its ``--ctx-checkpoints`` per slot (32 by default), far below this bound.
 MAX_CHECKPOINTS = 1 << 16
 #: smallest possible checkpoint: 16 bytes of positions and three empty blob lengths
-CHECKPOINT_MIN_SIZE = 16 + 3 * 8
+CHECKPOINT_MIN_SIZE = CheckpointHead.sizeof() + 3 * BlobLength.sizeof()
 
 SckpAppendix = cs.Struct(
     "magic" / Expect(cs.Int32ul, [SCKP_MAGIC], "SCKP magic", hex32),

@@ -330,10 +330,7 @@ def parse(schema: cs.Construct, f: BinaryIO, layer: str, *, size: int | None = N
     reader = f if isinstance(f, TrackingReader) else TrackingReader(f, size)
     start = reader.tell()
     try:
-        context = cs.Container(**params)
-        context._parsing, context._building, context._sizing = True, False, False
-        context._params = context
-        return schema._parsereport(reader, context, "(parsing)")
+        return schema.parse_stream(reader, **params)
     except CheckError as e:
         raise FormatError(layer, e.offset, e.message) from None
     except cs.StreamError as e:

@@ -9,6 +9,7 @@ import construct as cs
 import numpy as np
 from construct import this
 
+from slotctl.format import SUPPORTED_VERSIONS
 from slotctl.format.arrays import NumpyArray
 from slotctl.format.cells import MAX_CELLS
 from slotctl.format.common import Counted, Expect, hex32
@@ -19,9 +20,11 @@ STATE_SEQ_MAGIC = 0x67677371
 STATE_MAGIC_BYTES = STATE_SEQ_MAGIC.to_bytes(4, "little")
 #: the first four bytes of a GGUF model file
 GGUF_MAGIC_BYTES = b"GGUF"
-#: state versions slotctl understands
-SUPPORTED_VERSIONS = (2, 3, 4)
-HEADER_FIXED_SIZE = 12
+#: the header's fixed part, its fields as they are before any check (what a loader reads first, and what
+#: slotctl writes): :data:`StateHeader` parses it with the checks; every other read or write of these bytes
+#: goes through this
+FixedHeader = cs.Struct("magic" / cs.Int32ul, "version" / cs.Int32ul, "n_words" / cs.Int32ul)
+HEADER_FIXED_SIZE = FixedHeader.sizeof()
 #: the most token words a slot holds: one per cell of the largest context, plus 1 Mi words of media records
 MAX_TOKEN_WORDS = MAX_CELLS + (1 << 20)
 
@@ -38,10 +41,10 @@ def plausible_header(first: bytes) -> bool:
     """Whether the first :data:`HEADER_FIXED_SIZE` bytes of a stream may begin a slot file: the state magic,
     a state version slotctl reads and a token word count within :data:`MAX_TOKEN_WORDS` (standard input is
     read further only then: :func:`slotctl.paths.stdin_copy`)."""
-    if len(first) < HEADER_FIXED_SIZE or first[:4] != STATE_MAGIC_BYTES:
+    if len(first) < HEADER_FIXED_SIZE:
         return False
-    version, n_words = int.from_bytes(first[4:8], "little"), int.from_bytes(first[8:12], "little")
-    return version in SUPPORTED_VERSIONS and n_words <= MAX_TOKEN_WORDS
+    h = FixedHeader.parse(first)
+    return h.magic == STATE_SEQ_MAGIC and h.version in SUPPORTED_VERSIONS and h.n_words <= MAX_TOKEN_WORDS
 
 
 #: what :func:`slotctl.paths.stdin_copy` checks before it copies the rest of standard input
@@ -54,7 +57,7 @@ def header_size(n_words: int) -> int:
 
 def fixed_header(version: int, n_words: int) -> bytes:
     """The first :data:`HEADER_FIXED_SIZE` bytes of a slot file: magic, version, token word count."""
-    return STATE_SEQ_MAGIC.to_bytes(4, "little") + version.to_bytes(4, "little") + n_words.to_bytes(4, "little")
+    return FixedHeader.build(dict(magic=STATE_SEQ_MAGIC, version=version, n_words=n_words))
 
 
 def file_kind(first_bytes: bytes) -> str:

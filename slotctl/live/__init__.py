@@ -8,5 +8,14 @@
 
 The server's own rules (what it restores, refuses, drops; its defaults; the file names it accepts) are
 :mod:`slotctl.server`, below this package; the fleet (:mod:`slotctl.fleet`) and the CLI are above it.
-Nothing here imports llama.cpp or the CLI. Importing this package imports none of its modules.
+Nothing here imports llama.cpp or the CLI. Importing this package imports none of its modules: the CLI's
+options read live mode's defaults here without the HTTP client.
 """
+
+#: seconds a request may take, connection included, unless the caller says otherwise
+DEFAULT_TIMEOUT = 30.0
+#: a request that moves a whole slot file (save, restore, keep, migrate): the server writes or reads it all,
+#: and waits for a busy slot to be idle first
+SLOT_FILE_TIMEOUT = 600.0
+#: the environment variable that holds the API key when ``--api-key`` is not given
+API_KEY_ENV = "LLAMA_API_KEY"

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
+from slotctl.live import API_KEY_ENV, DEFAULT_TIMEOUT  # live mode's defaults, read by the CLI's options too
 from slotctl.server.filenames import check_filename
 from slotctl.server.flags import MAX_PARALLEL
 
@@ -52,12 +53,6 @@ __all__ = [
     "get_props", "get_slots", "normalize_url", "parse_answer", "redact", "request", "restore_slot", "save_slot",
     "server_facts",
 ]
-
-#: seconds a request may take, connection included, unless the caller says otherwise
-DEFAULT_TIMEOUT = 30.0
-
-#: the environment variable that holds the API key when ``--api-key`` is not given
-API_KEY_ENV = "LLAMA_API_KEY"
 
 #: at most this many bytes of an answer are read (a slot listing of 256 slots is far smaller); what its parse
 #: holds is a small multiple of it (:func:`parse_answer`)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from slotctl.errors import ExitStatus
 from slotctl.live import http
 from slotctl.server.flags import ServerFlags
-from slotctl.server.reuse import predict_reuse, server_n_swa
+from slotctl.server.reuse import reuse_for
 from slotctl.validate.setup import Models, ServerSetup
 
 #: the shape of a /completion answer the proof reads (llama-server b11434: ``server_task_result_cmpl_final``)
@@ -129,7 +129,6 @@ def local_setup(facts: http.ServerFacts, slot: int, flags: ServerFlags | None = 
 def predict_proof(path: str | os.PathLike, setup: ServerSetup, *, reads_checkpoints: bool):
     """validate's report of ``path`` for ``setup`` (no real load) and the prediction for the proving
     request (a :class:`~slotctl.server.reuse.Reuse`, or None when none can be made)."""
-    from slotctl.server.findings import checkpoints_read
     from slotctl.validate.check import validate_file
 
     models = Models(setup)
@@ -137,9 +136,8 @@ def predict_proof(path: str | os.PathLike, setup: ServerSetup, *, reads_checkpoi
     sf = report.slot_file
     if sf is None or sf.target is None:
         return report, None
-    n_swa = server_n_swa(models.target, swa_full=setup.settings.swa_full) if models.target is not None else None
-    r = predict_reuse(sf, n_swa=n_swa, n_ctx_checkpoints=setup.n_ctx_checkpoints,
-                      checkpoints_read=reads_checkpoints and checkpoints_read(sf), extends=False)
+    r = reuse_for(sf, models.target, swa_full=setup.settings.swa_full, n_ctx_checkpoints=setup.n_ctx_checkpoints,
+                  reads_checkpoints=reads_checkpoints, extends=False)
     return report, r
 
 

@@ -105,9 +105,9 @@ def _explain(name: str, comp: Completion, fcomp: Completion, restored: RestoredS
     kind = tinfo.layout().kind
     predicted = None
     if name == "n_evaluated" and comp.n_common == len(restored.tokens):
-        sf = open_slot_file(restored.path, layout=tinfo.layout())
         read = restored.step("checkpoints").status != "ignored"
-        r = predict_reuse(sf, n_swa=n_swa, n_ctx_checkpoints=n_ctx_checkpoints, checkpoints_read=read)
+        with open_slot_file(restored.path, layout=tinfo.layout()) as sf:
+            r = predict_reuse(sf, n_swa=n_swa, n_ctx_checkpoints=n_ctx_checkpoints, checkpoints_read=read)
         predicted = r.n_reused if r is not None else None
     draft = restored.step("draft")
     return explain_difference(name, comp, fcomp, draft_status=draft.status, draft_reason=draft.reason,

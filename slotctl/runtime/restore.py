@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import io
 import os
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -35,7 +34,7 @@ from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError
 from slotctl.format.blob import BLOB_HEADER_SIZE, blob_header
 from slotctl.format.common import parse
 from slotctl.format.convert import convert_blob, convert_payload
-from slotctl.format.header import HEADER_FIXED_SIZE, STATE_SEQ_MAGIC, StateHeader, header_size
+from slotctl.format.header import HEADER_FIXED_SIZE, STATE_SEQ_MAGIC, FixedHeader, StateHeader, header_size
 from slotctl.format.memory import MemoryLayout
 from slotctl.model.info import ModelInfo, read_model_info
 from slotctl.model.predict import rotation_rule
@@ -192,7 +191,8 @@ def restore_slot(sc: ServerContexts, path: str | os.PathLike, slot: int, *,
         t0 = time.perf_counter()
         step = Step("target", RESTORED)
         head = _read(f, HEADER_FIXED_SIZE)
-        magic, version, _n = struct.unpack("<III", head) if head else (None, None, None)
+        fixed = FixedHeader.parse(head) if head else None
+        magic, version = (fixed.magic, fixed.version) if fixed else (None, None)
         step.details = {"state_version": version, "converted_from": None}
         if head is not None and magic == STATE_SEQ_MAGIC and version != STATE_VERSION and version in (2, 4):
             try:

@@ -37,7 +37,7 @@ import numpy as np
 from slotctl.errors import FormatError
 from slotctl.format import appendix as apx
 from slotctl.format.common import Span
-from slotctl.format.header import HEADER_FIXED_SIZE, STATE_SEQ_MAGIC
+from slotctl.format.header import HEADER_FIXED_SIZE, STATE_SEQ_MAGIC, FixedHeader
 from slotctl.server.checkpoints import keep_newest
 from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS, SERVER_STATE_VERSION
 
@@ -103,7 +103,8 @@ def check_state_header(f: BinaryIO, size: int, *, state_version: int = SERVER_ST
     if len(head) < HEADER_FIXED_SIZE:
         return HeaderOutcome("state header", REFUSED, message=TARGET_ERROR,
                              reason=f"the file ends at {size} bytes, inside the state header")
-    magic, version, n_words = struct.unpack("<III", head)
+    h = FixedHeader.parse(head)
+    magic, version, n_words = h.magic, h.version, h.n_words
     if magic != STATE_SEQ_MAGIC or version != state_version:
         return HeaderOutcome("state header", REFUSED, message=TARGET_ERROR, version=version, n_words=n_words,
                              reason=f"unknown (magic, version) for sequence state file: {magic:08x}, "
@@ -322,7 +323,7 @@ def _read_span(f: BinaryIO, end: int) -> Span | None:
     raw = _read(f, 8)
     if raw is None:
         return None
-    (n,) = struct.unpack("<Q", raw)
+    n = apx.BlobLength.parse(raw)
     here = f.tell()
     if n > end - here:
         return None
@@ -373,16 +374,17 @@ def load_slot_checkpoints(f: BinaryIO, offset: int, size: int, *,
     never reached by a server, which writes at most its ``--ctx-checkpoints``): :class:`FormatError`.
     """
     f.seek(offset)
-    raw = _read(f, 4)
-    if raw is None or struct.unpack("<I", raw)[0] != apx.SCKP_MAGIC:
+    magic = _read(f, 4)
+    if magic != apx.SCKP_MAGIC_BYTES:
         return CheckpointsOutcome("checkpoints", ABSENT)
     damaged = None
     entries: list[CheckpointEntry] = []
-    raw = _read(f, 8)
+    raw = _read(f, apx.SckpHead.sizeof() - 4)
     if raw is None:
         damaged = "truncated header"
     else:
-        ver, count = struct.unpack("<II", raw)
+        head = apx.SckpHead.parse(magic + raw)
+        ver, count = head.version, head.count
         if ver != apx.SCKP_VERSION:
             damaged = f"version {ver}, expected {apx.SCKP_VERSION}"
         elif count * apx.CHECKPOINT_MIN_SIZE > size - f.tell():
@@ -392,7 +394,7 @@ def load_slot_checkpoints(f: BinaryIO, offset: int, size: int, *,
                               f"{apx.MAX_CHECKPOINTS:,}, its own bound), found {count:,}")
         else:
             for i in range(count):
-                fixed = _read(f, 16)
+                fixed = _read(f, apx.CheckpointHead.sizeof())
                 spans = [] if fixed is None else [_read_span(f, size) for _ in range(3)]
                 if fixed is None or any(s is None for s in spans):
                     damaged = f"checkpoint {i} of {count} is truncated or has a length beyond the file"
@@ -400,8 +402,8 @@ def load_slot_checkpoints(f: BinaryIO, offset: int, size: int, *,
                 if spans[0].size == 0:
                     damaged = f"checkpoint {i} has an empty target blob"
                     break
-                n_tokens, pos_min, pos_max = struct.unpack("<qii", fixed)
-                entries.append(CheckpointEntry(n_tokens, pos_min, pos_max, *spans))
+                c = apx.CheckpointHead.parse(fixed)
+                entries.append(CheckpointEntry(c.n_tokens, c.pos_min, c.pos_max, *spans))
     if damaged:
         return CheckpointsOutcome("checkpoints", IGNORED, message="invalid context checkpoint appendix - ignored",
                                   reason=f"invalid checkpoints appendix: {damaged}")
@@ -436,7 +438,7 @@ def read_slot_draft(f: BinaryIO, offset: int, size: int) -> DraftOutcome:
         return DraftOutcome("draft", ABSENT)
     f.seek(offset)
     raw = _read(f, 4)
-    if raw is None or struct.unpack("<I", raw)[0] != apx.SDFT_MAGIC:
+    if raw != apx.SDFT_MAGIC_BYTES:
         return DraftOutcome("draft", ABSENT, reason="the file holds no draft state: the draft starts empty")
     raw = _read(f, 4)
     ver = struct.unpack("<I", raw)[0] if raw else None

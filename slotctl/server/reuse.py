@@ -225,6 +225,22 @@ def explain_difference(check: str, restored, fresh, *, draft_status: str, draft_
     return None
 
 
+def reuse_for(sf: SlotFile, info, *, swa_full: bool = False, n_ctx_checkpoints: int | None = None,
+              reads_checkpoints: bool = True, extends: bool = True) -> Reuse | None:
+    """:func:`predict_reuse` for a server running the model ``info`` (None: not known, the window the file
+    was saved with): its SWA window (:func:`server_n_swa`, ``swa_full`` its ``--swa-full``), its
+    ``--ctx-checkpoints`` (default the server's), and whether it reads the file's checkpoints
+    (:func:`slotctl.server.findings.checkpoints_read`; ``reads_checkpoints`` False: a server that ignores
+    them whatever the file). What inspect, validate and ``restore --prove`` predict, written once."""
+    from slotctl.server.findings import checkpoints_read
+    from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS
+
+    n_swa = server_n_swa(info, swa_full=swa_full) if info is not None else None
+    return predict_reuse(sf, n_swa=n_swa,
+                         n_ctx_checkpoints=DEFAULT_CTX_CHECKPOINTS if n_ctx_checkpoints is None else n_ctx_checkpoints,
+                         checkpoints_read=reads_checkpoints and checkpoints_read(sf), extends=extends)
+
+
 def request_reuse(kind: str, n_swa: int, n_file: int, common: int, n_request: int,
                   extending: int | None) -> int:
     """How many of a request's ``n_request`` prompt tokens a slot holding a state of ``n_file`` tokens

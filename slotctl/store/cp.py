@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from slotctl.atomic import COPY_CHUNK, atomic_writer
-from slotctl.errors import ExitStatus, SlotctlError, StoreDown, UsageError, os_error_code
+from slotctl.errors import ExitStatus, SlotctlError, StoreDown, UsageError, error_entry
 from slotctl.progress import Progress
 from slotctl.slotfile import read_slot_file
 from slotctl.sources import open_input, remote_url
@@ -88,11 +88,8 @@ def copy_files(sources: Iterable[str], dst: str, *, overwrite: bool = False, for
 
 
 def _failed(src: str, dst: str, e: Exception) -> CopyResult:
-    if isinstance(e, SlotctlError):
-        code, message, status = e.error_code, str(e), int(e.exit_status)
-    else:
-        code, message, status = os_error_code(e), f"{e.filename or src}: {e.strerror or e}", int(ExitStatus.USAGE)
-    return CopyResult(src, dst, error={"code": code, "message": message}, exit_code=status)
+    err = error_entry(e, None if isinstance(e, OSError) and e.filename else src)
+    return CopyResult(src, dst, error=err.as_dict(), exit_code=err.exit_status)
 
 
 def copy_one(src: str, dst: str, *, overwrite: bool = False, force: bool = False,

@@ -10,7 +10,7 @@ the end of the file (trailing bytes).
 
 from __future__ import annotations
 
-from slotctl.errors import ExitStatus, SlotctlError
+from slotctl.errors import ExitStatus, SlotctlError, error_entry
 from slotctl.strip import REFUSED, REMOVED_SDFT, STRIPPED, UNCHANGED, UNREADABLE, WOULD_STRIP, FileResult
 
 #: ``method`` of an object rewritten server-side
@@ -46,11 +46,9 @@ def strip_object(url: str, *, dry_run: bool = False, checkpoints: bool = False, 
             if sf.sdft.end != sf.size:
                 return _refuse(res, f"{url}: bytes follow the SDFT appendix; not stripped server-side", "damaged")
             keep = sf.sdft.offset
-    except SlotctlError as e:
-        res.error, res.error_code, res.exit_status = str(e), e.error_code, e.exit_status
-        return res
-    except OSError as e:
-        res.error, res.error_code, res.exit_status = f"{url}: {e.strerror or e}", "io_error", ExitStatus.USAGE
+    except (SlotctlError, OSError) as e:
+        err = error_entry(e, url)
+        res.error, res.error_code, res.exit_status = err.message, err.code, err.exit_status
         return res
     res.removed, res.method, res.size_after = [REMOVED_SDFT], SERVER_COPY, keep
     if dry_run:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Sequence
 
 from slotctl.sources import open_input, raise_failure, remote_url
-from slotctl.errors import FormatError, UsageError, os_error_code
+from slotctl.errors import FormatError, UsageError, error_entry
 from slotctl.server.findings import (Finding, ServerRules, checkpoints_read, invalid_tokens_finding,
                                      media_extents, structural_findings)
 from slotctl.format.blob import FLAGS_NONE, FLAGS_PARTIAL_ONLY
@@ -21,7 +21,7 @@ from slotctl.model.info import ModelInfo
 from slotctl.model.predict import Prediction
 from slotctl.server.checkpoints import may_load, rolls_back
 from slotctl.server.restore import cut_payload_outcome
-from slotctl.slotfile import (Blob, SlotFile, expand_slot_paths, is_checkpoint_layer, parse_blob, parse_memory,
+from slotctl.slotfile import (Blob, SlotFile, is_checkpoint_layer, parse_blob, parse_memory,
                               read_for_layout, read_slot_file)
 from slotctl.validate.child import ChildProcess, LoadChecker
 from slotctl.validate.compare import (
@@ -166,11 +166,9 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
     if sf.tokens is not None and sf.tokens.error is None:
         report.n_tokens = sf.tokens.n_tokens
     if report.verdict in ("restores", "restores_with_drops") and sf.target is not None:
-        from slotctl.server.reuse import predict_reuse
+        from slotctl.server.reuse import reuse_for
 
-        n_swa = server_n_swa(tinfo, swa_full=setup.settings.swa_full) if tinfo is not None else None
-        r = predict_reuse(sf, n_swa=n_swa,
-                          n_ctx_checkpoints=setup.n_ctx_checkpoints, checkpoints_read=checkpoints_read(sf))
+        r = reuse_for(sf, tinfo, swa_full=setup.settings.swa_full, n_ctx_checkpoints=setup.n_ctx_checkpoints)
         report.reuse = r.as_dict() if r is not None else None
     return report
 
@@ -515,6 +513,8 @@ def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, re
     are still validated. ``child``: a :class:`ChildProcess` to run the real check in (left open),
     instead of a new one. ``confirm_refusals``: see :func:`validate_file`.
     """
+    from slotctl.inputs import expand_slot_paths
+
     files = expand_slot_paths(paths, follow_symlinks=True).files
     models = Models(setup)
     own = checker = None
@@ -528,11 +528,9 @@ def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, re
             try:
                 reports.append(validate_file(p, setup, models, checker, confirm_refusals=confirm_refusals))
             except (OSError, UsageError) as e:
-                message = str(e) if isinstance(e, UsageError) else f"{p}: {e.strerror or e}"
-                r = FileReport(p, verdict=Verdict.UNREADABLE,
-                               error={"code": e.error_code if isinstance(e, UsageError) else os_error_code(e),
-                                      "message": message})
-                r.findings.append(Finding("file", "error", "unreadable", message, None))
+                err = error_entry(e, p)
+                r = FileReport(p, verdict=Verdict.UNREADABLE, error=err.as_dict())
+                r.findings.append(Finding("file", "error", "unreadable", err.message, None))
                 reports.append(r)
             if on_report:
                 on_report(reports[-1])

@@ -1,0 +1,133 @@
+"""What a command's path arguments name, decided once: a local path or an object in a store
+(:func:`slotctl.sources.remote_url`), one file or a container of them (a directory, an ``s3://`` prefix),
+and the slot files they expand to.
+
+Every command that takes FILE... (inspect, validate, ls, strip-draft, convert, cp) expands its arguments
+here: a prefix is listed once (the listing says both that it is a prefix and what is under it), and a
+directory read once. Which entries are slot files is :func:`slotctl.slotfile.is_slot_entry`'s rule.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from slotctl.errors import UsageError
+from slotctl.paths import STDIN, check_readable, directory_files
+from slotctl.slotfile import CATALOG_FILE, is_slot_entry, is_slot_file
+from slotctl.sources import first_bytes, list_prefix, prefix_exists, remote_url, sub_prefixes
+
+
+def is_container(p: str | os.PathLike) -> bool:
+    """A directory, or an ``s3://`` prefix with objects under it: what a command reads many files from.
+    Nothing at all under a URL is no container: it is taken as the object it names, whose open says "no
+    such object". (A command that expands its arguments reads this from :attr:`Expansion.containers`
+    instead: no second listing.)"""
+    url = remote_url(p)
+    if url is None:
+        return os.path.isdir(p)
+    return bool(list_prefix(url))
+
+
+@dataclass
+class Expansion:
+    """The files a command over many slot files works on, and what it passed over.
+
+    ``files``: each path given (as given, even when missing or unreadable: the command reports it as
+    that file's error and goes on; ``-`` is standard input), then each directory's slot files
+    (:func:`~slotctl.slotfile.is_slot_file`). ``skipped``: the regular files in the directories that are not
+    slot files (a README, a model, a JSON sidecar): they are only counted. ``links``: the symbolic links in
+    the directories, when they are not followed (a command that rewrites files): only counted too.
+    ``containers``: the paths given that are directories or prefixes (:func:`is_container`), as given.
+    """
+
+    files: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
+    containers: list[str] = field(default_factory=list)
+    #: the sub-prefixes of an ``s3://`` prefix given (its "subdirectories"): named, not read
+    prefixes: list[str] = field(default_factory=list)
+
+
+def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> Expansion:
+    """Each path given, and each directory's (or prefix's) slot files (not recursive, sorted; see
+    :class:`Expansion`). A path that is missing or not a regular file is kept for the command to report."""
+    out = Expansion()
+    seen: set[str] = set()
+
+    def add(p: str) -> None:
+        key = p if p == STDIN or remote_url(p) else os.path.realpath(p)
+        if key not in seen:
+            seen.add(key)
+            out.files.append(p)
+
+    for raw in paths:
+        p = os.fspath(raw)
+        url = remote_url(p)
+        if url is not None:
+            entries = list_prefix(url)
+            if entries is None:
+                add(url)   # an object
+                continue
+            subs = sub_prefixes(url)
+            if not entries and not subs and not (url.endswith("/") and prefix_exists(url)):
+                add(url)   # nothing there at all: the command says "no such object" (as of a missing directory)
+                continue
+            out.containers.append(p)
+            out.prefixes += subs     # a prefix that is there behaves as a directory: empty, it holds 0 files
+            entries = [e for e in entries if e.path not in seen]
+            for e, head in zip(entries, first_bytes([e.path for e in entries])):
+                if is_slot_entry(e.path.rstrip("/").rsplit("/", 1)[-1], head):
+                    add(e.path)
+                else:
+                    out.skipped.append(e.path)
+            continue
+        if p != STDIN and os.path.isdir(p):
+            out.containers.append(p)
+            if not follow_symlinks:
+                out.links += [os.path.join(p, n) for n in directory_files(p, True)
+                              if os.path.islink(os.path.join(p, n))]
+            for name in directory_files(p, follow_symlinks):
+                full = os.path.join(p, name)
+                if is_slot_file(full):
+                    add(full)
+                elif name.startswith(CATALOG_FILE):
+                    continue     # slotctl's own catalog of the directory (and its -wal, -shm): not counted
+                elif os.path.realpath(full) not in seen:
+                    out.skipped.append(full)
+        else:
+            add(p)
+    return out
+
+
+def expand_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> list[str]:
+    """Local paths only: each file as given; each directory's regular files, slot files or not (not
+    recursive, sorted; :func:`expand_slot_paths` is what commands use).
+
+    Temporary files of slotctl's atomic writes are skipped. Symbolic links inside a directory are skipped
+    unless ``follow_symlinks`` (a command that only reads may follow them; one that rewrites files must
+    not); so are FIFOs, devices and sockets. A path given twice (or a file also found in a given
+    directory) is listed once. A path given that is not a directory is checked by
+    :func:`~slotctl.paths.check_readable` (missing, a FIFO or device, a symbolic link loop: a usage error).
+    """
+    out: list[str] = []
+    seen: set[str] = set()
+
+    def add(p: str) -> None:
+        key = os.path.realpath(p)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+
+    for raw in paths:
+        p = os.fspath(raw)
+        if os.path.isdir(p):
+            for name in directory_files(p, follow_symlinks):
+                add(os.path.join(p, name))
+        elif os.path.isfile(p):
+            add(p)
+        else:
+            check_readable(p)   # raises the usage error that names what the path is
+            raise UsageError(f"{p}: not a regular file or a directory")  # pragma: no cover - a race
+    return out
