@@ -482,6 +482,7 @@ class Index:
 
         out: dict[str, Cached] = {}
         racy = int(RACY_SECONDS * 1e9)
+        paths = [p for p in paths if _storable(p)]
         try:
             cur = self._conn.cursor()
             for i in range(0, len(paths), 500):
@@ -515,7 +516,7 @@ class Index:
                     [(path, key, ident, changed, now, json.dumps(c.row) if c.row is not None else None, c.kind,
                       len(c.tokens) if c.tokens is not None else None,
                       np.asarray(c.tokens, dtype="<i4").tobytes() if c.tokens is not None else None, c.model)
-                     for path, ident, changed, c in items])
+                     for path, ident, changed, c in items if _storable(path)])
         except sqlite3.Error as e:
             self._give_up(e)
 
@@ -527,9 +528,19 @@ class Index:
         try:
             with self._conn:
                 self._conn.execute("BEGIN IMMEDIATE")
-                self._conn.executemany("DELETE FROM files WHERE path = ?", [(p,) for p in paths])
+                self._conn.executemany("DELETE FROM files WHERE path = ?", [(p,) for p in paths if _storable(p)])
         except sqlite3.Error as e:
             self._give_up(e)
+
+
+def _storable(path: str) -> bool:
+    """Whether the index can hold ``path``: a name whose bytes are not UTF-8 (decoded with surrogate escapes)
+    is no SQLite text; such a file is read every time, never cached."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class _Stale(Exception):
