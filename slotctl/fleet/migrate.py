@@ -1,6 +1,7 @@
 """``slotctl migrate``: move a slot from one running llama-server to another, proven by the destination.
 
-The steps, each with its outcome (:class:`Step`), stopping at the first that does not succeed:
+The steps, each with its outcome (:class:`Step`), stopping at the first that does not succeed; each is a method
+of :class:`_Migrator` named as the step, written in this order:
 
 1. ``source``: the source's facts (``/props``, ``/slots``, ``/v1/models``); the slot exists;
 2. ``destination``: the destination's facts; the slot exists; the destination runs the source's model as far
@@ -39,7 +40,8 @@ from pathlib import Path
 
 from slotctl.errors import ExitStatus, SlotctlError, UsageError, error_entry
 from slotctl.live import http
-from slotctl.live.prove import Proof, local_setup, prove
+from slotctl.live.prove import Proof, local_setup
+from slotctl.live.prove import prove as prove_restore   # the step is the method _Migrator.prove
 from slotctl.fleet.states import copy_atomic
 from slotctl.server.flags import ServerFlags
 
@@ -177,8 +179,6 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int | None, *, 
     for flag, d in (("--from-dir", from_dir), ("--to-dir", to_dir)):
         if not d.is_dir():
             raise UsageError(f"{flag} {d}: not a directory")
-    src_url, dst_url = http.normalize_url(src_url), http.normalize_url(dst_url)
-    to_key = api_key if to_api_key is None else to_api_key
     if (to_dir / name).exists() and not _same_dir(from_dir, to_dir):
         raise UsageError(f"{to_dir / name}: exists in --to-dir (give another --name)")
     kept = None
@@ -188,163 +188,186 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int | None, *, 
         kept = open_store(store, to_dir)
         if kept.has(name):
             raise UsageError(f"{kept.where(name)}: exists in --store (give another --name)")
-    steps = {s: Step(s) for s in STEPS}
-    m = Migration({"server": src_url, "slot": src_slot, "dir": os.fspath(from_dir)},
-                  {"server": dst_url, "slot": dst_slot, "dir": os.fspath(to_dir)}, name, list(steps.values()))
-    given_slot = dst_slot is not None
-    state: dict = {}
-    staging = tempfile.mkdtemp(prefix="slotctl-migrate-")
+    staging = Path(tempfile.mkdtemp(prefix="slotctl-migrate-"))
+    try:
+        run = _Migrator(http.normalize_url(src_url), src_slot, http.normalize_url(dst_url), dst_slot,
+                        from_dir=from_dir, to_dir=to_dir, name=name, kept=kept, staging=staging,
+                        dst_flags=dst_flags, given=given, allow_lossy=allow_lossy, force=force, api_key=api_key,
+                        to_key=api_key if to_api_key is None else to_api_key, timeout=timeout)
+        for step in STEPS:
+            if step == "store" and kept is None:
+                continue
+            if step == "cleanup" and run.m.exit_status:
+                continue     # a failed or unproven migration keeps its files, to look at
+            if not run.step(step, progress):
+                break
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return run.m
 
-    def run(step: str, fn) -> bool:
-        s = steps[step]
+
+class _Migrator:
+    """One migration: a method per step of the module docstring, named as the step and written in the order
+    the steps run (:data:`STEPS`). Each takes its :class:`Step`, leaves its figures in the step's details and
+    what later steps need in ``self``, and returns its message; :class:`Refused` or an error ends the run."""
+
+    def __init__(self, src_url: str, src_slot: int, dst_url: str, dst_slot: int | None, *, from_dir: Path,
+                 to_dir: Path, name: str, kept, staging: Path, dst_flags: ServerFlags | None, given: frozenset[str],
+                 allow_lossy: bool, force: bool, api_key: str | None, to_key: str | None, timeout: float):
+        self.src_url, self.src_slot, self.dst_url, self.dst_slot = src_url, src_slot, dst_url, dst_slot
+        self.from_dir, self.to_dir, self.name, self.kept, self.staging = from_dir, to_dir, name, kept, staging
+        self.dst_flags, self.given, self.allow_lossy, self.force = dst_flags, given, allow_lossy, force
+        self.api_key, self.to_key, self.timeout = api_key, to_key, timeout
+        self.slot_given = dst_slot is not None
+        self.steps = {s: Step(s) for s in STEPS}
+        self.m = Migration({"server": src_url, "slot": src_slot, "dir": os.fspath(from_dir)},
+                           {"server": dst_url, "slot": dst_slot, "dir": os.fspath(to_dir)}, name,
+                           list(self.steps.values()))
+        self.src: http.ServerFacts | None = None    # the source's facts (source)
+        self.dst: http.ServerFacts | None = None    # the destination's facts (destination)
+        self.setup = None                           # the destination's model and flags (destination)
+        self.damaged: str | None = None             # the saved file's first damage, in one line (fetch)
+        self.path: Path | None = None               # the file the source saved (fetch)
+        self.placed_from: Path | None = None        # the file that goes to the destination (check, store)
+
+    def step(self, step: str, progress=None) -> bool:
+        """Run the step ``step`` (the method of that name): its outcome recorded, True when it succeeded."""
+        s = self.steps[step]
         if progress:
             progress(step)
         t0 = time.perf_counter()
         try:
-            s.message = fn(s)
+            s.message = getattr(self, step)(s)
             s.status = "ok"
         except Refused as e:
             s.status, s.message, s.error = "refused", str(e), {"code": e.error_code, "message": str(e)}
             s.details = e.details or s.details
-            m.exit_status = ExitStatus.FAILED
+            self.m.exit_status = ExitStatus.FAILED
         except (SlotctlError, OSError) as e:
             err = error_entry(e)
             s.status, s.message, s.error = "failed", err.message, err.as_dict()
-            m.exit_status = ExitStatus(err.exit_status)
+            self.m.exit_status = ExitStatus(err.exit_status)
         s.ms = (time.perf_counter() - t0) * 1000
         return s.status == "ok"
 
-    def source(s: Step) -> str:
-        http.check_slot(src_url, src_slot, api_key=api_key, timeout=timeout)
-        f = state["src"] = http.server_facts(src_url, src_slot, api_key=api_key, timeout=timeout)
+    def source(self, s: Step) -> str:
+        http.check_slot(self.src_url, self.src_slot, api_key=self.api_key, timeout=self.timeout)
+        f = self.src = http.server_facts(self.src_url, self.src_slot, api_key=self.api_key, timeout=self.timeout)
         s.details = {"model": f.model_path, "total_slots": f.total_slots, "n_ctx_slot": f.n_ctx_slot,
                      "build_info": f.build_info}
-        return f"{src_url}: slot {src_slot} of {f.total_slots}, model {f.model_path}"
+        return f"{self.src_url}: slot {self.src_slot} of {f.total_slots}, model {f.model_path}"
 
-    def destination(s: Step) -> str:
-        nonlocal dst_slot
-        if dst_slot is None:
-            dst_slot = default_slot(dst_url, src_slot, api_key=to_key, timeout=timeout)
-            m.destination["slot"] = dst_slot
-        http.check_slot(dst_url, dst_slot, api_key=to_key, timeout=timeout)
-        f = state["dst"] = http.server_facts(dst_url, dst_slot, api_key=to_key, timeout=timeout)
+    def destination(self, s: Step) -> str:
+        if self.dst_slot is None:
+            self.dst_slot = default_slot(self.dst_url, self.src_slot, api_key=self.to_key, timeout=self.timeout)
+            self.m.destination["slot"] = self.dst_slot
+        http.check_slot(self.dst_url, self.dst_slot, api_key=self.to_key, timeout=self.timeout)
+        f = self.dst = http.server_facts(self.dst_url, self.dst_slot, api_key=self.to_key, timeout=self.timeout)
         s.details = {"model": f.model_path, "total_slots": f.total_slots, "n_ctx_slot": f.n_ctx_slot,
-                     "build_info": f.build_info, "slot_given": given_slot}
-        why = other_model(state["src"], f)
+                     "build_info": f.build_info, "slot_given": self.slot_given}
+        why = other_model(self.src, f)
         if why:
             raise Refused(why)
-        setup, notes = local_setup(f, dst_slot, dst_flags, given)
-        state["setup"] = setup
-        s.details["notes"] = notes
-        return f"{dst_url}: slot {dst_slot} of {f.total_slots}, model {f.model_path}"
+        self.setup, s.details["notes"] = local_setup(f, self.dst_slot, self.dst_flags, self.given)
+        return f"{self.dst_url}: slot {self.dst_slot} of {f.total_slots}, model {f.model_path}"
 
-    def save(s: Step) -> str:
-        answer = http.save_slot(src_url, src_slot, name, api_key=api_key, timeout=timeout, check=False)
+    def save(self, s: Step) -> str:
+        answer = http.save_slot(self.src_url, self.src_slot, self.name, api_key=self.api_key, timeout=self.timeout,
+                                check=False)
         s.details = {"answer": answer}
-        return f"slot {src_slot} saved to {name}: {answer['n_saved']:,} tokens, {answer['n_written']:,} bytes"
+        return (f"slot {self.src_slot} saved to {self.name}: {answer['n_saved']:,} tokens, "
+                f"{answer['n_written']:,} bytes")
 
-    def fetch(s: Step) -> str:
+    def fetch(self, s: Step) -> str:
         from slotctl.slotfile import open_slot_file
 
-        path = from_dir / name
+        path = self.from_dir / self.name
         if not path.is_file():
-            raise UsageError(f"{path}: the source answered that it saved {name}, but --from-dir holds no such "
+            raise UsageError(f"{path}: the source answered that it saved {self.name}, but --from-dir holds no such "
                              "file (is --from-dir the source's --slot-save-path?)")
         with open_slot_file(path) as sf:
             # a damage is the check's to judge (validate's verdict for the destination; --force sends it)
-            state["damaged"] = sf.errors[0].one_line() if sf.errors else None
-            saved = steps["save"].details["answer"]
+            self.damaged = sf.errors[0].one_line() if sf.errors else None
+            saved = self.steps["save"].details["answer"]
             n = sf.tokens.n_tokens if sf.tokens is not None else 0
             if n != saved["n_saved"] or sf.size != saved["n_written"]:
                 raise Refused(f"{path}: holds {n:,} tokens in {sf.size:,} bytes, the source saved {saved['n_saved']:,} "
                               f"in {saved['n_written']:,} (another file under that name?)")
-            state["path"] = path
+            self.path = path
             s.details = {"path": os.fspath(path), "size": sf.size, "n_tokens": n, "state_version": sf.version}
             return f"{path}: {n:,} tokens, {sf.size:,} bytes"
 
-    def check(s: Step) -> str:
+    def check(self, s: Step) -> str:
         from slotctl.live.judge import judge, why
 
-        setup = state["setup"]
-        if state["damaged"]:   # judged as it is: a damaged file is not converted
-            conv = Conversion(state["path"], [], {"changes": [], "lossy": [], "converted": False,
-                                                  "damaged": state["damaged"]})
+        if self.damaged:   # judged as it is: a damaged file is not converted
+            conv = Conversion(self.path, [], {"changes": [], "lossy": [], "converted": False,
+                                              "damaged": self.damaged})
         else:
-            conv = convert_for(state["path"], setup, Path(staging) / name, allow_lossy=allow_lossy,
+            conv = convert_for(self.path, self.setup, self.staging / self.name, allow_lossy=self.allow_lossy,
                                lossy_remedy="pass --allow-lossy to accept it", who="destination")
         s.details = conv.details
-        path = state["placed_from"] = conv.path
-        report = judge(path, setup)
+        self.placed_from = conv.path
+        report = judge(conv.path, self.setup)
         s.details["verdict"] = report.verdict
         s.details["findings"] = [f.as_dict() for f in report.findings if f.severity != "note"]
         if report.refused_or_aborts:
-            if not force:
+            if not self.force:
                 raise Refused(f"the destination would not restore the file: {why(report)} (--force sends it anyway)",
-                          s.details)
+                              s.details)
             s.details["forced"] = True
         done = "converted (" + "; ".join(conv.changes) + ")" if conv.changes else "no conversion needed"
         forced = " (sent with --force)" if s.details.get("forced") else ""
         return f"{done}; validate for the destination: {report.verdict}{forced}"
 
-    def keep_it(s: Step) -> str:
-        kept.put(state["placed_from"], name, move=False)
-        (Path(staging) / "from-store").mkdir(exist_ok=True)
-        local = kept.local(name, Path(staging) / "from-store")
+    def store(self, s: Step) -> str:
+        kept, name = self.kept, self.name
+        kept.put(self.placed_from, name, move=False)
+        (self.staging / "from-store").mkdir(exist_ok=True)
+        local = kept.local(name, self.staging / "from-store")
         s.details = {"where": kept.where(name)}
-        state["placed_from"] = local
+        self.placed_from = local
         return f"{kept.where(name)}: written"
 
-    def place(s: Step) -> str:
-        src, dest = state["placed_from"], to_dir / name
-        if kept is not None and os.fspath(src) == os.fspath(dest):
+    def place(self, s: Step) -> str:
+        src, dest = self.placed_from, self.to_dir / self.name
+        if self.kept is not None and os.fspath(src) == os.fspath(dest):
             s.details = {"path": os.fspath(dest), "copied": False}
             return f"{dest}: already there (--store is --to-dir)"
-        if src == state["path"] and _same_dir(from_dir, to_dir):
+        if src == self.path and _same_dir(self.from_dir, self.to_dir):
             s.details = {"path": os.fspath(dest), "copied": False}
             return f"{dest}: already there (--from-dir and --to-dir are one directory)"
         copy_atomic(src, dest)
         s.details = {"path": os.fspath(dest), "copied": True, "size": os.path.getsize(dest)}
         return f"{dest}: written ({s.details['size']:,} bytes)"
 
-    def restore(s: Step) -> str:
-        answer = http.restore_slot(dst_url, dst_slot, name, api_key=to_key, timeout=timeout, check=False)
+    def restore(self, s: Step) -> str:
+        answer = http.restore_slot(self.dst_url, self.dst_slot, self.name, api_key=self.to_key, timeout=self.timeout,
+                                   check=False)
         s.details = {"answer": answer}
-        return f"{name} restored into slot {dst_slot}: {answer['n_restored']:,} tokens, {answer['n_read']:,} bytes"
+        return (f"{self.name} restored into slot {self.dst_slot}: {answer['n_restored']:,} tokens, "
+                f"{answer['n_read']:,} bytes")
 
-    def proof(s: Step) -> str:
-        p = m.proof = prove(dst_url, dst_slot, state["placed_from"], state["setup"],
-                            build_info=state["dst"].build_info, api_key=to_key, timeout=timeout)
+    def prove(self, s: Step) -> str:
+        p = self.m.proof = prove_restore(self.dst_url, self.dst_slot, self.placed_from, self.setup,
+                                         build_info=self.dst.build_info, api_key=self.to_key, timeout=self.timeout)
         if p.exit_status:
-            m.exit_status = p.exit_status
+            self.m.exit_status = p.exit_status
         s.details = {"verdict": p.verdict}
         return p.summary("the destination")
 
-    def cleanup(s: Step) -> str:
+    def cleanup(self, s: Step) -> str:
         """The working files gone: the source's save in --from-dir and the copy placed in --to-dir (the
         destination's slot holds the state now; ``store`` keeps a copy when given)."""
         removed = []
-        for p in {os.fspath(from_dir / name), os.fspath(to_dir / name)}:
-            if kept is not None and os.fspath(p) == kept.where(name):
+        for p in {os.fspath(self.from_dir / self.name), os.fspath(self.to_dir / self.name)}:
+            if self.kept is not None and os.fspath(p) == self.kept.where(self.name):
                 continue     # the store's own copy stays
             if os.path.lexists(p):
                 os.unlink(p)
                 removed.append(p)
         s.details = {"removed": sorted(removed)}
         return f"removed {', '.join(sorted(removed))}" if removed else "nothing to remove"
-
-    try:
-        for step, fn in (("source", source), ("destination", destination), ("save", save), ("fetch", fetch),
-                         ("check", check), ("store", keep_it), ("place", place), ("restore", restore),
-                         ("prove", proof), ("cleanup", cleanup)):
-            if step == "store" and kept is None:
-                continue
-            if step == "cleanup" and m.exit_status:
-                continue     # a failed or unproven migration keeps its files, to look at
-            if not run(step, fn):
-                break
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return m
 
 
 def default_slot(url: str, src_slot: int, *, api_key: str | None, timeout: float) -> int:
