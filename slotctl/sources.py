@@ -57,6 +57,11 @@ def is_remote(path: str | os.PathLike) -> bool:
     return remote_url(path) is not None
 
 
+def shown(path: str | os.PathLike) -> str:
+    """``path`` as a command shows it: an ``s3://`` URL as typed (pathlib makes ``s3://`` into ``s3:/``)."""
+    return remote_url(path) or os.fspath(path)
+
+
 @dataclass(frozen=True)
 class Entry:
     """An object (or file) as a listing or a stat sees it: its URL, size, last-modified time (POSIX seconds),

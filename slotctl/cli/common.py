@@ -184,49 +184,11 @@ def readable(path: str | os.PathLike) -> Iterator[str]:
     yield p
 
 
-@contextlib.contextmanager
-def local_input(path) -> Iterator[str]:
-    """A local path to read for ``path``: the path itself, or an ``s3://`` object downloaded to a temporary
-    file for the block (for a command that reads every byte anyway: docs/store.md)."""
-    from slotctl.sources import remote_url
-
-    url = remote_url(path)
-    if url is None:
-        yield os.fspath(path)
-        return
-    from slotctl.store.s3 import local_copy
-
-    with local_copy(url) as tmp:
-        yield tmp
-
-
-@contextlib.contextmanager
-def local_output(path, *, overwrite: bool) -> Iterator[str]:
-    """A local path to write for ``path``: the path itself, or for an ``s3://`` destination a temporary file
-    uploaded when the block ends (if it was written), as ``cp`` uploads: created only if no object is there
-    unless ``overwrite``."""
-    from slotctl.sources import remote_url
-
-    url = remote_url(path)
-    if url is None:
-        yield os.fspath(path)
-        return
-    import tempfile
-
-    from slotctl.store.s3 import upload_file
-
-    with tempfile.TemporaryDirectory(prefix="slotctl-s3-") as tmp:
-        local = os.path.join(tmp, url.rpartition("/")[2] or "object")
-        yield local
-        if os.path.exists(local):
-            upload_file(local, url, overwrite=overwrite)
-
-
 def shown(path) -> str:
-    """``path`` as a command shows it: an ``s3://`` URL as typed (pathlib makes ``s3://`` into ``s3:/``)."""
-    from slotctl.sources import remote_url
+    """``path`` as a command shows it (:func:`slotctl.sources.shown`; sources imported only when called)."""
+    from slotctl.sources import shown as shown_path
 
-    return remote_url(path) or os.fspath(path)
+    return shown_path(path)
 
 
 def file_error(path: str | os.PathLike, e: Exception) -> dict:

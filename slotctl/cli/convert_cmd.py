@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
 
-from slotctl.cli.common import check_file, handle_errors, local_input, local_output, shown
+from slotctl.cli.common import check_file, handle_errors, shown
 from slotctl.cli.options import ConvertStateVersionOpt, DraftModelOpt, JsonOpt, ModelOpt, flag_option
 from slotctl.cli.output import Output, human_bytes, markup_safe
-from slotctl.atomic import check_destination
-from slotctl.sources import is_remote
-from slotctl.errors import ExitStatus, FormatError, UsageError, error_entry
+from slotctl.errors import ExitStatus, FormatError, UsageError
 from slotctl.server.flags import flag_name
 
 _TYPE_HELP = "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 (iq4_nl read only)"
@@ -88,104 +85,48 @@ def convert(
         draft=conv.Target(n_stream, conv.cache_type_id(spec_draft_type_k, flag_name("spec_draft_type_k")),
                           conv.cache_type_id(spec_draft_type_v, flag_name("spec_draft_type_v")), _rule(dinfo)))
     layouts = dict(layout=tinfo.layout() if tinfo else None, draft_layout=dinfo.layout() if dinfo else None)
-    opts = dict(force=force, follow_symlinks=follow_symlinks, dry_run=dry_run)
+    from slotctl.store import convert as files
+
+    opts = dict(force=force, follow_symlinks=follow_symlinks, dry_run=dry_run,
+                bar=lambda: out.progress("converting", bytes_=True))
     if many:   # a directory or a prefix: each slot file into OUT/NAME
         return _convert_many(out, json_out, file, output, req, layouts, **opts)
-    _check_output(output, force=force, follow_symlinks=follow_symlinks, dry_run=dry_run)
+    files.check_output(output, force=force, follow_symlinks=follow_symlinks, dry_run=dry_run)
     try:
-        plan, errors = _convert_one(out, file, output, req, layouts, **opts)
+        plan, errors = files.convert_file(file, output, req, layouts, **opts)
     except FormatError as e:
-        _fail(out, json_out, file, output, "refused" if isinstance(e, conv.ConversionRefused) else "damaged",
-              f"{shown(file)}: {e}")
+        _fail(out, json_out, file, output, files.failure_code(e), f"{shown(file)}: {e}")
     if json_out:
-        out.json(_doc(file, output, plan, errors, dry_run))
+        out.json(files.file_doc(file, output, plan, errors, dry_run))
         return
     render(out, plan, errors, file, output, dry_run)
 
 
-def _check_output(output, *, force: bool, follow_symlinks: bool, dry_run: bool) -> None:
-    if dry_run:
-        return
-    if not is_remote(output):   # a device, FIFO, socket or unfollowed symbolic link is refused first
-        check_destination(output, overwrite=force, follow_symlinks=follow_symlinks)
-    elif not force:   # an object: refused at once when one is there (and at the upload)
-        from slotctl.store.s3 import S3_STORE
-
-        if S3_STORE.stat(shown(output)) is not None:
-            raise UsageError(f"{shown(output)}: exists (use --force to overwrite)", code="exists")
-
-
-def _convert_one(out: Output, file, output, req, layouts: dict, *, force: bool, follow_symlinks: bool,
-                 dry_run: bool):
-    """Plan and (unless ``dry_run``) write one conversion; (plan, re-encoding errors). FormatError when the
-    file is damaged or cannot be converted as asked."""
-    from slotctl import convert as conv
-
-    remote_out = is_remote(output)
-    # s3://: the object downloaded first, OUT uploaded after (convert rewrites every byte: docs/store.md)
-    with local_input(file) as real, local_output(output, overwrite=force) as real_out:
-        plan = conv.plan_convert(real, req, **layouts)
-        errors = []
-        if not dry_run:
-            with out.progress("converting", bytes_=True) as update:
-                errors = conv.write_converted(plan, real_out, overwrite=force and not remote_out,
-                                              follow_symlinks=follow_symlinks, progress=update, **layouts)
-    return plan, errors
-
-
-def _doc(file, output, plan, errors, dry_run: bool) -> dict:
-    worst = max((e.max_abs_error for e in errors), default=None)
-    return {"path": shown(file), "output": shown(output), "size": plan.size, "output_size": plan.output_size,
-            "source_state_version": plan.version_in, "state_version": plan.version_out,
-            "changes": [c.as_dict() for c in plan.changes], "layers": [e.as_dict() for e in errors],
-            "max_abs_error": worst, "dry_run": dry_run, "exit_code": 0}
-
-
 def _convert_many(out: Output, json_out: bool, src, dest, req, layouts: dict, **opts) -> None:
-    """Every slot file of the directory or prefix ``src`` converted into the directory or prefix ``dest``
-    (same names); the others still converted when one fails. ``{"files": [...], "summary", "exit_code"}``."""
-    from slotctl import convert as conv
-    from slotctl.errors import SlotctlError
-    from slotctl.inputs import expand_slot_paths
+    """Every slot file of the directory or prefix ``src`` converted into ``dest``
+    (:func:`slotctl.store.convert.convert_files`), each said as it is done; ``{"files": [...], "summary",
+    "exit_code"}``."""
+    from slotctl.store.convert import convert_files
 
-    if not is_remote(dest) and not os.path.isdir(dest):
-        raise UsageError(f"-o {dest}: converting a directory or prefix needs an existing directory or an "
-                         "s3:// prefix", code="no_such_file")
-    expansion = expand_slot_paths([src], follow_symlinks=False)
-    files, counts = [], {"converted": 0, "refused": 0, "failed": 0}
-    for p in expansion.files:
-        name = p.rstrip("/").rpartition("/")[2]
-        target = (shown(dest).rstrip("/") + "/" + name) if is_remote(dest) else os.path.join(dest, name)
-        try:
-            _check_output(target, **opts)
-            plan, errors = _convert_one(out, p, target, req, layouts, **opts)
-            doc = _doc(p, target, plan, errors, opts["dry_run"])
-            counts["converted"] += 1
-            if not json_out:
-                out.print(f"{markup_safe(shown(p))} -> {markup_safe(target)}: "
-                          f"{'would write' if opts['dry_run'] else 'wrote'} {human_bytes(plan.output_size)}"
-                          f"{'' if plan.changes else ' (nothing changes)'}")
-        except FormatError as e:
-            code = "refused" if isinstance(e, conv.ConversionRefused) else "damaged"
-            doc = {"path": shown(p), "output": target, "error": {"code": code, "message": f"{shown(p)}: {e}"},
-                   "exit_code": int(ExitStatus.FAILED)}
-            counts["refused"] += 1
-        except (SlotctlError, OSError) as e:
-            doc = {"path": shown(p), "output": target, "error": error_entry(e, shown(p)).as_dict(),
-                   "exit_code": int(ExitStatus.USAGE)}
-            counts["failed"] += 1
-        if "error" in doc and not json_out:
+    def said(doc: dict) -> None:
+        if json_out:
+            return
+        if "error" in doc:
             out.error(doc["error"]["message"])
-        files.append(doc)
-    exit_code = max((d["exit_code"] for d in files), default=0)
-    summary = {"files": len(files), **counts, "skipped": len(expansion.skipped)}
+        else:
+            out.print(f"{markup_safe(doc['path'])} -> {markup_safe(doc['output'])}: "
+                      f"{'would write' if opts['dry_run'] else 'wrote'} {human_bytes(doc['output_size'])}"
+                      f"{'' if doc['changes'] else ' (nothing changes)'}")
+
+    many = convert_files(src, dest, req, layouts, on_file=said, **opts)
+    counts, summary = many.counts, many.summary
     if json_out:
-        out.json({"files": files, "summary": summary, "exit_code": exit_code})
+        out.json({"files": many.files, "summary": summary, "exit_code": many.exit_code})
     else:
         out.print(f"total: {counts['converted']} converted, {counts['refused']} refused, {counts['failed']} failed; "
                   f"{summary['skipped']} skipped (not slot files)")
-    if exit_code:
-        raise typer.Exit(exit_code)
+    if many.exit_code:
+        raise typer.Exit(many.exit_code)
 
 
 def _fail(out: Output, json_out: bool, file: Path, output: Path, code: str, message: str) -> None:

@@ -5,9 +5,11 @@
   :mod:`slotctl.sources`, so every command that reads a slot file reads an object as well;
 - ``s3copy``: server-side copies (``UploadPartCopy``), signed here: cp across buckets, strip-draft in place;
 - ``cp``: ``slotctl cp`` between local paths and objects;
-- ``strip``: strip-draft of an object (a server-side copy of its prefix).
+- ``strip``: strip-draft of an object (a server-side copy of its prefix);
+- ``convert``: convert of a file or of every slot file of a directory or prefix, objects downloaded and
+  uploaded around :mod:`slotctl.convert`'s rewrite (``s3`` imported only for an ``s3://`` path).
 
-Imports point down: ``cp`` and ``strip`` over ``s3``, over ``s3copy``, over ``config``. Nothing here imports
+Imports point down: ``cp``, ``strip`` and ``convert`` over ``s3``, over ``s3copy``, over ``config``. Nothing here imports
 llama.cpp, the CLI, the live server or the fleet. Importing this package imports none of its modules (and
 not obstore): the CLI imports ``s3`` only when an ``s3://`` path is given.
 """
