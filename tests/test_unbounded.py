@@ -133,13 +133,20 @@ def test_environment_values_of_absurd_length():
 # -- standard input: bounded, and its spool removed on every signal slotctl handles ---------------------------
 
 
+def _default_signals() -> None:
+    """The child's SIGINT, SIGHUP and SIGTERM as a shell gives them: a suite run as a background job or under
+    nohup ignores SIGINT or SIGHUP, a child inherits that, and slotctl (rightly) keeps an ignored signal ignored."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _spool_run(tmp_path: Path, env: dict | None = None) -> tuple[subprocess.Popen, subprocess.Popen]:
     """``(cat SLOT; cat /dev/zero) | slotctl inspect -`` with the spool in ``tmp_path`` (TMPDIR)."""
     feeder = subprocess.Popen(["sh", "-c", f"cat '{SLOT}'; exec cat /dev/zero"], stdout=subprocess.PIPE)
     child_env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path), **(env or {}))
     proc = subprocess.Popen([sys.executable, "-m", "slotctl", "inspect", "-"], stdin=feeder.stdout,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=_default_signals)
     feeder.stdout.close()
     return feeder, proc
 
