@@ -42,7 +42,7 @@ from slotctl.errors import ExitStatus, SlotctlError, UsageError, error_entry
 from slotctl.live import http
 from slotctl.live.prove import Proof, local_setup
 from slotctl.live.prove import prove as prove_restore   # the step is the method _Migrator.prove
-from slotctl.fleet.states import copy_atomic
+from slotctl.fleet.states import copy_atomic, read_saved
 from slotctl.server.flags import ServerFlags
 
 #: the /v1/models meta keys that tell two models apart (llama_model_n_vocab, n_embd, n_params, size, n_ctx_train)
@@ -279,23 +279,20 @@ class _Migrator:
                 f"{answer['n_written']:,} bytes")
 
     def fetch(self, s: Step) -> str:
-        from slotctl.slotfile import open_slot_file
-
         path = self.from_dir / self.name
         if not path.is_file():
             raise UsageError(f"{path}: the source answered that it saved {self.name}, but --from-dir holds no such "
                              "file (is --from-dir the source's --slot-save-path?)")
-        with open_slot_file(path) as sf:
-            # a damage is the check's to judge (validate's verdict for the destination; --force sends it)
-            self.damaged = sf.errors[0].one_line() if sf.errors else None
-            saved = self.steps["save"].details["answer"]
-            n = sf.tokens.n_tokens if sf.tokens is not None else 0
-            if n != saved["n_saved"] or sf.size != saved["n_written"]:
-                raise Refused(f"{path}: holds {n:,} tokens in {sf.size:,} bytes, the source saved {saved['n_saved']:,} "
-                              f"in {saved['n_written']:,} (another file under that name?)")
-            self.path = path
-            s.details = {"path": os.fspath(path), "size": sf.size, "n_tokens": n, "state_version": sf.version}
-            return f"{path}: {n:,} tokens, {sf.size:,} bytes"
+        saved = self.steps["save"].details["answer"]
+        got = read_saved(path, saved)
+        # a damage is the check's to judge (validate's verdict for the destination; --force sends it)
+        self.damaged = got.damage
+        if got.mismatch:
+            raise Refused(f"{path}: holds {got.n_tokens:,} tokens in {got.size:,} bytes, the source saved "
+                          f"{saved['n_saved']:,} in {saved['n_written']:,} (another file under that name?)")
+        self.path = path
+        s.details = {"path": os.fspath(path), "size": got.size, "n_tokens": got.n_tokens, "state_version": got.version}
+        return f"{path}: {got.n_tokens:,} tokens, {got.size:,} bytes"
 
     def check(self, s: Step) -> str:
         from slotctl.live.judge import judge, why

@@ -206,15 +206,27 @@ def copy_atomic(src: str | os.PathLike, dest: str | os.PathLike) -> None:
 
 @dataclass(frozen=True)
 class Saved:
-    """A slot file a server has just saved, read back (keep, migrate): its size, tokens and state version, and
-    ``problem``: why it is not the file the server's answer describes (damaged, or other counts), else None."""
+    """A slot file a server has just saved, read back (keep, migrate, serve): its size, tokens, state version,
+    whether its prompt holds media and its target memory's kind; ``damage``: the first layer that does not
+    parse, ``mismatch``: the token count or size differ from the server's answer (each None when not so)."""
 
     size: int
     n_tokens: int
     version: int | None
     tokens: Any
-    problem: str | None
-    damaged: bool = False
+    damage: str | None
+    mismatch: str | None
+    media: bool = False
+    kind: str | None = None
+
+    @property
+    def problem(self) -> str | None:
+        """Why it is not the file the server's answer describes (its damage first), else None."""
+        return self.damage or self.mismatch
+
+    @property
+    def damaged(self) -> bool:
+        return self.damage is not None
 
 
 def read_saved(path: str | os.PathLike, answer: dict) -> Saved:
@@ -223,9 +235,11 @@ def read_saved(path: str | os.PathLike, answer: dict) -> Saved:
 
     with open_slot_file(path) as sf:
         n = sf.tokens.n_tokens if sf.tokens is not None else 0
-        problem = str(sf.errors[0]) if sf.errors else None
-        if problem is None and (n != answer["n_saved"] or sf.size != answer["n_written"]):
-            problem = (f"{n:,} tokens in {sf.size:,} bytes where the server saved {answer['n_saved']:,} in "
-                       f"{answer['n_written']:,}")
-        return Saved(sf.size, n, sf.version, sf.tokens.tokens if sf.tokens is not None else None, problem,
-                     bool(sf.errors))
+        mismatch = None
+        if n != answer["n_saved"] or sf.size != answer["n_written"]:
+            mismatch = (f"{n:,} tokens in {sf.size:,} bytes where the server saved {answer['n_saved']:,} in "
+                        f"{answer['n_written']:,}")
+        return Saved(sf.size, n, sf.version, sf.tokens.tokens if sf.tokens is not None else None,
+                     str(sf.errors[0]) if sf.errors else None, mismatch,
+                     bool(sf.tokens is not None and sf.tokens.media),
+                     sf.target.layout.kind if sf.target is not None else None)

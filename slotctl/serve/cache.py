@@ -22,7 +22,7 @@ import numpy as np
 from slotctl.live import http
 from slotctl.fleet.keep import model_hash, tokens_hash
 from slotctl.live.prove import local_setup, server_reads_checkpoints
-from slotctl.fleet.states import copy_atomic, open_store
+from slotctl.fleet.states import copy_atomic, open_store, read_saved
 from slotctl.serve.index import State, StateIndex, as_tokens
 from slotctl.server.reuse import predict_reuse, request_reuse, server_n_swa
 
@@ -301,10 +301,9 @@ class Cache:
 
     def save(self, slot: int, api_key: str | None = None) -> Saved | None:
         """The slot saved by the server into the slot directory (under a working name of its own) and
-        checked: it parses, with the token count and size the server reported. None when the slot holds
-        nothing (the working file removed); the working file is :meth:`store`'s to store or remove."""
-        from slotctl.slotfile import open_slot_file
-
+        checked: it parses, with the token count and size the server reported (:func:`read_saved`). None when
+        the slot holds nothing (the working file removed); the working file is :meth:`store`'s to store or
+        remove."""
         with self._lock:
             self._seq += 1
             work = INCOMING.format(slot=slot, seq=f"{os.getpid()}-{self._seq}")
@@ -312,21 +311,14 @@ class Cache:
         try:
             answer = http.save_slot(self.url, slot, work, api_key=api_key or self.api_key, timeout=self.timeout,
                                     check=False)
-            sf = open_slot_file(path)
-            try:
-                n = sf.tokens.n_tokens if sf.tokens is not None else 0
-                if sf.errors or n != answer["n_saved"] or sf.size != answer["n_written"]:
-                    why = sf.errors[0] if sf.errors else (f"{n:,} tokens in {sf.size:,} bytes where the server "
-                                                          f"saved {answer['n_saved']:,} in {answer['n_written']:,}")
-                    raise http.ServerAnswerError(f"{path}: not stored: {why}")
-                if n == 0 or sf.tokens.media:
-                    _unlink(path)
-                    return None
-                tokens = as_tokens(sf.tokens.tokens)
-                return Saved(slot, path, state_name(self.model, tokens), tokens,
-                             sf.target.layout.kind if sf.target is not None else None, sf.size)
-            finally:
-                sf.close()
+            got = read_saved(path, answer)
+            if got.problem is not None:
+                raise http.ServerAnswerError(f"{path}: not stored: {got.problem}")
+            if got.n_tokens == 0 or got.media:
+                _unlink(path)
+                return None
+            tokens = as_tokens(got.tokens)
+            return Saved(slot, path, state_name(self.model, tokens), tokens, got.kind, got.size)
         except BaseException:
             _unlink(path)
             raise
