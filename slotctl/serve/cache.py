@@ -24,7 +24,7 @@ from slotctl.fleet.keep import model_hash, tokens_hash
 from slotctl.live.prove import local_setup, server_reads_checkpoints
 from slotctl.fleet.states import copy_atomic, open_store, read_saved
 from slotctl.serve.index import State, StateIndex, as_tokens
-from slotctl.server.reuse import predict_reuse, request_reuse, server_n_swa
+from slotctl.server.reuse import request_reuse, reuse_for, server_n_swa
 
 #: the name the server saves a slot under before serve checks it (in --slot-save-path): one per save, so
 #: that a slot is given again while its last save is being stored
@@ -244,7 +244,6 @@ class Cache:
             found = self._judged.get(key)
         if found is not None:
             return found
-        from slotctl.server.findings import checkpoints_read
         from slotctl.validate.check import validate_file
         from slotctl.validate.setup import Models
 
@@ -257,9 +256,8 @@ class Cache:
         extending = None
         if sf is not None and sf.target is not None:
             reads = server_reads_checkpoints(self.facts.build_info)
-            r = predict_reuse(sf, n_swa=n_swa if models.target is not None else None,
-                              n_ctx_checkpoints=setup.n_ctx_checkpoints,
-                              checkpoints_read=reads and checkpoints_read(sf), extends=True)
+            r = reuse_for(sf, models.target, swa_full=setup.settings.swa_full,
+                          n_ctx_checkpoints=setup.n_ctx_checkpoints, reads_checkpoints=reads, extends=True)
             if r is not None:
                 extending = r.n_reused if reads else r.n_reused_b11434
         if sf is not None:
