@@ -317,22 +317,29 @@ def test_a_client_that_goes_away_mid_stream_frees_the_slot(llama, tmp_path):
 
 @server
 def test_requests_to_different_slots_run_in_parallel(llama, tmp_path):
+    # The tiny model answers 400 tokens in about 0.1 s, so one pair of requests may finish before a poll of
+    # /slots sees both at work. Pairs are sent until one is seen overlapping: serve holding the second
+    # request back until the first is done would never show it, however many pairs.
     with serving(llama, llama.save_dir, str(tmp_path)) as s:
-        results: dict = {}
         seen_both = threading.Event()
+        for attempt in range(8):
+            results: dict = {}
 
-        def run(i: int) -> None:
-            results[i] = complete(s.url, f"{SAMPLE_PROMPT} {i}", n_predict=200, ignore_eos=True)
+            def run(i: int) -> None:
+                results[i] = complete(s.url, f"{SAMPLE_PROMPT} {attempt} {i}", n_predict=400, ignore_eos=True)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):
-            slots = llama.get("/slots")[1]
-            if all(e["is_processing"] for e in slots):
-                seen_both.set()
-            time.sleep(0.02)
-        assert {results[0]["id_slot"], results[1]["id_slot"]} == {0, 1}
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            while any(t.is_alive() for t in threads):
+                slots = llama.get("/slots")[1]
+                if all(e["is_processing"] for e in slots):
+                    seen_both.set()
+            for t in threads:
+                t.join()
+            assert {results[0]["id_slot"], results[1]["id_slot"]} == {0, 1}
+            if seen_both.is_set():
+                break
         assert seen_both.is_set(), "the two requests never ran at the same time"
 
 
