@@ -45,7 +45,13 @@ def main() -> None:
     ap.add_argument("--fast", action="store_true", help="the quick commands only; memory on the first")
     ap.add_argument("--mutants", type=int, default=0, help="stop after this many mutants (0: --seconds only)")
     ap.add_argument("--report-every", type=float, default=300, help="seconds between progress lines")
+    ap.add_argument("--store-every", type=int, default=1,
+                    help="with --store: every Nth mutant (the 1st, N+1th, ...) also goes through the store commands")
+    ap.add_argument("--measure-every", type=int, default=0,
+                    help="memory (tracemalloc) on every command of every Nth mutant (the 1st, N+1th, ...); "
+                         "default: every mutant, or with --fast the first command of each")
     args = ap.parse_args()
+    _cache_what_no_mutant_changes(args.identify)
     store_url, put, stop = _store(args.store)
     rng = random.Random(args.seed)
     sources = mutate.sources()
@@ -56,12 +62,14 @@ def main() -> None:
     biggest = (0, "")
     findings = []
     original_check = mutate.check_command
+    measure_now = None      # None: as check_file asks; True/False: every command of this mutant, or none
+    store_runs = measured = 0
 
     def counting(cmd, *, measure=True):
         nonlocal runs, slowest, biggest
-        code, secs, peak = original_check(cmd, measure=measure)
+        code, secs, peak = original_check(cmd, measure=measure if measure_now is None else measure_now)
         runs += 1
-        codes[(cmd[0], code)] += 1
+        codes[(_label(cmd), code)] += 1
         if secs > slowest[0]:
             slowest = (secs, " ".join(cmd[:1] + cmd[2:]))
         if peak > biggest[0]:
@@ -76,8 +84,9 @@ def main() -> None:
         while time.monotonic() < end and not (args.mutants and files >= args.mutants):
             if time.monotonic() - said > args.report_every:
                 said = time.monotonic()
-                print(f"... {files:,} files, {runs:,} runs, {len(findings)} findings, "
-                      f"{files / (said - t0):.1f} files/s", flush=True)
+                print(f"... {files:,} files, {runs:,} runs ({store_runs:,} mutants through the store, "
+                      f"{measured:,} measured), {len(findings)} findings, {files / (said - t0):.1f} files/s, "
+                      f"{runs / (said - t0):.1f} runs/s, peak RSS {_peak_rss_mib():.0f} MiB", flush=True)
             src = rng.choice(sources)
             layer, off, size = rng.choice(src.layers)
             muts = []
@@ -88,13 +97,18 @@ def main() -> None:
                 arg = rng.choice(mutate.EXTREMES) if rng.random() < 0.3 else rng.getrandbits(64)
                 muts.append((kind, pos, arg))
                 data = mutate.apply(data, kind, pos, arg)
+            through_store = store_url is not None and files % max(1, args.store_every) == 0
+            if args.measure_every:
+                measure_now = files % args.measure_every == 0
+                measured += measure_now
             files += 1
+            store_runs += through_store
             per_layer[(src.name, layer)] += 1
             try:
-                if store_url:
+                if through_store:
                     put(data)
                 mutate.check_file(data, src, Path(d), full=not args.fast, identify=args.identify,
-                                  store=store_url)
+                                  store=store_url if through_store else None)
             except Exception:   # noqa: BLE001 - every failure is a finding
                 os.makedirs(args.keep, exist_ok=True)
                 keep = Path(args.keep) / f"finding-{len(findings)}.bin"
@@ -104,13 +118,61 @@ def main() -> None:
     stop()
     took = time.monotonic() - t0
     print(f"files: {files:,}; command runs: {runs:,}; seed {args.seed}; {took:.0f} s: {files / took:.1f} files/s, "
-          f"{runs / took:.1f} runs/s" + (" (identify)" if args.identify else "") + (" (store)" if args.store else ""))
+          f"{runs / took:.1f} runs/s" + (" (identify)" if args.identify else "")
+          + (f" (store: {store_runs:,} mutants)" if args.store else "")
+          + (f" (memory measured on {measured:,} mutants)" if args.measure_every else ""))
     print("files per (source, layer): " + ", ".join(f"{s}/{l}: {n}" for (s, l), n in sorted(per_layer.items())))
     print("exit codes: " + ", ".join(f"{c} {code}: {n}" for (c, code), n in sorted(codes.items())))
     print(f"slowest command: {slowest[0]:.2f} s ({slowest[1]}); largest peak allocation: "
           f"{biggest[0] / 2**20:.1f} MiB ({biggest[1]})")
+    print(f"peak RSS of the process: {_peak_rss_mib():.0f} MiB")
     print(f"findings: {len(findings)}")
     sys.exit(1 if findings else 0)
+
+
+def _label(cmd: list[str]) -> str:
+    """A command as counted: its name, ``-m`` when it was given a model, ``s3`` when it read the store."""
+    return cmd[0] + (" -m" if "-m" in cmd else "") + (" s3" if any(a.startswith("s3://") for a in cmd) else "")
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _cache_what_no_mutant_changes(identify: bool) -> None:
+    """Keep across runs what no mutant changes, so that a run costs what its command does with the file:
+
+    - each command as typer builds it from its function (``slotctl.cli.app.load_command``: about 60 ms of
+      signature reading a run, a third of a run's time); the group still parses every argument, and the
+      command's own code runs as it does for a user;
+    - with ``identify``, the state a candidate model computes for a prompt (``candidate_state``: a real
+      llama-cpp-python context decoding the tokens, 0.1 to 0.4 s), keyed by everything it is computed from
+      (model, tokens, cache types, flash attention); a mutant whose tokens changed gets its own. What identify
+      does with the file, its rows and the comparison, runs every time.
+    """
+    import functools
+
+    import slotctl.cli.app as cli_app
+
+    cli_app.load_command = functools.cache(cli_app.load_command)
+    if not identify:
+        return
+    import slotctl.runtime.identify as rid
+
+    compute = rid.candidate_state
+    states: dict = {}
+
+    def candidate_state(model_path, tokens, *, type_k="f16", type_v="f16", flash_attn="on"):
+        key = (os.fspath(model_path), tuple(tokens), type_k, type_v, flash_attn)
+        if key not in states:
+            if len(states) >= 512:
+                states.clear()
+            states[key] = compute(model_path, tokens, type_k=type_k, type_v=type_v, flash_attn=flash_attn)
+        return states[key]
+
+    rid.candidate_state = candidate_state
 
 
 def _store(wanted: bool):

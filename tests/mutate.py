@@ -107,9 +107,11 @@ def apply(data: bytes, kind: str, pos: int, arg: int) -> bytes:
 def commands(path: Path, model: Path, *, full: bool = False, original: Path | None = None,
              identify: bool = False, store: str | None = None) -> list[list[str]]:
     """The commands run on a mutated file (each leaves it as it is); ``full`` adds the slower ones (the fuzz
-    run). ``original``: the intact file, which ``diff`` compares with the mutated one; ``convert`` writes
+    run: inspect -m, strip-draft without -m, validate -m, convert to state version 3, diff -m -md, ls -m -md
+    of the file). ``original``: the intact file, which ``diff`` compares with the mutated one; ``convert`` writes
     next to the file, re-encoding every K and V record (q8_0), or changing the state version. ``identify``:
-    identify with the model (real contexts: llama-cpp-python). ``store``: the same file as an
+    identify with the model and the draft model as target candidates and the draft model as the draft's
+    (real contexts: llama-cpp-python). ``store``: the same file as an
     ``s3://`` object (uploaded by the caller): inspect, validate, ls of its prefix and cp of it down."""
     p, m, d = str(path), str(model), str(DATA / "draft.gguf")
     out_file = str(path.with_name("converted.bin"))
@@ -124,8 +126,9 @@ def commands(path: Path, model: Path, *, full: bool = False, original: Path | No
                 ["validate", p, "-m", m, "--no-load", "--json"], [*convert, "--state-version", "3"]]
         if original is not None:
             out.append(["diff", p, str(original), "-m", m, "-md", d, "--json"])
-    if identify:
-        out.append(["identify", p, "-m", m, "--json"])
+        out.append(["ls", p, "-m", m, "-md", d, "--json"])
+    if identify:   # two target candidates (the file's model and another) and the draft state against the draft
+        out.append(["identify", p, "-m", m, "-m", d, "-md", d, "--json"])
     if store is not None:
         prefix = store.rpartition("/")[0] + "/"
         out += [["inspect", store, "--json"], ["validate", store, "--no-load", "--json"],

@@ -78,3 +78,27 @@ def test_the_fuzz_contract_covers_identify_and_the_store(seaweed, monkeypatch, t
             codes = check_file(data, src, tmp_path, identify=True, store=url)
             assert len(codes) == 11, codes
     S3_STORE.reset()
+
+
+def test_a_file_whose_memory_claims_no_kv_stream_is_broken_not_unreadable(tmp_path):
+    """A fuzz finding (seed 5, fuzz/fuzz_slotfiles.py): 64 bytes deleted in the token words of the KV source
+    leave a target memory of 0 KV streams. ``ls -m`` judged it again for "a server started as it was saved",
+    ``-np 0``, which no server takes: the flag's usage error made the file unreadable (exit 2). No server saved
+    it: the first judgement stands (refused, broken, exit 1), and every command keeps its contract on it."""
+    import json
+
+    from mutate import check_command, runner
+    from slotctl.cli.app import app
+
+    src = SOURCES["kv"]
+    data = apply(src.data, "delete", 236, 63)
+    p = tmp_path / "mutated.bin"
+    p.write_bytes(data)
+    code, _, _ = check_command(["ls", str(p), "-m", str(src.model), "--json"], measure=False)
+    assert code == 1
+    row = json.loads(runner.invoke(app, ["ls", str(p), "-m", str(src.model), "--json"]).stdout)["files"][0]
+    assert (row["verdict"], row["class"], row["exit_code"]) == ("refused", "broken", 1), row
+    assert "0 KV streams" in " ".join(f["message"] for f in row["findings"])
+    every = tmp_path / "every"
+    every.mkdir()
+    assert 1 in check_file(data, src, every, full=True)   # every command of the long run, ls -m among them

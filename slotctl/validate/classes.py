@@ -47,7 +47,9 @@ class Standing:
 
 def own_setup(report: FileReport, setup: ServerSetup) -> ServerSetup | None:
     """``setup`` with the flags the file of ``report`` was written with (the same models): what a server
-    started as it was saved would be; None when the file's memory did not parse."""
+    started as it was saved would be; None when the file's memory did not parse, or when its bytes name flags
+    no server is started with (a KV stream count of 0 or past ``-np``'s range: no such server saved it)."""
+    from slotctl.server.flags import FlagError
     from slotctl.slotfile import memory_flags
 
     sf = report.slot_file
@@ -57,9 +59,12 @@ def own_setup(report: FileReport, setup: ServerSetup) -> ServerSetup | None:
     n_tokens = sf.tokens.n_tokens if sf.tokens is not None and sf.tokens.error is None else 0
     cells = max(n_tokens + 1, 1)
     per_slot = -(-cells // _CTX_PAD) * _CTX_PAD
-    flags = setup.flags.replace(parallel=n_stream, kv_unified=False, kv_unified_per_slot=0,
-                                cache_type_k=type_k, cache_type_v=type_v, flash_attn=fa,
-                                ctx_size=max(setup.flags.ctx_size, per_slot * n_stream))
+    try:
+        flags = setup.flags.replace(parallel=n_stream, kv_unified=False, kv_unified_per_slot=0,
+                                    cache_type_k=type_k, cache_type_v=type_v, flash_attn=fa,
+                                    ctx_size=max(setup.flags.ctx_size, per_slot * n_stream))
+    except FlagError:
+        return None
     media = bool(sf.tokens is not None and sf.tokens.error is None and sf.tokens.media)
     return dataclasses.replace(ServerSetup.from_flags(flags, target=setup.target, draft=setup.draft, slot=0,
                                                       mmproj=setup.mmproj or media,
