@@ -145,8 +145,8 @@ def _cache_what_no_mutant_changes(identify: bool) -> None:
     """Keep across runs what no mutant changes, so that a run costs what its command does with the file:
 
     - each command as typer builds it from its function (``slotctl.cli.app.load_command``: about 60 ms of
-      signature reading a run, a third of a run's time); the group still parses every argument, and the
-      command's own code runs as it does for a user;
+      signature reading a run, a third of a run's time), and the group CliRunner builds from the app; the
+      group still parses every argument, and the command's own code runs as it does for a user;
     - with ``identify``, the state a candidate model computes for a prompt (``candidate_state``: a real
       llama-cpp-python context decoding the tokens, 0.1 to 0.4 s), keyed by everything it is computed from
       (model, tokens, cache types, flash attention); a mutant whose tokens changed gets its own. What identify
@@ -154,9 +154,13 @@ def _cache_what_no_mutant_changes(identify: bool) -> None:
     """
     import functools
 
+    import typer.testing
+
     import slotctl.cli.app as cli_app
 
     cli_app.load_command = functools.cache(cli_app.load_command)
+    # CliRunner.invoke builds the click group from the Typer app on every call: once is enough
+    typer.testing._get_command = functools.cache(typer.testing._get_command)
     if not identify:
         return
     import slotctl.runtime.identify as rid
