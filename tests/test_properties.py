@@ -84,7 +84,8 @@ def test_a_file_whose_memory_claims_no_kv_stream_is_broken_not_unreadable(tmp_pa
     """A fuzz finding (seed 5, fuzz/fuzz_slotfiles.py): 64 bytes deleted in the token words of the KV source
     leave a target memory of 0 KV streams. ``ls -m`` judged it again for "a server started as it was saved",
     ``-np 0``, which no server takes: the flag's usage error made the file unreadable (exit 2). No server saved
-    it: the first judgement stands (refused, broken, exit 1), and every command keeps its contract on it."""
+    it: the first judgement stands (refused, broken, exit 1), and every command keeps its contract on it. validate's
+    words for the stream count advise no ``-np 0`` either: the count is damaged."""
     import json
 
     from mutate import check_command, runner
@@ -98,7 +99,9 @@ def test_a_file_whose_memory_claims_no_kv_stream_is_broken_not_unreadable(tmp_pa
     assert code == 1
     row = json.loads(runner.invoke(app, ["ls", str(p), "-m", str(src.model), "--json"]).stdout)["files"][0]
     assert (row["verdict"], row["class"], row["exit_code"]) == ("refused", "broken", 1), row
-    assert "0 KV streams" in " ".join(f["message"] for f in row["findings"])
+    said = " ".join(f["message"] for f in row["findings"])
+    assert "0 KV streams" in said and "no server is started with -np 0" in said, said
+    assert "start the server with -np 0" not in said and "convert" not in said, said   # no advice no server takes
     every = tmp_path / "every"
     every.mkdir()
     assert 1 in check_file(data, src, every, full=True)   # every command of the long run, ls -m among them

@@ -15,6 +15,7 @@ from slotctl.format.memory import MemoryLayout, SectionLayout
 from slotctl.model.info import ModelInfo
 from slotctl.model.predict import Prediction, SectionPrediction
 from slotctl.server.findings import Finding
+from slotctl.server.flags import MAX_PARALLEL
 from slotctl.slotfile import Memory, checkpoint_layer, is_checkpoint_layer
 from slotctl.validate.report import (
     LayerCheck,
@@ -140,14 +141,16 @@ def _compare_kv(sec, p: SectionPrediction, sl: SectionLayout, offset: int, label
     out: list[_Issue] = []
     s = setup.settings
     if sec.n_stream != p.n_stream:
-        if p.n_stream == 1:
+        if not 1 <= sec.n_stream <= MAX_PARALLEL:   # no -np makes that many streams: the count is damaged
+            remedy = f"no server is started with -np {sec.n_stream:,} (1 to {MAX_PARALLEL}): the count is damaged"
+        elif p.n_stream == 1:
             remedy = (f"start the server with -np {sec.n_stream} and without -kvu" if s.kv_unified
                       else f"start the server with -np {sec.n_stream}")
         elif sec.n_stream == 1:
             remedy = "start the server with -kvu (one stream for all slots), or with -np 1"
         else:
             remedy = f"start the server with -np {sec.n_stream}"
-        if sum(st.cell_count > 0 for st in sec.streams) <= 1:   # a slot's save: slotctl convert rewrites it
+        if sec.n_stream >= 1 and sum(st.cell_count > 0 for st in sec.streams) <= 1:   # a slot's save: convert rewrites it
             remedy += (f", or convert the file: slotctl convert FILE -o OUT -np {s.n_parallel}"
                        + (" -kvu" if s.kv_unified else ""))
         out.append(_issue(side, "n_stream_mismatch",
