@@ -59,6 +59,8 @@ def main() -> None:
     codes: collections.Counter = collections.Counter()
     per_layer: collections.Counter = collections.Counter()
     slowest = (0.0, "")
+    seconds: collections.Counter = collections.Counter()
+    current: tuple = ()     # the mutant being run: (source, layer, mutations)
     biggest = (0, "")
     findings = []
     original_check = mutate.check_command
@@ -70,8 +72,9 @@ def main() -> None:
         code, secs, peak = original_check(cmd, measure=measure if measure_now is None else measure_now)
         runs += 1
         codes[(_label(cmd), code)] += 1
+        seconds[_label(cmd)] += secs
         if secs > slowest[0]:
-            slowest = (secs, " ".join(cmd[:1] + cmd[2:]))
+            slowest = (secs, " ".join(cmd[:1] + cmd[2:]) + f" on mutant {files - 1} {current}")
         if peak > biggest[0]:
             biggest = (peak, " ".join(cmd[:1] + cmd[2:]))
         return code, secs, peak
@@ -104,6 +107,7 @@ def main() -> None:
             files += 1
             store_runs += through_store
             per_layer[(src.name, layer)] += 1
+            current = (src.name, layer, muts)
             try:
                 if through_store:
                     put(data)
@@ -123,6 +127,7 @@ def main() -> None:
           + (f" (memory measured on {measured:,} mutants)" if args.measure_every else ""))
     print("files per (source, layer): " + ", ".join(f"{s}/{l}: {n}" for (s, l), n in sorted(per_layer.items())))
     print("exit codes: " + ", ".join(f"{c} {code}: {n}" for (c, code), n in sorted(codes.items())))
+    print("seconds per command: " + ", ".join(f"{c} {t:.0f}" for c, t in seconds.most_common()))
     print(f"slowest command: {slowest[0]:.2f} s ({slowest[1]}); largest peak allocation: "
           f"{biggest[0] / 2**20:.1f} MiB ({biggest[1]})")
     print(f"peak RSS of the process: {_peak_rss_mib():.0f} MiB")
