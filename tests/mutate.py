@@ -110,8 +110,8 @@ def commands(path: Path, model: Path, *, full: bool = False, original: Path | No
     run: inspect -m, strip-draft without -m, validate -m, convert to state version 3, diff -m -md, ls -m -md
     of the file). ``original``: the intact file, which ``diff`` compares with the mutated one; ``convert`` writes
     next to the file, re-encoding every K and V record (q8_0), or changing the state version. ``identify``:
-    identify with the model and the draft model as target candidates and the draft model as the draft's
-    (real contexts: llama-cpp-python). ``store``: the same file as an
+    identify with two candidates for the target (the model and the draft model) and two for the draft state
+    (target.gguf, which wrote the appended draft blob, and the draft model): real llama-cpp-python contexts. ``store``: the same file as an
     ``s3://`` object (uploaded by the caller): inspect, validate, ls of its prefix and cp of it down."""
     p, m, d = str(path), str(model), str(DATA / "draft.gguf")
     out_file = str(path.with_name("converted.bin"))
@@ -127,8 +127,8 @@ def commands(path: Path, model: Path, *, full: bool = False, original: Path | No
         if original is not None:
             out.append(["diff", p, str(original), "-m", m, "-md", d, "--json"])
         out.append(["ls", p, "-m", m, "-md", d, "--json"])
-    if identify:   # two target candidates (the file's model and another) and the draft state against the draft
-        out.append(["identify", p, "-m", m, "-m", d, "-md", d, "--json"])
+    if identify:   # two candidates for each state: the one that wrote it and another (the SDFT blob is target.gguf's)
+        out.append(["identify", p, "-m", m, "-m", d, "-md", str(DATA / "target.gguf"), "-md", d, "--json"])
     if store is not None:
         prefix = store.rpartition("/")[0] + "/"
         out += [["inspect", store, "--json"], ["validate", store, "--no-load", "--json"],
