@@ -2,18 +2,26 @@
 
 The same mutations and contract as ``tests/test_properties.py`` (``tests/mutate.py``), drawn at random
 (seeded, so a finding can be replayed), over every layer of each source file, with the slower commands
-too (``inspect -m``, ``validate -m``) and memory measured on every command. A finding (an exception, an
+too (``inspect -m``, ``validate -m``, ...). A finding (an exception, an
 undocumented exit code, a message that is not one line, a timeout or a memory bound broken) is printed
 with its seed and mutation and the file is kept in ``--keep``.
 
-Every command runs in this process (typer's CliRunner), not one process per run. ``--identify`` adds
-``identify -m`` (real llama-cpp-python contexts); ``--store`` starts a SeaweedFS (tests/seaweed.py, on
-127.0.0.1) and runs each mutant as an ``s3://`` object too: inspect, validate, ls of its prefix, cp down;
-``--fast`` runs only the quick commands and measures memory on the first only (for runs of many mutants).
+Every command runs in this process (typer's CliRunner), not one process per run; what no mutant changes is
+built once (each typer command, the group, and with ``--identify`` the state a candidate model computes for a
+prompt: see :func:`_cache_what_no_mutant_changes`). Without ``--fast`` every local command runs on each
+mutant: inspect, inspect -m, validate, validate -m (--no-load), strip-draft --dry-run with and without -m,
+strip-draft --checkpoints in place, convert to q8_0 and to state version 3, diff with and without -m, ls -m.
+``--identify`` adds ``identify`` (real llama-cpp-python contexts, two candidates for the target and two for
+the draft state); ``--store`` starts a SeaweedFS (tests/seaweed.py, on 127.0.0.1) and runs mutants as an
+``s3://`` object too: inspect, validate, ls of its prefix, cp down (``--store-every N``: every Nth mutant).
+Memory (tracemalloc, which slows Python several times) is measured on every command, or with
+``--measure-every N`` on every command of every Nth mutant; ``--fast`` runs only the quick commands and
+measures the first only.
 
 Run: ``python fuzz/fuzz_slotfiles.py --seconds 600 [--seed N] [--keep DIR] [--identify] [--store] [--fast]
-[--mutants N]``. Prints the number of files and command runs, the exit codes seen, the slowest command and the
-largest peak allocation, and the rate.
+[--mutants N] [--store-every N] [--measure-every N]``. Prints the number of files and command runs, the exit
+codes seen per command, the seconds spent per command, the slowest command (with its mutant) and the largest
+peak allocation, the process's peak RSS, and the rate. docs/testing.md has the long run of issue 27.
 """
 
 from __future__ import annotations
