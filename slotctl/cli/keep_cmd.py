@@ -169,13 +169,14 @@ def keep(
         if isinstance(held, locks.Lease):
             held.start(keeper.abandon)
         if listen is not None:
-            from slotctl.unattended.metrics import Endpoint, KeepMetrics
+            from slotctl.unattended.metrics import Endpoint, KeepMetrics, StoreProbe
 
             metrics = KeepMetrics(keeper.url)
             keeper.on_look = metrics.look
             count_store()
+            probe = StoreProbe(str(store if store is not None else slot_dir))
             endpoint = Endpoint(listen, metrics.registry.exposition,
-                                lambda: metrics.ready(3 * keeper.every + keeper.timeout),
+                                lambda: metrics.ready(3 * keeper.every + keeper.timeout, probe),
                                 lambda: _alive(keeper)).start()
             if not json_out:
                 out.err.print(f"metrics: {endpoint.url}/metrics, /livez, /readyz", markup=False, highlight=False)
