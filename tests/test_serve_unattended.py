@@ -360,3 +360,77 @@ def test_a_lease_is_counted_lost_before_it_expires_when_the_store_stops_answerin
     assert serve_errors and serve_errors[-1]["details"]["code"] == "lease_lost", s.output()
     assert s.events[-1]["event"] == "stop" and "lock is lost" in s.events[-1]["message"]
     stop(k)
+
+
+# -- llama-server's router mode ------------------------------------------------------------------------------
+
+
+class Router:
+    """b11434 in router mode: no -m, ``--models-dir`` with the tiny model as ``tiny``; it starts the model's own
+    server (a child on 127.0.0.1 and a port it chooses) at the first request naming it."""
+
+    def __init__(self, binary: Path, models: Path, slots: Path, log: Path):
+        from llama_server import LlamaServer
+
+        class R(LlamaServer):
+            def command(self) -> list[str]:
+                return [str(self.binary), "--host", self.host, "--port", str(self.port), "--models-dir", str(models),
+                        "-t", "2", "-tb", "2", "--no-ui", "--slot-save-path", str(slots), *ARGS]
+
+        self.srv = R(binary, models / "tiny.gguf", log_path=log).start()
+        self.url = self.srv.url
+
+    def stop(self) -> None:
+        self.srv.stop()     # its process group: the children with it
+
+
+@server
+def test_router_mode_gets_one_line_naming_the_models_own_server(llama_server_bin, tiny_models, tmp_path):
+    """slotctl pointed at a router says so in one line, naming each model's own server; b11434's router refuses
+    a slot action whose model is in ?model= and routes one whose model is in the JSON body; keep --save-all
+    against the model's own server (the port the line names) saves through it."""
+    import re
+    import shutil
+    import urllib.request
+
+    models, slots, store = tmp_path / "models", tmp_path / "slots", tmp_path / "store"
+    for d in (models, slots, store):
+        d.mkdir()
+    shutil.copy(tiny_models.target, models / "tiny.gguf")
+    router = Router(llama_server_bin, models, slots, tmp_path / "router.log")
+    try:
+        r = subprocess.run([sys.executable, "-m", "slotctl", "slots", "--server", router.url], capture_output=True,
+                           text=True, timeout=60, env=_env())
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r
+        assert "is llama-server's router (router mode)" in r.stderr and "tiny (unloaded" in r.stderr, r.stderr
+
+        def post(path: str, body: dict) -> tuple[int, dict]:
+            req = urllib.request.Request(router.url + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as resp:
+                    return resp.status, json.loads(resp.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        status, answer = post("/completion", {"model": "tiny", "prompt": TURN1, "n_predict": 2, "id_slot": 1})
+        assert status == 200, answer
+        # b11434's router: ?model= does not route a slot action; the body's "model" does
+        status, answer = post("/slots/1?action=save&model=tiny", {"filename": "by-query.bin"})
+        assert status == 400 and answer["error"]["message"] == "model name is missing from the request", answer
+        status, answer = post("/slots/1?action=save", {"filename": "by-body.bin", "model": "tiny"})
+        assert status == 200 and answer["n_saved"] > 0 and (slots / "by-body.bin").exists(), answer
+        r = subprocess.run([sys.executable, "-m", "slotctl", "slots", "--server", router.url], capture_output=True,
+                           text=True, timeout=60, env=_env())
+        assert r.returncode == 2, r
+        own = re.search(r"tiny (http://127\.0\.0\.1:\d+) \(loaded\)", r.stderr)
+        assert own, r.stderr
+        k = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--save-all", "--server", own.group(1),
+                            "--slot-dir", str(slots), "--store", str(store), "--json", "--timeout", "60"],
+                           capture_output=True, text=True, timeout=120, env=_env())
+        assert k.returncode == 0, k
+        stored = [json.loads(x) for x in k.stdout.splitlines() if json.loads(x)["event"] == "stored"]
+        assert [e["slot"] for e in stored] == [1], k.stdout
+        assert len(list(store.glob("*.bin"))) == 1
+    finally:
+        router.stop()

@@ -129,11 +129,6 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
 
         if isinstance(held, locks.Lease):
             held.start(on_lost)
-        elif held is None:
-            log("error", f"{unlocked}: serve runs without its lease (a second serve of this server and store is "
-                         f"not refused meanwhile); it takes the lease once the store answers",
-                code=getattr(unlocked, "code", "store_error"))
-            threading.Thread(target=take_later, args=(on_lost,), name="slotctl-lease-take", daemon=True).start()
         proxy = (Metered if metrics is not None else Proxy)(cache, min_gain=min_gain, log=log)
 
         async def beating() -> None:
@@ -152,6 +147,11 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
                              f"{cache.store}" + (f"; metrics on {endpoint.url}/metrics, /livez, /readyz"
                                                  if endpoint is not None else ""),
                 listen=f"{h}:{p}", port=p, upstream=redact(cache.url), store=str(cache.store), **extra)
+            if held is None:
+                log("error", f"{unlocked}: serve runs without its lease (a second serve of this server and store "
+                             f"is not refused meanwhile); it takes the lease once the store answers",
+                    code=getattr(unlocked, "code", "store_error"))
+                threading.Thread(target=take_later, args=(on_lost,), name="slotctl-lease-take", daemon=True).start()
             systemd.notify("READY=1", f"STATUS=serving {redact(cache.url)} on http://{h}:{p} (store {cache.store})")
 
         try:
