@@ -20,10 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import start_server
 from llama_server import free_port
 from seaweed import BUCKET, Seaweed, weed_binary
-from test_serve import ARGS, TURN1, TURN2_EXTRA, Serve, complete
+from test_serve import ARGS, TURN1, TURN2_EXTRA, Serve, complete, fresh  # noqa: F401 - a server of its own
 from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 from test_unattended import _env, _lease, first_line, keep_proc, scrape, stop, wait_until
 
@@ -48,17 +47,6 @@ def value(ss: dict, name: str, **labels) -> float:
 
 def serve_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "slotctl", "serve", *args]
-
-
-@pytest.fixture
-def fresh(llama_server_bin, tiny_models, tmp_path):
-    """A server of its own (it is killed and started again)."""
-    (tmp_path / "slots").mkdir()
-    srv = start_server(llama_server_bin, tiny_models.target, tmp_path, "fresh", args=ARGS,
-                       slot_save_path=tmp_path / "slots")
-    srv.save_dir = tmp_path / "slots"
-    yield srv
-    srv.stop()
 
 
 # -- metrics and health --------------------------------------------------------------------------------------

@@ -99,12 +99,7 @@ def keep(
 
     out = Output(json_mode=json_out)
     cfg = load(config) if config is not None else Config()
-    entry = cfg.server(server) if config is not None else None
-    if entry is not None:
-        server = entry.url
-        slot_dir = slot_dir if slot_dir is not None else (Path(entry.slot_dir) if entry.slot_dir else None)
-        store = store if store is not None else entry.store
-        api_key = api_key if api_key is not None else entry.api_key()
+    server, slot_dir, store, api_key = cfg.fill("keep", server, slot_dir, store, api_key)
     k = cfg.keep
 
     def pick(flag, key, default):

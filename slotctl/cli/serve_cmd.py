@@ -84,12 +84,7 @@ def serve(
     from slotctl.unattended.metrics import parse_listen
 
     cfg = load(config) if config is not None else Config()
-    entry = cfg.server(upstream, section="serve") if config is not None else None
-    if entry is not None:
-        upstream = entry.url
-        slot_dir = slot_dir if slot_dir is not None else (Path(entry.slot_dir) if entry.slot_dir else None)
-        store = store if store is not None else entry.store
-        api_key = api_key if api_key is not None else entry.api_key()
+    upstream, slot_dir, store, api_key = cfg.fill("serve", upstream, slot_dir, store, api_key)
     v = cfg.serve
 
     def pick(flag, key, default):

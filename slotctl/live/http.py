@@ -718,8 +718,8 @@ def router_message(url: str, *, api_key: str | None = None, timeout: float = DEF
     except ServerError as e:
         shown = f"not known (GET /models: {e})"
     return (f"{base} is llama-server's router (router mode): it answers for no one model, and b11434's router "
-            f"routes a slot action only by the \"model\" of its JSON body (never ?model=), which slotctl does "
-            f"not send: point --server at the model's own server, on the router's machine (its port changes "
+            f"routes a slot action only by the \"model\" of its JSON body (never ?model=), which is not sent "
+            f"by slotctl: point --server at the model's own server, on the router's machine (its port changes "
             f"at each load); models: {shown} (docs/fleet.md, router mode)")
 
 

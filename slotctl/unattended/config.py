@@ -108,6 +108,20 @@ class Config:
                               f"({', '.join(s.label for s in self.servers)})")
         return ServerEntry(url=which)
 
+    def fill(self, section: str, url: str | None, slot_dir, store: str | None, api_key: str | None) -> tuple:
+        """``(url, slot_dir, store, api_key)`` of the server ``[section]`` uses (``url`` names one, or the
+        section's ``server``, or the only one), each value given on the command line kept over the file's;
+        as given when no file was read."""
+        entry = self.server(url, section) if self.path is not None else None
+        if entry is None:
+            return url, slot_dir, store, api_key
+        from pathlib import Path
+
+        return (entry.url,
+                slot_dir if slot_dir is not None else (Path(entry.slot_dir) if entry.slot_dir else None),
+                store if store is not None else entry.store,
+                api_key if api_key is not None else entry.api_key())
+
 
 # -- checking ------------------------------------------------------------------------------------------
 
