@@ -279,7 +279,7 @@ def own_seaweed(tmp_path):
 def test_readyz_says_not_ready_when_the_store_is_killed(own_seaweed, tmp_path):
     """keep and serve on a real SeaweedFS, which is then killed: /readyz 503 naming the store, /livez 200,
     for both; neither process stops (a store that fails is no reason to: keep's saves and serve's cache wait
-    for it)."""
+    for it); started again, the store is reachable again for both."""
     env = _env({**own_seaweed.env(), "HOME": str(own_seaweed.dir)}, drop_aws=True)
     store = f"s3://{BUCKET}/ready-{tmp_path.name}/"
     up = f"http://127.0.0.1:{free_port()}"
@@ -299,6 +299,10 @@ def test_readyz_says_not_ready_when_the_store_is_killed(own_seaweed, tmp_path):
             assert store.rstrip("/") in body and "does not answer" in body, body
             assert scrape(base, "/livez")[0] == 200
         assert k.poll() is None and s.proc.poll() is None
+        own_seaweed.start()      # the same ports and data: the store answers again, and both say so
+        for port in (kport, sport):
+            base = f"http://127.0.0.1:{port}"
+            wait_until(lambda: "store: reachable" in scrape(base, "/readyz")[2], timeout=60)
     finally:
         assert stop(k) == 0
         assert s.stop() == 0, s.output()
@@ -423,3 +427,25 @@ def test_router_mode_gets_one_line_naming_the_models_own_server(llama_server_bin
         assert len(list(store.glob("*.bin"))) == 1
     finally:
         router.stop()
+
+
+@server
+def test_serve_stores_again_once_the_store_answers_again(fresh, own_seaweed, tmp_path):
+    """A real SeaweedFS killed under serve: requests go on uncached (a save failed); started again, the next
+    state is stored (a store that stopped answering is tried again, not refused for the rest of the run)."""
+    env = {**own_seaweed.env(), "HOME": str(own_seaweed.dir)}
+    store = f"s3://{BUCKET}/again-{tmp_path.name}/"
+    s = Serve(fresh.url, fresh.save_dir, store, env=env)
+    try:
+        complete(s.url, TURN1)
+        assert s.wait_for("saves", 1)["saves"] == 1, s.output()
+        own_seaweed.stop()
+        complete(s.url, TURN1 + TURN2_EXTRA)
+        assert s.wait_for("save_failures", 1)["save_failures"] >= 1, s.output()
+        own_seaweed.start()
+        time.sleep(11)       # serve tries a store that stopped answering again every 10 s
+        complete(s.url, TURN2_EXTRA + TURN1)
+        c = s.wait_for("saves", 2)
+        assert c["saves"] == 2, s.output()
+    finally:
+        assert s.stop() == 0, s.output()

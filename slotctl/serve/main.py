@@ -15,6 +15,8 @@ from slotctl.errors import SlotctlError, UsageError
 LOOP_STUCK = 30.0
 #: seconds between two beats of the event loop
 BEAT = 1.0
+#: seconds after which a store that stopped answering is tried again
+AGAIN = 10.0
 
 
 def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host: str, port: int,
@@ -132,8 +134,14 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
         proxy = (Metered if metrics is not None else Proxy)(cache, min_gain=min_gain, log=log)
 
         async def beating() -> None:
+            tried = time.monotonic()
             while not stop.is_set():
                 beat[0] = time.monotonic()
+                if beat[0] - tried >= AGAIN:
+                    # a store that stopped answering refuses every later request at once (slotctl.store.s3):
+                    # the next request tries it again, as keep does at each look
+                    cache.store.again()
+                    tried = beat[0]
                 try:
                     await asyncio.wait_for(stop.wait(), BEAT)
                 except asyncio.TimeoutError:
