@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -551,14 +553,22 @@ def test_keep_newest_keeps_the_newest_states_of_a_slot(kept, tmp_path):
 @server
 def test_slots_shows_every_servers_slots_in_one_table(one, three, tmp_path):
     """Two real servers (-np 2 and -np 3), one of them with a store keep --save-all wrote: one document with
-    both servers' slots, the tokens of the slot used, its stored state and when it was saved; a server
-    down is a row with its error and exit 2, the others still shown."""
+    both servers' slots, the tokens of the slot used, its stored states (a whole one and a copy cut short,
+    newer) and when the newest was saved, each judged for the server; the best is the whole one, and its
+    predicted reuse is what the server itself then keeps (timings.cache_n of a request extending the saved
+    prompt, after the state is restored into another slot); a server down is a row with its error and exit
+    2, the others still shown."""
     store = tmp_path / "store"
     store.mkdir()
     one.completion(SAMPLE_PROMPT + " The fleet", slot=1, n_predict=2)
     code, lines = keep_once(one, store, "--save-all")
     assert code == 0, lines
     saved = next(e for e in lines if e["event"] == "saved" and e["slot"] == 1)["details"]["answer"]
+    whole = next(e for e in lines if e["event"] == "stored" and e["slot"] == 1)["details"]["name"]
+    cut = whole.rsplit("-", 1)[0] + "-cut.bin"    # the same slot and model: a state of the slot too
+    data = (store / whole).read_bytes()
+    (store / cut).write_bytes(data[:-100])
+    os.utime(store / cut, (time.time() + 5, time.time() + 5))    # the newest
     cfg = tmp_path / "fleet.toml"
     cfg.write_text(f"[[servers]]\nname = 'one'\nurl = '{one.url}'\nstore = '{store}'\n"
                    f"[[servers]]\nname = 'three'\nurl = '{three.url}'\n")
@@ -568,16 +578,49 @@ def test_slots_shows_every_servers_slots_in_one_table(one, three, tmp_path):
     assert (a["name"], b["name"]) == ("one", "three") and [len(a["slots"]), len(b["slots"])] == [2, 3]
     row = a["slots"][1]
     assert row["n_tokens"] == saved["n_saved"] and row["busy"] is False
-    assert row["stored_states"] == 1 and row["last_saved"] is not None
-    assert all(s["stored_states"] is None for s in b["slots"])     # no store for three
+    assert row["stored_states"] == 2 and row["last_saved"] == row["states"][0]["saved"]
+    newest, older = row["states"]
+    assert (newest["name"], older["name"]) == (cut, whole)
+    assert newest["verdict"] not in ("restores", "restores_with_drops") and newest["n_reused"] is None
+    assert newest["reason"].startswith("validate says the server")
+    assert older["verdict"] == "restores" and older["n_tokens"] == saved["n_saved"]
+    assert row["best"] == {"name": whole, "n_tokens": older["n_tokens"], "n_reused": older["n_reused"],
+                           "reason": older["reason"]}
+    assert all(s["stored_states"] is None and s["states"] is None and s["best"] is None for s in b["slots"])
+    # the states of slot 1 are not slot 0's
+    assert a["slots"][0]["stored_states"] == 0 and a["slots"][0]["best"] is None
+    # the prediction against the server's own count: the best state restored into slot 0, then a request
+    # that extends its prompt
+    from test_fleet import tokens_of
+
+    shutil.copy(store / whole, one.save_dir / "fleet-best.bin")
+    status, answer = one.restore(0, "fleet-best.bin")
+    assert status == 200, answer
+    tokens = tokens_of(store / whole)
+    timings = one.completion(tokens + tokens[1:9], slot=0, n_predict=1)["timings"]
+    assert timings["cache_n"] == row["best"]["n_reused"], (timings, row["best"])
+    # the table: the best's reuse of its tokens; a slot without states '-'
+    res = slotctl("slots", "--config", cfg, code=0)
+    assert "best reuse" in res.stdout
+    n = f"{row['best']['n_tokens']:,}"
+    assert f"{row['best']['n_reused']:,} of {n}" in res.stdout, res.stdout
+    # --store for servers given with --server (the same store: `three` runs the same model, so slot 1's
+    # states are offered to its slot 1 too, judged for three)
+    doc = json.loads(slotctl("slots", "--server", one.url, "--server", three.url, "--store", store, "--json",
+                             code=0).stdout)
+    json_schemas.check("slots", doc)
+    assert [d["store"] for d in doc["servers"]] == [str(store)] * 2
+    assert doc["servers"][0]["slots"][1]["best"]["name"] == whole
+    assert doc["servers"][1]["slots"][1]["stored_states"] == 2
     # repeated --server: both servers (before, the last one only)
     doc = json.loads(slotctl("slots", "--server", one.url, "--server", three.url, "--json", code=0).stdout)
     assert [d["server"] for d in doc["servers"]] == [one.url, three.url]
     # a server down: its row says so, exit 2, the others shown
     down = f"http://127.0.0.1:{free_port()}"
     res = slotctl("slots", "--server", one.url, "--server", down, code=2)
-    assert res.stdout.count(" idle ") == 2 and res.stdout.count(" error ") == 1, res.stdout
-    assert "2 server(s), 2 slot(s), 0 busy, 1 with an error" in res.stdout
+    table, _, total = res.stdout.rstrip("\n").rpartition("\n")
+    assert re.findall(r"\b(idle|error)\b", table) == ["idle", "idle", "error"], res.stdout
+    assert total == "2 server(s), 2 slot(s), 0 busy, 1 with an error"
     assert f"{down}: GET {down}/props: connection refused" in res.stderr
     doc = json.loads(slotctl("slots", "--server", one.url, "--server", down, "--json", code=2).stdout)
     json_schemas.check("slots", doc)
@@ -603,7 +646,7 @@ def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three)
         proc.stdout.close()
         proc.stderr.close()
     rows = [line.rstrip("\n").split("\t") for line in lines]
-    assert all(len(r) == 7 for r in rows) and not any("\x1b" in line for line in lines), lines
+    assert all(len(r) == 8 for r in rows) and not any("\x1b" in line for line in lines), lines
     assert [r[0] for r in rows[:5]] == [one.url] * 2 + [three.url] * 3
     assert [r[2] for r in rows[:5]] == ["0", "1", "0", "1", "2"] and rows[:5] == rows[5:10]
     # a terminal: the cursor home and the screen cleared before each table
