@@ -8,8 +8,8 @@ stored states of a slot are the store's states named for that slot and the serve
 :func:`slotctl.fleet.keep.stored_name`); the newest one's time is the slot's "last saved".
 
 Each stored state is judged for the server now running, as keep judges the state it would restore
-(:func:`slotctl.live.judge.judge`: validate's verdict for what the server reports,
-:func:`slotctl.live.prove.local_setup`), and its predicted reuse is validate's
+(:func:`slotctl.live.judge.judge`: validate's verdict, no real load, for what the server reports,
+:func:`slotctl.live.prove.local_setup`; the model read once for all the states of a slot), and its predicted reuse is validate's
 (:func:`slotctl.server.reuse.reuse_for`, the one home of the prediction, which validate calls for a file that
 restores): the prompt tokens a restored slot keeps for a request that extends the saved prompt, by the rule
 of the server's build (b11434 ignores a file's checkpoints: :func:`slotctl.live.prove.server_reads_checkpoints`).
@@ -41,11 +41,36 @@ class Target:
 
 class Judgements:
     """What each stored state was judged for a server (verdict, tokens, predicted reuse), kept by the
-    server's identity, the slot, the state's name and its time: judged once per process."""
+    server's identity, the slot, the state's name and its time: judged once per process; and the setup each
+    server is judged with (:func:`slotctl.live.prove.local_setup` reads the server's model: once a server
+    identity, then the same for each slot)."""
 
     def __init__(self):
         self._done: dict[tuple, dict] = {}
+        self._setups: dict[str, object] = {}
+        self._models: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
+
+    def setup(self, ident: str, facts: http.ServerFacts, slot: int, flags, given: frozenset[str]):
+        """The (setup, models) to judge ``slot``'s states with, for the server ``facts`` describe."""
+        import dataclasses
+
+        from slotctl.live.prove import local_setup
+        from slotctl.validate.setup import Models
+
+        with self._lock:
+            found = self._models.get((ident, slot))
+            base = self._setups.get(ident)
+        if found is not None:
+            return found
+        if base is None:
+            base, _notes = local_setup(facts, slot, flags, given)
+        setup = base if base.slot == slot else dataclasses.replace(base, slot=slot)
+        found = (setup, Models(setup))
+        with self._lock:
+            self._setups.setdefault(ident, base)
+            self._models[(ident, slot)] = found
+        return found
 
     def get(self, key: tuple) -> dict | None:
         with self._lock:
@@ -60,12 +85,14 @@ class Judgements:
 JUDGED = Judgements()
 
 
-def _judge(where: str, setup, reads: bool) -> dict:
-    """validate's verdict on the state at ``where`` for ``setup`` and its predicted reuse (validate's own
-    call of :func:`slotctl.server.reuse.reuse_for`; ``reads``: the server reads a file's checkpoints)."""
-    from slotctl.live.judge import judge
+def _judge(where: str, setup, models, reads: bool) -> dict:
+    """validate's verdict on the state at ``where`` for ``setup`` (``models``: its
+    :class:`~slotctl.validate.setup.Models`, read once for every state of a slot) and its predicted reuse
+    (validate's own call of :func:`slotctl.server.reuse.reuse_for`; ``reads``: the server reads a file's
+    checkpoints)."""
+    from slotctl.validate.check import validate_file
 
-    report = judge(where, setup)
+    report = validate_file(where, setup, models)
     sf = report.slot_file
     if sf is not None:
         sf.close()
@@ -89,12 +116,12 @@ def stored_states(store, facts: http.ServerFacts, slot: int, *, flags=None, give
     cache types)."""
     from slotctl.catalog import iso_time
     from slotctl.fleet.keep import model_hash, server_identity
-    from slotctl.live.prove import local_setup, server_reads_checkpoints
+    from slotctl.live.prove import server_reads_checkpoints
 
     mh = model_hash(facts)
     ident = repr(sorted(server_identity(facts).items())) + repr((flags, sorted(given)))
     reads = server_reads_checkpoints(facts.build_info)
-    setup = None
+    setup = models = None
     out = []
     for name in store.names(f"slot{slot}-{mh}-"):
         try:
@@ -105,9 +132,9 @@ def stored_states(store, facts: http.ServerFacts, slot: int, *, flags=None, give
         found = judged.get(key)
         if found is None:
             if setup is None:
-                setup, _notes = local_setup(facts, slot, flags, given)
+                setup, models = judged.setup(ident, facts, slot, flags, given)
             try:
-                found = _judge(store.where(name), setup, reads)
+                found = _judge(store.where(name), setup, models, reads)
             except OSError as e:
                 found = {"verdict": "unreadable", "n_tokens": None, "n_reused": None,
                          "reason": f"{name}: {e.strerror or e}"}
