@@ -5,11 +5,13 @@ which dumps the page's DOM and takes a screenshot of it.
 
 from __future__ import annotations
 
+import html as html_module
 import json
 import os
 import shutil
 import struct
 import subprocess
+import sys
 import time
 import urllib.request
 import zlib
@@ -101,6 +103,36 @@ def test_the_page_has_the_rows_of_the_table():
     assert ('meta', {'http-equiv': 'refresh', 'content': '1'}) in p.tags     # at least a second
 
 
+def test_a_slot_whose_states_none_restores_says_so():
+    d = _doc("one", "/m/tiny.gguf", "slot0-ab-cd.bin")
+    st = d["slots"][0]["states"][0]
+    st.update(verdict="refused", n_reused=None, reason="validate says the server refuses it: ...")
+    d["slots"][0]["best"] = None
+    assert rows([d])[0][6:] == ("1", "none restores")
+    p = parsed(page([d], refresh=5))
+    assert "none restores" in p.cells and "validate says the server refuses it: ..." in p.cells
+    assert ("td", {"class": "refused"}) in p.tags
+
+
+def test_keeps_ui_page_while_its_server_is_down(tmp_path):
+    """No server at the URL: the page is served all the same, one row saying error and why."""
+    from test_unattended import keep_proc, first_line, stop
+
+    port = free_port()
+    down = f"http://127.0.0.1:{free_port()}"
+    proc = keep_proc(down, tmp_path, "--every", "0.2", "--listen", str(port))
+    try:
+        first_line(proc)
+        time.sleep(1)
+        status, headers, html = get(f"http://127.0.0.1:{port}/ui")
+        assert status == 200 and headers["Content-Type"].startswith("text/html")
+        p = parsed(html)
+        assert p.cells[8:16] == [down, "-", "-", "-", "error", "-", "-", "-"]
+        assert f"{down}: the server did not answer keep's last look" in html_module.unescape(html)
+    finally:
+        assert stop(proc) == 0
+
+
 # -- a real keep, a real server, a real browser -------------------------------------------------------------
 
 
@@ -115,6 +147,20 @@ def chromium_or_skip() -> str:
     if os.environ.get("CI"):
         pytest.fail(f"{CHROMIUM} is missing and .ci/run did not say why (it installs Debian's chromium)")
     pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium (as .ci/run does)")
+
+
+def test_without_chromium_the_browser_test_says_why_or_fails_under_ci(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys.modules[__name__], "CHROMIUM", str(tmp_path / "no-chromium"))
+    monkeypatch.setenv("SLOTCTL_CHROMIUM_UNAVAILABLE", "apt-get install chromium failed: E: Unable to locate")
+    with pytest.raises(pytest.skip.Exception, match="could not be installed: apt-get install chromium failed"):
+        chromium_or_skip()
+    monkeypatch.delenv("SLOTCTL_CHROMIUM_UNAVAILABLE")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="did not say why"):
+        chromium_or_skip()
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="apt-get install -y chromium"):
+        chromium_or_skip()
 
 
 def chromium(binary: str, profile: Path, *args: str) -> subprocess.CompletedProcess:

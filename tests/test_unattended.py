@@ -666,3 +666,36 @@ def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three)
         os.close(master)
     assert out.count(b"\x1b[H\x1b[J") >= 3
     assert out.count(b"last saved") >= 3 and b"2 server(s), 5 slot(s)" in out
+
+
+@server
+def test_slots_judges_the_states_of_an_s3_store_as_validate_does(one, seaweed, tmp_path):
+    """--store s3://: the states keep --save-all stored in a real SeaweedFS, judged for the server (read
+    through the store): each state's verdict, tokens and predicted reuse equal
+    `validate --server`'s for the same object (the b11434 rule: the server's build)."""
+    env = _env({**seaweed.env(), "HOME": str(seaweed.dir)}, drop_aws=True)
+    store = f"s3://{BUCKET}/fleet-view/"
+    one.completion(SAMPLE_PROMPT + " The bucket", slot=0, n_predict=2)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "slotctl", *map(str, args)], capture_output=True, text=True,
+                              env=env, timeout=300)
+
+    res = run("keep", "--server", one.url, "--slot-dir", one.save_dir, "--store", store, "--save-all", "--json",
+              "--timeout", "60")
+    assert res.returncode == 0, res.stderr
+    stored = [json.loads(x)["details"] for x in res.stdout.splitlines() if json.loads(x)["event"] == "stored"]
+    mine = next(d for d in stored if d["name"].startswith("slot0-"))
+    res = run("slots", "--server", one.url, "--store", store, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    json_schemas.check("slots", doc)
+    row = doc["servers"][0]["slots"][0]
+    assert [s["name"] for s in row["states"]] == [mine["name"]] and row["stored_states"] == 1
+    state = row["states"][0]
+    res = run("validate", "--server", one.url, store + mine["name"], "--json")
+    assert res.returncode == 0, res.stderr
+    v = json.loads(res.stdout)["files"][0]
+    assert (state["verdict"], state["n_tokens"]) == (v["verdict"], v["n_tokens"]) == ("restores", mine["n_tokens"])
+    assert state["n_reused"] == v["reuse"]["b11434"]["n_reused"] == row["best"]["n_reused"]
+    assert row["best"]["name"] == mine["name"]
