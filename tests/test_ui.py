@@ -128,7 +128,7 @@ def test_keeps_ui_page_while_its_server_is_down(tmp_path):
         assert status == 200 and headers["Content-Type"].startswith("text/html")
         p = parsed(html)
         assert p.cells[8:16] == [down, "-", "-", "-", "error", "-", "-", "-"]
-        assert f"{down}: the server did not answer keep's last look" in html_module.unescape(html)
+        assert f"{down}: the server did not answer the last look" in html_module.unescape(html)
     finally:
         assert stop(proc) == 0
 
