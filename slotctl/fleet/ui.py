@@ -31,6 +31,7 @@ td.refused, td.aborts, td.unreadable, td.undecided { color: #cf222e; }
 td.restores { color: #1a7f37; } td.restores_with_drops { color: #9a6700; }
 ul.errors li { color: #cf222e; }
 td.name { font-family: monospace; white-space: normal; word-break: break-all; }
+td.why { white-space: normal; min-width: 24em; }
 """
 
 
@@ -88,7 +89,7 @@ def page(servers: list[dict], *, refresh: float, title: str = "slotctl slots", s
                        + _cell(st["name"] + (" (best)" if best else ""), "name") + _cell(st["saved"])
                        + _cell("-" if st["n_tokens"] is None else f"{st['n_tokens']:,}", "num")
                        + _cell(st["verdict"], st["verdict"] if st["verdict"] in _VERDICTS else None)
-                       + _cell(reuse, "num") + _cell(st["reason"] or "") + "</tr>")
+                       + _cell(reuse, "num") + _cell(st["reason"] or "", "why") + "</tr>")
         out.append("</tbody></table>")
     errors = [d for d in servers if d["error"] is not None]
     if errors:
