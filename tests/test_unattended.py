@@ -699,3 +699,40 @@ def test_slots_judges_the_states_of_an_s3_store_as_validate_does(one, seaweed, t
     assert (state["verdict"], state["n_tokens"]) == (v["verdict"], v["n_tokens"]) == ("restores", mine["n_tokens"])
     assert state["n_reused"] == v["reuse"]["b11434"]["n_reused"] == row["best"]["n_reused"]
     assert row["best"]["name"] == mine["name"]
+
+
+@server
+def test_slots_predicts_what_a_sliding_window_server_keeps(llama_server_bin, tmp_path):
+    """A real server of an SWA model (gemma2's kind): its state's predicted reuse (b11434 keeps no
+    checkpoint after a restore, and a slot file holds only the window) says why fewer, and equals the
+    server's own cache_n for a request extending the saved prompt after the state is restored."""
+    from conftest import start_server
+    from test_fleet import tokens_of
+    from slotctl.tinymodels import make_kind_model
+
+    model = make_kind_model("gemma2", tmp_path / "gemma2.gguf")
+    (tmp_path / "slots").mkdir()
+    store = tmp_path / "store"
+    store.mkdir()
+    srv = start_server(llama_server_bin, model, tmp_path, "gemma2", args=["-c", "512", "-np", "1", "-fa", "on"],
+                       slot_save_path=tmp_path / "slots")
+    srv.save_dir = tmp_path / "slots"
+    try:
+        srv.completion(SAMPLE_PROMPT, slot=0, n_predict=2)
+        code, lines = keep_once(srv, store, "--save-all")
+        assert code == 0, lines
+        name = next(e for e in lines if e["event"] == "stored")["details"]["name"]
+        doc = json.loads(slotctl("slots", "--server", srv.url, "--store", store, "--json", code=0).stdout)
+        json_schemas.check("slots", doc)
+        best = doc["servers"][0]["slots"][0]["best"]
+        assert best["name"] == name and best["n_reused"] < best["n_tokens"] and best["reason"], best
+        status, _ = srv.erase(0)
+        assert status == 200
+        shutil.copy(store / name, srv.save_dir / "swa-best.bin")
+        status, answer = srv.restore(0, "swa-best.bin")
+        assert status == 200, answer
+        tokens = tokens_of(store / name)
+        timings = srv.completion(tokens + tokens[1:9], slot=0, n_predict=1)["timings"]
+        assert timings["cache_n"] == best["n_reused"], (timings, best)
+    finally:
+        srv.stop()
