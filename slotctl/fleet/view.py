@@ -175,7 +175,7 @@ def server_doc(t: Target, facts: http.ServerFacts | None, *, store=None, error: 
         sid = s.get("id")
         row = {"slot": sid, "n_ctx": s.get("n_ctx"), "n_tokens": s.get("n_prompt_tokens"),
                "busy": bool(s.get("is_processing")), "task": s.get("id_task"), "stored_states": None,
-               "last_saved": None, "states": None, "best": None}
+               "last_saved": None, "states": [], "best": None}
         if store is not None and doc["exit_code"] == 0:
             try:
                 states = stored_states(store, facts, sid, flags=flags, given=given, judged=judged)
