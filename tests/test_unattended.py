@@ -628,11 +628,21 @@ def test_slots_shows_every_servers_slots_in_one_table(one, three, tmp_path):
 
 
 @server
-def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three):
+def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three, tmp_path):
+    """--watch with --store: each pass's rows on a pipe (the eight columns, the stored state's predicted
+    reuse in each), the table redrawn on a terminal."""
     import pty
     import select
 
-    args = [sys.executable, "-m", "slotctl", "slots", "--server", one.url, "--server", three.url, "--watch", "0.2"]
+    store = tmp_path / "store"
+    store.mkdir()
+    one.completion(SAMPLE_PROMPT + " Watch", slot=1, n_predict=2)
+    code, lines = keep_once(one, store, "--save-all")
+    assert code == 0, lines
+    n = next(e for e in lines if e["event"] == "stored" and e["slot"] == 1)["details"]["n_tokens"]
+    args = [sys.executable, "-m", "slotctl", "slots", "--server", one.url, "--server", three.url, "--store", store,
+            "--watch", "0.2"]
+    args = [str(a) for a in args]
     # the child gets a default SIGINT (a suite run as a background job ignores it, and a child inherits that)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                             preexec_fn=_default_sigint)
@@ -649,6 +659,7 @@ def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three)
     assert all(len(r) == 8 for r in rows) and not any("\x1b" in line for line in lines), lines
     assert [r[0] for r in rows[:5]] == [one.url] * 2 + [three.url] * 3
     assert [r[2] for r in rows[:5]] == ["0", "1", "0", "1", "2"] and rows[:5] == rows[5:10]
+    assert rows[1][6] == "1" and rows[1][7] == f"{n:,} of {n:,}", rows[1]      # one's slot 1: its state, all kept
     # a terminal: the cursor home and the screen cleared before each table
     master, slave = pty.openpty()
     proc = subprocess.Popen(args, stdout=slave, stderr=slave, env=_env({"COLUMNS": "160", "TERM": "xterm"}),
