@@ -46,7 +46,7 @@ class Judgements:
     identity, then the same for each slot)."""
 
     def __init__(self):
-        self._done: dict[tuple, dict] = {}
+        self._done: dict[tuple, dict[tuple, dict]] = {}
         self._setups: dict[str, object] = {}
         self._models: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
@@ -72,13 +72,20 @@ class Judgements:
             self._models[(ident, slot)] = found
         return found
 
-    def get(self, key: tuple) -> dict | None:
+    def __len__(self) -> int:
         with self._lock:
-            return self._done.get(key)
+            return sum(len(v) for v in self._done.values())
 
-    def put(self, key: tuple, value: dict) -> None:
+    def of(self, ident: str, slot: int) -> dict[tuple, dict]:
+        """The judgements of the states of ``slot`` on the server ``ident``, by (name, time)."""
         with self._lock:
-            self._done[key] = value
+            return dict(self._done.get((ident, slot), {}))
+
+    def keep(self, ident: str, slot: int, judged: dict[tuple, dict]) -> None:
+        """``judged`` (the states the store holds now) replaces what was kept for ``slot``: a state pruned
+        from the store is forgotten, so a process that runs for months holds only the store's states."""
+        with self._lock:
+            self._done[(ident, slot)] = judged
 
 
 #: the judgements of this process (``--watch`` passes, page loads)
@@ -123,13 +130,13 @@ def stored_states(store, facts: http.ServerFacts, slot: int, *, flags=None, give
     reads = server_reads_checkpoints(facts.build_info)
     setup = models = None
     out = []
+    before, now = judged.of(ident, slot), {}
     for name in store.names(f"slot{slot}-{mh}-"):
         try:
             t = store.mtime(name)
         except (SlotctlError, OSError):     # gone since the list (pruned): not a state any more
             continue
-        key = (ident, slot, name, t)
-        found = judged.get(key)
+        found = before.get((name, t))
         if found is None:
             if setup is None:
                 setup, models = judged.setup(ident, facts, slot, flags, given)
@@ -138,8 +145,9 @@ def stored_states(store, facts: http.ServerFacts, slot: int, *, flags=None, give
             except OSError as e:
                 found = {"verdict": "unreadable", "n_tokens": None, "n_reused": None,
                          "reason": f"{name}: {e.strerror or e}"}
-            judged.put(key, found)
+        now[(name, t)] = found
         out.append({"name": name, "saved": iso_time(t), **found})
+    judged.keep(ident, slot, now)
     return out
 
 
