@@ -550,6 +550,16 @@ def test_keep_newest_keeps_the_newest_states_of_a_slot(kept, tmp_path):
 # -- the fleet view --------------------------------------------------------------------------------------------
 
 
+def stored_by_keep(srv, tmp_path: Path, words: str, *, slot: int) -> tuple[Path, list[dict]]:
+    """A store (``tmp_path/store``) that keep --save-all filled after a request in ``slot``; keep's lines."""
+    store = tmp_path / "store"
+    store.mkdir()
+    srv.completion(SAMPLE_PROMPT + words, slot=slot, n_predict=2)
+    code, lines = keep_once(srv, store, "--save-all")
+    assert code == 0, lines
+    return store, lines
+
+
 @server
 def test_slots_shows_every_servers_slots_in_one_table(one, three, tmp_path):
     """Two real servers (-np 2 and -np 3), one of them with a store keep --save-all wrote: one document with
@@ -558,11 +568,7 @@ def test_slots_shows_every_servers_slots_in_one_table(one, three, tmp_path):
     predicted reuse is what the server itself then keeps (timings.cache_n of a request extending the saved
     prompt, after the state is restored into another slot); a server down is a row with its error and exit
     2, the others still shown."""
-    store = tmp_path / "store"
-    store.mkdir()
-    one.completion(SAMPLE_PROMPT + " The fleet", slot=1, n_predict=2)
-    code, lines = keep_once(one, store, "--save-all")
-    assert code == 0, lines
+    store, lines = stored_by_keep(one, tmp_path, " The fleet", slot=1)
     saved = next(e for e in lines if e["event"] == "saved" and e["slot"] == 1)["details"]["answer"]
     whole = next(e for e in lines if e["event"] == "stored" and e["slot"] == 1)["details"]["name"]
     cut = whole.rsplit("-", 1)[0] + "-cut.bin"    # the same slot and model: a state of the slot too
@@ -644,11 +650,7 @@ def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three,
     import pty
     import select
 
-    store = tmp_path / "store"
-    store.mkdir()
-    one.completion(SAMPLE_PROMPT + " Watch", slot=1, n_predict=2)
-    code, lines = keep_once(one, store, "--save-all")
-    assert code == 0, lines
+    store, lines = stored_by_keep(one, tmp_path, " Watch", slot=1)
     n = next(e for e in lines if e["event"] == "stored" and e["slot"] == 1)["details"]["n_tokens"]
     args = [sys.executable, "-m", "slotctl", "slots", "--server", one.url, "--server", three.url, "--store", store,
             "--watch", "0.2"]
