@@ -42,13 +42,20 @@ TURN2_EXTRA = " And then the story went on, as stories do, to its end."
 class Serve:
     """``slotctl serve`` as a process: its JSON event lines collected, its address read from the first."""
 
-    def __init__(self, upstream: str, slot_dir: Path, store: str | None = None, *extra: str, env=None):
+    def __init__(self, upstream: str, slot_dir: Path, store: str | None = None, *extra: str, env=None,
+                 max_file_size: int | None = None):
         cmd = [sys.executable, "-m", "slotctl", "serve", "--upstream", upstream, "--slot-dir", str(slot_dir),
                "--listen", "127.0.0.1:0", "--json", "--min-gain", "4", *extra]
         if store is not None:
             cmd += ["--store", store]
+        def limit() -> None:      # RLIMIT_FSIZE: a write past it fails (EFBIG: Python ignores SIGXFSZ)
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_size, max_file_size))
+
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})},
+                                     preexec_fn=limit if max_file_size is not None else None)
         self.events: list[dict] = []
         self.schema_errors: list[str] = []
         self.stderr: list[str] = []
@@ -121,8 +128,9 @@ def complete(url: str, prompt, path: str = "/completion", **extra) -> dict:
 
 
 @contextlib.contextmanager
-def serving(upstream: LlamaServer, slot_dir: Path, store: str | None = None, *extra: str, env=None):
-    s = Serve(upstream.url, slot_dir, store, *extra, env=env)
+def serving(upstream: LlamaServer, slot_dir: Path, store: str | None = None, *extra: str, env=None,
+            max_file_size: int | None = None):
+    s = Serve(upstream.url, slot_dir, store, *extra, env=env, max_file_size=max_file_size)
     try:
         yield s
     finally:
@@ -548,6 +556,32 @@ def test_a_state_convert_cannot_bring_over_is_never_sent(llama_server_bin, tiny_
             refused = [e for e in ss.events if e["event"] == "refused"]
             assert refused and "converted" in refused[0]["message"], ss.output()
         assert [n for n in left_in(tmp_path / "s") if "converted" in n or n.startswith(".")] == []
+
+
+@server
+def test_a_conversion_that_fails_leaves_the_request_uncached(llama_server_bin, tiny_models, tmp_path, seaweed):
+    """Serve B may write no file of more than 64 KiB (RLIMIT_FSIZE): the download of a state of A (-np 2) into
+    B's slot directory, to convert it for B (-np 3), fails; the request goes through uncached, the failure
+    logged and counted, the answer the server's own."""
+    env = {**seaweed.env(), "HOME": str(seaweed.dir)}
+    store = f"s3://{BUCKET}/serve-{tmp_path.name}/"
+    b_args = ["-c", "1536", "-np", "3", "-fa", "on"]
+    with servers(llama_server_bin, tiny_models, tmp_path, a=ARGS, b=b_args) as (a, b):
+        with serving(a, tmp_path / "a", store, env=env) as sa:
+            first = complete(sa.url, TURN1)
+            sa.wait_for("saves", 1)
+        prompt = TURN1 + first["content"] + TURN2_EXTRA
+        with serving(b, tmp_path / "b", store, env=env, max_file_size=64 << 10) as sb:
+            got = complete(sb.url, prompt)
+            c = sb.stats()
+            assert c["conversion_failures"] == 1, sb.output()
+            assert c["restores"] == 0 and c["conversions"] == 0 and c["restore_failures"] == 0, sb.output()
+            errors = [e for e in sb.events if e["event"] == "error" and "not converted" in e["message"]]
+            assert errors and "uncached" in errors[0]["message"], sb.output()
+        assert left_in(tmp_path / "b") == []
+        alone = complete(b.url, prompt, id_slot=0, cache_prompt=False)
+    assert got["content"] == alone["content"]
+    assert got["timings"]["cache_n"] == 0 and got["timings"]["prompt_n"] == alone["timings"]["prompt_n"]
 
 
 @server
