@@ -159,9 +159,13 @@ def plan_for(path, setup, *, allow_lossy: bool, lossy_remedy: str, who: str = "s
     lossy = [c.describe() for c in plan.changes if c.what in ("K type", "V type")]
     details = {"changes": changes, "lossy": lossy, "converted": bool(plan.changes)}
     if lossy and not allow_lossy:
+        plan.parsed.close()
         raise Refused(f"the {who}'s cache types differ ({'; '.join(lossy)}): re-encoding is lossy, {lossy_remedy}",
                       details)
-    return Planned(plan if plan.changes else None, layout, changes, details)
+    if not plan.changes:
+        plan.parsed.close()     # nothing to write: the parse is not kept open
+        return Planned(None, layout, changes, details)
+    return Planned(plan, layout, changes, details)
 
 
 def convert_for(path: Path, setup, dest: Path, *, allow_lossy: bool, lossy_remedy: str,
@@ -174,13 +178,17 @@ def convert_for(path: Path, setup, dest: Path, *, allow_lossy: bool, lossy_remed
 
 def write_planned(planned: Planned, path, dest: Path) -> Conversion:
     """A :class:`Planned` conversion of ``path`` written into ``dest`` (streamed, atomic:
-    :func:`slotctl.convert.write_converted`); ``path`` itself when nothing changes."""
+    :func:`slotctl.convert.write_converted`), the plan's parse closed after; ``path`` itself when nothing
+    changes."""
     from slotctl import convert as conv
 
     details = dict(planned.details)
     if planned.plan is None:
         return Conversion(Path(path), [], details)
-    errors = conv.write_converted(planned.plan, dest, layout=planned.layout)
+    try:
+        errors = conv.write_converted(planned.plan, dest, layout=planned.layout)
+    finally:
+        planned.plan.parsed.close()     # the source read: not kept open (serve removes a download after)
     details["max_abs_error"] = max((e.max_abs_error for e in errors), default=None)
     return Conversion(Path(dest), planned.changes, details)
 

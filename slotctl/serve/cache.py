@@ -316,9 +316,10 @@ class Cache:
             return None, str(e)
         except (SlotctlError, OSError) as e:
             return None, f"not converted: {e}"
-        if planned.plan is not None:
-            planned.plan.parsed.close()
-        return (planned.changes or None), None
+        if planned.plan is None:
+            return None, None
+        planned.plan.parsed.close()     # planned only: the file is converted when it is restored
+        return planned.changes, None
 
     @contextlib.contextmanager
     def converted(self, state: State, slot: int):
