@@ -9,7 +9,7 @@ import typer
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ApiKeyOpt, ConfigOpt
+from slotctl.cli.options import ApiKeyOpt, ArgsCommand, ConfigOpt, flag_option
 from slotctl.cli.output import Output
 from slotctl.errors import UsageError
 from slotctl.live import SLOT_FILE_TIMEOUT
@@ -19,11 +19,12 @@ _STYLE = {"restored": "green", "stored": "green", "up": "green", "down": "yellow
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve")(serve)
+    app.command("serve", cls=ArgsCommand)(serve)
 
 
 @handle_errors
 def serve(
+    ctx: typer.Context,
     upstream: Annotated[Optional[str], typer.Option("--upstream", metavar="URL", help="The llama-server (or "
                                                     "llama-swap) to serve, e.g. http://127.0.0.1:8080 (or the "
                                                     "configuration's).")] = None,
@@ -51,6 +52,13 @@ def serve(
     lease: Annotated[Optional[float], typer.Option("--lease", min=1.0, max=86400.0, metavar="SECONDS",
                                                    help="With an s3:// store: seconds serve's lease holds without "
                                                         "a renewal [default: 60].")] = None,
+    kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The server runs with -kvu (not "
+                                             "reported by the server): states are judged, and converted, for "
+                                             "it.")] = False,
+    cache_type_k: Annotated[Optional[str], flag_option("cache_type_k", help="The server's -ctk (not reported; "
+                                                       "default f16).")] = None,
+    cache_type_v: Annotated[Optional[str], flag_option("cache_type_v", help="The server's -ctv (not reported; "
+                                                       "default f16).")] = None,
     api_key: ApiKeyOpt = None,
     timeout: Annotated[Optional[float], typer.Option("--timeout", min=0.001, metavar="SECONDS", help="Give up on a "
                                                      "save or restore after this many seconds [default: "
@@ -66,7 +74,9 @@ def serve(
     used), and the stored state sharing the longest prefix is restored first when validate says the
     server restores it and it keeps more of the prompt than the slot holds. After the answer the slot
     is saved into the store (once per content), kept under --max-size. The cache never fails a
-    request: what fails in it is logged and the request goes uncached. GET /slotctl/stats: counters.
+    request: what fails in it is logged and the request goes uncached. A state stored by a server of
+    other -np or -kvu (another serve sharing the store) is converted for this one first (exact; cache
+    types never re-encoded) and judged again. GET /slotctl/stats: counters.
     SIGTERM or SIGINT: saves in progress finish, exit 0. Needs the [serve] extra (aiohttp). Details:
     docs/serve.md.
 
@@ -108,7 +118,11 @@ def serve(
 
         size = parse_size(max_size)
     from slotctl.serve import main
+    from slotctl.server.flags import ServerFlags
 
+    given = remote.given_params(ctx) & {"kv_unified", "cache_type_k", "cache_type_v"}
+    flags = ServerFlags(kv_unified=kv_unified, cache_type_k=cache_type_k or ServerFlags().cache_type_k,
+                        cache_type_v=cache_type_v or ServerFlags().cache_type_v)
     out = Output(json_mode=json_out)
 
     def emit(event: str, message: str, details: dict) -> None:
@@ -124,7 +138,7 @@ def serve(
 
     raise typer.Exit(main.serve(upstream, slot_dir, store, host=host, port=port, max_size=size, min_gain=min_gain,
                                 api_key=api_key, timeout=timeout, catalog=not no_cache, emit=emit,
-                                metrics_listen=metrics_listen, lease=lease))
+                                flags=flags, given=frozenset(given), metrics_listen=metrics_listen, lease=lease))
 
 
 def _now() -> str:

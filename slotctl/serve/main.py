@@ -21,10 +21,12 @@ AGAIN = 10.0
 
 def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host: str, port: int,
           max_size: int | None, min_gain: int, api_key: str | None, timeout: float, catalog: bool = True,
-          emit, metrics_listen: str | None = None, lease: float | None = None) -> int:
+          flags=None, given: frozenset[str] = frozenset(), emit, metrics_listen: str | None = None,
+          lease: float | None = None) -> int:
     """Run the proxy (see :mod:`slotctl.serve.proxy`); ``emit(event, message, details)`` gets every event,
-    the first one ``listening`` with the address. 0 once stopped by SIGTERM or SIGINT; 2 when the lock (an
-    ``s3://`` store's lease) was lost."""
+    the first one ``listening`` with the address; ``flags`` / ``given``: the server's flags it does not report
+    (``-kvu``, ``-ctk``, ``-ctv``, :class:`~slotctl.serve.cache.Cache`). 0 once stopped by SIGTERM or SIGINT;
+    2 when the lock (an ``s3://`` store's lease) was lost."""
     try:
         import aiohttp  # noqa: F401 - the [serve] extra
     except ImportError:
@@ -53,7 +55,7 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
         emit(event, message, details)
 
     cache = Cache(upstream, slot_dir, store, api_key=api_key, max_size=max_size, timeout=timeout, catalog=catalog,
-                  log=log)
+                  log=log, flags=flags, given=given)
     where = os.fspath(store if store is not None else slot_dir)
     ttl = lease or locks.DEFAULT_TTL
     unlocked: Exception | None = None
@@ -107,6 +109,7 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
             log("locked", f"{got.path}: the lease is taken", path=got.path)
             got.start(on_lost)
             return
+
     beat = [time.monotonic()]
 
     def alive() -> tuple[bool, str]:
