@@ -259,3 +259,149 @@ def test_every_request_of_the_store_goes_through_its_deadline():
     direct = [m.group(0) for m in re.finditer(r"(?<!lambda: bytes\()obstore\.(get|head|put|copy|delete|list\w*)\(",
                                               text)]
     assert not direct, direct
+
+
+# -- inspect, diff, convert, strip-draft and identify: the same deadline (issue 27, the rest of the stores) ----
+
+def _slotctl(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "slotctl", *args], check=True, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory) -> dict[str, bytes]:
+    """A small valid slot file that ends in a draft state (an SDFT appendix: benchmarks/bench_inspect's),
+    and what each command that writes makes of each source (strip-draft; convert -np 2), made locally."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_inspect", ROOT / "benchmarks" / "bench_inspect.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    d = tmp_path_factory.mktemp("draft")
+    bench.build(str(d / "draft.bin"), layers=2, cells=16, row=256)
+    _slotctl("strip-draft", "--grace", "0", str(d / "draft.bin"), "-o", str(d / "stripped.bin"))
+    for name, src in (("slot", SLOT), ("draft", d / "draft.bin")):
+        _slotctl("convert", str(src), "-o", str(d / f"{name}-np2.bin"), "-np", "2")
+    got = {p.stem: p.read_bytes() for p in d.iterdir()}
+    assert len(got["stripped"]) < len(got["draft"])
+    return got
+
+
+@pytest.fixture
+def more(objects, draft):
+    """Beside the three objects: one with a draft state (strip-draft), and the environment."""
+    srv, prefix = objects
+    put(srv, prefix.removeprefix(f"s3://{BUCKET}/") + "draft.bin", draft["draft"])
+    return srv, prefix, draft
+
+
+def one_shot(prefix: str, tmp_path: Path) -> dict[str, list[str]]:
+    """Each one-shot command over s3:// that reads or writes objects, as a user types it."""
+    model = ["-m", str(DATA / "target.gguf")]
+    return {
+        "inspect": ["inspect", prefix + "a.bin"],
+        "inspect prefix": ["inspect", prefix],
+        "diff": ["diff", prefix + "a.bin", prefix + "b.bin"],
+        "convert down": ["convert", prefix + "a.bin", "-o", str(tmp_path / "a.bin"), "-np", "2"],
+        "convert up": ["convert", str(SLOT), "-o", prefix + "new.bin", "-np", "2"],
+        "convert prefix": ["convert", prefix, "-o", prefix + "out/", "-np", "2"],
+        "strip-draft": ["strip-draft", prefix + "draft.bin"],
+        "identify": ["identify", prefix + "a.bin", *model],
+    }
+
+
+def untouched(srv, prefix: str, tmp_path: Path, draft: dict[str, bytes]) -> None:
+    """Nothing half-written: the objects are as they were put (the draft's, or stripped whole), an output
+    object is whole or not there (temporary keys aside: listings skip them, prune --temp-files deletes them),
+    and no local output file is left."""
+    import obstore
+
+    client = srv.client()
+    key = prefix.removeprefix(f"s3://{BUCKET}/")
+    for name in ("a.bin", "b.bin", "c.bin"):
+        assert bytes(obstore.get(client, key + name).bytes()) == SLOT.read_bytes(), name
+    assert bytes(obstore.get(client, key + "draft.bin").bytes()) in (draft["draft"], draft["stripped"])
+    made = {"new.bin": draft["slot-np2"], "out/a.bin": draft["slot-np2"], "out/b.bin": draft["slot-np2"],
+            "out/c.bin": draft["slot-np2"], "out/draft.bin": draft["draft-np2"]}
+    listed = {m["path"].removeprefix(key) for batch in obstore.list(client, key) for m in batch}
+    temporary = {n for n in listed if n.rpartition("/")[2].startswith(".")}
+    assert listed - temporary <= {"a.bin", "b.bin", "c.bin", "draft.bin", *made}, listed
+    for name in listed & set(made):
+        assert bytes(obstore.get(client, key + name).bytes()) == made[name], name
+    assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("mode", ["stall", "drip", "truncate", "reset"])
+@pytest.mark.parametrize("command", list(one_shot("s3://b/p/", Path("/t"))))
+def test_every_one_shot_command_ends_in_bounded_time(more, tmp_path, mode, command):
+    """Every request goes wrong (from the first): one line, exit 2, within --timeout and start-up; nothing is
+    left half-written (convert -o s3:// creates nothing but a whole object, strip-draft leaves the original)."""
+    srv, prefix, draft = more
+    out = tmp_path / "out"
+    out.mkdir()
+    proxy = Proxy(srv.s3_port, mode, after=0)
+    try:
+        res, took = run_through(srv, proxy, *one_shot(prefix, out)[command], "--timeout", str(TIMEOUT))
+    finally:
+        proxy.close()
+    line = one_error(res)
+    assert took < TIMEOUT + SLACK, (took, line)
+    assert "store_unreachable" in line or "does not answer" in line or "no answer within" in line \
+        or "ended early" in line, line
+    if mode == "stall":
+        assert f"no answer within --timeout {TIMEOUT} s" in line, line
+    untouched(srv, prefix, out, draft)
+
+
+def _requests(srv, prefix: str, tmp_path: Path, command: str) -> int:
+    """The requests ``command`` makes when nothing goes wrong (and that it then succeeds)."""
+    proxy = Proxy(srv.s3_port, "pass")
+    try:
+        res, _ = run_through(srv, proxy, *one_shot(prefix, tmp_path)[command], "--timeout", "60")
+    finally:
+        proxy.close()
+    assert res.returncode == 0, (command, res.stdout[-2000:], res.stderr[-2000:])
+    return proxy.requests
+
+
+@pytest.mark.parametrize("command", ["convert up", "convert down", "strip-draft"])
+def test_a_store_that_stalls_after_any_request_leaves_nothing_half_written(more, tmp_path, command):
+    """The store stalls after the n-th request, for every n the command makes: the writes too (a convert's
+    upload, strip-draft's server-side rewrite: its part copy and its completion). Each run ends in one line,
+    exit 2, within --timeout; the original is intact and the output is whole or not there."""
+    srv, prefix, draft = more
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    n = _requests(srv, prefix, probe, command)
+    import obstore
+
+    key = prefix.removeprefix(f"s3://{BUCKET}/")
+    for p in probe.iterdir():
+        p.unlink()
+    for name in ("new.bin",):
+        obstore.delete(srv.client(), key + name)
+    put(srv, key + "draft.bin", draft["draft"])     # strip-draft stripped it: as it was
+    assert n >= 2, n
+    for after in range(n):
+        out = tmp_path / f"after{after}"
+        out.mkdir()
+        proxy = Proxy(srv.s3_port, "stall", after=after)
+        try:
+            res, took = run_through(srv, proxy, *one_shot(prefix, out)[command], "--timeout", str(TIMEOUT))
+        finally:
+            proxy.close()
+        if res.returncode == 0:         # the last request's answer was not needed (a temporary key's DELETE)
+            assert after == n - 1, (after, n, res.stderr)
+        else:
+            line = one_error(res)
+            assert f"no answer within --timeout {TIMEOUT} s" in line and took < TIMEOUT + SLACK, (after, took, line)
+        untouched(srv, prefix, out, draft)
+        obstore.delete(srv.client(), key + "new.bin")
+        put(srv, key + "draft.bin", draft["draft"])
+
+
+@pytest.mark.parametrize("command", ["inspect", "diff", "convert up", "strip-draft", "identify"])
+def test_the_one_shot_commands_work_through_a_proxy_that_passes_everything(more, tmp_path, command):
+    """The proxy and --timeout themselves are sound: with nothing going wrong each command succeeds."""
+    srv, prefix, _ = more
+    assert _requests(srv, prefix, tmp_path, command) >= 1
