@@ -12,8 +12,10 @@ With ``spare(request_line)``, a request it says True of always passes: the store
 
 from __future__ import annotations
 
+import json
 import os
 import select
+import signal
 import socket
 import struct
 import subprocess
@@ -51,7 +53,11 @@ class Proxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            up = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
+            try:
+                up = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
+            except OSError:         # the store is gone (a request left to itself came back at the session's end)
+                client.close()
+                continue
             with self.lock:
                 self.sockets += [client, up]
             threading.Thread(target=self._pipe, args=(client, up), daemon=True).start()
@@ -169,7 +175,6 @@ def test_a_hostile_store_ends_the_command_in_bounded_time(objects, tmp_path, mod
         assert not (tmp_path / "a.bin").exists()
     listing = subprocess.run([sys.executable, "-m", "slotctl", "ls", prefix, "--json"], capture_output=True,
                              text=True, env={**os.environ, **srv.env(), "HOME": str(srv.dir), "PYTHONPATH": str(ROOT)})
-    import json
 
     names = sorted(Path(f["path"]).name for f in json.loads(listing.stdout)["files"])
     assert names[:3] == ["a.bin", "b.bin", "c.bin"], names     # a stalled prune deleted nothing it could not check
@@ -187,8 +192,6 @@ def test_a_store_that_dies_mid_prune_stops_it_with_one_error(objects, mode):
     finally:
         proxy.close()
     one_error(res)
-    import json
-
     doc = json.loads(res.stdout)
     assert doc["error"]["code"] in ("store_unreachable", "store_error"), doc
     assert took < 60, took
@@ -253,14 +256,16 @@ def test_a_long_running_process_tries_the_store_again(objects, monkeypatch):
         S3_STORE.reset()
 
 
-def test_every_request_of_the_store_goes_through_its_deadline():
-    """Every obstore request in slotctl/store/s3.py is made through ``call`` (the deadline, the run-stopping
-    error): one made directly would hang a command past --timeout (a LIST added later did, for ls)."""
+@pytest.mark.parametrize("module", ["store/s3.py", "store/strip.py", "unattended/lock.py"])
+def test_every_request_of_the_store_goes_through_its_deadline(module):
+    """Every obstore request of the store (and of keep's lease) is made through ``call`` or ``call_by`` (the
+    deadline, the run-stopping error), and so is every server-side copy (s3copy): one made directly would
+    hang a command past --timeout (a LIST added later did, for ls) or a renewal past its lease."""
     import re
 
-    text = (ROOT / "slotctl" / "store" / "s3.py").read_text()
-    direct = [m.group(0) for m in re.finditer(r"(?<!lambda: bytes\()obstore\.(get|head|put|copy|delete|list\w*)\(",
-                                              text)]
+    text = (ROOT / "slotctl" / module).read_text()
+    direct = [m.group(0) for m in re.finditer(r"(?<!lambda: bytes\()obstore\.(get|head|put|copy|delete|list\w*)\(|"
+                                              r"(?<![\w.])(rewrite_prefix|copy_object)\(", text)]
     assert not direct, direct
 
 
@@ -434,3 +439,91 @@ def test_the_one_shot_commands_work_through_a_proxy_that_passes_everything(more,
     """The proxy and --timeout themselves are sound: with nothing going wrong each command succeeds."""
     srv, prefix, _ = more
     assert _requests(srv, prefix, tmp_path, command) >= 1
+
+
+# -- keep's lease: a renewal through the store's one home, given up before the lease lapses --------------
+
+
+@pytest.mark.parametrize("mode", ["stall", "drip", "truncate", "reset"])
+def test_a_keeper_whose_store_stalls_while_it_renews_stops_before_its_lease_expires(objects, tmp_path, mode):
+    """keep --store s3:// --lease 4 through the proxy; once it runs, the store goes wrong for every later request.
+    Its lease renewals (every 4/3 s) are given up at their deadline instead of waiting out a stalled store
+    (~120 s a request): it stops with an error line lease_lost and a stop line, exit 2, before the lease in the
+    store expires (so another keeper never writes while it still does)."""
+    from datetime import datetime, timezone
+
+    from llama_server import free_port
+    from test_unattended import _env, first_line, keep_proc, stop
+
+    srv, prefix = objects
+    store = prefix + "kept/"
+    proxy = Proxy(srv.s3_port, "pass")
+    env = _env({**srv.env(), "HOME": str(srv.dir), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"},
+               drop_aws=True)
+    url = f"http://127.0.0.1:{free_port()}"      # nothing listens: the keeper's looks say "down", no store work
+    keeper = keep_proc(url, tmp_path, "--store", store, "--every", "0.5", "--lease", "4", env=env)
+    try:
+        assert first_line(keeper)["event"] == "start"
+        with proxy.lock:
+            proxy.mode, proxy.after = mode, proxy.requests
+        code = keeper.wait(60)
+        events = [json.loads(x) for x in keeper.stdout.read().splitlines()]
+    finally:
+        stop(keeper, signal.SIGKILL)
+        proxy.close()
+    assert code == 2, events
+    errors = [e for e in events if e["event"] == "error"]
+    assert len(errors) == 1 and errors[0]["details"]["error"]["code"] == "lease_lost", events
+    assert "was not renewed within 4 s" in errors[0]["message"], errors
+    assert events[-1]["event"] == "stop" and "without a last save" in events[-1]["message"], events
+    import obstore
+
+    client = srv.client()
+    key = store.removeprefix(f"s3://{BUCKET}/")
+    [lease] = [m["path"] for m in obstore.list(client, prefix=key).collect() if m["path"].endswith(".lease")]
+    doc = json.loads(bytes(obstore.get(client, lease).bytes()))
+    assert doc["pid"] == keeper.pid and not doc.get("released")
+    stopped = datetime.strptime(errors[0]["time"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+    assert stopped < doc["expires"], (stopped, doc["expires"])
+
+
+def test_a_renewal_given_up_that_reached_the_store_after_all_is_still_the_keepers(objects, monkeypatch):
+    """A stalled renewal is given up at its deadline (a third of the lease), but the proxy passed the PUT on:
+    the lease in the store is this keeper's under an ETag it does not know. The next renewal finds it its own
+    (pid, host, since) and goes on, instead of taking it for another keeper's (lease_lost)."""
+    import obstore
+
+    from slotctl.errors import StoreDown
+    from slotctl.store.s3 import S3_STORE
+    from slotctl.unattended.lock import Lease
+
+    srv, prefix = objects
+    proxy = Proxy(srv.s3_port, "pass")
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    for k, v in {**srv.env(), "HOME": str(srv.dir), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"}.items():
+        monkeypatch.setenv(k, v)
+    S3_STORE.reset()
+    client = srv.client()
+    try:
+        lease = Lease(prefix + "late/", "http://127.0.0.1:9", ttl=6).acquire()
+        key = lease.url.removeprefix(f"s3://{BUCKET}/")
+        first = obstore.head(client, key)["e_tag"]
+        with proxy.lock:
+            proxy.mode, proxy.after = "stall", proxy.requests
+        with pytest.raises(StoreDown, match="no answer within the lease's 6 s"):
+            lease.renew()
+        for _ in range(100):            # the PUT reached the store: the lease changed under the keeper
+            if obstore.head(client, key)["e_tag"] != first:
+                break
+            time.sleep(0.05)
+        landed = obstore.head(client, key)["e_tag"]
+        assert landed != first and lease.etag == first
+        proxy.mode = "pass"
+        lease.renew()
+        assert lease.lost is None and lease.etag not in (first, landed)
+        doc = json.loads(bytes(obstore.get(client, key).bytes()))
+        assert doc["pid"] == os.getpid() and doc["since"] == lease.since
+    finally:
+        proxy.close()
+        S3_STORE.reset()

@@ -42,6 +42,9 @@ DEFAULT_TTL = 60.0
 MIN_TTL = 1.0
 #: a lease or journal larger than this is not a keeper's: not parsed
 MAX_LEASE_BYTES = 1 << 20
+#: the part of the lease after which its holder counts it lost when it was not renewed (it stops writing
+#: before anyone may take over)
+LAPSE = 0.9
 
 
 class Held(UsageError):
@@ -224,32 +227,41 @@ class Lease(Lock):
                "journal": {str(k): v for k, v in self.journal.items()}}
         return json.dumps(doc).encode()
 
-    def _read(self) -> tuple[dict, str | None] | None:
+    def _call(self, deadline: float, action: str, fn, *args, **kwargs):
+        """An obstore request on the lease through the store's one home (:func:`slotctl.store.s3.call_by`):
+        done by ``deadline`` (monotonic) or :class:`~slotctl.errors.StoreDown` (the request is left to itself),
+        whatever the command's deadline or a store known down."""
+        from slotctl.store.s3 import call_by
+
+        return call_by(deadline, f"the lease's {self.ttl:g} s", self.url, action, fn, *args, **kwargs)
+
+    def _read(self, deadline: float) -> tuple[dict, str | None] | None:
         import obstore
         from obstore import exceptions as obx
 
         store, _, key = self._stores()
         try:
-            res = obstore.get(store, key)
-            raw = bytes(res.bytes())
+            res = self._call(deadline, "GET", obstore.get, store, key)
+            raw = bytes(self._call(deadline, "GET", res.bytes))
             return _parse(raw), res.meta.get("e_tag")
         except (obx.NotFoundError, FileNotFoundError):
             return None
         except Exception as e:  # noqa: BLE001
             raise self._error(e, "GET") from None
 
-    def _put(self, body: bytes, etag: str | None) -> str | None:
-        """Create the lease (``etag`` None: only if absent) or replace it (only if its ETag is ``etag``);
-        the new ETag. :class:`Held` when the condition fails."""
+    def _put(self, body: bytes, etag: str | None, deadline: float) -> str | None:
+        """Create the lease (``etag`` None: only if absent) or replace it (only if its ETag is ``etag``), by
+        ``deadline``; the new ETag. :class:`Held` when the condition fails."""
         import obstore
         from obstore import exceptions as obx
 
         store, cond, key = self._stores()
         try:
             if etag is None:
-                res = obstore.put(store, key, body, mode="create", use_multipart=False)
+                res = self._call(deadline, "PUT", obstore.put, store, key, body, mode="create", use_multipart=False)
             else:
-                res = obstore.put(cond, key, body, mode={"e_tag": etag}, use_multipart=False)
+                res = self._call(deadline, "PUT", obstore.put, cond, key, body, mode={"e_tag": etag},
+                                 use_multipart=False)
         except (obx.AlreadyExistsError, obx.PreconditionError):
             raise Held(f"{self.server}: another keeper took the lease {self.url} first") from None
         except Exception as e:  # noqa: BLE001
@@ -266,9 +278,10 @@ class Lease(Lock):
         from slotctl.catalog import iso_time
 
         self.since = self.clock()
-        got = self._read()
+        deadline = time.monotonic() + self.ttl      # taking the lease: its requests within one lease
+        got = self._read(deadline)
         if got is None:
-            self.etag = self._put(self._body(self.since), None)
+            self.etag = self._put(self._body(self.since), None, deadline)
         else:
             doc, etag = got
             expires = doc.get("expires")
@@ -278,26 +291,53 @@ class Lease(Lock):
                            f"({_describe(doc)}; its lease {self.url} holds until {iso_time(expires)}, "
                            f"{expires - now:.0f} s from now)")
             self.journal = _journal_entries(doc)
-            self.etag = self._put(self._body(self.since), etag)
+            self.etag = self._put(self._body(self.since), etag, deadline)
         self.renewed = time.monotonic()
         return self
 
+    def lapses(self) -> float:
+        """The monotonic time at which this keeper counts its lease lost unless renewed before
+        (:data:`LAPSE` of the lease after its last renewal): every renewal is done by then or given up."""
+        return (self.renewed if self.renewed is not None else time.monotonic()) + self.ttl * LAPSE
+
     def renew(self) -> None:
-        """Write the lease again (a new ``expires``, the journal), on condition that it is still ours."""
+        """Write the lease again (a new ``expires``, the journal), on condition that it is still ours. The
+        request is given up (StoreDown) a third of the lease from now or at :meth:`lapses`, whichever is
+        first, so a stalled store holds a renewal no longer than the lease holds; then :class:`Lost` when
+        the lease has lapsed."""
         with self._io:
-            if self.lost:
-                raise Lost(self.lost)
+            self.check()
+            deadline = min(time.monotonic() + self.ttl / 3, self.lapses())
             try:
-                self.etag = self._put(self._body(self.since), self.etag)
+                try:
+                    self.etag = self._put(self._body(self.since), self.etag, deadline)
+                except Held:
+                    self.etag = self._landed_late(deadline)
+                    self.etag = self._put(self._body(self.since), self.etag, deadline)
             except Held:
                 self.lost = f"{self.url}: another keeper took the lease over: this keeper stops writing"
                 raise Lost(self.lost) from None
+            except SlotctlError:
+                self.check()
+                raise
             self.renewed = time.monotonic()
+
+    def _landed_late(self, deadline: float) -> str:
+        """The lease's ETag when the lease is still this keeper's though not of the ETag it knows: a renewal
+        given up at its deadline reached the store after all (it holds this process's ``pid``, ``host`` and
+        ``since``, not released). :class:`Held` when another keeper's lease is there."""
+        got = self._read(deadline)
+        if got is not None and got[1]:
+            doc, etag = got
+            if (doc.get("pid"), doc.get("host"), doc.get("since")) == (os.getpid(), socket.gethostname(),
+                                                                       self.since) and not doc.get("released"):
+                return etag
+        raise Held(f"{self.server}: another keeper took the lease {self.url}")
 
     def check(self) -> None:
         if self.lost:
             raise Lost(self.lost)
-        if self.renewed is None or time.monotonic() - self.renewed >= self.ttl * 0.9:
+        if self.renewed is None or time.monotonic() >= self.lapses():
             self.lost = (f"{self.url}: the lease was not renewed within {self.ttl:g} s (the store did not "
                          f"answer): this keeper stops writing")
             raise Lost(self.lost)
@@ -310,7 +350,8 @@ class Lease(Lock):
         the lease is lost (taken over, or not renewed within ``ttl``)."""
 
         def loop() -> None:
-            while not self._stop.wait(self.ttl / 3):
+            # every third of the lease, and once more at its lapse when a renewal failed
+            while not self._stop.wait(min(self.ttl / 3, max(0.0, self.lapses() - time.monotonic()))):
                 try:
                     self.renew()
                 except Lost as e:
@@ -338,7 +379,7 @@ class Lease(Lock):
             doc = json.loads(self._body(self.since))
             doc.update(released=True, expires=self.clock())
             try:
-                self._put(json.dumps(doc).encode(), self.etag)
+                self._put(json.dumps(doc).encode(), self.etag, time.monotonic() + self.ttl / 3)
             except SlotctlError:
                 pass     # it expires by itself
             self.etag = None
