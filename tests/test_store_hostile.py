@@ -1,7 +1,9 @@
 """Stores that stall, drip, truncate and reset (issue 27): a small TCP proxy written here, on 127.0.0.1 only,
-in front of the real SeaweedFS (tests/seaweed.py). ``prune``, ``ls`` and ``cp`` over ``s3://`` each end in
-bounded time with one error line and exit 2: ``--timeout`` is one deadline for the whole command, and a store
-that stopped answering stops the run with one error instead of failing object after object.
+in front of the real SeaweedFS (tests/seaweed.py). ``prune``, ``ls``, ``cp``, ``inspect``, ``diff``,
+``identify``, ``convert`` and ``strip-draft`` over ``s3://`` each end in bounded time with one error line and
+exit 2, leaving nothing half-written: ``--timeout`` is one deadline for the whole command, and a store that
+stopped answering stops the run with one error instead of failing object after object. keep's lease is
+renewed by a deadline of its own: a keeper whose store stalls stops (lease_lost) before its lease expires.
 
 The proxy lets the first ``after`` requests through (counted on the request lines the client sends), then
 does to every later answer what its mode says: ``stall`` (nothing more, the connection held open), ``drip``
@@ -224,11 +226,10 @@ def test_through_a_proxy_that_passes_everything_the_commands_work(objects, tmp_p
     assert (tmp_path / "a.bin").read_bytes() == SLOT.read_bytes()
 
 
-def test_a_long_running_process_tries_the_store_again(objects, monkeypatch):
-    """keep's store: a store that stopped answering stops that run (every request refused at once with the
-    first error), and the next run (keep's next tick: ObjectStore.again) tries it again."""
-    from slotctl.errors import StoreDown
-    from slotctl.fleet.states import ObjectStore
+@pytest.fixture
+def in_process(objects, monkeypatch):
+    """This process a client of the store through a proxy (passing everything until told otherwise), slotctl's
+    store made anew for it: (server, prefix, proxy)."""
     from slotctl.store.s3 import S3_STORE
 
     srv, prefix = objects
@@ -239,21 +240,31 @@ def test_a_long_running_process_tries_the_store_again(objects, monkeypatch):
         monkeypatch.setenv(k, v)
     S3_STORE.reset()
     try:
-        store = ObjectStore(prefix)
-        assert store.has("a.bin")
-        proxy.mode, proxy.after = "reset", proxy.requests
-        with pytest.raises(StoreDown):
-            store.has("b.bin")
-        proxy.mode = "pass"
-        t0 = time.monotonic()
-        with pytest.raises(StoreDown):      # refused at once, without a request
-            store.has("c.bin")
-        assert time.monotonic() - t0 < 0.5
-        store.again()
-        assert store.has("c.bin")
+        yield srv, prefix, proxy
     finally:
         proxy.close()
         S3_STORE.reset()
+
+
+def test_a_long_running_process_tries_the_store_again(in_process):
+    """keep's store: a store that stopped answering stops that run (every request refused at once with the
+    first error), and the next run (keep's next tick: ObjectStore.again) tries it again."""
+    from slotctl.errors import StoreDown
+    from slotctl.fleet.states import ObjectStore
+
+    srv, prefix, proxy = in_process
+    store = ObjectStore(prefix)
+    assert store.has("a.bin")
+    proxy.mode, proxy.after = "reset", proxy.requests
+    with pytest.raises(StoreDown):
+        store.has("b.bin")
+    proxy.mode = "pass"
+    t0 = time.monotonic()
+    with pytest.raises(StoreDown):      # refused at once, without a request
+        store.has("c.bin")
+    assert time.monotonic() - t0 < 0.5
+    store.again()
+    assert store.has("c.bin")
 
 
 @pytest.mark.parametrize("module", ["store/s3.py", "store/strip.py", "unattended/lock.py"])
@@ -487,43 +498,32 @@ def test_a_keeper_whose_store_stalls_while_it_renews_stops_before_its_lease_expi
     assert stopped < doc["expires"], (stopped, doc["expires"])
 
 
-def test_a_renewal_given_up_that_reached_the_store_after_all_is_still_the_keepers(objects, monkeypatch):
+def test_a_renewal_given_up_that_reached_the_store_after_all_is_still_the_keepers(in_process):
     """A stalled renewal is given up at its deadline (a third of the lease), but the proxy passed the PUT on:
     the lease in the store is this keeper's under an ETag it does not know. The next renewal finds it its own
     (pid, host, since) and goes on, instead of taking it for another keeper's (lease_lost)."""
     import obstore
 
     from slotctl.errors import StoreDown
-    from slotctl.store.s3 import S3_STORE
     from slotctl.unattended.lock import Lease
 
-    srv, prefix = objects
-    proxy = Proxy(srv.s3_port, "pass")
-    for k in [k for k in os.environ if k.startswith("AWS_")]:
-        monkeypatch.delenv(k)
-    for k, v in {**srv.env(), "HOME": str(srv.dir), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"}.items():
-        monkeypatch.setenv(k, v)
-    S3_STORE.reset()
+    srv, prefix, proxy = in_process
     client = srv.client()
-    try:
-        lease = Lease(prefix + "late/", "http://127.0.0.1:9", ttl=6).acquire()
-        key = lease.url.removeprefix(f"s3://{BUCKET}/")
-        first = obstore.head(client, key)["e_tag"]
-        with proxy.lock:
-            proxy.mode, proxy.after = "stall", proxy.requests
-        with pytest.raises(StoreDown, match="no answer within the lease's 6 s"):
-            lease.renew()
-        for _ in range(100):            # the PUT reached the store: the lease changed under the keeper
-            if obstore.head(client, key)["e_tag"] != first:
-                break
-            time.sleep(0.05)
-        landed = obstore.head(client, key)["e_tag"]
-        assert landed != first and lease.etag == first
-        proxy.mode = "pass"
+    lease = Lease(prefix + "late/", "http://127.0.0.1:9", ttl=6).acquire()
+    key = lease.url.removeprefix(f"s3://{BUCKET}/")
+    first = obstore.head(client, key)["e_tag"]
+    with proxy.lock:
+        proxy.mode, proxy.after = "stall", proxy.requests
+    with pytest.raises(StoreDown, match="no answer within the lease's 6 s"):
         lease.renew()
-        assert lease.lost is None and lease.etag not in (first, landed)
-        doc = json.loads(bytes(obstore.get(client, key).bytes()))
-        assert doc["pid"] == os.getpid() and doc["since"] == lease.since
-    finally:
-        proxy.close()
-        S3_STORE.reset()
+    for _ in range(100):            # the PUT reached the store: the lease changed under the keeper
+        if obstore.head(client, key)["e_tag"] != first:
+            break
+        time.sleep(0.05)
+    landed = obstore.head(client, key)["e_tag"]
+    assert landed != first and lease.etag == first
+    proxy.mode = "pass"
+    lease.renew()
+    assert lease.lost is None and lease.etag not in (first, landed)
+    doc = json.loads(bytes(obstore.get(client, key).bytes()))
+    assert doc["pid"] == os.getpid() and doc["since"] == lease.since
