@@ -185,3 +185,105 @@ def test_tokens_kept_for_prefix_lookups(tmp_path):
     assert got.kind == "kv" and got.model == "m0" and np.array_equal(got.tokens, toks)
     assert ix.get([str(p)], "tokens", {str(p): "another"}) == {}
     ix.close()
+
+
+@pytest.fixture
+def opened(monkeypatch):
+    """The paths whose first bytes a directory listing read (to tell slot files from the rest)."""
+    import slotctl.inputs as inputs
+
+    seen: list[str] = []
+    real = inputs.first_bytes
+
+    def first_bytes(paths, n=4):
+        seen.extend(os.path.basename(p) for p in paths)
+        return real(paths, n)
+
+    monkeypatch.setattr(inputs, "first_bytes", first_bytes)
+    return seen
+
+
+def test_ls_of_an_unchanged_directory_opens_no_file(slots, reads, opened):
+    (slots / "README.md").write_text("not a slot file")
+    old = time.time() - 3600
+    os.utime(slots / "README.md", (old, old))
+    first = runner.invoke(app, ["ls", str(slots), "--json"])
+    assert sorted(opened) == sorted(FILES + ["README.md"]) and sorted(reads) == sorted(FILES)
+    opened.clear(), reads.clear()
+    second = runner.invoke(app, ["ls", str(slots), "--json"])
+    assert opened == [] and reads == []       # neither opened to tell what it is nor parsed
+    a, b = json.loads(first.stdout), json.loads(second.stdout)
+    assert b["summary"] == a["summary"] and b["summary"]["skipped"] == 1
+    assert without_age(b["files"]) == without_age(a["files"])
+    # the human listing too, and --no-cache opens and reads every one again
+    assert runner.invoke(app, ["ls", str(slots)]).exit_code == first.exit_code and opened == [] and reads == []
+    runner.invoke(app, ["ls", str(slots), "--no-cache"])
+    assert sorted(opened) == sorted(FILES + ["README.md"]) and sorted(reads) == sorted(FILES)
+
+
+def test_a_file_named_on_its_own_stays_out_of_its_directory(slots, reads, opened):
+    """A README named alone gets a row (ls says what the server does with it: refused); listed with its
+    directory it is still no slot file, from its first bytes as the index keeps them."""
+    readme = slots / "README.md"
+    readme.write_text("not a slot file")
+    old = time.time() - 3600
+    os.utime(readme, (old, old))
+    alone = json.loads(runner.invoke(app, ["ls", str(readme), "--json"]).stdout)
+    assert alone["summary"]["files"] == 1 and alone["files"][0]["verdict"] == "refused"
+    for _ in range(2):
+        d = json.loads(runner.invoke(app, ["ls", str(slots), "--json"]).stdout)
+        assert d["summary"]["files"] == len(FILES) and d["summary"]["skipped"] == 1
+        assert "README.md" not in [r["name"] for r in d["files"]]
+
+
+def test_a_file_that_becomes_a_slot_file_is_looked_at_again(slots, reads, opened):
+    other = slots / "notes.dat"
+    other.write_bytes(b"hello there")
+    old = time.time() - 3600
+    os.utime(other, (old, old))
+    for _ in range(2):
+        assert json.loads(runner.invoke(app, ["ls", str(slots), "--json"]).stdout)["summary"]["skipped"] == 1
+    opened.clear(), reads.clear()
+    other.write_bytes((DATA / "srv-np1.bin").read_bytes())     # now a slot file: another identity
+    os.utime(other, (old, old))
+    d = json.loads(runner.invoke(app, ["ls", str(slots), "--json"]).stdout)
+    assert opened == ["notes.dat"] and reads == ["notes.dat"]
+    assert d["summary"]["skipped"] == 0 and "notes.dat" in [r["name"] for r in d["files"]]
+
+
+def test_plain_lines_are_the_lines_rich_prints(slots, monkeypatch):
+    """On a pipe the listing is written as plain lines (no rich work per row): the same text rich prints,
+    at every width, with names that fold (wide characters, escapes) and errors that wrap."""
+    import io
+
+    from slotctl.cli.ls_cmd import _Cells, _Totals
+    from slotctl.cli.output import Output
+
+    base = rows(slots)
+    names = ["a.bin", "x" * 150 + ".bin", "名前の長いファイル" * 6 + ".bin", "tab\tand\x1b[31m.bin", "e\u0301" * 40]
+    errors = [None, "short", "a long message that wraps " * 9, "y" * 230, "名前 " * 50]
+    many = []
+    for i in range(40):
+        r = dict(base[i % len(base)], name=names[i % len(names)], path=names[i % len(names)])
+        if errors[i % len(errors)]:
+            r["error"] = {"code": "x", "message": errors[i % len(errors)]}
+        many.append(r)
+    from rich.cells import cell_len
+
+    for width in (30, 60, 80, 120, 200):
+        monkeypatch.setenv("COLUMNS", str(width))
+        printed = []
+        for plain in (False, True):
+            buf = io.StringIO()
+            out = Output(stdout=buf)
+            assert out.console.width == width
+            cells, totals = _Cells(show_reuse=False, names=True), _Totals(0)
+            for r in many:
+                totals.seen(r), totals.add(r), cells.add(r)
+            import unittest.mock
+
+            with unittest.mock.patch.object(Output, "plain", plain):
+                cells.render(out, totals, broken=False)
+            printed.append(buf.getvalue())
+        assert printed[1] == printed[0], width
+        assert max(cell_len(line) for line in printed[1].splitlines()) <= width

@@ -170,6 +170,37 @@ class Output:
         """Rich renderables on stdout (human mode)."""
         self.console.print(*renderables)
 
+    @property
+    def plain(self) -> bool:
+        """Whether stdout shows no styles (a pipe or a file, colours not forced): what a renderable prints
+        there is its plain text, and :meth:`lines` may write it without rich's per-line work."""
+        console = self.console
+        return not console.is_terminal and console.color_system is None
+
+    def lines(self, lines: Iterable[str]) -> None:
+        """Plain lines straight to stdout (only where :attr:`plain`: each already laid out for the width,
+        escaped, no wider than it), written in blocks."""
+        write, block = self._stdout.write, []
+        for line in lines:
+            block.append(line)
+            if len(block) >= 4096:
+                write("\n".join(block) + "\n")
+                block = []
+        if block:
+            write("\n".join(block) + "\n")
+        self._stdout.flush()
+
+    def wrapped(self, text: str, indent: int) -> list[str]:
+        """The plain lines :meth:`indented` prints for ``text`` (no styles)."""
+        from rich.text import Text
+
+        pad = " " * indent
+        out = []
+        for line in Text(text).wrap(self.console, max(1, self.console.width - indent), overflow="fold"):
+            line.rstrip()
+            out.append(pad + line.plain)
+        return out
+
     def indented(self, text: Text | str, indent: int) -> None:
         """``text`` wrapped at the output's width less ``indent``, every line indented (a word longer than a
         line folds: nothing is cut)."""
