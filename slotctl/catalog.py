@@ -300,10 +300,12 @@ class Known:
         return place
 
     def _stat(self, p: str):
-        try:
-            st = self._stats[p] = os.stat(p)
-        except (OSError, ValueError):
-            return None
+        st = self._stats.get(p)
+        if st is None:
+            try:
+                st = self._stats[p] = os.stat(p)
+            except (OSError, ValueError):
+                return None
         return st if S_ISREG(st.st_mode) else None
 
     def _trusted(self, table: str, p: str):
@@ -324,8 +326,11 @@ class Known:
         for e in entries:
             self._listed[e.path] = e
 
-    def head(self, p: str) -> bytes | None:
-        """The first bytes of ``p`` as the index holds them for its identity now, or None (read them)."""
+    def head(self, p: str, st: os.stat_result | None = None) -> bytes | None:
+        """The first bytes of ``p`` as the index holds them for its identity now (``st``: its stat, when the
+        caller has it), or None (read them)."""
+        if st is not None and p not in self._looked:
+            self._stats[p] = st
         return self._trusted("heads", p)
 
     def saw(self, p: str, head: bytes | None) -> None:
@@ -370,6 +375,23 @@ class Known:
         for place in self._places.values():
             place.index.close()
         self._places.clear()
+
+
+def forget(paths: list[str]) -> None:
+    """Files deleted (``prune``): their rows and first bytes leave the index of their directory or prefix."""
+    by_place: dict[str, list[str]] = {}
+    for p in paths:
+        url = remote_url(p)
+        if url is not None:
+            by_place.setdefault(url.rpartition("/")[0] + "/", []).append(url)
+        else:
+            a = os.path.abspath(p)
+            by_place.setdefault(os.path.dirname(a), []).append(a)
+    for where, gone in by_place.items():
+        if os.path.exists(index_path(where)):
+            ix = Index(index_path(where))
+            ix.forget(gone)
+            ix.close()
 
 
 def _rows(paths: list[str], request: Request, processes: int | None, now: float) -> Iterator[dict]:

@@ -18,11 +18,14 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import DATA
+from test_store import s3, seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 from slotctl import catalog as cat
 from slotctl.cli.app import app
 
 runner = CliRunner()
 FILES = ["srv-np1.bin", "srv-kvq8.bin", "srv-draft.bin", "srv-np2-slot1.bin"]
+#: a wait past the catalog's rule that a row made less than 3 s after its file changed is not trusted
+RACY_WAIT = cat.RACY_SECONDS + 0.5
 
 
 @pytest.fixture(autouse=True)
@@ -191,15 +194,17 @@ def test_tokens_kept_for_prefix_lookups(tmp_path):
 def opened(monkeypatch):
     """The paths whose first bytes a directory listing read (to tell slot files from the rest)."""
     import slotctl.inputs as inputs
+    import slotctl.sources as sources
 
     seen: list[str] = []
-    real = inputs.first_bytes
+    real = sources.first_bytes
 
     def first_bytes(paths, n=4):
         seen.extend(os.path.basename(p) for p in paths)
         return real(paths, n)
 
     monkeypatch.setattr(inputs, "first_bytes", first_bytes)
+    monkeypatch.setattr(sources, "first_bytes", first_bytes)     # prune's scan
     return seen
 
 
@@ -287,3 +292,70 @@ def test_plain_lines_are_the_lines_rich_prints(slots, monkeypatch):
             printed.append(buf.getvalue())
         assert printed[1] == printed[0], width
         assert max(cell_len(line) for line in printed[1].splitlines()) <= width
+
+
+def test_an_s3_prefix_unchanged_is_listed_without_reading_an_object(s3, reads, opened, cache_home):
+    """Objects under a prefix of the real SeaweedFS: the listing's ETag, size and Last-Modified are each
+    object's identity; the index is under the user's cache directory."""
+    import obstore
+    from seaweed import BUCKET
+
+    prefix = f"s3://{BUCKET}/catalog25/"
+    for n in FILES:
+        obstore.put(s3.client(), f"catalog25/{n}", (DATA / n).read_bytes())
+    obstore.put(s3.client(), "catalog25/README.md", b"not a slot file")
+    time.sleep(RACY_WAIT)      # older than the 3 s rule: their rows may be trusted
+    first = runner.invoke(app, ["ls", prefix, "--json"])
+    assert first.exit_code == 0, first.output
+    assert sorted(reads) == sorted(FILES) and sorted(opened) == sorted(FILES + ["README.md"])
+    assert os.path.exists(cat.index_path(prefix)) and str(cache_home) in cat.index_path(prefix)
+    reads.clear(), opened.clear()
+    second = runner.invoke(app, ["ls", prefix, "--json"])
+    assert reads == [] and opened == []          # no object read, not even its first bytes
+    a, b = json.loads(first.stdout), json.loads(second.stdout)
+    assert b["summary"] == a["summary"] and without_age(b["files"]) == without_age(a["files"])
+    # an object written again (another ETag and Last-Modified) is read again; the others are not
+    obstore.put(s3.client(), "catalog25/srv-kvq8.bin", (DATA / "srv-kvq8.bin").read_bytes()[:1000])
+    time.sleep(RACY_WAIT)
+    third = json.loads(runner.invoke(app, ["ls", prefix, "--json"]).stdout)
+    assert reads == ["srv-kvq8.bin"] and opened == ["srv-kvq8.bin"]
+    assert {r["name"]: r["damaged"] for r in third["files"]}["srv-kvq8.bin"] is True
+    # --no-cache reads every one
+    reads.clear(), opened.clear()
+    runner.invoke(app, ["ls", prefix, "--json", "--no-cache"])
+    assert sorted(reads) == sorted(FILES) and sorted(opened) == sorted(FILES + ["README.md"])
+
+
+def test_prune_reads_only_what_changed_and_forgets_what_it_deletes(slots, reads, opened):
+    """prune: whether a file is a slot file, and its verdict for --broken, from the catalog for a file whose
+    identity has not changed; a file it deletes leaves the index; --no-cache reads every one."""
+    (slots / "README.md").write_text("not a slot file")
+    cut = slots / "cut.bin"
+    data = (DATA / "srv-np1.bin").read_bytes()
+    cut.write_bytes(data[:1000])                   # broken: damaged (cut in its tokens)
+    old = time.time() - 3600
+    for p in (slots / "README.md", cut):
+        os.utime(p, (old, old))
+    listed = runner.invoke(app, ["ls", str(slots), "--json"])
+    assert json.loads(listed.stdout)["summary"]["classes"]["broken"] == 1
+    reads.clear(), opened.clear()
+    res = runner.invoke(app, ["prune", str(slots), "--broken", "--dry-run", "--json"])
+    assert res.exit_code == 0, res.output
+    assert reads == [] and opened == []            # ls's rows and first bytes: nothing opened, nothing parsed
+    doc = json.loads(res.stdout)
+    assert [f["path"] for f in doc["files"] if f["action"] == "would_delete"] == [str(cut)]
+    assert {f["path"]: f["action"] for f in doc["files"]}[str(slots / "README.md")] == "skipped"
+    res = runner.invoke(app, ["prune", str(slots), "--max-size", "1", "--dry-run", "--json"])
+    assert opened == [] and reads == []
+    # deleted for real: its row and first bytes leave the index
+    res = runner.invoke(app, ["prune", str(slots), "--broken", "--json"])
+    assert [f["path"] for f in json.loads(res.stdout)["files"] if f["action"] == "deleted"] == [str(cut)]
+    con = sqlite3.connect(index_of(slots))
+    for table in ("files", "heads"):
+        assert con.execute(f"SELECT count(*) FROM {table} WHERE path = ?", (str(cut),)).fetchone()[0] == 0
+        assert con.execute(f"SELECT count(*) FROM {table}").fetchone()[0] > 0
+    con.close()
+    assert reads == [] and opened == []
+    # --no-cache: every file opened and judged again
+    res = runner.invoke(app, ["prune", str(slots), "--broken", "--dry-run", "--no-cache", "--json"])
+    assert sorted(opened) == sorted(FILES + ["README.md"]) and sorted(reads) == sorted(FILES)
