@@ -94,6 +94,7 @@ def main() -> None:
     os.makedirs(d)
     env = {**os.environ, "SLOTCTL_CACHE_DIR": os.path.join(parent, "cache"), "SLOTCTL_NO_PROGRESS": "1"}
     env.pop("COLUMNS", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)    # as installed: modules from their .pyc, not compiled each run
     py = sys.executable
     ls = [py, "-m", "slotctl", "ls", d]
     try:
@@ -101,6 +102,7 @@ def main() -> None:
         print(f"{a.files:,} copies of tests/data's b11434 saves ({size / 2**20:,.0f} MiB) in {d}")
         print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (shared machine)")
         results = []
+        subprocess.run([py, "-m", "slotctl", "--help"], env=env, stdout=subprocess.DEVNULL)   # writes the .pyc
         base = best([py, "-c", STAT_BASELINE, d], env, a.repeat)
         results += [("python: scandir and stat every file (baseline)", base),
                     ("python -c pass", best([py, "-c", "pass"], env, a.repeat)),

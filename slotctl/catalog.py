@@ -262,7 +262,7 @@ class Known:
         #: read then (never later than the read it was made from)
         self.started_ns = time.time_ns()
         self._places: dict[str, _Place] = {}
-        self._dirs: dict[str, str] = {}              # a directory as given -> absolute
+        self._dirs: dict[str, tuple] = {}            # a directory as given -> its index, its absolute path/
         self._stats: dict[str, os.stat_result] = {}  # local path as given -> its stat
         self._looked: dict[str, tuple | None] = {}    # path as given -> what _look found
         self._listed: dict[str, object] = {}         # object URL -> its listing's Entry
@@ -285,11 +285,13 @@ class Known:
         else:
             st = self._stat(p)
             if st is not None and _storable(p):
-                d, name = os.path.split(p)
-                a = self._dirs.get(d)
-                if a is None:
-                    a = self._dirs[d] = os.path.abspath(d or ".")
-                got = (self._place(a), os.path.join(a, name), local_identity(st), st.st_mtime_ns)
+                cut = p.rfind(os.sep) + 1
+                d = p[:cut]          # the directory as given, with its separator (empty: the current one)
+                got = self._dirs.get(d)
+                if got is None:
+                    a = os.path.abspath(d or ".")
+                    got = self._dirs[d] = (self._place(a), a if a.endswith(os.sep) else a + os.sep)
+                got = (got[0], got[1] + p[cut:], local_identity(st), st.st_mtime_ns)
         self._looked[p] = got
         return got
 
@@ -347,7 +349,12 @@ class Known:
         text = self._trusted("rows", p)
         if text is None:
             return None
-        row = json.loads(text)
+        try:
+            row = json.loads(text)
+        except (ValueError, TypeError):    # a row that is no JSON (a damaged index): the file is read again
+            return None
+        if not isinstance(row, dict):
+            return None
         row["path"], row["name"] = p, os.path.basename(p)
         st = self._stats.get(p)
         if st is None:      # an object: its age from the listing, its last use as it was stored

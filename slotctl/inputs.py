@@ -120,9 +120,9 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
             listed = [e for e in directory_entries(p, follow_symlinks) if not e.name.startswith(CATALOG_FILE)]
             # each file once, by its real path: a name that is no symbolic link is the directory's real path
             # and the name (no realpath per file)
-            fulls = [os.path.join(p, e.name) for e in listed]
-            keys = [os.path.realpath(full) if e.is_symlink() else os.path.join(real, e.name)
-                    for e, full in zip(listed, fulls)]
+            inside, real_inside = _joiner(p), _joiner(real)
+            fulls = [inside + e.name for e in listed]
+            keys = [os.path.realpath(full) if e.is_symlink() else real_inside + e.name for e, full in zip(listed, fulls)]
             for e, full, key, head in zip(listed, fulls, keys, heads(fulls)):
                 if is_slot_entry(e.name, head):
                     add(full, key)
@@ -131,6 +131,12 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
         else:
             add(p)
     return out
+
+
+def _joiner(directory: str) -> str:
+    """What ``os.path.join(directory, name)`` puts before a plain ``name`` (no separator in it): joined by
+    concatenation, once per directory instead of once per file."""
+    return directory if directory.endswith(os.sep) else directory + os.sep
 
 
 def expand_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> list[str]:

@@ -137,6 +137,14 @@ def test_a_corrupt_or_foreign_index_is_rebuilt_never_trusted(slots, reads):
     reads.clear()
     assert without_age(rows(slots)) == without_age(first)
     assert sorted(reads) == sorted(FILES)
+    # a row that is no JSON object, its identity intact: never shown, the file read again
+    rows(slots)
+    sql(ix, "UPDATE files SET row = '{not json'")
+    reads.clear()
+    assert without_age(rows(slots)) == without_age(first) and sorted(reads) == sorted(FILES)
+    sql(ix, "UPDATE files SET row = '[1, 2]'")
+    reads.clear()
+    assert without_age(rows(slots)) == without_age(first) and sorted(reads) == sorted(FILES)
     # garbage: rebuilt
     for suffix in ("", "-wal", "-shm"):
         if os.path.exists(str(ix) + suffix):
@@ -359,3 +367,26 @@ def test_prune_reads_only_what_changed_and_forgets_what_it_deletes(slots, reads,
     # --no-cache: every file opened and judged again
     res = runner.invoke(app, ["prune", str(slots), "--broken", "--dry-run", "--no-cache", "--json"])
     assert sorted(opened) == sorted(FILES + ["README.md"]) and sorted(reads) == sorted(FILES)
+
+
+def test_an_index_a_killed_process_held_locked_is_used_as_it_was(slots, reads):
+    """A process killed inside a write transaction (SIGKILL: no rollback, its WAL frames left) holds no lock
+    once dead (SQLite's locks die with it) and its uncommitted rows are never read: the next run uses what
+    was committed."""
+    import signal
+    import subprocess
+    import sys
+
+    first = rows(slots)
+    reads.clear()
+    script = ("import os, signal, sqlite3, sys\n"
+              "con = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+              "con.execute('BEGIN IMMEDIATE')\n"
+              "con.execute('UPDATE files SET row = ?', ('{}',))\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    child = subprocess.run([sys.executable, "-c", script, index_of(slots)], capture_output=True, text=True,
+                           timeout=60)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    again = rows(slots)
+    assert reads == []
+    assert without_age(again) == without_age(first)

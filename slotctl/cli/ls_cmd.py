@@ -364,7 +364,7 @@ class _Cells:
         """:meth:`_line`'s text, plain."""
         parts = []
         for (_, left), w, c in zip(self.columns, widths, cells):
-            pad = " " * (w - cell_len(c))
+            pad = " " * (w - _width(c))
             parts.append(c + pad if left else pad + c)
         spaces = " " * gap
         head = spaces.join(parts) + spaces
@@ -374,10 +374,15 @@ class _Cells:
         return head + pieces[0] + "".join("\n" + " " * cell_len(head) + piece for piece in pieces[1:])
 
 
+def _width(text: str) -> int:
+    """The terminal cells of ``text``: its length when it is printable ASCII (one cell each), else rich's."""
+    return len(text) if text.isascii() and text.isprintable() else cell_len(text)
+
+
 def _fold(text: str, width: int) -> list[str]:
     """``text`` in pieces of at most ``width`` terminal cells (all of it: nothing is cut)."""
-    if len(text) <= width and cell_len(text) <= width:
-        return [text]
+    if text.isascii() and text.isprintable():      # one cell a character: pieces of ``width`` characters
+        return [text[i:i + width] for i in range(0, len(text), width)] or [""]
     pieces, piece = [], ""
     for ch in text:
         if piece and cell_len(piece + ch) > width:
