@@ -519,7 +519,7 @@ CREATE TABLE heads (
     identity TEXT NOT NULL,
     changed_ns INTEGER NOT NULL,
     read_ns INTEGER NOT NULL,
-    head BLOB NOT NULL           -- the file's first bytes: whether it is a slot file (slotfile.is_slot_entry)
+    head BLOB NOT NULL           -- the file's first bytes: whether it is a slot file (format.magic.is_slot_entry)
 );
 """
 

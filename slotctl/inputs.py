@@ -4,7 +4,7 @@ and the slot files they expand to.
 
 Every command that takes FILE... (inspect, validate, ls, strip-draft, convert, cp) expands its arguments
 here: a prefix is listed once (the listing says both that it is a prefix and what is under it), and a
-directory read once. Which entries are slot files is :func:`slotctl.slotfile.is_slot_entry`'s rule.
+directory read once. Which entries are slot files is :func:`slotctl.format.magic.is_slot_entry`'s rule.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Expansion:
 
     ``files``: each path given (as given, even when missing or unreadable: the command reports it as
     that file's error and goes on; ``-`` is standard input), then each directory's slot files
-    (:func:`~slotctl.slotfile.is_slot_entry`). ``skipped``: the regular files in the directories that are not
+    (:func:`~slotctl.format.magic.is_slot_entry`). ``skipped``: the regular files in the directories that are not
     slot files (a README, a model, a JSON sidecar): they are only counted. ``links``: the symbolic links in
     the directories, when they are not followed (a command that rewrites files): only counted too.
     ``containers``: the paths given that are directories or prefixes (:func:`is_container`), as given.
@@ -66,7 +66,7 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
     """Each path given, and each directory's (or prefix's) slot files (not recursive, sorted; see
     :class:`Expansion`). A path that is missing or not a regular file is kept for the command to report.
     ``known``: the catalog's first bytes of unchanged files (a file it knows is not opened to tell whether it
-    is a slot file; :func:`~slotctl.slotfile.is_slot_entry` decides on them as on bytes read)."""
+    is a slot file; :func:`~slotctl.format.magic.is_slot_entry` decides on them as on bytes read)."""
     out = Expansion()
     seen: set[str] = set()
 

@@ -12,7 +12,7 @@ from slotctl.server.status import Status
 
 class Effect(StrEnum):
     """What a layer's problems make the server do (:attr:`LayerCheck.effect`), worst last; the words shared
-    with the restore's steps are :class:`~slotctl.server.restore.Status`'s."""
+    with the restore's steps are :class:`~slotctl.server.status.Status`'s."""
 
     OK = "ok"
     DROPPED = Status.DROPPED.value          # restored without this layer
