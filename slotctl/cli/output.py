@@ -160,7 +160,13 @@ class Output:
 
     def json_line(self, data: Any) -> None:
         """One JSON object on one line of stdout, flushed (``--jsonl`` streams them as they come)."""
-        _write_json(self._stdout, data, indent=None)
+        try:     # plain JSON values (an ls row): json's own encoder, made once (the same text)
+            text = _PLAIN_JSON.encode(data)
+        except TypeError:      # an array or another value of slotctl's (_json_default): written as it defers them
+            _write_json(self._stdout, data, indent=None)
+            return
+        self._stdout.write(text + "\n")
+        self._stdout.flush()
 
     def json_error(self, code: str, message: str, exit_code: int) -> None:
         """The document of a command that failed as a whole: ``{"error": {"code", "message"}, "exit_code"}``."""
@@ -366,6 +372,10 @@ def _cell_width(console: Console, cell: Any) -> int:
     text = cell if isinstance(cell, Text) else console.render_str(str(cell))
     return max((Text(line).cell_len for line in text.plain.split("\n")), default=0)
 
+
+#: the encoder of documents that hold only JSON's own values: json.dumps's defaults (it raises TypeError on
+#: anything else, which is then written by :func:`_write_json`)
+_PLAIN_JSON = json.JSONEncoder()
 
 #: arrays longer than this are written in blocks, compact, instead of one JSON value per line
 _LONG_ARRAY = 4096
