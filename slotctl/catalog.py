@@ -682,58 +682,51 @@ class Index:
             self._give_up(e)
             return {}
 
+    def _write(self, *batches: tuple[str, list]) -> None:
+        """Each (statement, rows) executed for its rows, all in one transaction; any SQLite error makes the
+        index unusable for this process."""
+        import sqlite3
+
+        try:
+            with self._conn:
+                self._conn.execute("BEGIN IMMEDIATE")
+                for statement, rows in batches:
+                    self._conn.executemany(statement, rows)
+        except sqlite3.Error as e:
+            self._give_up(e)
+
     def put_heads(self, items: list[tuple[str, str, int, bytes]], *, read_ns: int | None = None) -> None:
         """First bytes read now (``read_ns``: when the identities were taken, before the reads): (path,
         identity, changed_ns, head) each, in one transaction."""
         if not self.usable or not items:
             return
-        import sqlite3
-
         now = time.time_ns() if read_ns is None else read_ns
-        try:
-            with self._conn:
-                self._conn.execute("BEGIN IMMEDIATE")
-                self._conn.executemany("INSERT OR REPLACE INTO heads VALUES (?, ?, ?, ?, ?)",
-                                       [(path, ident, changed, now, head) for path, ident, changed, head in items
-                                        if _storable(path)])
-        except sqlite3.Error as e:
-            self._give_up(e)
+        self._write(("INSERT OR REPLACE INTO heads VALUES (?, ?, ?, ?, ?)",
+                     [(path, ident, changed, now, head) for path, ident, changed, head in items if _storable(path)]))
 
     def put(self, key: str, items: list[tuple[str, str, int, Cached]], *, read_ns: int | None = None) -> None:
         """Rows made now (``read_ns``: when the identities were taken, before the reads; default now): (path,
         identity, changed_ns, Cached) each, in one transaction."""
         if not self.usable or not items:
             return
-        import sqlite3
-
-        import numpy as np
-
         now = time.time_ns() if read_ns is None else read_ns
-        try:
-            with self._conn:
-                self._conn.execute("BEGIN IMMEDIATE")
-                self._conn.executemany(
-                    "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [(path, key, ident, changed, now, json.dumps(c.row) if c.row is not None else None, c.kind,
-                      len(c.tokens) if c.tokens is not None else None,
-                      np.asarray(c.tokens, dtype="<i4").tobytes() if c.tokens is not None else None, c.model)
-                     for path, ident, changed, c in items if _storable(path)])
-        except sqlite3.Error as e:
-            self._give_up(e)
+
+        def tokens(c: Cached):
+            import numpy as np
+
+            return np.asarray(c.tokens, dtype="<i4").tobytes()
+
+        self._write(("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                     [(path, key, ident, changed, now, json.dumps(c.row) if c.row is not None else None, c.kind,
+                       len(c.tokens) if c.tokens is not None else None,
+                       tokens(c) if c.tokens is not None else None, c.model)
+                      for path, ident, changed, c in items if _storable(path)]))
 
     def forget(self, paths: list[str]) -> None:
         if not self.usable or not paths:
             return
-        import sqlite3
-
-        try:
-            with self._conn:
-                self._conn.execute("BEGIN IMMEDIATE")
-                gone = [(p,) for p in paths if _storable(p)]
-                self._conn.executemany("DELETE FROM files WHERE path = ?", gone)
-                self._conn.executemany("DELETE FROM heads WHERE path = ?", gone)
-        except sqlite3.Error as e:
-            self._give_up(e)
+        gone = [(p,) for p in paths if _storable(p)]
+        self._write(("DELETE FROM files WHERE path = ?", gone), ("DELETE FROM heads WHERE path = ?", gone))
 
 
 def _storable(path: str) -> bool:
