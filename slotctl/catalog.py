@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from typing import Iterable, Iterator
 
 from slotctl.errors import ExitStatus
-from slotctl.paths import CATALOG_FILE
+from slotctl.paths import CATALOG_FILE, STDIN
 from slotctl.sources import remote_url
 
 #: what prune reports for an ``undecided`` file whose payload no layout fits: the server refuses it or aborts
@@ -276,7 +276,9 @@ class Known:
             return got
         got = None
         url = remote_url(p) if "://" in p or p.startswith("s3:") else None
-        if url is not None:
+        if p == STDIN:
+            pass         # standard input: no identity (a file named "-" here is not what is read)
+        elif url is not None:
             e = self._listed.get(url)
             if e is not None and e.etag and _storable(url):
                 changed = int(e.mtime * 1e9)
