@@ -9,8 +9,9 @@ A keeper holds a lock named after the server it keeps (:func:`server_key`) in th
   conditional put on its own ETag (``If-Match``). The lease says until when it holds (``expires``, the
   holder's clock). Another keeper refuses while ``expires`` is ahead of its clock; after it, it takes the
   lease over with a put conditional on the ETag it read, so of two that try at once one wins. The holder
-  counts its own lease lost when it could not renew it within ``ttl`` (its monotonic clock): it stops
-  writing before anyone may take over. So a keeper killed with SIGKILL is taken over after the expiry and
+  counts its own lease lost when it could not renew it within :data:`HOLD` of ``ttl`` from the moment the
+  last document it wrote was made (its monotonic clock), however the store fails (an error, or no answer
+  at all: a renewal is given up at that deadline): it stops writing before anyone may take over. So a keeper killed with SIGKILL is taken over after the expiry and
   never before (the clocks of the two hosts are assumed to agree to well within ``ttl``).
 
 The lock's refusal is :class:`Held` (exit 2, one line naming the holder). Beside the lock lives the
@@ -25,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import socket
 import threading
@@ -40,6 +42,8 @@ from slotctl.live.http import is_loopback
 DEFAULT_TTL = 60.0
 #: the shortest lease accepted (a renewal is a round trip to the store)
 MIN_TTL = 1.0
+#: the part of the lease after which a holder that could not renew counts it lost and stops writing
+HOLD = 0.8
 #: a lease or journal larger than this is not a keeper's: not parsed
 MAX_LEASE_BYTES = 1 << 20
 
@@ -48,6 +52,12 @@ class Held(UsageError):
     """Another keeper holds the lock of this server and store (exit 2)."""
 
     code = "locked"
+
+
+class NoAnswer(SlotctlError):
+    """The store did not answer a renewal of the lease in the time left before its deadline."""
+
+    code = "store_unreachable"
 
 
 class Lost(SlotctlError):
@@ -106,13 +116,26 @@ def _journal_entries(doc: dict) -> dict[int, dict]:
     return out
 
 
+#: what each role that takes a lock is called in its refusal (``keep``: a keeper, ``serve``: a serve process)
+ROLES = {"keep": ("keeper", "keeps this server with this store"),
+         "serve": ("serve", "serves this server with this store")}
+
+
+def _role(role: str) -> tuple[str, str]:
+    if role not in ROLES:
+        raise ValueError(f"lock role {role!r}: expected one of {', '.join(ROLES)}")
+    return ROLES[role]
+
+
 class Lock:
     """What both kinds of lock share: the journal (slot -> signature, model hash, name)."""
 
     path: str
 
-    def __init__(self, server: str):
+    def __init__(self, server: str, role: str = "keep"):
         self.server = server
+        self.role = role
+        self.who, self.does = _role(role)
         self.journal: dict[int, dict] = {}
 
     def known(self, model: str, has: Callable[[str], bool]) -> dict[int, tuple]:
@@ -140,11 +163,11 @@ class Lock:
 class DirectoryLock(Lock):
     """``flock`` on ``DIR/.slotctl-keep-KEY.lock``; the journal in ``DIR/.slotctl-keep-KEY.json``."""
 
-    def __init__(self, directory: str | os.PathLike, server: str):
-        super().__init__(server)
+    def __init__(self, directory: str | os.PathLike, server: str, role: str = "keep"):
+        super().__init__(server, role)
         key = server_key(server)
-        self.path = os.path.join(os.fspath(directory), f".slotctl-keep-{key}.lock")
-        self.journal_path = os.path.join(os.fspath(directory), f".slotctl-keep-{key}.json")
+        self.path = os.path.join(os.fspath(directory), f".slotctl-{role}-{key}.lock")
+        self.journal_path = os.path.join(os.fspath(directory), f".slotctl-{role}-{key}.json")
         self.fd: int | None = None
 
     def acquire(self) -> "DirectoryLock":
@@ -157,7 +180,7 @@ class DirectoryLock(Lock):
         except BlockingIOError:
             holder = _parse(os.pread(fd, MAX_LEASE_BYTES, 0))
             os.close(fd)
-            raise Held(f"{self.server}: another keeper keeps this server with this store ({_describe(holder)}; "
+            raise Held(f"{self.server}: another {self.who} {self.does} ({_describe(holder)}; "
                        f"lock {self.path})") from None
         body = json.dumps(_holder(self.server)).encode()
         os.ftruncate(fd, 0)
@@ -188,9 +211,9 @@ class DirectoryLock(Lock):
 class Lease(Lock):
     """The lease object ``PREFIX/.slotctl-keep-KEY.lease`` of an ``s3://`` store (module docstring)."""
 
-    def __init__(self, prefix: str, server: str, ttl: float = DEFAULT_TTL, *, clock=time.time):
-        super().__init__(server)
-        self.url = prefix.rstrip("/") + "/" + f".slotctl-keep-{server_key(server)}.lease"
+    def __init__(self, prefix: str, server: str, ttl: float = DEFAULT_TTL, *, clock=time.time, role: str = "keep"):
+        super().__init__(server, role)
+        self.url = prefix.rstrip("/") + "/" + f".slotctl-{role}-{server_key(server)}.lease"
         self.path = self.url
         self.ttl = float(ttl)
         self.clock = clock
@@ -198,6 +221,8 @@ class Lease(Lock):
         #: monotonic time of the last successful write of the lease
         self.renewed: float | None = None
         self.lost: str | None = None
+        #: the last renewal's failure (said when the lease is counted lost)
+        self.failure: str | None = None
         self._io = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -251,10 +276,10 @@ class Lease(Lock):
             else:
                 res = obstore.put(cond, key, body, mode={"e_tag": etag}, use_multipart=False)
         except (obx.AlreadyExistsError, obx.PreconditionError):
-            raise Held(f"{self.server}: another keeper took the lease {self.url} first") from None
+            raise Held(f"{self.server}: another {self.who} took the lease {self.url} first") from None
         except Exception as e:  # noqa: BLE001
             if "412" in str(e) or "PreconditionFailed" in str(e):
-                raise Held(f"{self.server}: another keeper took the lease {self.url} first") from None
+                raise Held(f"{self.server}: another {self.who} took the lease {self.url} first") from None
             raise self._error(e, "PUT") from None
         return res.get("e_tag")
 
@@ -267,6 +292,7 @@ class Lease(Lock):
 
         self.since = self.clock()
         got = self._read()
+        made = time.monotonic()      # the document's expires counts from no earlier than this
         if got is None:
             self.etag = self._put(self._body(self.since), None)
         else:
@@ -274,43 +300,59 @@ class Lease(Lock):
             expires = doc.get("expires")
             now = self.clock()
             if isinstance(expires, (int, float)) and expires > now and doc.get("released") is not True:
-                raise Held(f"{self.server}: another keeper keeps this server with this store "
+                raise Held(f"{self.server}: another {self.who} {self.does} "
                            f"({_describe(doc)}; its lease {self.url} holds until {iso_time(expires)}, "
                            f"{expires - now:.0f} s from now)")
             self.journal = _journal_entries(doc)
+            made = time.monotonic()
             self.etag = self._put(self._body(self.since), etag)
-        self.renewed = time.monotonic()
+        self.renewed = made
         return self
 
+    def deadline(self) -> float:
+        """The monotonic time by which the lease must be renewed, or counted lost: :data:`HOLD` of the lease
+        after the last renewal's document was made (its ``expires`` counts from then), so the holder stops
+        writing before anyone may take over, with the rest of the lease to spare (clock skew, the time
+        stopping takes)."""
+        return (self.renewed if self.renewed is not None else -math.inf) + HOLD * self.ttl
+
     def renew(self) -> None:
-        """Write the lease again (a new ``expires``, the journal), on condition that it is still ours."""
+        """Write the lease again (a new ``expires``, the journal), on condition that it is still ours. A store
+        that does not answer by :meth:`deadline` is given up on (the request left to itself in its thread):
+        :class:`Lost`."""
         with self._io:
-            if self.lost:
-                raise Lost(self.lost)
+            self.check()
+            made = time.monotonic()
+            body = self._body(self.since)
             try:
-                self.etag = self._put(self._body(self.since), self.etag)
+                self.etag = _within(self.deadline() - made, lambda: self._put(body, self.etag))
             except Held:
-                self.lost = f"{self.url}: another keeper took the lease over: this keeper stops writing"
+                self.lost = f"{self.url}: another {self.who} took the lease over: this {self.who} stops writing"
                 raise Lost(self.lost) from None
-            self.renewed = time.monotonic()
+            except SlotctlError as e:
+                self.failure = str(e)
+                raise
+            self.renewed, self.failure = made, None
 
     def check(self) -> None:
         if self.lost:
             raise Lost(self.lost)
-        if self.renewed is None or time.monotonic() - self.renewed >= self.ttl * 0.9:
-            self.lost = (f"{self.url}: the lease was not renewed within {self.ttl:g} s (the store did not "
-                         f"answer): this keeper stops writing")
+        if time.monotonic() >= self.deadline():
+            why = f": {self.failure}" if self.failure else ""
+            self.lost = (f"{self.url}: the lease was not renewed within {HOLD * self.ttl:g} s of its {self.ttl:g} "
+                         f"(the store did not answer{why}): this {self.who} stops writing")
             raise Lost(self.lost)
 
     def _write_journal(self) -> None:
         self.renew()
 
     def start(self, on_lost: Callable[[Exception], None]) -> None:
-        """Renew every ``ttl / 3`` seconds on a thread until :meth:`release`; ``on_lost(error)`` once when
-        the lease is lost (taken over, or not renewed within ``ttl``)."""
+        """Renew every ``ttl / 3`` seconds on a thread until :meth:`release` (sooner after a failure, so
+        that the :meth:`deadline` is never passed unnoticed); ``on_lost(error)`` once when the lease is lost
+        (taken over, or not renewed by its deadline)."""
 
         def loop() -> None:
-            while not self._stop.wait(self.ttl / 3):
+            while not self._stop.wait(min(self.ttl / 3, max(0.0, self.deadline() - time.monotonic()))):
                 try:
                     self.renew()
                 except Lost as e:
@@ -331,24 +373,49 @@ class Lease(Lock):
         keeper need not wait for its expiry."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.ttl)
-        if self.lost or self.etag is None:
+            self._thread.join(timeout=max(0.0, self.deadline() - time.monotonic()))
+        if self.lost or self.etag is None or self._thread is not None and self._thread.is_alive():
             return
         with self._io:
             doc = json.loads(self._body(self.since))
             doc.update(released=True, expires=self.clock())
             try:
-                self._put(json.dumps(doc).encode(), self.etag)
+                _within(max(0.0, self.deadline() - time.monotonic()),
+                        lambda: self._put(json.dumps(doc).encode(), self.etag))
             except SlotctlError:
                 pass     # it expires by itself
             self.etag = None
 
 
-def acquire(store: str | os.PathLike, server: str, *, ttl: float = DEFAULT_TTL) -> Lock:
-    """The lock of ``server`` (a normalized URL) in ``store`` (a directory or an ``s3://`` prefix), held."""
+def _within(seconds: float, fn):
+    """``fn()`` given at most ``seconds``: past them, :class:`NoAnswer` (the call is left to itself in a
+    daemon thread: obstore's calls cannot be interrupted)."""
+    if seconds <= 0:
+        raise NoAnswer("no time left before the lease's deadline")
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="slotctl-lease-put", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        raise NoAnswer(f"no answer within {seconds:.1f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def acquire(store: str | os.PathLike, server: str, *, ttl: float = DEFAULT_TTL, role: str = "keep") -> Lock:
+    """The lock of ``server`` (a normalized URL) in ``store`` (a directory or an ``s3://`` prefix), held by
+    ``role`` (``keep`` or ``serve``: each has its own, so a keep and a serve of one server may share a store)."""
     s = os.fspath(store)
     if s.startswith("s3://"):
-        return Lease(s, server, ttl).acquire()
+        return Lease(s, server, ttl, role=role).acquire()
     if not Path(s).is_dir():
         raise UsageError(f"{s}: not a directory")
-    return DirectoryLock(s, server).acquire()
+    return DirectoryLock(s, server, role).acquire()
