@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
+from slotctl.errors import escape_text  # noqa: F401 - its home is slotctl.errors; imported from here by the commands
+
 if TYPE_CHECKING:   # annotations only: rich is imported where something is drawn
     from rich.table import Table
     from rich.text import Text
@@ -29,19 +31,6 @@ _UNBOUNDED = 1 << 20
 #: the narrowest a column of text (a name, a path, a description) is folded to before a table is shown as
 #: one ``column: value`` block per row instead
 FOLD_WIDTH = 12
-
-# C0 and C1 controls (not tab and newline), the format characters that reorder or break a line, and lone
-# surrogates: the bytes of a file name that are not UTF-8 (os.fsdecode's surrogateescape gives byte B as
-# U+DC00+B), which a terminal would show as one replacement character whatever the byte
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-
-
-def _escape_char(c: str) -> str:
-    n = ord(c)
-    if 0xDC80 <= n <= 0xDCFF:    # a byte of a name that is not UTF-8: shown as that byte, \xNN
-        n -= 0xDC00
-    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}"
-
 
 #: the one colour table: every word a command shows as a verdict, a status, a step's outcome or an event,
 #: and its style. Green: as wanted; yellow: done with a loss, or worth a look; red: lost or refused (bold when
@@ -67,19 +56,6 @@ def style_of(word: str, default: str = "", *, bold: bool = False) -> str:
     """The style of ``word`` in :data:`STYLES` (``default`` for a word not in it); ``bold``: made bold."""
     style = STYLES.get(word, default)
     return f"bold {style}" if bold and style and not style.startswith("bold") else style
-
-
-def escape_text(text: str, *, keep_newlines: bool = True) -> str:
-    """Untrusted text made safe for a terminal: control characters as ``\\xNN`` (as gguf_dump does), and
-    the bytes of a name that are not UTF-8 as ``\\xNN`` too (two such names never look alike).
-
-    Bidirectional overrides and Unicode line separators become ``\\uNNNN``. Without ``keep_newlines``
-    (one-line messages) newline and tab are escaped too.
-    """
-    out = _CONTROL.sub(lambda m: _escape_char(m.group()), str(text))
-    if not keep_newlines:
-        out = out.replace("\n", "\\n").replace("\t", "\\t")
-    return out
 
 
 def markup_safe(text: str, *, keep_newlines: bool = True) -> str:
@@ -160,7 +136,13 @@ class Output:
 
     def json_line(self, data: Any) -> None:
         """One JSON object on one line of stdout, flushed (``--jsonl`` streams them as they come)."""
-        _write_json(self._stdout, data, indent=None)
+        try:     # plain JSON values (an ls row): json's own encoder, made once (the same text)
+            text = _PLAIN_JSON.encode(data)
+        except TypeError:      # an array or another value of slotctl's (_json_default): written as it defers them
+            _write_json(self._stdout, data, indent=None)
+            return
+        self._stdout.write(text + "\n")
+        self._stdout.flush()
 
     def json_error(self, code: str, message: str, exit_code: int) -> None:
         """The document of a command that failed as a whole: ``{"error": {"code", "message"}, "exit_code"}``."""
@@ -169,6 +151,37 @@ class Output:
     def print(self, *renderables: Any) -> None:
         """Rich renderables on stdout (human mode)."""
         self.console.print(*renderables)
+
+    @property
+    def plain(self) -> bool:
+        """Whether stdout shows no styles (a pipe or a file, colours not forced): what a renderable prints
+        there is its plain text, and :meth:`lines` may write it without rich's per-line work."""
+        console = self.console
+        return not console.is_terminal and console.color_system is None
+
+    def lines(self, lines: Iterable[str]) -> None:
+        """Plain lines straight to stdout (only where :attr:`plain`: each already laid out for the width,
+        escaped, no wider than it), written in blocks."""
+        write, block = self._stdout.write, []
+        for line in lines:
+            block.append(line)
+            if len(block) >= 4096:
+                write("\n".join(block) + "\n")
+                block = []
+        if block:
+            write("\n".join(block) + "\n")
+        self._stdout.flush()
+
+    def wrapped(self, text: str, indent: int) -> list[str]:
+        """The plain lines :meth:`indented` prints for ``text`` (no styles)."""
+        from rich.text import Text
+
+        pad = " " * indent
+        out = []
+        for line in Text(text).wrap(self.console, max(1, self.console.width - indent), overflow="fold"):
+            line.rstrip()
+            out.append(pad + line.plain)
+        return out
 
     def indented(self, text: Text | str, indent: int) -> None:
         """``text`` wrapped at the output's width less ``indent``, every line indented (a word longer than a
@@ -335,6 +348,10 @@ def _cell_width(console: Console, cell: Any) -> int:
     text = cell if isinstance(cell, Text) else console.render_str(str(cell))
     return max((Text(line).cell_len for line in text.plain.split("\n")), default=0)
 
+
+#: the encoder of documents that hold only JSON's own values: json.dumps's defaults (it raises TypeError on
+#: anything else, which is then written by :func:`_write_json`)
+_PLAIN_JSON = json.JSONEncoder()
 
 #: arrays longer than this are written in blocks, compact, instead of one JSON value per line
 _LONG_ARRAY = 4096
