@@ -14,7 +14,8 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.cli import remote
-from slotctl.cli.common import check_file, handle_errors, read_prompt, require_llama
+from slotctl.cli.common import check_file, handle_errors, read_prompt
+from slotctl.cli.extras import require_llama
 from slotctl.cli.options import (ArgsCommand, DraftModelOpt, ForceSendOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt,
                                  LiveTimeoutOpt, LocalModelOpt, ProveAnywayOpt, ProveOpt, SlotDirOpt, SlotOpt, VerboseOpt,
                                  with_server_flags)

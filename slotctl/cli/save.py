@@ -10,7 +10,8 @@ import typer
 from rich.text import Text
 
 from slotctl.cli import remote
-from slotctl.cli.common import handle_errors, read_prompt, require_llama
+from slotctl.cli.common import handle_errors, read_prompt
+from slotctl.cli.extras import require_llama
 from slotctl.cli.options import (ArgsCommand, DraftModelOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt, LiveTimeoutOpt,
                                  LocalModelOpt, SaveStateVersionOpt, SlotOpt, VerboseOpt, with_server_flags)
 from slotctl.live import SLOT_FILE_TIMEOUT
