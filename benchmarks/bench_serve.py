@@ -277,6 +277,7 @@ def overhead(srv: LlamaServer, serve: Serve, n: int) -> dict:
     post(srv.url, "/completion", {"prompt": start, "n_predict": 1, "temperature": 0, "id_slot": other})
     restores = serve.stats()["restores"]
     straight, through = [], []
+    cpu0 = cpu_seconds(serve.proc.pid)
     prompt = start
     for k in range(n):
         prompt += f" Then line {k} came."
@@ -288,16 +289,24 @@ def overhead(srv: LlamaServer, serve: Serve, n: int) -> dict:
             else:
                 straight.append(post(srv.url, "/completion", dict(body, id_slot=other, cache_prompt=True))[0])
         time.sleep(0.05)
+    cpu = cpu_seconds(serve.proc.pid) - cpu0
     diffs = [(b - s) * 1000 for s, b in zip(straight, through)]
     return {"n": n, "median_ms": statistics.median(diffs), "straight_ms": statistics.median(straight) * 1000,
             "serve_ms": statistics.median(through) * 1000, "restores": serve.stats()["restores"] - restores,
-            "load": os.getloadavg()[0]}
+            "load": os.getloadavg()[0], "cpu_ms": cpu * 1000 / n}
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user and system) process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def print_overhead(ov: dict) -> None:
     print(f"serve's overhead on requests needing no restore ({ov['n']} pairs, {ov['restores']} restores among "
           f"them, load average {ov['load']:.1f}): median {ov['median_ms']:.2f} ms (straight "
-          f"{ov['straight_ms']:.2f} ms, through serve {ov['serve_ms']:.2f} ms at the median)")
+          f"{ov['straight_ms']:.2f} ms, through serve {ov['serve_ms']:.2f} ms at the median); serve's CPU time "
+          f"{ov['cpu_ms']:.1f} ms a request (its save and the benchmark's polls of its counters included)")
 
 
 def two_serves(binary, model, args, tmp: Path, a) -> None:
