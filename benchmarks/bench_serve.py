@@ -147,12 +147,9 @@ def tokenize(url: str, text: str) -> list[int]:
 
 
 def common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    from slotctl.serve.index import as_tokens, common_prefix
+
+    return common_prefix(as_tokens(a), as_tokens(b))
 
 
 def breakdown(alone: dict, cached: dict) -> None:
@@ -196,6 +193,9 @@ def main() -> None:
     ap.add_argument("--start-repeat", type=int, default=2,
                     help="a conversation's first turn holds the sample prompt this many times (about 100 tokens each)")
     ap.add_argument("--only-overhead", action="store_true", help="measure serve's overhead alone (no conversations)")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="the server's -t and -tb with --only-overhead (1: no wait on a second thread that a loaded "
+                         "machine has not scheduled)")
     a = ap.parse_args()
     binary = server_binary()
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
@@ -208,7 +208,8 @@ def main() -> None:
             d = tmp / "overhead"
             (d / "slots").mkdir(parents=True)
             (d / "store").mkdir()
-            with LlamaServer(binary, model, args=args, slot_save_path=d / "slots", log_path=d / "server.log") as srv:
+            with LlamaServer(binary, model, args=args, slot_save_path=d / "slots", log_path=d / "server.log",
+                             threads=a.threads) as srv:
                 serve = Serve(srv.url, d / "slots", str(d / "store"), log=d / "serve.log")
                 try:
                     ov = overhead(srv, serve, a.overhead)

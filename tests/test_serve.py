@@ -289,19 +289,28 @@ def test_a_store_down_means_uncached_not_failed(llama, tmp_path):
         assert not list(llama.save_dir.glob("serve-slot*-incoming.bin"))
 
 
+def stream_begun(port: int, body: dict, events: int = 3) -> tuple[socket.socket, bytes]:
+    """A streamed completion sent on a socket of its own, read until ``events`` events came: (the socket, the
+    bytes read)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    raw = json.dumps(body).encode()
+    sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+    got = b""
+    while got.count(b"data: ") < events:
+        more = sock.recv(65536)
+        assert more, f"the connection closed after {got[:300]!r}"
+        got += more
+    return sock, got
+
+
 @server
 def test_a_client_that_goes_away_mid_stream_frees_the_slot(llama, tmp_path):
     with serving(llama, llama.save_dir, str(tmp_path)) as s:
-        sock = socket.create_connection(("127.0.0.1", s.port), timeout=60)
         # large events (200 probabilities a token): the answer is far more than the sockets' buffers hold, so
         # the server is still generating (or its answer still on its way) when the client goes
-        body = json.dumps({"prompt": SAMPLE_PROMPT, "n_predict": 2000, "temperature": 0, "stream": True,
-                           "id_slot": 1, "ignore_eos": True, "n_probs": 200}).encode()
-        sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        got = b""
-        while got.count(b"data: ") < 3:
-            got += sock.recv(65536)
+        sock, _got = stream_begun(s.port, {"prompt": SAMPLE_PROMPT, "n_predict": 2000, "temperature": 0,
+                                           "stream": True, "id_slot": 1, "ignore_eos": True, "n_probs": 200})
         sock.close()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -530,13 +539,7 @@ def test_the_server_dying_mid_answer(llama_server_bin, tiny_models, tmp_path):
     try:
         with serving(srv, tmp_path / "slots", str(store)) as s:
             # streaming: a few events read, the server killed, the rest read to the end of the connection
-            sock = socket.create_connection(("127.0.0.1", s.port), timeout=60)
-            body = json.dumps(dict(LONG, stream=True)).encode()
-            sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            got = b""
-            while got.count(b"data: ") < 3:
-                got += sock.recv(65536)
+            sock, got = stream_begun(s.port, dict(LONG, stream=True))
             srv.kill_and_start_again()
             while True:
                 more = sock.recv(1 << 20)       # the end of the connection, within the socket's timeout

@@ -234,13 +234,6 @@ class Cache:
         self.sync_index()
         return self.index.lookup(tokens) if self.index is not None else []
 
-    def lookup_fresh(self, tokens: np.ndarray, every: float = 4.0) -> list[tuple[State, int]] | None:
-        """:meth:`lookup` from memory alone (no I/O: for the event loop) when the index was synced within
-        ``every`` seconds; None when it was not (the caller syncs in a worker thread)."""
-        if self.index is None or time.monotonic() - self._listed >= every:
-            return None
-        return self.index.lookup(tokens)
-
     # -- judging and restoring -------------------------------------------------------------------------
 
     def judge(self, state: State, slot: int) -> Judged:

@@ -63,7 +63,9 @@ def signature(entry: dict) -> tuple | None:
 
 
 class UpstreamDown(Exception):
-    pass
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class Proxy:
@@ -156,30 +158,24 @@ class Proxy:
 
     async def _check_loop(self) -> None:
         """Every ``check_every`` seconds, off the request path: the slots read again (a change serve did not
-        make: another client, a restart) and the store's index synced (states stored by other processes)."""
-        failing = False
+        make: another client, a restart)."""
         while not self._stop.is_set():
             try:
                 await asyncio.wait_for(self._stop.wait(), self.check_every)
             except asyncio.TimeoutError:
                 pass
-            if self._stop.is_set() or self.cache.facts is None:
-                continue
-            await self.check_slots(self.cache.api_key)
-            try:
-                await asyncio.to_thread(self.cache.sync_index)
-                failing = False
-            except Exception as e:  # noqa: BLE001 - the store down: requests find the index stale, uncached
-                if not failing:
-                    self.cache.counters.add("lookup_failures")
-                    self.log("error", f"the store cannot be listed ({e}): requests go uncached meanwhile")
-                failing = True
+            if not self._stop.is_set() and self.cache.facts is not None:
+                await self.check_slots(self.cache.api_key)
 
     async def check_slots(self, key: str | None) -> bool:
         """``GET /slots`` read against serve's view (:meth:`_apply`); False when it cannot be read (the view is
         then lost: every slot taken as holding nothing)."""
         try:
             entries = await self._get("/slots", key)
+        except UpstreamDown as e:
+            if e.status not in (401, 403):     # refused for want of a key (a client's, in the background): unknown
+                self._lose_view()
+            return False
         except Exception:  # noqa: BLE001 - the server down or restarting
             self._lose_view()
             return False
@@ -260,8 +256,8 @@ class Proxy:
     async def forward(self, request: web.Request, data, headers=None, on_whole=None) -> tuple[web.StreamResponse, bool]:
         """``request`` sent upstream with the body ``data`` (bytes or a stream) and the answer streamed back.
         (the response, whether it came whole with status 200). ``on_whole()`` is called once the server's
-        answer came whole with status 200, before its last bytes are passed on (a save starts at once: a
-        server killed right after its answer reached the client has had that much longer to save)."""
+        answer came whole with status 200 and was passed on (not before: a save begun while the last bytes
+        are on their way holds them back, a worker thread's turn with the interpreter lock, measured)."""
         try:
             up = await self.session.request(request.method, self._target(request),
                                             headers=headers if headers is not None else self._headers(request),
@@ -281,16 +277,11 @@ class Proxy:
             if up.content_length is not None and "chunked" not in up.headers.get("Transfer-Encoding", "").lower():
                 resp.content_length = up.content_length
             await resp.prepare(request)
-            if up.status != 200:
-                on_whole = None
             async for chunk in up.content.iter_any():
-                if on_whole is not None and up.content.at_eof():
-                    on_whole()
-                    on_whole = None
                 await resp.write(chunk)
-            if on_whole is not None:
-                on_whole()
             await resp.write_eof()
+            if on_whole is not None and up.status == 200:
+                on_whole()
             whole = True
             return resp, up.status == 200
         except ConnectionResetError:
@@ -364,10 +355,11 @@ class Proxy:
             slot.pending -= 1
             raise
         try:
+            # no stored state can keep --min-gain tokens more than the slot holds when the slot holds all of the
+            # prompt but fewer than that: then nothing is looked up (prepare would stop at its first state)
             held = min(common_prefix(slot.tokens, tokens), len(tokens) - 1)
-            found = self.cache.lookup_fresh(tokens)
-            if found is None or (found and found[0][1] - held >= self.min_gain):
-                try:      # a restore may pay (or the index is stale): judged and restored in a worker thread
+            if len(tokens) - held >= self.min_gain:
+                try:      # a restore may pay: looked up, judged and restored in a worker thread
                     await asyncio.to_thread(self.prepare, slot, tokens, key)
                 except Exception as e:  # noqa: BLE001 - a restore that fails: the request goes uncached
                     c.add("restore_failures")
@@ -417,7 +409,7 @@ class Proxy:
         async with self.session.get(URL(self.base + path), headers=headers,
                                     timeout=ClientTimeout(total=SMALL_TIMEOUT)) as r:
             if r.status != 200:
-                raise UpstreamDown(f"GET {path}: HTTP {r.status}")
+                raise UpstreamDown(f"GET {path}: HTTP {r.status}", r.status)
             return await r.json(content_type=None)
 
     async def tokens_of(self, raw: bytes, body: dict, form: str, key: str | None) -> np.ndarray | None:
