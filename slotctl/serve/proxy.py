@@ -4,9 +4,11 @@ client in one package: a response is passed on chunk by chunk as it comes, SSE i
 Every request is passed on as it came (method, path and query, headers but the hop-by-hop ones, body) and
 its answer comes back as the server sent it (status, reason, headers, bytes: nothing decompressed or
 re-encoded). A completion request (:data:`slotctl.server.requests.COMPLETION_PATHS`) whose body is a JSON
-object is given a slot first (:meth:`Proxy.choose`), the stored state that pays restored into it
-(:meth:`Proxy.prepare`), and goes with ``id_slot`` and ``cache_prompt``; after a whole answer, the slot
-is saved into the store before another request may use it (:meth:`Proxy._save_then_release`). Whatever
+object is given a slot first (:meth:`Proxy.choose`, from serve's own view of what each slot holds:
+``GET /slots`` is asked only when a connection to the server was made since it was last asked, and once a
+second in the background), the stored state that pays restored into it (:meth:`Proxy.prepare`), and goes
+with ``id_slot`` and ``cache_prompt``; after a whole answer, the slot is saved into the store before
+another request may use it (:meth:`Proxy._save_then_release`). Whatever
 fails in the cache, the request goes on uncached; only an upstream that does not answer is an error
 (502, JSON).
 """
