@@ -67,9 +67,10 @@ def post(url: str, path: str, body: dict, timeout: float = 600) -> tuple[float, 
 
 
 class Serve:
-    def __init__(self, upstream: str, slot_dir: Path, store: str, env: dict | None = None, log: Path | None = None):
+    def __init__(self, upstream: str, slot_dir: Path, store: str, env: dict | None = None, log: Path | None = None,
+                 extra: list[str] | None = None):
         cmd = [sys.executable, "-m", "slotctl", "serve", "--upstream", upstream, "--slot-dir", str(slot_dir),
-               "--store", store, "--listen", "127.0.0.1:0", "--json"]
+               "--store", store, "--listen", "127.0.0.1:0", "--json", *(extra or ())]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log or os.devnull, "w"), text=True,
                                      env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
         self.events: list[dict] = []

@@ -158,3 +158,31 @@ def error_entry(e: BaseException, path: str | os.PathLike | None = None) -> Erro
         where = os.fspath(path) if path is not None else (e.filename or "")
         return ErrorEntry(os_error_code(e), f"{where}: {e.strerror or e}".lstrip(": "), int(ExitStatus.USAGE))
     return None
+
+
+# -- untrusted text shown (a terminal, the /ui page) ------------------------------------------------------
+
+# C0 and C1 controls (not tab and newline), the format characters that reorder or break a line, and lone
+# surrogates: the bytes of a file name that are not UTF-8 (os.fsdecode's surrogateescape gives byte B as
+# U+DC00+B), which a terminal would show as one replacement character whatever the byte
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def _escape_char(c: str) -> str:
+    n = ord(c)
+    if 0xDC80 <= n <= 0xDCFF:    # a byte of a name that is not UTF-8: shown as that byte, \xNN
+        n -= 0xDC00
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}"
+
+
+def escape_text(text: str, *, keep_newlines: bool = True) -> str:
+    """Untrusted text made safe for a terminal: control characters as ``\\xNN`` (as gguf_dump does), and
+    the bytes of a name that are not UTF-8 as ``\\xNN`` too (two such names never look alike).
+
+    Bidirectional overrides and Unicode line separators become ``\\uNNNN``. Without ``keep_newlines``
+    (one-line messages) newline and tab are escaped too.
+    """
+    out = _CONTROL.sub(lambda m: _escape_char(m.group()), str(text))
+    if not keep_newlines:
+        out = out.replace("\n", "\\n").replace("\t", "\\t")
+    return out

@@ -42,13 +42,20 @@ TURN2_EXTRA = " And then the story went on, as stories do, to its end."
 class Serve:
     """``slotctl serve`` as a process: its JSON event lines collected, its address read from the first."""
 
-    def __init__(self, upstream: str, slot_dir: Path, store: str | None = None, *extra: str, env=None):
+    def __init__(self, upstream: str, slot_dir: Path, store: str | None = None, *extra: str, env=None,
+                 max_file_size: int | None = None):
         cmd = [sys.executable, "-m", "slotctl", "serve", "--upstream", upstream, "--slot-dir", str(slot_dir),
                "--listen", "127.0.0.1:0", "--json", "--min-gain", "4", *extra]
         if store is not None:
             cmd += ["--store", store]
+        def limit() -> None:      # RLIMIT_FSIZE: a write past it fails (EFBIG: Python ignores SIGXFSZ)
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_size, max_file_size))
+
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})},
+                                     preexec_fn=limit if max_file_size is not None else None)
         self.events: list[dict] = []
         self.schema_errors: list[str] = []
         self.stderr: list[str] = []
@@ -121,8 +128,9 @@ def complete(url: str, prompt, path: str = "/completion", **extra) -> dict:
 
 
 @contextlib.contextmanager
-def serving(upstream: LlamaServer, slot_dir: Path, store: str | None = None, *extra: str, env=None):
-    s = Serve(upstream.url, slot_dir, store, *extra, env=env)
+def serving(upstream: LlamaServer, slot_dir: Path, store: str | None = None, *extra: str, env=None,
+            max_file_size: int | None = None):
+    s = Serve(upstream.url, slot_dir, store, *extra, env=env, max_file_size=max_file_size)
     try:
         yield s
     finally:
@@ -458,6 +466,131 @@ def test_two_serve_processes_share_one_s3_store(llama_server_bin, tiny_models, t
     finally:
         for srv in servers:
             srv.stop()
+
+
+# -- states of another -np/-kvu, converted --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def servers(llama_server_bin, tiny_models, tmp_path, **args):
+    """Real llama-servers by name, each with ``--slot-save-path`` ``tmp_path/NAME``, stopped after."""
+    started = []
+    try:
+        for name, a in args.items():
+            (tmp_path / name).mkdir()
+            started.append(start_server(llama_server_bin, tiny_models.target, tmp_path, name, args=a,
+                                        slot_save_path=tmp_path / name))
+        yield started
+    finally:
+        for srv in started:
+            srv.stop()
+
+
+def left_in(slot_dir: Path) -> list[str]:
+    """What serve left in a server's slot directory (with an s3:// store: nothing once its saves are stored)."""
+    return sorted(p.name for p in slot_dir.iterdir())
+
+
+@server
+def test_a_conversation_moves_between_servers_of_other_np_and_kvu(llama_server_bin, tiny_models, tmp_path, seaweed):
+    """Serve A before a server of -np 2 (two KV streams), serve B before one of -np 3 -kvu (one stream), one
+    SeaweedFS bucket: a conversation begun behind A continues behind B with its prefix restored (A's state
+    converted for B), then behind A again (B's state converted back), each answer the server's own alone."""
+    env = {**seaweed.env(), "HOME": str(seaweed.dir)}
+    store = f"s3://{BUCKET}/serve-{tmp_path.name}/"
+    b_args = ["-c", "1024", "-np", "3", "-kvu", "-fa", "on"]
+    turn3 = " The end came, and with it a last word."
+    with servers(llama_server_bin, tiny_models, tmp_path, a=ARGS, b=b_args) as (a, b):
+        with serving(a, tmp_path / "a", store, env=env) as sa, \
+                serving(b, tmp_path / "b", store, "-kvu", env=env) as sb:
+            first = complete(sa.url, TURN1)
+            sa.wait_for("saves", 1)
+            p2 = TURN1 + first["content"] + TURN2_EXTRA
+            second = complete(sb.url, p2)
+            cb = sb.wait_for("saves", 1)
+            assert cb["restores"] == 1 and cb["conversions"] == 1 and cb["conversion_failures"] == 0, sb.output()
+            (ev,) = [e for e in sb.events if e["event"] == "restored"]
+            assert ev["details"]["converted"] and "stream" in " ".join(ev["details"]["converted"]), ev
+            p3 = p2 + second["content"] + turn3
+            time.sleep(2.5)     # serve A lists the store again at most every 2 s: B's state is there by then
+            third = complete(sa.url, p3)
+            ca = sa.wait_for("saves", 2)
+            assert ca["restores"] == 1 and ca["conversions"] == 1 and ca["conversion_failures"] == 0, sa.output()
+        # nothing left in either slot directory: the downloads and the converted files removed
+        assert left_in(tmp_path / "a") == [] and left_in(tmp_path / "b") == []
+        # each server alone, the slot holding nothing: the same greedy answers, the whole prompt evaluated
+        alone_b = complete(b.url, p2, id_slot=0, cache_prompt=False)
+        alone_a = complete(a.url, p3, id_slot=0, cache_prompt=False)
+    assert second["content"] == alone_b["content"]
+    assert third["content"] == alone_a["content"]
+    # the servers' own counts: the restored prefix was reused
+    assert second["timings"]["prompt_n"] < alone_b["timings"]["prompt_n"] // 4, (second["timings"], alone_b["timings"])
+    assert third["timings"]["prompt_n"] < alone_a["timings"]["prompt_n"] // 4, (third["timings"], alone_a["timings"])
+    assert second["timings"]["cache_n"] >= first["timings"]["prompt_n"]
+
+
+@server
+def test_a_state_convert_cannot_bring_over_is_never_sent(llama_server_bin, tiny_models, tmp_path, seaweed):
+    """A state of a server with f16 caches, for a server of other -np whose K cache is q8_0: convert would
+    re-encode it (lossy), so serve never converts nor sends it; and a state convert brings over to a slot too
+    small for it: converted, judged again, refused, never sent."""
+    env = {**seaweed.env(), "HOME": str(seaweed.dir)}
+    store = f"s3://{BUCKET}/serve-{tmp_path.name}/"
+    q8 = ["-c", "1024", "-np", "3", "-ctk", "q8_0", "-fa", "on"]
+    small = ["-c", "768", "-np", "3", "-fa", "on"]        # 256 tokens per slot: the long state holds more
+    long_store = store.rstrip("/") + "-long/"
+    with servers(llama_server_bin, tiny_models, tmp_path, a=ARGS, q=q8, s=small) as (a, q, sm):
+        with serving(a, tmp_path / "a", store, env=env) as sa:
+            first = complete(sa.url, TURN1)
+            sa.wait_for("saves", 1)
+        with serving(a, tmp_path / "a", long_store, env=env) as sa:
+            complete(sa.url, " ".join([SAMPLE_PROMPT] * 3))      # about 300 tokens
+            sa.wait_for("saves", 1)
+        with serving(q, tmp_path / "q", store, "-ctk", "q8_0", env=env) as sq:
+            got = complete(sq.url, TURN1 + first["content"] + TURN2_EXTRA)
+            c = sq.stats()
+            assert c["restores"] == 0 and c["restore_failures"] == 0 and c["conversions"] == 0, sq.output()
+            assert c["restores_refused_by_verdict"] >= 1, sq.output()
+            refused = [e for e in sq.events if e["event"] == "refused"]
+            assert refused and "lossy" in refused[0]["message"], sq.output()
+        assert got["timings"]["cache_n"] == 0
+        alone = complete(q.url, TURN1 + first["content"] + TURN2_EXTRA, id_slot=0, cache_prompt=False)
+        assert got["content"] == alone["content"]
+        with serving(sm, tmp_path / "s", long_store, env=env) as ss:
+            got = complete(ss.url, SAMPLE_PROMPT)      # a prefix of the stored state, fits the slot
+            assert got["timings"]["cache_n"] == 0, ss.output()
+            c = ss.stats()
+            assert c["restores"] == 0 and c["restore_failures"] == 0, ss.output()
+            assert c["conversions"] == 1 and c["restores_refused_by_verdict"] == 1, ss.output()
+            refused = [e for e in ss.events if e["event"] == "refused"]
+            assert refused and "converted" in refused[0]["message"], ss.output()
+        assert [n for n in left_in(tmp_path / "s") if "converted" in n or n.startswith(".")] == []
+
+
+@server
+def test_a_conversion_that_fails_leaves_the_request_uncached(llama_server_bin, tiny_models, tmp_path, seaweed):
+    """Serve B may write no file of more than 64 KiB (RLIMIT_FSIZE): the download of a state of A (-np 2) into
+    B's slot directory, to convert it for B (-np 3), fails; the request goes through uncached, the failure
+    logged and counted, the answer the server's own."""
+    env = {**seaweed.env(), "HOME": str(seaweed.dir)}
+    store = f"s3://{BUCKET}/serve-{tmp_path.name}/"
+    b_args = ["-c", "1536", "-np", "3", "-fa", "on"]
+    with servers(llama_server_bin, tiny_models, tmp_path, a=ARGS, b=b_args) as (a, b):
+        with serving(a, tmp_path / "a", store, env=env) as sa:
+            first = complete(sa.url, TURN1)
+            sa.wait_for("saves", 1)
+        prompt = TURN1 + first["content"] + TURN2_EXTRA
+        with serving(b, tmp_path / "b", store, env=env, max_file_size=64 << 10) as sb:
+            got = complete(sb.url, prompt)
+            c = sb.stats()
+            assert c["conversion_failures"] == 1, sb.output()
+            assert c["restores"] == 0 and c["conversions"] == 0 and c["restore_failures"] == 0, sb.output()
+            errors = [e for e in sb.events if e["event"] == "error" and "not converted" in e["message"]]
+            assert errors and "uncached" in errors[0]["message"], sb.output()
+        assert left_in(tmp_path / "b") == []
+        alone = complete(b.url, prompt, id_slot=0, cache_prompt=False)
+    assert got["content"] == alone["content"]
+    assert got["timings"]["cache_n"] == 0 and got["timings"]["prompt_n"] == alone["timings"]["prompt_n"]
 
 
 @server

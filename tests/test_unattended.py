@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -121,18 +123,20 @@ def test_an_s3_lease_is_refused_while_it_holds_and_taken_over_after_its_expiry(s
     env = _env({**seaweed.env(), "HOME": str(seaweed.dir)}, drop_aws=True)
     store = f"s3://{BUCKET}/lease-{tmp_path.name}/"
     url = f"http://127.0.0.1:{free_port()}"
-    args = ("--store", store, "--every", "0.2", "--lease", "6")
+    # A lease of 15 s and a margin of 7 s: a keeper started later than 7 s before the expiry could, on a loaded
+    # machine (load 12 seen), read the lease after it expired, take it over and run on (the run would time out)
+    args = ("--store", store, "--every", "0.2", "--lease", "15")
     a = keep_proc(url, tmp_path, *args, env=env)
     assert first_line(a)["event"] == "start"
     key, doc = _lease(seaweed, f"lease-{tmp_path.name}/")
-    assert doc["pid"] == a.pid and doc["ttl"] == 6
+    assert doc["pid"] == a.pid and doc["ttl"] == 15
     stop(a, signal.SIGKILL)
     killed = time.time()
     _, doc = _lease(seaweed, f"lease-{tmp_path.name}/")
     expires = doc["expires"]
     assert expires > killed
     refused = 0
-    while time.time() < expires - 1.5:      # before the expiry (with a margin for the process's start-up)
+    while time.time() < expires - 7:        # before the expiry (with a margin for the process's start-up)
         b = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(tmp_path),
                             *args], capture_output=True, text=True, env=env, timeout=60)
         if time.time() < expires:
@@ -548,17 +552,31 @@ def test_keep_newest_keeps_the_newest_states_of_a_slot(kept, tmp_path):
 # -- the fleet view --------------------------------------------------------------------------------------------
 
 
+def stored_by_keep(srv, tmp_path: Path, words: str, *, slot: int) -> tuple[Path, list[dict]]:
+    """A store (``tmp_path/store``) that keep --save-all filled after a request in ``slot``; keep's lines."""
+    store = tmp_path / "store"
+    store.mkdir()
+    srv.completion(SAMPLE_PROMPT + words, slot=slot, n_predict=2)
+    code, lines = keep_once(srv, store, "--save-all")
+    assert code == 0, lines
+    return store, lines
+
+
 @server
 def test_slots_shows_every_servers_slots_in_one_table(one, three, tmp_path):
     """Two real servers (-np 2 and -np 3), one of them with a store keep --save-all wrote: one document with
-    both servers' slots, the tokens of the slot used, its stored state and when it was saved; a server
-    down is a row with its error and exit 2, the others still shown."""
-    store = tmp_path / "store"
-    store.mkdir()
-    one.completion(SAMPLE_PROMPT + " The fleet", slot=1, n_predict=2)
-    code, lines = keep_once(one, store, "--save-all")
-    assert code == 0, lines
+    both servers' slots, the tokens of the slot used, its stored states (a whole one and a copy cut short,
+    newer) and when the newest was saved, each judged for the server; the best is the whole one, and its
+    predicted reuse is what the server itself then keeps (timings.cache_n of a request extending the saved
+    prompt, after the state is restored into another slot); a server down is a row with its error and exit
+    2, the others still shown."""
+    store, lines = stored_by_keep(one, tmp_path, " The fleet", slot=1)
     saved = next(e for e in lines if e["event"] == "saved" and e["slot"] == 1)["details"]["answer"]
+    whole = next(e for e in lines if e["event"] == "stored" and e["slot"] == 1)["details"]["name"]
+    cut = whole.rsplit("-", 1)[0] + "-cut.bin"    # the same slot and model: a state of the slot too
+    data = (store / whole).read_bytes()
+    (store / cut).write_bytes(data[:-100])
+    os.utime(store / cut, (time.time() + 5, time.time() + 5))    # the newest
     cfg = tmp_path / "fleet.toml"
     cfg.write_text(f"[[servers]]\nname = 'one'\nurl = '{one.url}'\nstore = '{store}'\n"
                    f"[[servers]]\nname = 'three'\nurl = '{three.url}'\n")
@@ -568,16 +586,59 @@ def test_slots_shows_every_servers_slots_in_one_table(one, three, tmp_path):
     assert (a["name"], b["name"]) == ("one", "three") and [len(a["slots"]), len(b["slots"])] == [2, 3]
     row = a["slots"][1]
     assert row["n_tokens"] == saved["n_saved"] and row["busy"] is False
-    assert row["stored_states"] == 1 and row["last_saved"] is not None
-    assert all(s["stored_states"] is None for s in b["slots"])     # no store for three
+    assert row["stored_states"] == 2 and row["last_saved"] == row["states"][0]["saved"]
+    newest, older = row["states"]
+    assert (newest["name"], older["name"]) == (cut, whole)
+    assert newest["verdict"] not in ("restores", "restores_with_drops") and newest["n_reused"] is None
+    assert newest["reason"].startswith("validate says the server")
+    assert older["verdict"] == "restores" and older["n_tokens"] == saved["n_saved"]
+    assert row["best"] == {"name": whole, "n_tokens": older["n_tokens"], "n_reused": older["n_reused"],
+                           "reason": older["reason"]}
+    assert all(s["stored_states"] is None and s["states"] == [] and s["best"] is None for s in b["slots"])
+    # the states of slot 1 are not slot 0's
+    assert a["slots"][0]["stored_states"] == 0 and a["slots"][0]["best"] is None
+    # the prediction against the server's own count: the best state restored into slot 0, then a request
+    # that extends its prompt
+    from test_fleet import tokens_of
+
+    shutil.copy(store / whole, one.save_dir / "fleet-best.bin")
+    status, answer = one.restore(0, "fleet-best.bin")
+    assert status == 200, answer
+    tokens = tokens_of(store / whole)
+    timings = one.completion(tokens + tokens[1:9], slot=0, n_predict=1)["timings"]
+    assert timings["cache_n"] == row["best"]["n_reused"], (timings, row["best"])
+    # the table: the best's reuse of its tokens; a slot without states '-'
+    res = slotctl("slots", "--config", cfg, code=0)
+    assert "best reuse" in res.stdout
+    n = f"{row['best']['n_tokens']:,}"
+    assert f"{row['best']['n_reused']:,} of {n}" in res.stdout, res.stdout
+    # --store for servers given with --server (the same store: `three` runs the same model, so slot 1's
+    # states are offered to its slot 1 too, judged for three)
+    doc = json.loads(slotctl("slots", "--server", one.url, "--server", three.url, "--store", store, "--json",
+                             code=0).stdout)
+    json_schemas.check("slots", doc)
+    assert [d["store"] for d in doc["servers"]] == [str(store)] * 2
+    assert doc["servers"][0]["slots"][1]["best"]["name"] == whole
+    assert doc["servers"][1]["slots"][1]["stored_states"] == 2
+    # a long-running process keeps the judgements of the states the store holds, and forgets a pruned one
+    from slotctl.fleet.states import open_store
+    from slotctl.fleet.view import Judgements, stored_states
+    from slotctl.live import http
+
+    kept_here, facts, opened = Judgements(), http.server_facts(one.url), open_store(str(store), store)
+    assert len(stored_states(opened, facts, 1, judged=kept_here)) == 2 and len(kept_here) == 2
+    (store / cut).unlink()
+    assert [s["name"] for s in stored_states(opened, facts, 1, judged=kept_here)] == [whole]
+    assert len(kept_here) == 1
     # repeated --server: both servers (before, the last one only)
     doc = json.loads(slotctl("slots", "--server", one.url, "--server", three.url, "--json", code=0).stdout)
     assert [d["server"] for d in doc["servers"]] == [one.url, three.url]
     # a server down: its row says so, exit 2, the others shown
     down = f"http://127.0.0.1:{free_port()}"
     res = slotctl("slots", "--server", one.url, "--server", down, code=2)
-    assert res.stdout.count(" idle ") == 2 and res.stdout.count(" error ") == 1, res.stdout
-    assert "2 server(s), 2 slot(s), 0 busy, 1 with an error" in res.stdout
+    table, _, total = res.stdout.rstrip("\n").rpartition("\n")
+    assert re.findall(r"\b(idle|error)\b", table) == ["idle", "idle", "error"], res.stdout
+    assert total == "2 server(s), 2 slot(s), 0 busy, 1 with an error"
     assert f"{down}: GET {down}/props: connection refused" in res.stderr
     doc = json.loads(slotctl("slots", "--server", one.url, "--server", down, "--json", code=2).stdout)
     json_schemas.check("slots", doc)
@@ -585,11 +646,17 @@ def test_slots_shows_every_servers_slots_in_one_table(one, three, tmp_path):
 
 
 @server
-def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three):
+def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three, tmp_path):
+    """--watch with --store: each pass's rows on a pipe (the eight columns, the stored state's predicted
+    reuse in each), the table redrawn on a terminal."""
     import pty
     import select
 
-    args = [sys.executable, "-m", "slotctl", "slots", "--server", one.url, "--server", three.url, "--watch", "0.2"]
+    store, lines = stored_by_keep(one, tmp_path, " Watch", slot=1)
+    n = next(e for e in lines if e["event"] == "stored" and e["slot"] == 1)["details"]["n_tokens"]
+    args = [sys.executable, "-m", "slotctl", "slots", "--server", one.url, "--server", three.url, "--store", store,
+            "--watch", "0.2"]
+    args = [str(a) for a in args]
     # the child gets a default SIGINT (a suite run as a background job ignores it, and a child inherits that)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                             preexec_fn=_default_sigint)
@@ -603,9 +670,10 @@ def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three)
         proc.stdout.close()
         proc.stderr.close()
     rows = [line.rstrip("\n").split("\t") for line in lines]
-    assert all(len(r) == 7 for r in rows) and not any("\x1b" in line for line in lines), lines
+    assert all(len(r) == 8 for r in rows) and not any("\x1b" in line for line in lines), lines
     assert [r[0] for r in rows[:5]] == [one.url] * 2 + [three.url] * 3
     assert [r[2] for r in rows[:5]] == ["0", "1", "0", "1", "2"] and rows[:5] == rows[5:10]
+    assert rows[1][6] == "1" and rows[1][7] == f"{n:,} of {n:,}", rows[1]      # one's slot 1: its state, all kept
     # a terminal: the cursor home and the screen cleared before each table
     master, slave = pty.openpty()
     proc = subprocess.Popen(args, stdout=slave, stderr=slave, env=_env({"COLUMNS": "160", "TERM": "xterm"}),
@@ -623,3 +691,73 @@ def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three)
         os.close(master)
     assert out.count(b"\x1b[H\x1b[J") >= 3
     assert out.count(b"last saved") >= 3 and b"2 server(s), 5 slot(s)" in out
+
+
+@server
+def test_slots_judges_the_states_of_an_s3_store_as_validate_does(one, seaweed, tmp_path):
+    """--store s3://: the states keep --save-all stored in a real SeaweedFS, judged for the server (read
+    through the store): each state's verdict, tokens and predicted reuse equal
+    `validate --server`'s for the same object (the b11434 rule: the server's build)."""
+    env = _env({**seaweed.env(), "HOME": str(seaweed.dir)}, drop_aws=True)
+    store = f"s3://{BUCKET}/fleet-view/"
+    one.completion(SAMPLE_PROMPT + " The bucket", slot=0, n_predict=2)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "slotctl", *map(str, args)], capture_output=True, text=True,
+                              env=env, timeout=300)
+
+    res = run("keep", "--server", one.url, "--slot-dir", one.save_dir, "--store", store, "--save-all", "--json",
+              "--timeout", "60")
+    assert res.returncode == 0, res.stderr
+    stored = [json.loads(x)["details"] for x in res.stdout.splitlines() if json.loads(x)["event"] == "stored"]
+    mine = next(d for d in stored if d["name"].startswith("slot0-"))
+    res = run("slots", "--server", one.url, "--store", store, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    json_schemas.check("slots", doc)
+    row = doc["servers"][0]["slots"][0]
+    assert [s["name"] for s in row["states"]] == [mine["name"]] and row["stored_states"] == 1
+    state = row["states"][0]
+    res = run("validate", "--server", one.url, store + mine["name"], "--json")
+    assert res.returncode == 0, res.stderr
+    v = json.loads(res.stdout)["files"][0]
+    assert (state["verdict"], state["n_tokens"]) == (v["verdict"], v["n_tokens"]) == ("restores", mine["n_tokens"])
+    assert state["n_reused"] == v["reuse"]["b11434"]["n_reused"] == row["best"]["n_reused"]
+    assert row["best"]["name"] == mine["name"]
+
+
+@server
+def test_slots_predicts_what_a_sliding_window_server_keeps(llama_server_bin, tmp_path):
+    """A real server of an SWA model (gemma2's kind): its state's predicted reuse (b11434 keeps no
+    checkpoint after a restore, and a slot file holds only the window) says why fewer, and equals the
+    server's own cache_n for a request extending the saved prompt after the state is restored."""
+    from conftest import start_server
+    from test_fleet import tokens_of
+    from slotctl.tinymodels import make_kind_model
+
+    model = make_kind_model("gemma2", tmp_path / "gemma2.gguf")
+    (tmp_path / "slots").mkdir()
+    store = tmp_path / "store"
+    store.mkdir()
+    srv = start_server(llama_server_bin, model, tmp_path, "gemma2", args=["-c", "512", "-np", "1", "-fa", "on"],
+                       slot_save_path=tmp_path / "slots")
+    srv.save_dir = tmp_path / "slots"
+    try:
+        srv.completion(SAMPLE_PROMPT, slot=0, n_predict=2)
+        code, lines = keep_once(srv, store, "--save-all")
+        assert code == 0, lines
+        name = next(e for e in lines if e["event"] == "stored")["details"]["name"]
+        doc = json.loads(slotctl("slots", "--server", srv.url, "--store", store, "--json", code=0).stdout)
+        json_schemas.check("slots", doc)
+        best = doc["servers"][0]["slots"][0]["best"]
+        assert best["name"] == name and best["n_reused"] < best["n_tokens"] and best["reason"], best
+        status, _ = srv.erase(0)
+        assert status == 200
+        shutil.copy(store / name, srv.save_dir / "swa-best.bin")
+        status, answer = srv.restore(0, "swa-best.bin")
+        assert status == 200, answer
+        tokens = tokens_of(store / name)
+        timings = srv.completion(tokens + tokens[1:9], slot=0, n_predict=1)["timings"]
+        assert timings["cache_n"] == best["n_reused"], (timings, best)
+    finally:
+        srv.stop()

@@ -48,8 +48,8 @@ def keep(
                                                    help="With an s3:// store: seconds the keeper's lease holds "
                                                         "without a renewal [default: 60].")] = None,
     listen: Annotated[Optional[str], typer.Option("--listen", metavar="HOST:PORT",
-                                                  help="Serve /metrics, /livez and /readyz there (loopback unless "
-                                                       "a host is given).")] = None,
+                                                  help="Serve /metrics, /livez, /readyz and the slots' page /ui "
+                                                       "there (loopback unless a host is given).")] = None,
     save_all: Annotated[bool, typer.Option("--save-all", help="One pass, then exit: save every idle slot whose "
                                            "state the store does not have (llama-swap's cmdStop).")] = False,
     restore_all: Annotated[bool, typer.Option("--restore-all", help="One pass, then exit: restore (and prove) "
@@ -174,11 +174,14 @@ def keep(
             metrics = KeepMetrics(keeper.url)
             keeper.on_look = metrics.look
             count_store()
+            from slotctl.fleet.ui import keeper_page
+
             endpoint = Endpoint(listen, metrics.registry.exposition,
                                 lambda: metrics.ready(3 * keeper.every + keeper.timeout),
-                                lambda: _alive(keeper)).start()
+                                lambda: _alive(keeper), ui=lambda: keeper_page(keeper)).start()
             if not json_out:
-                out.err.print(f"metrics: {endpoint.url}/metrics, /livez, /readyz", markup=False, highlight=False)
+                out.err.print(f"metrics: {endpoint.url}/metrics, /livez, /readyz; the slots: {endpoint.url}/ui",
+                              markup=False, highlight=False)
         wd = systemd.watchdog_seconds()
         if wd is not None:
             watchdog = systemd.Watchdog(lambda: _alive(keeper)[0], wd).start()

@@ -15,7 +15,8 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ApiKeyOpt, ArgsCommand, ConfigOpt, JsonOpt, ServerOpt, ServerSlotOpt, TimeoutOpt
+from slotctl.cli.options import (ApiKeyOpt, ArgsCommand, ConfigOpt, JsonOpt, ServerOpt, ServerSlotOpt, TimeoutOpt,
+                                 store_option)
 from slotctl.cli.output import Output, style_of
 from slotctl.cli.remote import _cell, _plain
 from slotctl.errors import UsageError
@@ -33,6 +34,9 @@ def slots(
     server: Annotated[Optional[list[str]], typer.Option("--server", metavar="URL", help="A llama-server's base URL, "
                                                         "e.g. http://127.0.0.1:8080; repeat it for several "
                                                         "servers (one table).")] = None,
+    store: Annotated[Optional[str], store_option("The store of the servers given with --server (a directory or an "
+                                                 "s3:// prefix, keep's names): each slot's stored states and "
+                                                 "the predicted reuse of the best.")] = None,
     config: ConfigOpt = None,
     watch: Annotated[Optional[float], typer.Option("--watch", min=0.1, max=86400.0, metavar="SECONDS",
                                                    help="Read again every SECONDS: redrawn in place on a terminal, "
@@ -44,26 +48,30 @@ def slots(
     """List a running llama-server's slots: id, context size, speculative decoding, busy, cached tokens.
 
     Reads GET /slots and GET /props. With --json: {server, model, total_slots, props, slots}, where slots
-    and props are the server's answers as they came. Several servers (--server repeated, or --config):
-    one table of every server's slots (model, slot, tokens, idle or busy, last saved and the states
-    stored, from each server's store in --config); --json: {servers: [...], exit_code}; --watch redraws it.
+    and props are the server's answers as they came. Several servers (--server repeated, or --config), or
+    a --store: one table of every server's slots (model, slot, tokens, idle or busy, last saved, the
+    states stored for the slot and the server's model, from --store or each server's store in --config,
+    and the predicted reuse of the best of them: validate's verdict and prediction for the server now
+    running); --json: {servers: [...], exit_code}; --watch redraws it.
 
     Exit codes: 0 listed; 1 the server refused (e.g. started with --no-slots); 2 unreachable, wrong API
     key, usage error (with several servers: the worst, every server still shown).
     """
     out = Output(json_mode=json_out)
     servers = list(server or [])
-    if config is None and watch is None and len(servers) == 1:
+    if config is None and watch is None and store is None and len(servers) == 1:
         return _one_server(out, servers[0], api_key, timeout, json_out)
+    from slotctl.cli.common import use_store
     from slotctl.fleet.view import Target
 
-    targets = [Target(u, api_key=api_key) for u in servers]
+    if store is not None:
+        use_store([store])
+    targets = [Target(u, store=store, api_key=api_key) for u in servers]
     if config is not None:
-        from slotctl.cli.common import use_store
         from slotctl.unattended.config import load
 
         cfg = load(config)
-        targets += [Target(e.url, e.name, e.store, e.api_key() or api_key) for e in cfg.servers]
+        targets += [Target(e.url, e.name, e.store or store, e.api_key() or api_key) for e in cfg.servers]
         use_store([e.store for e in cfg.servers])
     if not targets:
         raise UsageError("--server: no URL given (nor [[servers]] in --config)")
@@ -83,7 +91,9 @@ def _fleet_once(out: Output, targets, timeout: float, json_out: bool, *, rows_on
     if json_out:
         (out.json_line if line else out.json)({"servers": servers, "exit_code": code})
     elif rows_only:
-        out._stdout.write("".join("\t".join(row) + "\n" for row in fleet_rows(servers)))
+        from slotctl.fleet.view import rows
+
+        out._stdout.write("".join("\t".join(map(_plain, row)) + "\n" for row in rows(servers)))
     else:
         render_fleet(out, servers)
     if not json_out:
@@ -93,40 +103,17 @@ def _fleet_once(out: Output, targets, timeout: float, json_out: bool, *, rows_on
     return code
 
 
-FLEET_COLUMNS = ("server", "model", "slot", "tokens", "state", "last saved", "stored")
-
-
-def fleet_rows(servers: list[dict]) -> list[tuple[str, ...]]:
-    """One row per slot (a server that did not answer: one row with its error), every value whole."""
-    import os
-
-    rows = []
-    for d in servers:
-        name = _plain(d["name"] or d["server"])
-        if d["error"] is not None and not d["slots"]:
-            rows.append((name, "-", "-", "-", "error", "-", "-"))
-            continue
-        model = _plain(os.path.basename(d["model"] or "") or "-")
-        for s in d["slots"]:
-            rows.append((name, model, str(s["slot"]), "-" if s["n_tokens"] is None else f"{s['n_tokens']:,}",
-                         "busy" if s["busy"] else "idle", s["last_saved"] or "-",
-                         "-" if s["stored_states"] is None else str(s["stored_states"])))
-    return rows
-
-
 def render_fleet(out: Output, servers: list[dict]) -> None:
+    from slotctl.fleet.view import COLUMNS, rows, summary
+
     t = Table(show_edge=False)
-    for col in FLEET_COLUMNS:
-        t.add_column(col, justify="right" if col in ("slot", "tokens", "stored") else "left")
-    for row in fleet_rows(servers):
+    for col in COLUMNS:
+        t.add_column(col, justify="right" if col in ("slot", "tokens", "stored", "best reuse") else "left")
+    for row in rows(servers):
         style = {"busy": "yellow", "idle": "green", "error": "bold red"}[row[4]]
-        t.add_row(*row[:4], Text(row[4], style=style), *row[5:])
-    out.table(t, keep=("slot", "tokens", "state", "last saved", "stored"))
-    n = sum(len(d["slots"]) for d in servers)
-    busy = sum(1 for d in servers for s in d["slots"] if s["busy"])
-    down = sum(1 for d in servers if d["error"] is not None)
-    out.print(Text(f"{len(servers)} server(s), {n} slot(s), {busy} busy" + (f", {down} with an error" if down else ""),
-                   style="dim"))
+        t.add_row(*map(_plain, row[:4]), Text(row[4], style=style), *map(_plain, row[5:]))
+    out.table(t, keep=("slot", "tokens", "state", "last saved", "stored", "best reuse"))
+    out.print(Text(summary(servers), style="dim"))
 
 
 def _watch(out: Output, targets, timeout: float, json_out: bool, every: float) -> None:

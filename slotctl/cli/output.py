@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
+from slotctl.errors import escape_text  # noqa: F401 - its home is slotctl.errors; imported from here by the commands
+
 if TYPE_CHECKING:   # annotations only: rich is imported where something is drawn
     from rich.table import Table
     from rich.text import Text
@@ -29,19 +31,6 @@ _UNBOUNDED = 1 << 20
 #: the narrowest a column of text (a name, a path, a description) is folded to before a table is shown as
 #: one ``column: value`` block per row instead
 FOLD_WIDTH = 12
-
-# C0 and C1 controls (not tab and newline), the format characters that reorder or break a line, and lone
-# surrogates: the bytes of a file name that are not UTF-8 (os.fsdecode's surrogateescape gives byte B as
-# U+DC00+B), which a terminal would show as one replacement character whatever the byte
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-
-
-def _escape_char(c: str) -> str:
-    n = ord(c)
-    if 0xDC80 <= n <= 0xDCFF:    # a byte of a name that is not UTF-8: shown as that byte, \xNN
-        n -= 0xDC00
-    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}"
-
 
 #: the one colour table: every word a command shows as a verdict, a status, a step's outcome or an event,
 #: and its style. Green: as wanted; yellow: done with a loss, or worth a look; red: lost or refused (bold when
@@ -67,19 +56,6 @@ def style_of(word: str, default: str = "", *, bold: bool = False) -> str:
     """The style of ``word`` in :data:`STYLES` (``default`` for a word not in it); ``bold``: made bold."""
     style = STYLES.get(word, default)
     return f"bold {style}" if bold and style and not style.startswith("bold") else style
-
-
-def escape_text(text: str, *, keep_newlines: bool = True) -> str:
-    """Untrusted text made safe for a terminal: control characters as ``\\xNN`` (as gguf_dump does), and
-    the bytes of a name that are not UTF-8 as ``\\xNN`` too (two such names never look alike).
-
-    Bidirectional overrides and Unicode line separators become ``\\uNNNN``. Without ``keep_newlines``
-    (one-line messages) newline and tab are escaped too.
-    """
-    out = _CONTROL.sub(lambda m: _escape_char(m.group()), str(text))
-    if not keep_newlines:
-        out = out.replace("\n", "\\n").replace("\t", "\\t")
-    return out
 
 
 def markup_safe(text: str, *, keep_newlines: bool = True) -> str:

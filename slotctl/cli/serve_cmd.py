@@ -10,7 +10,7 @@ import typer
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ApiKeyOpt
+from slotctl.cli.options import ApiKeyOpt, ArgsCommand, flag_option
 from slotctl.cli.output import Output
 from slotctl.errors import UsageError
 from slotctl.live import SLOT_FILE_TIMEOUT
@@ -21,7 +21,7 @@ _LISTEN = re.compile(r"^(?P<host>[^:\s]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve")(serve)
+    app.command("serve", cls=ArgsCommand)(serve)
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -33,6 +33,7 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 @handle_errors
 def serve(
+    ctx: typer.Context,
     upstream: Annotated[str, typer.Option("--upstream", metavar="URL", help="The llama-server (or llama-swap) "
                                           "to serve, e.g. http://127.0.0.1:8080.")],
     slot_dir: Annotated[Path, typer.Option("--slot-dir", file_okay=False, metavar="DIR",
@@ -49,6 +50,13 @@ def serve(
                                           "holds.")] = 16,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Do not use the catalog (the SQLite index of the "
                                            "stored states' tokens): read every stored state.")] = False,
+    kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The server runs with -kvu (not "
+                                             "reported by the server): states are judged, and converted, for "
+                                             "it.")] = False,
+    cache_type_k: Annotated[Optional[str], flag_option("cache_type_k", help="The server's -ctk (not reported; "
+                                                       "default f16).")] = None,
+    cache_type_v: Annotated[Optional[str], flag_option("cache_type_v", help="The server's -ctv (not reported; "
+                                                       "default f16).")] = None,
     api_key: ApiKeyOpt = None,
     timeout: Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS", help="Give up on a save "
                                            "or restore after this many seconds.")] = SLOT_FILE_TIMEOUT,
@@ -63,7 +71,9 @@ def serve(
     used), and the stored state sharing the longest prefix is restored first when validate says the
     server restores it and it keeps more of the prompt than the slot holds. After the answer the slot
     is saved into the store (once per content), kept under --max-size. The cache never fails a
-    request: what fails in it is logged and the request goes uncached. GET /slotctl/stats: counters.
+    request: what fails in it is logged and the request goes uncached. A state stored by a server of
+    other -np or -kvu (another serve sharing the store) is converted for this one first (exact; cache
+    types never re-encoded) and judged again. GET /slotctl/stats: counters.
     SIGTERM or SIGINT: saves in progress finish, exit 0. Needs the [serve] extra (aiohttp). Details:
     docs/serve.md.
 
@@ -78,7 +88,11 @@ def serve(
 
         size = parse_size(max_size)
     from slotctl.serve import main
+    from slotctl.server.flags import ServerFlags
 
+    given = remote.given_params(ctx) & {"kv_unified", "cache_type_k", "cache_type_v"}
+    flags = ServerFlags(kv_unified=kv_unified, cache_type_k=cache_type_k or ServerFlags().cache_type_k,
+                        cache_type_v=cache_type_v or ServerFlags().cache_type_v)
     out = Output(json_mode=json_out)
 
     def emit(event: str, message: str, details: dict) -> None:
@@ -94,7 +108,7 @@ def serve(
 
     raise typer.Exit(main.serve(upstream, slot_dir, store, host=host, port=port, max_size=size, min_gain=min_gain,
                                 api_key=api_key, timeout=timeout, catalog=not no_cache,
-                                emit=emit))
+                                flags=flags, given=frozenset(given), emit=emit))
 
 
 def _now() -> str:

@@ -121,12 +121,23 @@ class Conversion:
     details: dict
 
 
-def convert_for(path: Path, setup, dest: Path, *, allow_lossy: bool, lossy_remedy: str,
-                who: str = "server") -> Conversion:
-    """``path`` converted for the server of ``setup`` (:mod:`slotctl.convert`: its ``-np``/``-kvu`` streams,
-    exact; its cache types, lossy, only with ``allow_lossy``) into ``dest`` when anything changes; the
-    one conversion step of ``migrate`` and ``keep``. :class:`Refused` when it cannot be converted, or the
-    conversion would be lossy and not allowed (``lossy_remedy``: what the caller's command takes to allow it)."""
+@dataclass
+class Planned:
+    """A conversion planned for a server's flags (:func:`plan_for`), nothing written yet: ``plan`` (None when
+    nothing changes), the model's ``layout`` (None without the model), ``details`` as :class:`Conversion`'s."""
+
+    plan: object
+    layout: object
+    changes: list[str]
+    details: dict
+
+
+def plan_for(path, setup, *, allow_lossy: bool, lossy_remedy: str, who: str = "server") -> Planned:
+    """The conversion of ``path`` (a local path or an ``s3://`` object: only its metadata is read) for the
+    server of ``setup``, planned (:mod:`slotctl.convert`: its ``-np``/``-kvu`` streams, exact; its cache types,
+    lossy, only with ``allow_lossy``). :class:`Refused` when it cannot be converted, or the conversion would be
+    lossy and not allowed (``lossy_remedy``: what the caller's command takes to allow it); FormatError when the
+    file does not parse."""
     from slotctl import convert as conv
     from slotctl.validate.setup import Models
 
@@ -148,13 +159,38 @@ def convert_for(path: Path, setup, dest: Path, *, allow_lossy: bool, lossy_remed
     lossy = [c.describe() for c in plan.changes if c.what in ("K type", "V type")]
     details = {"changes": changes, "lossy": lossy, "converted": bool(plan.changes)}
     if lossy and not allow_lossy:
+        plan.parsed.close()
         raise Refused(f"the {who}'s cache types differ ({'; '.join(lossy)}): re-encoding is lossy, {lossy_remedy}",
                       details)
     if not plan.changes:
+        plan.parsed.close()     # nothing to write: the parse is not kept open
+        return Planned(None, layout, changes, details)
+    return Planned(plan, layout, changes, details)
+
+
+def convert_for(path: Path, setup, dest: Path, *, allow_lossy: bool, lossy_remedy: str,
+                who: str = "server") -> Conversion:
+    """``path`` converted for the server of ``setup`` (:func:`plan_for`) into ``dest`` when anything changes;
+    the one conversion step of ``migrate``, ``keep`` and ``serve``. :class:`Refused` as :func:`plan_for`."""
+    planned = plan_for(path, setup, allow_lossy=allow_lossy, lossy_remedy=lossy_remedy, who=who)
+    return write_planned(planned, path, dest)
+
+
+def write_planned(planned: Planned, path, dest: Path) -> Conversion:
+    """A :class:`Planned` conversion of ``path`` written into ``dest`` (streamed, atomic:
+    :func:`slotctl.convert.write_converted`), the plan's parse closed after; ``path`` itself when nothing
+    changes."""
+    from slotctl import convert as conv
+
+    details = dict(planned.details)
+    if planned.plan is None:
         return Conversion(Path(path), [], details)
-    errors = conv.write_converted(plan, dest, layout=layout)
+    try:
+        errors = conv.write_converted(planned.plan, dest, layout=planned.layout)
+    finally:
+        planned.plan.parsed.close()     # the source read: not kept open (serve removes a download after)
     details["max_abs_error"] = max((e.max_abs_error for e in errors), default=None)
-    return Conversion(Path(dest), changes, details)
+    return Conversion(Path(dest), planned.changes, details)
 
 
 def default_name(slot: int) -> str:

@@ -4,14 +4,18 @@ Everything here reuses what slotctl has: live mode's HTTP API (``POST /slots/N?a
 ``/props`` and ``/slots`` read as :class:`~slotctl.live.http.ServerFacts`), the flags learned from it
 (:func:`slotctl.live.prove.local_setup`), validate's verdict (:func:`slotctl.validate.check.validate_file`),
 the predicted reuse (:mod:`slotctl.server.reuse`), the store (a directory or an ``s3://`` prefix,
-:mod:`slotctl.fleet.states`), prune's budget, keep's names (a hash of the model, a hash of the tokens).
+:mod:`slotctl.fleet.states`), prune's budget, keep's names (a hash of the model, a hash of the tokens), and
+migrate's conversion step for a state another server's ``-np``/``-kvu`` made
+(:func:`slotctl.fleet.migrate.convert_for`, as keep converts).
 
 Every failure is the caller's to count: a method raises, the proxy sends the request uncached.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +33,9 @@ from slotctl.server.reuse import request_reuse, reuse_for, server_n_swa
 #: the name the server saves a slot under before serve checks it (in --slot-save-path): one per save, so
 #: that a slot is given again while its last save is being stored
 INCOMING = "serve-slot{slot}-{seq}-incoming.bin"
+#: the name a stored state converted for one slot of the server takes in --slot-save-path while it is restored
+#: (removed after: :meth:`Cache.converted`)
+CONVERTED = "serve-slot{slot}-{seq}-converted.bin"
 #: the names of serve's states: the model's hash, the number of tokens (zero-padded: names sort by length),
 #: a hash of the tokens (one state stored once)
 STATE_NAME = "serve-{model}-{n:07d}-{tokens}.bin"
@@ -54,6 +61,11 @@ class Judged:
     kind: str | None
     n_swa: int
     reason: str | None = None
+    #: the changes a conversion for this server makes (its -np/-kvu streams: exact), when the stored file is not
+    #: restored as it is and convert can bring it over; the converted file is judged again before it is sent
+    convert: list[str] | None = None
+    #: the file parsed whole (a damaged file is not converted: judged as it is)
+    parsed: bool = False
 
 
 @dataclass
@@ -72,7 +84,8 @@ class Saved:
 class Counters:
     """What serve did, for ``GET /slotctl/stats`` and the log: requests seen, cached (given a slot and a
     lookup), passed through untouched, restores done / skipped by the verdict / failed, saves done /
-    deduplicated / failed, lookups failed, prompt tokens predicted to be reused thanks to a restore."""
+    deduplicated / failed, lookups failed, prompt tokens predicted to be reused thanks to a restore, states
+    converted for this server's -np/-kvu / conversions that failed."""
 
     requests: int = 0
     cached: int = 0
@@ -80,6 +93,8 @@ class Counters:
     restores: int = 0
     restores_refused_by_verdict: int = 0
     restore_failures: int = 0
+    conversions: int = 0
+    conversion_failures: int = 0
     saves: int = 0
     saves_deduplicated: int = 0
     save_failures: int = 0
@@ -98,17 +113,24 @@ class Counters:
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
 
+class ConversionFailed(Exception):
+    """A stored state could not be converted for the server (its download or its rewrite failed): the
+    request goes uncached."""
+
+
 class Cache:
     """The server at ``url`` (its ``--slot-save-path`` is ``slot_dir`` here) and the store (``store``: a
-    directory, an ``s3://`` prefix, or None: ``slot_dir`` itself)."""
+    directory, an ``s3://`` prefix, or None: ``slot_dir`` itself). ``flags`` / ``given``: what the server does
+    not report (``-kvu``, ``-ctk``, ``-ctv``), for the fields named in ``given``."""
 
     def __init__(self, url: str, slot_dir: str | os.PathLike, store: str | None = None, *,
                  api_key: str | None = None, max_size: int | None = None, timeout: float = 600.0,
-                 catalog: bool = True, log=None):
+                 catalog: bool = True, log=None, flags=None, given: frozenset[str] = frozenset()):
         self.url = http.normalize_url(url)
         self.slot_dir = Path(slot_dir)
         self.store = open_store(store, self.slot_dir)
         self.api_key, self.max_size, self.timeout = api_key, max_size, timeout
+        self.flags, self.given = flags, frozenset(given)
         self.log = log or (lambda event, message, **details: None)
         self.counters = Counters()
         self.facts: http.ServerFacts | None = None
@@ -146,7 +168,7 @@ class Cache:
         with self._lock:
             setup = self._setups.get(slot)
         if setup is None:
-            setup, _notes = local_setup(self.facts, slot)
+            setup, _notes = local_setup(self.facts, slot, self.flags, self.given)
             with self._lock:
                 self._setups[slot] = setup
         return setup
@@ -238,22 +260,37 @@ class Cache:
 
     def judge(self, state: State, slot: int) -> Judged:
         """validate's verdict on ``state`` for ``slot`` of the server now running (memoized per state and
-        slot: a state's bytes never change under its name)."""
+        slot: a state's bytes never change under its name); when it is not ``restores``, whether convert can
+        bring the state over to this server's ``-np``/``-kvu`` (``Judged.convert``: planned from the file's
+        metadata, nothing written; a lossy conversion, of cache types, never)."""
         key = (state.name, slot)
         with self._lock:
             found = self._judged.get(key)
         if found is not None:
             return found
+        where = self.store.where(state.name)
+        judged = self._judge_file(where, slot, state.kind)
+        if judged.verdict not in RESTORABLE and judged.parsed:
+            judged.convert, why = self._convertible(where, slot)
+            if why:
+                judged.reason = f"{judged.reason}; {why}" if judged.reason else why
+        with self._lock:
+            self._judged[key] = judged
+        return judged
+
+    def _judge_file(self, where: str, slot: int, kind: str | None) -> Judged:
+        """validate's verdict on the file ``where`` for ``slot``, and what a request extending it keeps."""
         from slotctl.validate.check import validate_file
         from slotctl.validate.setup import Models
 
         setup = self._setup(slot)
         models = Models(setup)
-        report = validate_file(self.store.where(state.name), setup, models)
+        report = validate_file(where, setup, models)
         sf = report.slot_file
         n_swa = (server_n_swa(models.target, swa_full=setup.settings.swa_full)
                  if models.target is not None else 0)
         extending = None
+        parsed = sf is not None and sf.target is not None and not sf.errors
         if sf is not None and sf.target is not None:
             reads = server_reads_checkpoints(self.facts.build_info)
             r = reuse_for(sf, models.target, swa_full=setup.settings.swa_full,
@@ -263,21 +300,83 @@ class Cache:
         if sf is not None:
             sf.close()
         first = next((f for f in report.findings if f.severity == "error"), None)
-        judged = Judged(str(report.verdict), extending, state.kind, n_swa,
-                        f"{first.layer}: {first.message}" if first else None)
+        return Judged(str(report.verdict), extending, kind, n_swa, f"{first.layer}: {first.message}" if first else None,
+                      parsed=parsed)
+
+    def _convertible(self, where: str, slot: int) -> tuple[list[str] | None, str | None]:
+        """The changes a conversion of ``where`` for ``slot`` makes (None: none, or it cannot be converted,
+        then why): migrate's plan (:func:`slotctl.fleet.migrate.plan_for`), lossy re-encoding refused."""
+        from slotctl.errors import SlotctlError
+        from slotctl.fleet.migrate import Refused, plan_for
+
+        try:
+            planned = plan_for(where, self._setup(slot), allow_lossy=False, who="server",
+                               lossy_remedy="serve never re-encodes a state")
+        except Refused as e:
+            return None, str(e)
+        except (SlotctlError, OSError) as e:
+            return None, f"not converted: {e}"
+        if planned.plan is None:
+            return None, None
+        planned.plan.parsed.close()     # planned only: the file is converted when it is restored
+        return planned.changes, None
+
+    @contextlib.contextmanager
+    def converted(self, state: State, slot: int):
+        """``state`` converted for ``slot`` of the server now running (migrate's conversion step,
+        :func:`slotctl.fleet.migrate.convert_for`: streamed into a private file of the slot directory, atomic;
+        an ``s3://`` state is downloaded first, into a private directory there, removed once converted) and the
+        converted file judged as any state is: yields (its name in the slot directory, its :class:`Judged`),
+        the file removed after. :class:`ConversionFailed` when the download or the conversion fails. A
+        converted file whose verdict is not ``restores`` is remembered for the state and slot: not converted
+        again."""
+        from slotctl.fleet.migrate import convert_for
+
         with self._lock:
-            self._judged[key] = judged
-        return judged
+            self._seq += 1
+            name = CONVERTED.format(slot=slot, seq=f"{os.getpid()}-{self._seq}")
+        dest = self.slot_dir / name
+        try:
+            try:
+                where = self.store.where(state.name)
+                with tempfile.TemporaryDirectory(prefix=".slotctl-serve-", dir=self.slot_dir) as staging:
+                    src = self.store.local(state.name, Path(staging)) if where.startswith("s3://") else Path(where)
+                    conv = convert_for(src, self._setup(slot), dest, allow_lossy=False, who="server",
+                                       lossy_remedy="serve never re-encodes a state")
+                if not conv.changes:
+                    raise ConversionFailed("nothing to convert")
+            except ConversionFailed:
+                raise
+            except Exception as e:  # noqa: BLE001 - the caller's to count: the request goes uncached
+                raise ConversionFailed(f"{state.name}: not converted for slot {slot}: {e}") from e
+            self.counters.add("conversions")
+            sent = self._judge_file(os.fspath(dest), slot, state.kind)
+            sent.convert = conv.changes
+            if sent.verdict not in RESTORABLE:
+                sent = Judged(sent.verdict, None, state.kind, sent.n_swa,
+                              f"converted ({'; '.join(conv.changes)}): {sent.reason}", parsed=True)
+                with self._lock:
+                    self._judged[(state.name, slot)] = sent
+            yield name, sent
+        finally:
+            _unlink(dest)
 
     def reuse(self, judged: Judged, state: State, common: int, n_request: int) -> int:
         """The prompt tokens a request of ``n_request`` tokens sharing ``common`` with ``state`` keeps."""
         return request_reuse(judged.kind or "", judged.n_swa, state.n_tokens, common, n_request, judged.extending)
 
-    def restore(self, state: State, slot: int, api_key: str | None = None) -> dict:
+    def restore(self, state: State, slot: int, api_key: str | None = None, placed: str | None = None) -> dict:
         """``state`` placed in the server's slot directory and restored into ``slot`` (the placed copy
-        removed after, unless the store is the slot directory). The server's answer. A state of a directory
-        store restored is read as a reader reads (:func:`_used`): ``--max-size`` prunes the least recently used
-        by the access time, which the copy (``copy_file_range``) does not update."""
+        removed after, unless the store is the slot directory); ``placed``: the name of a file already there
+        (a converted state, :meth:`converted`), restored as it is. The server's answer. A state of a directory
+        store restored (or converted and restored) is read as a reader reads (:func:`_used`): ``--max-size``
+        prunes the least recently used by the access time, which the copy (``copy_file_range``) does not
+        update."""
+        if placed is not None:
+            answer = http.restore_slot(self.url, slot, placed, api_key=api_key or self.api_key, timeout=self.timeout,
+                                       check=False)
+            self._used(state.name)
+            return answer
         name = state.name
         placed = self.slot_dir / name
         copied = not placed.exists()
@@ -290,8 +389,7 @@ class Cache:
         try:
             answer = http.restore_slot(self.url, slot, name, api_key=api_key or self.api_key, timeout=self.timeout,
                                        check=False)
-            if not self.store.where(name).startswith("s3://"):
-                _used(self.store.where(name))
+            self._used(name)
             return answer
         finally:
             if copied:
@@ -299,6 +397,12 @@ class Cache:
                     os.unlink(placed)
                 except FileNotFoundError:
                     pass
+
+    def _used(self, name: str) -> None:
+        """A state of a directory store read as a reader reads (:func:`_used`); an object has no access time."""
+        where = self.store.where(name)
+        if not where.startswith("s3://"):
+            _used(where)
 
     # -- saving ----------------------------------------------------------------------------------------
 
@@ -382,7 +486,8 @@ class Cache:
                 self.index.forget([path.rpartition("/")[2]])
             self.log("pruned", f"{path}: {action} ({reason}), {size:,} bytes", path=path, size=size)
 
-        self.store.prune(self.max_size, (INCOMING.format(slot="*", seq="*"),), pruned)
+        self.store.prune(self.max_size, (INCOMING.format(slot="*", seq="*"), CONVERTED.format(slot="*", seq="*")),
+                         pruned)
 
 
 def _used(path: str) -> None:

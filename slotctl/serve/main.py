@@ -9,9 +9,10 @@ from slotctl.errors import UsageError
 
 def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host: str, port: int,
           max_size: int | None, min_gain: int, api_key: str | None, timeout: float, catalog: bool = True,
-          emit) -> int:
+          flags=None, given: frozenset[str] = frozenset(), emit) -> int:
     """Run the proxy (see :mod:`slotctl.serve.proxy`); ``emit(event, message, details)`` gets every event,
-    the first one ``listening`` with the address. 0 once stopped by SIGTERM or SIGINT."""
+    the first one ``listening`` with the address; ``flags`` / ``given``: the server's flags it does not report
+    (``-kvu``, ``-ctk``, ``-ctv``, :class:`~slotctl.serve.cache.Cache`). 0 once stopped by SIGTERM or SIGINT."""
     try:
         import aiohttp  # noqa: F401 - the [serve] extra
     except ImportError:
@@ -28,7 +29,7 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
         emit(event, message, details)
 
     cache = Cache(upstream, slot_dir, store, api_key=api_key, max_size=max_size, timeout=timeout, catalog=catalog,
-                  log=log)
+                  log=log, flags=flags, given=given)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -24,7 +24,7 @@ import numpy as np
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, TraceConfig, web
 from yarl import URL
 
-from slotctl.serve.cache import RESTORABLE, Cache
+from slotctl.serve.cache import RESTORABLE, Cache, ConversionFailed
 from slotctl.serve.index import as_tokens, common_prefix
 from slotctl.server.requests import COMPLETION_PATHS, TOKENIZE_FLAGS, prompt_form
 
@@ -462,7 +462,9 @@ class Proxy:
     def prepare(self, slot: Slot, tokens: np.ndarray, key: str | None = None) -> None:
         """In a worker thread, with the slot held: restore the stored state that keeps the most of the
         prompt, when its verdict for this slot is ``restores`` and it keeps at least ``min_gain`` tokens
-        more than the slot holds."""
+        more than the slot holds. A state another server's ``-np``/``-kvu`` made is converted for this one
+        first (:meth:`Cache.converted`) and the converted file judged the same way; a conversion that fails
+        leaves the request uncached."""
         c = self.cache.counters
         held = min(common_prefix(slot.tokens, tokens), len(tokens) - 1)
         try:
@@ -475,26 +477,54 @@ class Proxy:
             if common - held < self.min_gain:
                 break
             judged = self.cache.judge(state, slot.id)
-            if judged.verdict not in RESTORABLE:
-                c.add("restores_refused_by_verdict")
-                self.log("refused", f"{state.name}: not restored into slot {slot.id}: validate says "
-                                    f"{judged.verdict}" + (f" ({judged.reason})" if judged.reason else ""),
-                         slot=slot.id, name=state.name, verdict=judged.verdict)
+            if judged.verdict not in RESTORABLE and not judged.convert:
+                self._refused(state, slot, judged)
                 continue
             gain = self.cache.reuse(judged, state, common, len(tokens))
             if gain - held < self.min_gain:
                 continue
-            slot.tokens = EMPTY         # whatever happens now, the slot's old tokens are gone
+            if judged.verdict in RESTORABLE:
+                self._restore(slot, state, gain, held, len(tokens), key)
+                return
             t0 = time.perf_counter()
-            answer = self.cache.restore(state, slot.id, key)
-            slot.tokens = state.tokens
-            c.add("restores")
-            c.add("restored_tokens", gain)
-            self.log("restored", f"{state.name} restored into slot {slot.id}: {answer.get('n_restored', 0):,} "
-                                 f"tokens in {(time.perf_counter() - t0) * 1000:.0f} ms; the request keeps "
-                                 f"{gain:,} of its {len(tokens):,} (the slot held {held:,})",
-                     slot=slot.id, name=state.name, n_restored=answer.get("n_restored"), reuse=gain, held=held)
-            return
+            try:
+                with self.cache.converted(state, slot.id) as (placed, sent):
+                    if sent.verdict not in RESTORABLE:
+                        self._refused(state, slot, sent)
+                        continue
+                    gain = self.cache.reuse(sent, state, common, len(tokens))
+                    if gain - held < self.min_gain:
+                        continue
+                    self._restore(slot, state, gain, held, len(tokens), key, placed, sent.convert,
+                                  (time.perf_counter() - t0) * 1000)
+                    return
+            except ConversionFailed as e:
+                c.add("conversion_failures")
+                self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id,
+                         name=state.name)
+                return
+
+    def _refused(self, state, slot: Slot, judged) -> None:
+        self.cache.counters.add("restores_refused_by_verdict")
+        self.log("refused", f"{state.name}: not restored into slot {slot.id}: validate says {judged.verdict}"
+                            + (f" ({judged.reason})" if judged.reason else ""),
+                 slot=slot.id, name=state.name, verdict=judged.verdict)
+
+    def _restore(self, slot: Slot, state, gain: int, held: int, n_request: int, key: str | None,
+                 placed: str | None = None, changes: list[str] | None = None, convert_ms: float = 0.0) -> None:
+        c = self.cache.counters
+        slot.tokens = EMPTY         # whatever happens now, the slot's old tokens are gone
+        t0 = time.perf_counter()
+        answer = self.cache.restore(state, slot.id, key, placed)
+        slot.tokens = state.tokens
+        c.add("restores")
+        c.add("restored_tokens", gain)
+        how = f" converted ({'; '.join(changes)}, {convert_ms:.0f} ms)" if changes else ""
+        extra = {"converted": changes, "convert_ms": round(convert_ms, 3)} if changes else {}
+        self.log("restored", f"{state.name}{how} restored into slot {slot.id}: {answer.get('n_restored', 0):,} "
+                             f"tokens in {(time.perf_counter() - t0) * 1000:.0f} ms; the request keeps "
+                             f"{gain:,} of its {n_request:,} (the slot held {held:,})",
+                 slot=slot.id, name=state.name, n_restored=answer.get("n_restored"), reuse=gain, held=held, **extra)
 
     async def _save_then_release(self, slot: Slot, key: str | None) -> None:
         """After a whole answer: the slot saved by the server (asked at once, on serve's own connection) and

@@ -242,14 +242,22 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+#: the ``/ui`` page's headers: nothing loaded from anywhere, no script (the page's own inline style only)
+UI_HEADERS = {"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; "
+                                         "form-action 'none'; frame-ancestors 'none'",
+              "X-Content-Type-Options": "nosniff", "Cache-Control": "no-store", "Referrer-Policy": "no-referrer"}
+
+
 class Endpoint:
-    """``GET /metrics``, ``/livez`` and ``/readyz`` on ``HOST:PORT``, answered by a daemon thread."""
+    """``GET /metrics``, ``/livez`` and ``/readyz`` on ``HOST:PORT``, answered by a daemon thread; ``/ui``
+    too when ``ui`` is given (it returns the page's HTML: :mod:`slotctl.fleet.ui`)."""
 
     def __init__(self, listen: str, metrics: Callable[[], str], ready: Callable[[], tuple[bool, list[str]]],
-                 alive: Callable[[], tuple[bool, str]]):
+                 alive: Callable[[], tuple[bool, str]], ui: Callable[[], str] | None = None):
         import http.server
 
         host, port = parse_listen(listen)
+        paths = "/metrics, /livez, /readyz" + (", /ui" if ui is not None else "")
 
         class Handler(http.server.BaseHTTPRequestHandler):
             server_version = "slotctl"
@@ -264,12 +272,22 @@ class Endpoint:
                 elif path == "/readyz":
                     ok, why = ready()
                     self._send(200 if ok else 503, ("\n".join(why) + "\n").encode())
+                elif path == "/ui" and ui is not None:
+                    try:
+                        body = ui().encode()
+                    except Exception as e:  # noqa: BLE001 - the page failed: a line saying why, not a dropped connection
+                        self._send(500, f"error: the page could not be made: {type(e).__name__}\n".encode())
+                        return
+                    self._send(200, body, "text/html; charset=utf-8", UI_HEADERS)
                 else:
-                    self._send(404, b"not found: /metrics, /livez, /readyz\n")
+                    self._send(404, f"not found: {paths}\n".encode())
 
-            def _send(self, status: int, body: bytes, ctype: str = "text/plain; charset=utf-8"):
+            def _send(self, status: int, body: bytes, ctype: str = "text/plain; charset=utf-8",
+                      headers: dict | None = None):
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
