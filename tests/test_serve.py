@@ -728,8 +728,12 @@ def test_the_store_is_held_under_max_size(llama, tmp_path):
     """--max-size: after each save the store is pruned to the budget, least recently used first (a state
     restored counts as used); a file named as serve's working files are (a save in progress) is pinned: never
     deleted, however old."""
+    from slotctl.prune import time_source
+
     store = tmp_path / "store"
     store.mkdir()
+    if time_source(str(store))[0] != "atime":
+        pytest.skip("the filesystem keeps no access times: a restore cannot count as a use")
     prompts = [f"Part {k} of the story. {SAMPLE_PROMPT}" for k in range(3)]
     erase_all(llama)
     with serving(llama, llama.save_dir, str(store)) as s:     # one state's size, without a budget
