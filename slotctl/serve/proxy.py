@@ -255,11 +255,9 @@ class Proxy:
     def _headers(request: web.Request) -> list[tuple[str, str]]:
         return [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
 
-    async def forward(self, request: web.Request, data, headers=None, on_whole=None) -> tuple[web.StreamResponse, bool]:
+    async def forward(self, request: web.Request, data, headers=None) -> tuple[web.StreamResponse, bool]:
         """``request`` sent upstream with the body ``data`` (bytes or a stream) and the answer streamed back.
-        (the response, whether it came whole with status 200). ``on_whole()`` is called once the server's
-        answer came whole with status 200 and was passed on (not before: a save begun while the last bytes
-        are on their way holds them back, a worker thread's turn with the interpreter lock, measured)."""
+        (the response, whether it came whole with status 200)."""
         try:
             up = await self.session.request(request.method, self._target(request),
                                             headers=headers if headers is not None else self._headers(request),
@@ -282,8 +280,6 @@ class Proxy:
             async for chunk in up.content.iter_any():
                 await resp.write(chunk)
             await resp.write_eof()
-            if on_whole is not None and up.status == 200:
-                on_whole()
             whole = True
             return resp, up.status == 200
         except ConnectionResetError:
@@ -357,8 +353,8 @@ class Proxy:
             slot.pending -= 1
             raise
         try:
-            # no stored state can keep --min-gain tokens more than the slot holds when the slot holds all of the
-            # prompt but fewer than that: then nothing is looked up (prepare would stop at its first state)
+            # when fewer than --min-gain of the prompt's tokens are not in the slot, no stored state can keep
+            # --min-gain more than the slot: nothing is looked up (prepare would stop at its first state)
             held = min(common_prefix(slot.tokens, tokens), len(tokens) - 1)
             if len(tokens) - held >= self.min_gain:
                 try:      # a restore may pay: looked up, judged and restored in a worker thread
@@ -368,17 +364,16 @@ class Proxy:
                     slot.tokens = EMPTY
                     self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id)
             data = json.dumps(dict(body, id_slot=slot.id, cache_prompt=True)).encode()
-
-            def whole() -> None:
-                nonlocal handed
-                slot.tokens, slot.sig, slot.used = tokens, UNKNOWN, time.monotonic()
+            resp, ok = await self.forward(request, data, self._headers(request))
+            slot.used = time.monotonic()
+            if ok:
+                # the save is asked once the answer was passed on, not while its last bytes are on their way
+                # (the save's worker thread then held them back by a few milliseconds, measured)
+                slot.tokens, slot.sig = tokens, UNKNOWN
                 self._spawn(self._save_then_release(slot, key), name=f"save-{slot.id}")
                 handed = True
-
-            resp, ok = await self.forward(request, data, self._headers(request), on_whole=whole)
-            if not handed:
-                # a broken answer: what the slot holds now is not known
-                slot.tokens, slot.sig, slot.used = EMPTY, UNKNOWN, time.monotonic()
+            else:
+                slot.tokens, slot.sig = EMPTY, UNKNOWN     # a broken answer: what the slot holds is not known
             return resp
         finally:
             if not handed:
