@@ -238,7 +238,7 @@ BAD_CONFIGS = [
     ("[budget]\nmax_size = 'lots'\n", "budget.max_size: expected a size such as 20G or 500M, got 'lots'"),
     ("[retention]\nnewest = 0\n", "retention.newest: expected an integer from 1 to 1,048,576, got 0"),
     ("[proof]\npolicy = 'sometimes'\n", 'proof.policy: expected "always" or "never", got \'sometimes\''),
-    ("[surprise]\n", "surprise: unknown key (expected one of: servers, keep, budget, retention, proof)"),
+    ("[surprise]\n", "surprise: unknown key (expected one of: servers, keep, serve, budget, retention, proof)"),
     ("[keep\n", "not TOML: Expected ']' at the end of a table declaration (at line 1, column 6)"),
     ("[keep]\nevery = " + "9" * 500_000 + "\n", "line 2: a number of 500,000 digits: expected at most 24"),
     ("[keep]\nevery = " + "9" * 5_000_000 + "\n", "more than 1,048,576 bytes: expected a configuration file of at most that"),

@@ -75,8 +75,8 @@ COMMANDS: dict[str, CommandEntry] = {
                          "idle slots, restore them after.", "A running llama-server"),
     "serve": CommandEntry("slotctl.cli.serve_cmd", "Serve a llama-server through a prompt cache on disk or in S3: "
                           "restore, request, save.", "A running llama-server"),
-    "unit": CommandEntry("slotctl.cli.unit_cmd", "Print a systemd unit file shipped with slotctl: keep's "
-                         "template, one instance per configuration file.", "A running llama-server"),
+    "unit": CommandEntry("slotctl.cli.unit_cmd", "Print a systemd unit file shipped with slotctl: keep's or "
+                         "serve's template, one instance per configuration file.", "A running llama-server"),
 }
 
 

@@ -99,12 +99,7 @@ def keep(
 
     out = Output(json_mode=json_out)
     cfg = load(config) if config is not None else Config()
-    entry = cfg.server(server) if config is not None else None
-    if entry is not None:
-        server = entry.url
-        slot_dir = slot_dir if slot_dir is not None else (Path(entry.slot_dir) if entry.slot_dir else None)
-        store = store if store is not None else entry.store
-        api_key = api_key if api_key is not None else entry.api_key()
+    server, slot_dir, store, api_key = cfg.fill("keep", server, slot_dir, store, api_key)
     k = cfg.keep
 
     def pick(flag, key, default):
@@ -169,15 +164,16 @@ def keep(
         if isinstance(held, locks.Lease):
             held.start(keeper.abandon)
         if listen is not None:
-            from slotctl.unattended.metrics import Endpoint, KeepMetrics
+            from slotctl.unattended.metrics import Endpoint, KeepMetrics, StoreProbe
 
             metrics = KeepMetrics(keeper.url)
             keeper.on_look = metrics.look
             count_store()
+            probe = StoreProbe(str(store if store is not None else slot_dir))
             from slotctl.fleet.ui import keeper_page
 
             endpoint = Endpoint(listen, metrics.registry.exposition,
-                                lambda: metrics.ready(3 * keeper.every + keeper.timeout),
+                                lambda: metrics.ready(3 * keeper.every + keeper.timeout, probe),
                                 lambda: _alive(keeper), ui=lambda: keeper_page(keeper)).start()
             if not json_out:
                 out.err.print(f"metrics: {endpoint.url}/metrics, /livez, /readyz; the slots: {endpoint.url}/ui",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -10,46 +9,49 @@ import typer
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ApiKeyOpt, ArgsCommand, flag_option
+from slotctl.cli.options import ApiKeyOpt, ArgsCommand, ConfigOpt, flag_option
 from slotctl.cli.output import Output
 from slotctl.errors import UsageError
 from slotctl.live import SLOT_FILE_TIMEOUT
 
 _STYLE = {"restored": "green", "stored": "green", "up": "green", "down": "yellow", "refused": "yellow",
           "pruned": "yellow", "disconnect": "yellow", "upstream": "bold red", "error": "bold red"}
-_LISTEN = re.compile(r"^(?P<host>[^:\s]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
 
 
 def register(app: typer.Typer) -> None:
     app.command("serve", cls=ArgsCommand)(serve)
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    m = _LISTEN.match(text)
-    if not m or not 0 <= int(m.group("port")) <= 65535:
-        raise UsageError(f"--listen {text!r}: expected HOST:PORT, e.g. 127.0.0.1:8081")
-    return m.group("host").strip("[]"), int(m.group("port"))
-
-
 @handle_errors
 def serve(
     ctx: typer.Context,
-    upstream: Annotated[str, typer.Option("--upstream", metavar="URL", help="The llama-server (or llama-swap) "
-                                          "to serve, e.g. http://127.0.0.1:8080.")],
-    slot_dir: Annotated[Path, typer.Option("--slot-dir", file_okay=False, metavar="DIR",
-                                           help="The server's --slot-save-path as this machine sees it.")],
+    upstream: Annotated[Optional[str], typer.Option("--upstream", metavar="URL", help="The llama-server (or "
+                                                    "llama-swap) to serve, e.g. http://127.0.0.1:8080 (or the "
+                                                    "configuration's).")] = None,
+    slot_dir: Annotated[Optional[Path], typer.Option("--slot-dir", file_okay=False, metavar="DIR",
+                                                     help="The server's --slot-save-path as this machine sees "
+                                                          "it.")] = None,
     store: Annotated[Optional[str], typer.Option("--store", metavar="DIR|s3://BUCKET/PREFIX/",
                                                  help="Where the states are kept: a directory or an s3:// prefix "
                                                       "(docs/store.md; default: --slot-dir itself).")] = None,
-    listen: Annotated[str, typer.Option("--listen", metavar="HOST:PORT", help="Where serve listens (port 0: "
-                                        "any free port, said on the first line).")] = "127.0.0.1:8081",
+    listen: Annotated[Optional[str], typer.Option("--listen", metavar="HOST:PORT", help="Where serve listens (port "
+                                                  "0: any free port, said on the first line) [default: "
+                                                  "127.0.0.1:8081].")] = None,
     max_size: Annotated[Optional[str], typer.Option("--max-size", metavar="SIZE", help="Keep the store under SIZE "
                                                     "(20G, 500M) by prune's rules, least recently used first.")] = None,
-    min_gain: Annotated[int, typer.Option("--min-gain", min=1, metavar="N", help="Restore a stored state only "
-                                          "when it keeps at least N prompt tokens more than the slot "
-                                          "holds.")] = 16,
+    min_gain: Annotated[Optional[int], typer.Option("--min-gain", min=1, metavar="N", help="Restore a stored "
+                                                    "state only when it keeps at least N prompt tokens more than "
+                                                    "the slot holds [default: 16].")] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Do not use the catalog (the SQLite index of the "
                                            "stored states' tokens): read every stored state.")] = False,
+    config: ConfigOpt = None,
+    metrics_listen: Annotated[Optional[str], typer.Option("--metrics-listen", metavar="HOST:PORT",
+                                                          help="Serve /metrics, /livez and /readyz there, apart "
+                                                               "from the proxy (loopback unless a host is "
+                                                               "given).")] = None,
+    lease: Annotated[Optional[float], typer.Option("--lease", min=1.0, max=86400.0, metavar="SECONDS",
+                                                   help="With an s3:// store: seconds serve's lease holds without "
+                                                        "a renewal [default: 60].")] = None,
     kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The server runs with -kvu (not "
                                              "reported by the server): states are judged, and converted, for "
                                              "it.")] = False,
@@ -58,8 +60,9 @@ def serve(
     cache_type_v: Annotated[Optional[str], flag_option("cache_type_v", help="The server's -ctv (not reported; "
                                                        "default f16).")] = None,
     api_key: ApiKeyOpt = None,
-    timeout: Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS", help="Give up on a save "
-                                           "or restore after this many seconds.")] = SLOT_FILE_TIMEOUT,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", min=0.001, metavar="SECONDS", help="Give up on a "
+                                                     "save or restore after this many seconds [default: "
+                                                     "600].")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per event on stdout "
                                            "(docs/json.md), the first saying where serve listens.")] = False,
 ) -> None:
@@ -77,10 +80,37 @@ def serve(
     SIGTERM or SIGINT: saves in progress finish, exit 0. Needs the [serve] extra (aiohttp). Details:
     docs/serve.md.
 
+    Running unattended: --config FILE (the TOML file keep reads, its [serve] table; flags override
+    it); --metrics-listen HOST:PORT serves /metrics, /livez, /readyz on an address of their own; one
+    serve per server and store (a second is refused); under systemd (Type=notify): READY=1,
+    WATCHDOG=1, STOPPING=1.
+
     Exit codes: 0 stopped by SIGTERM or SIGINT; 2 usage error (a missing directory, a bad --listen,
-    the [serve] extra missing, the address in use).
+    the [serve] extra missing, the address in use, a bad configuration file, another serve serving
+    this server with this store, the lease lost).
     """
+    from slotctl.unattended.config import Config, load
+    from slotctl.unattended.lock import DEFAULT_TTL
+    from slotctl.unattended.metrics import parse_listen
+
+    cfg = load(config) if config is not None else Config()
+    upstream, slot_dir, store, api_key = cfg.fill("serve", upstream, slot_dir, store, api_key)
+    v = cfg.serve
+
+    def pick(flag, key, default):
+        return flag if flag is not None else v.get(key, default)
+
+    listen, min_gain = pick(listen, "listen", "127.0.0.1:8081"), pick(min_gain, "min_gain", 16)
+    timeout, lease = pick(timeout, "timeout", SLOT_FILE_TIMEOUT), pick(lease, "lease", DEFAULT_TTL)
+    metrics_listen = pick(metrics_listen, "metrics_listen", None) or None
+    max_size = max_size if max_size is not None else cfg.max_size
+    if upstream is None:
+        raise UsageError("--upstream: no URL given (nor a server in --config)")
+    if slot_dir is None:
+        raise UsageError("--slot-dir: no directory given (nor slot_dir in --config)")
     host, port = parse_listen(listen)
+    if metrics_listen is not None:
+        parse_listen(metrics_listen, "--metrics-listen")
     remote.check_slot_dir_and_store(slot_dir, store)
     size = None
     if max_size is not None:
@@ -107,8 +137,8 @@ def serve(
         out.err.print(line)
 
     raise typer.Exit(main.serve(upstream, slot_dir, store, host=host, port=port, max_size=size, min_gain=min_gain,
-                                api_key=api_key, timeout=timeout, catalog=not no_cache,
-                                flags=flags, given=frozenset(given), emit=emit))
+                                api_key=api_key, timeout=timeout, catalog=not no_cache, emit=emit,
+                                flags=flags, given=frozenset(given), metrics_listen=metrics_listen, lease=lease))
 
 
 def _now() -> str:

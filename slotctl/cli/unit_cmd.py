@@ -17,14 +17,17 @@ def register(app: typer.Typer) -> None:
 
 @handle_errors
 def unit(
-    name: Annotated[str, typer.Argument(metavar="NAME", help="The unit: keep (slotctl-keep@.service).")] = "keep",
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The unit: keep (slotctl-keep@.service) or serve "
+                                        "(slotctl-serve@.service).")] = "keep",
     json_out: JsonOpt = False,
 ) -> None:
-    """Print a systemd unit file shipped with slotctl: keep's template, one instance per configuration file.
+    """Print a systemd unit file shipped with slotctl: keep's or serve's template, one instance per configuration file.
 
     slotctl unit keep prints slotctl-keep@.service (Type=notify, WatchdogSec), whose instance NAME runs
     slotctl keep --config /etc/slotctl/NAME.toml. Install it with: slotctl unit keep | sudo tee
-    /etc/systemd/system/slotctl-keep@.service. Details: docs/fleet.md.
+    /etc/systemd/system/slotctl-keep@.service. slotctl unit serve prints slotctl-serve@.service, whose
+    instance NAME runs slotctl serve --config /etc/slotctl/NAME.toml. Details: docs/fleet.md,
+    docs/serve.md.
 
     Exit codes: 0 printed; 2 no such unit. --json: {name, file, text, exit_code}.
     """

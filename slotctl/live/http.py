@@ -449,7 +449,13 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
         raise ServerAnswerError(f"{what}: unexpected answer: larger than {MAX_ANSWER_BYTES >> 20} MiB (is this a "
                                 f"llama-server?)")
     if status >= 400:
-        _raise_http_error(what, status, raw)
+        try:
+            _raise_http_error(what, status, raw)
+        except ServerRefused as e:
+            # b11434's router, asked without a "model": its own words (server-models.cpp, router_validate_model)
+            if status == 400 and e.message == ROUTER_NO_MODEL and path != "/models":
+                raise RouterMode(f"{what}: {router_message(url, api_key=api_key, timeout=timeout)}") from None
+            raise
     if not 200 <= status < 300:
         raise ServerUnreachable(f"{what}: unexpected HTTP {status}")
     try:
@@ -652,14 +658,69 @@ def get_health(url: str, *, api_key: str | None = None, timeout: float = DEFAULT
                                                                     timeout=timeout), SHAPES["/health"])
 
 
+#: what b11434's router answers (HTTP 400) to a request that names no model
+ROUTER_NO_MODEL = "model name is missing from the request"
+
+
+class RouterMode(ServerUnreachable):
+    """The URL is llama-server's router (router mode): no one model's server to use (exit 2)."""
+
+    code = "router_mode"
+
+
 def get_props(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
     """``GET /props``: model path, ``total_slots``, ``default_generation_settings.n_ctx``, build info, ...
 
     Checked against ``SHAPES["/props"]`` (ServerAnswerError, exit 2): an object with a positive
-    ``total_slots``.
+    ``total_slots``. A router (``"role": "router"``) is :class:`RouterMode`, naming its models' own servers.
     """
-    return check_shape(f"GET {normalize_url(url)}/props", request(url, "GET", "/props", api_key=api_key,
-                                                                   timeout=timeout), SHAPES["/props"])
+    answer = request(url, "GET", "/props", api_key=api_key, timeout=timeout)
+    if isinstance(answer, dict) and answer.get("role") == "router":
+        raise RouterMode(router_message(url, api_key=api_key, timeout=timeout))
+    return check_shape(f"GET {normalize_url(url)}/props", answer, SHAPES["/props"])
+
+
+def router_models(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
+    """A router's models (``GET /models``): each one's ``name``, ``status`` (``loaded``, ``unloaded``, ...) and,
+    while it runs, ``url``: the model's own server, which b11434's router starts on ``127.0.0.1`` and a port
+    it chooses anew at each load (the ``--port`` of its command line)."""
+    answer = request(url, "GET", "/models", api_key=api_key, timeout=timeout)
+    data = answer.get("data") if isinstance(answer, dict) else None
+    out = []
+    for m in data[:MAX_PARALLEL] if isinstance(data, list) else ():
+        if not isinstance(m, dict) or not isinstance(m.get("id"), str):
+            continue
+        status = m.get("status") if isinstance(m.get("status"), dict) else {}
+        args = status.get("args") if isinstance(status.get("args"), list) else []
+        port = None
+        for flag, value in zip(args, args[1:]):
+            if flag == "--port" and isinstance(value, str) and value.isdigit() and 0 < int(value) < 65536:
+                port = int(value)
+        state = status.get("value") if isinstance(status.get("value"), str) else "unknown"
+        out.append({"name": m["id"], "status": state,
+                    "url": f"http://127.0.0.1:{port}" if port and state == "loaded" else None})
+    return out
+
+
+def _escaped(text: str) -> str:
+    """A server's text with its control characters escaped (never cut)."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
+
+
+def router_message(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> str:
+    """The one line said when a command is pointed at a router: where each model's own server is."""
+    base = normalize_url(url)
+    try:
+        models = router_models(url, api_key=api_key, timeout=timeout)
+        shown = ", ".join(_escaped(f"{m['name']} {m['url']} ({m['status']})" if m["url"] else
+                                   f"{m['name']} ({m['status']}: no server of its own now)")
+                          for m in models) or "none"
+    except ServerError as e:
+        shown = f"not known (GET /models: {e})"
+    return (f"{base} is llama-server's router (router mode): it answers for no one model, and b11434's router "
+            f"routes a slot action only by the \"model\" of its JSON body (never ?model=), which is not sent "
+            f"by slotctl: point --server at the model's own server, on the router's machine (its port changes "
+            f"at each load); models: {shown} (docs/fleet.md, router mode)")
 
 
 def get_slots(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> list:

@@ -1,18 +1,32 @@
-"""``slotctl serve``'s process: the cache and the proxy made, the event loop run until SIGTERM or SIGINT."""
+"""``slotctl serve``'s process: the lock taken, the cache and the proxy made, the event loop run until SIGTERM or
+SIGINT; running unattended (:mod:`slotctl.unattended`) as keep does: ``/metrics``, ``/livez`` and ``/readyz``
+on an address of their own, systemd's ``NOTIFY_SOCKET`` protocol, one serve per server and store."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 
-from slotctl.errors import UsageError
+from slotctl.errors import SlotctlError, UsageError
+
+#: seconds the event loop may go without a beat before ``/livez`` (and systemd's watchdog) says it is stuck:
+#: every blocking step runs in a worker thread, so the loop itself never waits this long
+LOOP_STUCK = 30.0
+#: seconds between two beats of the event loop
+BEAT = 1.0
+#: seconds after which a store that stopped answering is tried again
+AGAIN = 10.0
 
 
 def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host: str, port: int,
           max_size: int | None, min_gain: int, api_key: str | None, timeout: float, catalog: bool = True,
-          flags=None, given: frozenset[str] = frozenset(), emit) -> int:
+          flags=None, given: frozenset[str] = frozenset(), emit, metrics_listen: str | None = None,
+          lease: float | None = None) -> int:
     """Run the proxy (see :mod:`slotctl.serve.proxy`); ``emit(event, message, details)`` gets every event,
     the first one ``listening`` with the address; ``flags`` / ``given``: the server's flags it does not report
-    (``-kvu``, ``-ctk``, ``-ctv``, :class:`~slotctl.serve.cache.Cache`). 0 once stopped by SIGTERM or SIGINT."""
+    (``-kvu``, ``-ctk``, ``-ctv``, :class:`~slotctl.serve.cache.Cache`). 0 once stopped by SIGTERM or SIGINT;
+    2 when the lock (an ``s3://`` store's lease) was lost."""
     try:
         import aiohttp  # noqa: F401 - the [serve] extra
     except ImportError:
@@ -23,31 +37,166 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
 
     from slotctl.live.http import redact
     from slotctl.serve.cache import Cache
+    from slotctl.serve.index import common_prefix
     from slotctl.serve.proxy import Proxy, run
+    from slotctl.unattended import lock as locks
+    from slotctl.unattended import systemd
+
+    metrics = None
+    said = threading.local()     # what a worker thread's prepare() logged (the restore's predicted reuse)
 
     def log(event: str, message: str, **details) -> None:
+        if event == "restored":
+            said.reuse = details.get("reuse")
+        if metrics is not None:
+            metrics.observe(event, details)
+            if event in ("stored", "pruned"):
+                count_store()
         emit(event, message, details)
 
     cache = Cache(upstream, slot_dir, store, api_key=api_key, max_size=max_size, timeout=timeout, catalog=catalog,
                   log=log, flags=flags, given=given)
+    where = os.fspath(store if store is not None else slot_dir)
+    ttl = lease or locks.DEFAULT_TTL
+    unlocked: Exception | None = None
+    try:
+        held = locks.acquire(where, cache.url, ttl=ttl, role="serve")
+    except locks.Held:
+        raise
+    except SlotctlError as e:
+        if not where.startswith("s3://"):
+            raise
+        # the store does not answer: serve serves all the same (uncached while the store fails), and takes
+        # the lease once the store answers (a serve already holding it then: this one stops, exit 2)
+        held, unlocked = None, e
+
+    def count_store() -> None:
+        try:
+            metrics.store_usage(*cache.store.usage())
+        except Exception:  # noqa: BLE001 - counted at the next state; /readyz says why the store fails
+            pass
+
+    class Metered(Proxy):
+        """The proxy, with each request given a slot counted: the prompt tokens predicted reused (the
+        restored state's, else the slot's own prefix) and evaluated."""
+
+        def prepare(self, slot, tokens, key=None) -> None:
+            held_tokens = min(common_prefix(slot.tokens, tokens), len(tokens) - 1)
+            said.reuse = None
+            try:
+                super().prepare(slot, tokens, key)
+            except BaseException:
+                metrics.prompt(0, len(tokens))
+                raise
+            reused = said.reuse if isinstance(said.reuse, int) else held_tokens
+            metrics.prompt(reused, len(tokens) - reused)
+
+    lost: list[Exception] = []
+    quit_ = threading.Event()
+
+    def take_later(on_lost) -> None:
+        """Try the lease every third of it until it is taken (then renewed as usual) or serve stops."""
+        nonlocal held
+        while not quit_.wait(ttl / 3):
+            try:
+                got = locks.acquire(where, cache.url, ttl=ttl, role="serve")
+            except locks.Held as e:
+                on_lost(e)
+                return
+            except SlotctlError:
+                continue
+            held = got
+            log("locked", f"{got.path}: the lease is taken", path=got.path)
+            got.start(on_lost)
+            return
+
+    beat = [time.monotonic()]
+
+    def alive() -> tuple[bool, str]:
+        if lost:
+            return False, f"the lock is lost: {lost[0]}"
+        age = time.monotonic() - beat[0]
+        return age <= LOOP_STUCK, f"the event loop's last beat {age:.1f} s ago (limit {LOOP_STUCK:g} s)"
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def stopping() -> None:
+            systemd.notify("STOPPING=1")
+            stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        proxy = Proxy(cache, min_gain=min_gain, log=log)
+            loop.add_signal_handler(sig, stopping)
+        def on_lost(e: Exception) -> None:
+            lost.append(e)
+            loop.call_soon_threadsafe(stopping)
+
+        if isinstance(held, locks.Lease):
+            held.start(on_lost)
+        proxy = (Metered if metrics is not None else Proxy)(cache, min_gain=min_gain, log=log)
+
+        async def beating() -> None:
+            tried = time.monotonic()
+            while not stop.is_set():
+                beat[0] = time.monotonic()
+                if beat[0] - tried >= AGAIN:
+                    # a store that stopped answering refuses every later request at once (slotctl.store.s3):
+                    # the next request tries it again, as keep does at each look
+                    cache.store.again()
+                    tried = beat[0]
+                try:
+                    await asyncio.wait_for(stop.wait(), BEAT)
+                except asyncio.TimeoutError:
+                    pass
+
+        beats = loop.create_task(beating())
 
         def ready(h: str, p: int) -> None:
+            extra = {"metrics": endpoint.url} if endpoint is not None else {}
             log("listening", f"serving {redact(cache.url)} on http://{h}:{p}: slot dir {cache.slot_dir}, store "
-                             f"{cache.store}", listen=f"{h}:{p}", port=p, upstream=redact(cache.url),
-                store=str(cache.store))
+                             f"{cache.store}" + (f"; metrics on {endpoint.url}/metrics, /livez, /readyz"
+                                                 if endpoint is not None else ""),
+                listen=f"{h}:{p}", port=p, upstream=redact(cache.url), store=str(cache.store), **extra)
+            if held is None:
+                log("error", f"{unlocked}: serve runs without its lease (a second serve of this server and store "
+                             f"is not refused meanwhile); it takes the lease once the store answers",
+                    code=getattr(unlocked, "code", "store_error"))
+                threading.Thread(target=take_later, args=(on_lost,), name="slotctl-lease-take", daemon=True).start()
+            systemd.notify("READY=1", f"STATUS=serving {redact(cache.url)} on http://{h}:{p} (store {cache.store})")
 
         try:
             await run(proxy, host, port, ready=ready, stop=stop)
         except OSError as e:
             raise UsageError(f"--listen {host}:{port}: {e.strerror or e}", code="listen_failed") from None
-        log("stop", "stopped", counters=cache.counters.as_dict())
+        finally:
+            beats.cancel()
+        if lost:
+            log("error", str(lost[0]), code=getattr(lost[0], "code", "lease_lost"))
+            log("stop", "stopped: the lock is lost (another serve may be writing)", counters=cache.counters.as_dict())
+        else:
+            log("stop", "stopped", counters=cache.counters.as_dict())
 
-    asyncio.run(main())
-    return 0
+    endpoint = watchdog = None
+    try:
+        if metrics_listen:
+            from slotctl.unattended.metrics import Endpoint, ServeMetrics, StoreProbe
+
+            metrics = ServeMetrics(redact(cache.url), cache.counters)
+            count_store()
+            probe = StoreProbe(where)
+            endpoint = Endpoint(metrics_listen, metrics.exposition, lambda: metrics.ready(probe), alive,
+                                option="--metrics-listen").start()
+        wd = systemd.watchdog_seconds()
+        if wd is not None:
+            watchdog = systemd.Watchdog(lambda: alive()[0], wd).start()
+        asyncio.run(main())
+    finally:
+        quit_.set()
+        if watchdog is not None:
+            watchdog.stop()
+        if endpoint is not None:
+            endpoint.stop()
+        if held is not None:
+            held.release()
+    return 2 if lost else 0

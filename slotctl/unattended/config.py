@@ -18,6 +18,14 @@ read with the standard library's ``tomllib`` (docs/fleet.md, "The configuration 
     lease = 60                           # seconds an s3:// lease holds without a renewal
     listen = "127.0.0.1:9464"            # /metrics, /livez, /readyz ("" or absent: none)
 
+    [serve]
+    server = "qwen"                      # the name (or URL) of the server serve fronts: default the only one
+    listen = "127.0.0.1:8081"            # where serve's proxy listens
+    metrics_listen = "127.0.0.1:9465"    # serve's /metrics, /livez, /readyz ("" or absent: none)
+    min_gain = 16
+    timeout = 600
+    lease = 60
+
     [budget]
     max_size = "20G"                     # the store held under it by prune's rules
 
@@ -77,26 +85,42 @@ class Config:
     path: str | None = None
     servers: list[ServerEntry] = field(default_factory=list)
     keep: dict[str, Any] = field(default_factory=dict)
+    serve: dict[str, Any] = field(default_factory=dict)
     max_size: str | None = None
     newest: int | None = None
     proof: str | None = None
 
-    def server(self, which: str | None = None) -> ServerEntry | None:
-        """The server ``which`` names (a name or a URL); without it, the only server (None when there is none)."""
+    def server(self, which: str | None = None, section: str = "keep") -> ServerEntry | None:
+        """The server ``which`` names (a name or a URL); without it, ``[section].server``, else the only server
+        (None when there is none)."""
         if which is None:
-            which = self.keep.get("server")
+            which = getattr(self, section).get("server")
         if which is None:
             if len(self.servers) > 1:
-                raise ConfigError(f"{self.path}: keep.server: expected the name of one of the {len(self.servers)} "
-                                  f"[[servers]] ({', '.join(s.label for s in self.servers)})")
+                raise ConfigError(f"{self.path}: {section}.server: expected the name of one of the "
+                                  f"{len(self.servers)} [[servers]] ({', '.join(s.label for s in self.servers)})")
             return self.servers[0] if self.servers else None
         for s in self.servers:
             if which in (s.name, s.url):
                 return s
         if self.servers:
-            raise ConfigError(f"{self.path}: keep.server: {which!r} is none of the [[servers]] "
+            raise ConfigError(f"{self.path}: {section}.server: {which!r} is none of the [[servers]] "
                               f"({', '.join(s.label for s in self.servers)})")
         return ServerEntry(url=which)
+
+    def fill(self, section: str, url: str | None, slot_dir, store: str | None, api_key: str | None) -> tuple:
+        """``(url, slot_dir, store, api_key)`` of the server ``[section]`` uses (``url`` names one, or the
+        section's ``server``, or the only one), each value given on the command line kept over the file's;
+        as given when no file was read."""
+        entry = self.server(url, section) if self.path is not None else None
+        if entry is None:
+            return url, slot_dir, store, api_key
+        from pathlib import Path
+
+        return (entry.url,
+                slot_dir if slot_dir is not None else (Path(entry.slot_dir) if entry.slot_dir else None),
+                store if store is not None else entry.store,
+                api_key if api_key is not None else entry.api_key())
 
 
 # -- checking ------------------------------------------------------------------------------------------
@@ -154,6 +178,7 @@ def _show(v: Any) -> str:
 
 _SERVER_KEYS = {"name": "", "url": "", "slot_dir": "", "store": "", "api_key_env": ""}
 _KEEP_KEYS = {"server": "", "every": "", "min_tokens": "", "timeout": "", "lease": "", "listen": ""}
+_SERVE_KEYS = {"server": "", "listen": "", "metrics_listen": "", "min_gain": "", "timeout": "", "lease": ""}
 
 
 def parse(raw: bytes, path: str) -> Config:
@@ -176,8 +201,9 @@ def parse(raw: bytes, path: str) -> Config:
         raise ConfigError(f"{path}: not TOML: {e}") from None
     c = _Checker(path)
     for k in doc:
-        if k not in ("servers", "keep", "budget", "retention", "proof"):
-            raise ConfigError(f"{path}: {k}: unknown key (expected one of: servers, keep, budget, retention, proof)")
+        if k not in ("servers", "keep", "serve", "budget", "retention", "proof"):
+            raise ConfigError(f"{path}: {k}: unknown key (expected one of: servers, keep, serve, budget, retention, "
+                              f"proof)")
     cfg = Config(path=path)
     servers = doc.get("servers", [])
     if not isinstance(servers, list):
@@ -210,15 +236,17 @@ def parse(raw: bytes, path: str) -> Config:
     k["min_tokens"] = c.number(keep, "min_tokens", "keep", low=1, high=1 << 24, integer=True, what="an integer")
     k["timeout"] = c.number(keep, "timeout", "keep", low=0.001, high=86400.0, what="seconds")
     k["lease"] = c.number(keep, "lease", "keep", low=1.0, high=86400.0, what="seconds")
-    k["listen"] = c.string(keep, "listen", "keep", empty=True)
-    if k["listen"]:
-        from slotctl.unattended.metrics import parse_listen
-
-        try:
-            parse_listen(k["listen"])
-        except UsageError as e:
-            raise c.fail("keep.listen", "HOST:PORT", k["listen"]) from e
+    k["listen"] = _listen(c, keep, "listen", "keep")
     cfg.keep = {key: v for key, v in k.items() if v is not None}
+    serve = c.table(doc, "serve", _SERVE_KEYS)
+    v: dict[str, Any] = {}
+    v["server"] = c.string(serve, "server", "serve")
+    v["listen"] = _listen(c, serve, "listen", "serve", empty=False)
+    v["metrics_listen"] = _listen(c, serve, "metrics_listen", "serve")
+    v["min_gain"] = c.number(serve, "min_gain", "serve", low=1, high=1 << 24, integer=True, what="an integer")
+    v["timeout"] = c.number(serve, "timeout", "serve", low=0.001, high=86400.0, what="seconds")
+    v["lease"] = c.number(serve, "lease", "serve", low=1.0, high=86400.0, what="seconds")
+    cfg.serve = {key: x for key, x in v.items() if x is not None}
     budget = c.table(doc, "budget", {"max_size": ""})
     cfg.max_size = c.string(budget, "max_size", "budget")
     if cfg.max_size is not None:
@@ -235,6 +263,19 @@ def parse(raw: bytes, path: str) -> Config:
     if cfg.proof is not None and cfg.proof not in PROOF_POLICIES:
         raise c.fail("proof.policy", " or ".join(f'"{p}"' for p in PROOF_POLICIES), cfg.proof)
     return cfg
+
+
+def _listen(c: _Checker, t: dict, key: str, where: str, *, empty: bool = True) -> str | None:
+    """A ``HOST:PORT`` key (empty: none, where that is allowed)."""
+    v = c.string(t, key, where, empty=empty)
+    if v:
+        from slotctl.unattended.metrics import parse_listen
+
+        try:
+            parse_listen(v)
+        except UsageError as e:
+            raise c.fail(f"{where}.{key}", "HOST:PORT", v) from e
+    return v
 
 
 def load(path: str | os.PathLike) -> Config:

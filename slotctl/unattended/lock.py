@@ -9,8 +9,9 @@ A keeper holds a lock named after the server it keeps (:func:`server_key`) in th
   conditional put on its own ETag (``If-Match``). The lease says until when it holds (``expires``, the
   holder's clock). Another keeper refuses while ``expires`` is ahead of its clock; after it, it takes the
   lease over with a put conditional on the ETag it read, so of two that try at once one wins. The holder
-  counts its own lease lost when it could not renew it within ``ttl`` (its monotonic clock): it stops
-  writing before anyone may take over. So a keeper killed with SIGKILL is taken over after the expiry and
+  counts its own lease lost when it could not renew it within :data:`HOLD` of ``ttl`` from the moment the
+  last document it wrote was made (its monotonic clock), however the store fails (an error, or no answer
+  at all: a renewal is given up at that deadline): it stops writing before anyone may take over. So a keeper killed with SIGKILL is taken over after the expiry and
   never before (the clocks of the two hosts are assumed to agree to well within ``ttl``).
 
 The lock's refusal is :class:`Held` (exit 2, one line naming the holder). Beside the lock lives the
@@ -25,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import socket
 import threading
@@ -40,6 +42,8 @@ from slotctl.live.http import is_loopback
 DEFAULT_TTL = 60.0
 #: the shortest lease accepted (a renewal is a round trip to the store)
 MIN_TTL = 1.0
+#: the part of the lease after which a holder that could not renew counts it lost and stops writing
+HOLD = 0.8
 #: a lease or journal larger than this is not a keeper's: not parsed
 MAX_LEASE_BYTES = 1 << 20
 
@@ -106,13 +110,26 @@ def _journal_entries(doc: dict) -> dict[int, dict]:
     return out
 
 
+#: what each role that takes a lock is called in its refusal (``keep``: a keeper, ``serve``: a serve process)
+ROLES = {"keep": ("keeper", "keeps this server with this store"),
+         "serve": ("serve", "serves this server with this store")}
+
+
+def _role(role: str) -> tuple[str, str]:
+    if role not in ROLES:
+        raise ValueError(f"lock role {role!r}: expected one of {', '.join(ROLES)}")
+    return ROLES[role]
+
+
 class Lock:
     """What both kinds of lock share: the journal (slot -> signature, model hash, name)."""
 
     path: str
 
-    def __init__(self, server: str):
+    def __init__(self, server: str, role: str = "keep"):
         self.server = server
+        self.role = role
+        self.who, self.does = _role(role)
         self.journal: dict[int, dict] = {}
 
     def known(self, model: str, has: Callable[[str], bool]) -> dict[int, tuple]:
@@ -140,11 +157,11 @@ class Lock:
 class DirectoryLock(Lock):
     """``flock`` on ``DIR/.slotctl-keep-KEY.lock``; the journal in ``DIR/.slotctl-keep-KEY.json``."""
 
-    def __init__(self, directory: str | os.PathLike, server: str):
-        super().__init__(server)
+    def __init__(self, directory: str | os.PathLike, server: str, role: str = "keep"):
+        super().__init__(server, role)
         key = server_key(server)
-        self.path = os.path.join(os.fspath(directory), f".slotctl-keep-{key}.lock")
-        self.journal_path = os.path.join(os.fspath(directory), f".slotctl-keep-{key}.json")
+        self.path = os.path.join(os.fspath(directory), f".slotctl-{role}-{key}.lock")
+        self.journal_path = os.path.join(os.fspath(directory), f".slotctl-{role}-{key}.json")
         self.fd: int | None = None
 
     def acquire(self) -> "DirectoryLock":
@@ -157,7 +174,7 @@ class DirectoryLock(Lock):
         except BlockingIOError:
             holder = _parse(os.pread(fd, MAX_LEASE_BYTES, 0))
             os.close(fd)
-            raise Held(f"{self.server}: another keeper keeps this server with this store ({_describe(holder)}; "
+            raise Held(f"{self.server}: another {self.who} {self.does} ({_describe(holder)}; "
                        f"lock {self.path})") from None
         body = json.dumps(_holder(self.server)).encode()
         os.ftruncate(fd, 0)
@@ -188,9 +205,9 @@ class DirectoryLock(Lock):
 class Lease(Lock):
     """The lease object ``PREFIX/.slotctl-keep-KEY.lease`` of an ``s3://`` store (module docstring)."""
 
-    def __init__(self, prefix: str, server: str, ttl: float = DEFAULT_TTL, *, clock=time.time):
-        super().__init__(server)
-        self.url = prefix.rstrip("/") + "/" + f".slotctl-keep-{server_key(server)}.lease"
+    def __init__(self, prefix: str, server: str, ttl: float = DEFAULT_TTL, *, clock=time.time, role: str = "keep"):
+        super().__init__(server, role)
+        self.url = prefix.rstrip("/") + "/" + f".slotctl-{role}-{server_key(server)}.lease"
         self.path = self.url
         self.ttl = float(ttl)
         self.clock = clock
@@ -198,6 +215,8 @@ class Lease(Lock):
         #: monotonic time of the last successful write of the lease
         self.renewed: float | None = None
         self.lost: str | None = None
+        #: the last renewal's failure (said when the lease is counted lost)
+        self.failure: str | None = None
         self._io = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -224,37 +243,46 @@ class Lease(Lock):
                "journal": {str(k): v for k, v in self.journal.items()}}
         return json.dumps(doc).encode()
 
-    def _read(self) -> tuple[dict, str | None] | None:
+    def _call(self, deadline: float, action: str, fn, *args, **kwargs):
+        """An obstore request on the lease through the store's one home (:func:`slotctl.store.s3.call_by`):
+        done by ``deadline`` (monotonic) or :class:`~slotctl.errors.StoreDown` (the request is left to itself),
+        whatever the command's deadline or a store known down."""
+        from slotctl.store.s3 import call_by
+
+        return call_by(deadline, f"the lease's {self.ttl:g} s", self.url, action, fn, *args, **kwargs)
+
+    def _read(self, deadline: float) -> tuple[dict, str | None] | None:
         import obstore
         from obstore import exceptions as obx
 
         store, _, key = self._stores()
         try:
-            res = obstore.get(store, key)
-            raw = bytes(res.bytes())
+            res = self._call(deadline, "GET", obstore.get, store, key)
+            raw = bytes(self._call(deadline, "GET", res.bytes))
             return _parse(raw), res.meta.get("e_tag")
         except (obx.NotFoundError, FileNotFoundError):
             return None
         except Exception as e:  # noqa: BLE001
             raise self._error(e, "GET") from None
 
-    def _put(self, body: bytes, etag: str | None) -> str | None:
-        """Create the lease (``etag`` None: only if absent) or replace it (only if its ETag is ``etag``);
-        the new ETag. :class:`Held` when the condition fails."""
+    def _put(self, body: bytes, etag: str | None, deadline: float) -> str | None:
+        """Create the lease (``etag`` None: only if absent) or replace it (only if its ETag is ``etag``), by
+        ``deadline``; the new ETag. :class:`Held` when the condition fails."""
         import obstore
         from obstore import exceptions as obx
 
         store, cond, key = self._stores()
         try:
             if etag is None:
-                res = obstore.put(store, key, body, mode="create", use_multipart=False)
+                res = self._call(deadline, "PUT", obstore.put, store, key, body, mode="create", use_multipart=False)
             else:
-                res = obstore.put(cond, key, body, mode={"e_tag": etag}, use_multipart=False)
+                res = self._call(deadline, "PUT", obstore.put, cond, key, body, mode={"e_tag": etag},
+                                 use_multipart=False)
         except (obx.AlreadyExistsError, obx.PreconditionError):
-            raise Held(f"{self.server}: another keeper took the lease {self.url} first") from None
+            raise Held(f"{self.server}: another {self.who} took the lease {self.url} first") from None
         except Exception as e:  # noqa: BLE001
             if "412" in str(e) or "PreconditionFailed" in str(e):
-                raise Held(f"{self.server}: another keeper took the lease {self.url} first") from None
+                raise Held(f"{self.server}: another {self.who} took the lease {self.url} first") from None
             raise self._error(e, "PUT") from None
         return res.get("e_tag")
 
@@ -266,51 +294,87 @@ class Lease(Lock):
         from slotctl.catalog import iso_time
 
         self.since = self.clock()
-        got = self._read()
+        deadline = time.monotonic() + self.ttl      # taking the lease: its requests within one lease
+        got = self._read(deadline)
+        made = time.monotonic()      # the document's expires counts from no earlier than this
         if got is None:
-            self.etag = self._put(self._body(self.since), None)
+            self.etag = self._put(self._body(self.since), None, deadline)
         else:
             doc, etag = got
             expires = doc.get("expires")
             now = self.clock()
             if isinstance(expires, (int, float)) and expires > now and doc.get("released") is not True:
-                raise Held(f"{self.server}: another keeper keeps this server with this store "
+                raise Held(f"{self.server}: another {self.who} {self.does} "
                            f"({_describe(doc)}; its lease {self.url} holds until {iso_time(expires)}, "
                            f"{expires - now:.0f} s from now)")
             self.journal = _journal_entries(doc)
-            self.etag = self._put(self._body(self.since), etag)
-        self.renewed = time.monotonic()
+            made = time.monotonic()
+            self.etag = self._put(self._body(self.since), etag, deadline)
+        self.renewed = made
         return self
 
+    def deadline(self) -> float:
+        """The monotonic time by which the lease must be renewed, or counted lost: :data:`HOLD` of the lease
+        after the last renewal's document was made (its ``expires`` counts from then), so the holder stops
+        writing before anyone may take over, with the rest of the lease to spare (clock skew, the time
+        stopping takes)."""
+        return (self.renewed if self.renewed is not None else -math.inf) + HOLD * self.ttl
+
     def renew(self) -> None:
-        """Write the lease again (a new ``expires``, the journal), on condition that it is still ours."""
+        """Write the lease again (a new ``expires``, the journal), on condition that it is still ours. The
+        request goes through the store's one home and is given up (StoreDown) a third of the lease from now
+        or at :meth:`deadline`, whichever is first, so a stalled store holds a renewal no longer than the
+        lease holds; then :class:`Lost` once the deadline has passed."""
         with self._io:
-            if self.lost:
-                raise Lost(self.lost)
+            self.check()
+            made = time.monotonic()
+            deadline = min(made + self.ttl / 3, self.deadline())
             try:
-                self.etag = self._put(self._body(self.since), self.etag)
+                try:
+                    self.etag = self._put(self._body(self.since), self.etag, deadline)
+                except Held:
+                    self.etag = self._landed_late(deadline)
+                    self.etag = self._put(self._body(self.since), self.etag, deadline)
             except Held:
-                self.lost = f"{self.url}: another keeper took the lease over: this keeper stops writing"
+                self.lost = f"{self.url}: another {self.who} took the lease over: this {self.who} stops writing"
                 raise Lost(self.lost) from None
-            self.renewed = time.monotonic()
+            except SlotctlError as e:
+                self.failure = str(e)
+                self.check()
+                raise
+            self.renewed, self.failure = made, None
+
+    def _landed_late(self, deadline: float) -> str:
+        """The lease's ETag when the lease is still this keeper's though not of the ETag it knows: a renewal
+        given up at its deadline reached the store after all (it holds this process's ``pid``, ``host`` and
+        ``since``, not released). :class:`Held` when another keeper's lease is there."""
+        got = self._read(deadline)
+        if got is not None and got[1]:
+            doc, etag = got
+            if (doc.get("pid"), doc.get("host"), doc.get("since")) == (os.getpid(), socket.gethostname(),
+                                                                       self.since) and not doc.get("released"):
+                return etag
+        raise Held(f"{self.server}: another {self.who} took the lease {self.url}")
 
     def check(self) -> None:
         if self.lost:
             raise Lost(self.lost)
-        if self.renewed is None or time.monotonic() - self.renewed >= self.ttl * 0.9:
-            self.lost = (f"{self.url}: the lease was not renewed within {self.ttl:g} s (the store did not "
-                         f"answer): this keeper stops writing")
+        if time.monotonic() >= self.deadline():
+            why = f": {self.failure}" if self.failure else ""
+            self.lost = (f"{self.url}: the lease was not renewed within {HOLD * self.ttl:g} s of its {self.ttl:g} "
+                         f"(the store did not answer{why}): this {self.who} stops writing")
             raise Lost(self.lost)
 
     def _write_journal(self) -> None:
         self.renew()
 
     def start(self, on_lost: Callable[[Exception], None]) -> None:
-        """Renew every ``ttl / 3`` seconds on a thread until :meth:`release`; ``on_lost(error)`` once when
-        the lease is lost (taken over, or not renewed within ``ttl``)."""
+        """Renew every ``ttl / 3`` seconds on a thread until :meth:`release` (sooner after a failure, so
+        that the :meth:`deadline` is never passed unnoticed); ``on_lost(error)`` once when the lease is lost
+        (taken over, or not renewed by its deadline)."""
 
         def loop() -> None:
-            while not self._stop.wait(self.ttl / 3):
+            while not self._stop.wait(min(self.ttl / 3, max(0.0, self.deadline() - time.monotonic()))):
                 try:
                     self.renew()
                 except Lost as e:
@@ -331,24 +395,26 @@ class Lease(Lock):
         keeper need not wait for its expiry."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.ttl)
-        if self.lost or self.etag is None:
+            self._thread.join(timeout=max(0.0, self.deadline() - time.monotonic()))
+        if self.lost or self.etag is None or self._thread is not None and self._thread.is_alive():
             return
         with self._io:
             doc = json.loads(self._body(self.since))
             doc.update(released=True, expires=self.clock())
             try:
-                self._put(json.dumps(doc).encode(), self.etag)
+                self._put(json.dumps(doc).encode(), self.etag,
+                          min(time.monotonic() + self.ttl / 3, self.deadline()))
             except SlotctlError:
                 pass     # it expires by itself
             self.etag = None
 
 
-def acquire(store: str | os.PathLike, server: str, *, ttl: float = DEFAULT_TTL) -> Lock:
-    """The lock of ``server`` (a normalized URL) in ``store`` (a directory or an ``s3://`` prefix), held."""
+def acquire(store: str | os.PathLike, server: str, *, ttl: float = DEFAULT_TTL, role: str = "keep") -> Lock:
+    """The lock of ``server`` (a normalized URL) in ``store`` (a directory or an ``s3://`` prefix), held by
+    ``role`` (``keep`` or ``serve``: each has its own, so a keep and a serve of one server may share a store)."""
     s = os.fspath(store)
     if s.startswith("s3://"):
-        return Lease(s, server, ttl).acquire()
+        return Lease(s, server, ttl, role=role).acquire()
     if not Path(s).is_dir():
         raise UsageError(f"{s}: not a directory")
-    return DirectoryLock(s, server).acquire()
+    return DirectoryLock(s, server, role).acquire()

@@ -6,9 +6,12 @@ Names follow Prometheus's practice: ``slotctl_`` first, base units, ``_total`` f
 ``_seconds`` for sizes and times. :class:`KeepMetrics` turns keep's events (``slotctl.fleet.keep.Event``, as
 ``as_dict()``) into them, so what is counted is what keep reported, one event at a time.
 
-Answering never makes a request to the server or the store: ``/readyz`` reads what the keeper last saw
-(its last look at the server and at the store, and how long ago), so a scrape never wakes a sleeping
-server, never makes llama-swap load a model and never costs the store a request.
+Answering never makes a request to the server: ``/readyz`` reads what the keeper (or serve) last saw of it
+(its last look, and how long ago), so a scrape never wakes a sleeping server and never makes llama-swap
+load a model. The store is asked (:class:`StoreProbe`: one ``HEAD`` of an object that need not exist, or a
+look at the directory), at most every :data:`PROBE_EVERY` seconds whatever the scrapes, within
+:data:`PROBE_TIMEOUT` seconds: a process that does not write for hours still knows whether its store
+answers.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ from typing import Callable, Iterable
 from slotctl.errors import UsageError
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: seconds between two probes of the store (``/readyz`` answers the last one meanwhile)
+PROBE_EVERY = 5.0
+#: seconds a probe of the store may take before it says the store does not answer
+PROBE_TIMEOUT = 5.0
 
 
 def _escape(v: str) -> str:
@@ -203,9 +210,14 @@ class KeepMetrics:
 
     server_ok: tuple[bool, float] | None = None
 
-    def ready(self, max_age: float) -> tuple[bool, list[str]]:
-        """Ready when the last look, within ``max_age`` seconds, found the server up, and the store answered
-        its last request (both as the keeper last saw them: no request is made here)."""
+    def ready(self, max_age: float, probe: "StoreProbe | None" = None) -> tuple[bool, list[str]]:
+        """Ready when the last look, within ``max_age`` seconds, found the server up (as the keeper last saw
+        it: no request made), and the store answers: ``probe``'s answer when given, else the store's answer to
+        the keeper's last request."""
+        if probe is not None:
+            ok, why = probe()
+            with self.registry.lock:
+                self.store_ok = (ok, time.monotonic(), why)
         now = time.monotonic()
         why = []
         if self.server_ok is None:
@@ -222,23 +234,193 @@ class KeepMetrics:
             why.append(f"store: failed ({self.store_ok[2]})")
         else:
             why.append("store: reachable")
+
         ok = (self.server_ok is not None and self.server_ok[0] and now - self.server_ok[1] <= max_age
               and self.store_ok is not None and self.store_ok[0])
         return ok, why
 
 
+class StoreProbe:
+    """Whether the store ``store`` (a directory or an ``s3://`` prefix) answers: ``(ok, why)``. Asked at most
+    every ``every`` seconds (the last answer given meanwhile), each time within ``timeout`` seconds (a store
+    that does not answer by then: not ready, and the request is left to itself in a daemon thread). An
+    ``s3://`` store is asked one ``HEAD`` of an object that need not exist (absent is an answer); a store that
+    answers again is tried again by the process's own requests (:func:`slotctl.store.s3.forget_down`)."""
+
+    def __init__(self, store: str, *, every: float = PROBE_EVERY, timeout: float = PROBE_TIMEOUT):
+        self.store = store
+        self.every, self.timeout = every, timeout
+        self._last: tuple[float, bool, str] | None = None
+        self._lock = threading.Lock()
+        self._running: threading.Thread | None = None
+
+    def _ask(self) -> tuple[bool, str]:
+        import os
+
+        if not self.store.startswith("s3://"):
+            try:
+                os.stat(self.store)
+                os.listdir(self.store)
+                if not os.access(self.store, os.W_OK | os.X_OK):
+                    return False, f"{self.store}: not writable"
+            except OSError as e:
+                return False, f"{self.store}: {e.strerror}"
+            return True, f"{self.store}: reachable"
+        import obstore
+        from obstore import exceptions as obx
+
+        from slotctl.store.s3 import S3_STORE, forget_down
+
+        url = self.store.rstrip("/") + "/.slotctl-readyz"
+        try:
+            client, key = S3_STORE.bucket(url)
+            obstore.head(client, key)
+        except (obx.NotFoundError, FileNotFoundError):
+            pass
+        except Exception as e:  # noqa: BLE001 - every failure is a reason not to be ready
+            err = S3_STORE.error(url, e, "HEAD") if not isinstance(e, UsageError) else e
+            return False, str(err)
+        forget_down()
+        return True, f"{self.store}: reachable"
+
+    def __call__(self) -> tuple[bool, str]:
+        with self._lock:
+            now = time.monotonic()
+            if self._last is not None and now - self._last[0] < self.every:
+                return self._last[1], self._last[2]
+            box: dict = {}
+            t = threading.Thread(target=lambda: box.update(answer=self._ask()), name="slotctl-store-probe",
+                                 daemon=True)
+            t.start()
+            t.join(self.timeout)
+            ok, why = box.get("answer", (False, f"{self.store}: no answer within {self.timeout:g} s"))
+            self._last = (time.monotonic(), ok, why)
+            return ok, why
+
+
+class ServeMetrics:
+    """serve's metrics: its counters (:class:`slotctl.serve.cache.Counters`, read at each scrape) and its
+    events (``emit(event, message, details)``); ``server`` is the label of the upstream."""
+
+    #: serve's counters of failures, as ``slotctl_serve_errors_total``'s codes
+    ERRORS = {"lookup_failures": "lookup_failed", "restore_failures": "restore_failed",
+              "save_failures": "save_failed", "upstream_errors": "upstream_unreachable",
+              "client_disconnects": "client_disconnected"}
+
+    def __init__(self, server: str, counters):
+        self.server, self.counters = server, counters
+        r = self.registry = Registry()
+        s = ("server",)
+        self.requests = r.counter("slotctl_serve_requests_total", "Requests, by outcome (cached: given a slot "
+                                  "and a lookup; passed_through: sent on untouched).", ("server", "outcome"))
+        self.restores = r.counter("slotctl_serve_restores_total", "Restores of stored states into slots, by "
+                                  "outcome (restored; refused: validate's verdict, not sent; failed).",
+                                  ("server", "outcome"))
+        self.saves = r.counter("slotctl_serve_saves_total", "Saves after an answer, by outcome (stored: a new "
+                               "state; deduplicated: the store had it; failed).", ("server", "outcome"))
+        self.conversions = r.counter("slotctl_serve_conversions_total", "Stored states converted for this "
+                                     "server's -np/-kvu before a restore, by outcome (converted, failed).",
+                                     ("server", "outcome"))
+        self.stored_bytes = r.counter("slotctl_serve_stored_bytes_total", "Bytes of the states stored.", s)
+        self.pruned = r.counter("slotctl_serve_pruned_total", "States deleted from the store (--max-size).", s)
+        self.reused = r.counter("slotctl_serve_prompt_tokens_reused_total", "Prompt tokens of the requests given "
+                                "a slot that the server keeps from its cache (predicted by validate's rules: "
+                                "the slot's own prefix, or the restored state's).", ("server", "source"))
+        self.evaluated = r.counter("slotctl_serve_prompt_tokens_evaluated_total", "Prompt tokens of the requests "
+                                   "given a slot that the server evaluates (predicted).", ("server", "source"))
+        self.errors = r.counter("slotctl_serve_errors_total", "Failures of the cache (the request went on "
+                                "uncached) and of the upstream, by code.", ("server", "code"))
+        self.up = r.gauge("slotctl_serve_server_up", "1 when the server's facts were last read, 0 when they "
+                          "could not be.", s)
+        self.objects = r.gauge("slotctl_serve_store_objects", "States in the store (at the last count).", s)
+        self.bytes = r.gauge("slotctl_serve_store_bytes", "Bytes of the states in the store (at the last count).", s)
+        self.last = r.gauge("slotctl_serve_last_success_timestamp_seconds", "When each action last succeeded "
+                            "(Unix time): facts (the server read), restore, save.", ("server", "action"))
+        self.started = r.gauge("slotctl_serve_start_timestamp_seconds", "When this serve started (Unix time).", s)
+        self.ready_ = r.gauge("slotctl_serve_ready", "1 when /readyz last said ready.", s)
+        self.started.set(time.time(), server=server)
+        #: the last facts event: (server answered, monotonic time)
+        self.server_ok: tuple[bool, float] | None = None
+
+    def observe(self, event: str, details: dict) -> None:
+        """Count one of serve's events."""
+        with self.registry.lock:
+            srv, now = self.server, time.time()
+            if event == "up":
+                self.up.set(1, server=srv)
+                self.last.set(now, server=srv, action="facts")
+                self.server_ok = (True, time.monotonic())
+            elif event == "down":
+                self.up.set(0, server=srv)
+                self.server_ok = (False, time.monotonic())
+            elif event == "restored":
+                self.last.set(now, server=srv, action="restore")
+            elif event == "stored":
+                self.stored_bytes.inc(details.get("size") or 0, server=srv)
+                self.last.set(now, server=srv, action="save")
+
+    def prompt(self, reused: int, evaluated: int) -> None:
+        """One request given a slot: the prompt tokens predicted to be reused and evaluated."""
+        with self.registry.lock:
+            self.reused.inc(reused, server=self.server, source="predicted")
+            self.evaluated.inc(evaluated, server=self.server, source="predicted")
+
+    def store_usage(self, objects: int, size: int) -> None:
+        with self.registry.lock:
+            self.objects.set(objects, server=self.server)
+            self.bytes.set(size, server=self.server)
+
+    def exposition(self) -> str:
+        c, srv = self.counters.as_dict(), self.server
+        with self.registry.lock:
+            for outcome, key in (("cached", "cached"), ("passed_through", "passed_through")):
+                self.requests.set(c[key], server=srv, outcome=outcome)
+            for outcome, key in (("restored", "restores"), ("refused", "restores_refused_by_verdict"),
+                                 ("failed", "restore_failures")):
+                self.restores.set(c[key], server=srv, outcome=outcome)
+            for outcome, key in (("stored", "saves"), ("deduplicated", "saves_deduplicated"),
+                                 ("failed", "save_failures")):
+                self.saves.set(c[key], server=srv, outcome=outcome)
+            for outcome, key in (("converted", "conversions"), ("failed", "conversion_failures")):
+                if key in c:
+                    self.conversions.set(c[key], server=srv, outcome=outcome)
+            self.pruned.set(c["pruned"], server=srv)
+            for key, code in self.ERRORS.items():
+                if c[key]:
+                    self.errors.set(c[key], server=srv, code=code)
+        return self.registry.exposition()
+
+    def ready(self, probe: StoreProbe | None) -> tuple[bool, list[str]]:
+        """Ready when serve last read the server's facts (no request made here: a sleeping server is not
+        woken) and the store answers ``probe``."""
+        why = []
+        ok_server = self.server_ok is not None and self.server_ok[0]
+        if self.server_ok is None:
+            why.append("server: not read yet")
+        elif not ok_server:
+            why.append("server: its facts could not be read at the last try")
+        else:
+            why.append("server: up")
+        ok_store, said = probe() if probe is not None else (True, "")
+        why.append(f"store: reachable" if ok_store else f"store: failed ({said})")
+        with self.registry.lock:
+            self.ready_.set(1 if ok_server and ok_store else 0, server=self.server)
+        return ok_server and ok_store, why
+
+
 # -- the HTTP endpoint ------------------------------------------------------------------------------------
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:PORT`` for IPv6; ``:PORT`` or ``PORT`` alone: 127.0.0.1)."""
+def parse_listen(text: str, option: str = "--listen") -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6; ``:PORT`` or ``PORT`` alone: 127.0.0.1); ``option`` names it in
+    the error."""
     t = text.strip()
     host, sep, port = t.rpartition(":")
     if not sep:
         host, port = "", t
     host = host.strip("[]") or "127.0.0.1"
     if not port.isdigit() or len(port) > 5 or not 0 <= int(port) <= 65535:
-        raise UsageError(f"--listen {text!r}: expected HOST:PORT (a port from 0 to 65535)")
+        raise UsageError(f"{option} {text!r}: expected HOST:PORT (a port from 0 to 65535)")
     return host, int(port)
 
 
@@ -253,10 +435,11 @@ class Endpoint:
     too when ``ui`` is given (it returns the page's HTML: :mod:`slotctl.fleet.ui`)."""
 
     def __init__(self, listen: str, metrics: Callable[[], str], ready: Callable[[], tuple[bool, list[str]]],
-                 alive: Callable[[], tuple[bool, str]], ui: Callable[[], str] | None = None):
+                 alive: Callable[[], tuple[bool, str]], ui: Callable[[], str] | None = None,
+                 option: str = "--listen"):
         import http.server
 
-        host, port = parse_listen(listen)
+        host, port = parse_listen(listen, option)
         paths = "/metrics, /livez, /readyz" + (", /ui" if ui is not None else "")
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -304,7 +487,7 @@ class Endpoint:
         try:
             self.httpd = Server((host, port), Handler)
         except OSError as e:
-            raise UsageError(f"--listen {listen}: cannot listen there: {e.strerror}") from None
+            raise UsageError(f"{option} {listen}: cannot listen there: {e.strerror}") from None
         self.host, self.port = host, self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="slotctl-metrics", daemon=True)
 

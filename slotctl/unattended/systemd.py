@@ -20,7 +20,7 @@ from importlib import resources
 
 from slotctl.errors import UsageError
 
-UNITS = {"keep": "slotctl-keep@.service"}
+UNITS = {"keep": "slotctl-keep@.service", "serve": "slotctl-serve@.service"}
 
 
 def notify(*lines: str) -> bool:
@@ -72,7 +72,7 @@ class Watchdog:
 
 
 def unit_text(name: str) -> str:
-    """The shipped unit file for ``name`` (``keep``)."""
+    """The shipped unit file for ``name`` (``keep``, ``serve``)."""
     if name not in UNITS:
         raise UsageError(f"unit {name!r}: expected one of: {', '.join(UNITS)}")
     return resources.files("slotctl.unattended").joinpath("units", UNITS[name]).read_text(encoding="utf-8")
