@@ -353,16 +353,15 @@ class Proxy:
             slot.pending -= 1
             raise
         try:
-            # when fewer than --min-gain of the prompt's tokens are not in the slot, no stored state can keep
-            # --min-gain more than the slot: nothing is looked up (prepare would stop at its first state)
-            held = min(common_prefix(slot.tokens, tokens), len(tokens) - 1)
-            if len(tokens) - held >= self.min_gain:
-                try:      # a restore may pay: looked up, judged and restored in a worker thread
+            try:
+                if self.may_restore(slot, tokens):      # looked up, judged and restored in a worker thread
                     await asyncio.to_thread(self.prepare, slot, tokens, key)
-                except Exception as e:  # noqa: BLE001 - a restore that fails: the request goes uncached
-                    c.add("restore_failures")
-                    slot.tokens = EMPTY
-                    self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id)
+                else:
+                    self.prepare(slot, tokens, key)     # nothing to look up: at once, on the event loop
+            except Exception as e:  # noqa: BLE001 - a restore that fails: the request goes uncached
+                c.add("restore_failures")
+                slot.tokens = EMPTY
+                self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id)
             data = json.dumps(dict(body, id_slot=slot.id, cache_prompt=True)).encode()
             resp, ok = await self.forward(request, data, self._headers(request))
             slot.used = time.monotonic()
@@ -454,6 +453,11 @@ class Proxy:
         slot.pending -= 1
         slot.lock.release()
 
+    def may_restore(self, slot: Slot, tokens: np.ndarray) -> bool:
+        """Whether a stored state could keep ``min_gain`` tokens more of ``tokens`` than ``slot`` holds: not when
+        fewer than that are not in the slot (then :meth:`prepare` looks nothing up)."""
+        return len(tokens) - min(common_prefix(slot.tokens, tokens), len(tokens) - 1) >= self.min_gain
+
     def prepare(self, slot: Slot, tokens: np.ndarray, key: str | None = None) -> None:
         """In a worker thread, with the slot held: restore the stored state that keeps the most of the
         prompt, when its verdict for this slot is ``restores`` and it keeps at least ``min_gain`` tokens
@@ -462,6 +466,8 @@ class Proxy:
         leaves the request uncached."""
         c = self.cache.counters
         held = min(common_prefix(slot.tokens, tokens), len(tokens) - 1)
+        if not self.may_restore(slot, tokens):
+            return
         try:
             found = self.cache.lookup(tokens)
         except Exception as e:  # noqa: BLE001 - the store down: uncached
