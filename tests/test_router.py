@@ -4,7 +4,6 @@ a tiny model; the rule of what the router routes by is slotctl.live.router's (do
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import threading
@@ -100,11 +99,7 @@ def test_slots_save_and_restore_through_a_router_by_model_name(llama_server_bin,
     go through the router by the model's name, the saved file byte-identical to one saved by the model's own
     server, the restore proven by the server's own counts; a router that refuses slot actions (a stand-in for
     other builds) gets them sent to the model's own server, found in the router's GET /models, said once."""
-    models, slots = tmp_path / "models", tmp_path / "slots"
-    for d in (models, slots):
-        d.mkdir()
-    shutil.copy(tiny_models.target, models / "tiny.gguf")
-    router = Router(llama_server_bin, models, slots, tmp_path / "router.log")
+    router, slots, _store = Router.of_tiny(llama_server_bin, tiny_models, tmp_path)
     shim = None
     try:
         r = slotctl("slots", "--server", router.url)
@@ -185,11 +180,7 @@ def test_keep_across_a_router_unload_and_load_by_model_name(llama_server_bin, ti
     """keep --save-all through a real router, the model named in the configuration file's server entry; the
     router unloads the model and loads it again (its own server on a port picked anew); keep --restore-all
     through the router (--router-model) restores and proves the slot; slots --config lists it by the model."""
-    models, slots, store = tmp_path / "models", tmp_path / "slots", tmp_path / "store"
-    for d in (models, slots, store):
-        d.mkdir()
-    shutil.copy(tiny_models.target, models / "tiny.gguf")
-    router = Router(llama_server_bin, models, slots, tmp_path / "router.log")
+    router, slots, store = Router.of_tiny(llama_server_bin, tiny_models, tmp_path)
     try:
         config = tmp_path / "keep.toml"
         config.write_text(f'[[servers]]\nname = "r"\nurl = "{router.url}"\nmodel = "tiny"\nslot_dir = "{slots}"\n'

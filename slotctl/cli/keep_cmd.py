@@ -160,7 +160,11 @@ def keep(
         except (SlotctlError, OSError) as e:
             metrics.store_failed(str(e))
 
-    held = locks.acquire(store if store is not None else slot_dir, keeper.url, ttl=lease)
+    from slotctl.live import router
+
+    model = router.model_for(keeper.url)   # one keeper per router's model and store
+    held = locks.acquire(store if store is not None else slot_dir,
+                         keeper.url + (f" (model {model})" if model else ""), ttl=lease)
     keeper.lock = held
     endpoint = watchdog = None
     try:

@@ -467,9 +467,9 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
                     body = {k: v for k, v in body.items() if k != "model"}
                 return request(own, method, path, body, query=plain, api_key=api_key, timeout=timeout)
             if model is not None and status == 400 and said == router.ROUTER_NOT_LOADED:
-                raise RouterModelNotLoaded(f"{what}: the router's model {model!r} is not loaded: slotctl never "
-                                           f"makes a router load a model (load it with POST {base}/models/load, "
-                                           f"or send it a request) (docs/fleet.md, router mode)") from None
+                raise RouterModelNotLoaded(f"{what}: the router's model {model!r} is not loaded, and no request "
+                                           f"is made to load it (load it with POST {base}/models/load, or send it "
+                                           f"a request) (docs/fleet.md, router mode)") from None
             # b11434's router, asked without a "model": its own words (server-models.cpp, router_validate_model)
             if isinstance(e, ServerRefused) and status == 400 and said == ROUTER_NO_MODEL and path != "/models":
                 raise RouterMode(f"{what}: {router_message(url, api_key=api_key, timeout=timeout)}") from None

@@ -229,13 +229,13 @@ def parse(raw: bytes, path: str) -> Config:
             raise c.fail(f"{where}.api_key_env", "the name of an environment variable", env)
         model = c.string(t, "model", where)
         if model is not None:
-            from slotctl.errors import UsageError
+            from slotctl.errors import UsageError as Refused
             from slotctl.live import router
             from slotctl.live.http import normalize_url
 
             try:
                 router.use_model(normalize_url(url), model)   # every request to that router names the model
-            except UsageError as e:
+            except Refused as e:
                 raise ConfigError(f"{path}: {where}.model: {e}") from None
         cfg.servers.append(ServerEntry(url=url, name=c.string(t, "name", where), slot_dir=c.string(t, "slot_dir", where),
                                        store=store, api_key_env=env, model=model))
