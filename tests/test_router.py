@@ -106,6 +106,8 @@ def test_slots_save_and_restore_through_a_router_by_model_name(llama_server_bin,
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r
         assert "router (router mode)" in r.stderr and "--router-model NAME" in r.stderr, r.stderr
 
+        r = slotctl("slots", "--server", router.url, "--router-model", "nosuch")
+        assert r.returncode == 2 and "the router has no model named 'nosuch' (GET /models: tiny)" in r.stderr, r
         # not loaded: said, exit 2, and the read did not load it
         r = slotctl("slots", "--server", router.url, "--router-model", "tiny")
         assert r.returncode == 2 and "'tiny' is not loaded" in r.stderr, r
@@ -139,7 +141,10 @@ def test_slots_save_and_restore_through_a_router_by_model_name(llama_server_bin,
         assert r.returncode == 0, r
         assert (slots / "via-router.bin").read_bytes() == (slots / "own.bin").read_bytes()
 
-        assert call(own, "POST", "/slots/1?action=erase", {})[0] == 200
+        r = slotctl("erase", "--server", router.url, "--router-model", "tiny", "--slot", "1")
+        assert r.returncode == 0, r
+        _, after = call(own, "GET", "/slots")
+        assert after[1]["n_prompt_tokens"] == 0, after[1]          # erased through the router, by the model's name
         r = slotctl("restore", "--server", router.url, "--router-model", "tiny", "--slot", "1", "via-router.bin",
                     "--slot-dir", str(slots), "--prove", "--json")
         assert r.returncode == 0, r

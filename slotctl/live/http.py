@@ -466,6 +466,10 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
                 if isinstance(body, dict):
                     body = {k: v for k, v in body.items() if k != "model"}
                 return request(own, method, path, body, query=plain, api_key=api_key, timeout=timeout)
+            if model is not None and status == 400 and said == router.not_found(model):
+                names = ", ".join(_escaped(m["name"]) for m in router_models(base, api_key=api_key, timeout=timeout))
+                raise UsageError(f"{what}: the router has no model named {_escaped(model)!r} (GET /models: "
+                                 f"{names or 'none'})") from None
             if model is not None and status == 400 and said == router.ROUTER_NOT_LOADED:
                 raise RouterModelNotLoaded(f"{what}: the router's model {model!r} is not loaded, and no request "
                                            f"is made to load it (load it with POST {base}/models/load, or send it "

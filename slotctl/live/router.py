@@ -42,6 +42,11 @@ ROUTER_NO_MODEL = "model name is missing from the request"
 #: ... and to one naming a model that is not running, with ``autoload=false``
 ROUTER_NOT_LOADED = "model is not loaded"
 
+def not_found(model: str) -> str:
+    """What b11434's router answers (HTTP 400) to a request naming a model it does not list."""
+    return f"model '{model}' not found"
+
+
 #: the router's own endpoints: never given a model
 OWN_PATHS = frozenset({"/models", "/health", "/models/load", "/models/unload"})
 
