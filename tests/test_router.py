@@ -224,3 +224,39 @@ def test_keep_across_a_router_unload_and_load_by_model_name(llama_server_bin, ti
         assert (proof["verdict"], proof["n_reused"]) == ("proven", stored[0]["details"]["n_tokens"] - 1), proof
     finally:
         router.stop()
+
+
+@server
+def test_a_keeper_of_a_routers_model_follows_its_unloads_and_loads(llama_server_bin, tiny_models, tmp_path):
+    """keep --router-model as a daemon: the model not loaded is down (and left unloaded); loaded by a request it
+    is up and the slot is stored; unloaded and loaded again by the router (a new process on a new port), keep
+    sees it come back and restores the slot, proven by the server's own counts."""
+    from types import SimpleNamespace
+
+    from test_fleet import Keep
+
+    router, slots, store = Router.of_tiny(llama_server_bin, tiny_models, tmp_path)
+    keep = None
+    try:
+        keep = Keep(SimpleNamespace(url=router.url, save_dir=slots), store, "--every", "0.3", "--router-model", "tiny")
+        down = keep.wait_for("down")
+        assert "'tiny' is not loaded" in down["message"], down
+        assert status_of(router.url) == "unloaded"
+        status, answer = call(router.url, "POST", "/completion",
+                              {"model": "tiny", "prompt": TURN1, "n_predict": 2, "id_slot": 1, "cache_prompt": True})
+        assert status == 200, answer
+        keep.wait_for("restart")
+        stored = keep.wait_for("stored", 1)["details"]
+
+        assert call(router.url, "POST", "/models/unload", {"model": "tiny"})[0] == 200
+        keep.wait_for("down")
+        assert call(router.url, "POST", "/models/load", {"model": "tiny"})[0] == 200
+        keep.wait_for("restart")
+        restored = keep.wait_for("restored", 1)["details"]
+        assert restored["name"] == stored["name"], keep.seen
+        proof = keep.wait_for("proof", 1)["details"]["proof"]
+        assert (proof["verdict"], proof["n_reused"]) == ("proven", stored["n_tokens"] - 1), proof
+    finally:
+        if keep is not None:
+            assert keep.stop() == 0, keep.seen
+        router.stop()
