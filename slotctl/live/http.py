@@ -742,6 +742,11 @@ def router_message(url: str, *, api_key: str | None = None, timeout: float = DEF
                           for m in models) or "none"
     except ServerError as e:
         shown = f"not known (GET /models: {e})"
+    model = router.model_for(base)
+    if model is not None:   # named, and not routed by it: another build's router
+        return (f"{base} is llama-server's router (router mode) and did not route the request by the model named "
+                f"({model!r}, in ?model= and the body's \"model\"): point --server at the model's own server, on "
+                f"the router's machine (its port changes at each load); models: {shown} (docs/fleet.md, router mode)")
     return (f"{base} is llama-server's router (router mode): it answers for no one model, and b11434's router "
             f"routes a slot action only by the \"model\" of its JSON body (never ?model=): name the model with "
             f"--router-model NAME (a server entry's model in --config), or point --server at the model's own "
