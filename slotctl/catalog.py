@@ -15,17 +15,15 @@ from __future__ import annotations
 import json
 import os
 import time
+from stat import S_ISREG
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Iterable, Iterator
 
 from slotctl.errors import ExitStatus
-from slotctl.validate.report import Verdict
-from slotctl.slotfile import CATALOG_FILE
+from slotctl.paths import CATALOG_FILE, STDIN
 from slotctl.sources import remote_url
 
-#: verdicts of files a server refuses or aborts on (``ls --broken``, ``prune --broken``)
-BROKEN_VERDICTS = tuple(v for v in Verdict if v.broken)
 #: what prune reports for an ``undecided`` file whose payload no layout fits: the server refuses it or aborts
 CUT_SHORT = "undecided: cut short (refused or aborts)"
 #: below this many files the pool costs more than it saves
@@ -91,7 +89,7 @@ def _row_from(path: str, st, sf, report, now: float, standing=None) -> dict:
         row["remedy"] = standing.remedy
     if sf.damaged:
         row["error"] = {"code": "damaged", "message": sf.errors[0].one_line()}
-    elif report.verdict in BROKEN_VERDICTS:
+    elif report.verdict in broken_verdicts():
         first = next((f for f in report.findings if f.severity == "error"), None)
         row["error"] = {"code": first.code if first else report.verdict,
                         "message": f"{first.layer}: {first.message}" if first else report.verdict}
@@ -177,46 +175,42 @@ def _work(args: tuple[str, float]) -> dict:
 
 
 def catalog(paths: Iterable[str], request: Request = Request(), *, processes: int | None = None,
-            now: float | None = None, index: bool = True) -> Iterator[dict]:
+            now: float | None = None, index: bool = True, known: "Known | None" = None) -> Iterator[dict]:
     """A row per path, in order. ``processes``: worker processes (default: the CPUs, when the files are
     many and no real check runs; the real check has a child process of its own per worker). ``index``: a
-    local file whose identity has not changed since its row was made for the same question is not read
-    again (:class:`Index`, beside its directory); False: every file is read."""
+    file (or an object listed under a prefix) whose identity has not changed since its row was made for the
+    same question is not read again (:class:`Known`: the index of its directory or prefix); False: every
+    file is read. ``known``: the :class:`Known` the paths were expanded with (its stats, listings and index
+    rows are used, not made again); it is closed here."""
     paths = list(paths)
     now = time.time() if now is None else now
-    if any(remote_url(p) for p in paths):
-        yield from _remote_rows(paths, request, now)
-        return
     if not index:
-        yield from _rows(paths, request, processes, now)
+        if any(remote_url(p) for p in paths):
+            yield from _remote_rows(paths, request, now)
+        else:
+            yield from _rows(paths, request, processes, now)
         return
-    known, stats, indexes = _indexed(paths, request)
-    misses = [p for p in paths if p not in known]
-    made = iter(_rows(misses, request, processes, now))
-    fresh: dict[str, list] = {}
-    for p in paths:
-        c = known.get(p)
-        if c is not None:
-            st = stats[p]
-            yield dict(c.row, path=p, name=os.path.basename(p), age_seconds=max(0, int(now - st.st_mtime)),
-                       atime=iso_time(st.st_atime))
-            continue
-        row = next(made)
-        st = stats.get(p)
-        if st is not None and row.get("exit_code") != int(ExitStatus.USAGE):
-            fresh.setdefault(_dir_of(p), []).append((os.path.abspath(p), local_identity(st), st.st_mtime_ns,
-                                                     Cached(row, row.get("memory_kind"), None, None)))
-        yield row
-    key = request_key(request)
-    for d, items in fresh.items():
-        if d in indexes:
-            indexes[d].put(key, items)
-    for ix in indexes.values():
-        ix.close()
-
-
-def _dir_of(p: str) -> str:
-    return os.path.dirname(os.path.abspath(p))
+    known = known if known is not None else Known(request)
+    try:
+        cached = {}
+        for p in paths:
+            row = known.row(p, now)
+            if row is not None:
+                cached[p] = row
+        misses = [p for p in paths if p not in cached]
+        if any(remote_url(p) for p in misses):
+            made = iter(_remote_rows(misses, request, now))
+        else:
+            made = iter(_rows(misses, request, processes, now))
+        for p in paths:
+            row = cached.get(p)
+            if row is None:
+                row = next(made)
+                known.made(p, row)
+            yield row
+        known.flush()
+    finally:
+        known.close()
 
 
 def request_key(request: Request) -> str:
@@ -237,32 +231,176 @@ def request_key(request: Request) -> str:
     return "row:" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
-def _indexed(paths: list[str], request: Request) -> tuple[dict, dict, dict]:
-    """The rows the index holds for ``paths`` (path -> Cached), each path's stat, the indexes opened."""
-    stats, by_dir = {}, {}
-    for p in paths:
-        try:
-            st = os.stat(p)
-        except OSError:
-            continue
-        import stat as stat_mod
+class _Place:
+    """One directory's (or prefix's) index, read once: every trusted row for the question asked and every
+    first-bytes entry, and what this run learned, written back in one transaction each."""
 
-        if stat_mod.S_ISREG(st.st_mode):
-            stats[p] = st
-            by_dir.setdefault(_dir_of(p), []).append(p)
-    key = request_key(request)
-    known, indexes = {}, {}
-    for d, ps in by_dir.items():
-        ix = Index(index_path(d))
-        if not ix.usable:
-            continue
-        indexes[d] = ix
-        absolute = {os.path.abspath(p): p for p in ps}
-        got = ix.get(list(absolute), key, {a: local_identity(stats[p]) for a, p in absolute.items()})
-        for a, c in got.items():
-            if c.row is not None:
-                known[absolute[a]] = c
-    return known, stats, indexes
+    def __init__(self, where: str, key: str, log):
+        self.index = Index(index_path(where), log=log)
+        self.rows = self.index.rows(key)
+        self.heads = self.index.heads()
+        self.new_rows: list = []
+        self.new_heads: list = []
+
+
+class Known:
+    """What the catalog knows of the files a command lists, looked up once per directory or ``s3://``
+    prefix (:func:`index_path`: under the user's cache directory): one ``stat`` per local file, the identity
+    of an object from the prefix's listing, one ``SELECT`` of every row of the directory for the question
+    asked, one of every file's first bytes.
+
+    :meth:`head` gives :func:`slotctl.inputs.expand_slot_paths` a file's first bytes without opening it
+    (it calls :meth:`saw` with what it read otherwise), :meth:`row` gives :func:`catalog` a file's row
+    without reading it; a file whose identity is not the one a row was made from, or whose row was made
+    less than :data:`RACY_SECONDS` after it last changed, is read again. Nothing in it fails a command: an
+    index that cannot be used is as empty."""
+
+    def __init__(self, request: Request = Request(), *, log=None):
+        self.key = request_key(request)
+        self.log = log
+        #: when this run began: every identity it takes is as of this time or later, so a row is stored as
+        #: read then (never later than the read it was made from)
+        self.started_ns = time.time_ns()
+        self._places: dict[str, _Place] = {}
+        self._dirs: dict[str, tuple] = {}            # a directory as given -> its index, its absolute path/
+        self._stats: dict[str, os.stat_result] = {}  # local path as given -> its stat
+        self._looked: dict[str, tuple | None] = {}    # path as given -> what _look found
+        self._listed: dict[str, object] = {}         # object URL -> its listing's Entry
+
+    # -- where a path's index is, and its identity now ---------------------------------------------------
+    def _look(self, p: str) -> tuple[_Place, str, str, int] | None:
+        """(the index holding ``p``, ``p``'s key there, its identity now, its changed_ns), taken once per path
+        (a local regular file's stat; an object's listing entry); None: not a file the index can hold."""
+        got = self._looked.get(p, False)
+        if got is not False:
+            return got
+        got = None
+        url = remote_url(p) if "://" in p or p.startswith("s3:") else None
+        if p == STDIN:
+            pass         # standard input: no identity (a file named "-" here is not what is read)
+        elif url is not None:
+            e = self._listed.get(url)
+            if e is not None and e.etag and _storable(url):
+                changed = int(e.mtime * 1e9)
+                got = (self._place(url.rpartition("/")[0] + "/"), url, object_identity(e.etag, e.size, changed),
+                       changed)
+        else:
+            st = self._stat(p)
+            if st is not None and _storable(p):
+                cut = p.rfind(os.sep) + 1
+                d = p[:cut]          # the directory as given, with its separator (empty: the current one)
+                got = self._dirs.get(d)
+                if got is None:
+                    a = os.path.abspath(d or ".")
+                    got = self._dirs[d] = (self._place(a), a if a.endswith(os.sep) else a + os.sep)
+                got = (got[0], got[1] + p[cut:], local_identity(st), st.st_mtime_ns)
+        self._looked[p] = got
+        return got
+
+    def _place(self, where: str) -> _Place:
+        place = self._places.get(where)
+        if place is None:
+            place = self._places[where] = _Place(where, self.key, self.log)
+        return place
+
+    def _stat(self, p: str):
+        st = self._stats.get(p)
+        if st is None:
+            try:
+                st = self._stats[p] = os.stat(p)
+            except (OSError, ValueError):
+                return None
+        return st if S_ISREG(st.st_mode) else None
+
+    def _trusted(self, table: str, p: str):
+        """What the index's ``table`` holds for ``p`` at its identity now, made long enough after the file
+        last changed; else None."""
+        look = self._look(p)
+        if look is None:
+            return None
+        place, key, ident, _ = look
+        entry = (place.rows if table == "rows" else place.heads).get(key)
+        if entry is None or entry[0] != ident or entry[2] - entry[1] < _RACY_NS:
+            return None
+        return entry[3]
+
+    # -- first bytes ---------------------------------------------------------------------------------------
+    def listed(self, entries) -> None:
+        """The entries of a prefix's listing (:class:`slotctl.sources.Entry`): their ETags are the identities."""
+        for e in entries:
+            self._listed[e.path] = e
+
+    def head(self, p: str, st: os.stat_result | None = None) -> bytes | None:
+        """The first bytes of ``p`` as the index holds them for its identity now (``st``: its stat, when the
+        caller has it), or None (read them)."""
+        if st is not None and p not in self._looked:
+            self._stats[p] = st
+        return self._trusted("heads", p)
+
+    def saw(self, p: str, head: bytes | None) -> None:
+        """The first bytes of ``p``, read now: kept for the next run."""
+        look = self._look(p) if head is not None else None
+        if look is not None:
+            place, key, ident, changed = look
+            place.new_heads.append((key, ident, changed, bytes(head)))
+
+    # -- rows ----------------------------------------------------------------------------------------------
+    def row(self, p: str, now: float) -> dict | None:
+        """The row of ``p`` as the index holds it for its identity now (its age and last use as of now), or
+        None (read the file)."""
+        text = self._trusted("rows", p)
+        if text is None:
+            return None
+        try:
+            row = json.loads(text)
+        except (ValueError, TypeError):    # a row that is no JSON (a damaged index): the file is read again
+            return None
+        if not isinstance(row, dict):
+            return None
+        row["path"], row["name"] = p, os.path.basename(p)
+        st = self._stats.get(p)
+        if st is None:      # an object: its age from the listing, its last use as it was stored
+            row["age_seconds"] = max(0, int(now - self._listed[remote_url(p)].mtime))
+        else:
+            row["age_seconds"], row["atime"] = max(0, int(now - st.st_mtime)), iso_time(st.st_atime)
+        return row
+
+    def made(self, p: str, row: dict) -> None:
+        """The row of ``p`` made now (kept unless the file could not be read)."""
+        look = self._look(p) if row.get("exit_code") != int(ExitStatus.USAGE) else None
+        if look is not None:
+            place, key, ident, changed = look
+            place.new_rows.append((key, ident, changed, row))
+
+    def flush(self) -> None:
+        """What this run read, written to each index (one transaction per table)."""
+        for place in self._places.values():
+            place.index.put(self.key, [(k, i, c, Cached(r, r.get("memory_kind"), None, None))
+                                       for k, i, c, r in place.new_rows], read_ns=self.started_ns)
+            place.index.put_heads(place.new_heads, read_ns=self.started_ns)
+            place.new_rows, place.new_heads = [], []
+
+    def close(self) -> None:
+        for place in self._places.values():
+            place.index.close()
+        self._places.clear()
+
+
+def forget(paths: list[str]) -> None:
+    """Files deleted (``prune``): their rows and first bytes leave the index of their directory or prefix."""
+    by_place: dict[str, list[str]] = {}
+    for p in paths:
+        url = remote_url(p)
+        if url is not None:
+            by_place.setdefault(url.rpartition("/")[0] + "/", []).append(url)
+        else:
+            a = os.path.abspath(p)
+            by_place.setdefault(os.path.dirname(a), []).append(a)
+    for where, gone in by_place.items():
+        if os.path.exists(index_path(where)):
+            ix = Index(index_path(where))
+            ix.forget(gone)
+            ix.close()
 
 
 def _rows(paths: list[str], request: Request, processes: int | None, now: float) -> Iterator[dict]:
@@ -304,12 +442,26 @@ def _remote_rows(paths: list[str], request: Request, now: float) -> Iterator[dic
         w.close()
 
 
+def broken_verdicts() -> tuple:
+    """The verdicts of files a server refuses or aborts on (``ls --broken``, ``prune --broken``): validate's
+    ``Verdict.broken``, read on first use (a listing served from the index never imports validate)."""
+    global _BROKEN
+    if _BROKEN is None:
+        from slotctl.validate.words import Verdict
+
+        _BROKEN = tuple(v for v in Verdict if v.broken)
+    return _BROKEN
+
+
+_BROKEN: tuple | None = None
+
+
 def is_broken(row: dict) -> bool:
     """Whether the server refuses or aborts on the file of ``row`` whatever its flags: damage in the file
     itself (:mod:`slotctl.validate.classes`; a payload cut short: one or the other)."""
     if "class" in row:
         return row["class"] == "broken"
-    return row["verdict"] in BROKEN_VERDICTS or row.get("payload_cut", False)
+    return row["verdict"] in broken_verdicts() or row.get("payload_cut", False)
 
 
 def is_mismatched(row: dict) -> bool:
@@ -339,7 +491,7 @@ def is_undecided(row: dict) -> bool:
 # in WAL mode with short transactions, so that several processes share it.
 
 #: the index's layout; an index of another version (or another slotctl version) is rebuilt, never read
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 #: the index of a store directory, beside its files (when the directory is writable); ls does not count it
 INDEX_NAME = CATALOG_FILE
 #: a row read less than this long after its file last changed is not trusted (a file may still change
@@ -347,6 +499,7 @@ INDEX_NAME = CATALOG_FILE
 RACY_SECONDS = 3.0
 #: how long a process waits for another's transaction before going on without the index
 BUSY_SECONDS = 2.0
+_RACY_NS = int(RACY_SECONDS * 1e9)
 
 _SCHEMA = """
 CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -362,6 +515,13 @@ CREATE TABLE files (
     tokens BLOB,                 -- the tokens, int32 little-endian
     model TEXT,                  -- the model fingerprint the file was stored under, when known
     PRIMARY KEY (path, key)
+);
+CREATE TABLE heads (
+    path TEXT PRIMARY KEY,       -- as in files
+    identity TEXT NOT NULL,
+    changed_ns INTEGER NOT NULL,
+    read_ns INTEGER NOT NULL,
+    head BLOB NOT NULL           -- the file's first bytes: whether it is a slot file (format.magic.is_slot_entry)
 );
 """
 
@@ -391,8 +551,12 @@ def local_identity(st: os.stat_result) -> str:
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
-def object_identity(etag: str | None, size: int) -> str | None:
-    return f"etag:{etag}:{size}" if etag else None
+def object_identity(etag: str | None, size: int, mtime_ns: int | None = None) -> str | None:
+    """An object's identity: its ETag and size, and its Last-Modified when given (an object copied onto
+    itself with new metadata, such as its last use, keeps its ETag)."""
+    if not etag:
+        return None
+    return f"etag:{etag}:{size}" + (f":{mtime_ns}" if mtime_ns is not None else "")
 
 
 @dataclass
@@ -499,38 +663,72 @@ class Index:
             return {}
         return out
 
-    def put(self, key: str, items: list[tuple[str, str, int, Cached]]) -> None:
-        """Rows made now: (path, identity, changed_ns, Cached) each, in one transaction."""
-        if not self.usable or not items:
-            return
+    def rows(self, key: str) -> dict[str, tuple[str, int, int, str]]:
+        """Every row of the index for ``key`` (one ``SELECT``): path -> (identity, changed_ns, read_ns, ls's
+        row as JSON text); the caller checks each identity (:class:`Known`)."""
+        return self._select("SELECT path, identity, changed_ns, read_ns, row FROM files WHERE key = ? "
+                            "AND row IS NOT NULL", (key,))
+
+    def heads(self) -> dict[str, tuple[str, int, int, bytes]]:
+        """Every file's first bytes (one ``SELECT``): path -> (identity, changed_ns, read_ns, head)."""
+        return self._select("SELECT path, identity, changed_ns, read_ns, head FROM heads", ())
+
+    def _select(self, query: str, args: tuple) -> dict:
+        if not self.usable:
+            return {}
         import sqlite3
 
-        import numpy as np
+        try:
+            return {r[0]: r[1:] for r in self._conn.execute(query, args)}
+        except sqlite3.Error as e:
+            self._give_up(e)
+            return {}
 
-        now = time.time_ns()
+    def _write(self, *batches: tuple[str, list]) -> None:
+        """Each (statement, rows) executed for its rows, all in one transaction; any SQLite error makes the
+        index unusable for this process."""
+        import sqlite3
+
         try:
             with self._conn:
                 self._conn.execute("BEGIN IMMEDIATE")
-                self._conn.executemany(
-                    "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [(path, key, ident, changed, now, json.dumps(c.row) if c.row is not None else None, c.kind,
-                      len(c.tokens) if c.tokens is not None else None,
-                      np.asarray(c.tokens, dtype="<i4").tobytes() if c.tokens is not None else None, c.model)
-                     for path, ident, changed, c in items if _storable(path)])
+                for statement, rows in batches:
+                    self._conn.executemany(statement, rows)
         except sqlite3.Error as e:
             self._give_up(e)
+
+    def put_heads(self, items: list[tuple[str, str, int, bytes]], *, read_ns: int | None = None) -> None:
+        """First bytes read now (``read_ns``: when the identities were taken, before the reads): (path,
+        identity, changed_ns, head) each, in one transaction."""
+        if not self.usable or not items:
+            return
+        now = time.time_ns() if read_ns is None else read_ns
+        self._write(("INSERT OR REPLACE INTO heads VALUES (?, ?, ?, ?, ?)",
+                     [(path, ident, changed, now, head) for path, ident, changed, head in items if _storable(path)]))
+
+    def put(self, key: str, items: list[tuple[str, str, int, Cached]], *, read_ns: int | None = None) -> None:
+        """Rows made now (``read_ns``: when the identities were taken, before the reads; default now): (path,
+        identity, changed_ns, Cached) each, in one transaction."""
+        if not self.usable or not items:
+            return
+        now = time.time_ns() if read_ns is None else read_ns
+
+        def tokens(c: Cached):
+            import numpy as np
+
+            return np.asarray(c.tokens, dtype="<i4").tobytes()
+
+        self._write(("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                     [(path, key, ident, changed, now, json.dumps(c.row) if c.row is not None else None, c.kind,
+                       len(c.tokens) if c.tokens is not None else None,
+                       tokens(c) if c.tokens is not None else None, c.model)
+                      for path, ident, changed, c in items if _storable(path)]))
 
     def forget(self, paths: list[str]) -> None:
         if not self.usable or not paths:
             return
-        import sqlite3
-
-        try:
-            with self._conn:
-                self._conn.execute("BEGIN IMMEDIATE")
-                self._conn.executemany("DELETE FROM files WHERE path = ?", [(p,) for p in paths if _storable(p)])
-        except sqlite3.Error as e:
-            self._give_up(e)
+        gone = [(p,) for p in paths if _storable(p)]
+        self._write(("DELETE FROM files WHERE path = ?", gone), ("DELETE FROM heads WHERE path = ?", gone))
 
 
 def _storable(path: str) -> bool:

@@ -4,18 +4,18 @@ and the slot files they expand to.
 
 Every command that takes FILE... (inspect, validate, ls, strip-draft, convert, cp) expands its arguments
 here: a prefix is listed once (the listing says both that it is a prefix and what is under it), and a
-directory read once. Which entries are slot files is :func:`slotctl.slotfile.is_slot_entry`'s rule.
+directory read once. Which entries are slot files is :func:`slotctl.format.magic.is_slot_entry`'s rule.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Protocol
 
 from slotctl.errors import UsageError
-from slotctl.paths import STDIN, check_readable, directory_files
-from slotctl.slotfile import CATALOG_FILE, is_slot_entry, is_slot_file
+from slotctl.paths import CATALOG_FILE, STDIN, check_readable, directory_entries, directory_files
+from slotctl.format.magic import is_slot_entry
 from slotctl.sources import first_bytes, list_prefix, prefix_exists, remote_url, sub_prefixes
 
 
@@ -36,7 +36,7 @@ class Expansion:
 
     ``files``: each path given (as given, even when missing or unreadable: the command reports it as
     that file's error and goes on; ``-`` is standard input), then each directory's slot files
-    (:func:`~slotctl.slotfile.is_slot_file`). ``skipped``: the regular files in the directories that are not
+    (:func:`~slotctl.format.magic.is_slot_entry`). ``skipped``: the regular files in the directories that are not
     slot files (a README, a model, a JSON sidecar): they are only counted. ``links``: the symbolic links in
     the directories, when they are not followed (a command that rewrites files): only counted too.
     ``containers``: the paths given that are directories or prefixes (:func:`is_container`), as given.
@@ -50,17 +50,42 @@ class Expansion:
     prefixes: list[str] = field(default_factory=list)
 
 
-def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> Expansion:
+class Known(Protocol):
+    """What a catalog knows of the files listed (:class:`slotctl.catalog.Known`): a file's first bytes
+    without opening it when its identity has not changed, and what was read otherwise, kept."""
+
+    def listed(self, entries: list) -> None: ...
+
+    def head(self, path: str) -> bytes | None: ...
+
+    def saw(self, path: str, head: bytes | None) -> None: ...
+
+
+def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False,
+                      known: Known | None = None) -> Expansion:
     """Each path given, and each directory's (or prefix's) slot files (not recursive, sorted; see
-    :class:`Expansion`). A path that is missing or not a regular file is kept for the command to report."""
+    :class:`Expansion`). A path that is missing or not a regular file is kept for the command to report.
+    ``known``: the catalog's first bytes of unchanged files (a file it knows is not opened to tell whether it
+    is a slot file; :func:`~slotctl.format.magic.is_slot_entry` decides on them as on bytes read)."""
     out = Expansion()
     seen: set[str] = set()
 
-    def add(p: str) -> None:
-        key = p if p == STDIN or remote_url(p) else os.path.realpath(p)
+    def add(p: str, key: str | None = None) -> None:
+        if key is None:
+            key = p if p == STDIN or remote_url(p) else os.path.realpath(p)
         if key not in seen:
             seen.add(key)
             out.files.append(p)
+
+    def heads(paths: list[str]) -> list[bytes | None]:
+        if known is None:
+            return first_bytes(paths)
+        got = [known.head(p) for p in paths]
+        unknown = [i for i, h in enumerate(got) if h is None]
+        for i, h in zip(unknown, first_bytes([paths[i] for i in unknown])):
+            got[i] = h
+            known.saw(paths[i], h)
+        return got
 
     for raw in paths:
         p = os.fspath(raw)
@@ -77,7 +102,9 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
             out.containers.append(p)
             out.prefixes += subs     # a prefix that is there behaves as a directory: empty, it holds 0 files
             entries = [e for e in entries if e.path not in seen]
-            for e, head in zip(entries, first_bytes([e.path for e in entries])):
+            if known is not None:
+                known.listed(entries)
+            for e, head in zip(entries, heads([e.path for e in entries])):
                 if is_slot_entry(e.path.rstrip("/").rsplit("/", 1)[-1], head):
                     add(e.path)
                 else:
@@ -88,17 +115,28 @@ def expand_slot_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bo
             if not follow_symlinks:
                 out.links += [os.path.join(p, n) for n in directory_files(p, True)
                               if os.path.islink(os.path.join(p, n))]
-            for name in directory_files(p, follow_symlinks):
-                full = os.path.join(p, name)
-                if is_slot_file(full):
-                    add(full)
-                elif name.startswith(CATALOG_FILE):
-                    continue     # slotctl's own catalog of the directory (and its -wal, -shm): not counted
-                elif os.path.realpath(full) not in seen:
+            real = os.path.realpath(p)
+            # slotctl's own catalog of the directory (and its -wal, -shm) is not counted
+            listed = [e for e in directory_entries(p, follow_symlinks) if not e.name.startswith(CATALOG_FILE)]
+            # each file once, by its real path: a name that is no symbolic link is the directory's real path
+            # and the name (no realpath per file)
+            inside, real_inside = _joiner(p), _joiner(real)
+            fulls = [inside + e.name for e in listed]
+            keys = [os.path.realpath(full) if e.is_symlink() else real_inside + e.name for e, full in zip(listed, fulls)]
+            for e, full, key, head in zip(listed, fulls, keys, heads(fulls)):
+                if is_slot_entry(e.name, head):
+                    add(full, key)
+                elif key not in seen:
                     out.skipped.append(full)
         else:
             add(p)
     return out
+
+
+def _joiner(directory: str) -> str:
+    """What ``os.path.join(directory, name)`` puts before a plain ``name`` (no separator in it): joined by
+    concatenation, once per directory instead of once per file."""
+    return directory if directory.endswith(os.sep) else directory + os.sep
 
 
 def expand_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> list[str]:

@@ -19,6 +19,10 @@ from typing import BinaryIO, Callable, Iterator
 
 from slotctl.errors import UsageError
 
+#: the name of the catalog slotctl keeps beside a directory's slot files (``slotctl.catalog.Index``) and its
+#: ``-wal`` and ``-shm``: no command counts them among the directory's files
+CATALOG_FILE = ".slotctl-catalog.sqlite"
+
 
 #: seconds since the last modification under which a file counts as being written (``prune``,
 #: ``strip-draft``: a server saving a slot writes the file from its start to its end)
@@ -248,8 +252,15 @@ def directory_files(p: str, follow_symlinks: bool) -> list[str]:
     symbolic links only with ``follow_symlinks``. An entry that cannot be stat'ed (a symbolic link loop:
     ``ELOOP``; one whose target is gone or denied) is passed over as a dangling link is: it is no file to read,
     and it does not stop the others."""
+    return [e.name for e in directory_entries(p, follow_symlinks)]
+
+
+def directory_entries(p: str, follow_symlinks: bool) -> list[os.DirEntry]:
+    """:func:`directory_files` as the ``os.DirEntry`` of each (sorted by name): whether each is a symbolic
+    link, and its stat once asked, cost no second look-up."""
     with os.scandir(p) as it:
-        return sorted(e.name for e in it if _is_file(e, follow_symlinks) and not is_temp_file(e.name))
+        return sorted((e for e in it if _is_file(e, follow_symlinks) and not is_temp_file(e.name)),
+                      key=lambda e: e.name)
 
 
 def _is_file(e: os.DirEntry, follow_symlinks: bool) -> bool:

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from typing import Callable
 
 from slotctl.catalog import iso_time
-from slotctl.slotfile import is_slot_file
+from slotctl.format.magic import is_slot_entry
 from slotctl.errors import UsageError, error_entry
 from slotctl.atomic import private_name
 from slotctl.paths import DEFAULT_GRACE, being_written, is_temp_file
@@ -203,7 +203,9 @@ class Plan:
         return self.policy.max_size is not None and self.size_after > self.policy.max_size
 
 
-def _scan(directory: str, now: float, policy: Policy, source: str) -> tuple[list[Entry], int]:
+def _scan(directory: str, now: float, policy: Policy, source: str, known=None) -> tuple[list[Entry], int]:
+    from slotctl.sources import first_bytes
+
     entries, total = [], 0
     with os.scandir(directory) as it:
         dirents = sorted(it, key=lambda d: d.name)
@@ -219,7 +221,7 @@ def _scan(directory: str, now: float, policy: Policy, source: str) -> tuple[list
         if is_temp_file(d.name):
             e.temp = True
             e.action, e.reason = _temp_action(d.name, st.st_mtime, policy, now)
-        elif not is_slot_file(d.path):
+        elif not is_slot_entry(d.name, _head(d.path, st, known, first_bytes)):
             e.action, e.reason = SKIPPED, "not a slot file (no state magic, not named *.bin)"
         else:
             total += st.st_size       # the budget is of slot files, busy and pinned ones included
@@ -230,6 +232,18 @@ def _scan(directory: str, now: float, policy: Policy, source: str) -> tuple[list
                 e.action, e.reason = PINNED, "matches --pin"
         entries.append(e)
     return entries, total
+
+
+def _head(path: str, st, known, first_bytes) -> bytes | None:
+    """The first bytes of ``path`` (whether it is a slot file): from the catalog when its identity has not
+    changed (``known``: :class:`slotctl.catalog.Known`), else read (and kept there)."""
+    if known is None:
+        return first_bytes([path])[0]
+    head = known.head(path, st)
+    if head is None:
+        head = first_bytes([path])[0]
+        known.saw(path, head)
+    return head
 
 
 def _temp_action(name: str, mtime: float, policy: Policy, now: float, *, what: str = "file") -> tuple[str, str]:
@@ -252,9 +266,9 @@ OBJECT_TIME = ("an object store keeps no access time: last use is the object's L
                "written)")
 
 
-def _scan_prefix(url: str, now: float, policy: Policy) -> tuple[list[Entry], int]:
+def _scan_prefix(url: str, now: float, policy: Policy, known=None) -> tuple[list[Entry], int]:
     """The objects directly under the prefix ``url`` as :func:`_scan` sees a directory's files."""
-    from slotctl.format.header import file_kind
+    from slotctl.format.magic import file_kind
     from slotctl.sources import first_bytes, list_prefix, prefix_exists
 
     listed = list_prefix(url.rstrip("/") + "/") or []
@@ -264,7 +278,16 @@ def _scan_prefix(url: str, now: float, policy: Policy) -> tuple[list[Entry], int
         raise UsageError(f"{url}: no such prefix (no object under it)", code="no_such_file")
     names = [o.path.rpartition("/")[2] for o in listed]
     slot = [not is_temp_file(n) for n in names]
-    heads = first_bytes([o.path for o, ok in zip(listed, slot) if ok])
+    wanted = [o.path for o, ok in zip(listed, slot) if ok]
+    if known is None:
+        heads = first_bytes(wanted)
+    else:          # the catalog's first bytes of the objects whose ETag has not changed; the rest read
+        known.listed(listed)
+        heads = [known.head(p) for p in wanted]
+        unknown = [i for i, h in enumerate(heads) if h is None]
+        for i, h in zip(unknown, first_bytes([wanted[i] for i in unknown])):
+            heads[i] = h
+            known.saw(wanted[i], h)
     it = iter(heads)
     entries, total = [], 0
     for o, name, ok in zip(listed, names, slot):
@@ -287,25 +310,35 @@ def _scan_prefix(url: str, now: float, policy: Policy) -> tuple[list[Entry], int
 
 
 def plan(directory: str, policy: Policy, *, now: float | None = None,
-         verdicts: Callable[[list[str]], dict[str, str]] | None = None) -> Plan:
+         verdicts: Callable[[list[str]], dict[str, str]] | None = None, index: bool = True) -> Plan:
     """What prune would delete in ``directory`` (or under an ``s3://`` prefix). ``verdicts(paths) ->
     {path: (verdict, class, remedy)}`` judges the candidates for ``--broken``, ``--mismatched`` and
-    ``--useless`` (:mod:`slotctl.catalog` rows, made by the caller)."""
+    ``--useless`` (:mod:`slotctl.catalog` rows, made by the caller). ``index``: whether a file is a slot
+    file is taken from the catalog for a file whose identity has not changed (False: every file is opened;
+    ``--no-cache``)."""
+    from slotctl.catalog import Known
     from slotctl.sources import remote_url
 
     now = time.time() if now is None else now
     url = remote_url(directory)
-    if url is not None:
-        directory = url
-        source, why = "mtime", OBJECT_TIME
-        entries, total = _scan_prefix(url, now, policy)
-    else:
-        if not os.path.isdir(directory):
-            raise UsageError(f"{directory}: " + ("not a directory" if os.path.lexists(directory)
-                                                 else "no such directory"), code="no_such_file")
-        restore_set_aside(directory)   # what a killed prune left under a private name
-        source, why = time_source(directory)
-        entries, total = _scan(directory, now, policy, source)
+    known = Known() if index else None
+    try:
+        if url is not None:
+            directory = url
+            source, why = "mtime", OBJECT_TIME
+            entries, total = _scan_prefix(url, now, policy, known)
+        else:
+            if not os.path.isdir(directory):
+                raise UsageError(f"{directory}: " + ("not a directory" if os.path.lexists(directory)
+                                                     else "no such directory"), code="no_such_file")
+            restore_set_aside(directory)   # what a killed prune left under a private name
+            source, why = time_source(directory)
+            entries, total = _scan(directory, now, policy, source, known)
+        if known is not None:
+            known.flush()
+    finally:
+        if known is not None:
+            known.close()
     p = Plan(directory, policy, source, why, entries, total)
     cands = sorted((e for e in entries if e.action == KEEP), key=lambda e: (e.used, e.path))
     if policy.judged:
@@ -370,9 +403,9 @@ def _ago(seconds: float) -> str:
 
 
 def execute(p: Plan, *, dry_run: bool, now_fn: Callable[[], float] = time.time,
-            on_file: Callable[[Entry], None] | None = None) -> Plan:
+            on_file: Callable[[Entry], None] | None = None, index: bool = True) -> Plan:
     """Delete the selected files (``dry_run``: mark them ``would_delete``), each checked again first
-    (:func:`delete_checked`)."""
+    (:func:`delete_checked`); ``index``: the files deleted leave the catalog (:func:`slotctl.catalog.forget`)."""
     from slotctl.sources import remote_url
 
     remote = remote_url(p.directory) is not None
@@ -389,6 +422,10 @@ def execute(p: Plan, *, dry_run: bool, now_fn: Callable[[], float] = time.time,
         from slotctl.atomic import fsync_dir
 
         fsync_dir(p.directory)
+    if index and not dry_run and any(e.action == DELETE for e in p.entries):
+        from slotctl.catalog import forget
+
+        forget([e.path for e in p.entries if e.action == DELETE])
     return p
 
 

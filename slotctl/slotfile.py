@@ -37,9 +37,11 @@ from slotctl.format.appendix import CHECKPOINT_MIN_SIZE
 from slotctl.format.common import (CHECKPOINT_COST, CheckError, FileBudget, Span, TrackingReader, hex32, parse,
                                    parse_bytes)
 from slotctl.format.header import STATE_SEQ_MAGIC, StateHeader, file_kind, header_size
+# which entries are slot files: its home is slotctl.format.magic (light: a directory listing needs only it)
+from slotctl.format.magic import SLOT_FILE_SUFFIX, is_slot_entry  # noqa: F401
 from slotctl.format.memory import MemoryLayout, candidate_layouts
 from slotctl.format.recurrent import records_fit, recurrent_head
-from slotctl.paths import STDIN
+from slotctl.paths import CATALOG_FILE, STDIN  # noqa: F401 - CATALOG_FILE: its home is slotctl.paths
 from slotctl.format.ahead import prefetch
 from slotctl.sources import input_size, open_input, raise_failure, ranged_view, remote_url
 
@@ -803,28 +805,6 @@ def rebuild(sf: SlotFile) -> bytes:
 # -- which directory entries are slot files (the expansion itself: slotctl.inputs) ---------------------
 
 
-#: the ending of a file name that makes a directory entry a slot file whatever its first bytes: the name
-#: llama-server's documentation gives slot files (``"filename": "slot_save_file.bin"``) and slotctl too
-SLOT_FILE_SUFFIX = ".bin"
-
-
-def is_slot_entry(name: str, head: bytes | None) -> bool:
-    """Whether a file found in a directory (or under an object-store prefix) is a slot file: one a command
-    over a slot directory reads. ``name``: its name; ``head``: its first 4 bytes, None when it cannot be read.
-
-    The rule (docs/directories.md): a file is a slot file when it begins with the state magic, or when its
-    name ends in ``.bin`` (any case) and it is not a GGUF model. So an empty ``.bin`` (what a save that died
-    leaves) or one whose first bytes are not the magic (a header overwritten, a file of zeros after a
-    crash) is a slot file the server refuses, reported as broken, never passed over as "not a slot file".
-    Any other file (a README, a JSON sidecar, a model) is not one. A file that cannot be read is kept: the
-    command then says why it cannot be read.
-    """
-    if head is None:
-        return True
-    kind = file_kind(head)
-    return kind == "slot" or (kind != "gguf" and name.lower().endswith(SLOT_FILE_SUFFIX))
-
-
 def is_slot_file(path: str) -> bool:
     """:func:`is_slot_entry` for the file at ``path``."""
     try:
@@ -833,7 +813,3 @@ def is_slot_file(path: str) -> bool:
     except (OSError, UsageError):
         head = None
     return is_slot_entry(os.path.basename(path), head)
-
-
-#: the name of the catalog slotctl keeps beside a directory's slot files (``slotctl.catalog.Index``)
-CATALOG_FILE = ".slotctl-catalog.sqlite"

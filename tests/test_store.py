@@ -650,6 +650,15 @@ def test_convert_a_prefix_into_another_and_a_directory_into_another(s3, tmp_path
     assert {f["error"]["code"] for f in json.loads(r.stdout)["files"]} == {"exists"}
 
 
+def test_restore_of_an_object_says_to_copy_it_down(tmp_path):
+    """restore (local) reads the file into real contexts: an object is refused with one line saying what to do
+    (it said "s3:/b/x.bin: No such file or directory")."""
+    r = run("restore", f"s3://{BUCKET}/x.bin", "-m", str(DATA / "target.gguf"))
+    assert r.exit_code == 2
+    assert r.stderr.strip() == (f"error: s3://{BUCKET}/x.bin: restore reads a local slot file into real contexts: "
+                                "copy the object down first (slotctl cp URL DIR/)"), r.stderr
+
+
 def test_diff_and_identify_of_objects_answer_as_of_the_files(s3):
     a, b = DATA / "srv-np1.bin", DATA / "srv-kvq8.bin"
     ua, ub = put(s3, "diff/a.bin", a.read_bytes()), put(s3, "diff/b.bin", b.read_bytes())

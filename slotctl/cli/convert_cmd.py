@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from slotctl.cli.common import check_file, handle_errors, shown
-from slotctl.cli.options import ConvertStateVersionOpt, DraftModelOpt, JsonOpt, ModelOpt, flag_option
+from slotctl.cli.common import check_file, handle_errors, shown, store_deadline
+from slotctl.cli.options import ConvertStateVersionOpt, DraftModelOpt, JsonOpt, ModelOpt, StoreTimeoutOpt, flag_option
 from slotctl.cli.output import Output, human_bytes, markup_safe
 from slotctl.errors import ExitStatus, FormatError, UsageError
 from slotctl.server.flags import flag_name
@@ -47,6 +47,7 @@ def convert(
     follow_symlinks: Annotated[bool, typer.Option("--follow-symlinks", help="OUT may be a symbolic link: the "
                                                   "file it points to is written (refused otherwise).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would change; write nothing.")] = False,
+    timeout: StoreTimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Rewrite a slot file so that a server started with other flags restores it.
@@ -67,6 +68,7 @@ def convert(
     """
     from slotctl import convert as conv
 
+    store_deadline(timeout, [file, output])
     out = Output(json_mode=json_out)
     from slotctl.inputs import is_container
 

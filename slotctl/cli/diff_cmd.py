@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from slotctl.cli.common import check_file, handle_errors, llama_available, llama_install
-from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt, VerboseOpt
+from slotctl.cli.common import check_file, handle_errors, llama_available, llama_install, store_deadline
+from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt, StoreTimeoutOpt, VerboseOpt
 from slotctl.cli.output import Output, escape_text
 from slotctl.errors import ExitStatus
 
@@ -28,6 +28,7 @@ def diff(
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     json_out: JsonOpt = False,
+    timeout: StoreTimeoutOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Compare two slot files: header, tokens, and each memory layer section by section and stream by stream.
@@ -44,6 +45,7 @@ def diff(
     from slotctl.diff import diff_files
     from slotctl.slotfile import open_slot_file
 
+    store_deadline(timeout, [a, b])
     out = Output(json_mode=json_out, verbose=verbose)
     check_file(a)
     check_file(b)

@@ -9,8 +9,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from slotctl.cli.common import check_file, handle_errors, require_llama
-from slotctl.cli.options import JsonOpt, VerboseOpt
+from slotctl.cli.common import check_file, handle_errors, require_llama, store_deadline
+from slotctl.cli.options import JsonOpt, StoreTimeoutOpt, VerboseOpt
 from slotctl.cli.output import Output, markup_safe
 from slotctl.errors import ExitStatus, UsageError
 
@@ -32,6 +32,7 @@ def identify(
                                              "recurrent and sliding-window-only memories).")] = 32,
     min_cosine: Annotated[float, typer.Option("--min-cosine", min=-1.0, max=1.0,
                                               help="The lowest per-layer cosine similarity of a match.")] = 0.99,
+    timeout: StoreTimeoutOpt = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -46,6 +47,7 @@ def identify(
     Exit codes: 0 a candidate matches (for the target and, with -md, the draft); 1 none does, or the
     file is damaged; 2 usage error.
     """
+    store_deadline(timeout, file)
     out = Output(json_mode=json_out, verbose=verbose)
     check_file(file)
     if not models and not draft_models:

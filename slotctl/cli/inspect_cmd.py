@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 
 from slotctl.cli.common import (FileRun, NoteCounter, file_error, handle_errors, llama_available, llama_install,
-                                readable)
-from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt, VerboseOpt
+                                readable, store_deadline)
+from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt, StoreTimeoutOpt, VerboseOpt
 from slotctl.cli.output import Output
 from slotctl.describe import describe_file
 from slotctl.errors import SlotctlError
@@ -32,6 +32,7 @@ def inspect(
     jsonl: JsonlOpt = False,
     quiet: QuietOpt = False,
     tokens: Annotated[bool, typer.Option("--tokens", help="Include the token ids.")] = False,
+    timeout: StoreTimeoutOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Show every layer of slot files: header, prompt, target memory, checkpoints, draft state.
@@ -45,6 +46,7 @@ def inspect(
     where it broke) or does not fit --model (saved with another model); 2 usage or I/O error (a file that
     cannot be read; the others are still shown).
     """
+    store_deadline(timeout, files)
     out = Output(json_mode=json_out, jsonl=jsonl, quiet=quiet, verbose=verbose)
     target_info = draft_info = None
     if model is not None:

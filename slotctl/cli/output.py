@@ -136,7 +136,13 @@ class Output:
 
     def json_line(self, data: Any) -> None:
         """One JSON object on one line of stdout, flushed (``--jsonl`` streams them as they come)."""
-        _write_json(self._stdout, data, indent=None)
+        try:     # plain JSON values (an ls row): json's own encoder, made once (the same text)
+            text = _PLAIN_JSON.encode(data)
+        except TypeError:      # an array or another value of slotctl's (_json_default): written as it defers them
+            _write_json(self._stdout, data, indent=None)
+            return
+        self._stdout.write(text + "\n")
+        self._stdout.flush()
 
     def json_error(self, code: str, message: str, exit_code: int) -> None:
         """The document of a command that failed as a whole: ``{"error": {"code", "message"}, "exit_code"}``."""
@@ -145,6 +151,37 @@ class Output:
     def print(self, *renderables: Any) -> None:
         """Rich renderables on stdout (human mode)."""
         self.console.print(*renderables)
+
+    @property
+    def plain(self) -> bool:
+        """Whether stdout shows no styles (a pipe or a file, colours not forced): what a renderable prints
+        there is its plain text, and :meth:`lines` may write it without rich's per-line work."""
+        console = self.console
+        return not console.is_terminal and console.color_system is None
+
+    def lines(self, lines: Iterable[str]) -> None:
+        """Plain lines straight to stdout (only where :attr:`plain`: each already laid out for the width,
+        escaped, no wider than it), written in blocks."""
+        write, block = self._stdout.write, []
+        for line in lines:
+            block.append(line)
+            if len(block) >= 4096:
+                write("\n".join(block) + "\n")
+                block = []
+        if block:
+            write("\n".join(block) + "\n")
+        self._stdout.flush()
+
+    def wrapped(self, text: str, indent: int) -> list[str]:
+        """The plain lines :meth:`indented` prints for ``text`` (no styles)."""
+        from rich.text import Text
+
+        pad = " " * indent
+        out = []
+        for line in Text(text).wrap(self.console, max(1, self.console.width - indent), overflow="fold"):
+            line.rstrip()
+            out.append(pad + line.plain)
+        return out
 
     def indented(self, text: Text | str, indent: int) -> None:
         """``text`` wrapped at the output's width less ``indent``, every line indented (a word longer than a
@@ -311,6 +348,10 @@ def _cell_width(console: Console, cell: Any) -> int:
     text = cell if isinstance(cell, Text) else console.render_str(str(cell))
     return max((Text(line).cell_len for line in text.plain.split("\n")), default=0)
 
+
+#: the encoder of documents that hold only JSON's own values: json.dumps's defaults (it raises TypeError on
+#: anything else, which is then written by :func:`_write_json`)
+_PLAIN_JSON = json.JSONEncoder()
 
 #: arrays longer than this are written in blocks, compact, instead of one JSON value per line
 _LONG_ARRAY = 4096

@@ -64,6 +64,9 @@ def prune(
                                              "killed writes left: those untouched for --grace seconds and open "
                                              "in no other process. On its own, only those.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be deleted; delete nothing.")] = False,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Read every file: do not use the catalog (what "
+                                           "reading each unchanged file found, kept by ls and prune under the "
+                                           "user's cache directory).")] = False,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     slot: SlotOpt = 0,
@@ -115,7 +118,7 @@ def prune(
 
             with out.progress("judging", total=len(paths)) as update:
                 judged = {}
-                for i, row in enumerate(catalog(paths, Request(setup=setup, verbose=verbose)), 1):
+                for i, row in enumerate(catalog(paths, Request(setup=setup, verbose=verbose), index=not no_cache), 1):
                     judged[row["path"]] = (CUT_SHORT if row.get("payload_cut") else row["verdict"], row.get("class"),
                                            row.get("remedy"))
                     update(i)
@@ -128,7 +131,7 @@ def prune(
             raise UsageError("give the slot directory (DIRECTORY), or llama-server's command line with its "
                              "--slot-save-path")
         directory = Path(pasted_slot_dir(ctx))
-    p = plan(remote_paths(ctx, [directory])[0], policy, verdicts=verdicts)
+    p = plan(remote_paths(ctx, [directory])[0], policy, verdicts=verdicts, index=not no_cache)
     out.log(f"last use from {p.source}: {p.source_reason}")
     with out.progress("deleting", total=len(p.selected())) as update:
         done = [0]
@@ -137,7 +140,7 @@ def prune(
             done[0] += 1
             update(done[0])
 
-        execute(p, dry_run=dry_run, on_file=step)
+        execute(p, dry_run=dry_run, on_file=step, index=not no_cache)
     failed = [e for e in p.entries if e.action == "failed"]
     undecided = [e for e in p.entries if e.undecided]
     status = worst([e.exit_status for e in p.entries] + [ExitStatus.FAILED if p.over_budget else ExitStatus.OK])

@@ -92,6 +92,11 @@ def restore(
                                         json_out=json_out, prove=prove, slot_dir=slot_dir, force=force,
                                         prove_anyway=prove_anyway)
     remote.require_local(ctx, "restore", model=model)
+    from slotctl.sources import remote_url
+
+    if remote_url(file) is not None:   # real contexts read a local file (docs/store.md)
+        raise UsageError(f"{remote_url(file)}: restore reads a local slot file into real contexts: copy the object "
+                         "down first (slotctl cp URL DIR/)")
     if prove or slot_dir is not None or force or prove_anyway:
         raise UsageError("--prove, --prove-anyway, --slot-dir and --force go with --server URL (a running "
                          "llama-server restores the file)")

@@ -9,8 +9,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from slotctl.cli.common import FileRun, handle_errors
-from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt
+from slotctl.cli.common import FileRun, handle_errors, store_deadline
+from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt, StoreTimeoutOpt
 from slotctl.cli.output import Output, human_bytes, markup_safe, style_of
 from slotctl.errors import UsageError
 from slotctl.inputs import expand_slot_paths
@@ -47,6 +47,7 @@ def strip_draft(
                                             "copied and only the name given is stripped.")] = False,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
+    timeout: StoreTimeoutOpt = None,
     json_out: JsonOpt = False,
     jsonl: JsonlOpt = False,
     quiet: QuietOpt = False,
@@ -68,6 +69,7 @@ def strip_draft(
     Exit codes: 0 every file stripped or without draft state; 1 a file was refused; 2 usage error,
     or a file that could not be read or written.
     """
+    store_deadline(timeout, paths)
     out = Output(json_mode=json_out, jsonl=jsonl, quiet=quiet)
     expansion = expand_slot_paths(paths)
     run = FileRun(out, expansion, what="strip")

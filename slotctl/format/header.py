@@ -13,13 +13,9 @@ from slotctl.format import SUPPORTED_VERSIONS
 from slotctl.format.arrays import NumpyArray
 from slotctl.format.cells import MAX_CELLS
 from slotctl.format.common import Counted, Expect, hex32
+# the magics and file_kind: their home is slotctl.format.magic (light: a directory listing needs only them)
+from slotctl.format.magic import GGUF_MAGIC_BYTES, STATE_MAGIC_BYTES, STATE_SEQ_MAGIC, file_kind  # noqa: F401
 
-#: ``LLAMA_STATE_SEQ_MAGIC`` ("ggsq"; bytes ``71 73 67 67``)
-STATE_SEQ_MAGIC = 0x67677371
-#: the first four bytes of a slot file (``STATE_SEQ_MAGIC`` little-endian)
-STATE_MAGIC_BYTES = STATE_SEQ_MAGIC.to_bytes(4, "little")
-#: the first four bytes of a GGUF model file
-GGUF_MAGIC_BYTES = b"GGUF"
 #: the header's fixed part, its fields as they are before any check (what a loader reads first, and what
 #: slotctl writes): :data:`StateHeader` parses it with the checks; every other read or write of these bytes
 #: goes through this
@@ -60,11 +56,3 @@ def fixed_header(version: int, n_words: int) -> bytes:
     return FixedHeader.build(dict(magic=STATE_SEQ_MAGIC, version=version, n_words=n_words))
 
 
-def file_kind(first_bytes: bytes) -> str:
-    """What a file is by its first four bytes: ``"slot"`` (the state magic), ``"gguf"`` (a model) or ``"other"``."""
-    head = bytes(first_bytes[:4])
-    if head == STATE_MAGIC_BYTES:
-        return "slot"
-    if head == GGUF_MAGIC_BYTES:
-        return "gguf"
-    return "other"

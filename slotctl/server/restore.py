@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
@@ -40,17 +39,7 @@ from slotctl.format.common import Span
 from slotctl.format.header import HEADER_FIXED_SIZE, STATE_SEQ_MAGIC, FixedHeader
 from slotctl.server.checkpoints import keep_newest
 from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS, SERVER_STATE_VERSION
-
-class Status(StrEnum):
-    """What one step of the restore did (:attr:`Outcome.status`); the words every command reports."""
-
-    RESTORED = "restored"   # the step did what it is for
-    ABSENT = "absent"       # nothing to do: the file holds no such layer
-    IGNORED = "ignored"     # the layer is there and the server skips it (0 bytes consumed)
-    DROPPED = "dropped"     # the layer is read (its bytes consumed) and not applied
-    REFUSED = "refused"     # "Unable to restore slot: ..."; the slot is emptied
-    ABORTS = "aborts"       # llama.cpp aborts the server process
-
+from slotctl.server.status import Status  # noqa: F401 - its home is slotctl.server.status (light), named here too
 
 # the members by their names, as the steps below and their callers write them
 RESTORED, ABSENT, IGNORED, DROPPED, REFUSED, ABORTS = Status

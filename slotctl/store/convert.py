@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator
 
 from slotctl.atomic import check_destination
-from slotctl.errors import ExitStatus, FormatError, SlotctlError, UsageError, error_entry
+from slotctl.errors import ExitStatus, FormatError, SlotctlError, StoreDown, UsageError, error_entry
 from slotctl.progress import Progress
 from slotctl.sources import is_remote, remote_url, shown
 
@@ -155,6 +155,8 @@ def convert_files(src, dest, req, layouts: dict, *, force: bool, follow_symlinks
                    "error": {"code": failure_code(e), "message": f"{shown(p)}: {e}"},
                    "exit_code": int(ExitStatus.FAILED)}
             many.counts["refused"] += 1
+        except StoreDown:   # the store stopped answering (or --timeout passed): the run stops, not file after file
+            raise
         except (SlotctlError, OSError) as e:
             doc = {"path": shown(p), "output": target, "error": error_entry(e, shown(p)).as_dict(),
                    "exit_code": int(ExitStatus.USAGE)}

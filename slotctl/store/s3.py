@@ -132,15 +132,45 @@ def call(url: str, action: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, an obstore request on ``url``, within the command's deadline: past it, the
     run stops (:class:`~slotctl.errors.StoreDown`, ``no answer within --timeout``) and the request is left
     to itself (a thread of its own: obstore's calls cannot be interrupted). A store already known to be
-    down refuses at once, with the first error. Other failures are raised as they are (the caller says
-    what they mean)."""
+    down refuses at once, with the first error; a request that says the store does not answer
+    (``store_unreachable``, from a request slotctl signs itself: :mod:`slotctl.store.s3copy`) stops the run
+    too. Other failures are raised as they are (the caller says what they mean)."""
     if _down is not None:
         raise _down
-    if _deadline is None:
-        return fn(*args, **kwargs)
-    remaining = _deadline - time.monotonic()
-    if remaining <= 0:
+    try:
+        if _deadline is None:
+            return fn(*args, **kwargs)
+        done, value = _until(_deadline, action, fn, args, kwargs)
+    except StoreDown:
+        raise
+    except UsageError as e:
+        if e.code == "store_unreachable":
+            raise _stopped(str(e)) from None
+        raise
+    if not done:
         raise _stopped(f"{url}: no answer within --timeout {_timeout:g} s ({action}): the run stops")
+    return value
+
+
+def call_by(deadline: float, within: str, url: str, action: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, a request on ``url`` that must be done by a time of its own (``deadline``,
+    monotonic), whatever the command's: a keeper's lease, renewed before it lapses
+    (:mod:`slotctl.unattended.lock`). Past it, :class:`~slotctl.errors.StoreDown` (``no answer within
+    WITHIN``), not the run's: a store known to be down does not refuse it, and its deadline stops no other
+    request. Other failures are raised as they are."""
+    done, value = _until(deadline, action, fn, args, kwargs)
+    if not done:
+        raise StoreDown(f"{url}: no answer within {within} ({action})")
+    return value
+
+
+def _until(deadline: float, action: str, fn, args, kwargs) -> tuple[bool, object]:
+    """``(True, fn(*args, **kwargs))`` when it returns by ``deadline`` (monotonic); ``(False, None)`` when it
+    is still running then: it is left to itself in a thread of its own (:data:`STUCK`: the process ends
+    without waiting for it). Its exception is raised here."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return False, None
     box: dict = {}
 
     def run() -> None:
@@ -153,11 +183,11 @@ def call(url: str, action: str, fn, *args, **kwargs):
     t.start()
     t.join(remaining)
     if t.is_alive():
-        STUCK.append(t)
-        raise _stopped(f"{url}: no answer within --timeout {_timeout:g} s ({action}): the run stops")
+        STUCK[:] = [s for s in STUCK if s.is_alive()] + [t]    # a long-running process keeps the live ones only
+        return False, None
     if "error" in box:
         raise box["error"]
-    return box["value"]
+    return True, box["value"]
 
 
 #: obstore's (reqwest's, hyper's) words for a response body that ended before its length: a dropped

@@ -97,6 +97,9 @@ class Signed:
             conn.request(method, path + (f"?{q}" if q else ""), body=body or None, headers=hdrs)
             resp = conn.getresponse()
             data = resp.read(1 << 20)
+            length = resp.getheader("content-length") or ""
+            if length.isdigit() and len(data) < min(int(length), 1 << 20):   # read(n) returns a cut body short
+                raise http.client.IncompleteRead(data)
             return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
         except OSError as e:
             raise UsageError(f"s3://{self.bucket}/{key}: the store does not answer ({e.strerror or e})",

@@ -10,7 +10,7 @@ the end of the file (trailing bytes).
 
 from __future__ import annotations
 
-from slotctl.errors import ExitStatus, SlotctlError, error_entry
+from slotctl.errors import ExitStatus, SlotctlError, StoreDown, error_entry
 from slotctl.strip import REFUSED, REMOVED_SDFT, STRIPPED, UNCHANGED, UNREADABLE, WOULD_STRIP, FileResult
 
 #: ``method`` of an object rewritten server-side
@@ -21,7 +21,7 @@ def strip_object(url: str, *, dry_run: bool = False, checkpoints: bool = False, 
                  draft_layout=None) -> FileResult:
     """Strip the draft state of the object at ``url`` (see the module docstring)."""
     from slotctl.store.s3copy import rewrite_prefix
-    from slotctl.store.s3 import S3_STORE
+    from slotctl.store.s3 import S3_STORE, call
     from slotctl.slotfile import open_slot_file
 
     res = FileResult(url, UNREADABLE)
@@ -46,6 +46,8 @@ def strip_object(url: str, *, dry_run: bool = False, checkpoints: bool = False, 
             if sf.sdft.end != sf.size:
                 return _refuse(res, f"{url}: bytes follow the SDFT appendix; not stripped server-side", "damaged")
             keep = sf.sdft.offset
+    except StoreDown:       # the store stopped answering (or --timeout passed): the run stops, not object after object
+        raise
     except (SlotctlError, OSError) as e:
         err = error_entry(e, url)
         res.error, res.error_code, res.exit_status = err.message, err.code, err.exit_status
@@ -54,8 +56,10 @@ def strip_object(url: str, *, dry_run: bool = False, checkpoints: bool = False, 
     if dry_run:
         res.status = WOULD_STRIP
         return res
-    try:
-        rewrite_prefix(S3_STORE.config, url, etag, keep)
+    try:    # within the command's deadline (--timeout); until it completes the object is the old one
+        call(url, "COPY", rewrite_prefix, S3_STORE.config, url, etag, keep)
+    except StoreDown:
+        raise
     except SlotctlError as e:
         res.status, res.size_after = REFUSED if e.error_code == "object_changed" else UNREADABLE, None
         res.error, res.error_code, res.exit_status = str(e), e.error_code, e.exit_status

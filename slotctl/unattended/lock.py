@@ -54,12 +54,6 @@ class Held(UsageError):
     code = "locked"
 
 
-class NoAnswer(SlotctlError):
-    """The store did not answer a renewal of the lease in the time left before its deadline."""
-
-    code = "store_unreachable"
-
-
 class Lost(SlotctlError):
     """This keeper's lease was not renewed in time or was taken over: it must stop writing (exit 2)."""
 
@@ -251,32 +245,41 @@ class Lease(Lock):
                "journal": {str(k): v for k, v in self.journal.items()}}
         return json.dumps(doc).encode()
 
-    def _read(self) -> tuple[dict, str | None] | None:
+    def _call(self, deadline: float, action: str, fn, *args, **kwargs):
+        """An obstore request on the lease through the store's one home (:func:`slotctl.store.s3.call_by`):
+        done by ``deadline`` (monotonic) or :class:`~slotctl.errors.StoreDown` (the request is left to itself),
+        whatever the command's deadline or a store known down."""
+        from slotctl.store.s3 import call_by
+
+        return call_by(deadline, f"the lease's {self.ttl:g} s", self.url, action, fn, *args, **kwargs)
+
+    def _read(self, deadline: float) -> tuple[dict, str | None] | None:
         import obstore
         from obstore import exceptions as obx
 
         store, _, key = self._stores()
         try:
-            res = obstore.get(store, key)
-            raw = bytes(res.bytes())
+            res = self._call(deadline, "GET", obstore.get, store, key)
+            raw = bytes(self._call(deadline, "GET", res.bytes))
             return _parse(raw), res.meta.get("e_tag")
         except (obx.NotFoundError, FileNotFoundError):
             return None
         except Exception as e:  # noqa: BLE001
             raise self._error(e, "GET") from None
 
-    def _put(self, body: bytes, etag: str | None) -> str | None:
-        """Create the lease (``etag`` None: only if absent) or replace it (only if its ETag is ``etag``);
-        the new ETag. :class:`Held` when the condition fails."""
+    def _put(self, body: bytes, etag: str | None, deadline: float) -> str | None:
+        """Create the lease (``etag`` None: only if absent) or replace it (only if its ETag is ``etag``), by
+        ``deadline``; the new ETag. :class:`Held` when the condition fails."""
         import obstore
         from obstore import exceptions as obx
 
         store, cond, key = self._stores()
         try:
             if etag is None:
-                res = obstore.put(store, key, body, mode="create", use_multipart=False)
+                res = self._call(deadline, "PUT", obstore.put, store, key, body, mode="create", use_multipart=False)
             else:
-                res = obstore.put(cond, key, body, mode={"e_tag": etag}, use_multipart=False)
+                res = self._call(deadline, "PUT", obstore.put, cond, key, body, mode={"e_tag": etag},
+                                 use_multipart=False)
         except (obx.AlreadyExistsError, obx.PreconditionError):
             raise Held(f"{self.server}: another {self.who} took the lease {self.url} first") from None
         except Exception as e:  # noqa: BLE001
@@ -293,10 +296,11 @@ class Lease(Lock):
         from slotctl.catalog import iso_time
 
         self.since = self.clock()
-        got = self._read()
+        deadline = time.monotonic() + self.ttl      # taking the lease: its requests within one lease
+        got = self._read(deadline)
         made = time.monotonic()      # the document's expires counts from no earlier than this
         if got is None:
-            self.etag = self._put(self._body(self.since), None)
+            self.etag = self._put(self._body(self.since), None, deadline)
         else:
             doc, etag = got
             expires = doc.get("expires")
@@ -307,7 +311,7 @@ class Lease(Lock):
                            f"{expires - now:.0f} s from now)")
             self.journal = _journal_entries(doc)
             made = time.monotonic()
-            self.etag = self._put(self._body(self.since), etag)
+            self.etag = self._put(self._body(self.since), etag, deadline)
         self.renewed = made
         return self
 
@@ -319,22 +323,40 @@ class Lease(Lock):
         return (self.renewed if self.renewed is not None else -math.inf) + HOLD * self.ttl
 
     def renew(self) -> None:
-        """Write the lease again (a new ``expires``, the journal), on condition that it is still ours. A store
-        that does not answer by :meth:`deadline` is given up on (the request left to itself in its thread):
-        :class:`Lost`."""
+        """Write the lease again (a new ``expires``, the journal), on condition that it is still ours. The
+        request goes through the store's one home and is given up (StoreDown) a third of the lease from now
+        or at :meth:`deadline`, whichever is first, so a stalled store holds a renewal no longer than the
+        lease holds; then :class:`Lost` once the deadline has passed."""
         with self._io:
             self.check()
             made = time.monotonic()
-            body = self._body(self.since)
+            deadline = min(made + self.ttl / 3, self.deadline())
             try:
-                self.etag = _within(self.deadline() - made, lambda: self._put(body, self.etag))
+                try:
+                    self.etag = self._put(self._body(self.since), self.etag, deadline)
+                except Held:
+                    self.etag = self._landed_late(deadline)
+                    self.etag = self._put(self._body(self.since), self.etag, deadline)
             except Held:
                 self.lost = f"{self.url}: another {self.who} took the lease over: this {self.who} stops writing"
                 raise Lost(self.lost) from None
             except SlotctlError as e:
                 self.failure = str(e)
+                self.check()
                 raise
             self.renewed, self.failure = made, None
+
+    def _landed_late(self, deadline: float) -> str:
+        """The lease's ETag when the lease is still this keeper's though not of the ETag it knows: a renewal
+        given up at its deadline reached the store after all (it holds this process's ``pid``, ``host`` and
+        ``since``, not released). :class:`Held` when another keeper's lease is there."""
+        got = self._read(deadline)
+        if got is not None and got[1]:
+            doc, etag = got
+            if (doc.get("pid"), doc.get("host"), doc.get("since")) == (os.getpid(), socket.gethostname(),
+                                                                       self.since) and not doc.get("released"):
+                return etag
+        raise Held(f"{self.server}: another {self.who} took the lease {self.url}")
 
     def check(self) -> None:
         if self.lost:
@@ -382,34 +404,11 @@ class Lease(Lock):
             doc = json.loads(self._body(self.since))
             doc.update(released=True, expires=self.clock())
             try:
-                _within(max(0.0, self.deadline() - time.monotonic()),
-                        lambda: self._put(json.dumps(doc).encode(), self.etag))
+                self._put(json.dumps(doc).encode(), self.etag,
+                          min(time.monotonic() + self.ttl / 3, self.deadline()))
             except SlotctlError:
                 pass     # it expires by itself
             self.etag = None
-
-
-def _within(seconds: float, fn):
-    """``fn()`` given at most ``seconds``: past them, :class:`NoAnswer` (the call is left to itself in a
-    daemon thread: obstore's calls cannot be interrupted)."""
-    if seconds <= 0:
-        raise NoAnswer("no time left before the lease's deadline")
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            box["error"] = e
-
-    t = threading.Thread(target=run, name="slotctl-lease-put", daemon=True)
-    t.start()
-    t.join(seconds)
-    if t.is_alive():
-        raise NoAnswer(f"no answer within {seconds:.1f} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def acquire(store: str | os.PathLike, server: str, *, ttl: float = DEFAULT_TTL, role: str = "keep") -> Lock:

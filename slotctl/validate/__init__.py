@@ -37,10 +37,27 @@ Modules: ``setup`` (the server: models, flags, predictions), ``check`` (one file
 
 from __future__ import annotations
 
-from slotctl.validate.check import validate_file, validate_paths
-from slotctl.validate.child import ChildProcess, LoadChecker
-from slotctl.validate.report import VERDICTS, Effect, FileReport, LayerCheck, Load, Report, Verdict
-from slotctl.validate.setup import Models, ServerSetup
+#: each name and the module it is imported from on first use (PEP 562): ``slotctl.validate.words`` and the
+#: other modules can be imported without the checks (``ls`` served from the catalog needs only the words)
+_NAMES = {
+    **dict.fromkeys(("validate_file", "validate_paths"), "check"),
+    **dict.fromkeys(("ChildProcess", "LoadChecker"), "child"),
+    **dict.fromkeys(("FileReport", "LayerCheck", "Report"), "report"),
+    **dict.fromkeys(("VERDICTS", "Effect", "Load", "Verdict"), "words"),
+    **dict.fromkeys(("Models", "ServerSetup"), "setup"),
+}
+
+
+def __getattr__(name: str):
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["VERDICTS", "ChildProcess", "Effect", "FileReport", "LayerCheck", "Load", "LoadChecker", "Models", "Report",
            "ServerSetup", "Verdict", "validate_file", "validate_paths"]

@@ -5,59 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from slotctl.errors import ExitStatus, worst
 from slotctl.server.findings import Finding
-from slotctl.server.restore import Status
+from slotctl.validate.words import SEVERITIES, VERDICTS, Effect, Load, Verdict  # noqa: F401 - named here too
 from slotctl.validate.setup import ServerSetup
 from slotctl.validate.wording import ROLLBACK_HARMLESS
 
-
-class Effect(StrEnum):
-    """What a layer's problems make the server do (:attr:`LayerCheck.effect`), worst last; the words shared
-    with the restore's steps are :class:`~slotctl.server.restore.Status`'s."""
-
-    OK = "ok"
-    DROPPED = Status.DROPPED.value          # restored without this layer
-    ABORTS_LATER = "aborts_later"           # restored; aborts when the server rolls back to this checkpoint
-    REFUSED = Status.REFUSED.value          # "Unable to restore slot"
-    ABORTS = Status.ABORTS.value            # llama.cpp aborts the server while restoring
-    UNDECIDED = "undecided"                 # what the server does cannot be told without the model
-
-
-class Verdict(StrEnum):
-    """What the server does with a whole file (:attr:`FileReport.verdict`), from best to worst."""
-
-    RESTORES = "restores"
-    RESTORES_WITH_DROPS = "restores_with_drops"
-    UNDECIDED = Effect.UNDECIDED.value
-    ABORTS = Status.ABORTS.value
-    REFUSED = Status.REFUSED.value
-    UNREADABLE = "unreadable"
-
-    @property
-    def broken(self) -> bool:
-        """The server refuses the file or aborts on it, or it cannot be read (``ls --broken``, ``prune --broken``)."""
-        return self in (Verdict.ABORTS, Verdict.REFUSED, Verdict.UNREADABLE)
-
-
-class Load(StrEnum):
-    """What the prediction and the real load say of a layer (:attr:`LayerCheck.predicted`, ``.loaded``)."""
-
-    FITS = "fits"
-    MISMATCH = "mismatch"
-    REFUSED = Status.REFUSED.value   # llama.cpp's loader refused it
-    PARTIAL = "partial"
-    ABORTED = "aborted"
-    SKIPPED = "skipped"
-
-
-#: finding severities, worst first: the order findings are shown in
-SEVERITIES = ("error", "drop", "note")
-
-#: ``FileReport.verdict`` values, from best to worst
-VERDICTS = tuple(Verdict)
 
 # the members by the names the checks write them with
 EFFECT_OK, EFFECT_DROPPED, EFFECT_ABORTS_LATER, EFFECT_REFUSED, EFFECT_ABORTS, EFFECT_UNDECIDED = Effect
