@@ -139,8 +139,8 @@ def say_fallback(base: str, model: str, own: str, why: str) -> None:
     from slotctl.errors import escape_text
 
     sys.stderr.write(escape_text(f"slotctl: the router at {base} did not route a slot action by the body's "
-                                 f"\"model\" ({why}): sent to model {model!r}'s own server, {own} (its port as "
-                                 f"the router's GET /models lists it now; looked up again at each action)")
+                                 f"\"model\" ({why}): sent to the model's own server, {own} ({model!r}: its port "
+                                 f"as the router's GET /models lists it now; looked up again at each action)")
                      + "\n")
 
 
