@@ -33,7 +33,6 @@ A hostile or broken server cannot mislead or hold a command (docs/live.md, "What
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import re
@@ -43,6 +42,7 @@ from typing import Any
 
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
 from slotctl.live import API_KEY_ENV, DEFAULT_TIMEOUT  # live mode's defaults, read by the CLI's options too
+from slotctl.live import is_loopback
 from slotctl.live import router
 from slotctl.live.router import ROUTER_NO_MODEL
 from slotctl.server.filenames import check_filename
@@ -177,15 +177,6 @@ def normalize_url(url: str) -> str:
     if port == 0:
         raise UsageError(f"--server {shown!r}: port 0 is not a port a server listens on")
     return redact(urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", "")))
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() in ("localhost", "localhost.localdomain") or host.lower().endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ def own_server_url(base: str, model: str, models: list[dict]) -> str:
     if entry["url"] is None:
         raise UsageError(f"{base} (router): model {model!r} is {entry['status']}, not loaded: slotctl never loads "
                          f"a model (load it with POST /models/load, or send it a request)")
-    from slotctl.live.http import is_loopback
+    from slotctl.live import is_loopback
 
     host = urllib.parse.urlsplit(base).hostname or ""
     if not is_loopback(host):

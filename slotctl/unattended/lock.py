@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from slotctl.errors import SlotctlError, UsageError
-from slotctl.live.http import is_loopback
+from slotctl.live import is_loopback
 
 #: seconds an ``s3://`` lease holds without a renewal (``keep --lease``)
 DEFAULT_TTL = 60.0
