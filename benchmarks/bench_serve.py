@@ -9,16 +9,22 @@ with the same model and flags, each on a server started anew: once straight to t
 cache, ``--cache-ram``, is on by default: it serves returning turns until the restart), once through
 ``slotctl serve`` (a whole process, a directory store). Printed side by side: the prompt tokens the server
 evaluated (its own ``timings.prompt_n``) on returning turns before and after the restart, the wall time of
-the run, and whether every answer is identical.
+the run, and whether every answer is identical; then per round, each returning turn's floor: the prompt
+tokens its conversation's last slot (the last prompt's tokens and the tokens generated for its answer) does
+not begin with, which no cache of that slot can spare (``--start-repeat`` makes the first turn longer).
 
-serve's overhead: ``--overhead`` requests that need no restore (the same prompt again in the slot that holds
-it, one token generated), each sent straight and through serve alternately with a pause between (serve saves
-the slot after each answer, before the next request in that slot): the median difference of their times.
+serve's overhead (``--overhead`` pairs; ``--only-overhead`` measures it alone): two copies of one
+conversation, one sent straight to the server in one slot, one through serve (which keeps it in the other
+slot); each request extends its copy by the same few words (new tokens to tokenize and evaluate, a prefix
+the slot already holds: no restore) and generates one token; straight and through serve alternately, which
+goes first alternating too, serve's save of each answer waited for outside the timed request: the median of
+the differences, and the load average.
 
 ``--s3``: two serve processes over one SeaweedFS bucket (tests/seaweed.py), each before its own server: a
 conversation begun behind one continues behind the other, its prefix restored from the bucket.
 
-Run: ``python benchmarks/bench_serve.py [--conversations 16] [--turns 4] [--overhead 40] [--s3]``.
+Run: ``python benchmarks/bench_serve.py [--conversations 16] [--turns 4] [--overhead 40] [--s3] [--out FILE]
+[--start-repeat 2] [--only-overhead]``.
 """
 
 from __future__ import annotations
@@ -100,13 +106,14 @@ class Serve:
         return self.proc.wait(timeout=120)
 
 
-def conversation_start(i: int) -> str:
+def conversation_start(i: int, repeat: int = 2) -> str:
     topic = TOPICS[i % len(TOPICS)]
-    return f"Conversation {i} about the {topic}. " + " ".join([SAMPLE_PROMPT] * 2) + f" Now, about the {topic}:"
+    return f"Conversation {i} about the {topic}. " + " ".join([SAMPLE_PROMPT] * repeat) + f" Now, about the {topic}:"
 
 
 def run(url: str, srv: LlamaServer, a, label: str, serve: Serve | None = None) -> dict:
-    prompts = [conversation_start(i) for i in range(a.conversations)]
+    prompts = [conversation_start(i, a.start_repeat) for i in range(a.conversations)]
+    before: list[tuple | None] = [None] * a.conversations
     rows = []
     t0 = time.perf_counter()
     for turn in range(a.turns):
@@ -115,15 +122,49 @@ def run(url: str, srv: LlamaServer, a, label: str, serve: Serve | None = None) -
         for i in range(a.conversations):
             if turn:
                 prompts[i] += f" Question {turn}: and what of the {TOPICS[(i + turn) % len(TOPICS)]} after that?"
-            secs, ans = post(url, "/completion", {"prompt": prompts[i], "n_predict": a.predict, "temperature": 0})
-            rows.append({"conv": i, "turn": turn, "secs": secs, "content": ans["content"],
+            secs, ans = post(url, "/completion", {"prompt": prompts[i], "n_predict": a.predict, "temperature": 0,
+                                                  "return_tokens": True})
+            rows.append({"conv": i, "turn": turn, "secs": secs, "content": ans["content"], "slot": ans.get("id_slot"),
                          "prompt_n": ans["timings"]["prompt_n"], "cache_n": ans["timings"]["cache_n"],
                          "after_restart": turn >= a.kill_after})
+            if serve is None:
+                # the tokens of this turn that its conversation's last slot (the last prompt's tokens and the
+                # tokens generated for its answer) does not begin with: what no cache of the slot can spare, the
+                # floor (the same in both runs: the answers are). The answer's text may tokenize otherwise than
+                # it was generated: text_new_n counts against the text's tokens.
+                now = tokenize(url, prompts[i])
+                rows[-1]["new_n"] = len(now) - common(before[i][0], now) if before[i] else len(now)
+                rows[-1]["text_new_n"] = len(now) - common(before[i][1], now) if before[i] else len(now)
+                before[i] = (now + list(ans.get("tokens") or []), tokenize(url, prompts[i] + ans["content"]))
             prompts[i] += ans["content"]
     wall = time.perf_counter() - t0
     if serve is not None:
         serve.idle()
     return {"label": label, "rows": rows, "wall": wall}
+
+
+def tokenize(url: str, text: str) -> list[int]:
+    return post(url, "/tokenize", {"content": text, "add_special": True, "parse_special": True})[1]["tokens"]
+
+
+def common(a: list[int], b: list[int]) -> int:
+    from slotctl.serve.index import as_tokens, common_prefix
+
+    return common_prefix(as_tokens(a), as_tokens(b))
+
+
+def breakdown(alone: dict, cached: dict) -> None:
+    """Per round: prompt tokens evaluated straight and through serve, the new tokens of the turns (the floor),
+    and each returning turn through serve that evaluated more than its new tokens and one."""
+    print(f"{'round':>6}{'alone':>10}{'serve':>10}{'new':>10}   turns through serve evaluating more than new + 1")
+    turns = sorted({r["turn"] for r in alone["rows"]})
+    for t in turns:
+        xs = [r for r in alone["rows"] if r["turn"] == t]
+        ys = [r for r in cached["rows"] if r["turn"] == t]
+        extra = [f"c{y['conv']}:{y['prompt_n']}>{x['new_n']}(slot {y['slot']})" for x, y in zip(xs, ys)
+                 if y["prompt_n"] > x["new_n"] + 1]
+        print(f"{t + 1:>6}{sum(r['prompt_n'] for r in xs):>10,}{sum(r['prompt_n'] for r in ys):>10,}"
+              f"{sum(r['new_n'] for r in xs):>10,}   {' '.join(extra) or '-'}")
 
 
 def summary(res: dict) -> dict:
@@ -149,6 +190,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--s3", action="store_true")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--out", default=None, help="write every request's figures to this JSON file")
+    ap.add_argument("--start-repeat", type=int, default=2,
+                    help="a conversation's first turn holds the sample prompt this many times (about 100 tokens each)")
+    ap.add_argument("--only-overhead", action="store_true", help="measure serve's overhead alone (no conversations)")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="the server's -t and -tb with --only-overhead (1: no wait on a second thread that a loaded "
+                         "machine has not scheduled)")
     a = ap.parse_args()
     binary = server_binary()
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
@@ -157,6 +205,19 @@ def main() -> None:
                            n_ff=512, context_length=8192, name="slotctl-bench-serve")
         args = ["-c", "8192", "-np", "2", "-fa", "on"]
         results = {}
+        if a.only_overhead:
+            d = tmp / "overhead"
+            (d / "slots").mkdir(parents=True)
+            (d / "store").mkdir()
+            with LlamaServer(binary, model, args=args, slot_save_path=d / "slots", log_path=d / "server.log",
+                             threads=a.threads) as srv:
+                serve = Serve(srv.url, d / "slots", str(d / "store"), log=d / "serve.log")
+                try:
+                    ov = overhead(srv, serve, a.overhead)
+                finally:
+                    serve.stop()
+            print_overhead(ov)
+            return
         for label in ("server alone", "serve"):
             d = tmp / label.replace(" ", "-")
             (d / "slots").mkdir(parents=True)
@@ -178,40 +239,76 @@ def main() -> None:
         alone, cached = results["server alone"], results["serve"]
         same = [x["content"] == y["content"] for x, y in zip(alone["rows"], cached["rows"])]
         sa, sc = summary(alone), summary(cached)
-        print(f"{a.conversations} conversations x {a.turns} turns over -np 2, server SIGKILLed and restarted before "
+        print(f"load average {os.getloadavg()[0]:.1f} at the end; {a.conversations} conversations x {a.turns} turns over -np 2, server SIGKILLed and restarted before "
               f"round {a.kill_after + 1}; model {a.layers} layers, n_embd 256")
         print(f"{'':44}{'server alone':>14}{'serve':>14}{'serve/alone':>14}")
         for k in sa:
             ratio = f"{sc[k] / sa[k]:.3f}" if sa[k] else "-"
             print(f"{k:44}{sa[k]:>14,}{sc[k]:>14,}{ratio:>14}")
         print(f"answers identical: {sum(same)}/{len(same)}")
+        back = [(x, y) for x, y in zip(alone["rows"], cached["rows"]) if x["turn"] > 0]
+        new = sum(x["new_n"] for x, _y in back)
+        text_new = sum(x["text_new_n"] for x, _y in back)
+        print(f"returning turns: {new:,} of their prompt tokens are not in their conversation's last slot (its "
+              f"prompt and generated tokens: no cache of it spares them; {text_new:,} against the text of the "
+              f"last prompt and answer); evaluated beyond those: server alone {sa['prompt_n_returning'] - new:,}, "
+              f"serve {sc['prompt_n_returning'] - new:,}")
+        breakdown(alone, cached)
+        if a.out:
+            Path(a.out).write_text(json.dumps({"alone": alone["rows"], "serve": cached["rows"],
+                                               "stats": cached["stats"], "overhead": results["overhead"]}))
         st = cached["stats"]
         print(f"serve: {st['restores']} restores, {st['saves']} saves ({st['saves_deduplicated']} deduplicated), "
               f"{st['restore_failures']} restore failures, {st['save_failures']} save failures, exit "
               f"{cached['serve_exit']}")
-        ov = results["overhead"]
-        print(f"serve's overhead on requests needing no restore ({ov['n']} pairs): median {ov['median_ms']:.2f} ms "
-              f"(straight {ov['straight_ms']:.2f} ms, through serve {ov['serve_ms']:.2f} ms at the median)")
+        print_overhead(results["overhead"])
         if a.s3:
             two_serves(binary, model, args, tmp, a)
 
 
 def overhead(srv: LlamaServer, serve: Serve, n: int) -> dict:
-    """Median extra time of a request through serve that needs no restore."""
-    prompt = conversation_start(999)
-    body = {"prompt": prompt, "n_predict": 1, "temperature": 0}
-    post(serve.url, "/completion", body)     # its slot now holds it (and the store)
+    """Median extra time of a request through serve that needs no restore. Two copies of one conversation: one
+    sent straight to the server in one slot, one through serve (which keeps it in the other slot); each request
+    extends its copy by the same few words (new tokens to tokenize and evaluate, a prefix the slot holds) and
+    generates one token; straight and through serve alternately (which goes first alternating too), a pause
+    between pairs, serve's save of each answer waited for outside the timed request."""
+    start = conversation_start(999)
+    mine = post(serve.url, "/completion", {"prompt": start, "n_predict": 1, "temperature": 0})[1]["id_slot"]
     serve.idle()
-    slot = post(srv.url, "/completion", dict(body, n_predict=0))[1].get("id_slot")
+    other = 1 - mine
+    post(srv.url, "/completion", {"prompt": start, "n_predict": 1, "temperature": 0, "id_slot": other})
+    restores = serve.stats()["restores"]
     straight, through = [], []
-    for _ in range(n):
-        through.append(post(serve.url, "/completion", body)[0])
-        serve.idle()
-        straight.append(post(srv.url, "/completion", dict(body, id_slot=slot, cache_prompt=True))[0])
+    cpu0 = cpu_seconds(serve.proc.pid)
+    prompt = start
+    for k in range(n):
+        prompt += f" Then line {k} came."
+        body = {"prompt": prompt, "n_predict": 1, "temperature": 0}
+        for way in ((0, 1) if k % 2 == 0 else (1, 0)):
+            if way == 0:
+                through.append(post(serve.url, "/completion", body)[0])
+                serve.idle()
+            else:
+                straight.append(post(srv.url, "/completion", dict(body, id_slot=other, cache_prompt=True))[0])
         time.sleep(0.05)
+    cpu = cpu_seconds(serve.proc.pid) - cpu0
     diffs = [(b - s) * 1000 for s, b in zip(straight, through)]
     return {"n": n, "median_ms": statistics.median(diffs), "straight_ms": statistics.median(straight) * 1000,
-            "serve_ms": statistics.median(through) * 1000}
+            "serve_ms": statistics.median(through) * 1000, "restores": serve.stats()["restores"] - restores,
+            "load": os.getloadavg()[0], "cpu_ms": cpu * 1000 / n}
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user and system) process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def print_overhead(ov: dict) -> None:
+    print(f"serve's overhead on requests needing no restore ({ov['n']} pairs, {ov['restores']} restores among "
+          f"them, load average {ov['load']:.1f}): median {ov['median_ms']:.2f} ms (straight "
+          f"{ov['straight_ms']:.2f} ms, through serve {ov['serve_ms']:.2f} ms at the median); serve's CPU time "
+          f"{ov['cpu_ms']:.1f} ms a request (its save and the benchmark's polls of its counters included)")
 
 
 def two_serves(binary, model, args, tmp: Path, a) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from slotctl.format import ggml
 from slotctl.format.records import record_size
-from slotctl.server.speculative import describe_state
 from slotctl.slotfile import Blob, Memory, SlotFile
 
 
@@ -156,6 +155,8 @@ def describe_file(sf: SlotFile, *, tokens: bool = False, text: str | None = None
         target = {"offset": sf.target.offset, "size": sf.target.size, "memory": describe_memory(sf.target, info),
                   "tensor_bytes": tensor_bytes(sf.target)}
     checkpoints = []
+    if sf.checkpoints is not None or sf.draft is not None:
+        from slotctl.server.speculative import describe_state   # only a file with a draft state or checkpoints
     if sf.checkpoints is not None:
         checkpoints = [{"n_tokens": c.n_tokens, "pos_min": c.pos_min, "pos_max": c.pos_max,
                         "target": describe_blob(c.tgt, info), "draft": describe_blob(c.dft, draft_info),

@@ -1,6 +1,6 @@
-"""The import rules of docs/design.md, read from the source: imports point down the table of layers, only
-the runtime and validate's worker import llama.cpp, nothing outside the CLI imports it, and no command
-module imports another."""
+"""The import rules of docs/design.md, read from the source: imports point down the table of layers, no two
+modules import each other (directly or around a circle, inside a room too), only the runtime and validate's
+worker import llama.cpp, nothing outside the CLI imports it, and no command module imports another."""
 
 from __future__ import annotations
 
@@ -76,6 +76,82 @@ def test_imports_point_down():
             if u and v and v != u and v in RANK and RANK[v] <= RANK[u]:
                 up.append(f"{name} imports {imported}")
     assert not up, "\n".join(sorted(set(up)))
+
+
+def _module_graph(mods: dict) -> dict[str, set[str]]:
+    """module -> the slotctl modules it imports, anywhere in it (inside a function, under TYPE_CHECKING: a
+    lazy import is still an import). ``from a.b import c`` is an edge to ``a.b.c`` when that is a module,
+    else to ``a.b``; a package's ``__init__`` run on the way to a submodule is Python's, not an edge."""
+    graph = {}
+    for name, tree in mods.items():
+        out = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Import):
+                out |= {a.name for a in n.names if a.name in mods}
+            elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+                for a in n.names:
+                    full = f"{n.module}.{a.name}"
+                    if full in mods:
+                        out.add(full)
+                    elif n.module in mods:
+                        out.add(n.module)
+        graph[name] = out - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that reach each other through their imports (strongly connected components of
+    more than one module, Tarjan's algorithm), each sorted; none when imports point one way only."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_circle_between_modules():
+    """No slotctl module reaches itself through imports, lazy ones included: within a room too (a layer of
+    the table orders packages, this orders modules), so that every module can be read, and imported, above
+    the ones it uses."""
+    found = circles(_module_graph(dict(_modules())))
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+    # the check itself: a circle of two, one of three through a lazy import, and a line that is none
+    mods = {n: ast.parse(src) for n, src in {
+        "slotctl.a": "from slotctl import b\n",
+        "slotctl.b": "def f():\n    import slotctl.a\n",
+        "slotctl.c": "from slotctl.d import x\n",
+        "slotctl.d": "from slotctl.e import y\n",
+        "slotctl.e": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from slotctl.c import z\n",
+        "slotctl.f": "import slotctl.g\n",
+        "slotctl.g": "import slotctl.errors\n",
+    }.items()}
+    assert circles(_module_graph(mods)) == [["slotctl.a", "slotctl.b"], ["slotctl.c", "slotctl.d", "slotctl.e"]]
 
 
 def test_only_the_runtime_and_validates_worker_run_llama_cpp():

@@ -297,19 +297,28 @@ def test_a_store_down_means_uncached_not_failed(llama, tmp_path):
         assert not list(llama.save_dir.glob("serve-slot*-incoming.bin"))
 
 
+def stream_begun(port: int, body: dict, events: int = 3) -> tuple[socket.socket, bytes]:
+    """A streamed completion sent on a socket of its own, read until ``events`` events came: (the socket, the
+    bytes read)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    raw = json.dumps(body).encode()
+    sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+    got = b""
+    while got.count(b"data: ") < events:
+        more = sock.recv(65536)
+        assert more, f"the connection closed after {got[:300]!r}"
+        got += more
+    return sock, got
+
+
 @server
 def test_a_client_that_goes_away_mid_stream_frees_the_slot(llama, tmp_path):
     with serving(llama, llama.save_dir, str(tmp_path)) as s:
-        sock = socket.create_connection(("127.0.0.1", s.port), timeout=60)
         # large events (200 probabilities a token): the answer is far more than the sockets' buffers hold, so
         # the server is still generating (or its answer still on its way) when the client goes
-        body = json.dumps({"prompt": SAMPLE_PROMPT, "n_predict": 2000, "temperature": 0, "stream": True,
-                           "id_slot": 1, "ignore_eos": True, "n_probs": 200}).encode()
-        sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        got = b""
-        while got.count(b"data: ") < 3:
-            got += sock.recv(65536)
+        sock, _got = stream_begun(s.port, {"prompt": SAMPLE_PROMPT, "n_predict": 2000, "temperature": 0,
+                                           "stream": True, "id_slot": 1, "ignore_eos": True, "n_probs": 200})
         sock.close()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -625,3 +634,145 @@ def test_usage_errors_are_one_line_and_exit_2(tmp_path):
                 (args, r.stderr)
     finally:
         taken.close()
+
+
+# -- the server dying mid-answer, the store's budget ------------------------------------------------------------
+
+#: a context long enough for an answer far larger than the sockets' buffers between the server and the client
+LONG_ARGS = ["-c", "8192", "-np", "2", "-fa", "on"]
+#: an answer of thousands of tokens, each event carrying 50 probabilities: megabytes the server is still sending
+LONG = {"prompt": SAMPLE_PROMPT, "n_predict": 3000, "ignore_eos": True, "temperature": 0, "n_probs": 50}
+
+
+def dechunk(raw: bytes) -> tuple[bytes, bool]:
+    """The body of a chunked HTTP answer as far as it came, and whether it ended with the last chunk."""
+    body, rest = b"", raw
+    while True:
+        head, sep, rest2 = rest.partition(b"\r\n")
+        if not sep:
+            return body, False
+        size = int(head.split(b";")[0], 16)
+        if size == 0:
+            return body, True
+        if len(rest2) < size + 2:
+            return body + rest2[:size], False
+        body, rest = body + rest2[:size], rest2[size + 2:]
+
+
+@server
+def test_the_server_dying_mid_answer(llama_server_bin, tiny_models, tmp_path):
+    """The server SIGKILLed while it answers, streaming and not: the client gets what the server sent, then the
+    connection closed (never ended as if whole), or a 502 when no answer had begun; serve stays up and serves
+    the next request once the server is back; nothing of the broken answers is saved."""
+    (tmp_path / "slots").mkdir()
+    store = tmp_path / "store"
+    store.mkdir()
+    srv = start_server(llama_server_bin, tiny_models.target, tmp_path, "dying", args=LONG_ARGS,
+                       slot_save_path=tmp_path / "slots")
+    try:
+        with serving(srv, tmp_path / "slots", str(store)) as s:
+            # streaming: a few events read, the server killed, the rest read to the end of the connection
+            sock, got = stream_begun(s.port, dict(LONG, stream=True))
+            srv.kill_and_start_again()
+            while True:
+                more = sock.recv(1 << 20)       # the end of the connection, within the socket's timeout
+                if not more:
+                    break
+                got += more
+            sock.close()
+            head, _sep, raw = got.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower(), head
+            events, ended = dechunk(raw)
+            assert not ended, "an answer broken off was ended as if whole"
+            sent = [json.loads(e[6:]) for e in events.split(b"\n\n")[:-1] if e.startswith(b"data: ")]
+            assert len(sent) >= 3 and not any(e.get("stop") for e in sent)
+            reference = complete(srv.url, SAMPLE_PROMPT, n_predict=len(sent), ignore_eos=True, cache_prompt=False)
+            assert reference["content"] == "".join(e["content"] for e in sent)
+
+            # not streaming: the server killed while it generates, before its answer began: a 502 in JSON
+            for _attempt in range(3):
+                result: dict = {}
+                t = threading.Thread(target=lambda: result.update(r=call(s.url, "POST", "/completion", LONG)))
+                t.start()
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and not any(e["is_processing"] for e in srv.get("/slots")[1]):
+                    time.sleep(0.01)
+                srv.kill_and_start_again()
+                t.join(120)
+                if result["r"][0] != 200:      # else the answer was whole before the kill: again
+                    break
+            status, headers, raw = result["r"]
+            assert status == 502 and headers["Content-Type"].startswith("application/json"), (status, raw[:200])
+            assert json.loads(raw)["error"]["code"] == 502
+            assert s.proc.poll() is None
+            c = s.stats()
+            assert c["upstream_errors"] >= 2 and c["saves"] == 0 and c["save_failures"] == 0, c
+            assert not list(store.glob("*.bin")) and not list((tmp_path / "slots").glob("serve-slot*"))
+
+            # the next request, the server back: its answer, and its state the one stored
+            direct = complete(srv.url, SAMPLE_PROMPT, cache_prompt=False)
+            via = complete(s.url, SAMPLE_PROMPT)
+            assert via["content"] == direct["content"]
+            assert s.wait_for("saves", 1)["saves"] == 1
+            from slotctl.slotfile import open_slot_file
+
+            (state,) = store.glob("serve-*.bin")
+            with open_slot_file(state) as sf:
+                assert sf.tokens.n_tokens == via["timings"]["prompt_n"] + via["timings"]["cache_n"] + 7
+    finally:
+        srv.stop()
+
+
+@server
+def test_the_store_is_held_under_max_size(llama, tmp_path):
+    """--max-size: after each save the store is pruned to the budget, least recently used first (a state
+    restored counts as used); a file named as serve's working files are (a save in progress) is pinned: never
+    deleted, however old."""
+    from slotctl.prune import time_source
+
+    store = tmp_path / "store"
+    store.mkdir()
+    if time_source(str(store))[0] != "atime":
+        pytest.skip("the filesystem keeps no access times: a restore cannot count as a use")
+    prompts = [f"Part {k} of the story. {SAMPLE_PROMPT}" for k in range(3)]
+    erase_all(llama)
+    with serving(llama, llama.save_dir, str(store)) as s:     # one state's size, without a budget
+        complete(s.url, "Part 9 of the story. " + SAMPLE_PROMPT)
+        s.wait_for("saves", 1)
+    (first,) = store.glob("serve-*.bin")
+    size = first.stat().st_size
+    # a real slot file under a working file's name, used an hour ago: the least recently used of all, but pinned
+    pinned = store / "serve-slot1-999-1-incoming.bin"
+    first.rename(pinned)
+    old = time.time() - 3600
+    os.utime(pinned, (old, old))
+    erase_all(llama)
+    budget = int(size * 4.5)
+    with serving(llama, llama.save_dir, str(store), "--max-size", str(budget)) as s:
+        answers = []
+        for k, p in enumerate(prompts):          # A, B, C: with the pinned file, 4 states' size
+            answers.append(complete(s.url, p))
+            s.wait_for("saves", k + 1)
+            time.sleep(0.2)
+        assert s.stats()["pruned"] == 0
+        states = {p.name: p for p in store.glob("serve-*.bin") if p != pinned}
+        by_prompt = {}
+        from slotctl.slotfile import open_slot_file
+
+        for name, path in states.items():
+            with open_slot_file(path) as sf:
+                text = llama.post("/detokenize", {"tokens": [int(t) for t in sf.tokens.tokens[:8]]})[1]["content"]
+            by_prompt[next(k for k in range(3) if f"Part {k} " in text)] = name
+        a, b, c = (by_prompt[k] for k in range(3))
+        # A comes back (its slot was given to C): restored, so used last; its new state stored: over the budget,
+        # the least recently used goes: B
+        again = complete(s.url, prompts[0] + answers[0]["content"] + TURN2_EXTRA)
+        assert again["timings"]["cache_n"] > 100, s.output()
+        c4 = s.wait_for("saves", 4)
+        assert c4["restores"] == 1 and s.wait_for("pruned", 1)["pruned"] == 1, s.output()
+        left = {p.name for p in store.glob("*.bin")}
+        assert pinned.name in left and a in left and c in left and b not in left, (left, a, b, c)
+        assert len(left) == 4
+        assert sum(p.stat().st_size for p in store.glob("*.bin")) <= budget
+        (ev,) = [e for e in s.events if e["event"] == "pruned"]
+        assert ev["details"]["path"].endswith(b)

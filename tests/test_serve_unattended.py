@@ -373,6 +373,17 @@ class Router:
         self.srv = R(binary, models / "tiny.gguf", log_path=log).start()
         self.url = self.srv.url
 
+    @classmethod
+    def of_tiny(cls, binary: Path, tiny_models, tmp_path: Path) -> tuple["Router", Path, Path]:
+        """A router whose --models-dir holds the tiny model as ``tiny``; with its slot directory and a store."""
+        import shutil
+
+        models, slots, store = tmp_path / "models", tmp_path / "slots", tmp_path / "store"
+        for d in (models, slots, store):
+            d.mkdir()
+        shutil.copy(tiny_models.target, models / "tiny.gguf")
+        return cls(binary, models, slots, tmp_path / "router.log"), slots, store
+
     def stop(self) -> None:
         self.srv.stop()     # its process group: the children with it
 
@@ -383,14 +394,9 @@ def test_router_mode_gets_one_line_naming_the_models_own_server(llama_server_bin
     a slot action whose model is in ?model= and routes one whose model is in the JSON body; keep --save-all
     against the model's own server (the port the line names) saves through it."""
     import re
-    import shutil
     import urllib.request
 
-    models, slots, store = tmp_path / "models", tmp_path / "slots", tmp_path / "store"
-    for d in (models, slots, store):
-        d.mkdir()
-    shutil.copy(tiny_models.target, models / "tiny.gguf")
-    router = Router(llama_server_bin, models, slots, tmp_path / "router.log")
+    router, slots, store = Router.of_tiny(llama_server_bin, tiny_models, tmp_path)
     try:
         r = subprocess.run([sys.executable, "-m", "slotctl", "slots", "--server", router.url], capture_output=True,
                            text=True, timeout=60, env=_env())

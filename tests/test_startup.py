@@ -65,6 +65,22 @@ def test_inspect_without_model_reads_the_file_and_nothing_more(tmp_path):
         assert heavy == {"numpy", "construct"} | drawn, extra
 
 
+def test_inspect_file_imports_no_flag_tables_and_no_json(tmp_path):
+    """``inspect FILE`` (a file without checkpoints or a draft state, shown for people) reads no server flags
+    (their tables, ServerFlags, the context settings), no speculative state and writes no JSON: the modules
+    it does not need are not imported (docs/design.md, "Imports and start-up")."""
+    out = tmp_path / "modules.txt"
+    probe = ("import sys\nfrom slotctl.cli.app import main\ntry:\n    main(sys.argv[2:])\nexcept SystemExit:\n    pass\n"
+             "open(sys.argv[1], 'w').write('\\n'.join(sorted(sys.modules)))\n")   # _PROBE's own json aside
+    subprocess.run([sys.executable, "-c", probe, str(out), "inspect", str(SLOT_FILE)], capture_output=True,
+                   timeout=120)
+    mods = set(out.read_text().split("\n"))
+    assert {"slotctl.slotfile", "slotctl.server.findings", "slotctl.server.reuse", "rich.table"} <= mods
+    unneeded = {"slotctl.server.flags", "slotctl.server.args_b11434", "slotctl.model.settings",
+                "slotctl.server.speculative", "slotctl.server.restore", "json"}
+    assert mods.isdisjoint(unneeded), sorted(mods & unneeded)
+
+
 def test_validate_and_strip_draft_run_no_llama_cpp_and_no_http(tmp_path):
     code, heavy = loaded(tmp_path, "validate", str(SLOT_FILE), "-c", "256", "-fa", "on")
     assert code in (0, None)

@@ -1,4 +1,5 @@
-"""Helpers every command uses: error handling, the runtime's state version, files and prompts as given."""
+"""Helpers every command uses: error handling, files and prompts as given (whether llama-cpp-python is installed:
+``slotctl.cli.extras``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Iterator
 import typer
 
 from slotctl.cli.output import Output, escape_text
-from slotctl.errors import SlotctlError, Terminated, UsageError, worst
+from slotctl.errors import Terminated, UsageError, worst
 
 
 def handle_errors(fn):
@@ -74,56 +75,6 @@ def use_store(values) -> None:
     import slotctl.store.s3  # registers the s3 scheme with slotctl.sources
 
     slotctl.store.s3.start_run()    # a command run in-process after another (the demo, tests) starts afresh
-
-
-def llama_available() -> bool:
-    """Whether llama-cpp-python is installed (found without importing it: importing loads llama.cpp)."""
-    import importlib.util
-
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-def llama_install() -> str:
-    """The pip command that adds llama-cpp-python, pinned as slotctl's ``[llama]`` extra pins it."""
-    req = "llama-cpp-python"
-    try:
-        import importlib.metadata
-
-        for r in importlib.metadata.requires("slotctl") or []:
-            spec = r.partition(";")[0]  # the [llama] extra's pin (or, in older metadata, a plain dependency)
-            if spec.strip().startswith("llama-cpp-python"):
-                req = spec.strip()
-                break
-    except Exception:  # noqa: BLE001 - not installed as a distribution (PYTHONPATH): the bare name
-        pass
-    return f"pip install '{req}'"
-
-
-def require_llama(what: str) -> None:
-    """A usage error (exit 2) naming what to install when llama-cpp-python is missing."""
-    if not llama_available():
-        raise SlotctlError(llama_missing(what))
-
-
-def llama_missing(what: str) -> str:
-    return f"{what} runs llama.cpp, and llama-cpp-python is not installed: {llama_hint()}"
-
-
-def llama_hint() -> str:
-    """How to install llama-cpp-python and what that takes."""
-    return f"{llama_install()} (slotctl's [llama] extra; it compiles llama.cpp: a C/C++ compiler and a few minutes)"
-
-
-def runtime_state_version() -> int | None:
-    """The state version this llama-cpp-python reads and writes, or None when it is not installed."""
-    if not llama_available():
-        return None
-    try:
-        from slotctl.runtime.context import STATE_VERSION
-
-        return STATE_VERSION
-    except Exception:  # noqa: BLE001 - a broken runtime must not stop inspection
-        return None
 
 
 def check_file(path) -> None:

@@ -28,7 +28,8 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
-from slotctl.cli.common import handle_errors, llama_available, llama_hint
+from slotctl.cli.common import handle_errors
+from slotctl.cli.extras import llama_available, llama_hint
 from slotctl.cli.options import JsonOpt, VerboseOpt
 from slotctl.cli.output import Output
 from slotctl.errors import ExitStatus

@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from slotctl.cli.common import check_file, handle_errors, llama_available, llama_install, store_deadline
+from slotctl.cli.common import check_file, handle_errors, store_deadline
+from slotctl.cli.extras import llama_available, llama_install
 from slotctl.cli.options import DraftModelOpt, JsonOpt, ModelOpt, StoreTimeoutOpt, VerboseOpt
 from slotctl.cli.output import Output, escape_text
 from slotctl.errors import ExitStatus

@@ -49,7 +49,7 @@ def _is_llama_missing(e: BaseException) -> bool:
 
 
 def _llama_missing(command: str) -> str:
-    from slotctl.cli.common import llama_missing
+    from slotctl.cli.extras import llama_missing
 
     return llama_missing(command or "this command")
 

@@ -9,7 +9,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from slotctl.cli.common import check_file, handle_errors, require_llama, store_deadline
+from slotctl.cli.common import check_file, handle_errors, store_deadline
+from slotctl.cli.extras import require_llama
 from slotctl.cli.options import JsonOpt, StoreTimeoutOpt, VerboseOpt
 from slotctl.cli.output import Output, markup_safe
 from slotctl.errors import ExitStatus, UsageError

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from slotctl.cli.common import (FileRun, NoteCounter, file_error, handle_errors, llama_available, llama_install,
-                                readable, store_deadline)
+from slotctl.cli.common import FileRun, NoteCounter, file_error, handle_errors, readable, store_deadline
+from slotctl.cli.extras import llama_available, llama_install
 from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt, StoreTimeoutOpt, VerboseOpt
 from slotctl.cli.output import Output
 from slotctl.describe import describe_file

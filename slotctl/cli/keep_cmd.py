@@ -11,7 +11,7 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ApiKeyOpt, ArgsCommand, ConfigOpt, flag_option, store_option
+from slotctl.cli.options import ApiKeyOpt, ArgsCommand, ConfigOpt, RouterModelOpt, flag_option, store_option
 from slotctl.cli.output import Output, style_of
 from slotctl.errors import SlotctlError, UsageError
 from slotctl.live import SLOT_FILE_TIMEOUT
@@ -64,6 +64,7 @@ def keep(
                                                        "default f16).")] = None,
     allow_lossy: Annotated[bool, typer.Option("--allow-lossy", help="Re-encode a stored state's cache rows when "
                                               "the server's cache types changed (lossy).")] = False,
+    router_model: RouterModelOpt = None,
     api_key: ApiKeyOpt = None,
     timeout: Annotated[Optional[float], typer.Option("--timeout", min=0.001, max=86400.0, metavar="SECONDS",
                                                      help="Give up on a request after this many seconds "
@@ -100,6 +101,8 @@ def keep(
     out = Output(json_mode=json_out)
     cfg = load(config) if config is not None else Config()
     server, slot_dir, store, api_key = cfg.fill("keep", server, slot_dir, store, api_key)
+    if router_model is not None and server is not None:
+        server = remote.server_url(server, router_model)
     k = cfg.keep
 
     def pick(flag, key, default):
@@ -157,7 +160,11 @@ def keep(
         except (SlotctlError, OSError) as e:
             metrics.store_failed(str(e))
 
-    held = locks.acquire(store if store is not None else slot_dir, keeper.url, ttl=lease)
+    from slotctl.live import router
+
+    model = router.model_for(keeper.url)   # one keeper per router's model and store
+    held = locks.acquire(store if store is not None else slot_dir,
+                         keeper.url + (f" (model {model})" if model else ""), ttl=lease)
     keeper.lock = held
     endpoint = watchdog = None
     try:

@@ -14,8 +14,9 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import (ApiKeyOpt, ArgsCommand, ConfigOpt, JsonOpt, ServerOpt, ServerSlotOpt, TimeoutOpt,
+from slotctl.cli.options import (ApiKeyOpt, ArgsCommand, ConfigOpt, JsonOpt, RouterModelOpt, ServerOpt, ServerSlotOpt, TimeoutOpt,
                                  store_option)
 from slotctl.cli.output import Output, style_of
 from slotctl.cli.remote import _cell, _plain
@@ -38,6 +39,7 @@ def slots(
                                                  "s3:// prefix, keep's names): each slot's stored states and "
                                                  "the predicted reuse of the best.")] = None,
     config: ConfigOpt = None,
+    router_model: RouterModelOpt = None,
     watch: Annotated[Optional[float], typer.Option("--watch", min=0.1, max=86400.0, metavar="SECONDS",
                                                    help="Read again every SECONDS: redrawn in place on a terminal, "
                                                         "the rows alone on a pipe; Ctrl-C stops.")] = None,
@@ -59,6 +61,11 @@ def slots(
     """
     out = Output(json_mode=json_out)
     servers = list(server or [])
+    if router_model is not None:
+        if len(servers) != 1:
+            raise UsageError("--router-model goes with one --server URL, the router (in --config: a server entry's "
+                             "model)")
+        servers = [remote.server_url(servers[0], router_model)]
     if config is None and watch is None and store is None and len(servers) == 1:
         return _one_server(out, servers[0], api_key, timeout, json_out)
     from slotctl.cli.common import use_store
@@ -196,6 +203,7 @@ def render_slots(out: Output, doc: dict) -> None:
 def erase(
     server: ServerOpt,
     slot: ServerSlotOpt,
+    router_model: RouterModelOpt = None,
     api_key: ApiKeyOpt = None,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT,
     json_out: JsonOpt = False,
@@ -209,7 +217,7 @@ def erase(
     slot actions only then); 2 unreachable, wrong API key, usage error.
     """
     out = Output(json_mode=json_out)
-    url = server_api.normalize_url(server)
+    url = remote.server_url(server, router_model)
     answer = server_api.erase_slot(url, slot, api_key=api_key, timeout=timeout)
     if json_out:
         out.json({"server": url, "slot": slot, "answer": answer, "exit_code": 0})

@@ -79,6 +79,11 @@ ApiKeyOpt = Annotated[Optional[str], typer.Option("--api-key", envvar=API_KEY_EN
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, metavar="SECONDS",
                                            help="Give up on a request after this many seconds.")]
 ServerSlotOpt = Annotated[int, typer.Option("--slot", min=0, help="The slot id (0, 1, ...).")]
+#: the model a router URL stands for (slotctl.live.router): slot reads and actions name it as the router routes
+RouterModelOpt = Annotated[Optional[str], typer.Option("--router-model", metavar="NAME",
+                                                       help="The --server is llama-server's router (router mode): "
+                                                            "act on this model of it (its name in the router's GET "
+                                                            "/models; never loaded by slotctl; docs/fleet.md).")]
 #: keep and slots: a TOML configuration file (slotctl.unattended.config)
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", dir_okay=False, metavar="FILE",
                                                   help="A TOML configuration file (docs/fleet.md); flags given here "
@@ -171,7 +176,7 @@ def _refuse_repeated(command, ctx, args: list[str]) -> None:
 SERVER_ARGS_PARAM = "server_args"
 #: parameters that only live mode (``--server URL``) takes; in ``--server-args`` without ``--server`` they
 #: are the server's own flags of the same names (``--api-key``, ``--timeout``), ignored
-LIVE_ONLY_PARAMS = ("api_key", "timeout")
+LIVE_ONLY_PARAMS = ("api_key", "timeout", "router_model")
 
 
 #: the parameters whose options mean what llama-server's flags of the same spellings mean: the server flags

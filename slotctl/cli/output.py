@@ -9,7 +9,6 @@ rich is imported where something is drawn (the consoles are made on first use): 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -137,7 +136,7 @@ class Output:
     def json_line(self, data: Any) -> None:
         """One JSON object on one line of stdout, flushed (``--jsonl`` streams them as they come)."""
         try:     # plain JSON values (an ls row): json's own encoder, made once (the same text)
-            text = _PLAIN_JSON.encode(data)
+            text = _plain_json().encode(data)
         except TypeError:      # an array or another value of slotctl's (_json_default): written as it defers them
             _write_json(self._stdout, data, indent=None)
             return
@@ -330,7 +329,7 @@ class Output:
 def keep_whole(table: Table, keep: Iterable[str] | None = None, console: Console | None = None) -> Table:
     """Mark the ``keep`` columns of ``table`` (all when None) as never wrapped or cut: each is as wide as its
     widest cell or header. The other columns fold. For a table nested in a panel (the panel is what wraps)."""
-    console = console or Console()
+    console = console or _measuring_console()
     names = None if keep is None else set(keep)
     for col in table.columns:
         if names is None or col.header in names:
@@ -342,16 +341,27 @@ def keep_whole(table: Table, keep: Iterable[str] | None = None, console: Console
 
 
 def _cell_width(console: Console, cell: Any) -> int:
-    """The widest line of a table cell, in terminal cells."""
+    """The widest line of a table cell, in terminal cells (markup and emoji codes read as the table will read
+    them; not highlighted: a highlighter adds styles, never width, and compiles its patterns on first use)."""
     from rich.text import Text
 
-    text = cell if isinstance(cell, Text) else console.render_str(str(cell))
+    text = cell if isinstance(cell, Text) else console.render_str(str(cell), highlight=False)
     return max((Text(line).cell_len for line in text.plain.split("\n")), default=0)
 
 
-#: the encoder of documents that hold only JSON's own values: json.dumps's defaults (it raises TypeError on
-#: anything else, which is then written by :func:`_write_json`)
-_PLAIN_JSON = json.JSONEncoder()
+_PLAIN_JSON = None
+
+
+def _plain_json():
+    """The encoder of documents that hold only JSON's own values: json.dumps's defaults (it raises TypeError on
+    anything else, which is then written by :func:`_write_json`); made once, with the first such document
+    (``json`` is imported only where a document is written)."""
+    global _PLAIN_JSON
+    if _PLAIN_JSON is None:
+        import json
+
+        _PLAIN_JSON = json.JSONEncoder()
+    return _PLAIN_JSON
 
 #: arrays longer than this are written in blocks, compact, instead of one JSON value per line
 _LONG_ARRAY = 4096
@@ -361,6 +371,8 @@ def _write_json(stream, data: Any, *, indent: int | None) -> None:
     """``data`` as JSON and a newline, flushed; a long integer array (a prompt's tokens) is written in
     blocks where its mark stands, compact on one line, so a document of millions of tokens never exists as
     one string or one list of Python ints."""
+    import json   # only where a document is written: the human view never needs it
+
     arrays: list = []
     # the mark of an array: its index between NULs and a nonce no text from a file can know, so a prompt
     # that spells a mark stays text (json.dumps quotes the NULs as \u0000)
@@ -432,3 +444,13 @@ def Console(**kwargs):
 
 
 _CONSOLE = None
+_MEASURING = None
+
+
+def _measuring_console():
+    """A console that only reads cells (:func:`keep_whole` of a table nested in a panel), made once: markup and
+    emoji codes as every console reads them; it never prints."""
+    global _MEASURING
+    if _MEASURING is None:
+        _MEASURING = Console()
+    return _MEASURING

@@ -26,7 +26,7 @@ from slotctl.errors import UsageError
 
 #: parameters save and restore take in live mode; any other one given is a usage error there
 _LIVE_PARAMS = frozenset({"server", "api_key", "timeout", "slot", "json_out", "verbose", "name", "file", "prove",
-                          "slot_dir"})
+                          "slot_dir", "router_model"})
 #: parameters that only live mode takes
 _SERVER_ONLY = LIVE_ONLY_PARAMS
 
@@ -91,6 +91,16 @@ def require_local(ctx: typer.Context | None, command: str, *, store: bool = Fals
                              f"{command} --server URL --slot N NAME)")
 
 
+def server_url(server: str, router_model: str | None = None) -> str:
+    """The server's normalized URL; with ``router_model`` (``--router-model``), that URL is a router and every
+    request to it names the model as the router routes (:mod:`slotctl.live.router`)."""
+    from slotctl.live import router
+
+    url = server_api.normalize_url(server)
+    router.use_model(url, router_model)
+    return url
+
+
 def check_slot_dir_and_store(slot_dir: Path, store: str | None) -> None:
     """UsageError unless ``--slot-dir`` is a directory and ``--store`` a directory or an ``s3://`` prefix (keep,
     serve)."""
@@ -133,13 +143,13 @@ _ANSWER_KEYS = {
 
 
 def save_on_server(ctx: typer.Context | None, out: Output, server: str, name: str | None, *, slot: int,
-                   api_key: str | None, timeout: float, json_out: bool) -> None:
+                   api_key: str | None, timeout: float, json_out: bool, router_model: str | None = None) -> None:
     """``slotctl save --server URL --slot N NAME``: the server writes slot N to NAME in its --slot-save-path."""
     refuse_local_options(ctx, "save", "the server saves the slot as it holds it, into its --slot-save-path")
     if name is None:
         raise UsageError("save --server: give the file name, NAME, as in `slotctl save --server URL --slot N "
                          "NAME` (the server writes it into its --slot-save-path)")
-    url = server_api.normalize_url(server)
+    url = server_url(server, router_model)
     answer = server_api.save_slot(url, slot, name, api_key=api_key, timeout=timeout)
     _answer(out, answer, json_out, url, f"slot {slot} saved to {name}", slot=slot, name=name, note=SAVE_NOTE)
 
@@ -158,7 +168,8 @@ def restore_refused_hint(url: str, name: str, slot_dir: Path | None) -> str:
 
 def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name: str, *, slot: int,
                       api_key: str | None, timeout: float, json_out: bool, prove: bool = False,
-                      slot_dir: Path | None = None, force: bool = False, prove_anyway: bool = False) -> None:
+                      slot_dir: Path | None = None, force: bool = False, prove_anyway: bool = False,
+                      router_model: str | None = None) -> None:
     """``slotctl restore --server URL --slot N NAME [--slot-dir DIR] [--prove]``: the server restores NAME
     from its --slot-save-path. With ``slot_dir`` the file is read there first and judged for that server
     (:func:`slotctl.live.judge.check_sendable`): one it refuses or aborts on is not sent unless ``force``.
@@ -170,7 +181,7 @@ def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name:
     refuse_local_options(ctx, "restore", "the server restores the file with its own model and flags",
                          also=frozenset({"force", "prove_anyway"}))
     name = raw_value(ctx, "file", name)
-    url = server_api.normalize_url(server)
+    url = server_url(server, router_model)
     local = None
     if prove and slot_dir is None:
         raise UsageError("--prove needs --slot-dir DIR, the server's --slot-save-path as this machine sees it "

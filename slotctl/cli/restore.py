@@ -14,8 +14,9 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.cli import remote
-from slotctl.cli.common import check_file, handle_errors, read_prompt, require_llama
-from slotctl.cli.options import (ArgsCommand, DraftModelOpt, ForceSendOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt,
+from slotctl.cli.common import check_file, handle_errors, read_prompt
+from slotctl.cli.extras import require_llama
+from slotctl.cli.options import (ArgsCommand, RouterModelOpt, DraftModelOpt, ForceSendOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt,
                                  LiveTimeoutOpt, LocalModelOpt, ProveAnywayOpt, ProveOpt, SlotDirOpt, SlotOpt, VerboseOpt,
                                  with_server_flags)
 from slotctl.live import SLOT_FILE_TIMEOUT
@@ -60,6 +61,7 @@ def restore(
     slot_dir: SlotDirOpt = None,
     force: ForceSendOpt = False,
     prove_anyway: ProveAnywayOpt = False,
+    router_model: RouterModelOpt = None,
     api_key: LiveApiKeyOpt = None,
     timeout: LiveTimeoutOpt = SLOT_FILE_TIMEOUT,
     json_out: JsonOpt = False,
@@ -87,7 +89,7 @@ def restore(
     """
     out = Output(json_mode=json_out, verbose=verbose)
     if server is not None:  # live mode: docs/live.md
-        return remote.restore_on_server(ctx, out, server, str(file), slot=slot, api_key=api_key, timeout=timeout,
+        return remote.restore_on_server(ctx, out, server, str(file), slot=slot, api_key=api_key, timeout=timeout, router_model=router_model,
                                         json_out=json_out, prove=prove, slot_dir=slot_dir, force=force,
                                         prove_anyway=prove_anyway)
     remote.require_local(ctx, "restore", model=model)

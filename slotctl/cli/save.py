@@ -10,8 +10,9 @@ import typer
 from rich.text import Text
 
 from slotctl.cli import remote
-from slotctl.cli.common import handle_errors, read_prompt, require_llama
-from slotctl.cli.options import (ArgsCommand, DraftModelOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt, LiveTimeoutOpt,
+from slotctl.cli.common import handle_errors, read_prompt
+from slotctl.cli.extras import require_llama
+from slotctl.cli.options import (ArgsCommand, RouterModelOpt, DraftModelOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt, LiveTimeoutOpt,
                                  LocalModelOpt, SaveStateVersionOpt, SlotOpt, VerboseOpt, with_server_flags)
 from slotctl.live import SLOT_FILE_TIMEOUT
 from slotctl.cli.output import Output
@@ -61,6 +62,7 @@ def save(
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
     slot: SlotOpt = 0,
     server: LiveServerOpt = None,
+    router_model: RouterModelOpt = None,
     api_key: LiveApiKeyOpt = None,
     timeout: LiveTimeoutOpt = SLOT_FILE_TIMEOUT,
     json_out: JsonOpt = False,
@@ -80,7 +82,7 @@ def save(
     """
     out = Output(json_mode=json_out, verbose=verbose)
     if server is not None:  # live mode: docs/live.md
-        return remote.save_on_server(ctx, out, server, name, slot=slot, api_key=api_key, timeout=timeout,
+        return remote.save_on_server(ctx, out, server, name, slot=slot, api_key=api_key, timeout=timeout, router_model=router_model,
                                    json_out=json_out)
     if name is not None:
         raise UsageError(f"NAME ({name!r}) is a file name in a server's --slot-save-path and goes with --server "

@@ -95,6 +95,14 @@ def serve(
 
     cfg = load(config) if config is not None else Config()
     upstream, slot_dir, store, api_key = cfg.fill("serve", upstream, slot_dir, store, api_key)
+    if upstream is not None:
+        from slotctl.live import router
+        from slotctl.live.http import normalize_url
+
+        if router.model_for(normalize_url(upstream)) is not None:
+            raise UsageError(f"serve: {normalize_url(upstream)} is a router (its server entry names a model): serve "
+                             f"caches one server's prompts and does not front a router's models (point it at the "
+                             f"model's own server; docs/fleet.md, router mode)")
     v = cfg.serve
 
     def pick(flag, key, default):

@@ -11,7 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.cli import remote
-from slotctl.cli.common import FileRun, NoteCounter, handle_errors, llama_available, llama_install, store_deadline
+from slotctl.cli.common import FileRun, NoteCounter, handle_errors, store_deadline
+from slotctl.cli.extras import llama_available, llama_install
 from slotctl.cli.options import (
     ArgsCommand,
     DraftModelOpt,

@@ -19,3 +19,16 @@ DEFAULT_TIMEOUT = 30.0
 SLOT_FILE_TIMEOUT = 600.0
 #: the environment variable that holds the API key when ``--api-key`` is not given
 API_KEY_ENV = "LLAMA_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a URL's host name or address) names this machine's loopback: here, below ``http`` and
+    ``router``, which both ask it (``ipaddress`` imported when asked: the CLI's options import this package)."""
+    import ipaddress
+
+    if host.lower() in ("localhost", "localhost.localdomain") or host.lower().endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -33,7 +33,6 @@ A hostile or broken server cannot mislead or hold a command (docs/live.md, "What
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import re
@@ -43,6 +42,9 @@ from typing import Any
 
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
 from slotctl.live import API_KEY_ENV, DEFAULT_TIMEOUT  # live mode's defaults, read by the CLI's options too
+from slotctl.live import is_loopback
+from slotctl.live import router
+from slotctl.live.router import ROUTER_NO_MODEL
 from slotctl.server.filenames import check_filename
 from slotctl.server.flags import MAX_PARALLEL
 
@@ -175,15 +177,6 @@ def normalize_url(url: str) -> str:
     if port == 0:
         raise UsageError(f"--server {shown!r}: port 0 is not a port a server listens on")
     return redact(urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", "")))
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() in ("localhost", "localhost.localdomain") or host.lower().endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)
@@ -357,6 +350,9 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
     if not timeout or timeout <= 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {timeout}")
     base = normalize_url(url)
+    model = router.wanted(base, path)   # a router's model, named as the router routes (slotctl.live.router)
+    if model is not None:
+        query, body = router.routed(model, method, query, body)
     target = path
     if query:
         target += "?" + urllib.parse.urlencode(query)
@@ -451,18 +447,36 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
     if status >= 400:
         try:
             _raise_http_error(what, status, raw)
-        except ServerRefused as e:
+        except ServerError as e:
+            said = getattr(e, "message", "")
+            if model is not None and router.unrouted(status, said, path):
+                # the router did not route the slot action by its body's model: the model's own server, now
+                own = router.own_server_url(base, model, router_models(base, api_key=api_key, timeout=timeout))
+                router.say_fallback(base, model, own, f"HTTP {status}: {said or 'no such route'}")
+                plain = {k: v for k, v in (query or {}).items() if k not in ("model", "autoload")}
+                if isinstance(body, dict):
+                    body = {k: v for k, v in body.items() if k != "model"}
+                return request(own, method, path, body, query=plain, api_key=api_key, timeout=timeout)
+            if model is not None and status == 400 and said == router.not_found(model):
+                names = ", ".join(_escaped(m["name"]) for m in router_models(base, api_key=api_key, timeout=timeout))
+                raise UsageError(f"{what}: the router has no model named {_escaped(model)!r} (GET /models: "
+                                 f"{names or 'none'})") from None
+            if model is not None and status == 400 and said == router.ROUTER_NOT_LOADED:
+                raise RouterModelNotLoaded(f"{what}: the router's model {model!r} is not loaded, and no request "
+                                           f"is made to load it (load it with POST {base}/models/load, or send it "
+                                           f"a request) (docs/fleet.md, router mode)") from None
             # b11434's router, asked without a "model": its own words (server-models.cpp, router_validate_model)
-            if status == 400 and e.message == ROUTER_NO_MODEL and path != "/models":
+            if isinstance(e, ServerRefused) and status == 400 and said == ROUTER_NO_MODEL and path != "/models":
                 raise RouterMode(f"{what}: {router_message(url, api_key=api_key, timeout=timeout)}") from None
             raise
     if not 200 <= status < 300:
         raise ServerUnreachable(f"{what}: unexpected HTTP {status}")
     try:
-        return parse_answer(raw, what)
+        answer = parse_answer(raw, what)
     except ValueError:
         raise ServerUnreachable(f"{what}: answered HTTP {status} with something that is not JSON "
                                 f"({_snippet(raw)}): is this a llama-server?") from None
+    return router.answer_for(model, path, answer) if model is not None else answer
 
 
 #: the most values (objects, lists, strings, numbers...), escapes (``\\n``, ``\\u00e9``) and the deepest nesting an
@@ -658,8 +672,10 @@ def get_health(url: str, *, api_key: str | None = None, timeout: float = DEFAULT
                                                                     timeout=timeout), SHAPES["/health"])
 
 
-#: what b11434's router answers (HTTP 400) to a request that names no model
-ROUTER_NO_MODEL = "model name is missing from the request"
+class RouterModelNotLoaded(ServerUnreachable):
+    """The router's model (``--router-model``) is not loaded, and slotctl never makes a router load one (exit 2)."""
+
+    code = "router_model_not_loaded"
 
 
 class RouterMode(ServerUnreachable):
@@ -717,10 +733,16 @@ def router_message(url: str, *, api_key: str | None = None, timeout: float = DEF
                           for m in models) or "none"
     except ServerError as e:
         shown = f"not known (GET /models: {e})"
+    model = router.model_for(base)
+    if model is not None:   # named, and not routed by it: another build's router
+        return (f"{base} is llama-server's router (router mode) and did not route the request by the model named "
+                f"({model!r}, in ?model= and the body's \"model\"): point --server at the model's own server, on "
+                f"the router's machine (its port changes at each load); models: {shown} (docs/fleet.md, router mode)")
     return (f"{base} is llama-server's router (router mode): it answers for no one model, and b11434's router "
-            f"routes a slot action only by the \"model\" of its JSON body (never ?model=), which is not sent "
-            f"by slotctl: point --server at the model's own server, on the router's machine (its port changes "
-            f"at each load); models: {shown} (docs/fleet.md, router mode)")
+            f"routes a slot action only by the \"model\" of its JSON body (never ?model=): name the model with "
+            f"--router-model NAME (a server entry's model in --config), or point --server at the model's own "
+            f"server, on the router's machine (its port changes at each load); models: {shown} "
+            f"(docs/fleet.md, router mode)")
 
 
 def get_slots(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> list:

@@ -7,7 +7,7 @@ import os
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import llama_cpp
 import numpy as np
@@ -17,8 +17,12 @@ from slotctl.errors import SlotctlError, UsageError
 from slotctl.paths import check_readable
 from slotctl.runtime.log import capture_errors, ensure_backend
 
-if TYPE_CHECKING:
-    from slotctl.runtime.context import Context
+
+class Freeable(Protocol):
+    """What a model frees before itself: a context built on it (``slotctl.runtime.context.Context``, which
+    imports this module: named here only by what the model calls, so that imports point one way)."""
+
+    def close(self) -> None: ...
 
 
 #: the steps model loading reports its progress in
@@ -83,7 +87,7 @@ class Model:
         if not ptr:
             raise LlamaError(f"cannot load model {self.path}", errors)
         self._ptr = ptr
-        self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        self._contexts: weakref.WeakSet[Freeable] = weakref.WeakSet()
         self._finalizer = weakref.finalize(self, llama_cpp.llama_model_free, ptr)
         self._vocab = llama_cpp.llama_model_get_vocab(ptr)
         #: tokens in the vocabulary; valid token ids are ``0 .. n_vocab - 1``
@@ -117,7 +121,7 @@ class Model:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _adopt(self, context: Context) -> None:
+    def _adopt(self, context: Freeable) -> None:
         """Register a context built on this model, so that ``close()`` frees it first."""
         self._contexts.add(context)
 

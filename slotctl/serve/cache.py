@@ -368,10 +368,15 @@ class Cache:
     def restore(self, state: State, slot: int, api_key: str | None = None, placed: str | None = None) -> dict:
         """``state`` placed in the server's slot directory and restored into ``slot`` (the placed copy
         removed after, unless the store is the slot directory); ``placed``: the name of a file already there
-        (a converted state, :meth:`converted`), restored as it is. The server's answer."""
+        (a converted state, :meth:`converted`), restored as it is. The server's answer. A state of a directory
+        store restored (or converted and restored) is read as a reader reads (:func:`_used`): ``--max-size``
+        prunes the least recently used by the access time, which the copy (``copy_file_range``) does not
+        update."""
         if placed is not None:
-            return http.restore_slot(self.url, slot, placed, api_key=api_key or self.api_key, timeout=self.timeout,
-                                     check=False)
+            answer = http.restore_slot(self.url, slot, placed, api_key=api_key or self.api_key, timeout=self.timeout,
+                                       check=False)
+            self._used(state.name)
+            return answer
         name = state.name
         placed = self.slot_dir / name
         copied = not placed.exists()
@@ -382,8 +387,10 @@ class Cache:
             else:
                 copy_atomic(where, placed)     # not a hard link: that would change the state's ctime, its identity
         try:
-            return http.restore_slot(self.url, slot, name, api_key=api_key or self.api_key, timeout=self.timeout,
-                                     check=False)
+            answer = http.restore_slot(self.url, slot, name, api_key=api_key or self.api_key, timeout=self.timeout,
+                                       check=False)
+            self._used(name)
+            return answer
         finally:
             if copied:
                 try:
@@ -391,20 +398,30 @@ class Cache:
                 except FileNotFoundError:
                     pass
 
+    def _used(self, name: str) -> None:
+        """A state of a directory store read as a reader reads (:func:`_used`); an object has no access time."""
+        where = self.store.where(name)
+        if not where.startswith("s3://"):
+            _used(where)
+
     # -- saving ----------------------------------------------------------------------------------------
 
-    def save(self, slot: int, api_key: str | None = None) -> Saved | None:
-        """The slot saved by the server into the slot directory (under a working name of its own) and
-        checked: it parses, with the token count and size the server reported (:func:`read_saved`). None when
-        the slot holds nothing (the working file removed); the working file is :meth:`store`'s to store or
-        remove."""
+    def work_name(self, slot: int) -> str:
+        """A working name of its own for one save of ``slot`` (in the slot directory)."""
         with self._lock:
             self._seq += 1
-            work = INCOMING.format(slot=slot, seq=f"{os.getpid()}-{self._seq}")
+            return INCOMING.format(slot=slot, seq=f"{os.getpid()}-{self._seq}")
+
+    def checked(self, slot: int, work: str, answer) -> Saved | None:
+        """The file the server saved as ``work`` for ``slot`` checked against its answer to the save: it parses,
+        with the token count and size the server reported (:func:`read_saved`). None when the slot held
+        nothing (the working file removed); the working file is :meth:`store_saved`'s to store or remove."""
         path = self.slot_dir / work
         try:
-            answer = http.save_slot(self.url, slot, work, api_key=api_key or self.api_key, timeout=self.timeout,
-                                    check=False)
+            what = f"POST {self.url}/slots/{slot}?action=save"
+            http.check_shape(what, answer, http.SHAPES["save"])
+            if answer["id_slot"] != slot or answer["filename"] != work:
+                raise http.ServerAnswerError(f"{what}: unexpected answer: not slot {slot}'s save to {work}")
             got = read_saved(path, answer)
             if got.problem is not None:
                 raise http.ServerAnswerError(f"{path}: not stored: {got.problem}")
@@ -416,6 +433,10 @@ class Cache:
         except BaseException:
             _unlink(path)
             raise
+
+    def discard(self, work: str) -> None:
+        """A save's working file removed (a save whose answer never came)."""
+        _unlink(self.slot_dir / work)
 
     def store_saved(self, saved: Saved) -> None:
         """A checked save stored under its content's name (once: a state already stored is not stored
@@ -467,6 +488,17 @@ class Cache:
 
         self.store.prune(self.max_size, (INCOMING.format(slot="*", seq="*"), CONVERTED.format(slot="*", seq="*")),
                          pruned)
+
+
+def _used(path: str) -> None:
+    """``path`` read as a reader does (its first byte), so that the filesystem notes the access as its mount
+    keeps access times (``relatime``: once after each change, then daily); nothing changed (its ctime, its
+    identity in the catalog, stays)."""
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError:
+        pass
 
 
 def _unlink(path) -> None:

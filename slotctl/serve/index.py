@@ -7,6 +7,7 @@ index is filled from the store's listing and from serve's own saves.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,27 +61,31 @@ class StateIndex:
         self.states: dict[str, State] = {}
         self._keys: list[bytes] = []
         self._names: list[str] = []
+        # the proxy looks up on its event loop while a worker thread adds or forgets: keys and names change together
+        self._lock = threading.Lock()
 
     def add(self, state: State) -> None:
         import bisect
 
-        if state.name in self.states:
-            return
-        self.states[state.name] = state
         k = _key(state.tokens)
-        i = bisect.bisect_left(self._keys, k)
-        self._keys.insert(i, k)
-        self._names.insert(i, state.name)
+        with self._lock:
+            if state.name in self.states:
+                return
+            self.states[state.name] = state
+            i = bisect.bisect_left(self._keys, k)
+            self._keys.insert(i, k)
+            self._names.insert(i, state.name)
 
     def forget(self, names) -> None:
-        gone = {n for n in names if n in self.states}
-        if not gone:
-            return
-        for n in gone:
-            del self.states[n]
-        keep = [i for i, n in enumerate(self._names) if n not in gone]
-        self._keys = [self._keys[i] for i in keep]
-        self._names = [self._names[i] for i in keep]
+        with self._lock:
+            gone = {n for n in names if n in self.states}
+            if not gone:
+                return
+            for n in gone:
+                del self.states[n]
+            keep = [i for i, n in enumerate(self._names) if n not in gone]
+            self._keys = [self._keys[i] for i in keep]
+            self._names = [self._names[i] for i in keep]
 
     def lookup(self, tokens: np.ndarray, limit: int = 4) -> list[tuple[State, int]]:
         """Up to ``limit`` states sharing the longest common prefix with ``tokens``, longest first (ties: the
@@ -88,7 +93,10 @@ class StateIndex:
         import bisect
 
         q = _key(tokens)
-        i = bisect.bisect_left(self._keys, q)
+        with self._lock:
+            return self._lookup(q, bisect.bisect_left(self._keys, q), limit)
+
+    def _lookup(self, q: bytes, i: int, limit: int) -> list[tuple[State, int]]:
         found: list[tuple[int, int]] = []      # (common, position)
         lo, hi = i - 1, i
         c_lo = _common_bytes(self._keys[lo], q) if lo >= 0 else 0

@@ -4,9 +4,11 @@ client in one package: a response is passed on chunk by chunk as it comes, SSE i
 Every request is passed on as it came (method, path and query, headers but the hop-by-hop ones, body) and
 its answer comes back as the server sent it (status, reason, headers, bytes: nothing decompressed or
 re-encoded). A completion request (:data:`slotctl.server.requests.COMPLETION_PATHS`) whose body is a JSON
-object is given a slot first (:meth:`Proxy.choose`), the stored state that pays restored into it
-(:meth:`Proxy.prepare`), and goes with ``id_slot`` and ``cache_prompt``; after a whole answer, the slot
-is saved into the store before another request may use it (:meth:`Proxy._save_then_release`). Whatever
+object is given a slot first (:meth:`Proxy.choose`, from serve's own view of what each slot holds:
+``GET /slots`` is asked only when a connection to the server was made since it was last asked, and once a
+second in the background), the stored state that pays restored into it (:meth:`Proxy.prepare`), and goes
+with ``id_slot`` and ``cache_prompt``; after a whole answer, the slot is saved into the store before
+another request may use it (:meth:`Proxy._save_then_release`). Whatever
 fails in the cache, the request goes on uncached; only an upstream that does not answer is an error
 (502, JSON).
 """
@@ -19,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, TraceConfig, web
 from yarl import URL
 
 from slotctl.serve.cache import RESTORABLE, Cache, ConversionFailed
@@ -63,20 +65,31 @@ def signature(entry: dict) -> tuple | None:
 
 
 class UpstreamDown(Exception):
-    pass
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class Proxy:
     """The proxy for ``cache``'s server. ``min_gain``: a stored state is restored only when it keeps at
     least this many more prompt tokens than the slot already holds."""
 
-    def __init__(self, cache: Cache, *, min_gain: int = 16, facts_every: float = 5.0, log=None):
+    def __init__(self, cache: Cache, *, min_gain: int = 16, facts_every: float = 5.0, check_every: float = 1.0,
+                 log=None):
         self.cache = cache
         self.base = cache.url
         self.min_gain = min_gain
         self.facts_every = facts_every
+        self.check_every = check_every
         self.log = log or cache.log
         self.slots: dict[int, Slot] = {}
+        # serve's view of the slots (what each holds: every request goes through serve) is trusted while every
+        # connection to the server was made before the last GET /slots (``view_gen``): a server restarted
+        # since has closed them all, and serve's next request opens a new one (``gen`` counts them)
+        self.gen = 0
+        self.view_gen = -1
+        self._busy: set[int] = set()      # slots the last GET /slots saw at work for another client
+        self._top_task = -1               # the highest task id GET /slots showed: lower later, a new server
         self.session: ClientSession | None = None
         self._choose = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
@@ -93,15 +106,21 @@ class Proxy:
 
     async def _startup(self, _app) -> None:
         # nothing added that the client did not send (aiohttp adds User-Agent, Accept, Accept-Encoding)
+        trace = TraceConfig()
+        trace.on_connection_create_end.append(self._connected)
         self.session = ClientSession(connector=TCPConnector(limit=0), auto_decompress=False,
-                                     timeout=ClientTimeout(total=None, sock_connect=10),
+                                     timeout=ClientTimeout(total=None, sock_connect=10), trace_configs=[trace],
                                      skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
+
+    async def _connected(self, *_args) -> None:
+        self.gen += 1
 
     async def begin(self) -> None:
         """Once listening: the server's facts read (until then completions pass through uncached), then
         read again every ``facts_every`` seconds."""
         await self._refresh_facts()
         self._spawn(self._facts_loop())
+        self._spawn(self._check_loop())
 
     async def _cleanup(self, _app) -> None:
         self._stop.set()
@@ -138,6 +157,61 @@ class Proxy:
                 await asyncio.wait_for(self._stop.wait(), self.facts_every)
             except asyncio.TimeoutError:
                 await self._refresh_facts()
+
+    async def _check_loop(self) -> None:
+        """Every ``check_every`` seconds, off the request path: the slots read again (a change serve did not
+        make: another client, a restart)."""
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.check_every)
+            except asyncio.TimeoutError:
+                pass
+            if not self._stop.is_set() and self.cache.facts is not None:
+                await self.check_slots(self.cache.api_key)
+
+    async def check_slots(self, key: str | None) -> bool:
+        """``GET /slots`` read against serve's view (:meth:`_apply`); False when it cannot be read (the view is
+        then lost: every slot taken as holding nothing)."""
+        try:
+            entries = await self._get("/slots", key)
+        except UpstreamDown as e:
+            if e.status not in (401, 403):     # refused for want of a key (a client's, in the background): unknown
+                self._lose_view()
+            return False
+        except Exception:  # noqa: BLE001 - the server down or restarting
+            self._lose_view()
+            return False
+        self._apply(entries if isinstance(entries, list) else [])
+        return True
+
+    def _lose_view(self) -> None:
+        self.view_gen = -1
+        for s in self.slots.values():
+            s.tokens, s.sig = EMPTY, UNKNOWN
+
+    def _apply(self, entries: list) -> None:
+        """What ``GET /slots`` shows: a slot serve neither holds nor waits for whose signature is not the one
+        serve noted after its last request holds what serve did not put there (another client; a restarted
+        server: no task yet, or task ids counting from 0 again): taken as holding nothing."""
+        gen = self.gen      # every connection made until now answers for the server this answer describes
+        entries = [e for e in entries if isinstance(e, dict) and isinstance(e.get("id"), int)
+                   and not isinstance(e.get("id"), bool)]
+        tasks = [e["id_task"] for e in entries if isinstance(e.get("id_task"), int)]
+        top = max(tasks, default=-1)
+        if top < self._top_task:
+            for s in self.slots.values():
+                if not s.lock.locked() and s.pending == 0:
+                    s.tokens, s.sig = EMPTY, UNKNOWN
+        self._top_task = top
+        busy = set()
+        for entry in entries:
+            s = self.slots.setdefault(entry["id"], Slot(entry["id"]))
+            if not s.lock.locked() and s.pending == 0 and signature(entry) != s.sig:
+                s.tokens, s.sig = EMPTY, signature(entry)
+            if entry.get("is_processing") and not s.lock.locked():
+                busy.add(s.id)
+        self._busy = busy
+        self.view_gen = gen if self.slots else -1
 
     # -- every request ---------------------------------------------------------------------------------
 
@@ -242,16 +316,32 @@ class Proxy:
                 or not self._slot_id_ok(body.get("id_slot"))):
             c.add("passed_through")
             return (await self.forward(request, raw))[0]
+        # serve's view of the slots is read again (GET /slots) only when a connection to the server was made
+        # since it was last read (serve's first request, a restarted server): at the same time as the prompt's
+        # tokens are asked for when that is known before; after, when asking for them took a new connection.
+        # A prompt of tokens asks the server nothing: GET /health is asked instead, for its connection.
+        check = None if self.view_gen == self.gen else asyncio.ensure_future(self.check_slots(key))
         try:
             tokens = await self.tokens_of(raw, body, form, key)
         except Exception as e:  # noqa: BLE001 - the cache never fails a request
             c.add("lookup_failures")
             self.log("error", f"{request.path}: the prompt's tokens cannot be had ({e}): passed through uncached")
             tokens = None
+        if check is not None:
+            await check
         if tokens is None or len(tokens) == 0:
             c.add("passed_through")
             return (await self.forward(request, raw))[0]
-        slot = await self.choose(tokens, body.get("id_slot"), key)
+        if check is None and form != "chat" and prompt_form(body.get("prompt")) == "tokens":
+            try:
+                await self._get("/health", key)
+            except Exception:  # noqa: BLE001 - loading or down: GET /slots below says which
+                self.view_gen = -1
+        if self.view_gen != self.gen and not await self.check_slots(key):
+            self.log("error", "GET /slots cannot be read: the request passes through uncached")
+            c.add("passed_through")
+            return (await self.forward(request, raw))[0]
+        slot = self.choose(tokens, body.get("id_slot"))
         if slot is None:
             c.add("passed_through")
             return (await self.forward(request, raw))[0]
@@ -264,22 +354,25 @@ class Proxy:
             raise
         try:
             try:
-                await asyncio.to_thread(self.prepare, slot, tokens, key)
+                if self.may_restore(slot, tokens):      # looked up, judged and restored in a worker thread
+                    await asyncio.to_thread(self.prepare, slot, tokens, key)
+                else:
+                    self.prepare(slot, tokens, key)     # nothing to look up: at once, on the event loop
             except Exception as e:  # noqa: BLE001 - a restore that fails: the request goes uncached
                 c.add("restore_failures")
                 slot.tokens = EMPTY
                 self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id)
             data = json.dumps(dict(body, id_slot=slot.id, cache_prompt=True)).encode()
-            headers = [(k, v) for k, v in self._headers(request)]
-            resp, ok = await self.forward(request, data, headers)
+            resp, ok = await self.forward(request, data, self._headers(request))
             slot.used = time.monotonic()
             if ok:
-                slot.tokens = tokens
-                slot.sig = UNKNOWN
+                # the save is asked once the answer was passed on, not while its last bytes are on their way
+                # (the save's worker thread then held them back by a few milliseconds, measured)
+                slot.tokens, slot.sig = tokens, UNKNOWN
                 self._spawn(self._save_then_release(slot, key), name=f"save-{slot.id}")
                 handed = True
             else:
-                slot.sig = UNKNOWN
+                slot.tokens, slot.sig = EMPTY, UNKNOWN     # a broken answer: what the slot holds is not known
             return resp
         finally:
             if not handed:
@@ -296,13 +389,13 @@ class Proxy:
         h = request.headers.get("Authorization", "")
         return h[7:].strip() if h[:7].lower() == "bearer " else None
 
-    async def _post(self, path: str, body, key: str | None, raw: bytes | None = None):
+    async def _post(self, path: str, body, key: str | None, raw: bytes | None = None, timeout: float = SMALL_TIMEOUT):
         headers = {"Content-Type": "application/json"}
         if key:
             headers["Authorization"] = f"Bearer {key}"
         data = raw if raw is not None else json.dumps(body).encode()
         async with self.session.post(URL(self.base + path), data=data, headers=headers,
-                                     timeout=ClientTimeout(total=SMALL_TIMEOUT)) as r:
+                                     timeout=ClientTimeout(total=timeout)) as r:
             if r.status != 200:
                 raise UpstreamDown(f"POST {path}: HTTP {r.status}")
             return await r.json(content_type=None)
@@ -312,7 +405,7 @@ class Proxy:
         async with self.session.get(URL(self.base + path), headers=headers,
                                     timeout=ClientTimeout(total=SMALL_TIMEOUT)) as r:
             if r.status != 200:
-                raise UpstreamDown(f"GET {path}: HTTP {r.status}")
+                raise UpstreamDown(f"GET {path}: HTTP {r.status}", r.status)
             return await r.json(content_type=None)
 
     async def tokens_of(self, raw: bytes, body: dict, form: str, key: str | None) -> np.ndarray | None:
@@ -336,44 +429,34 @@ class Proxy:
             raise UpstreamDown("POST /tokenize: no token list in the answer")
         return as_tokens(toks)
 
-    async def choose(self, tokens: np.ndarray, want, key: str | None) -> Slot | None:
-        """The slot for a request (its ``pending`` counted): ``want`` when given (not -1); else the idle
-        slot whose tokens share the longest prefix with ``tokens``, else the least recently used. None when
-        the server's slots cannot be read (``/slots`` refused or down)."""
-        try:
-            entries = await self._get("/slots", key)
-        except Exception as e:  # noqa: BLE001
-            self.log("error", f"GET /slots: {e}: the request passes through uncached")
+    def choose(self, tokens: np.ndarray, want) -> Slot | None:
+        """The slot for a request (its ``pending`` counted), from serve's view of the slots: ``want`` when given
+        (not -1); else the idle slot whose tokens share the longest prefix with ``tokens``, else the least
+        recently used. None when serve knows no slot, or ``want`` is not one of them (the server's answer)."""
+        if not self.slots:
             return None
-        async with self._choose:
-            busy = set()
-            for entry in entries if isinstance(entries, list) else ():
-                if not isinstance(entry, dict) or not isinstance(entry.get("id"), int):
-                    continue
-                s = self.slots.setdefault(entry["id"], Slot(entry["id"]))
-                if not s.lock.locked() and s.pending == 0 and signature(entry) != s.sig:
-                    s.tokens, s.sig = EMPTY, signature(entry)   # a change serve did not make (a restart, a client)
-                if entry.get("is_processing") and not s.lock.locked():
-                    busy.add(s.id)
-            if not self.slots:
-                return None
-            if isinstance(want, int) and want >= 0:
-                s = self.slots.get(want)
-                if s is None:
-                    return None      # a slot the server does not have: its own answer
-            else:
-                free = [s for s in self.slots.values() if s.pending == 0 and s.id not in busy]
-                pool = free or list(self.slots.values())
-                best = max(pool, key=lambda s: (common_prefix(s.tokens, tokens), -s.used))
-                if common_prefix(best.tokens, tokens) == 0:
-                    best = min(pool, key=lambda s: (s.pending, s.used))
-                s = best
-            s.pending += 1
-            return s
+        if isinstance(want, int) and want >= 0:
+            s = self.slots.get(want)
+            if s is None:
+                return None      # a slot the server does not have: its own answer
+        else:
+            free = [s for s in self.slots.values() if s.pending == 0 and s.id not in self._busy]
+            pool = free or list(self.slots.values())
+            best = max(pool, key=lambda s: (common_prefix(s.tokens, tokens), -s.used))
+            if common_prefix(best.tokens, tokens) == 0:
+                best = min(pool, key=lambda s: (s.pending, s.used))
+            s = best
+        s.pending += 1
+        return s
 
     def _release(self, slot: Slot) -> None:
         slot.pending -= 1
         slot.lock.release()
+
+    def may_restore(self, slot: Slot, tokens: np.ndarray) -> bool:
+        """Whether a stored state could keep ``min_gain`` tokens more of ``tokens`` than ``slot`` holds: not when
+        fewer than that are not in the slot (then :meth:`prepare` looks nothing up)."""
+        return len(tokens) - min(common_prefix(slot.tokens, tokens), len(tokens) - 1) >= self.min_gain
 
     def prepare(self, slot: Slot, tokens: np.ndarray, key: str | None = None) -> None:
         """In a worker thread, with the slot held: restore the stored state that keeps the most of the
@@ -383,6 +466,8 @@ class Proxy:
         leaves the request uncached."""
         c = self.cache.counters
         held = min(common_prefix(slot.tokens, tokens), len(tokens) - 1)
+        if not self.may_restore(slot, tokens):
+            return
         try:
             found = self.cache.lookup(tokens)
         except Exception as e:  # noqa: BLE001 - the store down: uncached
@@ -443,22 +528,29 @@ class Proxy:
                  slot=slot.id, name=state.name, n_restored=answer.get("n_restored"), reuse=gain, held=held, **extra)
 
     async def _save_then_release(self, slot: Slot, key: str | None) -> None:
-        """After a whole answer: the slot saved by the server and checked, its ``/slots`` signature noted, then
-        freed; the state is stored after (the slot's next request need not wait for the copy)."""
+        """After a whole answer: the slot saved by the server (asked at once, on serve's own connection) and
+        the file checked (in a worker thread), its ``/slots`` signature noted, then freed; the state is stored
+        after (the slot's next request need not wait for the copy)."""
         saved = None
         try:
+            work = self.cache.work_name(slot.id)
             try:
-                saved = await asyncio.to_thread(self.cache.save, slot.id, key)
+                answer = await self._post(f"/slots/{slot.id}?action=save", {"filename": work}, key,
+                                          timeout=self.cache.timeout)
+                saved = await asyncio.to_thread(self.cache.checked, slot.id, work, answer)
                 if saved is not None:
                     slot.tokens = saved.tokens
             except Exception as e:  # noqa: BLE001 - a save that fails costs the next restore, nothing more
+                self.cache.discard(work)
                 self.cache.counters.add("save_failures")
                 self.log("error", f"slot {slot.id}: not saved: {e}", slot=slot.id)
             try:
                 entries = await self._get("/slots", key)
                 entry = next((e for e in entries if isinstance(e, dict) and e.get("id") == slot.id), None)
                 slot.sig = signature(entry) if entry is not None else UNKNOWN
-            except Exception:  # noqa: BLE001 - unknown: the next request finds the slot's tokens unknown
+                if entry is not None and isinstance(entry.get("id_task"), int):
+                    self._top_task = max(self._top_task, entry["id_task"])
+            except Exception:  # noqa: BLE001 - unknown: the next check finds the slot's tokens unknown
                 slot.sig = UNKNOWN
         finally:
             self._release(slot)

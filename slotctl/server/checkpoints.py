@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from slotctl.server.flags import DEFAULT_CHECKPOINT_MIN_STEP, DEFAULT_CTX_CHECKPOINTS
+#: ``--ctx-checkpoints`` (``-ctxcp``) default: checkpoints kept per slot (b11434 ``common_params::n_ctx_checkpoints``)
+DEFAULT_CTX_CHECKPOINTS = 32
+#: ``--checkpoint-min-step`` (``-cms``) default: least spacing of checkpoints, in tokens
+DEFAULT_CHECKPOINT_MIN_STEP = 8192
 
 #: ``checkpoint_offsets`` of ``update_slots``: a batch ends this many tokens before the end of the prompt
 #: (the first is added to ``n_ubatch``)

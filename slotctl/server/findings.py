@@ -17,7 +17,7 @@ import numpy as np
 from slotctl.errors import FormatError
 from slotctl.format import tokens as tokfmt
 from slotctl.format.common import parse_bytes
-from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS
+from slotctl.server.checkpoints import DEFAULT_CTX_CHECKPOINTS
 from slotctl.slotfile import SlotFile, checkpoint_layer, is_checkpoint_layer, torn_magic
 
 

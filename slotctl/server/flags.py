@@ -24,13 +24,12 @@ from dataclasses import dataclass
 from slotctl.errors import UsageError
 from slotctl.format import ggml
 from slotctl.model.settings import DRAFT_CACHE_TYPE_DEFAULT, ContextSettings
+# the defaults of --ctx-checkpoints and --checkpoint-min-step live with the checkpoints they count (read here,
+# and by findings and reuse without this module's tables and classes: inspect FILE needs them, not the flags)
+from slotctl.server.checkpoints import DEFAULT_CHECKPOINT_MIN_STEP, DEFAULT_CTX_CHECKPOINTS  # noqa: F401
 
 #: the state version of the servers that write SCKP and SDFT appendices (llama.cpp b11434 and later)
 SERVER_STATE_VERSION = 4
-#: ``--ctx-checkpoints`` (``-ctxcp``) default: checkpoints kept per slot (b11434 ``common_params::n_ctx_checkpoints``)
-DEFAULT_CTX_CHECKPOINTS = 32
-#: ``--checkpoint-min-step`` (``-cms``) default: least spacing of checkpoints, in tokens
-DEFAULT_CHECKPOINT_MIN_STEP = 8192
 #: ``--spec-draft-n-max`` default: tokens the draft proposes per step
 DEFAULT_SPEC_DRAFT_N_MAX = 3
 #: the most slots a server has (``LLAMA_MAX_SEQ``, src/llama-cparams.h)

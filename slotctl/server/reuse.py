@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slotctl.server.checkpoints import keep_newest, pos_min_threshold, rollback_checkpoint
+from slotctl.server.checkpoints import DEFAULT_CTX_CHECKPOINTS, keep_newest, pos_min_threshold, rollback_checkpoint
 from slotctl.slotfile import SlotFile
 
 
@@ -233,7 +233,6 @@ def reuse_for(sf: SlotFile, info, *, swa_full: bool = False, n_ctx_checkpoints: 
     (:func:`slotctl.server.findings.checkpoints_read`; ``reads_checkpoints`` False: a server that ignores
     them whatever the file). What inspect, validate and ``restore --prove`` predict, written once."""
     from slotctl.server.findings import checkpoints_read
-    from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS
 
     n_swa = server_n_swa(info, swa_full=swa_full) if info is not None else None
     return predict_reuse(sf, n_swa=n_swa,

@@ -9,6 +9,7 @@ read with the standard library's ``tomllib`` (docs/fleet.md, "The configuration 
     slot_dir = "/var/lib/llama/qwen/slots"
     store = "/var/lib/llama/qwen/store"  # or "s3://BUCKET/PREFIX/"
     api_key_env = "LLAMA_API_KEY"        # the variable that holds the API key (never the key itself)
+    model = "qwen"                       # only when url is llama-server's router: the model acted on
 
     [keep]
     server = "qwen"                      # the name (or URL) of the server kept: default the only one
@@ -71,6 +72,8 @@ class ServerEntry:
     slot_dir: str | None = None
     store: str | None = None
     api_key_env: str | None = None
+    #: the url is llama-server's router and this its model (slotctl.live.router)
+    model: str | None = None
 
     @property
     def label(self) -> str:
@@ -176,7 +179,7 @@ def _show(v: Any) -> str:
     return repr(v) if len(repr(v)) <= 60 else f"a {type(v).__name__}"
 
 
-_SERVER_KEYS = {"name": "", "url": "", "slot_dir": "", "store": "", "api_key_env": ""}
+_SERVER_KEYS = {"name": "", "url": "", "slot_dir": "", "store": "", "api_key_env": "", "model": ""}
 _KEEP_KEYS = {"server": "", "every": "", "min_tokens": "", "timeout": "", "lease": "", "listen": ""}
 _SERVE_KEYS = {"server": "", "listen": "", "metrics_listen": "", "min_gain": "", "timeout": "", "lease": ""}
 
@@ -224,8 +227,18 @@ def parse(raw: bytes, path: str) -> Config:
         env = c.string(t, "api_key_env", where)
         if env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", env):
             raise c.fail(f"{where}.api_key_env", "the name of an environment variable", env)
+        model = c.string(t, "model", where)
+        if model is not None:
+            from slotctl.errors import UsageError as Refused
+            from slotctl.live import router
+            from slotctl.live.http import normalize_url
+
+            try:
+                router.use_model(normalize_url(url), model)   # every request to that router names the model
+            except Refused as e:
+                raise ConfigError(f"{path}: {where}.model: {e}") from None
         cfg.servers.append(ServerEntry(url=url, name=c.string(t, "name", where), slot_dir=c.string(t, "slot_dir", where),
-                                       store=store, api_key_env=env))
+                                       store=store, api_key_env=env, model=model))
     names = [s.name for s in cfg.servers if s.name]
     if len(set(names)) != len(names):
         raise c.fail("servers", "a different name for each server", show=False)

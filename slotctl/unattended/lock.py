@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from slotctl.errors import SlotctlError, UsageError
-from slotctl.live.http import is_loopback
+from slotctl.live import is_loopback
 
 #: seconds an ``s3://`` lease holds without a renewal (``keep --lease``)
 DEFAULT_TTL = 60.0
@@ -63,12 +63,14 @@ class Lost(SlotctlError):
 def server_key(url: str) -> str:
     """A short name for the server at ``url`` (normalized: scheme, host, port, path). A loopback host
     (``127.0.0.1``, ``localhost``) names a server of this machine, so it is qualified by the host name:
-    keepers of two hosts, each beside its own ``127.0.0.1:8080``, may share one ``s3://`` store."""
-    parts = urllib.parse.urlsplit(url)
+    keepers of two hosts, each beside its own ``127.0.0.1:8080``, may share one ``s3://`` store. What follows
+    a space (``URL (model NAME)``: a router's model, keep's) is part of the name."""
+    base, _, model = url.partition(" ")
+    parts = urllib.parse.urlsplit(base)
     host = parts.hostname or ""
     if is_loopback(host):
         host = "loopback@" + socket.gethostname()
-    ident = f"{parts.scheme}://{host}:{parts.port or ''}{parts.path.rstrip('/')}"
+    ident = f"{parts.scheme}://{host}:{parts.port or ''}{parts.path.rstrip('/')}" + (f" {model}" if model else "")
     return hashlib.sha256(ident.encode()).hexdigest()[:12]
 
 
