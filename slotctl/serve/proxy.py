@@ -91,7 +91,6 @@ class Proxy:
         self._busy: set[int] = set()      # slots the last GET /slots saw at work for another client
         self._top_task = -1               # the highest task id GET /slots showed: lower later, a new server
         self.session: ClientSession | None = None
-        self._choose = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
 
