@@ -7,6 +7,7 @@ refused at once in one line (exit 2).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -247,6 +248,50 @@ def test_keep_honours_sigterm_while_a_read_is_in_flight(serve, tmp_path, what):
     assert proc.returncode == 0, err
     assert took < 15, took      # not --timeout 600
     assert out.splitlines()[-1].count('"stop"') == 1, out[-500:]
+
+
+def test_keep_stopped_during_its_look_at_the_slots_reports_no_error(serve, tmp_path):
+    """SIGTERM while keep's own look at the slots (after the server's facts, before a restore or save) is in
+    flight: the read is cut off, which is the stop and not an error of the server; the last save looks
+    again and the run ends 0 with no error event (CI once saw "GET /slots: cut off: stopping" as one)."""
+    from test_hostile_server import GOOD_PROPS, GOOD_SLOTS, drip_body, send_json
+
+    looks = []
+
+    def answer(h):
+        if h.path.startswith("/slots"):
+            looks.append(h.path)
+            if len(looks) == 2:         # the facts' look answers; the next one, keep's own, drips
+                drip_body(h)
+            else:
+                send_json(h, GOOD_SLOTS)
+            return
+        send_json(h, GOOD_PROPS if h.path.startswith("/props") else {"status": "ok"} if h.path == "/health"
+                  else {"data": []})
+
+    url, script = serve(answer)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(tmp_path),
+                             "--json", "--timeout", "600", "--every", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 30
+        while len(looks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(looks) == 2, looks
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [e for e in events if e["event"] == "error"] == [], out
+    assert events[-1]["event"] == "stop", out
+    assert len(looks) >= 3, looks       # the last save looked again
 
 
 # -- configuration files ----------------------------------------------------------------------------------------

@@ -284,6 +284,8 @@ class Keeper:
         """``action(entry)`` for each idle slot of ``GET /slots`` that ``want(entry)``; errors become events."""
         try:
             slots = self._slots()
+        except http.CutOff:     # by stop(): no error; the last save looks again
+            return
         except SlotctlError as e:
             self._error(None, e)
             return
@@ -292,6 +294,8 @@ class Keeper:
                 continue
             try:
                 action(entry)
+            except http.CutOff:     # by stop(), in the action's own look at the slots: the last save looks again
+                return
             except (SlotctlError, OSError) as e:
                 self._error(entry["id"], e)
 
