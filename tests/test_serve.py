@@ -60,6 +60,9 @@ class Serve:
         self.schema_errors: list[str] = []
         self.stderr: list[str] = []
         self._lines: queue.Queue = queue.Queue()
+        #: notified at each event line read, and at the end of serve's stdout (``read_all``)
+        self._read_more = threading.Condition()
+        self.read_all = False
         threading.Thread(target=self._read, args=(self.proc.stdout, True), daemon=True).start()
         threading.Thread(target=self._read, args=(self.proc.stderr, False), daemon=True).start()
         first = self._lines.get(timeout=60)
@@ -68,16 +71,41 @@ class Serve:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def _read(self, stream, is_json: bool) -> None:
-        for line in stream:
+        try:
+            for line in stream:
+                if is_json:
+                    ev = json.loads(line)
+                    self.schema_errors += json_schemas.errors("serve", ev)
+                    with self._read_more:
+                        self.events.append(ev)
+                        self._read_more.notify_all()
+                    self._lines.put(ev)
+                else:
+                    self.stderr.append(line)
+        finally:
             if is_json:
-                ev = json.loads(line)
-                self.schema_errors += json_schemas.errors("serve", ev)
-                self.events.append(ev)
-                self._lines.put(ev)
-            else:
-                self.stderr.append(line)
-        if is_json:
-            self._lines.put(None)
+                with self._read_more:
+                    self.read_all = True
+                    self._read_more.notify_all()
+                self._lines.put(None)
+
+    def events_named(self, event: str, n: int = 1, timeout: float = 60, where=None) -> list[dict]:
+        """serve's ``event`` lines (those ``where`` accepts) once ``n`` of them were read. serve prints a line
+        before it answers or counts (or counts first: ``pruned``, ``stored``), but this process reads its lines
+        on a thread of their own: what the answer or a counter says done may not be in ``events`` yet. Fewer
+        than ``n`` when serve's output ended or ``timeout`` passed first (the caller's assertion then fails)."""
+        def named() -> list[dict]:
+            return [e for e in self.events if e["event"] == event and (where is None or where(e))]
+
+        with self._read_more:
+            self._read_more.wait_for(lambda: len(named()) >= n or self.read_all, timeout)
+            return named()
+
+    def read_to_the_end(self, timeout: float = 60) -> list[dict]:
+        """Every event line, once serve's stdout ended (it exited: its last lines may still be in the pipe)."""
+        with self._read_more:
+            assert self._read_more.wait_for(lambda: self.read_all, timeout), "serve's output did not end"
+            return list(self.events)
 
     def stats(self) -> dict:
         with urllib.request.urlopen(self.url + "/slotctl/stats", timeout=30) as r:
@@ -100,6 +128,8 @@ class Serve:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        with self._read_more:       # its last lines read (schema-checked, in output()) before anyone looks
+            self._read_more.wait_for(lambda: self.read_all, 60)
         return self.proc.returncode
 
     def output(self) -> str:
@@ -419,7 +449,7 @@ def test_a_returning_turn_is_restored_after_a_restart(fresh, tmp_path):
         # the server's own count: only the new turn's tokens (and the last of the state) evaluated
         assert second["timings"]["prompt_n"] < reference[1]["timings"]["prompt_n"] // 4
         assert second["timings"]["cache_n"] >= first["timings"]["prompt_n"]
-        assert any(e["event"] == "restored" for e in s.events)
+        assert s.events_named("restored")
 
 
 @server
@@ -509,7 +539,7 @@ def test_a_conversation_moves_between_servers_of_other_np_and_kvu(llama_server_b
             second = complete(sb.url, p2)
             cb = sb.wait_for("saves", 1)
             assert cb["restores"] == 1 and cb["conversions"] == 1 and cb["conversion_failures"] == 0, sb.output()
-            (ev,) = [e for e in sb.events if e["event"] == "restored"]
+            (ev,) = sb.events_named("restored")
             assert ev["details"]["converted"] and "stream" in " ".join(ev["details"]["converted"]), ev
             p3 = p2 + second["content"] + turn3
             time.sleep(2.5)     # serve A lists the store again at most every 2 s: B's state is there by then
@@ -551,7 +581,7 @@ def test_a_state_convert_cannot_bring_over_is_never_sent(llama_server_bin, tiny_
             c = sq.stats()
             assert c["restores"] == 0 and c["restore_failures"] == 0 and c["conversions"] == 0, sq.output()
             assert c["restores_refused_by_verdict"] >= 1, sq.output()
-            refused = [e for e in sq.events if e["event"] == "refused"]
+            refused = sq.events_named("refused")
             assert refused and "lossy" in refused[0]["message"], sq.output()
         assert got["timings"]["cache_n"] == 0
         alone = complete(q.url, TURN1 + first["content"] + TURN2_EXTRA, id_slot=0, cache_prompt=False)
@@ -562,7 +592,7 @@ def test_a_state_convert_cannot_bring_over_is_never_sent(llama_server_bin, tiny_
             c = ss.stats()
             assert c["restores"] == 0 and c["restore_failures"] == 0, ss.output()
             assert c["conversions"] == 1 and c["restores_refused_by_verdict"] == 1, ss.output()
-            refused = [e for e in ss.events if e["event"] == "refused"]
+            refused = ss.events_named("refused")
             assert refused and "converted" in refused[0]["message"], ss.output()
         assert [n for n in left_in(tmp_path / "s") if "converted" in n or n.startswith(".")] == []
 
@@ -585,7 +615,7 @@ def test_a_conversion_that_fails_leaves_the_request_uncached(llama_server_bin, t
             c = sb.stats()
             assert c["conversion_failures"] == 1, sb.output()
             assert c["restores"] == 0 and c["conversions"] == 0 and c["restore_failures"] == 0, sb.output()
-            errors = [e for e in sb.events if e["event"] == "error" and "not converted" in e["message"]]
+            errors = sb.events_named("error", where=lambda e: "not converted" in e["message"])
             assert errors and "uncached" in errors[0]["message"], sb.output()
         assert left_in(tmp_path / "b") == []
         alone = complete(b.url, prompt, id_slot=0, cache_prompt=False)
@@ -610,7 +640,7 @@ def test_the_catalog_spares_reading_stored_states_again(llama, tmp_path):
     for extra, read in (((), 1), ((), 0), (("--no-cache",), 1)):
         with serving(llama, llama.save_dir, str(tmp_path), *extra) as s:
             complete(s.url, SAMPLE_PROMPT)
-            (ev,) = [e for e in s.events if e["event"] == "indexed"]
+            (ev,) = s.events_named("indexed")
             assert ev["details"]["n"] == 1 and ev["details"]["read"] == read, ev
     assert len(list(tmp_path.glob("serve-*.bin"))) == 1
 
@@ -774,5 +804,5 @@ def test_the_store_is_held_under_max_size(llama, tmp_path):
         assert pinned.name in left and a in left and c in left and b not in left, (left, a, b, c)
         assert len(left) == 4
         assert sum(p.stat().st_size for p in store.glob("*.bin")) <= budget
-        (ev,) = [e for e in s.events if e["event"] == "pruned"]
+        (ev,) = s.events_named("pruned")
         assert ev["details"]["path"].endswith(b)

@@ -80,11 +80,11 @@ def test_serve_metrics_equal_what_serve_did(fresh, tmp_path):
         assert value(ss, "slotctl_serve_restores_total", server=url, outcome="restored") == 1
         assert value(ss, "slotctl_serve_restores_total", server=url, outcome="refused") == 0
         assert value(ss, "slotctl_serve_saves_total", server=url, outcome="stored") == 2
-        stored = [e["details"] for e in s.events if e["event"] == "stored"]
+        stored = [e["details"] for e in s.events_named("stored", 2)]
         assert value(ss, "slotctl_serve_stored_bytes_total", server=url) == sum(d["size"] for d in stored)
         files = list(store.glob("serve-*.bin"))
         assert value(ss, "slotctl_serve_store_bytes", server=url) == sum(p.stat().st_size for p in files)
-        (restored,) = [e["details"] for e in s.events if e["event"] == "restored"]
+        (restored,) = [e["details"] for e in s.events_named("restored")]
         assert value(ss, "slotctl_serve_prompt_tokens_reused_total", server=url,
                      source="predicted") == restored["reuse"]
         # the server's own count of what it evaluated: all of the first prompt, the second's new part
@@ -349,9 +349,10 @@ def test_a_lease_is_counted_lost_before_it_expires_when_the_store_stops_answerin
     errors = [e for e in events if e["event"] == "error"]
     assert errors and errors[-1]["details"]["error"]["code"] == "lease_lost", events
     assert "not renewed" in errors[-1]["message"] and events[-1]["event"] == "stop"
-    serve_errors = [e for e in s.events if e["event"] == "error"]
+    serve_events = s.read_to_the_end()
+    serve_errors = [e for e in serve_events if e["event"] == "error"]
     assert serve_errors and serve_errors[-1]["details"]["code"] == "lease_lost", s.output()
-    assert s.events[-1]["event"] == "stop" and "lock is lost" in s.events[-1]["message"]
+    assert serve_events[-1]["event"] == "stop" and "lock is lost" in serve_events[-1]["message"]
     stop(k)
 
 
