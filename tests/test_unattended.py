@@ -438,8 +438,9 @@ def test_keep_speaks_systemds_notify_protocol(tmp_path):
     sock.bind(str(sock_path))
     sock.settimeout(30)
     url = f"http://127.0.0.1:{free_port()}"
+    # a ping every 10 ms: the first datagram is READY=1 only if the pings begin after it
     proc = keep_proc(url, tmp_path, "--every", "0.2",
-                     env=_env({"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "400000"}))
+                     env=_env({"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "20000"}))
     got: list[str] = []
     try:
         while got.count("WATCHDOG=1") < 3:

@@ -186,8 +186,8 @@ def keep(
                 out.err.print(f"metrics: {endpoint.url}/metrics, /livez, /readyz; the slots: {endpoint.url}/ui",
                               markup=False, highlight=False)
         wd = systemd.watchdog_seconds()
-        if wd is not None:
-            watchdog = systemd.Watchdog(lambda: _alive(keeper)[0], wd).start()
+        if wd is not None:      # its pings begin after READY=1 (a ping before it would precede the ready)
+            watchdog = systemd.Watchdog(lambda: _alive(keeper)[0], wd)
         def stopping(*_) -> None:
             systemd.notify("STOPPING=1")
             keeper.stop()
@@ -195,9 +195,13 @@ def keep(
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, stopping)
         if save_all or restore_all:
+            if watchdog is not None:
+                watchdog.start()
             code = keeper.once(restore=restore_all)
         else:
             systemd.notify("READY=1", f"STATUS=keeping {keeper.url} (store {keeper.store})")
+            if watchdog is not None:
+                watchdog.start()
             code = keeper.run()
     finally:
         if watchdog is not None:

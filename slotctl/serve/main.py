@@ -164,6 +164,8 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
                     code=getattr(unlocked, "code", "store_error"))
                 threading.Thread(target=take_later, args=(on_lost,), name="slotctl-lease-take", daemon=True).start()
             systemd.notify("READY=1", f"STATUS=serving {redact(cache.url)} on http://{h}:{p} (store {cache.store})")
+            if watchdog is not None:    # the pings follow READY=1 (started before it, they came first)
+                watchdog.start()
 
         try:
             await run(proxy, host, port, ready=ready, stop=stop)
@@ -188,8 +190,8 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
             endpoint = Endpoint(metrics_listen, metrics.exposition, lambda: metrics.ready(probe), alive,
                                 option="--metrics-listen").start()
         wd = systemd.watchdog_seconds()
-        if wd is not None:
-            watchdog = systemd.Watchdog(lambda: alive()[0], wd).start()
+        if wd is not None:      # started by ready(), once READY=1 is said
+            watchdog = systemd.Watchdog(lambda: alive()[0], wd)
         asyncio.run(main())
     finally:
         quit_.set()
