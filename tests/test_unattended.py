@@ -461,7 +461,7 @@ def test_the_watchdog_of_another_process_is_not_answered_and_an_abstract_socket_
     name = f"slotctl-test-{os.getpid()}-{time.monotonic_ns()}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind("\0" + name)
-    sock.settimeout(5)
+    sock.settimeout(60)     # keep's start-up until READY=1 (5 s was within reach of a loaded machine's)
     proc = keep_proc(f"http://127.0.0.1:{free_port()}", tmp_path, "--every", "0.2",
                      env=_env({"NOTIFY_SOCKET": "@" + name, "WATCHDOG_USEC": "200000", "WATCHDOG_PID": "1"}))
     try:
