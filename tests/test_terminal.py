@@ -38,20 +38,25 @@ def in_tmux(tmp_path: Path, args: list[str], width: int, height: int = 50) -> tu
         pytest.skip("tmux is not installed")
     sock = str(tmp_path / f"tmux-{width}.sock")
     done = tmp_path / f"rc-{width}"
+    # the shell writes END after slotctl's output on the same terminal: once the pane shows it, the pane holds
+    # every line slotctl wrote (a fixed wait after the exit raced tmux's reading of the terminal under load)
+    end = "slotctl-test-output-ends-here"
     cmd = (f"{shlex.join([sys.executable, '-m', 'slotctl', *args])}; echo $? > {shlex.quote(str(done))}; "
-           "sleep 600")
+           f"echo {end}; sleep 600")
     tmux = ["tmux", "-S", sock, "-f", "/dev/null"]
     subprocess.run([*tmux, "new-session", "-d", "-s", "slotctl", "-x", str(width), "-y", str(height), cmd], check=True,
                    env=_env(TERM="xterm-256color"), timeout=30)
     try:
         deadline = time.monotonic() + 300
-        while not done.exists() or not done.read_text().strip():
+        while True:
+            screen = subprocess.run([*tmux, "capture-pane", "-p", "-J", "-S", "-", "-t", "slotctl"], check=True,
+                                    capture_output=True, text=True, timeout=30).stdout
+            lines = [line.rstrip() for line in screen.splitlines()]
+            if end in lines and done.exists() and done.read_text().strip():
+                break
             assert time.monotonic() < deadline, "slotctl did not finish in the terminal"
             time.sleep(0.2)
-        time.sleep(0.3)   # the last lines reach the pane
-        screen = subprocess.run([*tmux, "capture-pane", "-p", "-J", "-S", "-", "-t", "slotctl"], check=True,
-                                capture_output=True, text=True, timeout=30).stdout
-        return int(done.read_text()), [line.rstrip() for line in screen.splitlines()]
+        return int(done.read_text()), [line for line in lines if line != end]
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=30)
 
