@@ -151,7 +151,8 @@ def test_a_dripping_server_is_cut_off_at_the_timeout(serve, drip):
         elapsed = time.monotonic() - t0
         assert res.exit_code == 2, res.output
         assert "no answer within 1 s" in one_error_line(res)
-        assert elapsed < 5, elapsed   # 1 s and the start-up of the command, not 0.2 s per byte
+        # 1 s and the command's own work, not 0.2 s per byte (120 s or more): the bound leaves a loaded machine room
+        assert elapsed < 30, elapsed
 
 
 # -- answers of the wrong shape ----------------------------------------------------------------------------

@@ -293,7 +293,7 @@ def test_a_proxy_dripping_its_connect_answer_is_cut_off_at_the_timeout(proxy):
     took = time.monotonic() - t0
     assert res.returncode == 2
     assert "no answer within 2 s (--timeout bounds the whole request, the proxy included)" in res.stderr
-    assert took < 10, took   # before: still running at 60 s with --timeout 3
+    assert took < 30, took   # start-up on a loaded machine and 2 s; before: still running at 60 s with --timeout 3
 
 
 # -- answers bounded in values and depth --------------------------------------------------------------------

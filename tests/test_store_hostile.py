@@ -143,9 +143,10 @@ def one_error(res: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-#: the command's time: --timeout, and the start-up of a Python process on a loaded 2-core machine
+#: the command's time: --timeout, and the start-up of a Python process on a loaded 2-core machine (SLACK: its
+#: imports alone took seconds under load 12; what is bounded is a wait of ~120 s a request, or the run's 90 s)
 TIMEOUT = 4
-SLACK = 12
+SLACK = 30
 
 
 def commands(prefix: str, tmp_path: Path) -> dict[str, list[str]]:
