@@ -341,6 +341,18 @@ def kept(llama_server_bin, tiny_models, tmp_path_factory):
         srv.stop()
 
 
+def emptied(srv) -> None:
+    """Every slot of ``srv`` erased: a keep started now stores only what the test puts in the slots. The slots
+    of the module's server hold what earlier tests left; keep's first look stores that too, and a test that
+    waits for "the" stored state of a slot, or counts what the store holds, races the second look (which
+    stores the test's own state) against its next step."""
+    status, props = srv.get("/props")
+    assert status == 200, props
+    for slot in range(props["total_slots"]):
+        status, answer = srv.erase(slot)
+        assert status == 200, answer
+
+
 class Keep:
     """``slotctl keep --json`` as a process of its own (signals are real); its lines, checked against the
     schema, as they come."""
@@ -418,6 +430,7 @@ def test_keep_brings_a_slot_back_after_the_server_is_killed(kept, tmp_path):
 
 @server
 def test_keep_stopped_by_sigterm_saves_the_changed_slots_and_exits_0(kept, tmp_path):
+    emptied(kept)
     store = tmp_path / "store"
     store.mkdir()
     keep = Keep(kept, store, "--every", "600")     # one look at the start, then only the last save
@@ -431,6 +444,7 @@ def test_keep_stopped_by_sigterm_saves_the_changed_slots_and_exits_0(kept, tmp_p
 
 @server
 def test_keep_killed_mid_copy_leaves_the_store_consistent(kept, tmp_path):
+    emptied(kept)
     store = tmp_path / "store"
     store.mkdir()
     for attempt in range(3):
@@ -468,6 +482,7 @@ def test_two_keepers_of_one_server_never_share_a_working_file(kept, tmp_path):
     """Two keep processes on one server, each with its own store (the lock refuses two on one store): both
     have the server save into its one --slot-save-path, each under its own name, none renames or reads the
     other's, nothing half-written is skipped as damaged, and no working file stays."""
+    emptied(kept)
     stores = [tmp_path / "store-a", tmp_path / "store-b"]
     for store in stores:
         store.mkdir()
@@ -497,6 +512,7 @@ def test_two_keepers_of_one_server_never_share_a_working_file(kept, tmp_path):
 
 @server
 def test_keep_holds_the_store_under_max_size(kept, tmp_path):
+    emptied(kept)
     store = tmp_path / "store"
     store.mkdir()
     keep = Keep(kept, store, "--every", "0.2", "--max-size", "200K")
@@ -517,6 +533,7 @@ def test_keep_holds_the_store_under_max_size(kept, tmp_path):
 
 @server
 def test_keep_with_an_s3_store(kept, seaweed, monkeypatch):
+    emptied(kept)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(seaweed.env(), HOME=str(seaweed.dir))
     store = f"s3://{BUCKET}/keep/"

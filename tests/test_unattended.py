@@ -26,7 +26,7 @@ import json_schemas
 
 from llama_server import free_port
 from seaweed import BUCKET
-from test_fleet import Keep, kept, one, slotctl, three  # noqa: F401 - the keep process helper, real servers
+from test_fleet import Keep, emptied, kept, one, slotctl, three  # noqa: F401 - the keep process helper, real servers
 from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 from slotctl.tinymodels import SAMPLE_PROMPT
 
@@ -196,6 +196,7 @@ def test_a_keeper_whose_lease_was_taken_over_stops_writing(seaweed, tmp_path):
 def test_a_keeper_started_again_does_not_save_what_the_store_has(kept, tmp_path):
     """The journal: a keep stopped and started again against the same server and store does not ask the
     server to save a slot whose state the store already has; a new task is saved as before."""
+    emptied(kept)
     store = tmp_path / "store"
     store.mkdir()
     keep = Keep(kept, store, "--every", "0.2")
@@ -387,6 +388,7 @@ def test_metrics_equal_what_keep_did(kept, tmp_path):
     """Scraped and parsed with prometheus_client: saves, stored bytes, the store's objects and bytes,
     restores, proofs and the prompt tokens of the proofs equal keep's own events; readyz 200 while the
     server is up; the last-success timestamps are set."""
+    emptied(kept)
     store = tmp_path / "store"
     store.mkdir()
     port = free_port()
@@ -536,6 +538,7 @@ def test_save_all_then_restore_all_after_a_restart(kept, tmp_path):
 
 @server
 def test_keep_newest_keeps_the_newest_states_of_a_slot(kept, tmp_path):
+    emptied(kept)
     store = tmp_path / "store"
     store.mkdir()
     keep = Keep(kept, store, "--every", "0.2", "--keep-newest", "1")
