@@ -107,6 +107,16 @@ def _server_log_on_failure(request):
             print(f"--- end of {srv.log_path} ---\n{srv.log_tail(60)}")
 
 
+def default_signals() -> None:
+    """A child's SIGINT, SIGHUP and SIGTERM as a shell gives them (``preexec_fn``): a suite run as a background
+    job or under nohup ignores SIGINT or SIGHUP, a child inherits that, and slotctl keeps an ignored signal
+    ignored where it may (the standard-input spool); a test that signals a child signals one that listens."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def start_server(binary: Path, model: Path, tmp: Path, name: str, **kw) -> LlamaServer:
     srv = LlamaServer(binary, model, log_path=tmp / f"{name}.log", **kw)
     try:

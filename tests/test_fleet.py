@@ -27,7 +27,7 @@ import pytest
 from typer.testing import CliRunner
 
 import json_schemas
-from conftest import DATA, start_server
+from conftest import DATA, default_signals, start_server
 from llama_server import LlamaServer, ServerStartError
 from seaweed import BUCKET
 from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
@@ -361,7 +361,8 @@ class Keep:
         env = dict(env or os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", srv.url, "--slot-dir",
                                       str(srv.save_dir), "--store", str(store), "--json", "--timeout", "60", *more],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                     preexec_fn=default_signals)
         self.lines: queue.Queue = queue.Queue()
         self.seen: list[dict] = []
         #: set once the reader met the end of keep's stdout: every line it will ever put is in ``lines``
@@ -573,7 +574,8 @@ def test_keep_log_lines_while_the_server_is_down(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", f"http://127.0.0.1:{free_port()}",
                              "--slot-dir", str(tmp_path), "--every", "0.1", "--timeout", "5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=default_signals)
     # SIGTERM once keep has said it is down (its handler installed): a fixed sleep raced a loaded machine's
     # start-up (killed by the signal's default action, exit -15)
     head = []

@@ -26,7 +26,7 @@ import pytest
 
 import json_schemas
 
-from conftest import start_server
+from conftest import default_signals, start_server
 from llama_server import LlamaServer, free_port
 from seaweed import BUCKET
 from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
@@ -48,14 +48,15 @@ class Serve:
                "--listen", "127.0.0.1:0", "--json", "--min-gain", "4", *extra]
         if store is not None:
             cmd += ["--store", store]
-        def limit() -> None:      # RLIMIT_FSIZE: a write past it fails (EFBIG: Python ignores SIGXFSZ)
-            import resource
+        def child() -> None:      # default signals; RLIMIT_FSIZE: a write past it fails (EFBIG: Python ignores SIGXFSZ)
+            default_signals()
+            if max_file_size is not None:
+                import resource
 
-            resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_size, max_file_size))
+                resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_size, max_file_size))
 
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})},
-                                     preexec_fn=limit if max_file_size is not None else None)
+                                     env={**os.environ, **(env or {})}, preexec_fn=child)
         self.events: list[dict] = []
         self.schema_errors: list[str] = []
         self.stderr: list[str] = []

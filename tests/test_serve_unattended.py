@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import default_signals
 from llama_server import free_port
 from seaweed import BUCKET, Seaweed, weed_binary
 from test_serve import ARGS, TURN1, TURN2_EXTRA, Serve, complete, fresh  # noqa: F401 - a server of its own
@@ -138,7 +139,7 @@ def test_serve_reads_the_configuration_and_flags_override_it(tmp_path):
     cfg.write_text(f'[[servers]]\nname = "qwen"\nurl = "{up}"\nslot_dir = "{tmp_path}"\nstore = "{store}"\n\n'
                    f'[serve]\nlisten = "127.0.0.1:0"\nmin_gain = 8\n')
     proc = subprocess.Popen(serve_cmd("--config", str(cfg), "--json"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env())
+                            stderr=subprocess.PIPE, text=True, env=_env(), preexec_fn=default_signals)
     try:
         d = first_line(proc)["details"]
         assert d["upstream"] == up and d["store"] == str(store)
@@ -147,7 +148,7 @@ def test_serve_reads_the_configuration_and_flags_override_it(tmp_path):
     port = free_port()
     proc = subprocess.Popen(serve_cmd("--config", str(cfg), "--json", "--listen", f"127.0.0.1:{port}",
                                       "--store", str(tmp_path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_env())
+                            text=True, env=_env(), preexec_fn=default_signals)
     try:
         d = first_line(proc)["details"]
         assert d["port"] == port and d["store"] == str(tmp_path)

@@ -24,6 +24,7 @@ import pytest
 
 import json_schemas
 
+from conftest import default_signals
 from llama_server import free_port
 from seaweed import BUCKET
 from test_fleet import Keep, emptied, kept, one, slotctl, three  # noqa: F401 - the keep process helper, real servers
@@ -32,10 +33,6 @@ from slotctl.tinymodels import SAMPLE_PROMPT
 
 ROOT = Path(__file__).resolve().parents[1]
 server = pytest.mark.server
-
-
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _env(extra: dict | None = None, drop_aws: bool = False) -> dict:
@@ -49,7 +46,7 @@ def keep_proc(url: str, slot_dir: Path, *more: str, env: dict | None = None) -> 
     """``slotctl keep --json`` as a process of its own."""
     return subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(slot_dir),
                              "--json", "--timeout", "5", *more], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env or _env())
+                            text=True, env=env or _env(), preexec_fn=default_signals)
 
 
 def first_line(proc: subprocess.Popen, timeout: float = 60) -> dict:
@@ -271,7 +268,8 @@ def test_the_configuration_drives_keep_and_flags_override_it(tmp_path):
     cfg.write_text(f"[[servers]]\nname = 'tiny'\nurl = '{url}'\nslot_dir = '{tmp_path}'\nstore = '{store}'\n"
                    f"[keep]\nevery = 600\nmin_tokens = 8\n[budget]\nmax_size = '1G'\n[retention]\nnewest = 2\n")
     proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--config", str(cfg), "--every", "0.25",
-                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            preexec_fn=default_signals)
     try:
         start = first_line(proc)
         assert start["event"] == "start" and start["details"] == {"every": 0.25, "store": str(store)}, start
@@ -666,7 +664,7 @@ def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three,
     args = [str(a) for a in args]
     # the child gets a default SIGINT (a suite run as a background job ignores it, and a child inherits that)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                            preexec_fn=_default_sigint)
+                            preexec_fn=default_signals)
     lines = []
     try:
         while len(lines) < 15:      # three refreshes of 5 rows
@@ -684,7 +682,7 @@ def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three,
     # a terminal: the cursor home and the screen cleared before each table
     master, slave = pty.openpty()
     proc = subprocess.Popen(args, stdout=slave, stderr=slave, env=_env({"COLUMNS": "160", "TERM": "xterm"}),
-                            preexec_fn=_default_sigint)
+                            preexec_fn=default_signals)
     os.close(slave)
     out = b""
     try:

@@ -23,7 +23,7 @@ from slotctl.errors import UsageError
 from slotctl.paths import STDIN_MAX_BYTES, read_bounded
 from slotctl.server.flags import INT_MAX, ServerFlags, env_switch, from_environment
 
-from conftest import DATA
+from conftest import DATA, default_signals
 from test_hostile_server import serve  # noqa: F401 - scripted servers on 127.0.0.1
 
 SLOT = DATA / "srv-np1.bin"
@@ -133,20 +133,13 @@ def test_environment_values_of_absurd_length():
 # -- standard input: bounded, and its spool removed on every signal slotctl handles ---------------------------
 
 
-def _default_signals() -> None:
-    """The child's SIGINT, SIGHUP and SIGTERM as a shell gives them: a suite run as a background job or under
-    nohup ignores SIGINT or SIGHUP, a child inherits that, and slotctl (rightly) keeps an ignored signal ignored."""
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
-
-
 def _spool_run(tmp_path: Path, env: dict | None = None) -> tuple[subprocess.Popen, subprocess.Popen]:
     """``(cat SLOT; cat /dev/zero) | slotctl inspect -`` with the spool in ``tmp_path`` (TMPDIR)."""
     feeder = subprocess.Popen(["sh", "-c", f"cat '{SLOT}'; exec cat /dev/zero"], stdout=subprocess.PIPE)
     child_env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path), **(env or {}))
     proc = subprocess.Popen([sys.executable, "-m", "slotctl", "inspect", "-"], stdin=feeder.stdout,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env,
-                            preexec_fn=_default_signals)
+                            preexec_fn=default_signals)
     feeder.stdout.close()
     return feeder, proc
 
@@ -230,7 +223,7 @@ def test_keep_honours_sigterm_while_a_read_is_in_flight(serve, tmp_path, what):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(tmp_path),
                              "--json", "--timeout", "600", "--every", "1"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=default_signals)
     try:
         deadline = time.monotonic() + 30
         while not any(p.startswith("/slots") for _, p, _ in script.seen) and time.monotonic() < deadline:
@@ -273,7 +266,7 @@ def test_keep_stopped_during_its_look_at_the_slots_reports_no_error(serve, tmp_p
     proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(tmp_path),
                              "--json", "--timeout", "600", "--every", "1"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+                            preexec_fn=default_signals)
     try:
         deadline = time.monotonic() + 30
         while len(looks) < 2 and time.monotonic() < deadline:
