@@ -109,7 +109,9 @@ def test_a_cell_count_beyond_the_context_is_refused_without_making_its_cells(tmp
     tracemalloc.stop()
     assert (rep["verdict"], rep["certain"]) == ("refused", True)
     assert "16,777,216 cells, more than the 256" in json.dumps(rep["findings"])
-    assert peak < 64 << 20 and elapsed < 10, (peak, elapsed)
+    # the memory bound is what the cells would break; the time is a guard against a hang (3.5 s at load 7 here,
+    # with tracemalloc on and the command's first imports: 10 s was within reach of a loaded machine)
+    assert peak < 64 << 20 and elapsed < 30, (peak, elapsed)
 
 
 def test_ls_says_certain_beside_the_verdict_as_validate_does(tmp_path):
