@@ -781,6 +781,84 @@ def test_keep_never_restores_a_stored_state_validate_says_the_server_aborts_on(k
     assert _alive(kept) and not _restores_logged(kept, name)
 
 
+#: paths opened in this process while a test watches (an audit hook: every open(), os.open() included; a hook
+#: cannot be removed, so it only records while ``_WATCHING`` is set)
+_OPENED: list[str] = []
+_WATCHING: list[bool] = []
+
+
+def _audit(event: str, args) -> None:
+    if _WATCHING and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        _OPENED.append(os.fsdecode(args[0]))
+
+
+@server
+def test_keep_does_not_read_again_a_stored_state_it_found_the_server_refuses(kept, tmp_path):
+    """The catalog in keep: a stored state whose verdict for the server now running is not `restores` is
+    judged once; at the next restore pass (the same server, the same file) its skipped line comes from the
+    catalog's row (details.catalog) and the file is not opened at all, while the older state that restores
+    is read and restored each time. A new keep process finds the row too; a file changed since, or
+    --no-cache, is read again."""
+    from slotctl.catalog import INDEX_NAME
+    from slotctl.fleet.keep import Keeper, model_hash, stored_name
+    from slotctl.live import http as live_http
+
+    kept.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
+    kept.save(0, "keep-whole-catalog.bin")
+    store = tmp_path / "store"
+    store.mkdir()
+    model = model_hash(live_http.server_facts(kept.url))
+    good, bad = stored_name(0, model, "whole"), stored_name(0, model, "cut100")
+    (store / good).write_bytes((kept.save_dir / "keep-whole-catalog.bin").read_bytes())
+    _cut(kept.save_dir / "keep-whole-catalog.bin", store / bad)
+    now = time.time()
+    os.utime(store / good, (now - 7200, now - 7200))
+    os.utime(store / bad, (now - 3600, now - 3600))     # the newest: tried first; changed long enough ago
+    sys.addaudithook(_audit)
+
+    def restore_pass(**kw) -> tuple[list, list[str]]:
+        seen: list = []
+        k = Keeper(kept.url, kept.save_dir, store, emit=seen.append, prove=False, timeout=60, **kw)
+        k.facts = live_http.server_facts(kept.url)
+        _OPENED.clear()
+        _WATCHING.append(True)
+        try:
+            k.restore(0)
+        finally:
+            _WATCHING.clear()
+        for e in seen:
+            json_schemas.check("keep", e.as_dict(), "line")
+        return seen, [p for p in _OPENED if os.path.basename(p) == bad]
+
+    # judged: read (convert's plan, validate), refused, and its line kept in the store's catalog
+    seen, opened = restore_pass()
+    (skipped,) = [e for e in seen if e.event == "skipped"]
+    assert skipped.details["verdict"] == "aborts" and "catalog" not in skipped.details, skipped
+    assert opened, "the refused state was not read the first time"
+    assert [e.details["name"] for e in seen if e.event == "restored"] == [good]
+    assert (store / INDEX_NAME).exists()
+    # the next pass: the same line from the catalog, the file never opened; the good one restored again
+    for _ in range(2):
+        seen, opened = restore_pass()
+        (again,) = [e for e in seen if e.event == "skipped"]
+        assert again.details == dict(skipped.details, catalog=True), again.details
+        assert again.message.startswith(skipped.message) and "catalog" in again.message
+        assert opened == [], opened
+        assert [e.details["name"] for e in seen if e.event == "restored"] == [good]
+    assert not _restores_logged(kept, bad)
+    # --no-cache: judged again, read again
+    seen, opened = restore_pass(catalog=False)
+    (nc,) = [e for e in seen if e.event == "skipped"]
+    assert "catalog" not in nc.details and opened
+    # the file changed (its identity): read again, then trusted again once old enough
+    os.utime(store / bad, (now - 1800, now - 1800))
+    seen, opened = restore_pass()
+    (changed,) = [e for e in seen if e.event == "skipped"]
+    assert "catalog" not in changed.details and opened
+    seen, opened = restore_pass()
+    assert [e.details.get("catalog") for e in seen if e.event == "skipped"] == [True] and opened == []
+
+
 # -- a proof that does not spend what it proves (issue 24) ------------------------------------------------
 
 
