@@ -859,6 +859,57 @@ def test_keep_does_not_read_again_a_stored_state_it_found_the_server_refuses(kep
     assert [e.details.get("catalog") for e in seen if e.event == "skipped"] == [True] and opened == []
 
 
+@server
+def test_keep_does_not_download_again_an_s3_state_the_server_refuses(kept, three, seaweed, monkeypatch, tmp_path):
+    """The catalog in keep with an s3:// store (its index under the cache directory, an object's identity from
+    one HEAD): an intact state too long for the server's slots (validate: refused) is downloaded and judged
+    once; the next pass says the same line from the catalog and downloads nothing."""
+    import obstore
+
+    from slotctl.fleet.keep import Keeper, model_hash, stored_name
+    from slotctl.live import http as live_http
+    from slotctl.store.s3 import S3_STORE
+
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    for k, v in seaweed.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("HOME", str(seaweed.dir))
+    monkeypatch.setenv("SLOTCTL_CACHE_DIR", str(tmp_path / "cache"))
+    # a state of about 690 tokens, made by the server whose unified cache holds it, for kept's 512-token slots
+    three.completion(" ".join([SAMPLE_PROMPT] * 7), slot=0, n_predict=2)
+    three.save(0, "long-catalog.bin")
+    facts = live_http.server_facts(kept.url)
+    bad = stored_name(0, model_hash(facts), "toolong")
+    obstore.put(seaweed.client(), f"keep-catalog/{bad}", (three.save_dir / "long-catalog.bin").read_bytes())
+    store = f"s3://{BUCKET}/keep-catalog/"
+    time.sleep(3.2)     # an object's Last-Modified is when it was put: a row younger than 3 s after it is not trusted
+    sys.addaudithook(_audit)
+    S3_STORE.reset()
+    try:
+        lines = []
+        for _ in range(3):
+            seen: list = []
+            k = Keeper(kept.url, kept.save_dir, store, emit=seen.append, prove=False, timeout=60)
+            k.facts = facts
+            _OPENED.clear()
+            _WATCHING.append(True)
+            try:
+                k.restore(0)
+            finally:
+                _WATCHING.clear()
+            lines.append(([e for e in seen if e.event == "skipped" and e.details.get("name") == bad],
+                          [p for p in _OPENED if bad in os.path.basename(p)]))
+    finally:
+        S3_STORE.reset()
+    (first,), opened = lines[0]
+    assert first.details["verdict"] == "refused" and "catalog" not in first.details, first
+    assert opened, "the state was not downloaded the first time"
+    for (again,), opened in lines[1:]:
+        assert again.details == dict(first.details, catalog=True) and opened == [], (again, opened)
+    assert list((tmp_path / "cache" / "catalog").glob("*.sqlite"))     # the prefix's index, not in the bucket
+
+
 # -- a proof that does not spend what it proves (issue 24) ------------------------------------------------
 
 
