@@ -785,11 +785,34 @@ def test_keep_never_restores_a_stored_state_validate_says_the_server_aborts_on(k
 #: cannot be removed, so it only records while ``_WATCHING`` is set)
 _OPENED: list[str] = []
 _WATCHING: list[bool] = []
+_HOOKED: list[bool] = []
 
 
 def _audit(event: str, args) -> None:
     if _WATCHING and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
         _OPENED.append(os.fsdecode(args[0]))
+
+
+def _restore_pass(srv, store, facts, **kw) -> tuple[list, list[str]]:
+    """One restore pass of slot 0 by a new Keeper (a new process's view, the catalog on disk): its events,
+    checked against the schema, and every path the process opened meanwhile."""
+    from slotctl.fleet.keep import Keeper
+
+    if not _HOOKED:    # a hook cannot be removed: added once, it records only while _WATCHING is set
+        sys.addaudithook(_audit)
+        _HOOKED.append(True)
+    seen: list = []
+    k = Keeper(srv.url, srv.save_dir, store, emit=seen.append, prove=False, timeout=60, **kw)
+    k.facts = facts
+    _OPENED.clear()
+    _WATCHING.append(True)
+    try:
+        k.restore(0)
+    finally:
+        _WATCHING.clear()
+    for e in seen:
+        json_schemas.check("keep", e.as_dict(), "line")
+    return seen, list(_OPENED)
 
 
 @server
@@ -800,7 +823,7 @@ def test_keep_does_not_read_again_a_stored_state_it_found_the_server_refuses(kep
     is read and restored each time. A new keep process finds the row too; a file changed since, or
     --no-cache, is read again."""
     from slotctl.catalog import INDEX_NAME
-    from slotctl.fleet.keep import Keeper, model_hash, stored_name
+    from slotctl.fleet.keep import model_hash, stored_name
     from slotctl.live import http as live_http
 
     kept.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
@@ -814,21 +837,11 @@ def test_keep_does_not_read_again_a_stored_state_it_found_the_server_refuses(kep
     now = time.time()
     os.utime(store / good, (now - 7200, now - 7200))
     os.utime(store / bad, (now - 3600, now - 3600))     # the newest: tried first; changed long enough ago
-    sys.addaudithook(_audit)
+    facts = live_http.server_facts(kept.url)
 
     def restore_pass(**kw) -> tuple[list, list[str]]:
-        seen: list = []
-        k = Keeper(kept.url, kept.save_dir, store, emit=seen.append, prove=False, timeout=60, **kw)
-        k.facts = live_http.server_facts(kept.url)
-        _OPENED.clear()
-        _WATCHING.append(True)
-        try:
-            k.restore(0)
-        finally:
-            _WATCHING.clear()
-        for e in seen:
-            json_schemas.check("keep", e.as_dict(), "line")
-        return seen, [p for p in _OPENED if os.path.basename(p) == bad]
+        seen, opened = _restore_pass(kept, store, facts, **kw)
+        return seen, [p for p in opened if os.path.basename(p) == bad]
 
     # judged: read (convert's plan, validate), refused, and its line kept in the store's catalog
     seen, opened = restore_pass()
@@ -866,7 +879,7 @@ def test_keep_does_not_download_again_an_s3_state_the_server_refuses(kept, three
     once; the next pass says the same line from the catalog and downloads nothing."""
     import obstore
 
-    from slotctl.fleet.keep import Keeper, model_hash, stored_name
+    from slotctl.fleet.keep import model_hash, stored_name
     from slotctl.live import http as live_http
     from slotctl.store.s3 import S3_STORE
 
@@ -884,22 +897,13 @@ def test_keep_does_not_download_again_an_s3_state_the_server_refuses(kept, three
     obstore.put(seaweed.client(), f"keep-catalog/{bad}", (three.save_dir / "long-catalog.bin").read_bytes())
     store = f"s3://{BUCKET}/keep-catalog/"
     time.sleep(3.2)     # an object's Last-Modified is when it was put: a row younger than 3 s after it is not trusted
-    sys.addaudithook(_audit)
     S3_STORE.reset()
     try:
         lines = []
         for _ in range(3):
-            seen: list = []
-            k = Keeper(kept.url, kept.save_dir, store, emit=seen.append, prove=False, timeout=60)
-            k.facts = facts
-            _OPENED.clear()
-            _WATCHING.append(True)
-            try:
-                k.restore(0)
-            finally:
-                _WATCHING.clear()
+            seen, opened = _restore_pass(kept, store, facts)
             lines.append(([e for e in seen if e.event == "skipped" and e.details.get("name") == bad],
-                          [p for p in _OPENED if bad in os.path.basename(p)]))
+                          [p for p in opened if bad in os.path.basename(p)]))
     finally:
         S3_STORE.reset()
     (first,), opened = lines[0]
