@@ -46,9 +46,6 @@ def _outputs(monkeypatch, width: int, show) -> tuple[str, str, int]:
 def _files():
     files = sorted(DATA.glob("*.bin")) + sorted((DATA / "kinds").glob("*.bin")) + sorted(
         (DATA / "adversarial").glob("*.bin"))
-    shared = Path("/work/shared/vectors")
-    if shared.is_dir():
-        files += sorted(p for p in shared.rglob("*.bin") if p.stat().st_size < 64 << 20)
     assert len(files) >= 15
     return files
 
@@ -176,3 +173,22 @@ def test_what_rich_reads_is_left_to_rich():
     t = Table(["x" * 50, "y" * 50])
     assert layout.plain_lines(t, 80) is None
     assert layout.plain_lines(Text("[bold]x"), 80) == ["[bold]x"]     # a Text is taken as it is
+
+
+@pytest.mark.parametrize("width", ["40", "80", "132"])
+def test_inspect_directories_as_a_process_is_richs_output(width):
+    """``slotctl inspect`` of the tests' directories (many files: blank lines between them, notes counted at
+    the end, the summary, damaged files) as a whole process on a pipe: stdout and stderr are what rich writes
+    (``TTY_COMPATIBLE=0``: rich takes stdout for no terminal and the plain layout leaves everything to it)."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "slotctl", "inspect", str(DATA), str(DATA / "kinds"), str(DATA / "adversarial")]
+    env = {k: v for k, v in os.environ.items() if k not in ("TTY_COMPATIBLE", "FORCE_COLOR")} | {"COLUMNS": width}
+    mine = subprocess.run(cmd, capture_output=True, env=env, timeout=300)
+    theirs = subprocess.run(cmd, capture_output=True, env=env | {"TTY_COMPATIBLE": "0"}, timeout=300)
+    assert mine.returncode == theirs.returncode == 1      # the adversarial files are damaged
+    assert mine.stdout == theirs.stdout
+    assert mine.stderr == theirs.stderr
+    assert b"file(s):" in mine.stdout and mine.stdout.count(b"byte map") >= 15

@@ -6,7 +6,7 @@ and start-up"), and on a pipe what rich draws is plain text. :func:`plain_lines`
 the same bytes as rich, for the shapes it knows: printable ASCII (one cell a character), tables at their
 natural widths, rounded panels that fit their titles. For anything else it answers None and rich draws
 (:meth:`slotctl.cli.output.Output.show`, which makes rich's renderables of them). tests/test_layout.py compares the two, byte for byte, at many
-widths, on every slot file of the tests and the shared vectors.
+widths, on every slot file of tests/data.
 """
 
 from __future__ import annotations
