@@ -807,6 +807,139 @@ def test_keep_never_restores_a_stored_state_validate_says_the_server_aborts_on(k
     assert _alive(kept) and not _restores_logged(kept, name)
 
 
+#: paths opened in this process while a test watches (an audit hook: every open(), os.open() included; a hook
+#: cannot be removed, so it only records while ``_WATCHING`` is set)
+_OPENED: list[str] = []
+_WATCHING: list[bool] = []
+_HOOKED: list[bool] = []
+
+
+def _audit(event: str, args) -> None:
+    if _WATCHING and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        _OPENED.append(os.fsdecode(args[0]))
+
+
+def _restore_pass(srv, store, facts, **kw) -> tuple[list, list[str]]:
+    """One restore pass of slot 0 by a new Keeper (a new process's view, the catalog on disk): its events,
+    checked against the schema, and every path the process opened meanwhile."""
+    from slotctl.fleet.keep import Keeper
+
+    if not _HOOKED:    # a hook cannot be removed: added once, it records only while _WATCHING is set
+        sys.addaudithook(_audit)
+        _HOOKED.append(True)
+    seen: list = []
+    k = Keeper(srv.url, srv.save_dir, store, emit=seen.append, prove=False, timeout=60, **kw)
+    k.facts = facts
+    _OPENED.clear()
+    _WATCHING.append(True)
+    try:
+        k.restore(0)
+    finally:
+        _WATCHING.clear()
+    for e in seen:
+        json_schemas.check("keep", e.as_dict(), "line")
+    return seen, list(_OPENED)
+
+
+@server
+def test_keep_does_not_read_again_a_stored_state_it_found_the_server_refuses(kept, tmp_path):
+    """The catalog in keep: a stored state whose verdict for the server now running is not `restores` is
+    judged once; at the next restore pass (the same server, the same file) its skipped line comes from the
+    catalog's row (details.catalog) and the file is not opened at all, while the older state that restores
+    is read and restored each time. A new keep process finds the row too; a file changed since, or
+    --no-cache, is read again."""
+    from slotctl.catalog import INDEX_NAME
+    from slotctl.fleet.keep import model_hash, stored_name
+    from slotctl.live import http as live_http
+
+    kept.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
+    kept.save(0, "keep-whole-catalog.bin")
+    store = tmp_path / "store"
+    store.mkdir()
+    model = model_hash(live_http.server_facts(kept.url))
+    good, bad = stored_name(0, model, "whole"), stored_name(0, model, "cut100")
+    (store / good).write_bytes((kept.save_dir / "keep-whole-catalog.bin").read_bytes())
+    _cut(kept.save_dir / "keep-whole-catalog.bin", store / bad)
+    now = time.time()
+    os.utime(store / good, (now - 7200, now - 7200))
+    os.utime(store / bad, (now - 3600, now - 3600))     # the newest: tried first; changed long enough ago
+    facts = live_http.server_facts(kept.url)
+
+    def restore_pass(**kw) -> tuple[list, list[str]]:
+        seen, opened = _restore_pass(kept, store, facts, **kw)
+        return seen, [p for p in opened if os.path.basename(p) == bad]
+
+    # judged: read (convert's plan, validate), refused, and its line kept in the store's catalog
+    seen, opened = restore_pass()
+    (skipped,) = [e for e in seen if e.event == "skipped"]
+    assert skipped.details["verdict"] == "aborts" and "catalog" not in skipped.details, skipped
+    assert opened, "the refused state was not read the first time"
+    assert [e.details["name"] for e in seen if e.event == "restored"] == [good]
+    assert (store / INDEX_NAME).exists()
+    # the next pass: the same line from the catalog, the file never opened; the good one restored again
+    for _ in range(2):
+        seen, opened = restore_pass()
+        (again,) = [e for e in seen if e.event == "skipped"]
+        assert again.details == dict(skipped.details, catalog=True), again.details
+        assert again.message.startswith(skipped.message) and "catalog" in again.message
+        assert opened == [], opened
+        assert [e.details["name"] for e in seen if e.event == "restored"] == [good]
+    assert not _restores_logged(kept, bad)
+    # --no-cache: judged again, read again
+    seen, opened = restore_pass(catalog=False)
+    (nc,) = [e for e in seen if e.event == "skipped"]
+    assert "catalog" not in nc.details and opened
+    # the file changed (its identity): read again, then trusted again once old enough
+    os.utime(store / bad, (now - 1800, now - 1800))
+    seen, opened = restore_pass()
+    (changed,) = [e for e in seen if e.event == "skipped"]
+    assert "catalog" not in changed.details and opened
+    seen, opened = restore_pass()
+    assert [e.details.get("catalog") for e in seen if e.event == "skipped"] == [True] and opened == []
+
+
+@server
+def test_keep_does_not_download_again_an_s3_state_the_server_refuses(kept, three, seaweed, monkeypatch, tmp_path):
+    """The catalog in keep with an s3:// store (its index under the cache directory, an object's identity from
+    one HEAD): an intact state too long for the server's slots (validate: refused) is downloaded and judged
+    once; the next pass says the same line from the catalog and downloads nothing."""
+    import obstore
+
+    from slotctl.fleet.keep import model_hash, stored_name
+    from slotctl.live import http as live_http
+    from slotctl.store.s3 import S3_STORE
+
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    for k, v in seaweed.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("HOME", str(seaweed.dir))
+    monkeypatch.setenv("SLOTCTL_CACHE_DIR", str(tmp_path / "cache"))
+    # a state of about 690 tokens, made by the server whose unified cache holds it, for kept's 512-token slots
+    three.completion(" ".join([SAMPLE_PROMPT] * 7), slot=0, n_predict=2)
+    three.save(0, "long-catalog.bin")
+    facts = live_http.server_facts(kept.url)
+    bad = stored_name(0, model_hash(facts), "toolong")
+    obstore.put(seaweed.client(), f"keep-catalog/{bad}", (three.save_dir / "long-catalog.bin").read_bytes())
+    store = f"s3://{BUCKET}/keep-catalog/"
+    time.sleep(3.2)     # an object's Last-Modified is when it was put: a row younger than 3 s after it is not trusted
+    S3_STORE.reset()
+    try:
+        lines = []
+        for _ in range(3):
+            seen, opened = _restore_pass(kept, store, facts)
+            lines.append(([e for e in seen if e.event == "skipped" and e.details.get("name") == bad],
+                          [p for p in opened if bad in os.path.basename(p)]))
+    finally:
+        S3_STORE.reset()
+    (first,), opened = lines[0]
+    assert first.details["verdict"] == "refused" and "catalog" not in first.details, first
+    assert opened, "the state was not downloaded the first time"
+    for (again,), opened in lines[1:]:
+        assert again.details == dict(first.details, catalog=True) and opened == [], (again, opened)
+    assert list((tmp_path / "cache" / "catalog").glob("*.sqlite"))     # the prefix's index, not in the bucket
+
+
 # -- a proof that does not spend what it proves (issue 24) ------------------------------------------------
 
 

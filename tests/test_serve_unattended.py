@@ -56,9 +56,10 @@ def serve_cmd(*args: str) -> list[str]:
 @server
 def test_serve_metrics_equal_what_serve_did(fresh, tmp_path):
     """Scraped and parsed with prometheus_client: requests, saves and restores by outcome, stored bytes, the
-    store's objects and bytes equal serve's own counters and events; the prompt tokens predicted evaluated
-    equal the server's own timings.prompt_n; /readyz and /livez 200; the metrics on a port of their own, and
-    the upstream's /metrics still the upstream's."""
+    store's objects and bytes equal serve's own counters and events; the prompt tokens predicted reused are
+    the restore's (its event's reuse) plus what the slot itself held of a third turn, and those predicted
+    evaluated equal the server's own timings.prompt_n, turn by turn; /readyz and /livez 200; the metrics on
+    a port of their own, and the upstream's /metrics still the upstream's."""
     store = tmp_path / "store"
     store.mkdir()
     port = free_port()
@@ -74,23 +75,39 @@ def test_serve_metrics_equal_what_serve_did(fresh, tmp_path):
         c = s.wait_for("saves", 2)
         assert c["restores"] == 1 and c["saves"] == 2, s.output()
         url = fresh.url
+        turns = [first, second]
+        # the restore's predicted reuse, counted from Proxy.prepare's answer (not read back from the log)
+        (restored,) = [e["details"] for e in s.events_named("restored")]
         ss = wait_until(lambda: (lambda x: x if value(x, "slotctl_serve_store_objects", server=url) == 2 else None)(
             samples(scrape(base)[2], "slotctl_serve_")))
-        assert value(ss, "slotctl_serve_requests_total", server=url, outcome="cached") == c["cached"] == 2
+        assert value(ss, "slotctl_serve_prompt_tokens_reused_total", server=url,
+                     source="predicted") == restored["reuse"] > 0
+        assert value(ss, "slotctl_serve_prompt_tokens_evaluated_total", server=url, source="predicted") == \
+            sum(t["timings"]["prompt_n"] for t in turns), [t["timings"] for t in turns]
+        # a third turn the slot's own tokens serve (no restore): reused is what the slot held of it
+        prompt3 = prompt2 + second["content"] + TURN2_EXTRA
+        third = complete(s.url, prompt3)
+        turns.append(third)
+        c = s.wait_for("saves", 3)
+        assert c["restores"] == 1 and c["cached"] == 3, s.output()
+        ss = wait_until(lambda: (lambda x: x if value(x, "slotctl_serve_store_objects", server=url) == 3 else None)(
+            samples(scrape(base)[2], "slotctl_serve_")))
+        n3 = third["timings"]["prompt_n"] + third["timings"]["cache_n"]     # the third prompt's tokens
+        assert third["timings"]["cache_n"] > restored["reuse"], third["timings"]
+        assert value(ss, "slotctl_serve_prompt_tokens_reused_total", server=url, source="predicted") == \
+            restored["reuse"] + third["timings"]["cache_n"], (restored, third["timings"], n3)
+        assert value(ss, "slotctl_serve_requests_total", server=url, outcome="cached") == c["cached"] == 3
         assert value(ss, "slotctl_serve_requests_total", server=url, outcome="passed_through") == c["passed_through"]
         assert value(ss, "slotctl_serve_restores_total", server=url, outcome="restored") == 1
         assert value(ss, "slotctl_serve_restores_total", server=url, outcome="refused") == 0
-        assert value(ss, "slotctl_serve_saves_total", server=url, outcome="stored") == 2
-        stored = [e["details"] for e in s.events_named("stored", 2)]
+        assert value(ss, "slotctl_serve_saves_total", server=url, outcome="stored") == 3
+        stored = [e["details"] for e in s.events_named("stored", 3)]
         assert value(ss, "slotctl_serve_stored_bytes_total", server=url) == sum(d["size"] for d in stored)
         files = list(store.glob("serve-*.bin"))
         assert value(ss, "slotctl_serve_store_bytes", server=url) == sum(p.stat().st_size for p in files)
-        (restored,) = [e["details"] for e in s.events_named("restored")]
-        assert value(ss, "slotctl_serve_prompt_tokens_reused_total", server=url,
-                     source="predicted") == restored["reuse"]
-        # the server's own count of what it evaluated: all of the first prompt, the second's new part
+        # the server's own count of what it evaluated: all of the first prompt, the second's and third's new parts
         assert value(ss, "slotctl_serve_prompt_tokens_evaluated_total", server=url, source="predicted") == \
-            first["timings"]["prompt_n"] + second["timings"]["prompt_n"], (first["timings"], second["timings"])
+            sum(t["timings"]["prompt_n"] for t in turns), [t["timings"] for t in turns]
         assert value(ss, "slotctl_serve_server_up", server=url) == 1
         for action in ("facts", "restore", "save"):
             assert value(ss, "slotctl_serve_last_success_timestamp_seconds", server=url,

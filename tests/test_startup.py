@@ -59,10 +59,12 @@ def test_command_help_loads_no_llama_cpp_and_no_http(tmp_path, command):
 
 
 def test_inspect_without_model_reads_the_file_and_nothing_more(tmp_path):
-    for extra, drawn in (([], {"rich"}), (["--json"], set())):   # rich only where something is drawn
-        code, heavy = loaded(tmp_path, "inspect", str(SLOT_FILE), *extra)
+    """rich only where it draws styles: not for --json, not on a pipe (the view's plain lines are written
+    without it: tests/test_layout.py), on a terminal (TTY_COMPATIBLE=1: rich takes stdout for one) it draws."""
+    for extra, env, drawn in (([], None, set()), (["--json"], None, set()), ([], {"TTY_COMPATIBLE": "1"}, {"rich"})):
+        code, heavy = loaded(tmp_path, "inspect", str(SLOT_FILE), *extra, env=env)
         assert code in (0, None)
-        assert heavy == {"numpy", "construct"} | drawn, extra
+        assert heavy == {"numpy", "construct"} | drawn, (extra, env)
 
 
 def test_inspect_file_imports_no_flag_tables_and_no_json(tmp_path):
@@ -75,9 +77,9 @@ def test_inspect_file_imports_no_flag_tables_and_no_json(tmp_path):
     subprocess.run([sys.executable, "-c", probe, str(out), "inspect", str(SLOT_FILE)], capture_output=True,
                    timeout=120)
     mods = set(out.read_text().split("\n"))
-    assert {"slotctl.slotfile", "slotctl.server.findings", "slotctl.server.reuse", "rich.table"} <= mods
+    assert {"slotctl.slotfile", "slotctl.server.findings", "slotctl.server.reuse", "slotctl.cli.inspect_view"} <= mods
     unneeded = {"slotctl.server.flags", "slotctl.server.args_b11434", "slotctl.model.settings",
-                "slotctl.server.speculative", "slotctl.server.restore", "json"}
+                "slotctl.server.speculative", "slotctl.server.restore", "json", "rich.console", "rich.table"}
     assert mods.isdisjoint(unneeded), sorted(mods & unneeded)
 
 

@@ -216,13 +216,11 @@ class NoteCounter:
     def render(self, out: Output) -> None:
         """The notes, on stdout with the rest of the findings (not as warnings on stderr: they are the
         files' findings, and said once)."""
-        from rich.text import Text
+        from slotctl.cli.layout import Text   # plain on a pipe: rich only where it draws styles
 
         for (_code, message), paths in self._notes.items():
-            line = Text("note ", style="dim")
             if len(paths) == 1:
-                line.append(f"{paths[0]}: " if paths[0] else "", style="bold")
+                who = f"{paths[0]}: " if paths[0] else ""
             else:
-                line.append(f"({len(paths)} files) ", style="bold")
-            line.append(escape_text(message, keep_newlines=False))
-            out.print(line)
+                who = f"({len(paths)} files) "
+            out.show(Text(("note ", "dim"), (who, "bold"), escape_text(message, keep_newlines=False)))

@@ -9,6 +9,7 @@ import typer
 
 from slotctl.cli.common import FileRun, NoteCounter, file_error, handle_errors, readable, store_deadline
 from slotctl.cli.extras import llama_available, llama_install
+from slotctl.cli.layout import Text
 from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt, StoreTimeoutOpt, VerboseOpt
 from slotctl.cli.output import Output
 from slotctl.describe import describe_file
@@ -78,18 +79,16 @@ def inspect(
             out.error(data["error"]["message"])
             continue
         if len(run.expansion.files) > 1:
-            out.print("")
+            out.show(Text(""))
         render(out, data, notes=notes if len(run.expansion.files) > 1 else None)
     summary = {"files": run.n_files, "parsed": run.count(0), "damaged": run.count(1), "unreadable": run.count(2),
                "skipped": len(run.expansion.skipped)}
     if not (json_out or jsonl):
         notes.render(out)
         if len(run.expansion.files) > 1 or run.expansion.skipped:
-            from rich.text import Text
-
-            out.print(Text(f"{summary['files']} file(s): {summary['parsed']} parsed, {summary['damaged']} damaged, "
-                           f"{summary['unreadable']} unreadable; {summary['skipped']} skipped (not slot files)",
-                           style="bold"))
+            out.show(Text(f"{summary['files']} file(s): {summary['parsed']} parsed, {summary['damaged']} damaged, "
+                          f"{summary['unreadable']} unreadable; {summary['skipped']} skipped (not slot files)",
+                          style="bold"))
     run.finish(summary)
 
 

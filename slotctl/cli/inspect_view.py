@@ -1,15 +1,14 @@
-"""The human view of a slot file's layers (``inspect``; ``save`` shows the file it wrote the same way)."""
+"""The human view of a slot file's layers (``inspect``; ``save`` shows the file it wrote the same way).
+
+Built of :mod:`slotctl.cli.layout`'s renderables: on a pipe their plain lines are written without importing
+rich (the same bytes rich prints; ``inspect FILE | cat`` starts faster), on a terminal rich draws them."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rich.console import Group
-from rich.panel import Panel
-from rich.table import Table
-from rich.text import Text
-
-from slotctl.cli.output import Output, elide, human_bytes, keep_whole, markup_safe
+from slotctl.cli.layout import Group, Panel, Table, Text
+from slotctl.cli.output import Output, elide, human_bytes, markup_safe
 
 if TYPE_CHECKING:
     from slotctl.cli.common import NoteCounter
@@ -18,38 +17,38 @@ if TYPE_CHECKING:
 def render(out: Output, d: dict, notes: "NoteCounter | None" = None) -> None:
     """The human view of ``describe_file``'s dict; with ``notes``, notes met in other files are counted there
     and shown once at the end of the run instead."""
-    head = Text.assemble((markup_safe(d["path"], keep_newlines=False), "bold"), f"  {d['size']:,} bytes")
+    head = [(markup_safe(d["path"], keep_newlines=False), "bold"), f"  {d['size']:,} bytes"]
     if d["state_version"] is not None:
         head.append(f"  state version {d['state_version']}")
-    out.print(head)
+    out.show(Text(*head))
     if d["layers"]:
-        out.table(_byte_map(d), keep=("layer", "offset", "bytes", "share"))
+        out.show(_byte_map(d))
     if d["prompt"]:
-        out.print(_prompt(d["prompt"]))
+        out.show(_prompt(d["prompt"]))
         if d["prompt"].get("tokens") is not None:     # --tokens: every id, below the panel, as plain lines
-            out.print(Text(f"tokens ({len(d['prompt']['tokens']):,}):", style="dim"))
+            out.show(Text(f"tokens ({len(d['prompt']['tokens']):,}):", style="dim"))
             out.words(d["prompt"]["tokens"], indent=2)
     if d["target"]:
-        out.print(_memory_panel("target memory", d["target"]["memory"], d["target"]["size"]))
+        out.show(_memory_panel("target memory", d["target"]["memory"], d["target"]["size"]))
     elif d["state_version"] is not None:
         cands = d["target_candidates"]
-        out.print(Text(f"target memory: layout not determined ({len(cands)} candidate(s) fit"
-                       + (": " + "; ".join(cands) if cands else "") + ")", style="yellow"))
+        out.show(Text(f"target memory: layout not determined ({len(cands)} candidate(s) fit"
+                      + (": " + "; ".join(cands) if cands else "") + ")", style="yellow"))
     if d["sckp"] is not None:
         kind = d["target"]["memory"]["kind"] if d["target"] else None
-        out.table(_checkpoints(d["checkpoints"], kind), keep=_CHECKPOINT_COLUMNS)
+        out.show(_checkpoints(d["checkpoints"], kind))
     if d["draft"] is not None:
         dr = d["draft"]
         title = f"draft state (SDFT), seq {dr['seq_id']}, speculative state {human_bytes(dr['spec_size'])}"
         if dr["memory"]:
-            out.print(_memory_panel(title, dr["memory"], dr["size"]))
+            out.show(_memory_panel(title, dr["memory"], dr["size"]))
         else:
-            out.print(Text(f"{title}: {dr['size']:,} bytes, layout not determined"
-                           + (f" ({dr['error']['message']})" if dr["error"] else ""), style="yellow"))
+            out.show(Text(f"{title}: {dr['size']:,} bytes, layout not determined"
+                          + (f" ({dr['error']['message']})" if dr["error"] else ""), style="yellow"))
     elif d["sdft"] is None and not d["damaged"]:
-        out.print(Text("draft state: none (a restored slot drafts from an empty draft context)", style="dim"))
+        out.show(Text("draft state: none (a restored slot drafts from an empty draft context)", style="dim"))
     if d["trailing_bytes"]:
-        out.print(Text(f"trailing bytes: {d['trailing_bytes']:,}", style="yellow"))
+        out.show(Text(f"trailing bytes: {d['trailing_bytes']:,}", style="yellow"))
     for f in d["findings"]:   # on stderr, each naming its file (inspect a b 2>log keeps which broke)
         if f["severity"] == "error":
             out.error(f"{d['path']}: {f['message']}")
@@ -58,11 +57,8 @@ def render(out: Output, d: dict, notes: "NoteCounter | None" = None) -> None:
 
 
 def _byte_map(d: dict) -> Table:
-    t = Table(title="byte map", title_justify="left", show_edge=False)
-    t.add_column("layer")
-    t.add_column("offset", justify="right")
-    t.add_column("bytes", justify="right")
-    t.add_column("share", justify="right")
+    t = Table(("layer", "offset", "bytes", "share"), right=("offset", "bytes", "share"), title="byte map",
+              keep=("layer", "offset", "bytes", "share"))
     size = d["size"] or 1
     for layer in d["layers"]:
         t.add_row(layer["name"], f"0x{layer['offset']:x}", f"{layer['size']:,}", f"{100 * layer['size'] / size:.1f}%")
@@ -76,14 +72,14 @@ def _prompt(p: dict) -> Panel:
     body = [Text("\n".join(lines))]
     if p.get("text") is not None:
         body.append(Text(markup_safe(elide(p["text"])), style="italic"))
-    return Panel(Group(*body), title="prompt", title_align="left", expand=False)
+    return Panel("prompt", *body)
 
 
 def _memory_panel(title: str, mem: dict, size: int) -> Panel:
     parts = [Text(f"kind: {mem['kind']}, {len(mem['sections'])} section(s), {size:,} bytes")]
     for sec in mem["sections"]:
         parts.append(_section(sec))
-    return Panel(Group(*parts), title=title, title_align="left", expand=False)
+    return Panel(title, *parts)
 
 
 _ROLE_WORDS = {
@@ -104,14 +100,11 @@ def _section(sec: dict) -> Group:
         words = _ROLE_WORDS[sec["role"]]
         desc += (f" ({words} {_ids_text(ids)})" if ids else f" (no {words} layers: it lists its cells only)")
     items = [Text(desc, style="bold")]
-    streams = Table(show_edge=False, box=None, padding=(0, 1))
-    streams.add_column("stream")
-    streams.add_column("cells", justify="right")
-    streams.add_column("positions")
+    streams = Table(("stream", "cells", "positions"), right=("cells",), boxed=False)   # every column kept whole
     for i, s in enumerate(sec["streams"]):
         rng = f"{s['pos_min']}..{s['pos_max']}" if s["pos_min"] is not None else "-"
         streams.add_row(str(i), f"{s['cell_count']:,}", rng)
-    items.append(keep_whole(streams))
+    items.append(streams)
     facts = []
     if sec["type"] == "kv":
         facts.append(f"n_stream {sec['n_stream']}")
@@ -141,17 +134,14 @@ def _layers(sec: dict) -> Table:
     rows = sec["layers"]
     ids = sec.get("layer_ids")
     keys = [k for k in rows[0] if not k.startswith("v_el") and k != "v_n_embd"]
-    t = Table(show_edge=False, box=None, padding=(0, 1))
-    t.add_column("layers")
-    for k in keys:
-        t.add_column(k, justify="right")
+    t = Table(["layers", *keys], right=keys, boxed=False, keep=keys)
     if all(r == rows[0] for r in rows):
         label = ", ".join(map(str, ids)) if ids and len(rows) > 1 else f"all {len(rows)}"
         t.add_row(label, *[_cell(rows[0][k]) for k in keys])
     else:
         for i, r in enumerate(rows):
             t.add_row(str(ids[i]) if ids else str(i), *[_cell(r.get(k)) for k in keys])
-    return keep_whole(t, keys)
+    return t
 
 
 def _cell(v) -> str:
@@ -177,9 +167,8 @@ def _checkpoints(cps: list[dict], kind: str | None = None) -> Table:
     title = f"context checkpoints (SCKP): {len(cps)}"
     if kind in _PARTIAL_WORDS:
         title += f"; each target blob holds {_PARTIAL_WORDS[kind]}"
-    t = Table(title=title, title_justify="left", show_edge=False)
-    for c in _CHECKPOINT_COLUMNS:
-        t.add_column(c, justify="right" if c != "positions" else "left")
+    t = Table(_CHECKPOINT_COLUMNS, right=[c for c in _CHECKPOINT_COLUMNS if c != "positions"], title=title,
+              keep=_CHECKPOINT_COLUMNS)
     for i, c in enumerate(cps):
         t.add_row(str(i), f"{c['n_tokens']:,}", f"{c['pos_min']}..{c['pos_max']}",
                   _blob_cell(c["target"]), _blob_cell(c["draft"]), human_bytes(c["spec_size"]))

@@ -64,6 +64,9 @@ def keep(
                                                        "default f16).")] = None,
     allow_lossy: Annotated[bool, typer.Option("--allow-lossy", help="Re-encode a stored state's cache rows when "
                                               "the server's cache types changed (lossy).")] = False,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Do not use the catalog (the SQLite index of the "
+                                           "store): judge again every stored state the server did not restore "
+                                           "before.")] = False,
     router_model: RouterModelOpt = None,
     api_key: ApiKeyOpt = None,
     timeout: Annotated[Optional[float], typer.Option("--timeout", min=0.001, max=86400.0, metavar="SECONDS",
@@ -152,7 +155,7 @@ def keep(
                         cache_type_v=cache_type_v or ServerFlags().cache_type_v)
     keeper = Keeper(server, slot_dir, store, every=every, min_tokens=min_tokens, max_size=size, api_key=api_key,
                     timeout=timeout, emit=emit, retention=keep_newest, prove=prove_restores, force=force,
-                    flags=flags, given=frozenset(given), allow_lossy=allow_lossy)
+                    flags=flags, given=frozenset(given), allow_lossy=allow_lossy, catalog=not no_cache)
 
     def count_store() -> None:
         try:

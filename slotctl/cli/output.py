@@ -59,9 +59,12 @@ def style_of(word: str, default: str = "", *, bold: bool = False) -> str:
 
 def markup_safe(text: str, *, keep_newlines: bool = True) -> str:
     """Untrusted text escaped for the terminal and for rich markup."""
+    text = escape_text(text, keep_newlines=keep_newlines)
+    if "[" not in text:     # rich's escape changes only "[" (its tags): rich.markup imported when it may
+        return text
     from rich.markup import escape
 
-    return escape(escape_text(text, keep_newlines=keep_newlines))
+    return escape(text)
 
 
 def elide(text: str, limit: int = 600) -> str:
@@ -157,6 +160,48 @@ class Output:
         there is its plain text, and :meth:`lines` may write it without rich's per-line work."""
         console = self.console
         return not console.is_terminal and console.color_system is None
+
+    def plain_width(self) -> int | None:
+        """The width of stdout when rich would draw no styles there (:attr:`plain`: a pipe or a file), learned
+        without making rich's console when it is not made yet; None when stdout is a terminal, or rich
+        would read the environment (``TTY_COMPATIBLE``, ``FORCE_COLOR``, Jupyter) or the encoding (not
+        UTF-8: rich draws boxes in ASCII) in a way this does not follow."""
+        if "console" in self.__dict__:
+            return self.console.width if self.plain else None
+        if "TTY_COMPATIBLE" in os.environ or "FORCE_COLOR" in os.environ or sys.platform == "win32":
+            return None
+        import builtins
+
+        if hasattr(builtins, "get_ipython"):
+            return None
+        stdout = self._stdout
+        if not (getattr(stdout, "encoding", "utf-8") or "utf-8").lower().startswith("utf"):
+            return None
+        isatty = getattr(stdout, "isatty", None)
+        try:
+            if isatty is not None and isatty():
+                return None
+        except ValueError:      # a closed file: rich takes it for no terminal
+            pass
+        return pipe_width()
+
+    def show(self, node) -> None:
+        """A renderable of :mod:`slotctl.cli.layout` on stdout: where stdout shows no styles, its plain lines
+        written without rich (the same bytes rich prints); else, or for a shape the plain layout leaves to
+        rich, drawn by rich (a boxed table as :meth:`table` shows it, its ``keep`` columns whole)."""
+        from slotctl.cli import layout
+
+        width = self.plain_width()
+        if width is not None:
+            lines = layout.plain_lines(node, width)
+            if lines is not None:
+                self.lines(lines)
+                return
+        drawn = rich_renderable(node)
+        if isinstance(node, layout.Table) and node.boxed:
+            self.table(drawn, keep=node.columns if node.keep is None else node.keep)
+        else:
+            self.print(drawn)
 
     def lines(self, lines: Iterable[str]) -> None:
         """Plain lines straight to stdout (only where :attr:`plain`: each already laid out for the width,
@@ -324,6 +369,34 @@ class Output:
                 p.update(task, completed=completed, **({"total": total} if total is not None else {}))
 
             yield update
+
+
+def rich_renderable(node):
+    """rich's renderable of a :mod:`slotctl.cli.layout` renderable (a boxed table's ``keep`` is applied by
+    :meth:`Output.table`; a bare one's here)."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    from slotctl.cli import layout
+
+    if isinstance(node, layout.Text):
+        return Text.assemble(*node.spans, style=node.style)
+    if isinstance(node, layout.Table):
+        t = (Table(title=node.title, title_justify="left", show_edge=False) if node.boxed
+             else Table(show_edge=False, box=None, padding=(0, 1)))
+        for c in node.columns:
+            t.add_column(c, justify="right" if c in node.right else "left")
+        for row in node.rows:
+            t.add_row(*row)
+        return t if node.boxed else keep_whole(t, node.keep)
+    if isinstance(node, layout.Panel):
+        return Panel(Group(*map(rich_renderable, node.children)), title=node.title, title_align="left",
+                     expand=False)
+    if isinstance(node, layout.Group):
+        return Group(*map(rich_renderable, node.children))
+    raise TypeError(f"not a renderable of slotctl.cli.layout: {type(node).__name__}")
 
 
 def keep_whole(table: Table, keep: Iterable[str] | None = None, console: Console | None = None) -> Table:

@@ -12,7 +12,8 @@ Every ``every`` seconds (:meth:`Keeper.tick`):
   not where the proving request would spend the restore). So does every empty slot when keep starts. A
   state saved before the server's ``-np``, ``-kvu`` or cache types changed is converted first, by migrate's
   conversion step (:func:`slotctl.fleet.migrate.convert_for`: exact for streams, lossy for cache types only
-  with ``allow_lossy``); a state that cannot be is skipped, saying why.
+  with ``allow_lossy``); a state that cannot be is skipped, saying why. A state skipped is kept so in the
+  store's catalog (:class:`slotctl.catalog.Index`) and not read again while it and the server are unchanged.
 * **save**: each idle slot (``is_processing`` false) whose last task (``/slots`` ``id_task``, ``n_prompt_tokens``)
   changed since keep last saved or restored it, with at least ``min_tokens`` prompt tokens, is saved by the
   server under a working name (``keep-slotN-incoming-PID-RANDOM.bin`` in ``--slot-save-path``, private to the
@@ -112,7 +113,7 @@ class Keeper:
                  every: float = 30.0, min_tokens: int = 1, max_size: int | None = None,
                  api_key: str | None = None, timeout: float = 600.0, emit: Callable[[Event], None] = print,
                  lock=None, retention: int | None = None, prove: bool = True, force: bool = False, flags=None,
-                 given: frozenset[str] = frozenset(), allow_lossy: bool = False):
+                 given: frozenset[str] = frozenset(), allow_lossy: bool = False, catalog: bool = True):
         self.url = http.normalize_url(url)
         self.slot_dir = Path(slot_dir)
         self.store = open_store(store, self.slot_dir)
@@ -139,6 +140,10 @@ class Keeper:
         self.beat = time.monotonic()
         #: called after each look at the server with whether it answered (metrics, readiness)
         self.on_look: Callable[[bool], None] | None = None
+        #: the catalog (:class:`slotctl.catalog.Index`, the store's, as serve's): the stored states keep found
+        #: the server now running does not restore, not read again while unchanged (``--no-cache``: False)
+        self.use_catalog = catalog
+        self._catalog = None
 
     # -- the loop ---------------------------------------------------------------------------------------
 
@@ -390,25 +395,31 @@ class Keeper:
     def restore(self, slot: int) -> None:
         import tempfile
 
+        setup = None
         with tempfile.TemporaryDirectory(prefix="slotctl-keep-") as staging:
             for name in self.candidates(slot):
-                if self._restore_one(slot, name, Path(staging)):
+                if setup is None:   # once per slot: it reads the model's GGUF (about 1 s for the tiny model)
+                    setup, _notes = local_setup(self.facts, slot, self.flags, self.given)
+                if self._restore_one(slot, name, Path(staging), setup):
                     return
         self._event("skipped", slot, f"slot {slot}: no state in the store for the server now running")
 
-    def _restore_one(self, slot: int, name: str, staging: Path) -> bool:
-        """Restore the store's state ``name`` into ``slot`` and prove it; False when it does not validate."""
+    def _restore_one(self, slot: int, name: str, staging: Path, setup) -> bool:
+        """Restore the store's state ``name`` into ``slot`` (``setup``: the server now running as validate
+        judges for it) and prove it; False when it does not validate."""
         from slotctl.fleet.migrate import Refused, convert_for
         from slotctl.live.judge import NotSent, check_sendable, why
 
-        setup, _notes = local_setup(self.facts, slot, self.flags, self.given)
+        known = self._known(slot, name, setup)
+        if known is None:
+            return False        # judged before, unchanged since: the catalog's row said it (nothing read)
         path = self.store.local(name, staging)
         # converted for the server now running as migrate converts (its -np, -kvu, cache types)
         try:
             conv = convert_for(path, setup, staging / f"converted-{name}", allow_lossy=self.allow_lossy,
                                lossy_remedy="keep --allow-lossy re-encodes them")
         except Refused as e:
-            self._event("skipped", slot, f"{name}: not restored: {e}", name=name, reason="conversion")
+            self._not_restored(slot, known, f"{name}: not restored: {e}", name=name, reason="conversion")
             return False
         except SlotctlError:     # a file that does not parse: judged as it is (validate says what the server does)
             conv = None
@@ -419,8 +430,8 @@ class Keeper:
         try:
             report = check_sendable(path, setup, force=self.force)
         except NotSent as e:
-            self._event("skipped", slot, f"{name}: not restored: {why(e.report)} (keep --force restores it "
-                                         "anyway)", name=name, verdict=str(e.report.verdict))
+            self._not_restored(slot, known, f"{name}: not restored: {why(e.report)} (keep --force restores it "
+                                            "anyway)", name=name, verdict=str(e.report.verdict))
             return False
         placed = self.slot_dir / name
         copied = not placed.exists()
@@ -447,6 +458,80 @@ class Keeper:
         self.seen[slot] = self.signature(entry)   # the proving request is not a change to save
         self._remember(slot, self.seen[slot], name)
         return True
+
+    # -- the catalog: states the server now running does not restore -------------------------------------
+    #
+    # A stored state keep judged and did not restore (its conversion refused, or validate's verdict for the
+    # server now running refuses or aborts on it) is judged again at every restore pass (every restart, model
+    # swap, keep start) until a newer state restores: downloaded whole from an s3:// store, parsed twice
+    # (convert's plan, validate), the model's GGUF read. Its skipped line is kept in the catalog, under the
+    # question asked (the server's setup as validate judges it, the models' identities, slotctl's version,
+    # --allow-lossy, --force) and the file's identity: while neither changed, the same line is said again
+    # from the row and the file is neither downloaded nor opened. The verdict stays validate's on those bytes
+    # for that server; a state that restores is read as before (its bytes are sent anyway).
+
+    def _index(self, create: bool):
+        """The store's catalog (beside a directory store, as serve's; under the cache directory for s3://),
+        opened on first use; None with ``--no-cache``, or when it does not exist yet and ``create`` is False
+        (nothing is written into a store until keep has a row to keep)."""
+        if not self.use_catalog:
+            return None
+        if self._catalog is None:
+            from slotctl.catalog import Index, index_path
+
+            where = index_path(self.store.where(""), beside=True)
+            if not create and not os.path.exists(where):
+                return None
+            self._catalog = Index(where)
+        return self._catalog if self._catalog.usable else None
+
+    def _question(self, setup) -> str:
+        import hashlib
+
+        from slotctl.catalog import Request, request_key
+
+        asked = f"{request_key(Request(setup))}|allow_lossy={self.allow_lossy}|force={self.force}"
+        return "keep:" + hashlib.sha256(asked.encode()).hexdigest()[:24]
+
+    def _known(self, slot: int, name: str, setup) -> tuple | None | bool:
+        """What the catalog knows of the state ``name`` for ``setup``: None when it holds keep's skipped line
+        for the state's identity now (said again, ``details.catalog`` true: nothing read); else what
+        :meth:`_not_restored` needs to keep a new one (False without the catalog)."""
+        if not self.use_catalog:
+            return False
+        try:
+            got = self.store.identity(name)
+        except SlotctlError:     # the store does not answer: the read below says so
+            return False
+        if got is None:
+            return False
+        taken = time.time_ns()      # the identity as of now: a row is never newer than the read it is made from
+        key, where = self._question(setup), self.store.where(name)
+        ix = self._index(create=False)
+        row = ix.get([where], key, {where: got[0]}).get(where) if ix is not None else None
+        said = row.row if row is not None else None
+        details = said.get("details") if isinstance(said, dict) else None
+        if isinstance(said.get("message") if details else None, str) and isinstance(details, dict):
+            # only the keys keep writes there (a row of a damaged index gives nothing else)
+            kept = {k: v for k, v in details.items() if k in ("name", "verdict", "reason") and isinstance(v, str)}
+            self._event("skipped", slot, f"{said['message']} (unchanged since keep judged it: the catalog's row, "
+                                         f"not read again)", **kept, catalog=True)
+            return None
+        return key, where, got[0], got[1], taken
+
+    def _not_restored(self, slot: int, known, message: str, **details) -> None:
+        """A state not restored into ``slot``: its skipped line, kept in the catalog for the state's identity
+        and the question (``known``, from :meth:`_known`)."""
+        self._event("skipped", slot, message, **details)
+        if not known:
+            return
+        from slotctl.catalog import Cached
+
+        key, where, ident, changed, taken = known
+        ix = self._index(create=True)
+        if ix is not None:
+            ix.put(key, [(where, ident, changed, Cached({"message": message, "details": details},
+                                                       None, None, model_hash(self.facts)))], read_ns=taken)
 
     # -- events -----------------------------------------------------------------------------------------
 

@@ -58,6 +58,17 @@ class DirectoryStore:
         """A local file holding the state ``name`` (the store's own file here)."""
         return self.path / name
 
+    def identity(self, name: str) -> tuple[str, int] | None:
+        """The state ``name``'s identity for the catalog (:func:`slotctl.catalog.local_identity`) and its
+        mtime (ns); None when it cannot be stat'ed."""
+        from slotctl.catalog import local_identity
+
+        try:
+            st = (self.path / name).stat()
+        except OSError:
+            return None
+        return local_identity(st), st.st_mtime_ns
+
     def mtime(self, name: str) -> float:
         return (self.path / name).stat().st_mtime
 
@@ -160,6 +171,20 @@ class ObjectStore:
     def reachable(self) -> None:
         """A UsageError unless the prefix can be listed."""
         self.usage()
+
+    def identity(self, name: str) -> tuple[str, int] | None:
+        """The object ``name``'s identity for the catalog (its ETag, size and Last-Modified:
+        :func:`slotctl.catalog.object_identity`, one HEAD) and its Last-Modified (ns); None when it is absent
+        or has no ETag."""
+        from slotctl.catalog import object_identity
+        from slotctl.store.s3 import S3_STORE
+
+        e = S3_STORE.stat(self.where(name))
+        if e is None:
+            return None
+        changed = int(e.mtime * 1e9)
+        ident = object_identity(e.etag, e.size, changed)
+        return (ident, changed) if ident is not None else None
 
     def local(self, name: str, staging: Path) -> Path:
         dest = staging / name

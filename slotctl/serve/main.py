@@ -37,17 +37,13 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
 
     from slotctl.live.http import redact
     from slotctl.serve.cache import Cache
-    from slotctl.serve.index import common_prefix
     from slotctl.serve.proxy import Proxy, run
     from slotctl.unattended import lock as locks
     from slotctl.unattended import systemd
 
     metrics = None
-    said = threading.local()     # what a worker thread's prepare() logged (the restore's predicted reuse)
 
     def log(event: str, message: str, **details) -> None:
-        if event == "restored":
-            said.reuse = details.get("reuse")
         if metrics is not None:
             metrics.observe(event, details)
             if event in ("stored", "pruned"):
@@ -75,21 +71,6 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
             metrics.store_usage(*cache.store.usage())
         except Exception:  # noqa: BLE001 - counted at the next state; /readyz says why the store fails
             pass
-
-    class Metered(Proxy):
-        """The proxy, with each request given a slot counted: the prompt tokens predicted reused (the
-        restored state's, else the slot's own prefix) and evaluated."""
-
-        def prepare(self, slot, tokens, key=None) -> None:
-            held_tokens = min(common_prefix(slot.tokens, tokens), len(tokens) - 1)
-            said.reuse = None
-            try:
-                super().prepare(slot, tokens, key)
-            except BaseException:
-                metrics.prompt(0, len(tokens))
-                raise
-            reused = said.reuse if isinstance(said.reuse, int) else held_tokens
-            metrics.prompt(reused, len(tokens) - reused)
 
     lost: list[Exception] = []
     quit_ = threading.Event()
@@ -134,7 +115,8 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
 
         if isinstance(held, locks.Lease):
             held.start(on_lost)
-        proxy = (Metered if metrics is not None else Proxy)(cache, min_gain=min_gain, log=log)
+        # each request given a slot counted: the prompt tokens predicted reused and evaluated (Proxy.prepare's)
+        proxy = Proxy(cache, min_gain=min_gain, log=log, on_prompt=metrics.prompt if metrics is not None else None)
 
         async def beating() -> None:
             tried = time.monotonic()

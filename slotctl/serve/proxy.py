@@ -75,8 +75,12 @@ class Proxy:
     least this many more prompt tokens than the slot already holds."""
 
     def __init__(self, cache: Cache, *, min_gain: int = 16, facts_every: float = 5.0, check_every: float = 1.0,
-                 log=None):
+                 log=None, on_prompt=None):
         self.cache = cache
+        #: ``on_prompt(reused, evaluated)`` once per request given a slot: the prompt tokens :meth:`prepare`
+        #: predicts the server reuses (the restored state's, else the slot's own prefix; 0 when the restore
+        #: failed) and evaluates (serve's metrics)
+        self.on_prompt = on_prompt
         self.base = cache.url
         self.min_gain = min_gain
         self.facts_every = facts_every
@@ -352,15 +356,18 @@ class Proxy:
             slot.pending -= 1
             raise
         try:
+            reused = 0
             try:
                 if self.may_restore(slot, tokens):      # looked up, judged and restored in a worker thread
-                    await asyncio.to_thread(self.prepare, slot, tokens, key)
+                    reused = await asyncio.to_thread(self.prepare, slot, tokens, key)
                 else:
-                    self.prepare(slot, tokens, key)     # nothing to look up: at once, on the event loop
+                    reused = self.prepare(slot, tokens, key)     # nothing to look up: at once, on the event loop
             except Exception as e:  # noqa: BLE001 - a restore that fails: the request goes uncached
                 c.add("restore_failures")
                 slot.tokens = EMPTY
                 self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id)
+            if self.on_prompt is not None:
+                self.on_prompt(reused, len(tokens) - reused)
             data = json.dumps(dict(body, id_slot=slot.id, cache_prompt=True)).encode()
             resp, ok = await self.forward(request, data, self._headers(request))
             slot.used = time.monotonic()
@@ -457,22 +464,23 @@ class Proxy:
         fewer than that are not in the slot (then :meth:`prepare` looks nothing up)."""
         return len(tokens) - min(common_prefix(slot.tokens, tokens), len(tokens) - 1) >= self.min_gain
 
-    def prepare(self, slot: Slot, tokens: np.ndarray, key: str | None = None) -> None:
+    def prepare(self, slot: Slot, tokens: np.ndarray, key: str | None = None) -> int:
         """In a worker thread, with the slot held: restore the stored state that keeps the most of the
         prompt, when its verdict for this slot is ``restores`` and it keeps at least ``min_gain`` tokens
         more than the slot holds. A state another server's ``-np``/``-kvu`` made is converted for this one
         first (:meth:`Cache.converted`) and the converted file judged the same way; a conversion that fails
-        leaves the request uncached."""
+        leaves the request uncached. The prompt tokens the server is predicted to reuse: the restored
+        state's (its ``restored`` event's ``reuse``), else what the slot already holds of the prompt."""
         c = self.cache.counters
         held = min(common_prefix(slot.tokens, tokens), len(tokens) - 1)
         if not self.may_restore(slot, tokens):
-            return
+            return held
         try:
             found = self.cache.lookup(tokens)
         except Exception as e:  # noqa: BLE001 - the store down: uncached
             c.add("lookup_failures")
             self.log("error", f"the store cannot be read ({e}): the request goes uncached")
-            return
+            return held
         for state, common in found:
             if common - held < self.min_gain:
                 break
@@ -484,8 +492,7 @@ class Proxy:
             if gain - held < self.min_gain:
                 continue
             if judged.verdict in RESTORABLE:
-                self._restore(slot, state, gain, held, len(tokens), key)
-                return
+                return self._restore(slot, state, gain, held, len(tokens), key)
             t0 = time.perf_counter()
             try:
                 with self.cache.converted(state, slot.id) as (placed, sent):
@@ -495,14 +502,14 @@ class Proxy:
                     gain = self.cache.reuse(sent, state, common, len(tokens))
                     if gain - held < self.min_gain:
                         continue
-                    self._restore(slot, state, gain, held, len(tokens), key, placed, sent.convert,
-                                  (time.perf_counter() - t0) * 1000)
-                    return
+                    return self._restore(slot, state, gain, held, len(tokens), key, placed, sent.convert,
+                                         (time.perf_counter() - t0) * 1000)
             except ConversionFailed as e:
                 c.add("conversion_failures")
                 self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id,
                          name=state.name)
-                return
+                return held
+        return held
 
     def _refused(self, state, slot: Slot, judged) -> None:
         self.cache.counters.add("restores_refused_by_verdict")
@@ -511,7 +518,8 @@ class Proxy:
                  slot=slot.id, name=state.name, verdict=judged.verdict)
 
     def _restore(self, slot: Slot, state, gain: int, held: int, n_request: int, key: str | None,
-                 placed: str | None = None, changes: list[str] | None = None, convert_ms: float = 0.0) -> None:
+                 placed: str | None = None, changes: list[str] | None = None, convert_ms: float = 0.0) -> int:
+        """``state`` restored into ``slot``; ``gain``, the prompt tokens the request is predicted to keep."""
         c = self.cache.counters
         slot.tokens = EMPTY         # whatever happens now, the slot's old tokens are gone
         t0 = time.perf_counter()
@@ -525,6 +533,7 @@ class Proxy:
                              f"tokens in {(time.perf_counter() - t0) * 1000:.0f} ms; the request keeps "
                              f"{gain:,} of its {n_request:,} (the slot held {held:,})",
                  slot=slot.id, name=state.name, n_restored=answer.get("n_restored"), reuse=gain, held=held, **extra)
+        return gain
 
     async def _save_then_release(self, slot: Slot, key: str | None) -> None:
         """After a whole answer: the slot saved by the server (asked at once, on serve's own connection) and
