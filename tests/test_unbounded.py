@@ -199,6 +199,28 @@ def test_stdin_within_the_bound_is_read(tmp_path):
 # -- keep honours SIGTERM while a server drips its answer ----------------------------------------------------
 
 
+def _keep_until_sigterm(url: str, slot_dir: Path, ready, settle: float) -> tuple[int, str, str, float]:
+    """keep --timeout 600 --json before ``url``, sent SIGTERM ``settle`` seconds after ``ready()`` (waited for
+    at most 30 s): its exit code, stdout, stderr, and the seconds from the signal to its exit."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(slot_dir),
+                             "--json", "--timeout", "600", "--every", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=default_signals)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(settle)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        return proc.returncode, out, err, time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("what", ["drip", "63 MiB"])
 def test_keep_honours_sigterm_while_a_read_is_in_flight(serve, tmp_path, what):
     """keep --timeout 600 against a server whose /slots drips a byte every 0.2 s (or answers 63 MiB of
@@ -220,24 +242,9 @@ def test_keep_honours_sigterm_while_a_read_is_in_flight(serve, tmp_path, what):
                   else {"data": []})
 
     url, script = serve(answer)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(tmp_path),
-                             "--json", "--timeout", "600", "--every", "1"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=default_signals)
-    try:
-        deadline = time.monotonic() + 30
-        while not any(p.startswith("/slots") for _, p, _ in script.seen) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(1)
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-        took = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err
+    code, out, err, took = _keep_until_sigterm(url, tmp_path, lambda: any(p.startswith("/slots")
+                                                                        for _, p, _ in script.seen), settle=1)
+    assert code == 0, err
     assert took < 15, took      # not --timeout 600
     assert out.splitlines()[-1].count('"stop"') == 1, out[-500:]
 
@@ -261,25 +268,10 @@ def test_keep_stopped_during_its_look_at_the_slots_reports_no_error(serve, tmp_p
         send_json(h, GOOD_PROPS if h.path.startswith("/props") else {"status": "ok"} if h.path == "/health"
                   else {"data": []})
 
-    url, script = serve(answer)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(tmp_path),
-                             "--json", "--timeout", "600", "--every", "1"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=default_signals)
-    try:
-        deadline = time.monotonic() + 30
-        while len(looks) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(looks) == 2, looks
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err
+    url, _script = serve(answer)
+    code, out, err, _took = _keep_until_sigterm(url, tmp_path, lambda: len(looks) >= 2, settle=0.5)
+    assert code == 0, err
+    assert len(looks) >= 2, looks
     events = [json.loads(line) for line in out.splitlines()]
     assert [e for e in events if e["event"] == "error"] == [], out
     assert events[-1]["event"] == "stop", out
