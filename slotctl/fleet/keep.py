@@ -509,9 +509,9 @@ class Keeper:
         key, where = self._question(setup), self.store.where(name)
         ix = self._index(create=False)
         row = ix.get([where], key, {where: got[0]}).get(where) if ix is not None else None
-        said = row.row if row is not None else None
-        details = said.get("details") if isinstance(said, dict) else None
-        if isinstance(said.get("message") if details else None, str) and isinstance(details, dict):
+        said = row.row if row is not None and isinstance(row.row, dict) else {}
+        details = said.get("details")
+        if isinstance(details, dict) and details and isinstance(said.get("message"), str):
             # only the keys keep writes there (a row of a damaged index gives nothing else)
             kept = {k: v for k, v in details.items() if k in ("name", "verdict", "reason") and isinstance(v, str)}
             self._event("skipped", slot, f"{said['message']} (unchanged since keep judged it: the catalog's row, "
