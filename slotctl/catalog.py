@@ -231,6 +231,17 @@ def request_key(request: Request) -> str:
     return "row:" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
+def verdict_key(who: str, setup, **asked) -> str:
+    """The question a verdict row answers (keep's refusals, serve's verdicts: :meth:`Index.verdict`): ``who``
+    (``keep``, ``serve``), the server's setup as validate judges it, the models' identities and slotctl's version
+    (:func:`request_key`), and what else the verdict depends on (``asked``: keep's ``--allow-lossy`` and
+    ``--force``, serve's build). A verdict made for another question is never read."""
+    import hashlib
+
+    asked_text = request_key(Request(setup)) + "".join(f"|{k}={v}" for k, v in sorted(asked.items()))
+    return f"{who}:" + hashlib.sha256(asked_text.encode()).hexdigest()[:24]
+
+
 class _Place:
     """One directory's (or prefix's) index, read once: every trusted row for the question asked and every
     first-bytes entry, and what this run learned, written back in one transaction each."""
@@ -723,6 +734,21 @@ class Index:
                        len(c.tokens) if c.tokens is not None else None,
                        tokens(c) if c.tokens is not None else None, c.model)
                       for path, ident, changed, c in items if _storable(path)]))
+
+    def verdict(self, path: str, key: str, identity: str) -> dict | None:
+        """The verdict kept for ``path`` under the question ``key`` (:func:`verdict_key`) while its identity is
+        still ``identity`` and the row was made long enough after the file last changed (:meth:`get`): the dict
+        :meth:`put_verdict` kept; None otherwise (not kept, the file changed, the row racy or not a dict). What
+        the dict holds is its writer's to check: a damaged index may hold anything."""
+        got = self.get([path], key, {path: identity}).get(path)
+        return got.row if got is not None and isinstance(got.row, dict) else None
+
+    def put_verdict(self, path: str, key: str, identity: str, changed_ns: int, verdict: dict, *,
+                    read_ns: int, model: str | None = None) -> None:
+        """``verdict`` (a dict of JSON values) kept for ``path`` under ``key`` at ``identity``; ``read_ns``: when
+        the identity was taken, before the bytes the verdict was made on were read (so a file changed during the
+        read, within its mtime's granularity, is never trusted: :data:`RACY_SECONDS`)."""
+        self.put(key, [(path, identity, changed_ns, Cached(verdict, None, None, model))], read_ns=read_ns)
 
     def forget(self, paths: list[str]) -> None:
         if not self.usable or not paths:

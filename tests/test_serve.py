@@ -655,6 +655,136 @@ def test_the_catalog_spares_reading_stored_states_again(llama, tmp_path):
     assert len(list(tmp_path.glob("serve-*.bin"))) == 1
 
 
+#: a sitecustomize for a serve process: an audit hook writes every open of a file named ``serve-*`` into the file
+#: ``$SLOTCTL_TEST_OPENS``, as ``parse`` when validate, the slot-file parser or convert's plan opened it (a
+#: function of theirs on the stack) and ``read`` otherwise (a copy, the access time's one byte)
+OPENS_HOOK = """
+import os, sys
+
+_log = open(os.environ["SLOTCTL_TEST_OPENS"], "a", buffering=1)
+_PARSE = {"validate_file", "open_slot_file", "read_slot_file", "plan_for", "convert_for"}
+
+
+def _hook(event, args):
+    if event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)):
+        return
+    path = os.fsdecode(args[0])
+    if not os.path.basename(path).startswith("serve-"):
+        return
+    names, f = set(), sys._getframe(1)
+    while f is not None:
+        names.add(f.f_code.co_name)
+        f = f.f_back
+    _log.write(("parse" if names & _PARSE else "read") + "\\t" + os.path.basename(path) + "\\n")
+
+
+sys.addaudithook(_hook)
+"""
+
+
+@server
+def test_a_restarted_serve_takes_its_verdicts_from_the_catalog(llama, tmp_path):
+    """serve keeps its verdicts in the store's catalog, per state identity and question: a serve process started
+    again restores a state it judged before without opening it to judge it (the restore's own copy still reads
+    it), and refuses a state it refused before without opening it at all; a state changed since (its identity)
+    is judged again, and --no-cache judges every state. Every open of the state by each serve process is seen
+    by an audit hook installed in it (a sitecustomize)."""
+    store = tmp_path / "store"
+    store.mkdir()
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(OPENS_HOOK)
+    opens = tmp_path / "opens.txt"
+    env = {"SLOTCTL_TEST_OPENS": str(opens),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
+    erase_all(llama)
+    with serving(llama, llama.save_dir, str(store)) as s:
+        first = complete(s.url, TURN1)
+        s.wait_for("saves", 1)
+    (state,) = store.glob("serve-*.bin")
+    returning = TURN1 + first["content"] + TURN2_EXTRA
+
+    def run(*extra: str) -> tuple[dict, list[dict], list[str]]:
+        """One serve process asked the returning turn in an empty slot: its answer, its restored and refused
+        events, how it opened the state (``parse`` / ``read``, in order); the states it stored removed after."""
+        erase_all(llama)
+        opens.write_text("")
+        with serving(llama, llama.save_dir, str(store), *extra, env=env) as s:
+            answer = complete(s.url, returning)
+            s.wait_for("saves", 1)
+            events = [e for e in s.events if e["event"] in ("restored", "refused")]
+        for p in store.glob("serve-*.bin"):
+            if p != state:
+                p.unlink()
+        how = [line.split("\t")[0] for line in opens.read_text().splitlines() if line.endswith("\t" + state.name)]
+        return answer, events, how
+
+    def age(hours: float) -> None:      # changed long enough ago for the catalog's rows to be trusted
+        t = time.time() - 3600 * hours
+        os.utime(state, (t, t))
+
+    age(1)
+    # judged (opened by validate), restored, the verdict kept
+    answer, (ev,), how = run()
+    assert ev["event"] == "restored" and "catalog" not in ev["details"], ev
+    assert "parse" in how and answer["timings"]["cache_n"] > 100, how
+    # a serve started again: the verdict from the catalog, the state only copied for the restore
+    for _ in range(2):
+        answer, (ev,), how = run()
+        assert "parse" not in how and "read" in how, how
+        assert ev["event"] == "restored" and ev["details"].get("catalog") is True, ev
+        assert answer["timings"]["cache_n"] > 100
+    # --no-cache: judged again
+    _answer, (ev,), how = run("--no-cache")
+    assert ev["event"] == "restored" and "catalog" not in ev["details"] and "parse" in how, (ev, how)
+    # the state changed (its identity: mtime, ctime): judged again, then trusted again
+    age(2)
+    _answer, (ev,), how = run()
+    assert "catalog" not in ev["details"] and "parse" in how, (ev, how)
+    _answer, (ev,), how = run()
+    assert ev["details"]["catalog"] is True and "parse" not in how, (ev, how)
+    # cut short: judged again and refused (never sent); the next serve refuses it from the catalog, never opening it
+    data = state.read_bytes()
+    state.write_bytes(data[: len(data) // 2])
+    age(1)
+    answer, events, how = run()
+    assert [e["event"] for e in events] == ["refused"] and "catalog" not in events[0]["details"], events
+    assert "parse" in how and answer["timings"]["cache_n"] == 0
+    answer, events, how = run()
+    assert [e["event"] for e in events] == ["refused"] and events[0]["details"]["catalog"] is True, events
+    assert events[0]["details"]["verdict"] != "restores" and "not read again" in events[0]["message"]
+    assert how == [] and answer["timings"]["cache_n"] == 0, how
+
+
+@pytest.mark.parametrize("own_store", [True, False], ids=["store-elsewhere", "store-is-slot-dir"])
+def test_a_state_is_sent_only_with_the_identity_its_verdict_was_made_on(tmp_path, own_store):
+    """Cache.restore sends a state only while the file the server would read has the identity the `restores`
+    verdict was made on: a state changed since (here its mtime, as a writer's would) is neither copied into the
+    slot directory nor restored (the check comes before any request: no server is asked, the URL is nobody's)."""
+    import numpy as np
+
+    from slotctl.catalog import local_identity
+    from slotctl.errors import UsageError
+    from slotctl.serve.cache import Cache
+    from slotctl.serve.index import State
+
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    store = tmp_path / "store" if own_store else slots
+    store.mkdir(exist_ok=True)
+    name = "serve-00000000-0000003-0000000000000000.bin"
+    (store / name).write_bytes(b"\0" * 64)       # what it holds is not read: the identity is checked first
+    judged_on = local_identity(os.stat(store / name))
+    t = time.time() - 60
+    os.utime(store / name, (t, t))
+    cache = Cache("http://127.0.0.1:9", slots, str(store) if own_store else None, catalog=False, timeout=1)
+    state = State(name, np.array([1, 2, 3], dtype=np.int32), "kv", (store / name).stat().st_size)
+    with pytest.raises(UsageError) as e:
+        cache.restore(state, 0, identity=judged_on)
+    assert e.value.code == "object_changed" and "changed since its verdict" in str(e.value)
+    assert sorted(p.name for p in slots.iterdir()) == ([] if own_store else [name])
+
+
 def test_usage_errors_are_one_line_and_exit_2(tmp_path):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

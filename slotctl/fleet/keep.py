@@ -486,12 +486,9 @@ class Keeper:
         return self._catalog if self._catalog.usable else None
 
     def _question(self, setup) -> str:
-        import hashlib
+        from slotctl.catalog import verdict_key
 
-        from slotctl.catalog import Request, request_key
-
-        asked = f"{request_key(Request(setup))}|allow_lossy={self.allow_lossy}|force={self.force}"
-        return "keep:" + hashlib.sha256(asked.encode()).hexdigest()[:24]
+        return verdict_key("keep", setup, allow_lossy=self.allow_lossy, force=self.force)
 
     def _known(self, slot: int, name: str, setup) -> tuple | None | bool:
         """What the catalog knows of the state ``name`` for ``setup``: None when it holds keep's skipped line
@@ -508,8 +505,7 @@ class Keeper:
         taken = time.time_ns()      # the identity as of now: a row is never newer than the read it is made from
         key, where = self._question(setup), self.store.where(name)
         ix = self._index(create=False)
-        row = ix.get([where], key, {where: got[0]}).get(where) if ix is not None else None
-        said = row.row if row is not None and isinstance(row.row, dict) else {}
+        said = (ix.verdict(where, key, got[0]) if ix is not None else None) or {}
         details = said.get("details")
         if isinstance(details, dict) and details and isinstance(said.get("message"), str):
             # only the keys keep writes there (a row of a damaged index gives nothing else)
@@ -525,13 +521,11 @@ class Keeper:
         self._event("skipped", slot, message, **details)
         if not known:
             return
-        from slotctl.catalog import Cached
-
         key, where, ident, changed, taken = known
         ix = self._index(create=True)
         if ix is not None:
-            ix.put(key, [(where, ident, changed, Cached({"message": message, "details": details},
-                                                       None, None, model_hash(self.facts)))], read_ns=taken)
+            ix.put_verdict(where, key, ident, changed, {"message": message, "details": details}, read_ns=taken,
+                           model=model_hash(self.facts))
 
     # -- events -----------------------------------------------------------------------------------------
 

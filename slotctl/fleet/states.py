@@ -186,20 +186,31 @@ class ObjectStore:
         ident = object_identity(e.etag, e.size, changed)
         return (ident, changed) if ident is not None else None
 
-    def local(self, name: str, staging: Path) -> Path:
+    def local(self, name: str, staging: Path, *, identity: str | None = None) -> Path:
+        """The object ``name`` downloaded into ``staging`` (whole, or absent). ``identity``: the object's
+        identity a verdict was made on (:func:`slotctl.catalog.object_identity` of its ETag and size): the
+        download, whose reads are pinned to one ETag, must have read that one, else the file is removed
+        (:func:`changed_since`)."""
         dest = staging / name
         if not dest.exists():
-            self._copy(self.where(name), os.fspath(dest))
+            res = self._copy(self.where(name), os.fspath(dest))
+            if identity is not None:
+                from slotctl.catalog import object_identity
+
+                if object_identity(res.etag, res.size or 0) != identity:
+                    os.unlink(dest)
+                    raise changed_since(self.where(name))
         return dest
 
     @staticmethod
-    def _copy(src: str, dst: str) -> None:
+    def _copy(src: str, dst: str):
         from slotctl.store.cp import COPIED, copy_one
 
         res = copy_one(src, dst)
         if res.status != COPIED:
             raise UsageError(res.error["message"] if res.error else f"{src} -> {dst}: not copied",
                              code=res.error["code"] if res.error else "copy_failed")
+        return res
 
     def prune(self, max_size: int, pins: tuple[str, ...], on_file) -> None:
         """Hold the store under ``max_size`` by :mod:`slotctl.prune`'s rules for a prefix (least recently
@@ -220,13 +231,29 @@ def open_store(store: str | os.PathLike | None, slot_dir: Path):
     return DirectoryStore(slot_dir if store is None else store, slot_dir)
 
 
-def copy_atomic(src: str | os.PathLike, dest: str | os.PathLike) -> None:
-    """``src`` copied to ``dest`` through :func:`slotctl.atomic.atomic_writer` (never a torn ``dest``)."""
+def copy_atomic(src: str | os.PathLike, dest: str | os.PathLike, *, identity: str | None = None) -> None:
+    """``src`` copied to ``dest`` through :func:`slotctl.atomic.atomic_writer` (never a torn ``dest``).
+    ``identity``: the file's identity a verdict was made on (:func:`slotctl.catalog.local_identity`): the
+    file opened must have it before the copy and still after it, else nothing is copied
+    (:func:`changed_since`)."""
     from slotctl.atomic import atomic_writer, copy_range
+    from slotctl.catalog import local_identity
     from slotctl.paths import open_regular
 
-    with open_regular(os.fspath(src)) as f, atomic_writer(dest) as out:
-        copy_range(f, out, 0, os.fstat(f.fileno()).st_size)
+    with open_regular(os.fspath(src)) as f:
+        st = os.fstat(f.fileno())
+        if identity is not None and local_identity(st) != identity:
+            raise changed_since(src)
+        with atomic_writer(dest) as out:
+            copy_range(f, out, 0, st.st_size)
+            if identity is not None and local_identity(os.fstat(f.fileno())) != identity:
+                raise changed_since(src)      # inside the writer: dest is not made
+
+
+def changed_since(where: str | os.PathLike) -> UsageError:
+    """The error of a state whose identity is no longer the one its verdict was made on: never sent."""
+    return UsageError(f"{os.fspath(where)}: changed since its verdict was made (not sent; it is judged again)",
+                      code="object_changed")
 
 
 @dataclass(frozen=True)

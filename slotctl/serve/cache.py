@@ -26,7 +26,7 @@ import numpy as np
 from slotctl.live import http
 from slotctl.fleet.keep import model_hash, tokens_hash
 from slotctl.live.prove import local_setup, server_reads_checkpoints
-from slotctl.fleet.states import copy_atomic, open_store, read_saved
+from slotctl.fleet.states import changed_since, copy_atomic, open_store, read_saved
 from slotctl.serve.index import State, StateIndex, as_tokens
 from slotctl.server.reuse import request_reuse, reuse_for, server_n_swa
 
@@ -66,6 +66,35 @@ class Judged:
     convert: list[str] | None = None
     #: the file parsed whole (a damaged file is not converted: judged as it is)
     parsed: bool = False
+    #: the identity of the bytes the verdict was made on (:func:`slotctl.catalog.local_identity`, or
+    #: :func:`~slotctl.catalog.object_identity` of the ETag the reads were pinned to; None: the store gives
+    #: none): a state is sent only while it has this identity (:meth:`Cache.restore`)
+    identity: str | None = None
+    #: when the file last changed (ns) as the identity says: the catalog's racy rule
+    changed_ns: int = 0
+    #: the verdict came from the catalog (kept by a serve before, for the same question and identity): the
+    #: file was not opened to judge it
+    catalog: bool = False
+
+    def as_row(self) -> dict:
+        """What the catalog keeps of the verdict (JSON values; the identity is the row's own)."""
+        return {"verdict": self.verdict, "extending": self.extending, "kind": self.kind, "n_swa": self.n_swa,
+                "reason": self.reason, "convert": self.convert, "parsed": self.parsed}
+
+    @classmethod
+    def from_row(cls, row: dict, identity: str, changed_ns: int) -> "Judged | None":
+        """The verdict :meth:`as_row` kept, for the file at ``identity``; None when the row is not one (a damaged
+        index may hold anything: nothing but these keys, of these types, is taken)."""
+        def opt(value, kind) -> bool:
+            return value is None or (isinstance(value, kind) and not isinstance(value, bool))
+
+        v, ext, kind, n_swa = row.get("verdict"), row.get("extending"), row.get("kind"), row.get("n_swa")
+        reason, convert, parsed = row.get("reason"), row.get("convert"), row.get("parsed")
+        if not (isinstance(v, str) and opt(ext, int) and opt(kind, str) and isinstance(n_swa, int)
+                and not isinstance(n_swa, bool) and opt(reason, str) and isinstance(parsed, bool)
+                and (convert is None or (isinstance(convert, list) and all(isinstance(c, str) for c in convert)))):
+            return None
+        return cls(v, ext, kind, n_swa, reason, convert, parsed, identity, changed_ns, catalog=True)
 
 
 @dataclass
@@ -138,6 +167,10 @@ class Cache:
         self.index: StateIndex | None = None
         self._judged: dict[tuple[str, int], Judged] = {}
         self._setups: dict[int, object] = {}
+        #: slot -> the question serve's verdicts for it answer in the catalog (:func:`slotctl.catalog.verdict_key`)
+        self._questions: dict[int, str] = {}
+        #: an s3:// store's states as last listed: name -> (identity, changed_ns)
+        self._listed_ids: dict[str, tuple[str, int]] = {}
         self._lock = threading.Lock()
         self._seq = 0
         self._listed = 0.0
@@ -158,6 +191,7 @@ class Cache:
             if model != self.model or facts.total_slots != (self.facts.total_slots if self.facts else None):
                 self._judged.clear()
                 self._setups.clear()
+                self._questions.clear()
             if model != self.model:
                 self.index = StateIndex(state_prefix(model))
                 self._listed = 0.0
@@ -182,6 +216,7 @@ class Cache:
         if self.index is None or time.monotonic() - self._listed < every:
             return
         listed = self._listing(self.index.prefix)
+        self._listed_ids = {n: (ident, changed) for n, (ident, changed, _size) in listed.items() if ident}
         gone = set(self.index.states) - set(listed)
         self.index.forget(gone)
         new = [n for n in listed if n not in self.index.states]
@@ -259,49 +294,107 @@ class Cache:
     # -- judging and restoring -------------------------------------------------------------------------
 
     def judge(self, state: State, slot: int) -> Judged:
-        """validate's verdict on ``state`` for ``slot`` of the server now running (memoized per state and
-        slot: a state's bytes never change under its name); when it is not ``restores``, whether convert can
-        bring the state over to this server's ``-np``/``-kvu`` (``Judged.convert``: planned from the file's
-        metadata, nothing written; a lossy conversion, of cache types, never)."""
+        """validate's verdict on ``state`` for ``slot`` of the server now running; when it is not ``restores``,
+        whether convert can bring the state over to this server's ``-np``/``-kvu`` (``Judged.convert``: planned
+        from the file's metadata, nothing written; a lossy conversion, of cache types, never).
+
+        A verdict is made once per state, slot and identity of the state (a local file's device, inode, size,
+        ``mtime_ns`` and ``ctime_ns``, one ``stat``; an object's ETag and size, from the store's last listing):
+        kept in memory, and in the store's catalog under serve's question for the slot
+        (:func:`slotctl.catalog.verdict_key`: the server's setup as validate judges it, the models'
+        identities, slotctl's version, the server's build), so that a serve started again judges a state it
+        judged before without opening it. A row is trusted only for the identity it was made on and when made
+        at least :data:`slotctl.catalog.RACY_SECONDS` after the file last changed; a state is sent only while
+        it still has the identity its verdict was made on (:meth:`restore`)."""
         key = (state.name, slot)
+        where = self.store.where(state.name)
+        now = self._identity(state.name)
         with self._lock:
             found = self._judged.get(key)
-        if found is not None:
+        if found is not None and found.identity == (now[0] if now is not None else None):
             return found
-        where = self.store.where(state.name)
+        question = self._question(slot)
+        if now is not None and self.catalog is not None:
+            row = self.catalog.verdict(where, question, now[0])
+            judged = Judged.from_row(row, now[0], now[1]) if row is not None else None
+            if judged is not None:
+                with self._lock:
+                    self._judged[key] = judged
+                return judged
+        taken = time.time_ns()      # before the read: a row is never newer than the bytes it was made on
         judged = self._judge_file(where, slot, state.kind)
         if judged.verdict not in RESTORABLE and judged.parsed:
             judged.convert, why = self._convertible(where, slot)
             if why:
                 judged.reason = f"{judged.reason}; {why}" if judged.reason else why
-        with self._lock:
-            self._judged[key] = judged
+        self._remember(key, question, judged, taken)
         return judged
 
+    def _remember(self, key: tuple[str, int], question: str, judged: Judged, taken: int) -> None:
+        """``judged`` kept for the state and slot ``key``: in memory, and in the catalog under ``question`` for
+        the identity it was made on (``taken``: when, before the read)."""
+        with self._lock:
+            self._judged[key] = judged
+        if self.catalog is not None and judged.identity is not None:
+            self.catalog.put_verdict(self.store.where(key[0]), question, judged.identity, judged.changed_ns,
+                                     judged.as_row(), read_ns=taken, model=self.model)
+
+    def _identity(self, name: str) -> tuple[str, int] | None:
+        """The stored state ``name``'s identity now and when it last changed (ns): a local file's ``stat``; an
+        object's ETag and size as the store's last listing said (the download that sends it checks the ETag it
+        reads: :meth:`restore`). None when there is none."""
+        if self.store.where("").startswith("s3://"):
+            return self._listed_ids.get(name)
+        return self.store.identity(name)
+
+    def _question(self, slot: int) -> str:
+        with self._lock:
+            question = self._questions.get(slot)
+        if question is None:
+            from slotctl.catalog import verdict_key
+
+            # what Judged holds besides the file: validate's verdict for the setup and models, the reuse
+            # prediction (whether this build reads checkpoints), convert's plan (never lossy)
+            question = verdict_key("serve", self._setup(slot), build=self.facts.build_info)
+            with self._lock:
+                self._questions[slot] = question
+        return question
+
     def _judge_file(self, where: str, slot: int, kind: str | None) -> Judged:
-        """validate's verdict on the file ``where`` for ``slot``, and what a request extending it keeps."""
+        """validate's verdict on the file ``where`` for ``slot``, what a request extending it keeps, and the
+        identity of the bytes it was made on (the open file's ``fstat``; an object's ETag its reads were
+        pinned to)."""
+        from slotctl.catalog import local_identity, object_identity
+        from slotctl.sources import open_input
         from slotctl.validate.check import validate_file
         from slotctl.validate.setup import Models
 
         setup = self._setup(slot)
         models = Models(setup)
-        report = validate_file(where, setup, models)
-        sf = report.slot_file
-        n_swa = (server_n_swa(models.target, swa_full=setup.settings.swa_full)
-                 if models.target is not None else 0)
-        extending = None
-        parsed = sf is not None and sf.target is not None and not sf.errors
-        if sf is not None and sf.target is not None:
-            reads = server_reads_checkpoints(self.facts.build_info)
-            r = reuse_for(sf, models.target, swa_full=setup.settings.swa_full,
-                          n_ctx_checkpoints=setup.n_ctx_checkpoints, reads_checkpoints=reads, extends=True)
-            if r is not None:
-                extending = r.n_reused if reads else r.n_reused_b11434
-        if sf is not None:
-            sf.close()
+        with open_input(where) as f:
+            if where.startswith("s3://"):
+                identity = object_identity(getattr(f, "etag", None), f.size)
+                changed = int((getattr(f, "mtime", None) or 0) * 1e9)
+            else:
+                st = os.fstat(f.fileno())
+                identity, changed = local_identity(st), st.st_mtime_ns
+            report = validate_file(where, setup, models, f=f)
+            sf = report.slot_file
+            n_swa = (server_n_swa(models.target, swa_full=setup.settings.swa_full)
+                     if models.target is not None else 0)
+            extending = None
+            parsed = sf is not None and sf.target is not None and not sf.errors
+            if sf is not None and sf.target is not None:
+                reads = server_reads_checkpoints(self.facts.build_info)
+                r = reuse_for(sf, models.target, swa_full=setup.settings.swa_full,
+                              n_ctx_checkpoints=setup.n_ctx_checkpoints, reads_checkpoints=reads, extends=True)
+                if r is not None:
+                    extending = r.n_reused if reads else r.n_reused_b11434
+            if sf is not None:
+                sf.close()
         first = next((f for f in report.findings if f.severity == "error"), None)
         return Judged(str(report.verdict), extending, kind, n_swa, f"{first.layer}: {first.message}" if first else None,
-                      parsed=parsed)
+                      parsed=parsed, identity=identity, changed_ns=changed)
 
     def _convertible(self, where: str, slot: int) -> tuple[list[str] | None, str | None]:
         """The changes a conversion of ``where`` for ``slot`` makes (None: none, or it cannot be converted,
@@ -336,6 +429,7 @@ class Cache:
             self._seq += 1
             name = CONVERTED.format(slot=slot, seq=f"{os.getpid()}-{self._seq}")
         dest = self.slot_dir / name
+        taken = time.time_ns()      # before the source is read (the catalog's row for a refusal after conversion)
         try:
             try:
                 where = self.store.where(state.name)
@@ -353,10 +447,15 @@ class Cache:
             sent = self._judge_file(os.fspath(dest), slot, state.kind)
             sent.convert = conv.changes
             if sent.verdict not in RESTORABLE:
-                sent = Judged(sent.verdict, None, state.kind, sent.n_swa,
-                              f"converted ({'; '.join(conv.changes)}): {sent.reason}", parsed=True)
                 with self._lock:
-                    self._judged[(state.name, slot)] = sent
+                    judged = self._judged.get((state.name, slot))
+                # the state's verdict from now on (its identity unchanged): not converted again, in this process
+                # or, through the catalog, the next
+                sent = Judged(sent.verdict, None, state.kind, sent.n_swa,
+                              f"converted ({'; '.join(conv.changes)}): {sent.reason}", parsed=True,
+                              identity=judged.identity if judged is not None else None,
+                              changed_ns=judged.changed_ns if judged is not None else 0)
+                self._remember((state.name, slot), self._question(slot), sent, taken)
             yield name, sent
         finally:
             _unlink(dest)
@@ -365,13 +464,20 @@ class Cache:
         """The prompt tokens a request of ``n_request`` tokens sharing ``common`` with ``state`` keeps."""
         return request_reuse(judged.kind or "", judged.n_swa, state.n_tokens, common, n_request, judged.extending)
 
-    def restore(self, state: State, slot: int, api_key: str | None = None, placed: str | None = None) -> dict:
+    def restore(self, state: State, slot: int, api_key: str | None = None, placed: str | None = None, *,
+                identity: str | None = None) -> dict:
         """``state`` placed in the server's slot directory and restored into ``slot`` (the placed copy
         removed after, unless the store is the slot directory); ``placed``: the name of a file already there
         (a converted state, :meth:`converted`), restored as it is. The server's answer. A state of a directory
         store restored (or converted and restored) is read as a reader reads (:func:`_used`): ``--max-size``
         prunes the least recently used by the access time, which the copy (``copy_file_range``) does not
-        update."""
+        update.
+
+        ``identity``: the identity of the bytes the ``restores`` verdict was made on (``Judged.identity``): the
+        file the server reads must still have it (a copy: the source opened has it before and after the copy;
+        a download: its reads were pinned to that ETag; the store's own file in the slot directory: its
+        ``stat``), else nothing is sent (:func:`~slotctl.fleet.states.changed_since`: the request goes uncached
+        and the state is judged again at its next lookup)."""
         if placed is not None:
             answer = http.restore_slot(self.url, slot, placed, api_key=api_key or self.api_key, timeout=self.timeout,
                                        check=False)
@@ -380,12 +486,21 @@ class Cache:
         name = state.name
         placed = self.slot_dir / name
         copied = not placed.exists()
+        where = self.store.where(name)
         if copied:
-            where = self.store.where(name)
             if where.startswith("s3://"):
-                self.store.local(name, self.slot_dir)      # downloaded whole, complete or absent
-            else:
-                copy_atomic(where, placed)     # not a hard link: that would change the state's ctime, its identity
+                self.store.local(name, self.slot_dir, identity=identity)      # downloaded whole, complete or absent
+            else:       # not a hard link: that would change the state's ctime, its identity
+                copy_atomic(where, placed, identity=identity)
+        elif identity is not None:     # the file the server reads is the one in the slot directory
+            from slotctl.catalog import local_identity
+
+            try:
+                now = local_identity(os.stat(placed))
+            except OSError:
+                now = None
+            if now != identity:
+                raise changed_since(placed)
         try:
             answer = http.restore_slot(self.url, slot, name, api_key=api_key or self.api_key, timeout=self.timeout,
                                        check=False)

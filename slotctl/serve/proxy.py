@@ -492,7 +492,7 @@ class Proxy:
             if gain - held < self.min_gain:
                 continue
             if judged.verdict in RESTORABLE:
-                return self._restore(slot, state, gain, held, len(tokens), key)
+                return self._restore(slot, state, gain, held, len(tokens), key, judged=judged)
             t0 = time.perf_counter()
             try:
                 with self.cache.converted(state, slot.id) as (placed, sent):
@@ -503,7 +503,7 @@ class Proxy:
                     if gain - held < self.min_gain:
                         continue
                     return self._restore(slot, state, gain, held, len(tokens), key, placed, sent.convert,
-                                         (time.perf_counter() - t0) * 1000)
+                                         (time.perf_counter() - t0) * 1000, judged=sent)
             except ConversionFailed as e:
                 c.add("conversion_failures")
                 self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id,
@@ -514,21 +514,27 @@ class Proxy:
     def _refused(self, state, slot: Slot, judged) -> None:
         self.cache.counters.add("restores_refused_by_verdict")
         self.log("refused", f"{state.name}: not restored into slot {slot.id}: validate says {judged.verdict}"
-                            + (f" ({judged.reason})" if judged.reason else ""),
-                 slot=slot.id, name=state.name, verdict=judged.verdict)
+                            + (f" ({judged.reason})" if judged.reason else "")
+                            + (" (unchanged since serve judged it: the catalog's row, not read again)"
+                               if judged.catalog else ""),
+                 slot=slot.id, name=state.name, verdict=judged.verdict, **({"catalog": True} if judged.catalog else {}))
 
     def _restore(self, slot: Slot, state, gain: int, held: int, n_request: int, key: str | None,
-                 placed: str | None = None, changes: list[str] | None = None, convert_ms: float = 0.0) -> int:
-        """``state`` restored into ``slot``; ``gain``, the prompt tokens the request is predicted to keep."""
+                 placed: str | None = None, changes: list[str] | None = None, convert_ms: float = 0.0, *,
+                 judged) -> int:
+        """``state`` restored into ``slot`` (``judged``: its verdict, ``restores``: sent only while the state has
+        the identity it was made on); ``gain``, the prompt tokens the request is predicted to keep."""
         c = self.cache.counters
         slot.tokens = EMPTY         # whatever happens now, the slot's old tokens are gone
         t0 = time.perf_counter()
-        answer = self.cache.restore(state, slot.id, key, placed)
+        answer = self.cache.restore(state, slot.id, key, placed, identity=None if placed else judged.identity)
         slot.tokens = state.tokens
         c.add("restores")
         c.add("restored_tokens", gain)
         how = f" converted ({'; '.join(changes)}, {convert_ms:.0f} ms)" if changes else ""
         extra = {"converted": changes, "convert_ms": round(convert_ms, 3)} if changes else {}
+        if judged.catalog:
+            extra["catalog"] = True     # the verdict from the catalog: the state not opened to judge it
         self.log("restored", f"{state.name}{how} restored into slot {slot.id}: {answer.get('n_restored', 0):,} "
                              f"tokens in {(time.perf_counter() - t0) * 1000:.0f} ms; the request keeps "
                              f"{gain:,} of its {n_request:,} (the slot held {held:,})",

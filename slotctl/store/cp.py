@@ -38,6 +38,8 @@ class CopyResult:
     error: dict | None = None
     exit_code: int = 0
     damaged: bool = False
+    #: the ETag an object source's reads were pinned to (If-Match): the bytes copied are that object's
+    etag: str | None = None
 
     def as_dict(self) -> dict:
         d = {"source": self.source, "path": self.path, "size": self.size, "status": self.status,
@@ -108,7 +110,7 @@ def copy_one(src: str, dst: str, *, overwrite: bool = False, force: bool = False
         raise UsageError(f"{src}: source and destination are the same object", code="usage")
     with open_input(src) as f:
         sf = read_slot_file(f, src)    # the structure, metadata only (raises a store's own failure)
-        res.size, res.damaged = sf.size, sf.damaged
+        res.size, res.damaged, res.etag = sf.size, sf.damaged, getattr(f, "etag", None)
         why = None
         if not force:
             if refuses is not None:
