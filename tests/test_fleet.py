@@ -940,6 +940,65 @@ def test_keep_does_not_download_again_an_s3_state_the_server_refuses(kept, three
     assert list((tmp_path / "cache" / "catalog").glob("*.sqlite"))     # the prefix's index, not in the bucket
 
 
+@server
+def test_keep_says_when_the_stores_catalog_cannot_be_used(kept, tmp_path):
+    """An index keep cannot use as it is is a `catalog` line (details.path, the index), never silence: a real
+    file of garbage and an index of another version are rebuilt (then used: the refusal is said from the
+    catalog on the next pass), a directory in the index's place is not used (every pass judges the state)."""
+    import sqlite3
+
+    from slotctl.catalog import INDEX_NAME
+    from slotctl.fleet.keep import model_hash, stored_name
+    from slotctl.live import http as live_http
+
+    kept.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
+    kept.save(0, "keep-whole-silence.bin")
+    store = tmp_path / "store"
+    store.mkdir()
+    facts = live_http.server_facts(kept.url)
+    bad = stored_name(0, model_hash(facts), "cut100")
+    _cut(kept.save_dir / "keep-whole-silence.bin", store / bad)
+    old = time.time() - 3600
+    os.utime(store / bad, (old, old))
+    index = store / INDEX_NAME
+
+    def catalog_lines(seen) -> list:
+        lines = [e for e in seen if e.event == "catalog"]
+        assert all(e.slot is None and e.details == {"path": str(index)} for e in lines), lines
+        return lines
+
+    def from_catalog(seen) -> list:
+        return [e.details.get("catalog", False) for e in seen if e.event == "skipped" and e.details.get("name") == bad]
+
+    # the store's index is a file of garbage: rebuilt, said once; the refusal kept in the new one
+    index.write_bytes(b"this is not an SQLite database, " * 200)
+    seen, _opened = _restore_pass(kept, store, facts)
+    (line,) = catalog_lines(seen)
+    assert "rebuilt" in line.message and str(index) in line.message, line
+    assert from_catalog(seen) == [False]
+    seen, _opened = _restore_pass(kept, store, facts)
+    assert catalog_lines(seen) == [] and from_catalog(seen) == [True]
+    # another version (an older slotctl's layout): rebuilt, said; the state judged again
+    con = sqlite3.connect(index)
+    con.execute("PRAGMA user_version=1")
+    con.commit()
+    con.close()
+    seen, _opened = _restore_pass(kept, store, facts)
+    (line,) = catalog_lines(seen)
+    assert "rebuilt" in line.message and "version 1" in line.message, line
+    assert from_catalog(seen) == [False]
+    # a directory where the index goes: not used, said at each keep's first look; every state judged
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(f"{index}{suffix}"):
+            os.unlink(f"{index}{suffix}")
+    index.mkdir()
+    for _ in range(2):
+        seen, _opened = _restore_pass(kept, store, facts)
+        (line,) = catalog_lines(seen)
+        assert "not used" in line.message, line
+        assert from_catalog(seen) == [False]
+
+
 # -- a proof that does not spend what it proves (issue 24) ------------------------------------------------
 
 

@@ -62,7 +62,7 @@ HEALTH_TIMEOUT = 10.0
 @dataclass
 class Event:
     """One action: ``event`` (start, up, down, restart, saved, stored, unchanged, skipped, converted, restored,
-    proof, pruned, error, stop), the slot (or None), one line for people, the figures."""
+    proof, pruned, catalog, error, stop), the slot (or None), one line for people, the figures."""
 
     event: str
     slot: int | None
@@ -482,7 +482,9 @@ class Keeper:
             where = index_path(self.store.where(""), beside=True)
             if not create and not os.path.exists(where):
                 return None
-            self._catalog = Index(where)
+            # an index it cannot use (not SQLite, another version: rebuilt; locked too long, unreadable: not
+            # used) is a `catalog` line, as serve's; keep goes on, judging the states itself
+            self._catalog = Index(where, log=lambda message: self._event("catalog", None, message, path=where))
         return self._catalog if self._catalog.usable else None
 
     def _question(self, setup) -> str:

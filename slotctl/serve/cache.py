@@ -178,7 +178,8 @@ class Cache:
         if catalog:
             from slotctl.catalog import Index, index_path
 
-            self.catalog = Index(index_path(self.store.where(""), beside=True), log=lambda m: self.log("catalog", m))
+            where = index_path(self.store.where(""), beside=True)
+            self.catalog = Index(where, log=lambda m: self.log("catalog", m, path=where))
 
     # -- the server ------------------------------------------------------------------------------------
 
