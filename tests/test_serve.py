@@ -655,9 +655,10 @@ def test_the_catalog_spares_reading_stored_states_again(llama, tmp_path):
     assert len(list(tmp_path.glob("serve-*.bin"))) == 1
 
 
-#: a sitecustomize for a serve process: an audit hook writes every open of a file named ``serve-*`` into the file
-#: ``$SLOTCTL_TEST_OPENS``, as ``parse`` when validate, the slot-file parser or convert's plan opened it (a
-#: function of theirs on the stack) and ``read`` otherwise (a copy, the access time's one byte)
+#: a sitecustomize for a serve process: an audit hook writes every open of a file named ``serve-*`` or ``*.gguf``
+#: into the file ``$SLOTCTL_TEST_OPENS``, as ``parse`` when validate, the slot-file parser or convert's plan
+#: opened it (a function of theirs on the stack) and ``read`` otherwise (a copy, the access time's one byte, the
+#: model's GGUF read for the server's setup)
 OPENS_HOOK = """
 import os, sys
 
@@ -669,7 +670,7 @@ def _hook(event, args):
     if event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)):
         return
     path = os.fsdecode(args[0])
-    if not os.path.basename(path).startswith("serve-"):
+    if not os.path.basename(path).startswith("serve-") and not path.endswith(".gguf"):
         return
     names, f = set(), sys._getframe(1)
     while f is not None:
@@ -716,7 +717,10 @@ def test_a_restarted_serve_takes_its_verdicts_from_the_catalog(llama, tmp_path):
         for p in store.glob("serve-*.bin"):
             if p != state:
                 p.unlink()
-        how = [line.split("\t")[0] for line in opens.read_text().splitlines() if line.endswith("\t" + state.name)]
+        lines = opens.read_text().splitlines()
+        how = [line.split("\t")[0] for line in lines if line.endswith("\t" + state.name)]
+        if any(line.endswith(".gguf") for line in lines):
+            how.append("gguf")      # the server's setup made: it reads the model
         return answer, events, how
 
     def age(hours: float) -> None:      # changed long enough ago for the catalog's rows to be trusted
@@ -727,11 +731,11 @@ def test_a_restarted_serve_takes_its_verdicts_from_the_catalog(llama, tmp_path):
     # judged (opened by validate), restored, the verdict kept
     answer, (ev,), how = run()
     assert ev["event"] == "restored" and "catalog" not in ev["details"], ev
-    assert "parse" in how and answer["timings"]["cache_n"] > 100, how
-    # a serve started again: the verdict from the catalog, the state only copied for the restore
+    assert "parse" in how and "gguf" in how and answer["timings"]["cache_n"] > 100, how
+    # a serve started again: the verdict from the catalog, the state only copied for the restore, no GGUF read
     for _ in range(2):
         answer, (ev,), how = run()
-        assert "parse" not in how and "read" in how, how
+        assert "parse" not in how and "gguf" not in how and "read" in how, how
         assert ev["event"] == "restored" and ev["details"].get("catalog") is True, ev
         assert answer["timings"]["cache_n"] > 100
     # --no-cache: judged again
@@ -742,7 +746,7 @@ def test_a_restarted_serve_takes_its_verdicts_from_the_catalog(llama, tmp_path):
     _answer, (ev,), how = run()
     assert "catalog" not in ev["details"] and "parse" in how, (ev, how)
     _answer, (ev,), how = run()
-    assert ev["details"]["catalog"] is True and "parse" not in how, (ev, how)
+    assert ev["details"]["catalog"] is True and "parse" not in how and "gguf" not in how, (ev, how)
     # cut short: judged again and refused (never sent); the next serve refuses it from the catalog, never opening it
     data = state.read_bytes()
     state.write_bytes(data[: len(data) // 2])

@@ -352,11 +352,22 @@ class Cache:
         with self._lock:
             question = self._questions.get(slot)
         if question is None:
-            from slotctl.catalog import verdict_key
+            from slotctl.catalog import local_identity, verdict_key
 
             # what Judged holds besides the file: validate's verdict for the setup and models, the reuse
-            # prediction (whether this build reads checkpoints), convert's plan (never lossy)
-            question = verdict_key("serve", self._setup(slot), build=self.facts.build_info)
+            # prediction (whether this build reads checkpoints), convert's plan (never lossy). Asked by the
+            # setup's inputs (what local_setup learns it from: the server's facts, the flags given, the slot,
+            # the model file's identity) rather than by the setup itself, which reads the model's GGUF: a serve
+            # started again whose verdicts are all in the catalog reads no GGUF
+            f = self.facts
+            try:
+                model = local_identity(os.stat(f.model_path)) if f.model_path else None
+            except OSError:
+                model = None
+            learnt = (f.url, f.model_path, f.total_slots, f.n_ctx_slot, f.n_ctx_from, f.speculative,
+                      f.speculative_types, f.build_info, f.mmproj, sorted((f.model_meta or {}).items()))
+            question = verdict_key("serve", None, slot=slot, facts=repr(learnt), model=model, flags=repr(self.flags),
+                                   given=sorted(self.given))
             with self._lock:
                 self._questions[slot] = question
         return question
