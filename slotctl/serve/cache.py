@@ -189,7 +189,8 @@ class Cache:
         facts = http.server_facts(self.url, api_key=api_key or self.api_key, timeout=min(self.timeout, 30.0))
         model = model_hash(facts)
         with self._lock:
-            if model != self.model or facts.total_slots != (self.facts.total_slots if self.facts else None):
+            # the setup is learnt from these facts: another of them (another -c, a build) is another setup
+            if model != self.model or self.facts is None or _learnt(facts) != _learnt(self.facts):
                 self._judged.clear()
                 self._setups.clear()
                 self._questions.clear()
@@ -364,10 +365,8 @@ class Cache:
                 model = local_identity(os.stat(f.model_path)) if f.model_path else None
             except OSError:
                 model = None
-            learnt = (f.url, f.model_path, f.total_slots, f.n_ctx_slot, f.n_ctx_from, f.speculative,
-                      f.speculative_types, f.build_info, f.mmproj, sorted((f.model_meta or {}).items()))
-            question = verdict_key("serve", None, slot=slot, facts=repr(learnt), model=model, flags=repr(self.flags),
-                                   given=sorted(self.given))
+            question = verdict_key("serve", None, slot=slot, facts=repr(_learnt(f)), model=model,
+                                   flags=repr(self.flags), given=sorted(self.given))
             with self._lock:
                 self._questions[slot] = question
         return question
@@ -615,6 +614,13 @@ class Cache:
 
         self.store.prune(self.max_size, (INCOMING.format(slot="*", seq="*"), CONVERTED.format(slot="*", seq="*")),
                          pruned)
+
+
+def _learnt(f: http.ServerFacts) -> tuple:
+    """What :func:`slotctl.live.prove.local_setup` learns a slot's setup from, of the server's facts (not the
+    answers as they came: ``/slots`` changes with every task)."""
+    return (f.url, f.model_path, f.total_slots, f.n_ctx_slot, f.n_ctx_from, f.speculative, f.speculative_types,
+            f.build_info, f.mmproj, sorted((f.model_meta or {}).items()))
 
 
 def _used(path: str) -> None:
