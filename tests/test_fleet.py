@@ -898,6 +898,17 @@ def test_keep_does_not_read_again_a_stored_state_it_found_the_server_refuses(kep
     assert [e.details.get("catalog") for e in seen if e.event == "skipped"] == [True] and opened == []
 
 
+def _on_seaweed(seaweed, monkeypatch, tmp_path) -> None:
+    """This process's store is the test's SeaweedFS (its credentials only), the catalog's cache directory the
+    test's own."""
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    for k, v in seaweed.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("HOME", str(seaweed.dir))
+    monkeypatch.setenv("SLOTCTL_CACHE_DIR", str(tmp_path / "cache"))
+
+
 @server
 def test_keep_does_not_download_again_an_s3_state_the_server_refuses(kept, three, seaweed, monkeypatch, tmp_path):
     """The catalog in keep with an s3:// store (its index under the cache directory, an object's identity from
@@ -909,12 +920,7 @@ def test_keep_does_not_download_again_an_s3_state_the_server_refuses(kept, three
     from slotctl.live import http as live_http
     from slotctl.store.s3 import S3_STORE
 
-    for k in [k for k in os.environ if k.startswith("AWS_")]:
-        monkeypatch.delenv(k)
-    for k, v in seaweed.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("HOME", str(seaweed.dir))
-    monkeypatch.setenv("SLOTCTL_CACHE_DIR", str(tmp_path / "cache"))
+    _on_seaweed(seaweed, monkeypatch, tmp_path)
     # a state of about 690 tokens, made by the server whose unified cache holds it, for kept's 512-token slots
     three.completion(" ".join([SAMPLE_PROMPT] * 7), slot=0, n_predict=2)
     three.save(0, "long-catalog.bin")
@@ -938,6 +944,54 @@ def test_keep_does_not_download_again_an_s3_state_the_server_refuses(kept, three
     for (again,), opened in lines[1:]:
         assert again.details == dict(first.details, catalog=True) and opened == [], (again, opened)
     assert list((tmp_path / "cache" / "catalog").glob("*.sqlite"))     # the prefix's index, not in the bucket
+
+
+@server
+def test_keep_remembers_a_damaged_s3_state_instead_of_an_error_at_every_pass(kept, seaweed, monkeypatch, tmp_path):
+    """A damaged state in an s3:// store (cut short: b11434 aborts on it), which cp refuses to download, is
+    judged where it is (validate reads the object by ranges) and skipped with its verdict, not an error; its
+    line is kept in the catalog, so the next passes say it again reading none of the object's bytes (only its
+    HEAD). An older intact state of the same slot is still restored."""
+    import obstore
+
+    from slotctl import sources
+    from slotctl.fleet.keep import model_hash, stored_name
+    from slotctl.live import http as live_http
+    from slotctl.store.s3 import S3_STORE
+
+    _on_seaweed(seaweed, monkeypatch, tmp_path)
+    kept.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
+    kept.save(0, "keep-whole-damaged.bin")
+    whole = (kept.save_dir / "keep-whole-damaged.bin").read_bytes()
+    facts = live_http.server_facts(kept.url)
+    good, bad = stored_name(0, model_hash(facts), "whole"), stored_name(0, model_hash(facts), "cut100")
+    prefix = f"keep-damaged-{tmp_path.name}"
+    obstore.put(seaweed.client(), f"{prefix}/{good}", whole)
+    time.sleep(1.1)     # Last-Modified has second precision: the damaged state is the newest, tried first
+    obstore.put(seaweed.client(), f"{prefix}/{bad}", whole[:-100])
+    store = f"s3://{BUCKET}/{prefix}/"
+    time.sleep(3.2)     # a row younger than 3 s after the object was put is not trusted
+    S3_STORE.reset()
+    passes = []
+    try:
+        for _ in range(3):
+            before = sources.TOTALS["bytes"]
+            seen, _opened = _restore_pass(kept, store, facts)
+            passes.append((seen, sources.TOTALS["bytes"] - before))
+    finally:
+        S3_STORE.reset()
+    for seen, _read in passes:
+        assert [e for e in seen if e.event == "error"] == [], seen
+        assert [e.details["name"] for e in seen if e.event == "restored"] == [good], seen
+    (first,) = [e for e in passes[0][0] if e.event == "skipped"]
+    assert first.details["name"] == bad and first.details["verdict"] == "aborts" and "catalog" not in first.details
+    for seen, _read in passes[1:]:
+        (again,) = [e for e in seen if e.event == "skipped"]
+        assert again.details == dict(first.details, catalog=True), again.details
+    # the later passes read the intact state's bytes (its download) and none of the damaged one's
+    reads = [read for _seen, read in passes]
+    assert reads[1] == reads[2] < reads[0], reads
+    assert not _restores_logged(kept, bad)
 
 
 @server

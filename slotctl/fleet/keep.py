@@ -413,7 +413,20 @@ class Keeper:
         known = self._known(slot, name, setup)
         if known is None:
             return False        # judged before, unchanged since: the catalog's row said it (nothing read)
-        path = self.store.local(name, staging)
+        try:
+            path = self.store.local(name, staging)
+        except SlotctlError as e:
+            # an object cp refuses to download (damaged: the server refuses it or aborts on it whatever its
+            # flags) is judged where it is, by validate's ranged reads, as ls judges it: skipped with its
+            # verdict and kept in the catalog, not an error at every pass (and the older states still tried)
+            if getattr(e, "code", None) != "damaged" or self.force:
+                raise
+            try:
+                check_sendable(self.store.where(name), setup, force=False)
+            except NotSent as refused:
+                self._refused(slot, known, name, refused.report)
+                return False
+            raise
         # converted for the server now running as migrate converts (its -np, -kvu, cache types)
         try:
             conv = convert_for(path, setup, staging / f"converted-{name}", allow_lossy=self.allow_lossy,
@@ -430,8 +443,7 @@ class Keeper:
         try:
             report = check_sendable(path, setup, force=self.force)
         except NotSent as e:
-            self._not_restored(slot, known, f"{name}: not restored: {why(e.report)} (keep --force restores it "
-                                            "anyway)", name=name, verdict=str(e.report.verdict))
+            self._refused(slot, known, name, e.report)
             return False
         placed = self.slot_dir / name
         copied = not placed.exists()
@@ -516,6 +528,14 @@ class Keeper:
                                          f"not read again)", **kept, catalog=True)
             return None
         return key, where, got[0], got[1], taken
+
+    def _refused(self, slot: int, known, name: str, report) -> None:
+        """The state ``name`` not restored into ``slot``: validate's ``report`` says the server refuses it or
+        aborts on it."""
+        from slotctl.live.judge import why
+
+        self._not_restored(slot, known, f"{name}: not restored: {why(report)} (keep --force restores it anyway)",
+                           name=name, verdict=str(report.verdict))
 
     def _not_restored(self, slot: int, known, message: str, **details) -> None:
         """A state not restored into ``slot``: its skipped line, kept in the catalog for the state's identity
