@@ -760,6 +760,43 @@ def test_a_restarted_serve_takes_its_verdicts_from_the_catalog(llama, tmp_path):
     assert how == [] and answer["timings"]["cache_n"] == 0, how
 
 
+@server
+def test_a_restarted_serve_takes_its_verdicts_from_the_catalog_of_an_s3_store(llama, tmp_path, seaweed):
+    """With an s3:// store (the catalog under the cache directory, an object's identity its ETag and size from
+    the listing, the download pinned to that ETag): a serve process started again restores the stored state
+    from its kept verdict (details.catalog), as the first one judged it."""
+    import obstore
+
+    client = seaweed.client()
+    prefix = f"serve-verdicts-{tmp_path.name}/"
+    store = f"s3://{BUCKET}/{prefix}"
+    env = {**seaweed.env(), "HOME": str(seaweed.dir), "SLOTCTL_CACHE_DIR": str(tmp_path / "cache")}
+    erase_all(llama)
+    with serving(llama, llama.save_dir, store, env=env) as s:
+        first = complete(s.url, TURN1)
+        s.wait_for("saves", 1)
+    def states() -> list[str]:      # serve's states (the lease object beside them is not one)
+        return [o["path"] for batch in obstore.list(client, prefix=prefix) for o in batch
+                if o["path"].rpartition("/")[2].startswith("serve-") and o["path"].endswith(".bin")]
+
+    (kept,) = states()
+    time.sleep(3.2)     # a row made less than 3 s after the object was put is not trusted
+    seen = []
+    for _ in range(3):
+        erase_all(llama)
+        with serving(llama, llama.save_dir, store, env=env) as s:
+            answer = complete(s.url, TURN1 + first["content"] + TURN2_EXTRA)
+            s.wait_for("saves", 1)
+            (ev,) = s.events_named("restored")
+            seen.append(ev["details"].get("catalog", False))
+            assert answer["timings"]["cache_n"] > 100, s.output()
+        for path in states():     # only the first state stays: the one asked for
+            if path != kept:
+                obstore.delete(client, path)
+    assert seen == [False, True, True], seen
+    assert list((tmp_path / "cache" / "catalog").glob("*.sqlite"))
+
+
 @pytest.mark.parametrize("own_store", [True, False], ids=["store-elsewhere", "store-is-slot-dir"])
 def test_a_state_is_sent_only_with_the_identity_its_verdict_was_made_on(tmp_path, own_store):
     """Cache.restore sends a state only while the file the server would read has the identity the `restores`
