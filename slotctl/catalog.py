@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from stat import S_ISREG
 from dataclasses import dataclass
@@ -593,6 +594,9 @@ class Index:
         self.log = log or (lambda message: None)
         self.usable = True
         self._conn = None
+        #: one connection, used by one thread at a time (serve judges and indexes in worker threads: two
+        #: transactions begun on one connection at once would be an error, and the index given up)
+        self._lock = threading.RLock()
         try:
             self._conn = self._open()
         except (OSError, Exception) as e:  # noqa: BLE001 - sqlite3.Error and the rest: no index, never a failure
@@ -643,10 +647,11 @@ class Index:
         raise AssertionError("unreachable")
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        self.usable = False
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            self.usable = False
 
     def get(self, paths: list[str], key: str, identities: dict[str, str]) -> dict[str, Cached]:
         """The rows of ``paths`` for ``key`` whose identity is still ``identities[path]`` and that were made
@@ -655,25 +660,32 @@ class Index:
             return {}
         import sqlite3
 
-        import numpy as np
-
-        out: dict[str, Cached] = {}
-        racy = int(RACY_SECONDS * 1e9)
         paths = [p for p in paths if _storable(p)]
         try:
-            cur = self._conn.cursor()
-            for i in range(0, len(paths), 500):
-                chunk = paths[i:i + 500]
-                q = (f"SELECT path, identity, changed_ns, read_ns, row, kind, tokens, model FROM files "
-                     f"WHERE key = ? AND path IN ({','.join('?' * len(chunk))})")
-                for path, ident, changed, read, row, kind, tokens, model in cur.execute(q, (key, *chunk)):
-                    if ident != identities.get(path) or read - changed < racy:
-                        continue
-                    out[path] = Cached(json.loads(row) if row is not None else None, kind,
-                                       np.frombuffer(tokens, dtype="<i4") if tokens is not None else None, model)
+            with self._lock:
+                return self._get(paths, key, identities)
         except sqlite3.Error as e:
             self._give_up(e)
             return {}
+
+    def _get(self, paths: list[str], key: str, identities: dict[str, str]) -> dict[str, Cached]:
+        import numpy as np
+
+        out: dict[str, Cached] = {}
+        cur = self._conn.cursor()
+        for i in range(0, len(paths), 500):
+            chunk = paths[i:i + 500]
+            q = (f"SELECT path, identity, changed_ns, read_ns, row, kind, tokens, model FROM files "
+                 f"WHERE key = ? AND path IN ({','.join('?' * len(chunk))})")
+            for path, ident, changed, read, row, kind, tokens, model in cur.execute(q, (key, *chunk)):
+                if ident != identities.get(path) or not isinstance(read, int) or not isinstance(changed, int) \
+                        or read - changed < _RACY_NS:
+                    continue
+                try:        # a row a damaged index holds is no row: its file is read again
+                    out[path] = Cached(json.loads(row) if row is not None else None, kind,
+                                       np.frombuffer(tokens, dtype="<i4") if tokens is not None else None, model)
+                except (ValueError, TypeError):
+                    continue
         return out
 
     def rows(self, key: str) -> dict[str, tuple[str, int, int, str]]:
@@ -692,7 +704,8 @@ class Index:
         import sqlite3
 
         try:
-            return {r[0]: r[1:] for r in self._conn.execute(query, args)}
+            with self._lock:
+                return {r[0]: r[1:] for r in self._conn.execute(query, args)}
         except sqlite3.Error as e:
             self._give_up(e)
             return {}
@@ -703,7 +716,7 @@ class Index:
         import sqlite3
 
         try:
-            with self._conn:
+            with self._lock, self._conn:
                 self._conn.execute("BEGIN IMMEDIATE")
                 for statement, rows in batches:
                     self._conn.executemany(statement, rows)

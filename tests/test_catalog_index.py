@@ -402,3 +402,51 @@ def test_a_file_written_just_now_is_opened_and_read_every_time(slots, reads, ope
         d = json.loads(runner.invoke(app, ["ls", str(slots), "--json"]).stdout)
         assert opened == ["new.bin"] and reads == ["new.bin"]
         assert d["summary"]["files"] == len(FILES) + 1
+
+
+def test_a_verdict_is_read_back_only_for_its_question_identity_and_a_whole_row(tmp_path):
+    """Index.verdict / put_verdict (keep's refusals, serve's verdicts): the dict kept is given back for the
+    same question and identity once made long enough after the file changed; another question or identity,
+    a racy row, or a row a damaged index holds (not JSON, not an object, a tokens blob of the wrong length)
+    gives nothing, and the index stays usable."""
+    ix = cat.Index(str(tmp_path / "ix.sqlite"))
+    now = time.time_ns()
+    old = now - 3600 * 10**9
+    ix.put_verdict("/s/a.bin", "serve:q", "1:2:3:4:5", old, {"verdict": "restores"}, read_ns=now)
+    ix.put_verdict("/s/b.bin", "serve:q", "1:2:3:4:6", now - 10**9, {"verdict": "refused"}, read_ns=now)
+    assert ix.verdict("/s/a.bin", "serve:q", "1:2:3:4:5") == {"verdict": "restores"}
+    assert ix.verdict("/s/a.bin", "serve:other", "1:2:3:4:5") is None
+    assert ix.verdict("/s/a.bin", "serve:q", "1:2:3:4:7") is None
+    assert ix.verdict("/s/b.bin", "serve:q", "1:2:3:4:6") is None        # made 1 s after its file changed
+    for row, tokens in (("{not json", None), ("[1, 2]", None), ('{"verdict": "restores"}', b"\x01\x02\x03")):
+        ix._conn.execute("UPDATE files SET row = ?, tokens = ? WHERE path = '/s/a.bin'", (row, tokens))
+        assert ix.verdict("/s/a.bin", "serve:q", "1:2:3:4:5") is None and ix.usable, row
+    ix.close()
+
+
+def test_one_index_is_shared_by_threads(tmp_path):
+    """serve judges and indexes in worker threads over one Index: transactions and reads from several threads
+    at once never give the index up."""
+    import threading
+
+    ix = cat.Index(str(tmp_path / "ix.sqlite"))
+    old = time.time_ns() - 3600 * 10**9
+    failed: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            for i in range(150):
+                path = f"/s/{n}-{i}.bin"
+                ix.put_verdict(path, "serve:q", f"id{i}", old, {"n": n, "i": i}, read_ns=time.time_ns())
+                assert ix.verdict(path, "serve:q", f"id{i}") == {"n": n, "i": i}
+                ix.get([path], "tokens", {path: f"id{i}"})
+        except BaseException as e:  # noqa: BLE001 - reported below
+            failed.append(e)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failed == [] and ix.usable, failed
+    ix.close()
