@@ -236,9 +236,10 @@ def verdict_key(who: str, setup, **asked) -> str:
     """The question a verdict row answers (keep's refusals, serve's verdicts: :meth:`Index.verdict`): ``who``
     (``keep``, ``serve``), the server's setup as validate judges it, the models' identities and slotctl's version
     (:func:`request_key`), and what else the verdict depends on (``asked``: keep's ``--allow-lossy`` and
-    ``--force``). ``setup`` None: the setup is named by ``asked`` instead, by what it is learnt from (serve: the
-    server's facts, the flags given, the slot, the model file's identity), so that asking costs no GGUF read.
-    A verdict made for another question is never read."""
+    ``--force``). ``setup`` None: the setup is named in ``asked`` instead by what it is learnt from
+    (``learnt``: :func:`slotctl.live.prove.local_setup_key`, the server's facts, the flags given, the slot, the
+    model file's identity), so that asking costs no GGUF read. A verdict made for another question is never
+    read."""
     import hashlib
 
     asked_text = request_key(Request(setup)) + "".join(f"|{k}={v}" for k, v in sorted(asked.items()))

@@ -1026,12 +1026,15 @@ def test_keep_says_when_the_stores_catalog_cannot_be_used(kept, tmp_path):
 
     # the store's index is a file of garbage: rebuilt, said once; the refusal kept in the new one
     index.write_bytes(b"this is not an SQLite database, " * 200)
-    seen, _opened = _restore_pass(kept, store, facts)
+    seen, opened = _restore_pass(kept, store, facts)
     (line,) = catalog_lines(seen)
     assert "rebuilt" in line.message and str(index) in line.message, line
     assert from_catalog(seen) == [False]
-    seen, _opened = _restore_pass(kept, store, facts)
+    assert [p for p in opened if p.endswith(".gguf")], "the server's setup (its GGUF) was not read to judge"
+    seen, opened = _restore_pass(kept, store, facts)
     assert catalog_lines(seen) == [] and from_catalog(seen) == [True]
+    # every state of the pass known to the catalog: no setup made, the model's GGUF not read
+    assert [p for p in opened if p.endswith(".gguf")] == [], opened
     # another version (an older slotctl's layout): rebuilt, said; the state judged again
     con = sqlite3.connect(index)
     con.execute("PRAGMA user_version=1")

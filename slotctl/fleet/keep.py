@@ -398,21 +398,22 @@ class Keeper:
         setup = None
         with tempfile.TemporaryDirectory(prefix="slotctl-keep-") as staging:
             for name in self.candidates(slot):
-                if setup is None:   # once per slot: it reads the model's GGUF (about 1 s for the tiny model)
+                known = self._known(slot, name)
+                if known is None:
+                    continue        # judged before, unchanged since: the catalog's row said it (nothing read)
+                if setup is None:   # once per slot, when a state is read: it reads the model's GGUF (about 1 s
+                    # for the tiny model); a pass whose every state the catalog knows makes none
                     setup, _notes = local_setup(self.facts, slot, self.flags, self.given)
-                if self._restore_one(slot, name, Path(staging), setup):
+                if self._restore_one(slot, name, Path(staging), setup, known):
                     return
         self._event("skipped", slot, f"slot {slot}: no state in the store for the server now running")
 
-    def _restore_one(self, slot: int, name: str, staging: Path, setup) -> bool:
+    def _restore_one(self, slot: int, name: str, staging: Path, setup, known) -> bool:
         """Restore the store's state ``name`` into ``slot`` (``setup``: the server now running as validate
-        judges for it) and prove it; False when it does not validate."""
+        judges for it; ``known``: :meth:`_known`'s) and prove it; False when it does not validate."""
         from slotctl.fleet.migrate import Refused, convert_for
         from slotctl.live.judge import NotSent, check_sendable, why
 
-        known = self._known(slot, name, setup)
-        if known is None:
-            return False        # judged before, unchanged since: the catalog's row said it (nothing read)
         try:
             path = self.store.local(name, staging)
         except SlotctlError as e:
@@ -477,9 +478,10 @@ class Keeper:
     # server now running refuses or aborts on it) is judged again at every restore pass (every restart, model
     # swap, keep start) until a newer state restores: downloaded whole from an s3:// store, parsed twice
     # (convert's plan, validate), the model's GGUF read. Its skipped line is kept in the catalog, under the
-    # question asked (the server's setup as validate judges it, the models' identities, slotctl's version,
-    # --allow-lossy, --force) and the file's identity: while neither changed, the same line is said again
-    # from the row and the file is neither downloaded nor opened. The verdict stays validate's on those bytes
+    # question asked (what the server's setup is learnt from: its facts, the flags given, the slot, the model
+    # file's identity; slotctl's version, --allow-lossy, --force) and the file's identity: while neither
+    # changed, the same line is said again from the row and the file is neither downloaded nor opened (nor
+    # the GGUF read, when no other state of the pass is). The verdict stays validate's on those bytes
     # for that server; a state that restores is read as before (its bytes are sent anyway).
 
     def _index(self, create: bool):
@@ -499,13 +501,17 @@ class Keeper:
             self._catalog = Index(where, log=lambda message: self._event("catalog", None, message, path=where))
         return self._catalog if self._catalog.usable else None
 
-    def _question(self, setup) -> str:
+    def _question(self, slot: int) -> str:
+        """keep's question for ``slot`` of the server now running: its setup named by what it is learnt from
+        (:func:`slotctl.live.prove.local_setup_key`: asking reads no GGUF), ``--allow-lossy``, ``--force``."""
         from slotctl.catalog import verdict_key
+        from slotctl.live.prove import local_setup_key
 
-        return verdict_key("keep", setup, allow_lossy=self.allow_lossy, force=self.force)
+        return verdict_key("keep", None, learnt=local_setup_key(self.facts, slot, self.flags, self.given),
+                           allow_lossy=self.allow_lossy, force=self.force)
 
-    def _known(self, slot: int, name: str, setup) -> tuple | None | bool:
-        """What the catalog knows of the state ``name`` for ``setup``: None when it holds keep's skipped line
+    def _known(self, slot: int, name: str) -> tuple | None | bool:
+        """What the catalog knows of the state ``name`` for ``slot``: None when it holds keep's skipped line
         for the state's identity now (said again, ``details.catalog`` true: nothing read); else what
         :meth:`_not_restored` needs to keep a new one (False without the catalog)."""
         if not self.use_catalog:
@@ -517,7 +523,7 @@ class Keeper:
         if got is None:
             return False
         taken = time.time_ns()      # the identity as of now: a row is never newer than the read it is made from
-        key, where = self._question(setup), self.store.where(name)
+        key, where = self._question(slot), self.store.where(name)
         ix = self._index(create=False)
         said = (ix.verdict(where, key, got[0]) if ix is not None else None) or {}
         details = said.get("details")

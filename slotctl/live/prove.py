@@ -126,6 +126,31 @@ def local_setup(facts: http.ServerFacts, slot: int, flags: ServerFlags | None = 
             lv.notes + lv.warnings)
 
 
+def learnt_from(facts: http.ServerFacts) -> tuple:
+    """What :func:`local_setup` learns a slot's setup from, of the server's facts (not the answers as they came:
+    ``/slots`` changes with every task): equal for two servers whose setups it makes equal."""
+    f = facts
+    return (f.url, f.model_path, f.total_slots, f.n_ctx_slot, f.n_ctx_from, f.speculative, f.speculative_types,
+            f.build_info, f.mmproj, sorted((f.model_meta or {}).items()))
+
+
+def local_setup_key(facts: http.ServerFacts, slot: int, flags: ServerFlags | None = None,
+                    given: frozenset[str] = frozenset()) -> str:
+    """:func:`local_setup`'s inputs as text, without making the setup (which reads the model's GGUF): the
+    facts it learns from (:func:`learnt_from`), the slot, the flags given for the fields named in ``given``,
+    and the identity of the model file when it is on this machine (device, inode, size, times). Equal texts
+    make equal setups (with one slotctl version: the caller's key says which): a verdict kept for a setup
+    (keep's, serve's, :func:`slotctl.catalog.verdict_key`) is asked for by this."""
+    model = None
+    if facts.model_path:
+        try:
+            st = os.stat(facts.model_path)
+            model = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        except OSError:
+            pass
+    return repr((learnt_from(facts), slot, repr(flags or ServerFlags()), sorted(given), model))
+
+
 def predict_proof(path: str | os.PathLike, setup: ServerSetup, *, reads_checkpoints: bool):
     """validate's report of ``path`` for ``setup`` (no real load) and the prediction for the proving
     request (a :class:`~slotctl.server.reuse.Reuse`, or None when none can be made)."""

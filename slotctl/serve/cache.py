@@ -25,7 +25,7 @@ import numpy as np
 
 from slotctl.live import http
 from slotctl.fleet.keep import model_hash, tokens_hash
-from slotctl.live.prove import local_setup, server_reads_checkpoints
+from slotctl.live.prove import learnt_from, local_setup, local_setup_key, server_reads_checkpoints
 from slotctl.fleet.states import changed_since, copy_atomic, open_store, read_saved
 from slotctl.serve.index import State, StateIndex, as_tokens
 from slotctl.server.reuse import request_reuse, reuse_for, server_n_swa
@@ -192,7 +192,7 @@ class Cache:
         model = model_hash(facts)
         with self._lock:
             # the setup is learnt from these facts: another of them (another -c, a build) is another setup
-            if model != self.model or self.facts is None or _learnt(facts) != _learnt(self.facts):
+            if model != self.model or self.facts is None or learnt_from(facts) != learnt_from(self.facts):
                 self._judged.clear()
                 self._setups.clear()
                 self._questions.clear()
@@ -375,20 +375,13 @@ class Cache:
         with self._lock:
             question = self._questions.get(slot)
         if question is None:
-            from slotctl.catalog import local_identity, verdict_key
+            from slotctl.catalog import verdict_key
 
             # what Judged holds besides the file: validate's verdict for the setup and models, the reuse
-            # prediction (whether this build reads checkpoints), convert's plan (never lossy). Asked by the
-            # setup's inputs (what local_setup learns it from: the server's facts, the flags given, the slot,
-            # the model file's identity) rather than by the setup itself, which reads the model's GGUF: a serve
+            # prediction (whether this build reads checkpoints: in the facts), convert's plan (never lossy).
+            # Asked by the setup's inputs rather than by the setup, which reads the model's GGUF: a serve
             # started again whose verdicts are all in the catalog reads no GGUF
-            f = self.facts
-            try:
-                model = local_identity(os.stat(f.model_path)) if f.model_path else None
-            except OSError:
-                model = None
-            question = verdict_key("serve", None, slot=slot, facts=repr(_learnt(f)), model=model,
-                                   flags=repr(self.flags), given=sorted(self.given))
+            question = verdict_key("serve", None, learnt=local_setup_key(self.facts, slot, self.flags, self.given))
             with self._lock:
                 self._questions[slot] = question
         return question
@@ -636,13 +629,6 @@ class Cache:
 
         self.store.prune(self.max_size, (INCOMING.format(slot="*", seq="*"), CONVERTED.format(slot="*", seq="*")),
                          pruned)
-
-
-def _learnt(f: http.ServerFacts) -> tuple:
-    """What :func:`slotctl.live.prove.local_setup` learns a slot's setup from, of the server's facts (not the
-    answers as they came: ``/slots`` changes with every task)."""
-    return (f.url, f.model_path, f.total_slots, f.n_ctx_slot, f.n_ctx_from, f.speculative, f.speculative_types,
-            f.build_info, f.mmproj, sorted((f.model_meta or {}).items()))
 
 
 def _used(path: str) -> None:
