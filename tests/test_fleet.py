@@ -994,6 +994,40 @@ def test_keep_remembers_a_damaged_s3_state_instead_of_an_error_at_every_pass(kep
     assert not _restores_logged(kept, bad)
 
 
+def test_a_download_is_kept_only_when_its_etag_is_the_one_judged(seaweed, monkeypatch, tmp_path):
+    """ObjectStore.local(identity=...) (serve's restore of an s3:// state): the download's reads are pinned to
+    one ETag, which must be the identity the verdict was made on; an object replaced since is not kept
+    (object_changed, nothing left in the staging directory), the object as judged is."""
+    import obstore
+
+    from slotctl.catalog import object_identity
+    from slotctl.errors import UsageError
+    from slotctl.fleet.states import ObjectStore
+    from slotctl.store.s3 import S3_STORE
+
+    _on_seaweed(seaweed, monkeypatch, tmp_path)
+    prefix = f"identity-{tmp_path.name}"
+    store = ObjectStore(f"s3://{BUCKET}/{prefix}/")
+    first, second = (DATA / "srv-np1.bin").read_bytes(), (DATA / "srv-kvq8.bin").read_bytes()
+    S3_STORE.reset()
+    try:
+        obstore.put(seaweed.client(), f"{prefix}/s.bin", first)
+        e = S3_STORE.stat(store.where("s.bin"))
+        judged = object_identity(e.etag, e.size)
+        obstore.put(seaweed.client(), f"{prefix}/s.bin", second)       # replaced after the verdict
+        S3_STORE.reset()
+        staging = tmp_path / "staging"
+        staging.mkdir()
+        with pytest.raises(UsageError) as err:
+            store.local("s.bin", staging, identity=judged)
+        assert err.value.code == "object_changed" and list(staging.iterdir()) == []
+        e = S3_STORE.stat(store.where("s.bin"))
+        got = store.local("s.bin", staging, identity=object_identity(e.etag, e.size))
+        assert got.read_bytes() == second
+    finally:
+        S3_STORE.reset()
+
+
 @server
 def test_keep_says_when_the_stores_catalog_cannot_be_used(kept, tmp_path):
     """An index keep cannot use as it is is a `catalog` line (details.path, the index), never silence: a real
