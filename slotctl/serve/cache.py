@@ -325,9 +325,9 @@ class Cache:
         A verdict is made once per state, slot and identity of the state (a local file's device, inode, size,
         ``mtime_ns`` and ``ctime_ns``, one ``stat``; an object's ETag and size, from the store's last listing):
         kept in memory, and in the store's catalog under serve's question for the slot
-        (:func:`slotctl.catalog.verdict_key`: the server's setup as validate judges it, the models'
-        identities, slotctl's version, the server's build), so that a serve started again judges a state it
-        judged before without opening it. A row is trusted only for the identity it was made on and when made
+        (:func:`slotctl.catalog.verdict_key`: what the slot's setup is learnt from, the server's facts, its build
+        among them, the flags given, the model file's identity, and slotctl's version), so that a serve started
+        again judges a state it judged before without opening it (nor the model's GGUF). A row is trusted only for the identity it was made on and when made
         at least :data:`slotctl.catalog.RACY_SECONDS` after the file last changed; a state is sent only while
         it still has the identity its verdict was made on (:meth:`restore`)."""
         key = (state.name, slot)
