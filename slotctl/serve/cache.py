@@ -28,11 +28,15 @@ from slotctl.fleet.keep import model_hash, tokens_hash
 from slotctl.live.prove import local_setup, server_reads_checkpoints
 from slotctl.fleet.states import copy_atomic, open_store, read_saved
 from slotctl.serve.index import State, StateIndex, as_tokens
+from slotctl.server.flags import ServerFlags
 from slotctl.server.reuse import request_reuse, reuse_for, server_n_swa
 
 #: the name the server saves a slot under before serve checks it (in --slot-save-path): one per save, so
 #: that a slot is given again while its last save is being stored
 INCOMING = "serve-slot{slot}-{seq}-incoming.bin"
+#: the name of a save made only to learn the server's -kvu/-ctk/-ctv (in --slot-save-path; removed after:
+#: :meth:`Cache.probe`)
+PROBE = "serve-slot{slot}-{seq}-probe.bin"
 #: the name a stored state converted for one slot of the server takes in --slot-save-path while it is restored
 #: (removed after: :meth:`Cache.converted`)
 CONVERTED = "serve-slot{slot}-{seq}-converted.bin"
@@ -121,7 +125,8 @@ class ConversionFailed(Exception):
 class Cache:
     """The server at ``url`` (its ``--slot-save-path`` is ``slot_dir`` here) and the store (``store``: a
     directory, an ``s3://`` prefix, or None: ``slot_dir`` itself). ``flags`` / ``given``: what the server does
-    not report (``-kvu``, ``-ctk``, ``-ctv``), for the fields named in ``given``."""
+    not report (``-kvu``, ``-ctk``, ``-ctv``), for the fields named in ``given``, until the server's own saves
+    say otherwise (:meth:`learn`)."""
 
     def __init__(self, url: str, slot_dir: str | os.PathLike, store: str | None = None, *,
                  api_key: str | None = None, max_size: int | None = None, timeout: float = 600.0,
@@ -130,7 +135,14 @@ class Cache:
         self.slot_dir = Path(slot_dir)
         self.store = open_store(store, self.slot_dir)
         self.api_key, self.max_size, self.timeout = api_key, max_size, timeout
-        self.flags, self.given = flags, frozenset(given)
+        self.flags, self.given = flags or ServerFlags(), frozenset(given)
+        #: the flags as given, and what the server's saves said of them (:meth:`learn`): the flags judged with
+        #: are these with the learnt ones over them; ``learn_due``: a save to learn from is to be made
+        #: (:meth:`probe`), set when the server's facts are first read or change
+        self.given_flags, self.given_names = self.flags, self.given
+        self.learned: dict[str, bool | str] = {}
+        self.learn_due = True
+        self._warned: set[tuple[str, bool | str]] = set()
         self.log = log or (lambda event, message, **details: None)
         self.counters = Counters()
         self.facts: http.ServerFacts | None = None
@@ -154,15 +166,75 @@ class Cache:
         own); a new model starts a new index."""
         facts = http.server_facts(self.url, api_key=api_key or self.api_key, timeout=min(self.timeout, 30.0))
         model = model_hash(facts)
+        old = self.facts
         with self._lock:
-            if model != self.model or facts.total_slots != (self.facts.total_slots if self.facts else None):
+            if (model != self.model or old is None or facts.total_slots != old.total_slots
+                    or facts.n_ctx_slot != old.n_ctx_slot):
                 self._judged.clear()
                 self._setups.clear()
+                self.learn_due = True
             if model != self.model:
                 self.index = StateIndex(state_prefix(model))
                 self._listed = 0.0
+                # another model (llama-swap): another command line; what an earlier one's saves said is forgotten
+                self.flags, self.given, self.learned = self.given_flags, self.given_names, {}
             self.facts, self.model = facts, model
         return facts
+
+    def probe(self, slot: int, api_key: str | None = None) -> None:
+        """The server's ``-kvu``/``-ctk``/``-ctv`` learnt (:meth:`learn`) from a save of ``slot`` (idle, the one
+        holding the fewest tokens: the proxy's choice) into a private working file of the slot directory, read
+        (metadata only) and removed: its stream count always, its cache types when the slot holds cells (a
+        slot that holds nothing saves its stream count alone, 36-40 bytes with b11434). Raises when the save
+        fails (the flags judged with stay as they are); not tried again until the facts change."""
+        with self._lock:
+            self._seq += 1
+            name = PROBE.format(slot=slot, seq=f"{os.getpid()}-{self._seq}")
+        try:
+            answer = http.save_slot(self.url, slot, name, api_key=api_key or self.api_key, timeout=self.timeout,
+                                    check=False)
+            got = read_saved(self.slot_dir / name, answer)
+            if got.problem is not None:
+                raise http.ServerAnswerError(f"{self.slot_dir / name}: {got.problem}")
+            self.learn(got.flags, slot, "probe")
+        finally:
+            self.learn_due = False
+            _unlink(self.slot_dir / name)
+
+    def learn(self, written, slot: int, source: str) -> None:
+        """What a save of ``slot`` by the server now running says of its ``-kvu``/``-ctk``/``-ctv``
+        (``written``: :func:`slotctl.slotfile.written_flags` of the file, read by
+        :func:`slotctl.server.saved.saved_flags`) taken over: states are judged (and converted) for it from now
+        on, the verdicts made before forgotten. A flag given that the save contradicts: a ``warning`` event,
+        once per flag and value; what changed: a ``learned`` event (``source``: "probe" or "save")."""
+        from slotctl.server.saved import SAID, saved_flags
+
+        facts = self.facts
+        got = saved_flags(written, facts.total_slots if facts is not None else None)
+        warn = []
+        with self._lock:
+            new = {k: v for k, v in got.said().items() if self.learned.get(k) != v}
+            if not new:
+                return
+            self.learned.update(new)
+            for k, v in new.items():
+                if k in self.given_names and getattr(self.given_flags, k) != v and (k, v) not in self._warned:
+                    self._warned.add((k, v))
+                    warn.append((k, getattr(self.given_flags, k), v))
+            if any(getattr(self.flags, k) != v for k, v in new.items()):
+                self._judged.clear()
+                self._setups.clear()
+            self.flags = self.flags.replace(**new)
+            self.given = self.given | set(new)
+        streams = f"{got.n_stream} KV stream(s) for {facts.total_slots} slot(s)" if facts is not None else ""
+        for k, given, v in warn:
+            self.log("warning", f"{_said(k, given)} was given, but the server's own save of slot {slot} says "
+                                f"{_said(k, v)}" + (f" ({streams})" if k == "kv_unified" else "")
+                     + ": states are judged and converted for the server's", slot=slot, flag=SAID[k],
+                     given=given, server=v)
+        self.log("learned", f"the server's save of slot {slot} says {', '.join(_said(k, v) for k, v in new.items())}"
+                            f" ({streams}): states are judged and converted for it", slot=slot, source=source,
+                 n_stream=got.n_stream, **{k: self.learned.get(k) for k in SAID})
 
     def _setup(self, slot: int):
         with self._lock:
@@ -425,6 +497,7 @@ class Cache:
             got = read_saved(path, answer)
             if got.problem is not None:
                 raise http.ServerAnswerError(f"{path}: not stored: {got.problem}")
+            self.learn(got.flags, slot, "save")
             if got.n_tokens == 0 or got.media:
                 _unlink(path)
                 return None
@@ -486,8 +559,17 @@ class Cache:
                 self.index.forget([path.rpartition("/")[2]])
             self.log("pruned", f"{path}: {action} ({reason}), {size:,} bytes", path=path, size=size)
 
-        self.store.prune(self.max_size, (INCOMING.format(slot="*", seq="*"), CONVERTED.format(slot="*", seq="*")),
-                         pruned)
+        self.store.prune(self.max_size, (INCOMING.format(slot="*", seq="*"), CONVERTED.format(slot="*", seq="*"),
+                                         PROBE.format(slot="*", seq="*")), pruned)
+
+
+def _said(name: str, value: bool | str) -> str:
+    """A flag as a server's command line says it: ``-kvu`` or ``no -kvu``, ``-ctk q8_0``."""
+    from slotctl.server.saved import SAID
+
+    if isinstance(value, bool):
+        return SAID[name] if value else f"no {SAID[name]}"
+    return f"{SAID[name]} {value}"
 
 
 def _used(path: str) -> None:
