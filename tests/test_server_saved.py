@@ -1,0 +1,47 @@
+"""``slotctl.server.saved``: what a file llama-server b11434 saved says of its -kvu, -ctk, -ctv.
+
+The files are tests/data's, each saved by a real llama-server run with the flags tests/data/README.md names;
+the expected values are those command lines. A save of a slot that holds nothing (its stream count alone) is
+checked against the real server in tests/test_serve.py (serve's probe).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import DATA
+from slotctl.server.saved import SavedFlags, kv_unified, saved_flags
+from slotctl.slotfile import open_slot_file, written_flags
+
+
+@pytest.mark.parametrize("name, parallel, expected", [
+    # -c 256 -np 1 -fa on: one slot, one stream either way: -kvu not told
+    ("srv-np1.bin", 1, SavedFlags(1, None, "f16", "f16")),
+    # -c 512 -np 2 -fa on: a stream per slot
+    ("srv-np2-slot1.bin", 2, SavedFlags(2, False, "f16", "f16")),
+    # -c 512 -np 2 -kvu -fa on: one stream for both slots
+    ("srv-unified-np2.bin", 2, SavedFlags(1, True, "f16", "f16")),
+    # -ctk q8_0 -ctv q8_0
+    ("srv-kvq8.bin", 1, SavedFlags(1, None, "q8_0", "q8_0")),
+    # -fa off: V rows transposed, their type read all the same
+    ("srv-fa-off.bin", 1, SavedFlags(1, None, "f16", "f16")),
+    # -ctkd q8_0: the draft's cache types are not -ctk's (the target memory is read, not the draft state)
+    ("srv-draft.bin", 1, SavedFlags(1, None, "f16", "f16")),
+])
+def test_a_servers_save_says_its_flags(name, parallel, expected):
+    with open_slot_file(DATA / name) as sf:
+        assert saved_flags(written_flags(sf.target), parallel) == expected
+
+
+def test_a_stream_count_no_server_of_that_many_slots_writes_says_nothing_of_kvu():
+    with open_slot_file(DATA / "srv-np2-slot1.bin") as sf:
+        got = saved_flags(written_flags(sf.target), 3)     # two streams, three slots: not this server's
+    assert got.kv_unified is None and got.said() == {"cache_type_k": "f16", "cache_type_v": "f16"}
+    assert kv_unified(None, 2) is None and kv_unified(1, None) is None
+
+
+def test_a_file_that_did_not_parse_says_nothing():
+    assert saved_flags(None, 2) == SavedFlags(None, None, None, None)
+    assert saved_flags(None, 2).said() == {}
+    # a type that is no cache type llama-server takes (a damaged file): not said
+    assert saved_flags(("type99", "f16", "on", 2), 2).said() == {"kv_unified": False, "cache_type_v": "f16"}
