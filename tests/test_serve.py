@@ -660,6 +660,34 @@ def test_serve_learns_cache_types_and_the_servers_flags_win_over_wrong_ones(llam
 
 
 @server
+def test_serve_learns_again_when_the_server_restarts_with_other_flags(llama_server_bin, tiny_models, tmp_path):
+    """The server (-np 2: two KV streams) killed and started again with -kvu on the same port, behind the same
+    serve: serve sees the restart (GET /slots' task ids count from 0 again), saves an idle slot before it
+    judges the returning conversation's state, learns -kvu, converts the state saved with two streams into
+    one and restores it. Without it serve judged for the server it knew, sent the state as it was, and the
+    server refused it."""
+    store = tmp_path / "store"
+    store.mkdir()
+    with servers(llama_server_bin, tiny_models, tmp_path, r=ARGS) as (r,):
+        with serving(r, tmp_path / "r", str(store)) as s:
+            first = complete(s.url, TURN1)
+            s.wait_for("saves", 1)
+            r.args = ["-c", "1024", "-np", "2", "-kvu", "-fa", "on"]
+            r.kill_and_start_again()
+            prompt = TURN1 + first["content"] + TURN2_EXTRA
+            second = complete(s.url, prompt)
+            c = s.wait_for("saves", 2)
+            assert c["restores"] == 1 and c["restore_failures"] == 0 and c["conversions"] == 1, s.output()
+            # at start-up no -kvu, the types at the first save, -kvu from the save made after the restart
+            learned = s.events_named("learned", 3)
+            assert [(e["details"]["source"], e["details"]["kv_unified"]) for e in learned] == [
+                ("probe", False), ("save", False), ("probe", True)], s.output()
+        alone = complete(r.url, prompt, id_slot=0, cache_prompt=False)
+    assert second["content"] == alone["content"]
+    assert second["timings"]["prompt_n"] < alone["timings"]["prompt_n"] // 4, (second["timings"], alone["timings"])
+
+
+@server
 def test_a_state_convert_cannot_bring_over_is_never_sent(llama_server_bin, tiny_models, tmp_path, seaweed):
     """A state of a server with f16 caches, for a server of other -np whose K cache is q8_0: convert would
     re-encode it (lossy), so serve never converts nor sends it; and a state convert brings over to a slot too

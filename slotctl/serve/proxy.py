@@ -167,15 +167,21 @@ class Proxy:
         self._said_down = False
         await self.learn(key)
 
-    async def learn(self, key: str | None) -> None:
+    async def learn(self, key: str | None, read_facts: bool = False) -> None:
         """When due (the facts first read or changed, the server back or restarted): the server's ``-kvu``,
         ``-ctk``, ``-ctv`` learnt from a save of one of its slots (:meth:`Cache.probe`), held by serve meanwhile
         (no request of serve's uses it): the free slot that holds the fewest tokens (a slot that holds nothing
-        saves its stream count alone; one that holds cells, its cache types too). No slot free: tried again at
-        the next facts read or request that may restore (serve's own saves teach the same meanwhile)."""
+        saves its stream count alone; one that holds cells, its cache types too). ``read_facts``: the facts read
+        again first (a restart seen in ``GET /slots``: its slot context may be another). No slot free: tried
+        again at the next facts read or request that may restore (serve's own saves teach the same meanwhile)."""
         async with self._learning:
             if not self.cache.learn_due or self.cache.facts is None:
                 return
+            if read_facts:
+                try:
+                    await asyncio.to_thread(self.cache.refresh_facts, key)
+                except Exception:  # noqa: BLE001 - down again: the facts loop says so; learnt when it is back
+                    return
             if self.view_gen != self.gen and not await self.check_slots(key):
                 return
             free = [s for s in self.slots.values() if not s.lock.locked() and s.pending == 0 and s.id not in self._busy]
@@ -398,7 +404,7 @@ class Proxy:
         try:
             reused = 0
             if self.cache.learn_due and self.may_restore(slot, tokens):
-                await self.learn(key)       # the server's flags learnt before a state is judged for it
+                await self.learn(key, read_facts=True)      # the server's flags learnt before a state is judged
             try:
                 if self.may_restore(slot, tokens):      # looked up, judged and restored in a worker thread
                     reused = await asyncio.to_thread(self.prepare, slot, tokens, key)
