@@ -432,21 +432,26 @@ def conversation(url: str, turns: list[str], **extra) -> list[dict]:
     return out
 
 
+def alone(srv: LlamaServer, turns: list[str]) -> list[dict]:
+    """A conversation's answers from the server alone, each turn in a slot that holds nothing (all erased
+    after)."""
+    out, prompt = [], ""
+    for t in turns:
+        erase_all(srv)
+        prompt += t
+        a = complete(srv.url, prompt, id_slot=0)
+        out.append(a)
+        prompt += a["content"]
+    erase_all(srv)
+    return out
+
+
 @server
 def test_a_returning_turn_is_restored_after_a_restart(fresh, tmp_path):
     store = tmp_path / "store"
     store.mkdir()
     turns = [TURN1, TURN2_EXTRA]
-    # the server alone, each turn in a slot that holds nothing
-    reference = []
-    prompt = ""
-    for t in turns:
-        erase_all(fresh)
-        prompt += t
-        a = complete(fresh.url, prompt, id_slot=0)
-        reference.append(a)
-        prompt += a["content"]
-    erase_all(fresh)
+    reference = alone(fresh, turns)
     with serving(fresh, fresh.save_dir, str(store)) as s:
         first = complete(s.url, TURN1)
         assert first["content"] == reference[0]["content"]
@@ -460,6 +465,86 @@ def test_a_returning_turn_is_restored_after_a_restart(fresh, tmp_path):
         assert second["timings"]["prompt_n"] < reference[1]["timings"]["prompt_n"] // 4
         assert second["timings"]["cache_n"] >= first["timings"]["prompt_n"]
         assert s.events_named("restored")
+
+
+class Relay:
+    """A TCP relay between serve and a server that notes the request line of every request serve sends
+    (its method and path, in the order they went): what serve asked the server, and when."""
+
+    def __init__(self, upstream: LlamaServer):
+        self.target = ("127.0.0.1", int(upstream.url.rsplit(":", 1)[1]))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.requests: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def paths(self, since: int = 0) -> list[str]:
+        with self._lock:
+            return [p.partition("?")[0] for _m, p in self.requests[since:]]
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(client, up, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, client, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, requests: bool) -> None:
+        try:
+            while chunk := src.recv(1 << 16):
+                if requests:
+                    # aiohttp writes a request's line and headers in one write
+                    line = chunk.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+                    if len(line) == 3 and line[2].startswith("HTTP/1."):
+                        with self._lock:
+                            self.requests.append((line[0], line[1]))
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@server
+def test_a_returning_turn_in_its_own_slot_goes_before_its_tokenize(fresh, tmp_path):
+    """The shortcut (docs/serve.md): a returning turn whose text begins with the text serve last sent into
+    its slot, no stored state longer, goes to that slot without /tokenize first (asked after the answer); the
+    answer is the server's own, its prefix reused. A text that begins otherwise is tokenized first."""
+    store = tmp_path / "store"
+    store.mkdir()
+    reference = alone(fresh, [TURN1, TURN2_EXTRA])
+    relay = Relay(fresh)
+    try:
+        with serving(relay, fresh.save_dir, str(store)) as s:
+            first = complete(s.url, TURN1)
+            s.wait_for("saves", 1)
+            mark = len(relay.requests)
+            second = complete(s.url, TURN1 + first["content"] + TURN2_EXTRA)
+            c = s.wait_for("saves", 2)
+            asked = relay.paths(mark)
+            assert c["matched_by_text"] == 1 and c["restores"] == 0, s.output()
+            assert "/completion" in asked and "/tokenize" in asked, asked
+            assert asked.index("/completion") < asked.index("/tokenize"), asked
+            assert second["content"] == reference[1]["content"]
+            assert second["timings"]["cache_n"] >= first["timings"]["prompt_n"]
+            # a text that does not begin with a slot's own: its tokens first
+            mark = len(relay.requests)
+            complete(s.url, TURN2_EXTRA + TURN1)
+            s.wait_for("saves", 3)
+            asked = relay.paths(mark)
+            assert asked.index("/tokenize") < asked.index("/completion"), asked
+            assert s.stats()["matched_by_text"] == 1
+    finally:
+        relay.close()
 
 
 @server

@@ -103,6 +103,7 @@ class Counters:
     saves_deduplicated: int = 0
     save_failures: int = 0
     lookup_failures: int = 0
+    matched_by_text: int = 0
     upstream_errors: int = 0
     client_disconnects: int = 0
     restored_tokens: int = 0
@@ -153,6 +154,7 @@ class Cache:
         self._lock = threading.Lock()
         self._seq = 0
         self._listed = 0.0
+        self._syncing = threading.Lock()
         self.catalog = None
         if catalog:
             from slotctl.catalog import Index, index_path
@@ -249,8 +251,28 @@ class Cache:
 
     def sync_index(self, every: float = 2.0) -> None:
         """The index made to hold the store's states for the server's model (listed at most every ``every``
-        seconds: other serve processes may store states meanwhile). A state whose identity the catalog
-        knows is not read again (:class:`slotctl.catalog.Index`)."""
+        seconds: other serve processes may store states meanwhile; one listing at a time). A state whose
+        identity the catalog knows is not read again (:class:`slotctl.catalog.Index`)."""
+        if self.index is None or time.monotonic() - self._listed < every:
+            return
+        with self._syncing:
+            self._sync_index(every)
+
+    def index_fresh(self, every: float = 2.0) -> bool:
+        """Whether the index was listed less than ``every`` seconds ago (or there is none to list)."""
+        return self.index is None or time.monotonic() - self._listed < every
+
+    def may_beat(self, prompt: np.ndarray, held: np.ndarray, min_gain: int, margin: int) -> bool:
+        """Whether a stored state could keep ``min_gain`` tokens more than a slot holding ``held`` of a request
+        whose tokens begin with ``prompt`` but for its last ``margin`` (the index as last listed). Such a state
+        would share more of the request than the slot, so it begins with what the slot shares of it (at
+        least ``prompt`` less ``margin``), is longer by ``min_gain``, and is not a prefix of ``held``."""
+        if self.index is None:
+            return False
+        n = max(len(prompt) - margin, 0)
+        return self.index.extends(prompt[:n], n + min_gain, held)
+
+    def _sync_index(self, every: float) -> None:
         if self.index is None or time.monotonic() - self._listed < every:
             return
         listed = self._listing(self.index.prefix)

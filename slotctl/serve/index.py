@@ -96,6 +96,24 @@ class StateIndex:
         with self._lock:
             return self._lookup(q, bisect.bisect_left(self._keys, q), limit)
 
+    def extends(self, prefix: np.ndarray, min_tokens: int, besides: np.ndarray, scan: int = 64) -> bool:
+        """Whether a state begins with ``prefix``, holds at least ``min_tokens`` tokens and is not a prefix
+        of ``besides`` (what a slot holds: such a state could not keep more of a prompt than the slot does).
+        The states beginning with ``prefix`` sit together in the sorted keys, from where ``prefix`` would
+        be; past ``scan`` of them the answer is yes (unsure, so the caller asks for the prompt's tokens)."""
+        import bisect
+
+        q = _key(prefix)
+        with self._lock:
+            i = bisect.bisect_left(self._keys, q)
+            for j in range(i, len(self._keys)):
+                if not self._keys[j].startswith(q) or j - i >= scan:
+                    return j - i >= scan
+                st = self.states[self._names[j]]
+                if st.n_tokens >= min_tokens and common_prefix(st.tokens, besides) < st.n_tokens:
+                    return True
+        return False
+
     def _lookup(self, q: bytes, i: int, limit: int) -> list[tuple[State, int]]:
         found: list[tuple[int, int]] = []      # (common, position)
         lo, hi = i - 1, i

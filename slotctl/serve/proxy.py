@@ -40,20 +40,39 @@ SMALL_TIMEOUT = 30.0
 #: the slots' state as serve last left it is unknown (a request it sent that was not saved)
 UNKNOWN = ("unknown",)
 EMPTY = np.zeros(0, dtype=np.int32)
+#: tokens at the end of a prompt text that may be tokenized otherwise once more text follows it (the last
+#: word, number or run of spaces: tokenizers split text into such pieces and merge only within one)
+MARGIN = 8
 
 
 @dataclass
 class Slot:
     """One slot of the server as serve knows it: the tokens it holds (the last prompt, or the state saved or
     restored), the ``/slots`` signature then (a change serve did not make: the tokens are unknown), when it
-    was last used, and the requests holding or waiting for it."""
+    was last used, and the requests holding or waiting for it. ``text`` and ``prompt``: the prompt text serve
+    last sent into the slot and the server's tokens of it, while the slot holds what that request left
+    (any other change of ``tokens`` forgets them)."""
 
     id: int
-    tokens: np.ndarray = field(default_factory=lambda: EMPTY)
+    _tokens: np.ndarray = field(default_factory=lambda: EMPTY)
     sig: tuple | None = None
     used: float = 0.0
     pending: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    text: str | None = None
+    prompt: np.ndarray = field(default_factory=lambda: EMPTY)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, tokens: np.ndarray) -> None:
+        self._tokens, self.text, self.prompt = tokens, None, EMPTY
+
+    def sent(self, tokens: np.ndarray, text: str | None, prompt: np.ndarray) -> None:
+        """The slot holds ``tokens`` after serve sent it the prompt ``text`` (whose tokens are ``prompt``)."""
+        self._tokens, self.text, self.prompt = tokens, text, prompt
 
 
 def signature(entry: dict) -> tuple | None:
@@ -104,7 +123,7 @@ class Proxy:
         self.view_gen = -1
         self._busy: set[int] = set()      # slots the last GET /slots saw at work for another client
         self._top_task = -1               # the highest task id GET /slots showed: lower later, a new server
-        self._learning = asyncio.Lock()   # held while the server's -kvu/-ctk/-ctv are learnt (:meth:`learn`)
+        self._learning = asyncio.Lock()   # held while the server's -kvu/-ctk/-ctv are learnt (:meth:`learn_flags`)
         self.session: ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
@@ -165,9 +184,9 @@ class Proxy:
                            f"{f.build_info}", total_slots=f.total_slots, model=self.cache.model)
             self.cache.learn_due = True     # a server back may have been started with other flags
         self._said_down = False
-        await self.learn(key)
+        await self.learn_flags(key)
 
-    async def learn(self, key: str | None, read_facts: bool = False) -> None:
+    async def learn_flags(self, key: str | None, read_facts: bool = False) -> None:
         """When due (the facts first read or changed, the server back or restarted): the server's ``-kvu``,
         ``-ctk``, ``-ctv`` learnt from a save of one of its slots (:meth:`Cache.probe`), held by serve meanwhile
         (no request of serve's uses it): the free slot that holds the fewest tokens (a slot that holds nothing
@@ -370,12 +389,19 @@ class Proxy:
         # tokens are asked for when that is known before; after, when asking for them took a new connection.
         # A prompt of tokens asks the server nothing: GET /health is asked instead, for its connection.
         check = None if self.view_gen == self.gen else asyncio.ensure_future(self.check_slots(key))
+        text = slot = tokens = None
         try:
-            tokens = await self.tokens_of(raw, body, form, key)
+            prompt = await self.prompt_of(raw, body, form, key)
+            text = prompt if isinstance(prompt, str) else None
+            if text is not None and check is None:
+                slot = await self.by_text(text, body.get("id_slot"), form, key)    # no /tokenize before the request
+            if slot is None:
+                tokens = await self.tokens_of(prompt, key)
         except Exception as e:  # noqa: BLE001 - the cache never fails a request
             c.add("lookup_failures")
             self.log("error", f"{request.path}: the prompt's tokens cannot be had ({e}): passed through uncached")
-            tokens = None
+        if slot is not None:
+            return await self.send(request, body, slot, key, None, text)
         if check is not None:
             await check
         if tokens is None or len(tokens) == 0:
@@ -394,6 +420,14 @@ class Proxy:
         if slot is None:
             c.add("passed_through")
             return (await self.forward(request, raw))[0]
+        return await self.send(request, body, slot, key, tokens, text)
+
+    async def send(self, request: web.Request, body: dict, slot: Slot, key: str | None, tokens: np.ndarray | None,
+                   text: str | None) -> web.StreamResponse:
+        """The request sent into ``slot`` (its ``pending`` counted), the slot held until its save: prepared
+        first (:meth:`prepare`) when the prompt's ``tokens`` are known; None: a prompt ``text`` that begins
+        with the slot's own (:meth:`by_text`), its tokens asked for once the answer was passed on."""
+        c = self.cache.counters
         c.add("cached")
         handed = False
         try:
@@ -402,28 +436,37 @@ class Proxy:
             slot.pending -= 1
             raise
         try:
-            reused = 0
-            if self.cache.learn_due and self.may_restore(slot, tokens):
-                await self.learn(key, read_facts=True)      # the server's flags learnt before a state is judged
-            try:
-                if self.may_restore(slot, tokens):      # looked up, judged and restored in a worker thread
-                    reused = await asyncio.to_thread(self.prepare, slot, tokens, key)
-                else:
-                    reused = self.prepare(slot, tokens, key)     # nothing to look up: at once, on the event loop
-            except Exception as e:  # noqa: BLE001 - a restore that fails: the request goes uncached
-                c.add("restore_failures")
-                slot.tokens = EMPTY
-                self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id)
-            if self.on_prompt is not None:
-                self.on_prompt(reused, len(tokens) - reused)
+            before = slot.tokens
+            if tokens is not None:
+                reused = 0
+                if self.cache.learn_due and self.may_restore(slot, tokens):
+                    await self.learn_flags(key, read_facts=True)  # the server's flags learnt before it is judged
+                try:
+                    if self.may_restore(slot, tokens):      # looked up, judged and restored in a worker thread
+                        reused = await asyncio.to_thread(self.prepare, slot, tokens, key)
+                    else:
+                        reused = self.prepare(slot, tokens, key)     # nothing to look up: at once, on the event loop
+                except Exception as e:  # noqa: BLE001 - a restore that fails: the request goes uncached
+                    c.add("restore_failures")
+                    slot.tokens = EMPTY
+                    self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id)
+                if self.on_prompt is not None:
+                    self.on_prompt(reused, len(tokens) - reused)
+            else:
+                c.add("matched_by_text")
             data = json.dumps(dict(body, id_slot=slot.id, cache_prompt=True)).encode()
             resp, ok = await self.forward(request, data, self._headers(request))
             slot.used = time.monotonic()
             if ok:
                 # the save is asked once the answer was passed on, not while its last bytes are on their way
                 # (the save's worker thread then held them back by a few milliseconds, measured)
-                slot.tokens, slot.sig = tokens, UNKNOWN
-                self._spawn(self._save_then_release(slot, key), name=f"save-{slot.id}")
+                slot.sig = UNKNOWN
+                if tokens is not None:
+                    slot.sent(tokens, text, tokens)
+                    self._spawn(self._save_then_release(slot, key), name=f"save-{slot.id}")
+                else:
+                    slot.tokens = EMPTY
+                    self._spawn(self._save_then_release(slot, key, text, before), name=f"save-{slot.id}")
                 handed = True
             else:
                 slot.tokens, slot.sig = EMPTY, UNKNOWN     # a broken answer: what the slot holds is not known
@@ -431,6 +474,47 @@ class Proxy:
         finally:
             if not handed:
                 self._release(slot)
+
+    async def _same_server(self, form: str, key: str | None) -> bool:
+        """Whether serve's view of the slots still holds once a request has gone to the server on its
+        connection (a chat's ``/apply-template`` went; else ``GET /health``): a connection made anew means a
+        restarted server, whose slots are read first (``GET /slots``)."""
+        if form != "chat":
+            try:
+                await self._get("/health", key)
+            except Exception:  # noqa: BLE001 - loading or down: GET /slots says which
+                self.view_gen = -1
+        return self.view_gen == self.gen
+
+    async def by_text(self, text: str, want, form: str, key: str | None) -> Slot | None:
+        """The slot for a prompt ``text`` without asking the server for its tokens (its ``pending`` counted):
+        the idle slot whose own prompt text (:attr:`Slot.text`) ``text`` begins with, the longest such
+        (``want``'s alone when given), when no stored state could keep ``min_gain`` tokens more of the request
+        than the slot holds (:meth:`Cache.may_beat`: such a state would begin with the slot's prompt tokens but
+        their last :data:`MARGIN`, the tokens that more text may change). That is the choice :meth:`choose` and
+        :meth:`prepare` make from the prompt's tokens: the slot shares the most of it, and nothing is
+        restored. None: the tokens are needed."""
+        if self._by_text(text, want) is None or not await self._same_server(form, key):
+            return None
+        if not self.cache.index_fresh():
+            try:        # other serve processes' states, listed as prepare lists them
+                await asyncio.to_thread(self.cache.sync_index)
+            except Exception:  # noqa: BLE001 - the store down: prepare says so, and goes uncached
+                return None
+        s = self._by_text(text, want)       # again: other requests ran meanwhile
+        if s is None or self.view_gen != self.gen or self.cache.may_beat(s.prompt, s.tokens, self.min_gain, MARGIN):
+            return None
+        s.pending += 1
+        return s
+
+    def _by_text(self, text: str, want) -> Slot | None:
+        if isinstance(want, int) and want >= 0:
+            pool = [self.slots[want]] if want in self.slots else []
+        else:
+            pool = list(self.slots.values())
+        fits = [s for s in pool if s.text is not None and s.pending == 0 and s.id not in self._busy
+                and text.startswith(s.text)]
+        return max(fits, key=lambda s: len(s.text), default=None)
 
     @staticmethod
     def _slot_id_ok(v) -> bool:
@@ -462,16 +546,18 @@ class Proxy:
                 raise UpstreamDown(f"GET {path}: HTTP {r.status}", r.status)
             return await r.json(content_type=None)
 
-    async def tokens_of(self, raw: bytes, body: dict, form: str, key: str | None) -> np.ndarray | None:
-        """The request's prompt as the server tokenizes it: its own token ids, or the server's
-        ``/tokenize`` of its text (a chat through ``/apply-template`` first); None when the request holds
-        no one prompt serve can tokenize (several prompts, media)."""
+    async def prompt_of(self, raw: bytes, body: dict, form: str, key: str | None):
+        """The request's prompt as the server reads it: its ``prompt``, or a chat's ``messages`` through the
+        server's ``/apply-template``; None for a chat serve does not cache (no messages, media)."""
         if form == "chat":
             if not isinstance(body.get("messages"), list) or self.cache.facts.mmproj:
                 return None
-            prompt = (await self._post("/apply-template", None, key, raw=raw)).get("prompt")
-        else:
-            prompt = body.get("prompt")
+            return (await self._post("/apply-template", None, key, raw=raw)).get("prompt")
+        return body.get("prompt")
+
+    async def tokens_of(self, prompt, key: str | None) -> np.ndarray | None:
+        """A prompt (:meth:`prompt_of`) as the server tokenizes it: its own token ids, or the server's
+        ``/tokenize`` of its text; None when it is no one prompt serve can tokenize (several prompts)."""
         how = prompt_form(prompt)
         if how == "tokens":
             return as_tokens(prompt)
@@ -583,23 +669,34 @@ class Proxy:
                  slot=slot.id, name=state.name, n_restored=answer.get("n_restored"), reuse=gain, held=held, **extra)
         return gain
 
-    async def _save_then_release(self, slot: Slot, key: str | None) -> None:
+    async def _save_then_release(self, slot: Slot, key: str | None, text: str | None = None,
+                                 before: np.ndarray | None = None) -> None:
         """After a whole answer: the slot saved by the server (asked at once, on serve's own connection) and
         the file checked (in a worker thread), its ``/slots`` signature noted, then freed; the state is stored
-        after (the slot's next request need not wait for the copy)."""
+        after (the slot's next request need not wait for the copy). A request sent by its ``text``
+        (:meth:`by_text`; ``before``: what the slot held then) has the text's tokens asked for meanwhile:
+        what the slot now holds, and the prompt tokens kept and evaluated for the metrics."""
         saved = None
         try:
             work = self.cache.work_name(slot.id)
+            learnt = asyncio.ensure_future(self._learn(slot, text, before, key)) if before is not None else None
             try:
                 answer = await self._post(f"/slots/{slot.id}?action=save", {"filename": work}, key,
                                           timeout=self.cache.timeout)
                 saved = await asyncio.to_thread(self.cache.checked, slot.id, work, answer)
-                if saved is not None:
-                    slot.tokens = saved.tokens
             except Exception as e:  # noqa: BLE001 - a save that fails costs the next restore, nothing more
                 self.cache.discard(work)
                 self.cache.counters.add("save_failures")
                 self.log("error", f"slot {slot.id}: not saved: {e}", slot=slot.id)
+            if learnt is None:          # the prompt's tokens known before: what the slot holds, saved
+                if saved is not None:
+                    slot.sent(saved.tokens, slot.text, slot.prompt)
+            else:
+                prompt = await learnt
+                if prompt is None:
+                    slot.tokens = saved.tokens if saved is not None else EMPTY
+                else:
+                    slot.sent(saved.tokens if saved is not None else prompt, text, prompt)
             try:
                 entries = await self._get("/slots", key)
                 entry = next((e for e in entries if isinstance(e, dict) and e.get("id") == slot.id), None)
@@ -616,6 +713,24 @@ class Proxy:
             except Exception as e:  # noqa: BLE001 - the store down: the next restore misses it
                 self.cache.counters.add("save_failures")
                 self.log("error", f"slot {slot.id}: not stored: {e}", slot=slot.id)
+
+
+    async def _learn(self, slot: Slot, text: str, before: np.ndarray, key: str | None) -> np.ndarray | None:
+        """The server's tokens of a prompt ``text`` sent by :meth:`by_text` into ``slot``, which held ``before``
+        (the metrics told what the server kept of it); None when they cannot be had (the slot's text is then
+        forgotten: its next request asks for its tokens first)."""
+        try:
+            tokens = await self.tokens_of(text, key)
+        except Exception as e:  # noqa: BLE001 - costs the next request its shortcut, nothing more
+            tokens = None
+            self.log("error", f"slot {slot.id}: the prompt's tokens cannot be had ({e})", slot=slot.id)
+        if tokens is None or len(tokens) == 0:
+            self.cache.counters.add("lookup_failures")
+            return None
+        if self.on_prompt is not None:
+            reused = min(common_prefix(before, tokens), len(tokens) - 1)
+            self.on_prompt(reused, len(tokens) - reused)
+        return tokens
 
 
 async def run(proxy: Proxy, host: str, port: int, *, ready=None, stop: asyncio.Event | None = None) -> None:
