@@ -30,6 +30,7 @@ from slotctl.fleet.states import copy_atomic, open_store, read_saved
 from slotctl.serve.index import State, StateIndex, as_tokens
 from slotctl.server.flags import ServerFlags
 from slotctl.server.reuse import request_reuse, reuse_for, server_n_swa
+from slotctl.server.saved import SAID, Learnt, said, saved_flags
 
 #: the name the server saves a slot under before serve checks it (in --slot-save-path): one per save, so
 #: that a slot is given again while its last save is being stored
@@ -136,14 +137,11 @@ class Cache:
         self.slot_dir = Path(slot_dir)
         self.store = open_store(store, self.slot_dir)
         self.api_key, self.max_size, self.timeout = api_key, max_size, timeout
-        self.flags, self.given = flags or ServerFlags(), frozenset(given)
-        #: the flags as given, and what the server's saves said of them (:meth:`learn`): the flags judged with
-        #: are these with the learnt ones over them; ``learn_due``: a save to learn from is to be made
-        #: (:meth:`probe`), set when the server's facts are first read or change
-        self.given_flags, self.given_names = self.flags, self.given
-        self.learned: dict[str, bool | str] = {}
+        #: the flags judged with: the ones given, with what the server's saves said over them (:meth:`learn`);
+        #: ``learn_due``: a save to learn from is to be made (:meth:`probe`), set when the server's facts are first
+        #: read or change
+        self.learnt = Learnt(flags or ServerFlags(), frozenset(given))
         self.learn_due = True
-        self._warned: set[tuple[str, bool | str]] = set()
         self.log = log or (lambda event, message, **details: None)
         self.counters = Counters()
         self.facts: http.ServerFacts | None = None
@@ -178,8 +176,7 @@ class Cache:
             if model != self.model:
                 self.index = StateIndex(state_prefix(model))
                 self._listed = 0.0
-                # another model (llama-swap): another command line; what an earlier one's saves said is forgotten
-                self.flags, self.given, self.learned = self.given_flags, self.given_names, {}
+                self.learnt.forget()    # another model (llama-swap): another command line
             self.facts, self.model = facts, model
         return facts
 
@@ -206,43 +203,35 @@ class Cache:
     def learn(self, written, slot: int, source: str) -> None:
         """What a save of ``slot`` by the server now running says of its ``-kvu``/``-ctk``/``-ctv``
         (``written``: :func:`slotctl.slotfile.written_flags` of the file, read by
-        :func:`slotctl.server.saved.saved_flags`) taken over: states are judged (and converted) for it from now
-        on, the verdicts made before forgotten. A flag given that the save contradicts: a ``warning`` event,
-        once per flag and value; what changed: a ``learned`` event (``source``: "probe" or "save")."""
-        from slotctl.server.saved import SAID, saved_flags
-
+        :func:`slotctl.server.saved.saved_flags`) taken over (:meth:`Learnt.take`): states are judged (and
+        converted) for it from now on, the verdicts made before forgotten. A flag given that the save
+        contradicts: a ``warning`` event, once per flag and value; what changed: a ``learned`` event
+        (``source``: "probe" or "save")."""
         facts = self.facts
         got = saved_flags(written, facts.total_slots if facts is not None else None)
-        warn = []
         with self._lock:
-            new = {k: v for k, v in got.said().items() if self.learned.get(k) != v}
-            if not new:
-                return
-            self.learned.update(new)
-            for k, v in new.items():
-                if k in self.given_names and getattr(self.given_flags, k) != v and (k, v) not in self._warned:
-                    self._warned.add((k, v))
-                    warn.append((k, getattr(self.given_flags, k), v))
-            if any(getattr(self.flags, k) != v for k, v in new.items()):
+            new, warn, changed = self.learnt.take(got)
+            if changed:
                 self._judged.clear()
                 self._setups.clear()
-            self.flags = self.flags.replace(**new)
-            self.given = self.given | set(new)
-        streams = f"{got.n_stream} KV stream(s) for {facts.total_slots} slot(s)" if facts is not None else ""
+            known = self.learnt.as_details()
+        if not new:
+            return
+        streams = f" ({got.n_stream} KV stream(s) for {facts.total_slots} slot(s))" if facts is not None else ""
         for k, given, v in warn:
-            self.log("warning", f"{_said(k, given)} was given, but the server's own save of slot {slot} says "
-                                f"{_said(k, v)}" + (f" ({streams})" if k == "kv_unified" else "")
+            self.log("warning", f"{said(k, given)} was given, but the server's own save of slot {slot} says "
+                                f"{said(k, v)}" + (streams if k == "kv_unified" else "")
                      + ": states are judged and converted for the server's", slot=slot, flag=SAID[k],
                      given=given, server=v)
-        self.log("learned", f"the server's save of slot {slot} says {', '.join(_said(k, v) for k, v in new.items())}"
-                            f" ({streams}): states are judged and converted for it", slot=slot, source=source,
-                 n_stream=got.n_stream, **{k: self.learned.get(k) for k in SAID})
+        self.log("learned", f"the server's save of slot {slot} says {', '.join(said(k, v) for k, v in new.items())}"
+                            f"{streams}: states are judged and converted for it", slot=slot, source=source,
+                 n_stream=got.n_stream, **known)
 
     def _setup(self, slot: int):
         with self._lock:
             setup = self._setups.get(slot)
         if setup is None:
-            setup, _notes = local_setup(self.facts, slot, self.flags, self.given)
+            setup, _notes = local_setup(self.facts, slot, self.learnt.flags, self.learnt.given)
             with self._lock:
                 self._setups[slot] = setup
         return setup
@@ -583,15 +572,6 @@ class Cache:
 
         self.store.prune(self.max_size, (INCOMING.format(slot="*", seq="*"), CONVERTED.format(slot="*", seq="*"),
                                          PROBE.format(slot="*", seq="*")), pruned)
-
-
-def _said(name: str, value: bool | str) -> str:
-    """A flag as a server's command line says it: ``-kvu`` or ``no -kvu``, ``-ctk q8_0``."""
-    from slotctl.server.saved import SAID
-
-    if isinstance(value, bool):
-        return SAID[name] if value else f"no {SAID[name]}"
-    return f"{SAID[name]} {value}"
 
 
 def _used(path: str) -> None:

@@ -54,3 +54,49 @@ def saved_flags(written: tuple | None, parallel: int | None) -> SavedFlags:
     tk, tv, _fa, n_stream = written
     return SavedFlags(n_stream, kv_unified(n_stream, parallel),
                       tk if tk in CACHE_TYPE_NAMES else None, tv if tv in CACHE_TYPE_NAMES else None)
+
+
+def said(name: str, value: bool | str) -> str:
+    """A flag as a server's command line says it: ``-kvu`` or ``no -kvu``, ``-ctk q8_0``."""
+    if isinstance(value, bool):
+        return SAID[name] if value else f"no {SAID[name]}"
+    return f"{SAID[name]} {value}"
+
+
+class Learnt:
+    """The flags a server does not report, as a process that watches it knows them (serve, keep): the ones
+    given (``flags``: a ``ServerFlags``; ``given``: the names given on the command line), with what its saves
+    said over them (:meth:`take`). Not thread-safe: the caller holds its own lock."""
+
+    def __init__(self, flags, given: frozenset[str] = frozenset()):
+        self.given_flags, self.given_names = flags, frozenset(given)
+        self.flags, self.given = flags, frozenset(given)
+        self.said: dict[str, bool | str] = {}
+        self._warned: set[tuple[str, bool | str]] = set()
+
+    def forget(self) -> None:
+        """Back to the flags given: another model's server (another command line) runs now."""
+        self.flags, self.given, self.said = self.given_flags, self.given_names, {}
+
+    def take(self, saved: SavedFlags) -> tuple[dict, list[tuple[str, bool | str, bool | str]], bool]:
+        """What ``saved`` says that was not known, taken over (it wins over a flag given): (the new values, the
+        flags given it contradicts not said before as ``(name, given, server)``, whether the flags judged with
+        changed: verdicts made before are then stale)."""
+        new = {k: v for k, v in saved.said().items() if self.said.get(k) != v}
+        if not new:
+            return {}, [], False
+        self.said.update(new)
+        warn = []
+        for k, v in new.items():
+            given = getattr(self.given_flags, k)
+            if k in self.given_names and given != v and (k, v) not in self._warned:
+                self._warned.add((k, v))
+                warn.append((k, given, v))
+        changed = any(getattr(self.flags, k) != v for k, v in new.items())
+        self.flags = self.flags.replace(**new)
+        self.given = self.given | set(new)
+        return new, warn, changed
+
+    def as_details(self) -> dict[str, bool | str | None]:
+        """What the saves said so far, by name (None: not said yet): a ``learned`` event's details."""
+        return {k: self.said.get(k) for k in SAID}
