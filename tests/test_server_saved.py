@@ -51,20 +51,26 @@ def test_what_saves_say_wins_over_the_flags_given_and_a_contradiction_is_said_on
     from slotctl.server.flags import ServerFlags
     from slotctl.server.saved import Learnt
 
+    def take(saved):
+        events, changed = learnt.take(saved, slot=0, total_slots=2, source="probe")
+        return [(e, d.get("flag"), d.get("given"), d.get("server")) for e, _m, d in events], changed
+
     learnt = Learnt(ServerFlags(kv_unified=True, cache_type_k="f16"), frozenset({"kv_unified", "cache_type_k"}))
     # an empty slot's save: the stream count alone (-np 2, two streams): -kvu given wrongly
-    new, warn, changed = learnt.take(SavedFlags(2, False, None, None))
-    assert (new, warn, changed) == ({"kv_unified": False}, [("kv_unified", True, False)], True)
+    assert take(SavedFlags(2, False, None, None)) == ([("warning", "-kvu", True, False),
+                                                        ("learned", None, None, None)], True)
     assert learnt.flags.kv_unified is False and learnt.flags.cache_type_k == "f16"
     # a save with cells: the types; -ctk given wrongly, -ctv was not given (the default f16 replaced, no warning)
-    new, warn, changed = learnt.take(SavedFlags(2, False, "q8_0", "q8_0"))
-    assert new == {"cache_type_k": "q8_0", "cache_type_v": "q8_0"} and changed
-    assert warn == [("cache_type_k", "f16", "q8_0")]
+    assert take(SavedFlags(2, False, "q8_0", "q8_0")) == ([("warning", "-ctk", "f16", "q8_0"),
+                                                           ("learned", None, None, None)], True)
     assert (learnt.flags.cache_type_k, learnt.flags.cache_type_v) == ("q8_0", "q8_0")
     assert learnt.given == {"kv_unified", "cache_type_k", "cache_type_v"}
     # the same said again: nothing new, nothing said again
-    assert learnt.take(SavedFlags(2, False, "q8_0", "q8_0")) == ({}, [], False)
+    assert take(SavedFlags(2, False, "q8_0", "q8_0")) == ([], False)
     assert learnt.as_details() == {"kv_unified": False, "cache_type_k": "q8_0", "cache_type_v": "q8_0"}
+    # the flags given said back by a save: learnt, no warning, nothing judged otherwise
+    learnt = Learnt(ServerFlags(cache_type_k="q8_0"), frozenset({"cache_type_k"}))
+    assert take(SavedFlags(1, None, "q8_0", "f16")) == ([("learned", None, None, None)], False)
     # another model's server: back to the flags given
     learnt.forget()
-    assert learnt.flags.kv_unified is True and learnt.said == {} and learnt.given == {"kv_unified", "cache_type_k"}
+    assert learnt.flags.cache_type_k == "q8_0" and learnt.said == {} and learnt.given == {"cache_type_k"}

@@ -30,7 +30,7 @@ from slotctl.fleet.states import copy_atomic, open_store, read_saved
 from slotctl.serve.index import State, StateIndex, as_tokens
 from slotctl.server.flags import ServerFlags
 from slotctl.server.reuse import request_reuse, reuse_for, server_n_swa
-from slotctl.server.saved import SAID, Learnt, said, saved_flags
+from slotctl.server.saved import Learnt, saved_flags
 
 #: the name the server saves a slot under before serve checks it (in --slot-save-path): one per save, so
 #: that a slot is given again while its last save is being stored
@@ -207,25 +207,15 @@ class Cache:
         converted) for it from now on, the verdicts made before forgotten. A flag given that the save
         contradicts: a ``warning`` event, once per flag and value; what changed: a ``learned`` event
         (``source``: "probe" or "save")."""
-        facts = self.facts
-        got = saved_flags(written, facts.total_slots if facts is not None else None)
+        total = self.facts.total_slots if self.facts is not None else None
         with self._lock:
-            new, warn, changed = self.learnt.take(got)
+            events, changed = self.learnt.take(saved_flags(written, total), slot=slot, total_slots=total,
+                                               source=source)
             if changed:
                 self._judged.clear()
                 self._setups.clear()
-            known = self.learnt.as_details()
-        if not new:
-            return
-        streams = f" ({got.n_stream} KV stream(s) for {facts.total_slots} slot(s))" if facts is not None else ""
-        for k, given, v in warn:
-            self.log("warning", f"{said(k, given)} was given, but the server's own save of slot {slot} says "
-                                f"{said(k, v)}" + (streams if k == "kv_unified" else "")
-                     + ": states are judged and converted for the server's", slot=slot, flag=SAID[k],
-                     given=given, server=v)
-        self.log("learned", f"the server's save of slot {slot} says {', '.join(said(k, v) for k, v in new.items())}"
-                            f"{streams}: states are judged and converted for it", slot=slot, source=source,
-                 n_stream=got.n_stream, **known)
+        for event, message, details in events:
+            self.log(event, message, slot=slot, **details)
 
     def _setup(self, slot: int):
         with self._lock:

@@ -78,24 +78,35 @@ class Learnt:
         """Back to the flags given: another model's server (another command line) runs now."""
         self.flags, self.given, self.said = self.given_flags, self.given_names, {}
 
-    def take(self, saved: SavedFlags) -> tuple[dict, list[tuple[str, bool | str, bool | str]], bool]:
-        """What ``saved`` says that was not known, taken over (it wins over a flag given): (the new values, the
-        flags given it contradicts not said before as ``(name, given, server)``, whether the flags judged with
-        changed: verdicts made before are then stale)."""
+    def take(self, saved: SavedFlags, *, slot: int, total_slots: int | None,
+             source: str) -> tuple[list[tuple[str, str, dict]], bool]:
+        """What ``saved`` (a save of ``slot`` of a server of ``total_slots`` slots; ``source``: "probe", a save
+        made to learn them, or "save") says that was not known, taken over: it wins over a flag given. The
+        events to say, as ``(event, message, details)``: a ``warning`` for each flag given it contradicts, once
+        per flag and value, and a ``learned`` one for what is new (none when nothing is); and whether the flags
+        judged with changed (the verdicts made before are then stale)."""
         new = {k: v for k, v in saved.said().items() if self.said.get(k) != v}
         if not new:
-            return {}, [], False
+            return [], False
         self.said.update(new)
-        warn = []
+        streams = f" ({saved.n_stream} KV stream(s) for {total_slots} slot(s))" if total_slots else ""
+        events = []
         for k, v in new.items():
             given = getattr(self.given_flags, k)
             if k in self.given_names and given != v and (k, v) not in self._warned:
                 self._warned.add((k, v))
-                warn.append((k, given, v))
+                events.append(("warning", f"{said(k, given)} was given, but the server's own save of slot {slot} "
+                                          f"says {said(k, v)}{streams if k == 'kv_unified' else ''}: states are "
+                                          f"judged and converted for the server's",
+                               {"flag": SAID[k], "given": given, "server": v}))
         changed = any(getattr(self.flags, k) != v for k, v in new.items())
         self.flags = self.flags.replace(**new)
         self.given = self.given | set(new)
-        return new, warn, changed
+        events.append(("learned", f"the server's save of slot {slot} says "
+                                  f"{', '.join(said(k, v) for k, v in new.items())}{streams}: states are judged "
+                                  f"and converted for it",
+                       {"source": source, "n_stream": saved.n_stream, **self.as_details()}))
+        return events, changed
 
     def as_details(self) -> dict[str, bool | str | None]:
         """What the saves said so far, by name (None: not said yet): a ``learned`` event's details."""
