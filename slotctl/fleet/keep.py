@@ -398,7 +398,8 @@ class Keeper:
         ``-ctk``, ``-ctv`` learnt from a save of its idle slot holding the fewest tokens into a working file
         (removed), as serve learns them (:mod:`slotctl.server.saved`): its stream count always, its cache types
         when the slot holds cells (a restarted server's slots hold nothing: the types keep's earlier saves said
-        stay). A save that fails is an error; the flags as known are judged with."""
+        stay). A save that fails is a ``skipped`` line (not an error: keep's own saves and restores say what
+        fails); the flags as known are judged with."""
         import secrets
 
         idle = [e for e in self.facts.slots or () if isinstance(e.get("id"), int) and not e.get("is_processing")]
@@ -415,8 +416,9 @@ class Keeper:
             self._learn(saved.flags, slot, "probe")
         except http.CutOff:     # by stop()
             return
-        except (SlotctlError, OSError) as e:
-            self._error(slot, e)
+        except (SlotctlError, OSError) as e:    # not learnt: keep's own saves and restores say what fails
+            self._event("skipped", slot, f"slot {slot}: the server's -kvu/-ctk/-ctv not learnt from a save ({e}): "
+                                         f"judged with the flags as known")
         finally:
             try:
                 os.unlink(path)
