@@ -90,14 +90,17 @@ class Memory:
         return self.end - self.offset
 
 
-def memory_flags(mem: Memory) -> tuple[str, str, str, int]:
+def written_flags(mem: Memory) -> tuple[str | None, str | None, str | None, int | None]:
     """The server flags a memory was written with, as far as its bytes say: the K and V cache types and the
     flash-attention setting (``-ctk``, ``-ctv``, ``-fa`` "on"/"off": V rows transposed without it) of its
-    first KV stream with cells, and its KV stream count (one per slot, or 1 with ``-kvu``); f16, "on" and 1
-    where it holds no KV rows (a recurrent state). ``identify`` and validate's file classes read it."""
+    first KV stream with cells, and its KV stream count (one per slot, or 1 with ``-kvu``). None where the
+    bytes do not say: the types and ``-fa`` of a memory whose KV streams hold no cells (a stream without cells
+    is its cell count alone: the save of a slot that holds nothing, b11434 ``llama_kv_cache::state_write``) or
+    that has no KV section (a recurrent state), the V type of layers without V (MLA), the stream count without
+    a KV section. Metadata only: no tensor byte is read."""
     from slotctl.format import ggml
 
-    n_stream = next((len(sec.streams) for sec in mem.sections if sec.type == "kv"), 1)
+    n_stream = next((len(sec.streams) for sec in mem.sections if sec.type == "kv"), None)
     for sec in mem.sections:
         if sec.type != "kv":
             continue
@@ -105,10 +108,19 @@ def memory_flags(mem: Memory) -> tuple[str, str, str, int]:
         if st is None:
             continue
         d = st.data
-        tk = ggml.type_name(d.k[0].type) if len(d.k) else "f16"
-        tv = ggml.type_name(d.v[0].type) if len(d.v) else tk
+        tk = ggml.type_name(d.k[0].type) if len(d.k) else None
+        tv = ggml.type_name(d.v[0].type) if len(d.v) else None
         return tk, tv, "off" if d.v_trans else "on", n_stream
-    return "f16", "f16", "on", n_stream
+    return None, None, None, n_stream
+
+
+def memory_flags(mem: Memory) -> tuple[str, str, str, int]:
+    """:func:`written_flags` with llama-server's defaults where the bytes do not say: f16, "on" and 1 (a
+    memory without KV rows), the K type for the V type of layers without V. ``identify`` and validate's file
+    classes read it."""
+    tk, tv, fa, n_stream = written_flags(mem)
+    tk = tk or "f16"
+    return tk, tv or tk, fa or "on", n_stream or 1
 
 
 @dataclass

@@ -1170,6 +1170,34 @@ def test_cp_copies_a_file_with_trailing_bytes_the_server_restores(one, tmp_path)
 
 
 @server
+def test_keep_learns_kvu_from_the_servers_save_and_restores_after_a_restart(llama_server_bin, tiny_models, tmp_path):
+    """A server of -np 2 -kvu (one KV stream), keep given no -kvu: at start keep saves an idle slot (it holds
+    nothing: the stream count alone) and learns -kvu; the server killed and started again, the state keep
+    stored (one stream) is restored as it is and proven. Without it keep judged for two streams, converted the
+    state into two, and the server refused the restore."""
+    with serving(llama_server_bin, tiny_models.target, tmp_path, "kvu",
+                 ["-c", "1024", "-np", "2", "-kvu", "-fa", "on"]) as srv:
+        store = tmp_path / "store"
+        store.mkdir()
+        keep = Keep(srv, store, "--every", "0.3")
+        try:
+            learned = keep.wait_for("learned")
+            assert (learned["details"]["source"], learned["details"]["n_stream"]) == ("probe", 1), learned
+            assert learned["details"]["kv_unified"] is True, learned
+            srv.completion(SAMPLE_PROMPT, slot=0, n_predict=6)
+            n = keep.wait_for("stored", 0)["details"]["n_tokens"]
+            srv.kill_and_start_again()
+            keep.wait_for("restart")
+            assert keep.wait_for("restored", 0)["details"]["answer"]["n_restored"] == n
+            assert keep.wait_for("proof", 0)["details"]["proof"]["verdict"] == "proven"
+        finally:
+            assert keep.stop() == 0
+        events = [e["event"] for e in keep.seen]
+        assert "converted" not in events and "warning" not in events and "error" not in events, keep.seen
+        assert not list(srv.save_dir.glob(INCOMING_GLOB))
+
+
+@server
 def test_keep_converts_a_state_saved_before_the_servers_np_changed(kept, tmp_path):
     """A state of one KV stream (saved at -np 1, made here by slotctl convert from the server's own file) in
     the store of a server now at -np 2: keep converts it as migrate does (exact), restores it and the server

@@ -654,6 +654,124 @@ def test_a_conversation_moves_between_servers_of_other_np_and_kvu(llama_server_b
     assert second["timings"]["cache_n"] >= first["timings"]["prompt_n"]
 
 
+# -- the server's -kvu, -ctk, -ctv learnt from its own saves -------------------------------------------------
+
+#: two conversations that take a conversation's slot (-np 2), so that it comes back to a slot holding another's
+OTHERS = (" ".join(["A different story, told for the second time, with other words in it."] * 6),
+          " ".join(["Yet another tale: the third one, of ships and the sea and the long way home."] * 6))
+
+
+def returning(url: str, s: Serve, saves: int = 0) -> tuple[dict, str, dict]:
+    """A conversation's first turn, two other conversations (its slot given to another), then its second turn
+    behind serve ``s``: (the first answer, the second turn's prompt, the second answer)."""
+    first = complete(url, TURN1)
+    s.wait_for("saves", saves + 1)
+    for i, other in enumerate(OTHERS):
+        complete(url, other)
+        s.wait_for("saves", saves + 2 + i)
+    prompt = TURN1 + first["content"] + TURN2_EXTRA
+    return first, prompt, complete(url, prompt)
+
+
+@server
+def test_serve_learns_kvu_from_a_save_of_an_idle_slot(llama_server_bin, tiny_models, tmp_path):
+    """A server of -np 2 -kvu (one KV stream for both slots), serve given no -kvu: at start-up serve saves a
+    slot that holds nothing (its stream count alone), learns -kvu from it, and a conversation that comes back
+    after two others took its slot is restored as it was saved (no conversion), the server reusing its prefix.
+    Without it serve judged for two streams, converted the state into them, and the server refused it."""
+    store = tmp_path / "store"
+    store.mkdir()
+    with servers(llama_server_bin, tiny_models, tmp_path, k=["-c", "1024", "-np", "2", "-kvu", "-fa", "on"]) as (k,):
+        with serving(k, tmp_path / "k", str(store)) as s:
+            (ev,) = s.events_named("learned")
+            assert ev["details"]["source"] == "probe" and ev["details"]["n_stream"] == 1, ev
+            assert ev["details"]["kv_unified"] is True and ev["details"]["cache_type_k"] is None, ev
+            _first, prompt, second = returning(s.url, s)
+            c = s.stats()
+            assert c["restores"] == 1 and c["restore_failures"] == 0 and c["conversions"] == 0, s.output()
+            (restored,) = s.events_named("restored")
+            assert "converted" not in restored["details"], restored
+            assert not s.events_named("warning", timeout=0)
+        assert [n for n in left_in(tmp_path / "k") if "probe" in n] == []
+        alone = complete(k.url, prompt, id_slot=0, cache_prompt=False)
+    assert second["content"] == alone["content"]
+    assert second["timings"]["prompt_n"] < alone["timings"]["prompt_n"] // 4, (second["timings"], alone["timings"])
+
+
+@server
+def test_serve_learns_cache_types_and_the_servers_flags_win_over_wrong_ones(llama_server_bin, tiny_models,
+                                                                             tmp_path):
+    """A server of -ctk q8_0 -ctv q8_0, serve given neither: the slots hold nothing at start-up (a save says
+    no type), so serve learns the types from its first save after a request; a conversation that comes back
+    is restored (before: judged for f16 caches, refused as a lossy conversion). A second serve given -kvu -ctk
+    f16 -ctv f16, wrongly, finds every slot holding cells at start-up, learns from the save of the one holding
+    the fewest, says each wrong flag once (a warning event) and uses the server's: a returning conversation is
+    restored."""
+    store = tmp_path / "store"
+    store.mkdir()
+    q8 = ["-c", "1024", "-np", "2", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]
+    with servers(llama_server_bin, tiny_models, tmp_path, q=q8) as (q,):
+        with serving(q, tmp_path / "q", str(store)) as s:
+            (probe,) = s.events_named("learned")
+            assert probe["details"]["kv_unified"] is False and probe["details"]["n_stream"] == 2, probe
+            assert probe["details"]["cache_type_k"] is None, probe
+            _first, prompt, second = returning(s.url, s)
+            learned = s.events_named("learned", 2)
+            assert learned[1]["details"]["source"] == "save", learned
+            assert (learned[1]["details"]["cache_type_k"], learned[1]["details"]["cache_type_v"]) == ("q8_0", "q8_0")
+            c = s.stats()
+            assert c["restores"] == 1 and c["restore_failures"] == 0, s.output()
+            assert c["restores_refused_by_verdict"] == 0, s.output()
+            assert not s.events_named("warning", timeout=0)
+        alone = complete(q.url, prompt, id_slot=0, cache_prompt=False)
+        assert second["content"] == alone["content"]
+        assert second["timings"]["prompt_n"] < alone["timings"]["prompt_n"] // 4, (second["timings"], alone["timings"])
+
+        complete(q.url, SAMPLE_PROMPT, id_slot=1)      # every slot holds cells: the start-up save says the types
+        with serving(q, tmp_path / "q", str(store), "-kvu", "-ctk", "f16", "-ctv", "f16") as s:
+            warned = s.events_named("warning", 3)
+            assert {(w["details"]["flag"], w["details"]["given"], w["details"]["server"]) for w in warned} == {
+                ("-kvu", True, False), ("-ctk", "f16", "q8_0"), ("-ctv", "f16", "q8_0")}, s.output()
+            (ev,) = s.events_named("learned")
+            assert ev["details"]["source"] == "probe" and ev["details"]["cache_type_k"] == "q8_0", ev
+            back = OTHERS[0] + " And so it ended, far from the sea."
+            again = complete(s.url, back)
+            c = s.wait_for("saves", 1)
+            assert c["restores"] == 1 and c["restore_failures"] == 0, s.output()
+            assert len(s.events_named("warning")) == 3, s.output()     # said once, not at each save
+        alone = complete(q.url, back, id_slot=0, cache_prompt=False)
+    assert again["content"] == alone["content"]
+    assert again["timings"]["prompt_n"] < alone["timings"]["prompt_n"] // 4, (again["timings"], alone["timings"])
+
+
+@server
+def test_serve_learns_again_when_the_server_restarts_with_other_flags(llama_server_bin, tiny_models, tmp_path):
+    """The server (-np 2: two KV streams) killed and started again with -kvu on the same port, behind the same
+    serve: serve sees the restart (GET /slots' task ids count from 0 again), saves an idle slot before it
+    judges the returning conversation's state, learns -kvu, converts the state saved with two streams into
+    one and restores it. Without it serve judged for the server it knew, sent the state as it was, and the
+    server refused it."""
+    store = tmp_path / "store"
+    store.mkdir()
+    with servers(llama_server_bin, tiny_models, tmp_path, r=ARGS) as (r,):
+        with serving(r, tmp_path / "r", str(store)) as s:
+            first = complete(s.url, TURN1)
+            s.wait_for("saves", 1)
+            r.args = ["-c", "1024", "-np", "2", "-kvu", "-fa", "on"]
+            r.kill_and_start_again()
+            prompt = TURN1 + first["content"] + TURN2_EXTRA
+            second = complete(s.url, prompt)
+            c = s.wait_for("saves", 2)
+            assert c["restores"] == 1 and c["restore_failures"] == 0 and c["conversions"] == 1, s.output()
+            # at start-up no -kvu, the types at the first save, -kvu from the save made after the restart
+            learned = s.events_named("learned", 3)
+            assert [(e["details"]["source"], e["details"]["kv_unified"]) for e in learned] == [
+                ("probe", False), ("save", False), ("probe", True)], s.output()
+        alone = complete(r.url, prompt, id_slot=0, cache_prompt=False)
+    assert second["content"] == alone["content"]
+    assert second["timings"]["prompt_n"] < alone["timings"]["prompt_n"] // 4, (second["timings"], alone["timings"])
+
+
 @server
 def test_a_state_convert_cannot_bring_over_is_never_sent(llama_server_bin, tiny_models, tmp_path, seaweed):
     """A state of a server with f16 caches, for a server of other -np whose K cache is q8_0: convert would

@@ -57,11 +57,12 @@ def keep(
     force: Annotated[bool, typer.Option("--force", help="Restore a stored state even when validate says the "
                                         "server now running refuses it or aborts on it.")] = False,
     kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The server runs with -kvu (not "
-                                             "reported by the server): stored states are converted for it.")] = False,
+                                             "reported by the server; learnt from its saves, which win): stored "
+                                             "states are converted for it.")] = False,
     cache_type_k: Annotated[Optional[str], flag_option("cache_type_k", help="The server's -ctk (not reported; "
-                                                       "default f16).")] = None,
+                                                       "learnt from its saves, which win; default f16).")] = None,
     cache_type_v: Annotated[Optional[str], flag_option("cache_type_v", help="The server's -ctv (not reported; "
-                                                       "default f16).")] = None,
+                                                       "learnt from its saves, which win; default f16).")] = None,
     allow_lossy: Annotated[bool, typer.Option("--allow-lossy", help="Re-encode a stored state's cache rows when "
                                               "the server's cache types changed (lossy).")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Do not use the catalog (the SQLite index of the "

@@ -36,9 +36,9 @@ FOLD_WIDTH = 12
 #: the whole file or run is); cyan: what a dry run would do; magenta: not decided; dim: nothing happened.
 STYLES = {
     **dict.fromkeys(("restores", "restored", "ok", "fits", "copied", "stored", "proof", "proven", "stripped",
-                     "pinned", "idle", "same"), "green"),
+                     "pinned", "idle", "same", "learned"), "green"),
     **dict.fromkeys(("restores_with_drops", "dropped", "drop", "ignored", "skipped", "down", "restart", "pruned",
-                     "busy"), "yellow"),
+                     "busy", "warning"), "yellow"),
     **dict.fromkeys(("mismatch", "partial", "deleted"), "red"),
     **dict.fromkeys(("refused", "failed", "error", "unreadable", "aborts", "aborted", "aborts_later", "reevaluated",
                      "differs"), "bold red"),

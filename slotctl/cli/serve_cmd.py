@@ -15,7 +15,8 @@ from slotctl.errors import UsageError
 from slotctl.live import SLOT_FILE_TIMEOUT
 
 _STYLE = {"restored": "green", "stored": "green", "up": "green", "down": "yellow", "refused": "yellow",
-          "pruned": "yellow", "disconnect": "yellow", "upstream": "bold red", "error": "bold red"}
+          "pruned": "yellow", "disconnect": "yellow", "upstream": "bold red", "error": "bold red", "learned": "green",
+          "warning": "yellow"}
 
 
 def register(app: typer.Typer) -> None:
@@ -53,12 +54,12 @@ def serve(
                                                    help="With an s3:// store: seconds serve's lease holds without "
                                                         "a renewal [default: 60].")] = None,
     kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The server runs with -kvu (not "
-                                             "reported by the server): states are judged, and converted, for "
-                                             "it.")] = False,
+                                             "reported by the server; learnt from its saves, which win): states "
+                                             "are judged, and converted, for it.")] = False,
     cache_type_k: Annotated[Optional[str], flag_option("cache_type_k", help="The server's -ctk (not reported; "
-                                                       "default f16).")] = None,
+                                                       "learnt from its saves, which win; default f16).")] = None,
     cache_type_v: Annotated[Optional[str], flag_option("cache_type_v", help="The server's -ctv (not reported; "
-                                                       "default f16).")] = None,
+                                                       "learnt from its saves, which win; default f16).")] = None,
     api_key: ApiKeyOpt = None,
     timeout: Annotated[Optional[float], typer.Option("--timeout", min=0.001, metavar="SECONDS", help="Give up on a "
                                                      "save or restore after this many seconds [default: "

@@ -47,6 +47,8 @@ from slotctl.live import http
 from slotctl.fleet.migrate import IDENTITY_KEYS
 from slotctl.fleet.states import copy_atomic, open_store, read_saved
 from slotctl.live.prove import local_setup, prove
+from slotctl.server.flags import ServerFlags
+from slotctl.server.saved import Learnt, saved_flags
 
 #: the name the server saves a slot under before keep checks it (in --slot-save-path): private to this keep
 #: process (its pid and a random word: two keepers of one server never share it), removed on every way out
@@ -121,8 +123,9 @@ class Keeper:
         self.api_key, self.timeout, self.emit = api_key, timeout, emit
         #: restore a state even when validate says the server refuses it or aborts on it (``--force``)
         self.force = force
-        #: the server's flags it does not report (``-kvu``, ``-ctk``, ``-ctv``: the fields named in ``given``)
-        self.flags, self.given = flags, given
+        #: the server's flags it does not report (``-kvu``, ``-ctk``, ``-ctv``: the fields named in ``given``), with
+        #: what its saves said over them (:meth:`learn_flags`, :mod:`slotctl.server.saved`)
+        self.learnt = Learnt(flags or ServerFlags(), frozenset(given))
         #: re-encode a state's cache rows when the server's cache types changed (lossy: ``--allow-lossy``)
         self.allow_lossy = allow_lossy
         self.up: bool | None = None
@@ -224,6 +227,7 @@ class Keeper:
         if self.lock is not None:
             self.seen.update(self.lock.known(model_hash(facts), self.store.has))
         if restore:
+            self.learn_flags()
             self.restore_all()
         else:
             self.save_changed()
@@ -256,6 +260,7 @@ class Keeper:
         # a slot keep saved or restored that shows no task at all: a new server process (erase keeps id_task),
         # restarted between two looks
         fresh = [e["id"] for e in facts.slots or () if self.seen.get(e["id"]) and "id_task" not in e]
+        other_model = self.facts is not None and model_hash(self.facts) != model_hash(facts)
         self.up, self.identity, self.facts = True, ident, facts
         if first or back or changed or fresh:
             why = ("keep started" if first else "the server is back" if back else
@@ -267,6 +272,9 @@ class Keeper:
                 self.seen.clear()
             elif self.lock is not None:     # keep started: the states its journal says the store has
                 self.seen.update(self.lock.known(model_hash(facts), self.store.has))
+            if other_model:
+                self.learnt.forget()        # another model (llama-swap): another command line
+            self.learn_flags()
             self.restore_all()
         self.save_changed()
 
@@ -333,6 +341,7 @@ class Keeper:
         if saved.problem is not None:
             self._event("skipped", slot, f"{path}: not stored: {saved.problem}")
             return
+        self._learn(saved.flags, slot, "save")
         n = saved.n_tokens
         self.seen[slot] = sig
         if n < self.min_tokens:
@@ -382,6 +391,48 @@ class Keeper:
             return
         self.store.prune(self.max_size, (INCOMING_GLOB,), pruned)
 
+    # -- the flags the server does not report ---------------------------------------------------------
+
+    def learn_flags(self) -> None:
+        """Before keep judges a state for the server (it started, came back, restarted): its ``-kvu``,
+        ``-ctk``, ``-ctv`` learnt from a save of its idle slot holding the fewest tokens into a working file
+        (removed), as serve learns them (:mod:`slotctl.server.saved`): its stream count always, its cache types
+        when the slot holds cells (a restarted server's slots hold nothing: the types keep's earlier saves said
+        stay). A save that fails is a ``skipped`` line (not an error: keep's own saves and restores say what
+        fails); the flags as known are judged with."""
+        import secrets
+
+        idle = [e for e in self.facts.slots or () if isinstance(e.get("id"), int) and not e.get("is_processing")]
+        if not idle:
+            return
+        slot = min(idle, key=lambda e: ((e.get("n_prompt_tokens") or 0) if "id_task" in e else 0, e["id"]))["id"]
+        work = INCOMING.format(slot=slot, pid=os.getpid(), nonce=secrets.token_hex(4))
+        path = self.slot_dir / work
+        try:
+            answer = http.save_slot(self.url, slot, work, api_key=self.api_key, timeout=self.timeout, check=False)
+            saved = read_saved(path, answer)
+            if saved.problem is not None:
+                raise http.ServerAnswerError(f"{path}: {saved.problem}")
+            self._learn(saved.flags, slot, "probe")
+        except http.CutOff:     # by stop()
+            return
+        except (SlotctlError, OSError) as e:    # not learnt: keep's own saves and restores say what fails
+            self._event("skipped", slot, f"slot {slot}: the server's -kvu/-ctk/-ctv not learnt from a save ({e}): "
+                                         f"judged with the flags as known")
+        finally:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def _learn(self, written, slot: int, source: str) -> None:
+        """What a save of ``slot`` says of the server's flags taken over (:meth:`slotctl.server.saved.Learnt.take`):
+        its ``warning`` and ``learned`` events."""
+        total = self.facts.total_slots if self.facts is not None else None
+        events, _changed = self.learnt.take(saved_flags(written, total), slot=slot, total_slots=total, source=source)
+        for event, message, details in events:
+            self._event(event, slot, message, **details)
+
     # -- restoring --------------------------------------------------------------------------------------
 
     def candidates(self, slot: int) -> list[str]:
@@ -403,7 +454,7 @@ class Keeper:
                     continue        # judged before, unchanged since: the catalog's row said it (nothing read)
                 if setup is None:   # once per slot, when a state is read: it reads the model's GGUF (about 1 s
                     # for the tiny model); a pass whose every state the catalog knows makes none
-                    setup, _notes = local_setup(self.facts, slot, self.flags, self.given)
+                    setup, _notes = local_setup(self.facts, slot, self.learnt.flags, self.learnt.given)
                 if self._restore_one(slot, name, Path(staging), setup, known):
                     return
         self._event("skipped", slot, f"slot {slot}: no state in the store for the server now running")
@@ -507,7 +558,7 @@ class Keeper:
         from slotctl.catalog import verdict_key
         from slotctl.live.prove import local_setup_key
 
-        return verdict_key("keep", None, learnt=local_setup_key(self.facts, slot, self.flags, self.given),
+        return verdict_key("keep", None, learnt=local_setup_key(self.facts, slot, self.learnt.flags, self.learnt.given),
                            allow_lossy=self.allow_lossy, force=self.force)
 
     def _known(self, slot: int, name: str) -> tuple | None | bool:

@@ -260,7 +260,9 @@ def changed_since(where: str | os.PathLike) -> UsageError:
 class Saved:
     """A slot file a server has just saved, read back (keep, migrate, serve): its size, tokens, state version,
     whether its prompt holds media and its target memory's kind; ``damage``: the first layer that does not
-    parse, ``mismatch``: the token count or size differ from the server's answer (each None when not so)."""
+    parse, ``mismatch``: the token count or size differ from the server's answer (each None when not so);
+    ``flags``: what its target memory says of the server's flags (:func:`slotctl.slotfile.written_flags`,
+    read by :func:`slotctl.server.saved.saved_flags`; None when it did not parse)."""
 
     size: int
     n_tokens: int
@@ -270,6 +272,7 @@ class Saved:
     mismatch: str | None
     media: bool = False
     kind: str | None = None
+    flags: tuple | None = None
 
     @property
     def problem(self) -> str | None:
@@ -283,7 +286,7 @@ class Saved:
 
 def read_saved(path: str | os.PathLike, answer: dict) -> Saved:
     """The file at ``path`` against the server's answer to its save (``n_saved`` tokens, ``n_written`` bytes)."""
-    from slotctl.slotfile import open_slot_file
+    from slotctl.slotfile import open_slot_file, written_flags
 
     with open_slot_file(path) as sf:
         n = sf.tokens.n_tokens if sf.tokens is not None else 0
@@ -294,4 +297,5 @@ def read_saved(path: str | os.PathLike, answer: dict) -> Saved:
         return Saved(sf.size, n, sf.version, sf.tokens.tokens if sf.tokens is not None else None,
                      str(sf.errors[0]) if sf.errors else None, mismatch,
                      bool(sf.tokens is not None and sf.tokens.media),
-                     sf.target.layout.kind if sf.target is not None else None)
+                     sf.target.layout.kind if sf.target is not None else None,
+                     written_flags(sf.target) if sf.target is not None else None)

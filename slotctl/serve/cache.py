@@ -28,11 +28,16 @@ from slotctl.fleet.keep import model_hash, tokens_hash
 from slotctl.live.prove import learnt_from, local_setup, local_setup_key, server_reads_checkpoints
 from slotctl.fleet.states import changed_since, copy_atomic, open_store, read_saved
 from slotctl.serve.index import State, StateIndex, as_tokens
+from slotctl.server.flags import ServerFlags
 from slotctl.server.reuse import request_reuse, reuse_for, server_n_swa
+from slotctl.server.saved import Learnt, saved_flags
 
 #: the name the server saves a slot under before serve checks it (in --slot-save-path): one per save, so
 #: that a slot is given again while its last save is being stored
 INCOMING = "serve-slot{slot}-{seq}-incoming.bin"
+#: the name of a save made only to learn the server's -kvu/-ctk/-ctv (in --slot-save-path; removed after:
+#: :meth:`Cache.probe`)
+PROBE = "serve-slot{slot}-{seq}-probe.bin"
 #: the name a stored state converted for one slot of the server takes in --slot-save-path while it is restored
 #: (removed after: :meth:`Cache.converted`)
 CONVERTED = "serve-slot{slot}-{seq}-converted.bin"
@@ -151,7 +156,8 @@ class ConversionFailed(Exception):
 class Cache:
     """The server at ``url`` (its ``--slot-save-path`` is ``slot_dir`` here) and the store (``store``: a
     directory, an ``s3://`` prefix, or None: ``slot_dir`` itself). ``flags`` / ``given``: what the server does
-    not report (``-kvu``, ``-ctk``, ``-ctv``), for the fields named in ``given``."""
+    not report (``-kvu``, ``-ctk``, ``-ctv``), for the fields named in ``given``, until the server's own saves
+    say otherwise (:meth:`learn`)."""
 
     def __init__(self, url: str, slot_dir: str | os.PathLike, store: str | None = None, *,
                  api_key: str | None = None, max_size: int | None = None, timeout: float = 600.0,
@@ -160,7 +166,11 @@ class Cache:
         self.slot_dir = Path(slot_dir)
         self.store = open_store(store, self.slot_dir)
         self.api_key, self.max_size, self.timeout = api_key, max_size, timeout
-        self.flags, self.given = flags, frozenset(given)
+        #: the flags judged with: the ones given, with what the server's saves said over them (:meth:`learn`);
+        #: ``learn_due``: a save to learn from is to be made (:meth:`probe`), set when the server's facts are first
+        #: read or change
+        self.learnt = Learnt(flags or ServerFlags(), frozenset(given))
+        self.learn_due = True
         self.log = log or (lambda event, message, **details: None)
         self.counters = Counters()
         self.facts: http.ServerFacts | None = None
@@ -190,23 +200,66 @@ class Cache:
         own); a new model starts a new index."""
         facts = http.server_facts(self.url, api_key=api_key or self.api_key, timeout=min(self.timeout, 30.0))
         model = model_hash(facts)
+        old = self.facts
         with self._lock:
             # the setup is learnt from these facts: another of them (another -c, a build) is another setup
-            if model != self.model or self.facts is None or learnt_from(facts) != learnt_from(self.facts):
+            if model != self.model or old is None or learnt_from(facts) != learnt_from(old):
                 self._judged.clear()
                 self._setups.clear()
                 self._questions.clear()
+            if (model != self.model or old is None or facts.total_slots != old.total_slots
+                    or facts.n_ctx_slot != old.n_ctx_slot):
+                self.learn_due = True
             if model != self.model:
                 self.index = StateIndex(state_prefix(model))
                 self._listed = 0.0
+                self.learnt.forget()    # another model (llama-swap): another command line
             self.facts, self.model = facts, model
         return facts
+
+    def probe(self, slot: int, api_key: str | None = None) -> None:
+        """The server's ``-kvu``/``-ctk``/``-ctv`` learnt (:meth:`learn`) from a save of ``slot`` (idle, the one
+        holding the fewest tokens: the proxy's choice) into a private working file of the slot directory, read
+        (metadata only) and removed: its stream count always, its cache types when the slot holds cells (a
+        slot that holds nothing saves its stream count alone, 36-40 bytes with b11434). Raises when the save
+        fails (the flags judged with stay as they are); not tried again until the facts change."""
+        with self._lock:
+            self._seq += 1
+            name = PROBE.format(slot=slot, seq=f"{os.getpid()}-{self._seq}")
+        try:
+            answer = http.save_slot(self.url, slot, name, api_key=api_key or self.api_key, timeout=self.timeout,
+                                    check=False)
+            got = read_saved(self.slot_dir / name, answer)
+            if got.problem is not None:
+                raise http.ServerAnswerError(f"{self.slot_dir / name}: {got.problem}")
+            self.learn(got.flags, slot, "probe")
+        finally:
+            self.learn_due = False
+            _unlink(self.slot_dir / name)
+
+    def learn(self, written, slot: int, source: str) -> None:
+        """What a save of ``slot`` by the server now running says of its ``-kvu``/``-ctk``/``-ctv``
+        (``written``: :func:`slotctl.slotfile.written_flags` of the file, read by
+        :func:`slotctl.server.saved.saved_flags`) taken over (:meth:`Learnt.take`): states are judged (and
+        converted) for it from now on, the verdicts made before forgotten. A flag given that the save
+        contradicts: a ``warning`` event, once per flag and value; what changed: a ``learned`` event
+        (``source``: "probe" or "save")."""
+        total = self.facts.total_slots if self.facts is not None else None
+        with self._lock:
+            events, changed = self.learnt.take(saved_flags(written, total), slot=slot, total_slots=total,
+                                               source=source)
+            if changed:
+                self._judged.clear()
+                self._setups.clear()
+                self._questions.clear()     # the flags are part of the question
+        for event, message, details in events:
+            self.log(event, message, slot=slot, **details)
 
     def _setup(self, slot: int):
         with self._lock:
             setup = self._setups.get(slot)
         if setup is None:
-            setup, _notes = local_setup(self.facts, slot, self.flags, self.given)
+            setup, _notes = local_setup(self.facts, slot, self.learnt.flags, self.learnt.given)
             with self._lock:
                 self._setups[slot] = setup
         return setup
@@ -326,10 +379,11 @@ class Cache:
         ``mtime_ns`` and ``ctime_ns``, one ``stat``; an object's ETag and size, from the store's last listing):
         kept in memory, and in the store's catalog under serve's question for the slot
         (:func:`slotctl.catalog.verdict_key`: what the slot's setup is learnt from, the server's facts, its build
-        among them, the flags given, the model file's identity, and slotctl's version), so that a serve started
-        again judges a state it judged before without opening it (nor the model's GGUF). A row is trusted only for the identity it was made on and when made
-        at least :data:`slotctl.catalog.RACY_SECONDS` after the file last changed; a state is sent only while
-        it still has the identity its verdict was made on (:meth:`restore`)."""
+        among them, the flags given or learnt from its saves, the model file's identity, and slotctl's version),
+        so that a serve started again judges a state it judged before without opening it (nor the model's
+        GGUF). A row is trusted only for the identity it was made on and when made at least
+        :data:`slotctl.catalog.RACY_SECONDS` after the file last changed; a state is sent only while it still
+        has the identity its verdict was made on (:meth:`restore`)."""
         key = (state.name, slot)
         where = self.store.where(state.name)
         now = self._identity(state.name)
@@ -381,7 +435,8 @@ class Cache:
             # prediction (whether this build reads checkpoints: in the facts), convert's plan (never lossy).
             # Asked by the setup's inputs rather than by the setup, which reads the model's GGUF: a serve
             # started again whose verdicts are all in the catalog reads no GGUF
-            question = verdict_key("serve", None, learnt=local_setup_key(self.facts, slot, self.flags, self.given))
+            question = verdict_key("serve", None, learnt=local_setup_key(self.facts, slot, self.learnt.flags,
+                                                                          self.learnt.given))
             with self._lock:
                 self._questions[slot] = question
         return question
@@ -566,6 +621,7 @@ class Cache:
             got = read_saved(path, answer)
             if got.problem is not None:
                 raise http.ServerAnswerError(f"{path}: not stored: {got.problem}")
+            self.learn(got.flags, slot, "save")
             if got.n_tokens == 0 or got.media:
                 _unlink(path)
                 return None
@@ -627,8 +683,8 @@ class Cache:
                 self.index.forget([path.rpartition("/")[2]])
             self.log("pruned", f"{path}: {action} ({reason}), {size:,} bytes", path=path, size=size)
 
-        self.store.prune(self.max_size, (INCOMING.format(slot="*", seq="*"), CONVERTED.format(slot="*", seq="*")),
-                         pruned)
+        self.store.prune(self.max_size, (INCOMING.format(slot="*", seq="*"), CONVERTED.format(slot="*", seq="*"),
+                                         PROBE.format(slot="*", seq="*")), pruned)
 
 
 def _used(path: str) -> None:

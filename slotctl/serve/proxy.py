@@ -83,6 +83,16 @@ def signature(entry: dict) -> tuple | None:
     return entry.get("id_task"), entry.get("n_prompt_tokens")
 
 
+def _holds(slot: Slot) -> int:
+    """The tokens ``slot`` holds as far as serve knows: ``GET /slots``' count (none for a slot that has run no
+    task), else what serve put there."""
+    if slot.sig is None:
+        return 0
+    if len(slot.sig) == 2 and isinstance(slot.sig[1], int):
+        return slot.sig[1]
+    return len(slot.tokens)
+
+
 class UpstreamDown(Exception):
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
@@ -113,6 +123,7 @@ class Proxy:
         self.view_gen = -1
         self._busy: set[int] = set()      # slots the last GET /slots saw at work for another client
         self._top_task = -1               # the highest task id GET /slots showed: lower later, a new server
+        self._learning = asyncio.Lock()   # held while the server's -kvu/-ctk/-ctv are learnt (:meth:`learn_flags`)
         self.session: ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
@@ -171,7 +182,41 @@ class Proxy:
             f = self.cache.facts
             self.log("up", f"{f.url}: {f.total_slots} slot(s) of {f.n_ctx_slot} tokens, model {f.model_path}, "
                            f"{f.build_info}", total_slots=f.total_slots, model=self.cache.model)
+            self.cache.learn_due = True     # a server back may have been started with other flags
         self._said_down = False
+        await self.learn_flags(key)
+
+    async def learn_flags(self, key: str | None, read_facts: bool = False) -> None:
+        """When due (the facts first read or changed, the server back or restarted): the server's ``-kvu``,
+        ``-ctk``, ``-ctv`` learnt from a save of one of its slots (:meth:`Cache.probe`), held by serve meanwhile
+        (no request of serve's uses it): the free slot that holds the fewest tokens (a slot that holds nothing
+        saves its stream count alone; one that holds cells, its cache types too). ``read_facts``: the facts read
+        again first (a restart seen in ``GET /slots``: its slot context may be another). No slot free: tried
+        again at the next facts read or request that may restore (serve's own saves teach the same meanwhile)."""
+        async with self._learning:
+            if not self.cache.learn_due or self.cache.facts is None:
+                return
+            if read_facts:
+                try:
+                    await asyncio.to_thread(self.cache.refresh_facts, key)
+                except Exception:  # noqa: BLE001 - down again: the facts loop says so; learnt when it is back
+                    return
+            if self.view_gen != self.gen and not await self.check_slots(key):
+                return
+            free = [s for s in self.slots.values() if not s.lock.locked() and s.pending == 0 and s.id not in self._busy]
+            if not free:
+                return
+            slot = min(free, key=lambda s: (_holds(s), s.id))
+            slot.pending += 1
+            await slot.lock.acquire()
+            try:
+                await asyncio.to_thread(self.cache.probe, slot.id, key)
+            except Exception as e:  # noqa: BLE001 - not learnt: judged with the flags given, as before
+                self.log("error", f"slot {slot.id}: the server's -kvu/-ctk/-ctv cannot be learnt from a save ({e}): "
+                                  f"states are judged with the flags given (llama-server's defaults for the rest)",
+                         slot=slot.id)
+            finally:
+                self._release(slot)
 
     async def _facts_loop(self) -> None:
         while not self._stop.is_set():
@@ -224,6 +269,7 @@ class Proxy:
             for s in self.slots.values():
                 if not s.lock.locked() and s.pending == 0:
                     s.tokens, s.sig = EMPTY, UNKNOWN
+            self.cache.learn_due = True     # a restarted server may run other flags
         self._top_task = top
         busy = set()
         for entry in entries:
@@ -393,6 +439,8 @@ class Proxy:
             before = slot.tokens
             if tokens is not None:
                 reused = 0
+                if self.cache.learn_due and self.may_restore(slot, tokens):
+                    await self.learn_flags(key, read_facts=True)  # the server's flags learnt before it is judged
                 try:
                     if self.may_restore(slot, tokens):      # looked up, judged and restored in a worker thread
                         reused = await asyncio.to_thread(self.prepare, slot, tokens, key)
