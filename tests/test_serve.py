@@ -548,6 +548,29 @@ def test_a_returning_turn_in_its_own_slot_goes_before_its_tokenize(fresh, tmp_pa
 
 
 @server
+def test_two_conversations_take_two_slots(fresh, tmp_path):
+    """Two conversations through serve before a server of two slots, turns interleaved: the second takes the
+    empty slot, not the first's (they share a BOS token and no more), so each returning turn finds its own
+    slot: no restore, the server reusing each conversation's prefix."""
+    store = tmp_path / "store"
+    store.mkdir()
+    other = "A different story altogether begins here, with other words. " + TURN1
+    with serving(fresh, fresh.save_dir, str(store)) as s:
+        a1 = complete(s.url, TURN1)
+        s.wait_for("saves", 1)
+        b1 = complete(s.url, other)
+        s.wait_for("saves", 2)
+        assert a1["id_slot"] != b1["id_slot"], (a1["id_slot"], b1["id_slot"])
+        a2 = complete(s.url, TURN1 + a1["content"] + TURN2_EXTRA)
+        b2 = complete(s.url, other + b1["content"] + TURN2_EXTRA)
+        c = s.wait_for("saves", 4)
+        assert c["restores"] == 0, s.output()
+        assert (a2["id_slot"], b2["id_slot"]) == (a1["id_slot"], b1["id_slot"])
+        assert a2["timings"]["cache_n"] >= a1["timings"]["prompt_n"] - 1, a2["timings"]
+        assert b2["timings"]["cache_n"] >= b1["timings"]["prompt_n"] - 1, b2["timings"]
+
+
+@server
 def test_a_state_the_verdict_refuses_is_never_sent(fresh, tmp_path):
     store = tmp_path / "store"
     store.mkdir()
