@@ -570,6 +570,42 @@ def test_two_conversations_take_two_slots(fresh, tmp_path):
         assert b2["timings"]["cache_n"] >= b1["timings"]["prompt_n"] - 1, b2["timings"]
 
 
+class Prefixed(LlamaServer):
+    """A real llama-server that serves under a path (``--api-prefix``), as a llama-swap upstream's model is
+    reached under ``/upstream/MODEL``: its URL includes the path."""
+
+    PREFIX = "/upstream/tiny"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}{self.PREFIX}"
+
+
+@server
+def test_an_upstream_under_a_path_is_served_and_cached(llama_server_bin, tiny_models, tmp_path):
+    """serve before a server reached under a path (``--upstream http://HOST:PORT/upstream/tiny``, the shape of a
+    llama-swap model's URL): a client's path goes under it (or is taken as it is when the client already gave
+    it), and the cache works as before: a returning turn after a restart is restored."""
+    (tmp_path / "slots").mkdir()
+    (tmp_path / "store").mkdir()
+    srv = Prefixed(llama_server_bin, tiny_models.target, args=[*ARGS, "--api-prefix", Prefixed.PREFIX],
+                   slot_save_path=tmp_path / "slots", log_path=tmp_path / "prefixed.log")
+    with srv:
+        with serving(srv, tmp_path / "slots", str(tmp_path / "store")) as s:
+            for path in ("/health", Prefixed.PREFIX + "/health"):
+                status, _h, raw = call(s.url, "GET", path)
+                assert status == 200 and json.loads(raw)["status"] == "ok", (path, status, raw)
+            first = complete(s.url, TURN1)
+            s.wait_for("saves", 1)
+            srv.kill_and_start_again()
+            p2 = TURN1 + first["content"] + TURN2_EXTRA
+            second = complete(s.url, p2, path=Prefixed.PREFIX + "/completion")
+            assert s.wait_for("saves", 2)["restores"] == 1, s.output()
+        direct = complete(srv.url, p2, id_slot=1, cache_prompt=False)
+    assert second["content"] == direct["content"]
+    assert second["timings"]["prompt_n"] < direct["timings"]["prompt_n"] // 4
+
+
 @server
 def test_a_state_the_verdict_refuses_is_never_sent(fresh, tmp_path):
     store = tmp_path / "store"
