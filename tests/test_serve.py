@@ -548,6 +548,65 @@ def test_a_returning_turn_in_its_own_slot_goes_before_its_tokenize(fresh, tmp_pa
 
 
 @server
+def test_two_conversations_take_two_slots(fresh, tmp_path):
+    """Two conversations through serve before a server of two slots, turns interleaved: the second takes the
+    empty slot, not the first's (they share a BOS token and no more), so each returning turn finds its own
+    slot: no restore, the server reusing each conversation's prefix."""
+    store = tmp_path / "store"
+    store.mkdir()
+    other = "A different story altogether begins here, with other words. " + TURN1
+    with serving(fresh, fresh.save_dir, str(store)) as s:
+        a1 = complete(s.url, TURN1)
+        s.wait_for("saves", 1)
+        b1 = complete(s.url, other)
+        s.wait_for("saves", 2)
+        assert a1["id_slot"] != b1["id_slot"], (a1["id_slot"], b1["id_slot"])
+        a2 = complete(s.url, TURN1 + a1["content"] + TURN2_EXTRA)
+        b2 = complete(s.url, other + b1["content"] + TURN2_EXTRA)
+        c = s.wait_for("saves", 4)
+        assert c["restores"] == 0, s.output()
+        assert (a2["id_slot"], b2["id_slot"]) == (a1["id_slot"], b1["id_slot"])
+        assert a2["timings"]["cache_n"] >= a1["timings"]["prompt_n"] - 1, a2["timings"]
+        assert b2["timings"]["cache_n"] >= b1["timings"]["prompt_n"] - 1, b2["timings"]
+
+
+class Prefixed(LlamaServer):
+    """A real llama-server that serves under a path (``--api-prefix``), as a llama-swap upstream's model is
+    reached under ``/upstream/MODEL``: its URL includes the path."""
+
+    PREFIX = "/upstream/tiny"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}{self.PREFIX}"
+
+
+@server
+def test_an_upstream_under_a_path_is_served_and_cached(llama_server_bin, tiny_models, tmp_path):
+    """serve before a server reached under a path (``--upstream http://HOST:PORT/upstream/tiny``, the shape of a
+    llama-swap model's URL): a client's path goes under it (or is taken as it is when the client already gave
+    it), and the cache works as before: a returning turn after a restart is restored."""
+    (tmp_path / "slots").mkdir()
+    (tmp_path / "store").mkdir()
+    srv = Prefixed(llama_server_bin, tiny_models.target, args=[*ARGS, "--api-prefix", Prefixed.PREFIX],
+                   slot_save_path=tmp_path / "slots", log_path=tmp_path / "prefixed.log")
+    with srv:
+        with serving(srv, tmp_path / "slots", str(tmp_path / "store")) as s:
+            for path in ("/health", Prefixed.PREFIX + "/health"):
+                status, _h, raw = call(s.url, "GET", path)
+                assert status == 200 and json.loads(raw)["status"] == "ok", (path, status, raw)
+            first = complete(s.url, TURN1)
+            s.wait_for("saves", 1)
+            srv.kill_and_start_again()
+            p2 = TURN1 + first["content"] + TURN2_EXTRA
+            second = complete(s.url, p2, path=Prefixed.PREFIX + "/completion")
+            assert s.wait_for("saves", 2)["restores"] == 1, s.output()
+        direct = complete(srv.url, p2, id_slot=1, cache_prompt=False)
+    assert second["content"] == direct["content"]
+    assert second["timings"]["prompt_n"] < direct["timings"]["prompt_n"] // 4
+
+
+@server
 def test_a_state_the_verdict_refuses_is_never_sent(fresh, tmp_path):
     store = tmp_path / "store"
     store.mkdir()

@@ -572,7 +572,8 @@ class Proxy:
     def choose(self, tokens: np.ndarray, want) -> Slot | None:
         """The slot for a request (its ``pending`` counted), from serve's view of the slots: ``want`` when given
         (not -1); else the idle slot whose tokens share the longest prefix with ``tokens``, else the least
-        recently used. None when serve knows no slot, or ``want`` is not one of them (the server's answer)."""
+        recently used (also when the longest shares fewer than ``min_gain`` tokens). None when serve knows no
+        slot, or ``want`` is not one of them (the server's answer)."""
         if not self.slots:
             return None
         if isinstance(want, int) and want >= 0:
@@ -583,7 +584,9 @@ class Proxy:
             free = [s for s in self.slots.values() if s.pending == 0 and s.id not in self._busy]
             pool = free or list(self.slots.values())
             best = max(pool, key=lambda s: (common_prefix(s.tokens, tokens), -s.used))
-            if common_prefix(best.tokens, tokens) == 0:
+            if common_prefix(best.tokens, tokens) < self.min_gain:
+                # sharing less than --min-gain (a BOS token, a chat template's first line) is no reason to
+                # take a conversation's slot: the least recently used (an empty one first) is taken instead
                 best = min(pool, key=lambda s: (s.pending, s.used))
             s = best
         s.pending += 1
