@@ -121,6 +121,7 @@ def server_page(url: str, facts, up: bool | None, store, *, every: float, title:
 
 
 def keeper_page(keeper) -> str:
-    """keep's ``/ui`` (:func:`server_page` of the server it keeps, with its flags)."""
+    """keep's ``/ui`` (:func:`server_page` of the server it keeps, with its flags as given or learnt from its
+    saves)."""
     return server_page(keeper.url, keeper.facts, keeper.up, keeper.store, every=keeper.every, title="slotctl keep",
-                       flags=keeper.flags, given=keeper.given)
+                       flags=keeper.learnt.flags, given=keeper.learnt.given)
