@@ -476,6 +476,8 @@ class Relay:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.requests: list[tuple[str, str]] = []
+        self.connections = 0
+        self._open: list[socket.socket] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -490,6 +492,9 @@ class Relay:
             except OSError:
                 return
             up = socket.create_connection(self.target)
+            with self._lock:
+                self.connections += 1
+                self._open += [client, up]
             threading.Thread(target=self._pipe, args=(client, up, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(up, client, False), daemon=True).start()
 
@@ -510,8 +515,17 @@ class Relay:
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
 
+    def drop(self) -> None:
+        """Every connection through the relay closed, as a server closes its idle keep-alive connections."""
+        with self._lock:
+            for sock in self._open:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            self._open = []
+
     def close(self) -> None:
         self.listener.close()
+        self.drop()
 
 
 @server
@@ -536,13 +550,25 @@ def test_a_returning_turn_in_its_own_slot_goes_before_its_tokenize(fresh, tmp_pa
             assert asked.index("/completion") < asked.index("/tokenize"), asked
             assert second["content"] == reference[1]["content"]
             assert second["timings"]["cache_n"] >= first["timings"]["prompt_n"]
+            # serve's idle connections closed (as a server or the client's pool closes idle ones): its next
+            # request makes a new one, as after a restart; /slots read again shows the same server, slots and
+            # all, and the turn still goes by its text
+            relay.drop()
+            time.sleep(0.5)
+            mark, conns = len(relay.requests), relay.connections
+            complete(s.url, TURN1 + first["content"] + TURN2_EXTRA + second["content"] + TURN2_EXTRA)
+            c = s.wait_for("saves", 3)
+            asked = relay.paths(mark)
+            assert relay.connections > conns
+            assert c["matched_by_text"] == 2 and c["restores"] == 0, s.output()
+            assert "/slots" in asked and asked.index("/completion") < asked.index("/tokenize"), asked
             # a text that does not begin with a slot's own: its tokens first
             mark = len(relay.requests)
             complete(s.url, TURN2_EXTRA + TURN1)
-            s.wait_for("saves", 3)
+            s.wait_for("saves", 4)
             asked = relay.paths(mark)
             assert asked.index("/tokenize") < asked.index("/completion"), asked
-            assert s.stats()["matched_by_text"] == 1
+            assert s.stats()["matched_by_text"] == 2
     finally:
         relay.close()
 

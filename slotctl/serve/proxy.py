@@ -393,7 +393,7 @@ class Proxy:
         try:
             prompt = await self.prompt_of(raw, body, form, key)
             text = prompt if isinstance(prompt, str) else None
-            if text is not None and check is None:
+            if text is not None and (check is None or await check):
                 slot = await self.by_text(text, body.get("id_slot"), form, key)    # no /tokenize before the request
             if slot is None:
                 tokens = await self.tokens_of(prompt, key)
@@ -477,13 +477,17 @@ class Proxy:
 
     async def _same_server(self, form: str, key: str | None) -> bool:
         """Whether serve's view of the slots still holds once a request has gone to the server on its
-        connection (a chat's ``/apply-template`` went; else ``GET /health``): a connection made anew means a
-        restarted server, whose slots are read first (``GET /slots``)."""
+        connection (a chat's ``/apply-template`` went; else ``GET /health``). A connection made anew may be a
+        restarted server's (or the server closed an idle one: cpp-httplib does after a few seconds): the
+        slots are read again first (``GET /slots``, :meth:`_apply`: a restart, or a slot changed by another
+        client, takes the slots' text away)."""
         if form != "chat":
             try:
                 await self._get("/health", key)
             except Exception:  # noqa: BLE001 - loading or down: GET /slots says which
                 self.view_gen = -1
+        if self.view_gen != self.gen:
+            await self.check_slots(key)
         return self.view_gen == self.gen
 
     async def by_text(self, text: str, want, form: str, key: str | None) -> Slot | None:
