@@ -179,8 +179,23 @@ class Keeper:
             return 2
         if self.up:
             self.save_changed()
+        self.sweep_own()
         self._event("stop", None, "stopped: the last save of the changed slots is done")
         return 0
+
+    def sweep_own(self) -> None:
+        """At exit, after the last save: this process's own working files still there. Each save removes its
+        file, but a save keep stopped waiting for (it failed or timed out: the server may still write it, in
+        its task queue's order, before the last save's look at the slots is answered) leaves one behind."""
+        for p in self.slot_dir.glob(INCOMING.format(slot="*", pid=os.getpid(), nonce="*")):
+            try:
+                size = p.stat().st_size
+                p.unlink()
+            except OSError:
+                continue
+            self._event("pruned", None, f"{p}: deleted (a working file of this keep process that a save it "
+                                        f"stopped waiting for left), {size:,} bytes", path=str(p), size=size,
+                        action="deleted")
 
     def sweep(self, now: float | None = None) -> None:
         """Remove the working files of keep processes that are gone (killed: SIGKILL leaves no way to clean
