@@ -523,17 +523,25 @@ def test_the_watchdog_of_another_process_is_not_answered_and_an_abstract_socket_
 
 
 def test_the_shipped_unit_is_printed_and_systemd_accepts_it(tmp_path):
+    """The unit of the install slotctl runs from (its ExecStart: this Python; tests/test_units.py runs one of
+    a fresh venv as systemd would); a bad name or --user is one line, exit 2."""
     import shutil
 
     res = slotctl("unit", "keep", code=0)
     text = res.stdout
-    for line in ("Type=notify", "WatchdogSec=", "NotifyAccess=main", "KillSignal=SIGTERM",
-                 "ExecStart=/usr/bin/env slotctl keep --config /etc/slotctl/%i.toml"):
+    for line in ("Type=notify", "WatchdogSec=", "NotifyAccess=main", "KillSignal=SIGTERM", "User=llama\n",
+                 f"ExecStart={sys.executable} -m slotctl keep --config /etc/slotctl/%i.toml\n",
+                 "CacheDirectory=slotctl\n", "Environment=SLOTCTL_CACHE_DIR=%C/slotctl\n", "LimitNOFILE=65536\n"):
         assert line in text, line
     from slotctl.unattended.systemd import unit_text
 
-    assert text == unit_text("keep")
+    assert text == unit_text("keep", python=sys.executable)
+    assert "@" not in text.replace("slotctl-keep@", "").replace("%i", "")   # every placeholder filled
     assert "expected one of: keep" in slotctl("unit", "nothing", code=2).stderr
+    assert "--user 'a;b': expected a user name" in slotctl("unit", "keep", "--user", "a;b", code=2).stderr
+    doc = json.loads(slotctl("unit", "serve", "--json", "--user", "root", code=0).stdout)
+    assert doc["python"] == sys.executable and doc["user"] == "root" and "User=root\n" in doc["text"]
+    json_schemas.check("unit", doc)
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed")
     unit = tmp_path / "slotctl-keep@test.service"
