@@ -374,12 +374,12 @@ def _record_part_copies(monkeypatch) -> list[tuple[str, int]]:
     asked: list[tuple[str, int]] = []
     real = s3copy.Signed.request
 
-    def request(self, method, key, query, headers=None, body=b""):
+    def request(self, method, key, query, headers=None, body=b"", **kw):
         rng = (headers or {}).get("x-amz-copy-source-range")
         if method == "PUT" and rng:
             first, last = map(int, rng.removeprefix("bytes=").split("-"))
             asked.append((key, last - first + 1))
-        return real(self, method, key, query, headers, body)
+        return real(self, method, key, query, headers, body, **kw)
 
     monkeypatch.setattr(s3copy.Signed, "request", request)
     return asked

@@ -343,8 +343,17 @@ class S3:
                       if p.rstrip("/") + "/" != prefix)
 
     def delete(self, url: str) -> None:
-        """DELETE the object (prune); one that is already gone is no error (S3's DELETE is idempotent)."""
+        """DELETE the object (prune); one that is already gone is no error (S3's DELETE is idempotent). Under a
+        prefix a lease guards, the request is signed here to expire when the lease's hold ends
+        (:func:`slotctl.store.s3copy.delete_object`, :mod:`slotctl.store.guard`)."""
+        from slotctl.store.guard import write_until
+
         store, key = self.bucket(url)
+        if write_until(url) is not None:
+            from slotctl.store.s3copy import delete_object
+
+            call(url, "DELETE", delete_object, self.config, url)
+            return
         try:
             call(url, "DELETE", obstore.delete, store, key)
         except (obx.NotFoundError, FileNotFoundError):
@@ -565,11 +574,17 @@ class Writer:
 
         Up to :data:`SINGLE_PUT_MAX`: one PUT (``If-None-Match: *`` without ``overwrite``). Larger: a multipart
         upload (invisible until it completes); without ``overwrite`` to a temporary key, then copied
-        server-side to ``url`` on condition that nothing is there, and the temporary key deleted.
+        server-side to ``url`` on condition that nothing is there, and the temporary key deleted. Under a
+        prefix a lease guards (:mod:`slotctl.store.guard`: keep's and serve's stores), whatever the size: a
+        multipart upload at ``url`` whose completion is signed to expire when the lease's hold ends.
         Returns ``{"method", "checksum", "etag"}``; the size and ETag are checked against what was sent.
         """
+        from slotctl.store.guard import write_until
+
         store, key = self.s3.bucket(url)
         self._refuse_existing(url, overwrite)
+        if write_until(url) is not None:
+            return self._guarded_upload(store, key, chunks, size, url, overwrite=overwrite, progress=progress)
         multipart = size > SINGLE_PUT_MAX
         parts = _Parts(chunks, part_size(size) if multipart else max(size, 1), progress, size)
         target = key if (overwrite or not multipart) else temp_key(key)
@@ -599,6 +614,17 @@ class Writer:
                     pass
             method = "multipart+copy"
         return {"method": method, "checksum": checksum}
+
+    def _guarded_upload(self, store, key: str, chunks, size: int, url: str, *, overwrite: bool, progress) -> dict:
+        """An upload under a prefix a lease guards (:mod:`slotctl.store.guard`): a multipart upload of the bytes
+        at ``url`` itself, visible only once its completion, signed to expire when the lease's hold ends,
+        reaches the store (:func:`slotctl.store.s3copy.upload_parts`); its size and MD5s checked as any."""
+        from slotctl.store.s3copy import upload_parts
+
+        parts = _Parts(chunks, part_size(size), progress, size)
+        call(url, "PUT", upload_parts, self.s3.config, url, iter(parts), size, parts.part,
+             if_none_match=not overwrite)
+        return {"method": "multipart", "checksum": self._verify(store, key, url, size, parts.md5s, True)}
 
     def _copy_within(self, bucket: str, skey: str, dst: str, size: int, *, overwrite: bool,
                      etag: str | None = None) -> None:
@@ -641,6 +667,13 @@ class Writer:
             self._refuse_existing(dst, overwrite)
             call(dst, "COPY", copy_object, self.s3.config, src, etag, dst, size, if_none_match=not overwrite)
             return {"method": "server_copy", "checksum": None}
+        from slotctl.store.guard import write_until
+
+        if not size and write_until(dst) is not None:     # a guarded prefix: the copies signed here only
+            entry = self.s3.stat(src)
+            size = entry.size if entry is not None else 0
+            if not size:
+                return self.upload(iter(()), 0, dst, overwrite=overwrite)
         if size:
             self._refuse_existing(dst, overwrite)
             self._copy_within(sb, skey, dst, size, overwrite=overwrite, etag=etag)

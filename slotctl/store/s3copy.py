@@ -11,6 +11,13 @@ upload is completed only if the destination is still the version it was (``If-Ma
 replaces nothing); otherwise it is aborted. Until it completes the destination is untouched: a process
 killed meanwhile leaves it as it was (and an incomplete upload that a lifecycle rule
 ``AbortIncompleteMultipartUpload`` removes).
+
+**Guarded writes** (:mod:`slotctl.store.guard`: a prefix whose lease this process asked for) are made here
+too: a put is a multipart upload of the bytes (:func:`upload_parts`; invisible until it completes), a delete
+one ``DELETE`` (:func:`delete_object`); the request that makes the write visible (the completion, the
+delete) is signed in its query to expire at the second the guard answers (``X-Amz-Expires``, checked by the
+store when the request arrives) and sent whole in one write to the socket, so that no part of it can wait in
+this process while that second passes.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ MIN_PART = 5 << 20
 MAX_PART = 5 << 30
 #: seconds one request may take (a part copy is done by the store: large parts take a while)
 TIMEOUT = 300
+#: seconds a request signed to expire (a guarded write) must have left when it is signed: the store checks
+#: the expiry when the request arrives, a round trip later
+MIN_WINDOW = 0.25
 
 
 def parts_for(size: int) -> list[tuple[int, int]]:
@@ -69,38 +79,76 @@ class Signed:
         return self.base + "/" + urllib.parse.quote(key, safe="/~")
 
     def request(self, method: str, key: str, query: dict[str, str], headers: dict[str, str] | None = None,
-                body: bytes = b"") -> tuple[int, dict, bytes]:
-        import http.client
+                body: bytes = b"", *, expires: int | None = None) -> tuple[int, dict, bytes]:
+        """One request, signed (AWS Signature V4) and sent whole in one write to the socket; its status,
+        headers (lower case) and up to 1 MiB of its body. ``expires``: the whole second (Unix time) after which
+        the store must refuse it: signed in the query (``X-Amz-Expires``, counted from ``X-Amz-Date``, this
+        second), with every header sent; a usage error (``lease_expiring``) when less than
+        :data:`MIN_WINDOW` is left."""
+        import time
 
-        now = _dt.datetime.now(_dt.timezone.utc)
+        now_s = time.time()
+        now = _dt.datetime.fromtimestamp(int(now_s), _dt.timezone.utc)
         amz_date, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+        scope = f"{day}/{self.c.region}/s3/aws4_request"
         hdrs = {k.lower(): v for k, v in (headers or {}).items()}
-        hdrs.update({"host": self.host, "x-amz-date": amz_date, "x-amz-content-sha256": _sha(body)})
-        if self.c.token:
-            hdrs["x-amz-security-token"] = self.c.token
+        hdrs["host"] = self.host
+        query = dict(query)
+        if expires is None:
+            hdrs.update({"x-amz-date": amz_date, "x-amz-content-sha256": _sha(body)})
+            if self.c.token:
+                hdrs["x-amz-security-token"] = self.c.token
+            payload = hdrs["x-amz-content-sha256"]
+        else:
+            left = expires - now_s
+            if left < MIN_WINDOW or expires - int(now_s) < 1:
+                raise UsageError(f"s3://{self.bucket}/{key}: the lease's hold ends in {max(left, 0.0):.2f} s: too "
+                                 "soon for a write to reach the store (not sent)", code="lease_expiring")
+            query.update({"X-Amz-Algorithm": "AWS4-HMAC-SHA256", "X-Amz-Credential": f"{self.c.access_key}/{scope}",
+                          "X-Amz-Date": amz_date, "X-Amz-Expires": str(expires - int(now_s)),
+                          "X-Amz-SignedHeaders": ";".join(sorted(hdrs))})
+            if self.c.token:
+                query["X-Amz-Security-Token"] = self.c.token
+            payload = "UNSIGNED-PAYLOAD"
         path = self.path(key)
         q = "&".join(f"{urllib.parse.quote(k, safe='~')}={urllib.parse.quote(v, safe='~')}"
                      for k, v in sorted(query.items()))
         signed = ";".join(sorted(hdrs))
         canonical = "\n".join([method, path, q, "".join(f"{k}:{hdrs[k].strip()}\n" for k in sorted(hdrs)), signed,
-                               hdrs["x-amz-content-sha256"]])
-        scope = f"{day}/{self.c.region}/s3/aws4_request"
+                               payload])
         to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, _sha(canonical.encode())])
         key_ = _hmac(_hmac(_hmac(_hmac(("AWS4" + self.c.secret_key).encode(), day), self.c.region), "s3"),
                      "aws4_request")
         sig = hmac.new(key_, to_sign.encode(), hashlib.sha256).hexdigest()
-        hdrs["authorization"] = (f"AWS4-HMAC-SHA256 Credential={self.c.access_key}/{scope}, "
-                                 f"SignedHeaders={signed}, Signature={sig}")
+        if expires is None:
+            hdrs["authorization"] = (f"AWS4-HMAC-SHA256 Credential={self.c.access_key}/{scope}, "
+                                     f"SignedHeaders={signed}, Signature={sig}")
+            target = path + (f"?{q}" if q else "")
+        else:
+            target = f"{path}?{q}&X-Amz-Signature={sig}"
+        return self._send(method, key, target, hdrs, body)
+
+    def _send(self, method: str, key: str, target: str, hdrs: dict[str, str], body: bytes) -> tuple[int, dict, bytes]:
+        """The request line, headers and body in one ``sendall`` on a connection of its own, then the answer."""
+        import http.client
+
+        head = "".join([f"{method} {target} HTTP/1.1\r\n", *(f"{k}: {v}\r\n" for k, v in hdrs.items()),
+                        f"content-length: {len(body)}\r\n", "connection: close\r\n\r\n"])
         conn_cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
         conn = conn_cls(self.host, timeout=TIMEOUT)
         try:
-            conn.request(method, path + (f"?{q}" if q else ""), body=body or None, headers=hdrs)
-            resp = conn.getresponse()
-            data = resp.read(1 << 20)
-            length = resp.getheader("content-length") or ""
-            if length.isdigit() and len(data) < min(int(length), 1 << 20):   # read(n) returns a cut body short
-                raise http.client.IncompleteRead(data)
-            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+            conn.connect()
+            conn.sock.sendall(head.encode("latin-1") + body)
+            resp = http.client.HTTPResponse(conn.sock, method=method)
+            try:
+                resp.begin()
+                data = resp.read(1 << 20)
+                length = resp.getheader("content-length") or ""
+                if length.isdigit() and len(data) < min(int(length), 1 << 20):   # read(n) returns a cut body short
+                    raise http.client.IncompleteRead(data)
+                return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+            finally:
+                resp.close()
         except OSError as e:
             raise UsageError(f"s3://{self.bucket}/{key}: the store does not answer ({e.strerror or e})",
                              code="store_unreachable") from None
@@ -132,11 +180,13 @@ def copy_object(config, src: str, etag: str | None, dst: str, size: int, *, if_m
     ``{"requests", "parts"}``; a usage error (``object_changed``: ``src`` or ``dst`` changed; ``exists``:
     ``dst`` exists and ``if_none_match``)."""
     from slotctl.store.config import split_url
+    from slotctl.store.guard import write_until
 
     if size <= 0:
         raise ValueError("a server-side copy of no bytes: S3 has no multipart upload of no part")
     sbucket, skey = split_url(src)
     bucket, key = split_url(dst)
+    write_until(dst)        # a guarded prefix whose lease cannot be shown: nothing started
     s = Signed(config, bucket)
     source = "/" + sbucket + "/" + urllib.parse.quote(skey, safe="/~")
     status, _, body = s.request("POST", key, {"uploads": ""})
@@ -159,23 +209,104 @@ def copy_object(config, src: str, etag: str | None, dst: str, size: int, *, if_m
             if status != 200 or not pm:
                 raise _fail(src, status, body, f"UploadPartCopy {n}")
             etags.append(pm.group(1).decode().replace("&quot;", '"'))
-        xml = ("<CompleteMultipartUpload>" + "".join(f"<Part><PartNumber>{i}</PartNumber><ETag>{t}</ETag></Part>"
-                                                     for i, t in enumerate(etags, 1))
-               + "</CompleteMultipartUpload>").encode()
         cond = {"if-match": if_match} if if_match else {"if-none-match": "*"} if if_none_match else {}
-        status, _, body = s.request("POST", key, {"uploadId": upload}, {**cond, "content-type": "application/xml"},
-                                    xml)
+        _complete(s, dst, key, upload, etags, cond, exists=if_none_match)
         requests += 1
-        if status != 200 or b"<Error>" in body:
-            raise _fail(dst, status, body, "CompleteMultipartUpload", exists=if_none_match)
         done = True
         return {"requests": requests, "parts": len(etags)}
     finally:
         if not done:
-            try:
-                s.request("DELETE", key, {"uploadId": upload})
-            except UsageError:
-                pass
+            _abort(s, key, upload)
+
+
+def _complete(s: Signed, url: str, key: str, upload: str, etags: list[str], cond: dict[str, str], *,
+              exists: bool) -> str | None:
+    """``CompleteMultipartUpload`` of ``upload`` (its parts' ETags, in order), on the conditions ``cond``;
+    in a guarded prefix signed to expire when the guard says (asked now, just before); the object's
+    ETag."""
+    from slotctl.store.guard import write_until
+
+    xml = ("<CompleteMultipartUpload>" + "".join(f"<Part><PartNumber>{i}</PartNumber><ETag>{t}</ETag></Part>"
+                                                 for i, t in enumerate(etags, 1))
+           + "</CompleteMultipartUpload>").encode()
+    status, _, body = s.request("POST", key, {"uploadId": upload}, {**cond, "content-type": "application/xml"},
+                                xml, expires=write_until(url))
+    if status != 200 or b"<Error>" in body:
+        raise _fail(url, status, body, "CompleteMultipartUpload", exists=exists)
+    m = re.search(rb"<ETag>([^<]+)</ETag>", body)
+    return m.group(1).decode().replace("&quot;", '"') if m else None
+
+
+def _abort(s: Signed, key: str, upload: str) -> None:
+    """An upload that did not complete, aborted (its parts dropped): never visible, whatever happens here."""
+    try:
+        s.request("DELETE", key, {"uploadId": upload})
+    except UsageError:
+        pass
+
+
+def upload_parts(config, url: str, chunks, size: int, part: int, *, if_none_match: bool) -> dict:
+    """``size`` bytes from ``chunks`` written to ``url`` as a multipart upload of parts of ``part`` bytes (the
+    last shorter; one part for a small object), made visible by its completion (``If-None-Match: *`` with
+    ``if_none_match``), which a guarded prefix's lease signs to expire (:mod:`slotctl.store.guard`); parts
+    that reach the store later are never an object. Returns ``{"requests", "parts", "etag"}``; a usage error
+    (``exists``, the guard's own, the store's)."""
+    from slotctl.store.config import split_url
+    from slotctl.store.guard import write_until
+
+    bucket, key = split_url(url)
+    write_until(url)        # a lease that cannot be shown: nothing sent
+    s = Signed(config, bucket)
+    status, _, body = s.request("POST", key, {"uploads": ""})
+    if status != 200:
+        raise _fail(url, status, body, "CreateMultipartUpload")
+    m = re.search(rb"<UploadId>([^<]+)</UploadId>", body)
+    if not m:
+        raise UsageError(f"{url}: the store did not start a multipart upload", code="store_error")
+    upload = m.group(1).decode()
+    requests, done, etags = 1, False, []
+    try:
+        def send(data: bytes) -> None:
+            n = len(etags) + 1
+            status, headers, body = s.request("PUT", key, {"partNumber": str(n), "uploadId": upload}, body=data)
+            if status != 200 or not headers.get("etag"):
+                raise _fail(url, status, body, f"UploadPart {n}")
+            etags.append(headers["etag"])
+
+        pending, sent = bytearray(), 0
+        for data in chunks:
+            pending += data
+            while len(pending) > part:      # every part but the last of ``part`` bytes
+                send(bytes(pending[:part]))
+                sent += part
+                del pending[:part]
+        if pending or not etags:
+            send(bytes(pending))
+            sent += len(pending)
+        requests += len(etags)
+        if sent != size:
+            raise UsageError(f"{url}: {sent:,} bytes read to send, {size:,} expected", code="size_mismatch")
+        etag = _complete(s, url, key, upload, etags, {"if-none-match": "*"} if if_none_match else {},
+                         exists=if_none_match)
+        requests += 1
+        done = True
+        return {"requests": requests, "parts": len(etags), "etag": etag}
+    finally:
+        if not done:
+            _abort(s, key, upload)
+
+
+def delete_object(config, url: str) -> None:
+    """DELETE the object at ``url``, one request signed here; in a guarded prefix signed to expire when the
+    guard says (asked now, just before). An object already gone is no error (S3's DELETE is idempotent)."""
+    from slotctl.store.config import split_url
+    from slotctl.store.guard import write_until
+
+    bucket, key = split_url(url)
+    expires = write_until(url)
+    status, _, body = Signed(config, bucket).request("DELETE", key, {}, expires=expires)
+    if status not in (200, 204, 404):
+        raise _fail(url, status, body, "DELETE")
 
 
 def _fail(url: str, status: int, body: bytes, what: str, *, exists: bool = False) -> UsageError:
@@ -187,6 +318,10 @@ def _fail(url: str, status: int, body: bytes, what: str, *, exists: bool = False
     if status == 412 or code == "PreconditionFailed":
         return UsageError(f"{url}: the object changed since it was read (its ETag); left as it is",
                           code="object_changed")
+    if status == 403 and b"expired" in body.lower():
+        # a guarded write that reached the store after the second it was signed to expire at (the lease's hold)
+        return UsageError(f"{url}: not written: the store refused it, it came after the lease's hold ended ({what})",
+                          code="lease_lost")
     if status in (401, 403):
         return UsageError(f"{url}: the store refused the request ({what}: {code or status})", code="bad_credentials")
     if status == 404:

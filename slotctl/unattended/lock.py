@@ -5,14 +5,26 @@ A keeper holds a lock named after the server it keeps (:func:`server_key`) in th
 * a **directory** store: ``flock(LOCK_EX | LOCK_NB)`` on ``.slotctl-keep-KEY.lock`` in the store. The kernel
   releases it when the process ends, however it ends (SIGKILL included), so there is nothing to expire.
 * an **``s3://``** store: a lease object ``.slotctl-keep-KEY.lease`` under the prefix, created with a
-  conditional put (``If-None-Match: *``: only if absent) and renewed every ``ttl / 3`` seconds with a
+  conditional put (``If-None-Match: *``: only if absent) and renewed every :data:`RENEW` of ``ttl`` with a
   conditional put on its own ETag (``If-Match``). The lease says until when it holds (``expires``, the
   holder's clock). Another keeper refuses while ``expires`` is ahead of its clock; after it, it takes the
   lease over with a put conditional on the ETag it read, so of two that try at once one wins. The holder
   counts its own lease lost when it could not renew it within :data:`HOLD` of ``ttl`` from the moment the
   last document it wrote was made (its monotonic clock), however the store fails (an error, or no answer
-  at all: a renewal is given up at that deadline): it stops writing before anyone may take over. So a keeper killed with SIGKILL is taken over after the expiry and
-  never before (the clocks of the two hosts are assumed to agree to well within ``ttl``).
+  at all): a renewal that failed is tried again every :data:`RETRY` seconds at most, each try given up
+  after :data:`RENEW` of the lease and the last at that deadline, so a store that stalls for less than
+  ``HOLD - RENEW`` of the lease, whenever the stall begins, never costs it. It stops writing before anyone
+  may take over. So a keeper killed with SIGKILL is taken over after the expiry and never before (the
+  clocks of the two hosts are assumed to agree to well within ``(1 - HOLD) * ttl``).
+
+  **One writer per store.** From the moment a process asks for the lease (:func:`acquire`), every write it
+  makes under the prefix (a put, a delete, prune's deletes) goes through the lease's check
+  (:meth:`Lease.write_until`, registered with :mod:`slotctl.store.guard`, so that keep and serve get it
+  without a call of their own): no lease taken yet, or one lost, and nothing is written; the lease object's
+  version (its ETag, by a ``HEAD``; its holder, by a ``GET`` when the ETag is not the one last written)
+  shows a takeover, whatever the clocks say; and the write is signed to expire (``X-Amz-Expires``) when the
+  hold ends, so a holder stalled after the check (SIGSTOP) and woken after a takeover has its write refused
+  by the store.
 
 The lock's refusal is :class:`Held` (exit 2, one line naming the holder). Beside the lock lives the
 keeper's **journal**: for each slot, the ``/slots`` signature and name of the state last stored or restored
@@ -40,10 +52,15 @@ from slotctl.live import is_loopback
 
 #: seconds an ``s3://`` lease holds without a renewal (``keep --lease``)
 DEFAULT_TTL = 60.0
-#: the shortest lease accepted (a renewal is a round trip to the store)
-MIN_TTL = 1.0
+#: the shortest lease accepted: a guarded write is signed to expire to the second (``X-Amz-Expires``), at the
+#: end of the lease's hold (:data:`HOLD` of it), which must leave a second boundary ahead after a renewal
+MIN_TTL = 2.0
 #: the part of the lease after which a holder that could not renew counts it lost and stops writing
 HOLD = 0.8
+#: the part of the lease between two renewals, and the longest a try of one waits for the store
+RENEW = 1 / 6
+#: seconds between two tries of a renewal that failed, at most (a twentieth of the lease when shorter)
+RETRY = 1.0
 #: a lease or journal larger than this is not a keeper's: not parsed
 MAX_LEASE_BYTES = 1 << 20
 
@@ -55,9 +72,15 @@ class Held(UsageError):
 
 
 class Lost(SlotctlError):
-    """This keeper's lease was not renewed in time or was taken over: it must stop writing (exit 2)."""
+    """This keeper's lease was not renewed in time or was taken over: it must stop writing (exit 2).
+    ``code`` ``no_lease``: a write refused because the lease was not taken yet (or was released)."""
 
     code = "lease_lost"
+
+    def __init__(self, message: str, *, code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
 
 
 def server_key(url: str) -> str:
@@ -209,11 +232,17 @@ class Lease(Lock):
 
     def __init__(self, prefix: str, server: str, ttl: float = DEFAULT_TTL, *, clock=time.time, role: str = "keep"):
         super().__init__(server, role)
+        if not ttl >= MIN_TTL:
+            raise UsageError(f"--lease {ttl:g}: an s3:// lease holds at least {MIN_TTL:g} s (a write is signed to "
+                             f"expire, to the second, when {HOLD:g} of it has passed)")
+        self.prefix = prefix.rstrip("/") + "/"
         self.url = prefix.rstrip("/") + "/" + f".slotctl-{role}-{server_key(server)}.lease"
         self.path = self.url
         self.ttl = float(ttl)
         self.clock = clock
         self.etag: str | None = None
+        #: this holder's ``since`` (its clock when it asked for the lease): with its pid and host, its documents'
+        self.since: float | None = None
         #: monotonic time of the last successful write of the lease
         self.renewed: float | None = None
         self.lost: str | None = None
@@ -324,13 +353,13 @@ class Lease(Lock):
 
     def renew(self) -> None:
         """Write the lease again (a new ``expires``, the journal), on condition that it is still ours. The
-        request goes through the store's one home and is given up (StoreDown) a third of the lease from now
-        or at :meth:`deadline`, whichever is first, so a stalled store holds a renewal no longer than the
-        lease holds; then :class:`Lost` once the deadline has passed."""
+        request goes through the store's one home and is given up (StoreDown) :data:`RENEW` of the lease from
+        now or at :meth:`deadline`, whichever is first, so a stalled store holds a renewal no longer than the
+        lease holds and leaves time for another try; then :class:`Lost` once the deadline has passed."""
         with self._io:
             self.check()
             made = time.monotonic()
-            deadline = min(made + self.ttl / 3, self.deadline())
+            deadline = min(made + self.ttl * RENEW, self.deadline())
             try:
                 try:
                     self.etag = self._put(self._body(self.since), self.etag, deadline)
@@ -353,8 +382,7 @@ class Lease(Lock):
         got = self._read(deadline)
         if got is not None and got[1]:
             doc, etag = got
-            if (doc.get("pid"), doc.get("host"), doc.get("since")) == (os.getpid(), socket.gethostname(),
-                                                                       self.since) and not doc.get("released"):
+            if self._ours(doc):
                 return etag
         raise Held(f"{self.server}: another {self.who} took the lease {self.url}")
 
@@ -370,13 +398,66 @@ class Lease(Lock):
     def _write_journal(self) -> None:
         self.renew()
 
+    # -- one writer per store ---------------------------------------------------------------------------
+
+    def write_until(self, url: str) -> float:
+        """The check every write under the prefix goes through (:mod:`slotctl.store.guard`): the time (Unix
+        seconds) by which the write must reach the store, the end of the lease's hold (its :meth:`deadline`
+        on this host's clock); :class:`Lost` when the lease is not this process's to show: never taken, given
+        up, not renewed in time, or taken over, which the lease object's version says (a ``HEAD``: its ETag
+        is the one last written, or a ``GET`` finds this process's document, a renewal that landed but is
+        not known yet); a store that does not answer within the hold: the error, nothing written."""
+        if self.lost:
+            raise Lost(f"{url}: not written: {self.lost}")
+        if self.etag is None or self.renewed is None:
+            raise Lost(f"{url}: not written: this {self.who} does not hold the lease {self.url} "
+                       f"({'not taken yet' if self.renewed is None else 'released'})", code="no_lease")
+        self.check()
+        import obstore
+        from obstore import exceptions as obx
+
+        store, _, key = self._stores()
+        known = self.etag
+        try:
+            meta = self._call(self.deadline(), "HEAD", obstore.head, store, key)
+        except (obx.NotFoundError, FileNotFoundError):
+            meta = {}
+        except SlotctlError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise self._error(e, "HEAD") from None
+        if meta.get("e_tag") != known:
+            got = self._read(self.deadline())
+            if got is None or not self._ours(got[0]):
+                self.lost = (f"{self.url}: another {self.who} took the lease over (its version changed): this "
+                             f"{self.who} stops writing")
+                raise Lost(self.lost)
+        self.check()
+        return time.time() + (self.deadline() - time.monotonic())
+
+    def _ours(self, doc: dict) -> bool:
+        """Whether a lease document is this process's own, still held (not released)."""
+        return ((doc.get("pid"), doc.get("host"), doc.get("since")) == (os.getpid(), socket.gethostname(), self.since)
+                and not doc.get("released"))
+
+    def guard_writes(self) -> "Lease":
+        """From now on, this process's writes under the prefix go through :meth:`write_until`."""
+        from slotctl.store.guard import guard
+
+        guard(self.url, self.prefix, self.write_until)
+        return self
+
     def start(self, on_lost: Callable[[Exception], None]) -> None:
-        """Renew every ``ttl / 3`` seconds on a thread until :meth:`release` (sooner after a failure, so
-        that the :meth:`deadline` is never passed unnoticed); ``on_lost(error)`` once when the lease is lost
-        (taken over, or not renewed by its deadline)."""
+        """Renew every :data:`RENEW` of the lease on a thread until :meth:`release`; after a failure, again
+        within :data:`RETRY` seconds (a twentieth of the lease when that is shorter) while the lease holds,
+        so a renewal is tried as often as the store lets it before the :meth:`deadline`, never first at it;
+        ``on_lost(error)`` once when the lease is lost (taken over, or not renewed by its deadline)."""
 
         def loop() -> None:
-            while not self._stop.wait(min(self.ttl / 3, max(0.0, self.deadline() - time.monotonic()))):
+            while True:
+                pause = self.ttl * RENEW if self.failure is None else min(RETRY, self.ttl / 20)
+                if self._stop.wait(min(pause, max(0.0, self.deadline() - time.monotonic()))):
+                    return
                 try:
                     self.renew()
                 except Lost as e:
@@ -405,10 +486,17 @@ class Lease(Lock):
             doc.update(released=True, expires=self.clock())
             try:
                 self._put(json.dumps(doc).encode(), self.etag,
-                          min(time.monotonic() + self.ttl / 3, self.deadline()))
+                          min(time.monotonic() + self.ttl * RENEW, self.deadline()))
             except SlotctlError:
                 pass     # it expires by itself
             self.etag = None
+        self.unguard()
+
+    def unguard(self) -> None:
+        """This process's writes under the prefix are no longer this lease's to check (it was released)."""
+        from slotctl.store.guard import unguard
+
+        unguard(self.url)
 
 
 def acquire(store: str | os.PathLike, server: str, *, ttl: float = DEFAULT_TTL, role: str = "keep") -> Lock:
@@ -416,7 +504,9 @@ def acquire(store: str | os.PathLike, server: str, *, ttl: float = DEFAULT_TTL, 
     ``role`` (``keep`` or ``serve``: each has its own, so a keep and a serve of one server may share a store)."""
     s = os.fspath(store)
     if s.startswith("s3://"):
-        return Lease(s, server, ttl, role=role).acquire()
+        # its writes are guarded from now on: until the lease is taken (the store down: serve runs without
+        # it, and takes it later) nothing is written under the prefix
+        return Lease(s, server, ttl, role=role).guard_writes().acquire()
     if not Path(s).is_dir():
         raise UsageError(f"{s}: not a directory")
     return DirectoryLock(s, server, role).acquire()
