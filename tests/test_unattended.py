@@ -105,6 +105,43 @@ def test_a_second_keeper_of_a_server_and_directory_store_is_refused(tmp_path):
         assert stop(c) == 0
 
 
+def test_the_servers_url_is_normalised_before_it_names_the_lock(tmp_path):
+    """Every way of writing one server's URL names one lock: a second keep of 127.0.0.1:PORT written as
+    127.1, 0.0.0.0, [::1], 0x7f.1, localhost. with a path of /./ or //, or its default port spelt out for
+    another server, is refused (before, 0.0.0.0, 127.1 and /./ each let a second keeper run); another
+    server's URL is not; and a serve of 127.0.0.1 refuses a second written as 0.0.0.0/./."""
+    from slotctl.unattended.lock import server_key
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    same = [f"http://127.1:{port}", f"http://0.0.0.0:{port}/./", f"http://[::1]:{port}", f"http://0x7f.1:{port}//",
+            f"http://localhost.:{port}/a/..", f"http://[::ffff:127.0.0.1]:{port}", f"http://2130706433:{port}/%2E/"]
+    assert {server_key(u) for u in same} == {server_key(url)}
+    assert server_key("http://Example.COM.:80/x/./y/") == server_key("http://example.com/x/y") != \
+        server_key("http://example.com:8080/x/y")
+    assert server_key(f"http://127.0.0.2:{port + 1}") != server_key(url)
+    a = keep_proc(url, tmp_path, "--every", "0.2")
+    try:
+        assert first_line(a)["event"] == "start"
+        for other in same:
+            b = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--server", other, "--slot-dir",
+                                str(tmp_path)], capture_output=True, text=True, env=_env(), timeout=60)
+            assert b.returncode == 2 and "another keeper keeps this server" in b.stderr, (other, b.stderr)
+    finally:
+        assert stop(a) == 0
+    serve = [sys.executable, "-m", "slotctl", "serve", "--slot-dir", str(tmp_path), "--listen", "127.0.0.1:0",
+             "--json"]
+    s = subprocess.Popen([*serve, "--upstream", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env(), preexec_fn=default_signals)
+    try:
+        assert json.loads(s.stdout.readline())["event"] == "listening"
+        b = subprocess.run([*serve, "--upstream", f"http://0.0.0.0:{port}/./"], capture_output=True, text=True,
+                           env=_env(), timeout=60)
+        assert b.returncode == 2 and json.loads(b.stdout)["error"]["code"] == "locked", b
+    finally:
+        assert stop(s) == 0
+
+
 def _lease(seaweed, prefix: str) -> tuple[str, dict]:
     import obstore
 

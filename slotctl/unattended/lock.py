@@ -84,17 +84,64 @@ class Lost(SlotctlError):
 
 
 def server_key(url: str) -> str:
-    """A short name for the server at ``url`` (normalized: scheme, host, port, path). A loopback host
-    (``127.0.0.1``, ``localhost``) names a server of this machine, so it is qualified by the host name:
-    keepers of two hosts, each beside its own ``127.0.0.1:8080``, may share one ``s3://`` store. What follows
-    a space (``URL (model NAME)``: a router's model, keep's) is part of the name."""
+    """A short name for the server at ``url``: a hash of its identity (:func:`server_identity`). What
+    follows a space (``URL (model NAME)``: a router's model, keep's) is part of the name."""
+    return hashlib.sha256(server_identity(url).encode()).hexdigest()[:12]
+
+
+def server_identity(url: str) -> str:
+    """The server ``url`` names, written one way for every way of writing it, so that two processes of one
+    server and store take one lock: the scheme; the host (a loopback or unspecified address, ``0.0.0.0`` and
+    ``::`` included, and every form of one (``127.1``, ``0x7f.0.0.1``, ``2130706433``, ``::ffff:127.0.0.1``),
+    or ``localhost``: this machine, qualified by its host name, so that keepers of two hosts, each beside its
+    own ``127.0.0.1:8080``, may share one ``s3://`` store; another address in its canonical form; a name in
+    lower case, without a trailing dot); the port, none for the scheme's own (80, 443); the path with
+    percent-escapes decoded, ``.``, ``..`` and empty segments resolved, no trailing slash. A URL already in
+    that form keeps the identity it had before this normalisation."""
     base, _, model = url.partition(" ")
-    parts = urllib.parse.urlsplit(base)
-    host = parts.hostname or ""
-    if is_loopback(host):
-        host = "loopback@" + socket.gethostname()
-    ident = f"{parts.scheme}://{host}:{parts.port or ''}{parts.path.rstrip('/')}" + (f" {model}" if model else "")
-    return hashlib.sha256(ident.encode()).hexdigest()[:12]
+    parts = urllib.parse.urlsplit(base.strip())
+    scheme = parts.scheme.lower()
+    port = parts.port
+    if port == {"http": 80, "https": 443}.get(scheme):
+        port = None
+    ident = f"{scheme}://{_host_identity(parts.hostname or '')}:{port or ''}{_path_identity(parts.path)}"
+    return ident + (f" {model}" if model else "")
+
+
+def _host_identity(host: str) -> str:
+    import ipaddress
+    import re
+
+    host = host.lower().rstrip(".")
+    addr = None
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        if re.fullmatch(r"[0-9a-fx.]+", host) and re.search(r"[0-9]", host):
+            try:    # the forms inet_aton (and so the system's resolver) takes: 127.1, 0x7f.1, 2130706433
+                addr = ipaddress.IPv4Address(socket.inet_aton(host))
+            except (OSError, ValueError):
+                addr = None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    if addr is not None:
+        if addr.is_loopback or addr.is_unspecified:      # 0.0.0.0 and :: reach this machine too
+            return "loopback@" + socket.gethostname()
+        return str(addr)
+    return "loopback@" + socket.gethostname() if is_loopback(host) else host
+
+
+def _path_identity(path: str) -> str:
+    out: list[str] = []
+    for seg in urllib.parse.unquote(path).split("/"):
+        if seg in ("", "."):
+            continue
+        if seg == "..":
+            if out:
+                out.pop()
+            continue
+        out.append(seg)
+    return "".join("/" + seg for seg in out)
 
 
 def _holder(server: str, expires: float | None = None) -> dict:
