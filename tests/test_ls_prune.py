@@ -600,3 +600,84 @@ def test_no_layer_shows_server_ok_beside_a_verdict_that_refuses():
     assert res.exit_code == 1 and "the server refuses it" in res.stdout
     row = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith("target memory"))
     assert row.split()[-2:] == ["not", "restored"] and " ok" not in row
+
+
+class _DeleteOnSecondOpen:
+    """Watches ``directory`` (Linux inotify, through ctypes): at the first file opened a second time (``ls``
+    lists a directory by reading each file's first bytes, then reads the files), every file not yet opened a
+    second time is deleted: gone between its listing and its read, as another process's prune would make it."""
+
+    def __init__(self, directory: Path):
+        import ctypes
+        import threading
+
+        self.dir = directory
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.fd >= 0 and libc.inotify_add_watch(self.fd, str(directory).encode(), 0x20) >= 0  # IN_OPEN
+        self.opened: dict[str, int] = {}
+        self.deleted: list[str] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        import select
+        import struct
+
+        while not self._stop.is_set():
+            if not select.select([self.fd], [], [], 0.05)[0]:
+                continue
+            buf, i = os.read(self.fd, 1 << 16), 0
+            while i < len(buf):
+                _wd, _mask, _cookie, n = struct.unpack_from("iIII", buf, i)
+                name = buf[i + 16:i + 16 + n].rstrip(b"\0").decode()
+                i += 16 + n
+                self.opened[name] = self.opened.get(name, 0) + 1
+                if name and self.opened[name] == 2 and not self.deleted:
+                    for p in sorted(self.dir.iterdir()):
+                        if p.name != name and self.opened.get(p.name, 0) < 2:
+                            p.unlink()
+                            self.deleted.append(str(p))
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join()
+        os.close(self.fd)
+
+
+def test_ls_skips_a_file_deleted_between_its_listing_and_its_read(tmp_path):
+    """A directory of 40 slot files, 39 of them deleted after ls listed them and before it read them (issue
+    36: ls --json exited 2): ls --json exits 0 listing the one left, its summary counts the 39 vanished; for
+    people, a note for each on stderr and the count in the last line. A file named on the command line that
+    is missing is still an error of its own (exit 2)."""
+    from slotctl.sample import SLOT_FILE
+
+    import json_schemas
+
+    env = {**os.environ, "SLOTCTL_NO_PROGRESS": "1"}
+    for human in (False, True):
+        d = tmp_path / f"slots-{human}"
+        d.mkdir()
+        for i in range(40):
+            shutil.copy(SLOT_FILE, d / f"s{i:03d}.bin")
+        watch = _DeleteOnSecondOpen(d)
+        try:
+            r = subprocess.run([sys.executable, "-m", "slotctl", "ls", str(d), "--no-cache", "--jobs", "1",
+                                *([] if human else ["--json"])], capture_output=True, text=True, timeout=300, env=env)
+        finally:
+            watch.close()
+        assert len(watch.deleted) == 39, watch.opened
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        if human:
+            notes = [x for x in r.stderr.splitlines() if "gone since it was listed" in x]
+            assert sorted(n.split("note: ", 1)[1].split(": gone")[0] for n in notes) == sorted(watch.deleted), r.stderr
+            assert "39 file(s) gone since they were listed, skipped" in r.stdout, r.stdout
+        else:
+            doc = json.loads(r.stdout)
+            json_schemas.check("ls", doc)
+            assert doc["summary"]["vanished"] == 39 and doc["summary"]["files"] == len(doc["files"]) == 1, doc
+            assert doc["exit_code"] == 0 and not [f for f in doc["files"] if f.get("error")]
+    r = subprocess.run([sys.executable, "-m", "slotctl", "ls", str(tmp_path / "missing.bin"), "--json"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and json.loads(r.stdout)["files"][0]["error"]["code"] == "no_such_file", r.stdout

@@ -138,8 +138,12 @@ def ls(
     request = Request(setup=setup, real_check=load, verbose=verbose)
     # the catalog: a file whose identity has not changed is neither opened nor parsed (--no-cache: every one is)
     known = None if no_cache else Known(request, log=out.log if verbose else None)
-    expansion = expand_slot_paths(remote_paths(ctx, paths), follow_symlinks=True, known=known)
+    given = remote_paths(ctx, paths)
+    expansion = expand_slot_paths(given, follow_symlinks=True, known=known)
     files, not_slot = expansion.files, len(expansion.skipped)
+    # the files named as such (not found in a directory or prefix): one that is missing is an error (exit 2);
+    # one a directory's listing named that is gone when read was deleted meanwhile: skipped, and said
+    named = {str(p) for p in given} - {str(c) for c in expansion.containers}
     prefixes = expansion.prefixes
     want = set(verdict or ())
 
@@ -161,6 +165,11 @@ def ls(
         def rows() -> Iterable[dict]:
             for i, row in enumerate(catalog(files, request, processes=jobs, index=not no_cache, known=known), 1):
                 update(i)
+                if (row.get("error") or {}).get("code") == "no_such_file" and row["path"] not in named:
+                    totals.vanished += 1
+                    if human is not None:
+                        out.note(f"{row['path']}: gone since it was listed (deleted meanwhile): skipped")
+                    continue
                 totals.seen(row)
                 if human is not None and row.get("error") and row.get("exit_code") == 2:
                     # a file that cannot be read: its row, and its line on stderr, as inspect and validate (a
@@ -205,6 +214,8 @@ class _Totals:
     def __init__(self, not_slot: int, prefixes: list[str] = ()):
         self.not_slot = not_slot
         self.prefixes = list(prefixes)
+        #: files a listing named that were gone when read (deleted meanwhile): skipped
+        self.vanished = 0
         self.files = self.size = self.tokens = self.draft = self.checkpoints = 0
         self.read = 0
         self.verdicts: dict[str, int] = {}
@@ -232,7 +243,8 @@ class _Totals:
     def summary(self) -> dict:
         from slotctl.validate.words import VERDICTS as VERDICT_NAMES
 
-        return {"files": self.files, "read": self.read, "skipped": self.not_slot, "size": self.size,
+        return {"files": self.files, "read": self.read, "skipped": self.not_slot, "vanished": self.vanished,
+                "size": self.size,
                 "n_tokens": self.tokens, "draft_size": self.draft, "n_checkpoints": self.checkpoints,
                 "verdicts": {v: self.verdicts.get(v, 0) for v in VERDICT_NAMES},
                 "classes": {c: self.classes.get(c, 0) for c in ("ok", "broken", "mismatch", "useless", "undecided")},
@@ -402,6 +414,8 @@ def _tail(totals: _Totals, *, broken: bool) -> Text:
         tail += f" ({s['read'] - s['files']:,} filtered out)"
     if s["skipped"]:
         tail += f"; {s['skipped']:,} file(s) that are not slot files left out"
+    if s["vanished"]:
+        tail += f"; {s['vanished']:,} file(s) gone since they were listed, skipped"
     if s["prefixes"]:
         tail += f"; sub-prefixes (not read, as subdirectories): {', '.join(escape_text(p) for p in s['prefixes'])}"
     if s["verdicts"]["undecided"]:
