@@ -30,6 +30,7 @@ from llama_server import free_port
 from seaweed import BUCKET
 from test_serve import ARGS, TURN1
 from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
+from test_unattended import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 #: systemd's default PATH for services (a merged /usr, Debian 12): no venv's bin in it
@@ -167,16 +168,6 @@ def complete(url: str, prompt: str) -> dict:
         return json.loads(r.read())
 
 
-def wait_for(check, timeout: float = 120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout} s")
-
-
 def test_the_units_name_the_venvs_python_and_systemd_accepts_them(venv):
     """ExecStart is the fresh venv's interpreter by its absolute path (not resolved to Debian's python3, which
     would lose the venv); the unit's user, cache directory and descriptor limit; systemd-analyze verify
@@ -244,7 +235,7 @@ def test_keeps_unit_starts_as_its_user_with_systemds_path(venv, layout):
         got = notify.until("READY=1")
         assert any(x.startswith(f"STATUS=keeping {srv.url}") for x in got), got
         complete(srv.url, TURN1)
-        stored = wait_for(lambda: [p for p in store.iterdir() if p.suffix == ".bin"])
+        stored = wait_until(lambda: [p for p in store.iterdir() if p.suffix == ".bin"], timeout=120)
         assert stored[0].stat().st_uid == 65534        # written as the unit's user
     finally:
         code, err = stopped(proc, notify)
@@ -277,8 +268,8 @@ def test_serves_unit_starts_as_its_user_and_keeps_its_catalog_in_the_cache_direc
         try:
             notify.until("READY=1")
             assert complete(f"http://127.0.0.1:{port}", TURN1)["content"]
-            wait_for(lambda: [m for m in obstore.list(seaweed.client(), prefix=prefix).collect()
-                              if m["path"].endswith(".bin")])
+            wait_until(lambda: [m for m in obstore.list(seaweed.client(), prefix=prefix).collect()
+                                if m["path"].endswith(".bin")], timeout=120)
         finally:
             code, err = stopped(proc, notify)
             notify.close()

@@ -189,13 +189,7 @@ def copy_object(config, src: str, etag: str | None, dst: str, size: int, *, if_m
     write_until(dst)        # a guarded prefix whose lease cannot be shown: nothing started
     s = Signed(config, bucket)
     source = "/" + sbucket + "/" + urllib.parse.quote(skey, safe="/~")
-    status, _, body = s.request("POST", key, {"uploads": ""})
-    if status != 200:
-        raise _fail(dst, status, body, "CreateMultipartUpload")
-    m = re.search(rb"<UploadId>([^<]+)</UploadId>", body)
-    if not m:
-        raise UsageError(f"{dst}: the store did not start a multipart upload", code="store_error")
-    upload = m.group(1).decode()
+    upload = _create(s, dst, key)
     requests, done = 1, False
     try:
         etags = []
@@ -217,6 +211,17 @@ def copy_object(config, src: str, etag: str | None, dst: str, size: int, *, if_m
     finally:
         if not done:
             _abort(s, key, upload)
+
+
+def _create(s: Signed, url: str, key: str) -> str:
+    """``CreateMultipartUpload`` at ``key``: the upload's id."""
+    status, _, body = s.request("POST", key, {"uploads": ""})
+    if status != 200:
+        raise _fail(url, status, body, "CreateMultipartUpload")
+    m = re.search(rb"<UploadId>([^<]+)</UploadId>", body)
+    if not m:
+        raise UsageError(f"{url}: the store did not start a multipart upload", code="store_error")
+    return m.group(1).decode()
 
 
 def _complete(s: Signed, url: str, key: str, upload: str, etags: list[str], cond: dict[str, str], *,
@@ -257,13 +262,7 @@ def upload_parts(config, url: str, chunks, size: int, part: int, *, if_none_matc
     bucket, key = split_url(url)
     write_until(url)        # a lease that cannot be shown: nothing sent
     s = Signed(config, bucket)
-    status, _, body = s.request("POST", key, {"uploads": ""})
-    if status != 200:
-        raise _fail(url, status, body, "CreateMultipartUpload")
-    m = re.search(rb"<UploadId>([^<]+)</UploadId>", body)
-    if not m:
-        raise UsageError(f"{url}: the store did not start a multipart upload", code="store_error")
-    upload = m.group(1).decode()
+    upload = _create(s, url, key)
     requests, done, etags = 1, False, []
     try:
         def send(data: bytes) -> None:
