@@ -1,5 +1,5 @@
-"""The systemd units ``slotctl unit keep|serve`` prints, started as far as this machine allows (no systemd runs
-here): printed by a fresh venv's slotctl (made by Debian's python3, as the README's production steps make
+"""The systemd units ``slotctl unit keep|serve`` prints, and the README's production steps, started as far as
+this machine allows (no systemd runs here): printed by a fresh venv's slotctl (made by Debian's python3, as the README's production steps make
 it), checked by ``systemd-analyze verify``, and their ``ExecStart=`` line run as systemd runs it: as the
 unit's ``User=`` (``nobody`` here: a user that is not root and has no home), with ``env -i`` and systemd's
 default ``PATH``, the unit's ``Environment=`` (the catalog's ``CacheDirectory=``, made by the test as systemd
@@ -281,3 +281,81 @@ def test_serves_unit_starts_as_its_user_and_keeps_its_catalog_in_the_cache_direc
             assert "the catalog is not used" not in err, err
         else:
             assert re.search(r"catalog.*the catalog is not used", err), err
+
+
+def _production_steps() -> list[str]:
+    """The README's production steps: the first ``sh`` block under "In production", line by line."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## In production"):]
+    block = re.search(r"```sh\n(.*?)\n```", section, re.S).group(1)
+    return block.splitlines()
+
+
+@pytest.mark.server
+def test_the_readmes_production_steps_work_on_a_machine_without_a_llama_user(llama_server_bin, tiny_models,
+                                                                           tmp_path):
+    """The README's production steps, run as written (as root, ``sudo`` a no-op) in a mount namespace of their
+    own that makes a machine without a llama user: /etc a copy (users, units, configuration), /opt (pip's
+    local indexes kept), /var/lib and /var/cache empty but for the server's slot directory and a directory
+    store. Debian's python3 makes the venv under /opt, slotctl is installed into it from this checkout, the
+    llama user is made, the venv's slotctl prints the unit (nothing to note on stderr), and ``systemctl
+    enable --now`` starts it as systemd would (tests/start_unit.py: as llama, env -i, systemd's PATH, READY=1).
+    Then keep stores a real llama-server b11434's save in its store, as llama, and /readyz says the server is
+    up and the store reachable."""
+    if not os.access(DEBIAN_PYTHON, os.X_OK) or shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root, unshare and Debian's python3 (a mount namespace of the test's own)")
+    if subprocess.run(["id", "llama"], capture_output=True).returncode == 0:
+        pytest.skip("this machine has a llama user: the steps are for one without")
+    base = _world_readable_dir("slotctl-readme-")
+    try:
+        for d in ("opt", "varcache", "varlib/llama/slots", "varlib/llama/store"):
+            (base / d).mkdir(parents=True)
+        for d in ("varlib/llama/slots", "varlib/llama/store"):
+            (base / d).chmod(0o777)     # the server's directory (llama-server runs as llama where it is real)
+        srv = start_server(llama_server_bin, tiny_models.target, base, "readme", args=ARGS,
+                           slot_save_path=base / "varlib/llama/slots")
+        port = free_port()
+        (base / "qwen.toml").write_text(
+            f'[[servers]]\nname = "qwen"\nurl = "{srv.url}"\nslot_dir = "/var/lib/llama/slots"\n'
+            f'store = "/var/lib/llama/store"\n\n[keep]\nevery = 0.3\nlisten = "127.0.0.1:{port}"\n')
+        steps = [line.replace("9464", str(port)) for line in _production_steps()]
+        script = "\n".join([
+            "set -euo pipefail",
+            f"T={shlex.quote(str(base))}",
+            "cp -a /etc \"$T/etc\" && mount --bind \"$T/etc\" /etc",
+            "for x in /opt/*; do mkdir \"$T/opt/${x##*/}\" && mount --bind \"$x\" \"$T/opt/${x##*/}\"; done",
+            "mount --bind \"$T/opt\" /opt && mount --bind \"$T/varlib\" /var/lib && mount --bind \"$T/varcache\" /var/cache",
+            "! id llama 2>/dev/null",
+            "sudo() { \"$@\"; }",
+            "sudoedit() { cp \"$T/qwen.toml\" \"$1\"; }",
+            "apt() { python3 -c 'import ensurepip'; }      # python3-venv: there",
+            f"systemctl() {{ case \"$1\" in enable) python3 {shlex.quote(str(ROOT / 'tests' / 'start_unit.py'))} "
+            "\"/etc/systemd/system/${3%@*}@.service\" \"${3#*@}\" \"$T/unit.pid\";; esac; }",
+            "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            *[f"echo '+ {line}' >&2; {line}" for line in steps],
+            "id llama",
+        ])
+        r = subprocess.run(["unshare", "-m", "--propagation", "private", "bash", "-c", script], cwd=ROOT,
+                           capture_output=True, text=True, timeout=1800, env={k: v for k, v in os.environ.items()
+                                                                              if not k.startswith("VIRTUAL_ENV")})
+        assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-5000:])
+        assert "STATUS=keeping " + srv.url in r.stdout, r.stdout
+        assert "uid=" in r.stdout.splitlines()[-1] and "(llama)" in r.stdout.splitlines()[-1], r.stdout
+        unit_line = next(x for x in r.stderr.splitlines() if x.startswith("+ /opt/slotctl/bin/slotctl unit"))
+        after = r.stderr.split(unit_line, 1)[1].split("\n+ ", 1)[0]
+        assert "note:" not in after, after        # nothing would keep the unit from starting
+        pid = int((base / "unit.pid").read_text())
+        try:
+            complete(srv.url, TURN1)
+            stored = wait_until(lambda: [p for p in (base / "varlib/llama/store").iterdir() if p.suffix == ".bin"],
+                                timeout=120)
+            assert stored[0].stat().st_uid == int(r.stdout.splitlines()[-1].split("uid=")[1].split("(")[0])
+            wait_until(lambda: b"server: up\nstore: reachable" in urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/readyz", timeout=10).read(), timeout=60)
+        finally:
+            os.kill(pid, signal.SIGTERM)
+            wait_until(lambda: not os.path.exists(f"/proc/{pid}") or
+                       open(f"/proc/{pid}/stat").read().split()[2] == "Z", timeout=120)
+            srv.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
