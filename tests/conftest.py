@@ -12,7 +12,7 @@ import pytest
 DATA = Path(__file__).parent / "data"
 sys.path.insert(0, str(Path(__file__).parent))
 
-from llama_server import BuildError, LlamaServer, ServerStartError, server_binary  # noqa: E402
+from llama_server import BuildError, Chroot, LlamaServer, ServerStartError, seed_server, server_binary  # noqa: E402
 
 import json_schemas  # noqa: E402
 
@@ -94,6 +94,28 @@ def llama_server_bin(request) -> Path:
         pytest.fail(_build_failure[0], pytrace=False)
 
 
+_seed_failure: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def llama_server_b11669(request) -> Chroot:
+    """llama-server b11669 (the seed's build: SCKP and SDFT): $SLOTCTL_B11669_ROOT, the cached sid chroot, or one
+    set up now (once per machine); give it to :class:`LlamaServer` as the binary."""
+    if _seed_failure:
+        pytest.fail(_seed_failure[0], pytrace=False)
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+
+    def say(message: str) -> None:  # shown while pytest captures output: the set-up takes minutes
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            print(f"\n[slotctl tests] {message}", flush=True)
+
+    try:
+        return seed_server(log=say)
+    except BuildError as e:
+        _seed_failure.append(f"cannot set up llama-server b11669: {e}")
+        pytest.fail(_seed_failure[0], pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def _server_log_on_failure(request):
     """When a test fails, print the end of the log of every server it used (shown in pytest's report)."""
@@ -117,7 +139,7 @@ def default_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def start_server(binary: Path, model: Path, tmp: Path, name: str, **kw) -> LlamaServer:
+def start_server(binary: Path | Chroot, model: Path | None, tmp: Path, name: str, **kw) -> LlamaServer:
     srv = LlamaServer(binary, model, log_path=tmp / f"{name}.log", **kw)
     try:
         return srv.start()
