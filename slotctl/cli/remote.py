@@ -20,7 +20,8 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.live import http as server_api
-from slotctl.cli.options import LIVE_ONLY_PARAMS, ArgsCommand, raw_value
+from slotctl.cli.command_line import ArgsCommand, raw_value
+from slotctl.cli.server_args import LIVE_ONLY_PARAMS
 from slotctl.cli.output import Output, escape_text, markup_safe, style_of
 from slotctl.errors import UsageError
 

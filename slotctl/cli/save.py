@@ -12,8 +12,10 @@ from rich.text import Text
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors, read_prompt
 from slotctl.cli.extras import require_llama
-from slotctl.cli.options import (ArgsCommand, RouterModelOpt, DraftModelOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt, LiveTimeoutOpt,
-                                 LocalModelOpt, SaveStateVersionOpt, SlotOpt, VerboseOpt, with_server_flags)
+from slotctl.cli.command_line import ArgsCommand
+from slotctl.cli.options import (RouterModelOpt, DraftModelOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt, LiveTimeoutOpt,
+                                 LocalModelOpt, SaveStateVersionOpt, SlotOpt, VerboseOpt)
+from slotctl.cli.server_panel import with_server_flags
 from slotctl.live import SLOT_FILE_TIMEOUT
 from slotctl.cli.output import Output
 from slotctl.errors import UsageError

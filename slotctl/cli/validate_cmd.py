@@ -13,8 +13,8 @@ from rich.text import Text
 from slotctl.cli import remote
 from slotctl.cli.common import FileRun, NoteCounter, handle_errors, store_deadline
 from slotctl.cli.extras import llama_available, llama_install
+from slotctl.cli.command_line import ArgsCommand
 from slotctl.cli.options import (
-    ArgsCommand,
     DraftModelOpt,
     JudgeServerOpt,
     JsonlOpt,
@@ -26,8 +26,8 @@ from slotctl.cli.options import (
     QuietOpt,
     SlotOpt,
     VerboseOpt,
-    with_server_flags,
 )
+from slotctl.cli.server_panel import with_server_flags
 from slotctl.cli.output import Output, escape_text, human_bytes, style_of
 from slotctl.errors import UsageError
 from slotctl.server.flags import SERVER_STATE_VERSION, ServerFlags, attn_rot_disable
