@@ -294,13 +294,46 @@ def scrape(base: str, path: str = "/metrics") -> tuple[int, str, str]:
         return e.code, e.headers.get("Content-Type", ""), e.read().decode()
 
 
-def samples(text: str) -> dict[tuple, float]:
-    """Every sample of an exposition, parsed by prometheus_client's parser: (name, sorted labels) -> value."""
+def families(text: str, prefix: str = "slotctl_keep_") -> dict[str, str]:
+    """Each family of an exposition parsed by prometheus_client's own parser, named as its samples are (a
+    counter's with ``_total``), and its type. Every sample belongs to a family of the type declared for it:
+    a counter whose ``# TYPE`` line the parser does not match to its samples reads as an empty counter and
+    an ``unknown`` family per sample, which fails here."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {}
     for fam in text_string_to_metric_families(text):
-        assert fam.name.startswith("slotctl_keep_"), fam.name
+        assert fam.name.startswith(prefix) or fam.name == "slotctl_build_info", fam.name
+        assert fam.type in ("counter", "gauge", "histogram"), (fam.name, fam.type)
+        name = fam.name + ("_total" if fam.type == "counter" else "")
+        suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}[fam.type]
+        assert all(s.name in [fam.name + x for x in suffixes] for s in fam.samples), (fam.name, fam.samples)
+        assert name not in out, name
+        out[name] = fam.type
+    return out
+
+
+def documented(page: str) -> dict[str, str]:
+    """The families a page's metrics table lists (``| `NAME{labels}`, `NAME2` | type | what |``) and their
+    types."""
+    out = {}
+    for line in (ROOT / "docs" / page).read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| `slotctl_") or len(cells) < 3:
+            continue
+        for name in re.findall(r"`([a-z_]+)(?:\{[^}]*\})?`", cells[0]):
+            out[name] = cells[1]
+    return out
+
+
+def samples(text: str, prefix: str = "slotctl_keep_") -> dict[tuple, float]:
+    """Every sample of an exposition, parsed by prometheus_client's parser: (name, sorted labels) -> value
+    (each family's type checked by :func:`families`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families(text, prefix)
+    out = {}
+    for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
@@ -369,8 +402,19 @@ def test_metrics_count_errors_and_readyz_says_why_not(tmp_path):
         status, _, body = scrape(base, "/livez")
         assert status == 200, body
         assert scrape(base, "/nothing")[0] == 404
-        status, ctype, _ = scrape(base)
-        assert ctype.startswith("text/plain; version=0.0.4")
+        status, ctype, text = scrape(base)
+        assert ctype == "text/plain; version=0.0.4; charset=utf-8"
+        # every family typed as docs/fleet.md's table says (a counter's TYPE line names it with _total), and
+        # the build's: this slotctl's version, keep's role
+        assert families(text) == documented("fleet.md")
+        import platform
+
+        from slotctl import __version__
+
+        ss = samples(text)
+        assert value(ss, "slotctl_build_info", version=__version__, python=platform.python_version(),
+                     role="keep") == 1
+        assert re.search(r"^# TYPE slotctl_keep_looks_total counter$", text, re.M), text
     finally:
         assert stop(proc) == 0
     fake = Answering()
@@ -479,17 +523,25 @@ def test_the_watchdog_of_another_process_is_not_answered_and_an_abstract_socket_
 
 
 def test_the_shipped_unit_is_printed_and_systemd_accepts_it(tmp_path):
+    """The unit of the install slotctl runs from (its ExecStart: this Python; tests/test_units.py runs one of
+    a fresh venv as systemd would); a bad name or --user is one line, exit 2."""
     import shutil
 
     res = slotctl("unit", "keep", code=0)
     text = res.stdout
-    for line in ("Type=notify", "WatchdogSec=", "NotifyAccess=main", "KillSignal=SIGTERM",
-                 "ExecStart=/usr/bin/env slotctl keep --config /etc/slotctl/%i.toml"):
+    for line in ("Type=notify", "WatchdogSec=", "NotifyAccess=main", "KillSignal=SIGTERM", "User=llama\n",
+                 f"ExecStart={sys.executable} -m slotctl keep --config /etc/slotctl/%i.toml\n",
+                 "CacheDirectory=slotctl\n", "Environment=SLOTCTL_CACHE_DIR=%C/slotctl\n", "LimitNOFILE=65536\n"):
         assert line in text, line
     from slotctl.unattended.systemd import unit_text
 
-    assert text == unit_text("keep")
+    assert text == unit_text("keep", python=sys.executable)
+    assert "@" not in text.replace("slotctl-keep@", "").replace("%i", "")   # every placeholder filled
     assert "expected one of: keep" in slotctl("unit", "nothing", code=2).stderr
+    assert "--user 'a;b': expected a user name" in slotctl("unit", "keep", "--user", "a;b", code=2).stderr
+    doc = json.loads(slotctl("unit", "serve", "--json", "--user", "root", code=0).stdout)
+    assert doc["python"] == sys.executable and doc["user"] == "root" and "User=root\n" in doc["text"]
+    json_schemas.check("unit", doc)
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed")
     unit = tmp_path / "slotctl-keep@test.service"
