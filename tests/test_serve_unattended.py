@@ -272,7 +272,7 @@ def test_the_shipped_serve_unit_is_printed_and_systemd_accepts_it(tmp_path):
                        timeout=60, env=_env())
     assert r.returncode == 0, r.stderr
     for line in ("Type=notify", "WatchdogSec=", "NotifyAccess=main",
-                 "ExecStart=/usr/bin/env slotctl serve --config /etc/slotctl/%i.toml"):
+                 f"ExecStart={sys.executable} -m slotctl serve --config /etc/slotctl/%i.toml"):
         assert line in r.stdout, line
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed")
