@@ -29,14 +29,14 @@ from slotctl.live.errors import (CutOff, ProxyRefused, RouterMode, RouterModelNo
                                  ServerAuthError, ServerDropped, ServerError, ServerRedirect, ServerRefused,
                                  ServerUnreachable)
 from slotctl.live.router import ROUTER_NO_MODEL
-from slotctl.live.transport import check_timeout, cut_off_reads, normalize_url, redact, send
+from slotctl.live.transport import Pool, check_timeout, cut_off_reads, normalize_url, redact, send
 from slotctl.server.filenames import check_filename
 from slotctl.server.flags import MAX_PARALLEL
 
 __all__ = [
     "DEFAULT_TIMEOUT", "MAX_ANSWER_BYTES", "MAX_ANSWER_DEPTH", "MAX_ANSWER_ESCAPES", "MAX_ANSWER_ITEMS", "SHAPES",
     "CutOff", "ProxyRefused", "RouterMode", "RouterModelNotLoaded", "ServerAnswerError", "ServerAuthError",
-    "ServerDropped", "ServerError", "ServerFacts", "ServerRedirect", "ServerRefused", "ServerUnreachable",
+    "Pool", "ServerDropped", "ServerError", "ServerFacts", "ServerRedirect", "ServerRefused", "ServerUnreachable",
     "check_filename", "check_shape", "check_slot", "completion", "cut_off_reads", "erase_slot", "get_health",
     "get_models", "get_props", "get_slots", "normalize_url", "parse_answer", "redact", "request", "restore_slot",
     "router_message", "router_models", "save_slot", "server_facts",
@@ -44,25 +44,28 @@ __all__ = [
 
 
 def request(url: str, method: str, path: str, body: Any = None, *, query: dict[str, str] | None = None,
-            api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+            api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT, data: bytes | None = None,
+            pool: Pool | None = None) -> Any:
     """Send one request to the server at ``url`` and return its parsed JSON answer.
 
-    ``path`` starts with ``/``; ``body`` (for POST) is sent as JSON; ``api_key`` (default: the
+    ``path`` starts with ``/``; ``body`` (for POST) is sent as JSON, or ``data``, a JSON body as bytes, as they
+    are (a client's own request: a router's model is then named in the query only); ``api_key`` (default: the
     ``LLAMA_API_KEY`` environment variable) goes in ``Authorization: Bearer``, to this URL only: a
     redirect is reported (:class:`ServerRedirect`), never followed. ``timeout`` bounds the whole request,
     connection, sending and reading together (:func:`slotctl.live.transport.send`). Raises
     :class:`ServerUnreachable`, :class:`ServerAuthError` or :class:`ServerRefused` (:mod:`slotctl.live.errors`).
     A router's model (:mod:`slotctl.live.router`) is named as the router routes, and a slot action it does not
-    route is sent to the model's own server.
+    route is sent to the model's own server. ``pool``: connections kept open between requests
+    (:class:`~slotctl.live.transport.Pool`; None: a connection of the request's own).
     """
     check_timeout(timeout)
     base = normalize_url(url)
     model = router.wanted(base, path)   # a router's model, named as the router routes (slotctl.live.router)
     if model is not None:
-        query, body = router.routed(model, method, query, body)
-    data = json.dumps(body).encode() if body is not None else None
+        query, body = router.routed(model, method, query, body if data is None else None)
+    sent = data if data is not None else json.dumps(body).encode() if body is not None else None
     what = f"{method} {base}{path}"
-    status, raw = send(base, method, path, data, query=query, api_key=api_key, timeout=timeout)
+    status, raw = send(base, method, path, sent, query=query, api_key=api_key, timeout=timeout, pool=pool)
     if status >= 400:
         try:
             raise_http_error(what, status, raw)
@@ -70,14 +73,17 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
             said = getattr(e, "message", "")
             if model is not None and router.unrouted(status, said, path):
                 # the router did not route the slot action by its body's model: the model's own server, now
-                own = router.own_server_url(base, model, router_models(base, api_key=api_key, timeout=timeout))
+                own = router.own_server_url(base, model, router_models(base, api_key=api_key, timeout=timeout,
+                                                                       pool=pool))
                 router.say_fallback(base, model, own, f"HTTP {status}: {said or 'no such route'}")
                 plain = {k: v for k, v in (query or {}).items() if k not in ("model", "autoload")}
                 if isinstance(body, dict):
                     body = {k: v for k, v in body.items() if k != "model"}
-                return request(own, method, path, body, query=plain, api_key=api_key, timeout=timeout)
+                return request(own, method, path, body, query=plain, api_key=api_key, timeout=timeout, data=data,
+                               pool=pool)
             if model is not None and status == 400 and said == router.not_found(model):
-                names = ", ".join(_escaped(m["name"]) for m in router_models(base, api_key=api_key, timeout=timeout))
+                names = ", ".join(_escaped(m["name"]) for m in router_models(base, api_key=api_key, timeout=timeout,
+                                                                                pool=pool))
                 raise UsageError(f"{what}: the router has no model named {_escaped(model)!r} (GET /models: "
                                  f"{names or 'none'})") from None
             if model is not None and status == 400 and said == router.ROUTER_NOT_LOADED:
@@ -86,7 +92,8 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
                                            f"a request) (docs/fleet.md, router mode)") from None
             # b11434's router, asked without a "model": its own words (server-models.cpp, router_validate_model)
             if isinstance(e, ServerRefused) and status == 400 and said == ROUTER_NO_MODEL and path != "/models":
-                raise RouterMode(f"{what}: {router_message(url, api_key=api_key, timeout=timeout)}") from None
+                said = router_message(url, api_key=api_key, timeout=timeout, pool=pool)
+                raise RouterMode(f"{what}: {said}") from None
             raise
     if not 200 <= status < 300:
         raise ServerUnreachable(f"{what}: unexpected HTTP {status}")
@@ -101,30 +108,33 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
 # -- endpoints ---------------------------------------------------------------------------------------
 
 
-def get_health(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+def get_health(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+               pool: Pool | None = None) -> Any:
     """``GET /health``: ``{"status": "ok"}`` once the model is loaded; ServerRefused (503) while loading."""
     return check_shape(f"GET {normalize_url(url)}/health", request(url, "GET", "/health", api_key=api_key,
-                                                                    timeout=timeout), SHAPES["/health"])
+                                                                    timeout=timeout, pool=pool), SHAPES["/health"])
 
 
 
-def get_props(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+def get_props(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+              pool: Pool | None = None) -> Any:
     """``GET /props``: model path, ``total_slots``, ``default_generation_settings.n_ctx``, build info, ...
 
     Checked against ``SHAPES["/props"]`` (ServerAnswerError, exit 2): an object with a positive
     ``total_slots``. A router (``"role": "router"``) is :class:`RouterMode`, naming its models' own servers.
     """
-    answer = request(url, "GET", "/props", api_key=api_key, timeout=timeout)
+    answer = request(url, "GET", "/props", api_key=api_key, timeout=timeout, pool=pool)
     if isinstance(answer, dict) and answer.get("role") == "router":
-        raise RouterMode(router_message(url, api_key=api_key, timeout=timeout))
+        raise RouterMode(router_message(url, api_key=api_key, timeout=timeout, pool=pool))
     return check_shape(f"GET {normalize_url(url)}/props", answer, SHAPES["/props"])
 
 
-def router_models(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
+def router_models(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                  pool: Pool | None = None) -> list[dict]:
     """A router's models (``GET /models``): each one's ``name``, ``status`` (``loaded``, ``unloaded``, ...) and,
     while it runs, ``url``: the model's own server, which b11434's router starts on ``127.0.0.1`` and a port
     it chooses anew at each load (the ``--port`` of its command line)."""
-    answer = request(url, "GET", "/models", api_key=api_key, timeout=timeout)
+    answer = request(url, "GET", "/models", api_key=api_key, timeout=timeout, pool=pool)
     data = answer.get("data") if isinstance(answer, dict) else None
     out = []
     for m in data[:MAX_PARALLEL] if isinstance(data, list) else ():
@@ -147,11 +157,12 @@ def _escaped(text: str) -> str:
     return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
 
 
-def router_message(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> str:
+def router_message(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                   pool: Pool | None = None) -> str:
     """The one line said when a command is pointed at a router: where each model's own server is."""
     base = normalize_url(url)
     try:
-        models = router_models(url, api_key=api_key, timeout=timeout)
+        models = router_models(url, api_key=api_key, timeout=timeout, pool=pool)
         shown = ", ".join(_escaped(f"{m['name']} {m['url']} ({m['status']})" if m["url"] else
                                    f"{m['name']} ({m['status']}: no server of its own now)")
                           for m in models) or "none"
@@ -169,12 +180,13 @@ def router_message(url: str, *, api_key: str | None = None, timeout: float = DEF
             f"(docs/fleet.md, router mode)")
 
 
-def get_slots(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> list:
+def get_slots(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+              pool: Pool | None = None) -> list:
     """``GET /slots``: one object per slot (``id``, ``n_ctx``, ``speculative``, ``is_processing``, ...).
 
     ServerRefused (HTTP 501) when the server runs with ``--no-slots``.
     """
-    answer = request(url, "GET", "/slots", api_key=api_key, timeout=timeout)
+    answer = request(url, "GET", "/slots", api_key=api_key, timeout=timeout, pool=pool)
     what = f"GET {normalize_url(url)}/slots"
     if not isinstance(answer, list) or not answer:
         raise ServerAnswerError(f"{what}: unexpected answer: should be a list of one object per slot, got "
@@ -187,9 +199,10 @@ def get_slots(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_
     return answer
 
 
-def get_models(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+def get_models(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+               pool: Pool | None = None) -> Any:
     """``GET /v1/models``: ``data[0].meta`` holds ``n_vocab``, ``n_ctx_train``, ``n_embd``, ``n_params``, ``size``."""
-    return request(url, "GET", "/v1/models", api_key=api_key, timeout=timeout)
+    return request(url, "GET", "/v1/models", api_key=api_key, timeout=timeout, pool=pool)
 
 
 def _int(v: Any) -> int | None:
@@ -230,21 +243,21 @@ class ServerFacts:
 
 
 def server_facts(url: str, slot: int = 0, *, api_key: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT) -> ServerFacts:
+                 timeout: float = DEFAULT_TIMEOUT, pool: Pool | None = None) -> ServerFacts:
     """Read ``GET /props``, ``GET /slots`` and ``GET /v1/models`` (see :class:`ServerFacts`).
 
     ``/props`` must answer (its errors propagate); a server started with ``--no-slots`` (``/slots``
     refused) or one without ``/v1/models`` is described from ``/props`` alone, with a note.
     """
     base = normalize_url(url)
-    props = get_props(base, api_key=api_key, timeout=timeout)
+    props = get_props(base, api_key=api_key, timeout=timeout, pool=pool)
     if not isinstance(props, dict):
         raise ServerUnreachable(f"GET {base}/props: expected an object, got {type(props).__name__}: "
                                 f"is this a llama-server?")
     notes = []
     slots: list | None
     try:
-        slots = get_slots(base, api_key=api_key, timeout=timeout)
+        slots = get_slots(base, api_key=api_key, timeout=timeout, pool=pool)
     except ServerRefused as e:
         slots = None
         notes.append(f"GET /slots refused ({e.message or f'HTTP {e.status}'}): the slot's context is taken "
@@ -265,7 +278,7 @@ def server_facts(url: str, slot: int = 0, *, api_key: str | None = None,
     spec_types = params.get("speculative.types") if isinstance(params, dict) else None
     meta = None
     try:
-        models = get_models(base, api_key=api_key, timeout=timeout)
+        models = get_models(base, api_key=api_key, timeout=timeout, pool=pool)
         data = models.get("data") if isinstance(models, dict) else None
         if isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("meta"), dict):
             meta = data[0]["meta"]
@@ -292,7 +305,8 @@ def server_facts(url: str, slot: int = 0, *, api_key: str | None = None,
     )
 
 
-def check_slot(url: str, slot: int, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> int:
+def check_slot(url: str, slot: int, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+               pool: Pool | None = None) -> int:
     """UsageError unless the server has slot ``slot``; returns the server's number of slots (``GET /props``).
 
     llama-server itself takes any id modulo its number of slots (``get_slot_by_id``): on a 2-slot server
@@ -301,7 +315,7 @@ def check_slot(url: str, slot: int, *, api_key: str | None = None, timeout: floa
     """
     if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
         raise UsageError(f"--slot must be a slot id (0, 1, ...), got {slot!r}")
-    props = get_props(url, api_key=api_key, timeout=timeout)   # its shape holds a positive total_slots
+    props = get_props(url, api_key=api_key, timeout=timeout, pool=pool)   # its shape: a positive total_slots
     total = props["total_slots"]
     if slot >= total:
         raise UsageError(f"--slot {slot}: the server at {normalize_url(url)} has {total} slot(s), "
@@ -310,13 +324,13 @@ def check_slot(url: str, slot: int, *, api_key: str | None = None, timeout: floa
 
 
 def _slot_action(url: str, slot: int, action: str, body: Any, api_key: str | None, timeout: float,
-                 check: bool) -> Any:
+                 check: bool, pool: Pool | None) -> Any:
     if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
         raise UsageError(f"--slot must be a slot id (0, 1, ...), got {slot!r}")
     if check:
-        check_slot(url, slot, api_key=api_key, timeout=timeout)
+        check_slot(url, slot, api_key=api_key, timeout=timeout, pool=pool)
     answer = request(url, "POST", f"/slots/{slot}", body, query={"action": action}, api_key=api_key,
-                     timeout=timeout)
+                     timeout=timeout, pool=pool)
     what = f"POST {normalize_url(url)}/slots/{slot}?action={action}"
     check_shape(what, answer, SHAPES[action])
     if answer["id_slot"] != slot:
@@ -328,7 +342,7 @@ def _slot_action(url: str, slot: int, action: str, body: Any, api_key: str | Non
 
 
 def save_slot(url: str, slot: int, filename: str, *, api_key: str | None = None,
-              timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> Any:
+              timeout: float = DEFAULT_TIMEOUT, check: bool = True, pool: Pool | None = None) -> Any:
     """``POST /slots/{slot}?action=save``: the server writes ``--slot-save-path``/``filename``.
 
     Answer: ``{id_slot, filename, n_saved, n_written, timings: {save_ms}}``. The name is checked first
@@ -336,27 +350,29 @@ def save_slot(url: str, slot: int, filename: str, *, api_key: str | None = None,
     With ``check`` (the default) the slot id is checked first too (:func:`check_slot`).
     """
     check_filename(filename)
-    return _slot_action(url, slot, "save", {"filename": filename}, api_key, timeout, check)
+    return _slot_action(url, slot, "save", {"filename": filename}, api_key, timeout, check, pool)
 
 
 def restore_slot(url: str, slot: int, filename: str, *, api_key: str | None = None,
-              timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> Any:
+              timeout: float = DEFAULT_TIMEOUT, check: bool = True, pool: Pool | None = None) -> Any:
     """``POST /slots/{slot}?action=restore`` of ``--slot-save-path``/``filename``.
 
     Answer: ``{id_slot, filename, n_restored, n_read, timings: {restore_ms}}``; a file that does not load
     is ServerRefused (HTTP 400, "Unable to restore slot: ...").
     """
     check_filename(filename)
-    return _slot_action(url, slot, "restore", {"filename": filename}, api_key, timeout, check)
+    return _slot_action(url, slot, "restore", {"filename": filename}, api_key, timeout, check, pool)
 
 
 def erase_slot(url: str, slot: int, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-               check: bool = True) -> Any:
+               check: bool = True, pool: Pool | None = None) -> Any:
     """``POST /slots/{slot}?action=erase``: the slot forgets its cached prompt. Answer: ``{id_slot, n_erased}``."""
-    return _slot_action(url, slot, "erase", {}, api_key, timeout, check)
+    return _slot_action(url, slot, "erase", {}, api_key, timeout, check, pool)
 
 
-def completion(url: str, body: dict, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+def completion(url: str, body: dict, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+               pool: Pool | None = None) -> Any:
     """``POST /completion`` (not streamed): ``content``, ``tokens``, ``timings``, ``id_slot``, ..."""
-    return request(url, "POST", "/completion", dict(body, stream=False), api_key=api_key, timeout=timeout)
+    return request(url, "POST", "/completion", dict(body, stream=False), api_key=api_key, timeout=timeout,
+                   pool=pool)
 

@@ -253,16 +253,87 @@ class Answer(NamedTuple):
     raw: bytes
 
 
+# -- connections kept open ---------------------------------------------------------------------------------
+
+#: the most idle connections a :class:`Pool` keeps to one server
+MAX_IDLE = 8
+#: what a request on a kept connection the server has closed raises: its reset on the first write, or its close
+#: before a byte of an answer (``http.client.RemoteDisconnected`` is a ``ConnectionResetError``)
+_CLOSED = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
+
+class Pool:
+    """Connections to servers kept open between requests (HTTP keep-alive), for a process that makes many small
+    requests (serve's own, from its worker threads: one pool shared by them; thread-safe). Give it to
+    :func:`send` (or to a request of :mod:`slotctl.live.http`, ``pool=``), and close it when done.
+
+    A connection is kept only where that is safe: made directly (never through a proxy: its tunnel and
+    credentials are another party's), its answer read to its end within the deadline, and the server not
+    closing it (``Connection: close``: llama-server says so on the 100th request of a connection). A request
+    on a kept connection the server has closed meanwhile (a stale keep-alive: llama-server closes a connection
+    idle for 5 s, and a request written in between finds it closed before it was read) is sent once more, on
+    a new connection, within the same deadline: :attr:`retried` counts them. A request on a new connection is
+    never sent twice.
+    """
+
+    def __init__(self, max_idle: int = MAX_IDLE):
+        import threading
+
+        self.max_idle = max_idle
+        self._lock = threading.Lock()
+        self._idle: dict[tuple, list] = {}
+        self._closed = False
+        #: connections made through the pool (one made anew after the others closed may be a restarted server's)
+        self.made = 0
+        #: requests sent again on a new connection because their kept one had been closed by the server
+        self.retried = 0
+
+    @staticmethod
+    def _key(route: _Route) -> tuple:
+        return route.host, route.port, route.https
+
+    def take(self, route: _Route):
+        """A kept connection to ``route``'s server (the most recently used), or None."""
+        with self._lock:
+            idle = self._idle.get(self._key(route))
+            return idle.pop() if idle else None
+
+    def keep(self, route: _Route, conn) -> None:
+        """``conn`` (its answer read to its end) kept for the next request to ``route``'s server, or closed."""
+        with self._lock:
+            idle = self._idle.setdefault(self._key(route), [])
+            if not self._closed and len(idle) < self.max_idle:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def counted(self, *, made: int = 0, retried: int = 0) -> None:
+        with self._lock:
+            self.made += made
+            self.retried += retried
+
+    def close(self) -> None:
+        """Every kept connection closed; connections given back later are closed too."""
+        with self._lock:
+            self._closed = True
+            idle = [c for conns in self._idle.values() for c in conns]
+            self._idle.clear()
+        for conn in idle:
+            conn.close()
+
+
 def send(base: str, method: str, path: str, data: bytes | None = None, *, query: dict[str, str] | None = None,
-         api_key: str | None = None, timeout: float) -> Answer:
+         api_key: str | None = None, timeout: float, pool: Pool | None = None) -> Answer:
     """Send one request to the server at ``base`` (a URL :func:`normalize_url` made) and return its status and
     body, within the guarantees of this module: ``path`` starts with ``/`` (with ``query``, its query); ``data``
     is a JSON body; ``api_key`` (default: ``LLAMA_API_KEY``) goes in ``Authorization: Bearer``; ``timeout``
-    bounds the whole request. A redirect is :class:`~slotctl.live.errors.ServerRedirect`, a proxy's 407
-    :class:`~slotctl.live.errors.ProxyRefused`, an answer over the byte bound
-    :class:`~slotctl.live.errors.ServerAnswerError`, no answer :class:`~slotctl.live.errors.ServerUnreachable`
-    (:class:`~slotctl.live.errors.ServerDropped` when the request went and the connection closed unanswered,
-    :class:`~slotctl.live.errors.CutOff` when the process is stopping). Any other status is the caller's.
+    bounds the whole request; ``pool``: the connections kept open to take one from and give it back to
+    (:class:`Pool`; None: a connection of its own, closed after the answer). A redirect is
+    :class:`~slotctl.live.errors.ServerRedirect`, a proxy's 407 :class:`~slotctl.live.errors.ProxyRefused`, an
+    answer over the byte bound :class:`~slotctl.live.errors.ServerAnswerError`, no answer
+    :class:`~slotctl.live.errors.ServerUnreachable` (:class:`~slotctl.live.errors.ServerDropped` when the
+    request went and the connection closed unanswered, :class:`~slotctl.live.errors.CutOff` when the process is
+    stopping). Any other status is the caller's.
     """
     import http.client
     import socket
@@ -272,30 +343,39 @@ def send(base: str, method: str, path: str, data: bytes | None = None, *, query:
     target = path
     if query:
         target += "?" + urllib.parse.urlencode(query)
-    headers = {"Accept": "application/json", "Connection": "close"}
-    if data is not None:
-        headers["Content-Type"] = "application/json"
-    key = _api_key(api_key)
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
     what = f"{method} {base}{path}"
     try:
         route = _route(base)
     except ValueError as e:
         raise UsageError(f"{what}: {redact(str(e))}") from None
+    pooled = pool is not None and route.proxy is None
+    headers = {"Accept": "application/json"} if pooled else {"Accept": "application/json", "Connection": "close"}
+    if data is not None:
+        headers["Content-Type"] = "application/json"
+    key = _api_key(api_key)
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     if route.proxy and not route.https and route.proxy_auth:
         headers["Proxy-Authorization"] = route.proxy_auth
     expired = threading.Event()
     sockets: list = []   # every socket made, kept: http.client hands its socket to the response and forgets it
+    #: held by the cut-off while it shuts the sockets down, and for good by a request that keeps its connection
+    #: (never waited for: the cut-off also runs in a signal handler, :func:`cut_off_reads`)
+    own = threading.Lock()
 
     def cut_off() -> None:
         """The time is up: shut the sockets down under whatever phase is blocked on them."""
-        expired.set()
-        for sock in sockets:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        if not own.acquire(blocking=False):   # the request is keeping its connection: done, not cut
+            return
+        try:
+            expired.set()
+            for sock in sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        finally:
+            own.release()
 
     timer = threading.Timer(timeout, cut_off)
     timer.daemon = True
@@ -304,19 +384,42 @@ def send(base: str, method: str, path: str, data: bytes | None = None, *, query:
     if method == "GET":
         _READS.add((stopped, cut_off))
     conn = None
+    kept = False
     sent = False
     try:
-        conn, prefix = _connection(route, timeout, sockets)   # a proxy's CONNECT included
-        if expired.is_set():
-            raise TimeoutError
-        conn.request(method, prefix + target, body=data, headers=headers)
-        sent = True
-        resp = conn.getresponse()
+        conn = pool.take(route) if pooled else None
+        while True:
+            reused = conn is not None
+            try:
+                if reused:
+                    conn.sock.settimeout(timeout)
+                    sockets.append(conn.sock)
+                    prefix = route.path
+                else:
+                    conn, prefix = _connection(route, timeout, sockets)   # a proxy's CONNECT included
+                    if pool is not None:
+                        pool.counted(made=1)
+                if expired.is_set():
+                    raise TimeoutError
+                conn.request(method, prefix + target, body=data, headers=headers)
+                sent = True
+                resp = conn.getresponse()
+                break
+            except _CLOSED:
+                if not reused or expired.is_set() or stopped.is_set():
+                    raise
+                # a kept connection the server closed before it read the request: sent once more, on a new one
+                conn.close()
+                conn, sent = None, False
+                pool.counted(retried=1)
         status, location = resp.status, resp.getheader("Location")
         reason = resp.reason or ""
         raw = resp.read(MAX_ANSWER_BYTES + 1)
         if expired.is_set():
             raise TimeoutError
+        if pooled and resp.isclosed() and not resp.will_close and conn.sock is not None \
+                and own.acquire(blocking=False):   # never released: a cut-off from now on leaves it alone
+            kept = not expired.is_set()
     except ProxyRefused as e:
         raise ProxyRefused(f"{what}: {e}") from None
     except BaseException as e:
@@ -341,13 +444,16 @@ def send(base: str, method: str, path: str, data: bytes | None = None, *, query:
     finally:
         timer.cancel()
         _READS.discard((stopped, cut_off))
-        if conn is not None:
-            conn.close()
-        for sock in sockets:
-            try:
-                sock.close()
-            except OSError:
-                pass
+        if kept:
+            pool.keep(route, conn)
+        else:
+            if conn is not None:
+                conn.close()
+            for sock in sockets:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
     if status == 407 and route.proxy:   # the proxy's answer, not the server's
         raise ProxyRefused(f"{what}: {_proxy_refused(route, status, reason)}")
     if 300 <= status < 400:
