@@ -171,10 +171,6 @@ class Plan:
     def output_size(self) -> int:
         return sum(piece_size(p) for p in self.pieces)
 
-    @property
-    def recodes(self) -> list[Recode]:
-        return [p for p in self.pieces if isinstance(p, Recode)]
-
 
 # -- planning ---------------------------------------------------------------------------------------------
 

@@ -29,19 +29,18 @@ from typing import BinaryIO
 import construct as cs
 import numpy as np
 
-from slotctl.errors import FormatError, UsageError
+from slotctl.errors import FormatError
 from slotctl.format import appendix as apx
 from slotctl.format import blob as blobfmt
 from slotctl.format import tokens as tokfmt
 from slotctl.format.appendix import CHECKPOINT_MIN_SIZE
 from slotctl.format.common import (CHECKPOINT_COST, CheckError, FileBudget, Span, TrackingReader, hex32, parse,
                                    parse_bytes)
-from slotctl.format.header import STATE_SEQ_MAGIC, StateHeader, file_kind, header_size
-# which entries are slot files: its home is slotctl.format.magic (light: a directory listing needs only it)
-from slotctl.format.magic import SLOT_FILE_SUFFIX, is_slot_entry  # noqa: F401
+from slotctl.format.header import STATE_SEQ_MAGIC, StateHeader, header_size
+from slotctl.format.magic import file_kind
 from slotctl.format.memory import MemoryLayout, candidate_layouts
 from slotctl.format.recurrent import records_fit, recurrent_head
-from slotctl.paths import CATALOG_FILE, STDIN  # noqa: F401 - CATALOG_FILE: its home is slotctl.paths
+from slotctl.paths import STDIN
 from slotctl.format.ahead import prefetch
 from slotctl.sources import input_size, open_input, raise_failure, ranged_view, remote_url
 
@@ -812,16 +811,3 @@ def rebuild(sf: SlotFile) -> bytes:
     if sf.trailing is not None and sf.trailing.size:
         parts.append(sf.trailing.read(f))
     return b"".join(parts)
-
-
-# -- which directory entries are slot files (the expansion itself: slotctl.inputs) ---------------------
-
-
-def is_slot_file(path: str) -> bool:
-    """:func:`is_slot_entry` for the file at ``path``."""
-    try:
-        with open_input(path) as f:
-            head = f.read(4)
-    except (OSError, UsageError):
-        head = None
-    return is_slot_entry(os.path.basename(path), head)

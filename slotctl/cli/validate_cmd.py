@@ -29,7 +29,6 @@ from slotctl.cli.options import (
 )
 from slotctl.cli.server_panel import with_server_flags
 from slotctl.cli.output import Output, escape_text, human_bytes, style_of
-from slotctl.errors import UsageError
 from slotctl.server.flags import SERVER_STATE_VERSION, ServerFlags, attn_rot_disable
 from slotctl.live import DEFAULT_TIMEOUT
 
