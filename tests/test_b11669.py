@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import struct
 import time
 from dataclasses import dataclass
@@ -557,3 +558,29 @@ def test_2000_checkpoints_are_read_and_the_newest_kept(llama_server_b11669, mode
     assert got.steps == {"checkpoints": "restored 32", "draft": "restored"}, got.lines
     rep = validate(path, "-m", models["target"], "-md", models["draft"], *FLAGS, *DRAFT)
     assert steps_of(rep) == got.steps and rep["certain"], rep["findings"]
+
+
+def test_live_mode_learns_the_build_from_the_server(llama_server_b11669, llama_server_bin, models, draft_file,
+                                                    tmp_path):
+    """validate --server judges a file by the build the server says it is (/props build_info): b11669 reads
+    the draft state; b11434 ignores it (appendix_needs_new_server, said only there)."""
+    from conftest import start_server as start
+
+    local = tmp_path / "slots"
+    local.mkdir()
+    shutil.copy(draft_file, local / "draft.bin")
+    for binary, build in ((llama_server_b11669, "b11669"), (llama_server_bin, "b11434")):
+        srv = start(binary, models["target"], tmp_path, build, args=(*FLAGS, *DRAFT), draft=models["draft"],
+                    slot_save_path=local)
+        try:
+            res = runner.invoke(app, ["validate", str(local / "draft.bin"), "--server", srv.url, "-m",
+                                      str(models["target"]), "-md", str(models["draft"]), "--no-load", "--json"])
+        finally:
+            srv.stop()
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        (rep,) = doc["files"]
+        assert rep["build"] == doc["server"]["build"] == build
+        codes = {f["code"] for f in rep["findings"]}
+        assert ("appendix_needs_new_server" in codes) == (build == "b11434")
+        assert steps_of(rep)["draft"] == ("restored" if build == "b11669" else "ignored")

@@ -671,3 +671,19 @@ def test_validate_drops_a_draft_state_for_md_alone_and_says_why(tmp_path):
     (rep,) = json.loads(res.stdout)["files"]
     (f,) = [x for x in rep["findings"] if x["code"] == "no_draft_context"]
     assert "builds no drafter" in f["message"] and rep["verdict"] == "restores_with_drops"
+
+
+def test_the_build_a_server_names_is_judged_by_a_known_one():
+    """/props build_info -> the build whose rules apply (slotctl.server.builds.from_build_info)."""
+    from slotctl.server.builds import KNOWN, NEWEST, from_build_info, get
+
+    assert KNOWN == ("b11434", "b11669") and NEWEST == "b11669"
+    assert from_build_info("b11669-Debian") == ("b11669", None)
+    assert from_build_info("b11434-1a2b3c") == ("b11434", None)
+    assert from_build_info("b11549-abc")[0] == "b11434" and "nearest" in from_build_info("b11549-abc")[1]
+    assert from_build_info("b12000")[0] == "b11669"
+    assert from_build_info("b100")[0] == "b11434"
+    assert from_build_info(None)[0] == NEWEST and "no build number" in from_build_info(None)[1]
+    with pytest.raises(ValueError, match="known: b11434, b11669"):
+        get("b9")
+    assert get("B11669").reads_checkpoints and not get("b11434").reads_checkpoints

@@ -108,9 +108,9 @@ def from_build_info(build_info: str | None) -> tuple[str, str | None]:
                         f"{NEWEST}, the newest slotctl knows")
     n = int(m.group(1))
     name = f"b{n}"
-    if name in BUILDS:
+    if name in KNOWN:
         return name, None
-    numbers = sorted(int(k[1:]) for k in BUILDS)
+    numbers = sorted(int(k[1:]) for k in KNOWN)
     below = [k for k in numbers if k <= n]
     chosen = f"b{below[-1] if below else numbers[0]}"
     return chosen, f"the server is {name}: judged by the rules of {chosen}, the nearest build slotctl knows"
