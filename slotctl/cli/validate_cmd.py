@@ -157,6 +157,8 @@ def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = 
             head.append(f"  {fr.size:,} bytes", style="dim")
         if fr.version is not None:
             head.append(f", state version {fr.version}", style="dim")
+        if fr.build is not None:
+            head.append(f", for {fr.build}", style="dim")
         out.print(head)
         for why in fr.uncertain:
             line = Text("  not certain ", style="bold yellow")
