@@ -584,3 +584,40 @@ def test_live_mode_learns_the_build_from_the_server(llama_server_b11669, llama_s
         codes = {f["code"] for f in rep["findings"]}
         assert ("appendix_needs_new_server" in codes) == (build == "b11434")
         assert steps_of(rep)["draft"] == ("restored" if build == "b11669" else "ignored")
+
+
+def test_migrate_between_two_b11669_servers(llama_server_b11669, models, tmp_path):
+    """slotctl migrate from a b11669 (gemma2 with a draft, -np 1) to another (-np 2 -kvu): the file converted
+    for the destination, restored there with its checkpoints and draft state ("restored N context
+    checkpoint(s)", "restored the draft state"), and proven by the server's own counts (b11669's rule: the saved
+    prompt itself keeps all but its last token in an iSWA slot)."""
+    import subprocess
+    import sys
+
+    a_dir, b_dir, store = tmp_path / "a", tmp_path / "b", tmp_path / "store"
+    for d in (a_dir, b_dir, store):
+        d.mkdir()
+    a = serve(llama_server_b11669, models["gemma2"], tmp_path, "a", *CKPT_FLAGS, *DRAFT, draft=models["draft"],
+              slot_dir=a_dir)
+    b_flags = [f for f in CKPT_FLAGS]
+    b_flags[b_flags.index("-np") + 1] = "2"
+    b = serve(llama_server_b11669, models["gemma2"], tmp_path, "b", *b_flags, "-kvu", *DRAFT, draft=models["draft"],
+              slot_dir=b_dir)
+    try:
+        a.completion(PROMPT, slot=0, n_predict=8)
+        a.completion(PROMPT + TURNS[0], slot=0, n_predict=8)
+        before = len(b.log_text().splitlines())
+        res = subprocess.run([sys.executable, "-m", "slotctl", "migrate", "--from", a.url, "--slot", "0", "--to", b.url,
+                              "--to-slot", "1", "--from-dir", str(a_dir), "--to-dir", str(b_dir), "--name", "moved.bin",
+                              "-kvu", "--store", str(store), "--json"], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        doc = json.loads(res.stdout)
+        said = "\n".join(wait_log(b, r"restored the draft state", before))
+    finally:
+        a.stop()
+        b.stop()
+    assert all(s["status"] == "ok" for s in doc["steps"]), doc["steps"]
+    assert doc["proof"]["verdict"] == "proven", doc["proof"]
+    n = doc["proof"]["n_prompt"]
+    assert (doc["proof"]["n_reused"], doc["proof"]["n_evaluated"]) == (n - 1, 1)
+    assert CKPT_RESTORED.search(said) and not CKPT_DRAFT_DROPPED.search(said), said
