@@ -514,6 +514,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: flags whose value is a path the server opens (checked to be shared with a chroot)
+PATH_FLAGS = ("-m", "--model", "-md", "--model-draft", "--spec-draft-model", "--models-dir", "--models-preset",
+              "-mm", "--mmproj", "--slot-save-path")
+
+
 class LlamaServer:
     """``llama-server -m MODEL [-md DRAFT] ARGS`` on 127.0.0.1, a free port; a context manager.
 
@@ -543,7 +548,7 @@ class LlamaServer:
         self._log = None
         if isinstance(self.binary, Chroot):
             given = [self.model, self.draft, self.slot_save_path]
-            given += [Path(a) for flag, a in zip(self.args, self.args[1:]) if flag in ("--models-dir", "--models-preset")]
+            given += [Path(a) for flag, a in zip(self.args, self.args[1:]) if flag in PATH_FLAGS]
             outside = [str(g) for g in given if g is not None and not self.binary.shares(g)]
             if outside:
                 raise ValueError(f"llama-server {self.binary.build} runs in a chroot that shares only "
