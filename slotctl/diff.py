@@ -13,7 +13,6 @@ stream (never a memory map); the rest of each file is metadata, parsed as ``insp
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -143,7 +142,6 @@ def _type_of(rec) -> str:
 class _RecordResult:
     max_abs: float | None = 0.0
     equal: bool = True
-    comparable: bool = True
     note: str | None = None
     #: some differing rows hold values that are not finite (inf, nan): no largest difference is given
     nonfinite: bool = False
@@ -209,7 +207,7 @@ def _compare_rows(a: _Record, b: _Record, n: int, cell_mask: np.ndarray) -> _Rec
             res.equal = False
             cell_mask[c0:c1] |= neq
             if not tensors.can_read(ra.type):
-                res.max_abs, res.comparable = None, False
+                res.max_abs = None
                 continue
             sel = np.flatnonzero(neq)
             va = tensors.dequantize(xa[sel].tobytes(), ra.type, ea)
@@ -446,13 +444,6 @@ def _span_equal(ma: _Rows, sa, mb: _Rows, sb, part: str) -> bool:
     except _Unreadable:
         return False
     return True
-
-
-def same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def _side(sf: SlotFile) -> dict:

@@ -13,8 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
-from slotctl.errors import UsageError
-from slotctl.paths import CATALOG_FILE, STDIN, check_readable, directory_entries, directory_files
+from slotctl.paths import CATALOG_FILE, STDIN, directory_entries, directory_files
 from slotctl.format.magic import is_slot_entry
 from slotctl.sources import first_bytes, list_prefix, prefix_exists, remote_url, sub_prefixes
 
@@ -137,35 +136,3 @@ def _joiner(directory: str) -> str:
     """What ``os.path.join(directory, name)`` puts before a plain ``name`` (no separator in it): joined by
     concatenation, once per directory instead of once per file."""
     return directory if directory.endswith(os.sep) else directory + os.sep
-
-
-def expand_paths(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> list[str]:
-    """Local paths only: each file as given; each directory's regular files, slot files or not (not
-    recursive, sorted; :func:`expand_slot_paths` is what commands use).
-
-    Temporary files of slotctl's atomic writes are skipped. Symbolic links inside a directory are skipped
-    unless ``follow_symlinks`` (a command that only reads may follow them; one that rewrites files must
-    not); so are FIFOs, devices and sockets. A path given twice (or a file also found in a given
-    directory) is listed once. A path given that is not a directory is checked by
-    :func:`~slotctl.paths.check_readable` (missing, a FIFO or device, a symbolic link loop: a usage error).
-    """
-    out: list[str] = []
-    seen: set[str] = set()
-
-    def add(p: str) -> None:
-        key = os.path.realpath(p)
-        if key not in seen:
-            seen.add(key)
-            out.append(p)
-
-    for raw in paths:
-        p = os.fspath(raw)
-        if os.path.isdir(p):
-            for name in directory_files(p, follow_symlinks):
-                add(os.path.join(p, name))
-        elif os.path.isfile(p):
-            add(p)
-        else:
-            check_readable(p)   # raises the usage error that names what the path is
-            raise UsageError(f"{p}: not a regular file or a directory")  # pragma: no cover - a race
-    return out

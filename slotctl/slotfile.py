@@ -29,19 +29,18 @@ from typing import BinaryIO
 import construct as cs
 import numpy as np
 
-from slotctl.errors import FormatError, UsageError
+from slotctl.errors import FormatError
 from slotctl.format import appendix as apx
 from slotctl.format import blob as blobfmt
 from slotctl.format import tokens as tokfmt
 from slotctl.format.appendix import CHECKPOINT_MIN_SIZE
 from slotctl.format.common import (CHECKPOINT_COST, CheckError, FileBudget, Span, TrackingReader, hex32, parse,
                                    parse_bytes)
-from slotctl.format.header import STATE_SEQ_MAGIC, StateHeader, file_kind, header_size
-# which entries are slot files: its home is slotctl.format.magic (light: a directory listing needs only it)
-from slotctl.format.magic import SLOT_FILE_SUFFIX, is_slot_entry  # noqa: F401
+from slotctl.format.header import STATE_SEQ_MAGIC, StateHeader, header_size
+from slotctl.format.magic import file_kind
 from slotctl.format.memory import MemoryLayout, candidate_layouts
 from slotctl.format.recurrent import records_fit, recurrent_head
-from slotctl.paths import CATALOG_FILE, STDIN  # noqa: F401 - CATALOG_FILE: its home is slotctl.paths
+from slotctl.paths import STDIN
 from slotctl.format.ahead import prefetch
 from slotctl.sources import input_size, open_input, raise_failure, ranged_view, remote_url
 
@@ -132,6 +131,9 @@ class Blob:
     memory: Memory | None = None
     error: FormatError | None = None
     candidates: list = field(default_factory=list)   # layouts that fit, when no layout was given
+    #: the blob header alone (8 bytes): a plain KV cache's PARTIAL_ONLY state as libllama b11434 and later
+    #: write it (a checkpoint's blob; llama-cpp-python 0.3.36 writes the whole cache there)
+    header_only: bool = False
 
 
 @dataclass
@@ -416,8 +418,13 @@ def _known_to_fail(memo: dict, offset: int, layout: MemoryLayout) -> bool:
     return False
 
 
-def parse_blob(f: BinaryIO, span: Span, layout: MemoryLayout | None, version: int, layer: str) -> Blob:
-    """Dissect an in-memory blob at ``span``; without a layout, the candidates that fill it exactly."""
+def parse_blob(f: BinaryIO, span: Span, layout: MemoryLayout | None, version: int, layer: str, *,
+               partial: bool = False) -> Blob:
+    """Dissect an in-memory blob at ``span``; without a layout, the candidates that fill it exactly.
+
+    ``partial``: a PARTIAL_ONLY blob (a checkpoint's): the blob header alone is a plain KV cache's state as
+    libllama b11434 and later write it (``header_only``), read so when the layout is a plain KV cache or
+    not known."""
     b = Blob(span)
     if span.size == 0:
         return b
@@ -429,6 +436,9 @@ def parse_blob(f: BinaryIO, span: Span, layout: MemoryLayout | None, version: in
         return b
     b.seq_id = hdr.seq_id
     body = span.offset + blobfmt.BLOB_HEADER_SIZE
+    if partial and span.size == blobfmt.BLOB_HEADER_SIZE and (layout is None or layout.kind == "kv"):
+        b.header_only = True
+        return b
     if layout is not None:
         try:
             m = parse_memory(f, body, span.end, layout, version, layer)
@@ -718,8 +728,10 @@ def _read_appendices(f: BinaryIO, sf: SlotFile, offset: int, draft_layout: Memor
                                 "are not read")
                 sf.add_error("SCKP appendix", e)
                 break
-            tgt = parse_blob(f, c.tgt.data, tgt_partial, version, f"{checkpoint_layer(i, 'target')} blob")
-            dft = parse_blob(f, c.dft.data, dft_partial, version, f"{checkpoint_layer(i, 'draft')} blob")
+            tgt = parse_blob(f, c.tgt.data, tgt_partial, version, f"{checkpoint_layer(i, 'target')} blob",
+                             partial=True)
+            dft = parse_blob(f, c.dft.data, dft_partial, version, f"{checkpoint_layer(i, 'draft')} blob",
+                             partial=True)
             for kind, b in (("target", tgt), ("draft", dft)):
                 if b.error:
                     sf.add_error(f"{checkpoint_layer(i, kind)} blob", b.error)
@@ -812,16 +824,3 @@ def rebuild(sf: SlotFile) -> bytes:
     if sf.trailing is not None and sf.trailing.size:
         parts.append(sf.trailing.read(f))
     return b"".join(parts)
-
-
-# -- which directory entries are slot files (the expansion itself: slotctl.inputs) ---------------------
-
-
-def is_slot_file(path: str) -> bool:
-    """:func:`is_slot_entry` for the file at ``path``."""
-    try:
-        with open_input(path) as f:
-            head = f.read(4)
-    except (OSError, UsageError):
-        head = None
-    return is_slot_entry(os.path.basename(path), head)

@@ -65,7 +65,7 @@ def shown(path: str | os.PathLike) -> str:
 @dataclass(frozen=True)
 class Entry:
     """An object (or file) as a listing or a stat sees it: its URL, size, last-modified time (POSIX seconds),
-    ETag (None locally) and last-used time (``atime`` locally; a store's metadata key remotely, or None)."""
+    ETag (None locally) and last-used time (``atime`` locally; None for an object: a store keeps none)."""
 
     path: str
     size: int
@@ -111,7 +111,7 @@ class RangedFile(io.RawIOBase):
     least :data:`READAHEAD` bytes from where it starts (the first read :data:`HEAD_BYTES`).
 
     A subclass gives :meth:`fetch` (the bytes of each ``(offset, size)`` range, in one round trip) and sets
-    ``size`` and ``name``. ``requests`` and ``bytes_read`` count what was fetched (tests and benchmarks).
+    ``size`` and ``name``. What is fetched is counted in :data:`TOTALS` (tests and benchmarks).
     """
 
     size: int = 0
@@ -124,8 +124,6 @@ class RangedFile(io.RawIOBase):
         self._pos = 0
         self._blocks: list[tuple[int, bytes]] = []   # (offset, bytes), oldest first
         self._cached = 0
-        self.requests = 0
-        self.bytes_read = 0
 
     # -- what a subclass provides
     def fetch(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:  # pragma: no cover - abstract
@@ -154,9 +152,7 @@ class RangedFile(io.RawIOBase):
             # :func:`raise_failure` raises the store's own error after the walk
             self.failure = e
             raise
-        self.requests += len(ranges)
         n = sum(len(b) for b in out)
-        self.bytes_read += n
         TOTALS["requests"] += len(ranges)
         TOTALS["bytes"] += n
         return out
@@ -290,19 +286,6 @@ def input_size(f: BinaryIO) -> int:
     if isinstance(f, RangedFile):
         return f.size
     return os.fstat(f.fileno()).st_size
-
-
-def stat_input(path: str | os.PathLike) -> Entry:
-    """An input's size and times, before it is read (``atime`` as the server left it): a local ``stat`` or
-    the store's ``HEAD``. OSError when a local file cannot be stat'ed; a usage error for a missing object."""
-    url = remote_url(path)
-    if url is None:
-        st = os.stat(path)
-        return Entry(os.fspath(path), st.st_size, st.st_mtime, None, st.st_atime)
-    entry = store_for(url).stat(url)
-    if entry is None:
-        raise UsageError(f"{url}: no such object", code="no_such_file")
-    return entry
 
 
 def first_bytes(paths: Sequence[str], n: int = 4) -> list[bytes | None]:

@@ -339,7 +339,8 @@ def strip_files(files: list[str], *, output: str | os.PathLike | None = None, ch
                 layout: MemoryLayout | None = None, draft_layout: MemoryLayout | None = None,
                 grace: float = DEFAULT_GRACE, all_links: bool = False, follow_symlinks: bool = False,
                 now: Callable[[], float] = time.time) -> list[FileResult]:
-    """Strip each of ``files`` (already expanded, see :func:`expand_paths`); one result per file.
+    """Strip each of ``files`` (already expanded, see :func:`slotctl.inputs.expand_slot_paths`); one result per
+    file.
 
     ``layout`` / ``draft_layout``: the target and draft memory layouts, when known from the models.
     In place unless ``output`` is given (one file only; see :func:`check_output`; ``follow_symlinks``

@@ -2,7 +2,7 @@
 not read again; a changed, too young, corrupt or foreign index entry is never trusted.
 
 The files are real llama-server b11434 saves (tests/data). Which files were read is observed through
-``slotctl.catalog._Worker.row`` (the only place a row is made from a file).
+``slotctl.catalog.rows._Worker.row`` (the only place a row is made from a file).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from conftest import DATA
 from test_store import s3, seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 from slotctl import catalog as cat
+from slotctl.catalog import rows as made
 from slotctl.cli.app import app
 
 runner = CliRunner()
@@ -53,13 +54,13 @@ def slots(tmp_path):
 def reads(monkeypatch):
     """The paths rows were made from (files read), in order."""
     seen: list[str] = []
-    real = cat._Worker.row
+    real = made._Worker.row
 
     def row(self, path, now):
         seen.append(os.path.basename(path))
         return real(self, path, now)
 
-    monkeypatch.setattr(cat._Worker, "row", row)
+    monkeypatch.setattr(made._Worker, "row", row)
     return seen
 
 

@@ -28,7 +28,7 @@ from slotctl.cli.app import app
 from slotctl.format.appendix import SCKP_MAGIC, SDFT_MAGIC, build_sckp, build_sdft
 from slotctl.format.blob import blob_header
 from slotctl.slotfile import open_slot_file
-from slotctl.inputs import expand_paths
+from slotctl.inputs import expand_slot_paths
 from slotctl.strip import SourceChanged, plan_strip, strip_files, write_plan
 
 from conftest import DATA
@@ -387,7 +387,9 @@ def test_directory_mode(tmp_path):
     (d_ / "z-link.bin").symlink_to(with_draft.path)
     untouched = {p: identity(p) for p in (plain, notes, tmp, d_ / "sub" / "nested.bin")}
 
-    assert expand_paths([d_]) == [str(d_ / n) for n in ("a-plain.bin", "b-draft.bin", "c-ckpt.bin", "notes.txt")]
+    got = expand_slot_paths([d_])
+    assert got.files == [str(d_ / n) for n in ("a-plain.bin", "b-draft.bin", "c-ckpt.bin")]
+    assert got.skipped == [str(d_ / "notes.txt")] and got.links == [str(d_ / "z-link.bin")]
     code, d = strip_json(d_, "--checkpoints")
     assert code == 0   # notes.txt does not begin with the state magic: not a slot file, skipped
     assert [(Path(f["path"]).name, f["status"]) for f in d["files"]] == [
@@ -403,7 +405,7 @@ def test_directory_mode(tmp_path):
     assert temp_files(d_) == [tmp]
 
     # a directory given with one of its files: each file once
-    assert expand_paths([with_draft.path, d_]).count(str(with_draft.path)) == 1
+    assert expand_slot_paths([with_draft.path, d_]).files.count(str(with_draft.path)) == 1
 
 
 def test_dry_run_writes_nothing(tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from slotctl.cli.options import MAX_WORD, SERVER_ARGS_MAX_BYTES
+from slotctl.cli.server_args import MAX_WORD, SERVER_ARGS_MAX_BYTES
 from slotctl.errors import UsageError
 from slotctl.paths import STDIN_MAX_BYTES, read_bounded
 from slotctl.server.flags import INT_MAX, ServerFlags, env_switch, from_environment

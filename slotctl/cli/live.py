@@ -16,7 +16,8 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import (ApiKeyOpt, ArgsCommand, ConfigOpt, JsonOpt, RouterModelOpt, ServerOpt, ServerSlotOpt, TimeoutOpt,
+from slotctl.cli.command_line import ArgsCommand
+from slotctl.cli.options import (ApiKeyOpt, ConfigOpt, JsonOpt, RouterModelOpt, ServerOpt, ServerSlotOpt, TimeoutOpt,
                                  store_option)
 from slotctl.cli.output import Output, style_of
 from slotctl.cli.remote import _cell, _plain

@@ -10,8 +10,8 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors, store_deadline
+from slotctl.cli.command_line import ArgsCommand, remote_paths
 from slotctl.cli.options import (
-    ArgsCommand,
     DraftModelOpt,
     JudgeServerOpt,
     JsonOpt,
@@ -21,9 +21,8 @@ from slotctl.cli.options import (
     ServerStateVersionOpt,
     SlotOpt,
     VerboseOpt,
-    remote_paths,
-    with_server_flags,
 )
+from slotctl.cli.server_panel import with_server_flags
 from rich.cells import cell_len
 
 from slotctl.cli.output import FOLD_WIDTH, Output, escape_text, human_bytes, style_of
@@ -132,7 +131,7 @@ def ls(
     from slotctl.inputs import expand_slot_paths
 
     if not paths:     # none given: the --slot-save-path of a pasted server command line, else here
-        from slotctl.cli.options import pasted_slot_dir
+        from slotctl.cli.command_line import pasted_slot_dir
 
         paths = [Path(pasted_slot_dir(ctx) or ".")]
     request = Request(setup=setup, real_check=load, verbose=verbose)

@@ -11,7 +11,8 @@ from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ApiKeyOpt, ArgsCommand, JsonOpt, TimeoutOpt, flag_option, store_option
+from slotctl.cli.command_line import ArgsCommand
+from slotctl.cli.options import ApiKeyOpt, JsonOpt, TimeoutOpt, flag_option, store_option
 from slotctl.live import SLOT_FILE_TIMEOUT
 from slotctl.cli.output import Output, style_of
 from slotctl.format.ggml import CACHE_TYPE_NAMES

@@ -9,16 +9,16 @@ import typer
 from rich.text import Text
 
 from slotctl.cli.common import handle_errors, store_deadline
+from slotctl.cli.command_line import ArgsCommand
 from slotctl.cli.options import (
     StoreTimeoutOpt,
-    ArgsCommand,
     DraftModelOpt,
     JsonOpt,
     ModelOpt,
     SlotOpt,
     VerboseOpt,
-    with_server_flags,
 )
+from slotctl.cli.server_panel import with_server_flags
 from slotctl.cli.output import Output, escape_text, human_bytes, style_of
 from slotctl.server.flags import ServerFlags
 from slotctl.errors import ExitStatus, UsageError, worst
@@ -124,7 +124,7 @@ def prune(
                     update(i)
                 return judged
 
-    from slotctl.cli.options import pasted_slot_dir, remote_paths
+    from slotctl.cli.command_line import pasted_slot_dir, remote_paths
 
     if directory is None:
         if pasted_slot_dir(ctx) is None:

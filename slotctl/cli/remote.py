@@ -20,22 +20,17 @@ from rich.table import Table
 from rich.text import Text
 
 from slotctl.live import http as server_api
-from slotctl.cli.options import LIVE_ONLY_PARAMS, ArgsCommand, raw_value
+from slotctl.cli.command_line import raw_value
+from slotctl.cli.server_args import LIVE_ONLY_PARAMS
 from slotctl.cli.output import Output, escape_text, markup_safe, style_of
 from slotctl.errors import UsageError
 
 #: parameters save and restore take in live mode; any other one given is a usage error there
 _LIVE_PARAMS = frozenset({"server", "api_key", "timeout", "slot", "json_out", "verbose", "name", "file", "prove",
                           "slot_dir", "router_model"})
-#: parameters that only live mode takes
-_SERVER_ONLY = LIVE_ONLY_PARAMS
 
 
 # -- the command line as given ------------------------------------------------------------------------------
-
-
-#: the command class that keeps the command line as typed (restore --server checks NAME as typed)
-RawArgsCommand = ArgsCommand
 
 
 def _source(ctx: typer.Context | None, name: str) -> str | None:
@@ -81,7 +76,7 @@ def refuse_local_options(ctx: typer.Context | None, command: str, why: str, also
 def require_local(ctx: typer.Context | None, command: str, *, store: bool = False, **required: Any) -> None:
     """Local mode (no ``--server``): the options it needs are there and no live-only option was typed
     (``store``: an ``s3://`` path is given, and ``--timeout`` is its deadline)."""
-    live_only = [n for n in _SERVER_ONLY if _source(ctx, n) == "COMMANDLINE" and not (store and n == "timeout")]
+    live_only = [n for n in LIVE_ONLY_PARAMS if _source(ctx, n) == "COMMANDLINE" and not (store and n == "timeout")]
     if live_only:
         names = ", ".join(option_name(ctx, n) for n in live_only)
         raise UsageError(f"{names} {'goes' if len(live_only) == 1 else 'go'} with --server URL (live mode)")

@@ -16,9 +16,11 @@ from rich.text import Text
 from slotctl.cli import remote
 from slotctl.cli.common import check_file, handle_errors, read_prompt
 from slotctl.cli.extras import require_llama
-from slotctl.cli.options import (ArgsCommand, RouterModelOpt, DraftModelOpt, ForceSendOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt,
-                                 LiveTimeoutOpt, LocalModelOpt, ProveAnywayOpt, ProveOpt, SlotDirOpt, SlotOpt, VerboseOpt,
-                                 with_server_flags)
+from slotctl.cli.command_line import ArgsCommand
+from slotctl.cli.options import (RouterModelOpt, DraftModelOpt, ForceSendOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt,
+                                 LiveTimeoutOpt, LocalModelOpt, ProveAnywayOpt, ProveOpt, SlotDirOpt, SlotOpt,
+                                 VerboseOpt)
+from slotctl.cli.server_panel import with_server_flags
 from slotctl.live import SLOT_FILE_TIMEOUT
 from slotctl.cli.output import Output, elide, escape_text, markup_safe, style_of
 from slotctl.errors import ExitStatus, UsageError

@@ -9,7 +9,8 @@ import typer
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ApiKeyOpt, ArgsCommand, ConfigOpt, flag_option
+from slotctl.cli.command_line import ArgsCommand
+from slotctl.cli.options import ApiKeyOpt, ConfigOpt, flag_option
 from slotctl.cli.output import Output
 from slotctl.errors import UsageError
 from slotctl.live import SLOT_FILE_TIMEOUT

@@ -64,12 +64,6 @@ class Cells:
     def pos_max(self) -> int | None:
         return int(self.pos.max()) if len(self.pos) else None
 
-    def uniform_n_seq_id(self) -> int | None:
-        if not len(self.n_seq_id):
-            return None
-        first = int(self.n_seq_id[0])
-        return first if bool((self.n_seq_id == first).all()) else None
-
 
 def _dtype(ext_words: int, n_seq: int) -> np.dtype:
     fields = [("pos", "<i4"), ("n_seq_id", "<u4")]

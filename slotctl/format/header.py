@@ -14,7 +14,7 @@ from slotctl.format.arrays import NumpyArray
 from slotctl.format.cells import MAX_CELLS
 from slotctl.format.common import Counted, Expect, hex32
 # the magics and file_kind: their home is slotctl.format.magic (light: a directory listing needs only them)
-from slotctl.format.magic import GGUF_MAGIC_BYTES, STATE_MAGIC_BYTES, STATE_SEQ_MAGIC, file_kind  # noqa: F401
+from slotctl.format.magic import STATE_SEQ_MAGIC
 
 #: the header's fixed part, its fields as they are before any check (what a loader reads first, and what
 #: slotctl writes): :data:`StateHeader` parses it with the checks; every other read or write of these bytes

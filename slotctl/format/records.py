@@ -7,7 +7,6 @@ The cell count comes from the enclosing stream; ``cells`` is a context lambda gi
 
 from __future__ import annotations
 
-import os
 import struct
 
 import construct as cs

@@ -1,7 +1,12 @@
 """A running llama-server, reached over its HTTP API, and what slotctl learns from it.
 
-- ``http``: the transport and the API (``/health``, ``/props``, ``/slots``, slot actions, ``/completion``):
-  every request bounded in time, every answer checked against its shape, no redirect followed;
+- ``http``: the API (``/health``, ``/props``, ``/slots``, slot actions, ``/completion``), every answer used
+  checked against its shape; the client's one import (the names of the three below are its own too);
+- ``transport``: one request, with the client's guarantees written once: no redirect followed, the answer
+  bounded, a deadline on the whole request, the proxy environment, the key never logged;
+- ``answers``: an answer bounded before it is parsed, an error status said in one line, the answers' shapes;
+- ``errors``: what goes wrong talking to a server, one class per kind of failure;
+- ``router``: what llama-server's router routes a request by, and the model's own server behind it;
 - ``learn``: the flags to validate with for a running server, from what it reports (``/props``, ``/slots``);
 - ``prove``: a restore proven by the server's own counts (a request after the restore), over validate's
   prediction.

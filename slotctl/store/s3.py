@@ -26,8 +26,6 @@ from slotctl.errors import StoreDown, UsageError
 from slotctl.store.config import EXISTS, Config, join_url, split_url
 from slotctl.sources import HEAD_BYTES, TOTALS, Entry, RangedFile, register_store
 
-#: the user metadata key slotctl writes when it copies an object (``x-amz-meta-slotctl-last-used``)
-LAST_USED_KEY = "slotctl-last-used"
 #: bytes of first reads kept between a listing's check of each object's magic and the object's open
 PEEK_CACHE = 64 << 20
 
@@ -410,8 +408,6 @@ class ObjectReader(RangedFile):
                 meta, data = call(self.name, "HEAD", obstore.head, self.store, self.key), b""
             except Exception as e2:  # noqa: BLE001
                 raise self.s3.error(self.name, e2, "HEAD") from None
-        self.requests += 1
-        self.bytes_read += len(data)
         for k, v in (("batches", 1), ("requests", 1), ("bytes", len(data))):
             TOTALS[k] += v
         self._set({"size": meta["size"], "e_tag": meta.get("e_tag"), "mtime": _mtime(meta), "used": None}, data)

@@ -30,8 +30,7 @@ import urllib.parse
 
 from slotctl.errors import UsageError
 
-#: S3's bounds on a part: at least 5 MiB except the last, at most 5 GiB
-MIN_PART = 5 << 20
+#: S3's bound on a part: at most 5 GiB (and at least 5 MiB except the last: parts of equal size above it)
 MAX_PART = 5 << 30
 #: seconds one request may take (a part copy is done by the store: large parts take a while)
 TIMEOUT = 300

@@ -1,11 +1,7 @@
-"""Keeping a slot directory under a budget (``slotctl prune``): which files go, in which order, and going.
-
-:func:`plan` decides from metadata alone (``os.lstat``; with ``broken``, the verdicts of
-:mod:`slotctl.catalog`); :func:`execute` deletes, one file at a time (:func:`delete_checked`): each is
-renamed to a private name, checked again there and only then unlinked, so that a file a server saves
-over it (in place or by a rename) meanwhile is never the one deleted. A file that changed since it was
-planned is put back and left alone; a process killed at any moment leaves every file as it was, gone,
-or under its private name, which the next prune puts back.
+"""Which files of a slot directory (or objects under a prefix) ``slotctl prune`` deletes, and in which order,
+decided from metadata alone (``os.lstat``, a prefix's listing; with ``--broken``, ``--mismatched`` and
+``--useless``, the verdicts of :mod:`slotctl.catalog`): :func:`plan`. The going is
+:mod:`slotctl.prune.delete`'s.
 
 Least recently used first: the last use of a file is its access time where the filesystem keeps one
 (the server reading a file to restore it updates it; slotctl's own reads do not,
@@ -29,10 +25,10 @@ from types import SimpleNamespace
 from typing import Callable
 
 from slotctl.catalog import iso_time
+from slotctl.errors import UsageError
 from slotctl.format.magic import is_slot_entry
-from slotctl.errors import UsageError, error_entry
-from slotctl.atomic import private_name
 from slotctl.paths import DEFAULT_GRACE, being_written, is_temp_file
+from slotctl.prune.aside import restore_set_aside
 
 # actions
 DELETE = "deleted"
@@ -249,8 +245,8 @@ def _head(path: str, st, known, first_bytes) -> bytes | None:
 def _temp_action(name: str, mtime: float, policy: Policy, now: float, *, what: str = "file") -> tuple[str, str]:
     """What prune does with one of slotctl's temporary files (objects): without ``--temp-files`` nothing;
     with it, delete one a killed write left (untouched for ``--grace`` seconds; locally, the deletion checks
-    again that no process has it open, :func:`delete_checked`). Never a file a prune set aside (or its
-    note): those are put back (:func:`restore_set_aside`), never deleted."""
+    again that no process has it open, :func:`slotctl.prune.delete.delete_checked`). Never a file a prune set
+    aside (or its note): those are put back (:func:`slotctl.prune.aside.restore_set_aside`), never deleted."""
     if not policy.temp:
         return SKIPPED, f"a slotctl temporary {what} (a write in progress, or one killed: --temp-files removes it)"
     if ".slotctl-prune-" in name:
@@ -400,249 +396,3 @@ def _ago(seconds: float) -> str:
         if seconds >= n:
             return f"{seconds / n:.1f}{unit}"
     return f"{seconds:.0f}s"
-
-
-def execute(p: Plan, *, dry_run: bool, now_fn: Callable[[], float] = time.time,
-            on_file: Callable[[Entry], None] | None = None, index: bool = True) -> Plan:
-    """Delete the selected files (``dry_run``: mark them ``would_delete``), each checked again first
-    (:func:`delete_checked`); ``index``: the files deleted leave the catalog (:func:`slotctl.catalog.forget`)."""
-    from slotctl.sources import remote_url
-
-    remote = remote_url(p.directory) is not None
-    for e in p.selected():
-        if dry_run:
-            e.action = WOULD_DELETE
-        elif remote:
-            delete_object_checked(e)
-        else:
-            delete_checked(e, p.policy.grace, now_fn)
-        if on_file:
-            on_file(e)
-    if not dry_run and not remote and any(e.action == DELETE for e in p.entries):
-        from slotctl.atomic import fsync_dir
-
-        fsync_dir(p.directory)
-    if index and not dry_run and any(e.action == DELETE for e in p.entries):
-        from slotctl.catalog import forget
-
-        forget([e.path for e in p.entries if e.action == DELETE])
-    return p
-
-
-# -- the deletion step: only what was checked is deleted --------------------------------------------------
-
-#: the private name a file is set aside under while it is checked for the last time
-_ASIDE = re.compile(r"^\.(?P<name>.+)\.slotctl-prune-(?P<pid>\d+)\.tmp$")
-#: a set-aside name whose NAME part was cut to fit (atomic.private_name): the whole name is in a note beside it
-_CUT = re.compile(r"~[0-9a-f]{16}$")
-
-
-def _aside_name(path: str) -> str:
-    directory, name = os.path.split(path)
-    return os.path.join(directory, private_name(name, f"prune-{os.getpid()}"))
-
-
-def _note_name(aside: str) -> str:
-    """Where the whole name of a file set aside under a cut name is kept: ``.slotctl-prune-PID-HASH.name.tmp``
-    beside it (HASH: the cut name's; short whatever the name; a temporary file to listings, not a set-aside
-    one to :data:`_ASIDE`)."""
-    directory, name = os.path.split(aside)
-    m = _ASIDE.match(name)
-    digest = _CUT.search(m.group("name")).group(0)[1:]
-    return os.path.join(directory, f".slotctl-prune-{m.group('pid')}-{digest}.name.tmp")
-
-
-def _set_aside(path: str) -> str:
-    """``path`` renamed to its private name (:func:`_aside_name`); when that name had to be cut (a name of
-    231-255 bytes), its whole name written first, durably, to a note beside it, so that a prune killed
-    before it puts the file back or deletes it leaves what :func:`restore_set_aside` needs."""
-    aside = _aside_name(path)
-    if _CUT.search(_ASIDE.match(os.path.basename(aside)).group("name")):
-        from slotctl.atomic import fsync_dir
-
-        with open(_note_name(aside), "wb") as f:
-            f.write(os.fsencode(os.path.basename(path)))
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(os.path.dirname(path) or ".")
-    try:
-        os.rename(path, aside)
-    except BaseException:
-        _drop_note(aside)
-        raise
-    return aside
-
-
-def _drop_note(aside: str) -> None:
-    m = _ASIDE.match(os.path.basename(aside))
-    if not m or not _CUT.search(m.group("name")):
-        return
-    try:
-        os.unlink(_note_name(aside))
-    except FileNotFoundError:
-        pass
-
-
-def delete_checked(e: Entry, grace: float, now_fn: Callable[[], float] = time.time) -> None:
-    """Delete ``e.path`` only if it is still the file planned (inode, size, modification time) and still
-    older than ``grace`` seconds, in steps the filesystem makes atomic.
-
-    1. ``rename`` it to a private name in the same directory: from then on a writer that opens the name
-       creates a new file there, and one that renames a file onto the name puts a new file there; neither
-       touches the file set aside.
-    2. Check the file set aside: its identity and age (a writer that opened it before the rename has
-       changed its modification time when it truncated or wrote it).
-    3. ``unlink`` it; or, when it changed, put it back with ``link`` (which never replaces a file a writer
-       made under the name meanwhile) and remove the private name.
-
-    A check and an unlink of the same name, in two steps, would delete whatever a writer had put there in
-    between. A process killed between 1 and 3 leaves the file under its private name, which the next
-    prune of the directory puts back (:func:`restore_set_aside`).
-    """
-    try:
-        aside = _set_aside(e.path)
-    except FileNotFoundError:
-        e.action, e.reason = SKIPPED, "gone before it was deleted"
-        return
-    except OSError as err:
-        e.action, e.error = FAILED, error_entry(err, e.path).message
-        return
-    fd = None
-    try:
-        fd = os.open(aside, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        held = _lease(fd)
-        st = os.fstat(fd)
-        changed = (st.st_ino, st.st_size, st.st_mtime) != (e.ino, e.size, e.mtime) or not stat.S_ISREG(st.st_mode)
-        busy = being_written(st, grace, now_fn())
-        if held is False:
-            busy = "open in another process (being written or read?)"
-        if not changed and not busy:
-            os.unlink(aside)
-            _drop_note(aside)
-            return
-    except OSError as err:
-        _put_back(e, aside)
-        if e.action != FAILED:
-            e.action, e.error = FAILED, error_entry(err, e.path).message
-        return
-    finally:
-        if fd is not None:
-            os.close(fd)    # closing the descriptor releases the lease
-    _put_back(e, aside)
-    if e.action != FAILED:
-        e.action, e.reason = SKIPPED, busy if busy and not changed else "changed since it was planned (being written?)"
-
-
-def _lease(fd: int) -> bool | None:
-    """A write lease on the open file ``fd`` (``fcntl(F_SETLEASE, F_WRLCK)``), which the kernel grants only
-    when no other descriptor of the file is open anywhere: True when held (no writer can still be writing
-    into the file set aside), False when another process has it open, None where the filesystem has no
-    leases (NFS, some FUSE mounts: the identity check alone decides there). SIGIO, which a lease break
-    would send, is ignored: nothing else knows the private name, and the lease lasts one ``fstat``."""
-    import errno
-    import fcntl
-    import signal
-
-    try:
-        signal.signal(signal.SIGIO, signal.SIG_IGN)
-    except (ValueError, OSError):   # not the main thread: a break (never expected) would be the default action
-        pass
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
-    except OSError as err:
-        if err.errno in (errno.EAGAIN, errno.EBUSY):
-            return False
-        return None
-    return True
-
-
-def delete_object_checked(e: Entry) -> None:
-    """Delete the object ``e.path`` only if it is still the one planned (its ETag and size, by a HEAD just
-    before the DELETE). A store has no rename to set an object aside, and no conditional DELETE through
-    obstore: an object written under the same key between the HEAD and the DELETE (milliseconds) would be
-    deleted; a bucket with versioning keeps it as a version (docs/store.md, prune). An object already gone
-    (another host pruning the same prefix) is skipped, not an error."""
-    from slotctl.errors import SlotctlError, StoreDown
-    from slotctl.sources import store_for
-
-    store = store_for(e.path)
-    try:
-        now = store.stat(e.path)
-        if now is None:
-            e.action, e.reason = SKIPPED, "gone before it was deleted (another prune?)"
-            return
-        if (now.etag, now.size) != (e.etag, e.size):
-            e.action, e.reason = SKIPPED, "changed since it was planned (written again?)"
-            return
-        store.delete(e.path)
-    except StoreDown:       # the store stopped answering: the run stops, not object after object
-        raise
-    except SlotctlError as err:
-        e.action, e.error = FAILED, str(err)
-
-
-def _put_back(e: Entry, aside: str) -> None:
-    """The file set aside at ``aside`` back under ``e.path``, without replacing a file made there since."""
-    try:
-        os.link(aside, e.path)
-    except FileExistsError:
-        e.action, e.error = FAILED, (f"{e.path}: changed while it was being deleted, and a new file took its "
-                                     f"name meanwhile; the older one is kept as {aside}")
-        return
-    except OSError:
-        try:
-            os.rename(aside, e.path)   # no hard links here: a rename onto the (still free) name
-        except OSError as err:
-            e.action, e.error = FAILED, f"{e.path}: could not be put back, kept as {aside}: {err.strerror or err}"
-            return
-        _drop_note(aside)
-        return
-    os.unlink(aside)
-    _drop_note(aside)
-
-
-def restore_set_aside(directory: str) -> list[str]:
-    """Put back the files a killed prune left under their private names in ``directory`` (where the name
-    is free and the prune that set them aside is gone); the paths put back. A cut private name takes the
-    whole name from its note (:func:`_set_aside`), and only when the note's name gives that private name."""
-    back = []
-    try:
-        with os.scandir(directory) as it:
-            names = [d.name for d in it]
-    except OSError:
-        return back
-    for name in names:
-        m = _ASIDE.match(name)
-        if not m or _alive(int(m.group("pid"))):
-            continue
-        src = os.path.join(directory, name)
-        original = m.group("name")
-        if _CUT.search(original):
-            try:
-                with open(_note_name(src), "rb") as f:
-                    original = os.fsdecode(f.read(4096))
-            except OSError:
-                continue                  # no note: left under its private name, never guessed
-            if private_name(original, f"prune-{m.group('pid')}") != name:
-                continue
-        dst = os.path.join(directory, original)
-        try:
-            os.link(src, dst)
-            os.unlink(src)
-        except OSError:
-            continue
-        _drop_note(src)
-        back.append(dst)
-    return back
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
