@@ -267,6 +267,8 @@ BAD_CONFIGS = [
     ("[keep]\nevry = 3\n", "keep.evry: unknown key (expected one of: server, every, min_tokens, timeout, lease, "
                            "listen)"),
     ("[keep]\nlisten = 'here'\n", "keep.listen: expected HOST:PORT, got 'here'"),
+    # an s3:// lease's writes are signed to expire to the second at 0.8 of it: 2 s at least
+    ("[keep]\nlease = 1.5\n", "keep.lease: expected seconds from 2 to 86400, got 1.5"),
     ("[[servers]]\nslot_dir = '/x'\n", "servers[0].url: expected the server's URL (http://HOST:PORT)"),
     ("[[servers]]\nurl = 'http://a'\nstore = 'ftp://x/'\n",
      "servers[0].store: expected a directory or s3://BUCKET/PREFIX/, got 'ftp://x/'"),

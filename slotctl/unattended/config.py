@@ -242,13 +242,15 @@ def parse(raw: bytes, path: str) -> Config:
     names = [s.name for s in cfg.servers if s.name]
     if len(set(names)) != len(names):
         raise c.fail("servers", "a different name for each server", show=False)
+    from slotctl.unattended.lock import MIN_TTL as MIN_LEASE   # the shortest s3:// lease, its one home
+
     keep = c.table(doc, "keep", _KEEP_KEYS)
     k: dict[str, Any] = {}
     k["server"] = c.string(keep, "server", "keep")
     k["every"] = c.number(keep, "every", "keep", low=0.05, high=86400.0, what="seconds")
     k["min_tokens"] = c.number(keep, "min_tokens", "keep", low=1, high=1 << 24, integer=True, what="an integer")
     k["timeout"] = c.number(keep, "timeout", "keep", low=0.001, high=86400.0, what="seconds")
-    k["lease"] = c.number(keep, "lease", "keep", low=1.0, high=86400.0, what="seconds")
+    k["lease"] = c.number(keep, "lease", "keep", low=MIN_LEASE, high=86400.0, what="seconds")
     k["listen"] = _listen(c, keep, "listen", "keep")
     cfg.keep = {key: v for key, v in k.items() if v is not None}
     serve = c.table(doc, "serve", _SERVE_KEYS)
@@ -258,7 +260,7 @@ def parse(raw: bytes, path: str) -> Config:
     v["metrics_listen"] = _listen(c, serve, "metrics_listen", "serve")
     v["min_gain"] = c.number(serve, "min_gain", "serve", low=1, high=1 << 24, integer=True, what="an integer")
     v["timeout"] = c.number(serve, "timeout", "serve", low=0.001, high=86400.0, what="seconds")
-    v["lease"] = c.number(serve, "lease", "serve", low=1.0, high=86400.0, what="seconds")
+    v["lease"] = c.number(serve, "lease", "serve", low=MIN_LEASE, high=86400.0, what="seconds")
     cfg.serve = {key: x for key, x in v.items() if x is not None}
     budget = c.table(doc, "budget", {"max_size": ""})
     cfg.max_size = c.string(budget, "max_size", "budget")
