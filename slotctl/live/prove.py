@@ -165,7 +165,7 @@ def predict_proof(path: str | os.PathLike, setup: ServerSetup, *, reads_checkpoi
     if sf is None or sf.target is None:
         return report, None
     r = reuse_for(sf, models.target, swa_full=setup.settings.swa_full, n_ctx_checkpoints=setup.n_ctx_checkpoints,
-                  reads_checkpoints=reads_checkpoints, extends=False)
+                  reads_checkpoints=reads_checkpoints, extends=False, build=setup.build)
     return report, r
 
 
