@@ -34,6 +34,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -653,6 +654,23 @@ class LlamaServer:
 
     def log_tail(self, n: int = 40) -> str:
         return "".join(self.log_text().splitlines(True)[-n:])
+
+    def log_lines(self) -> int:
+        """How many lines the log holds now (``after`` for :meth:`wait_for_log`)."""
+        return len(self.log_text().splitlines())
+
+    def wait_for_log(self, pattern: str, after: int = 0, timeout: float = 30) -> list[str]:
+        """The log's lines after line ``after`` up to the first that matches the regular expression ``pattern``;
+        AssertionError (with the log's end) past ``timeout`` s. llama-server writes its log from a thread of its
+        own: a line about a request may come after the answer."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = self.log_text().splitlines()[after:]
+            for i, line in enumerate(lines):
+                if re.search(pattern, line):
+                    return lines[:i + 1]
+            assert time.monotonic() < deadline, f"no log line {pattern!r} within {timeout} s:\n{self.log_tail()}"
+            time.sleep(0.05)
 
     # -- raw HTTP (independent of slotctl.live.http, which is under test) --------------------------------
 

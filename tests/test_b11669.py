@@ -69,16 +69,7 @@ class Restored:
 
 
 def wait_log(srv: LlamaServer, pattern: str, after: int = 0, timeout: float = 30) -> list[str]:
-    """The server's log lines after line ``after`` up to the first that matches ``pattern``: the server writes
-    its log from a thread of its own, after its answer; bounded."""
-    deadline = time.monotonic() + timeout
-    while True:
-        lines = srv.log_text().splitlines()[after:]
-        for i, line in enumerate(lines):
-            if re.search(pattern, line):
-                return lines[:i + 1]
-        assert time.monotonic() < deadline, f"no log line {pattern!r} within {timeout} s:\n{srv.log_tail()}"
-        time.sleep(0.05)
+    return srv.wait_for_log(pattern, after, timeout)
 
 
 def restore(srv: LlamaServer, name: str, slot: int = 0, *, lines: bool = True) -> Restored:

@@ -4,7 +4,6 @@ router mode, and nothing left mounted. docs/testing.md, "llama-server b11669".""
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
@@ -44,12 +43,13 @@ def test_b11669_appends_the_draft_state_and_restores_it(llama_server_b11669, tin
     try:
         srv.completion(PROMPT, slot=0)
         srv.save(0, "with-draft.bin")
-        assert re.search(r"appended the draft state \([0-9.]+ MiB\) to '.*with-draft\.bin'", srv.log_text())
+        srv.wait_for_log(r"appended the draft state \([0-9.]+ MiB\) to '.*with-draft\.bin'")
         assert b"SDFT" in (tmp_path / "with-draft.bin").read_bytes()
         srv.erase(0)
+        after = srv.log_lines()
         status, answer = srv.restore(0, "with-draft.bin")
         assert status == 200 and answer["n_restored"] > 0, answer
-        assert re.search(r"restored the draft state \([0-9.]+ MiB\) from '.*with-draft\.bin'", srv.log_text())
+        srv.wait_for_log(r"restored the draft state \([0-9.]+ MiB\) from '.*with-draft\.bin'", after)
     finally:
         srv.stop()
 

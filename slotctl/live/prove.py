@@ -108,11 +108,14 @@ def local_setup(facts: http.ServerFacts, slot: int, flags: ServerFlags | None = 
     (:func:`slotctl.live.learn.learn_flags`: ``-np``, the slot context, its model when ``/props``
     ``model_path`` is a file on this machine), ``flags`` for the fields named in ``given`` (what it does not
     report: ``-kvu``, cache types), llama-server's defaults for the rest. When the model is not on this
-    machine, the file's structure and its own sliding window decide (said in the notes)."""
+    machine, the file's structure and its own sliding window decide (said in the notes). The rules are those
+    of the server's build (``/props`` ``build_info``: :func:`slotctl.server.builds.from_build_info`)."""
     from slotctl.errors import UsageError
     from slotctl.live.learn import learn_flags
+    from slotctl.server.builds import from_build_info
     from slotctl.server.flags import SERVER_STATE_VERSION
 
+    build = from_build_info(facts.build_info)[0]
     flags = flags or ServerFlags()
     try:
         lv = learn_flags(facts, flags, given=set(given), model=None, draft_model=None, slot=slot,
@@ -121,8 +124,8 @@ def local_setup(facts: http.ServerFacts, slot: int, flags: ServerFlags | None = 
         parallel = facts.total_slots or flags.parallel
         n_stream = 1 if flags.kv_unified else parallel
         flags = flags.replace(parallel=parallel, ctx_size=(facts.n_ctx_slot or 0) * n_stream or flags.ctx_size)
-        return ServerSetup.from_flags(flags, slot=slot, mmproj=facts.mmproj), [str(e)]
-    return (ServerSetup.from_flags(lv.server_flags, target=lv.model, slot=slot, mmproj=lv.mmproj),
+        return ServerSetup.from_flags(flags, slot=slot, mmproj=facts.mmproj, build=build), [str(e)]
+    return (ServerSetup.from_flags(lv.server_flags, target=lv.model, slot=slot, mmproj=lv.mmproj, build=build),
             lv.notes + lv.warnings)
 
 
@@ -162,7 +165,7 @@ def predict_proof(path: str | os.PathLike, setup: ServerSetup, *, reads_checkpoi
     if sf is None or sf.target is None:
         return report, None
     r = reuse_for(sf, models.target, swa_full=setup.settings.swa_full, n_ctx_checkpoints=setup.n_ctx_checkpoints,
-                  reads_checkpoints=reads_checkpoints, extends=False)
+                  reads_checkpoints=reads_checkpoints, extends=False, build=setup.build)
     return report, r
 
 
