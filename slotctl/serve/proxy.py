@@ -24,7 +24,8 @@ import numpy as np
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, TraceConfig, web
 from yarl import URL
 
-from slotctl.serve.cache import RESTORABLE, Cache, ConversionFailed
+from slotctl.keeping.states import ConversionFailed
+from slotctl.serve.cache import RESTORABLE, Cache, converted_reason
 from slotctl.serve.index import as_tokens, common_prefix
 from slotctl.server.requests import COMPLETION_PATHS, TOKENIZE_FLAGS, prompt_form
 
@@ -123,7 +124,7 @@ class Proxy:
         self.view_gen = -1
         self._busy: set[int] = set()      # slots the last GET /slots saw at work for another client
         self._top_task = -1               # the highest task id GET /slots showed: lower later, a new server
-        self._learning = asyncio.Lock()   # held while the server's -kvu/-ctk/-ctv are learnt (:meth:`learn_flags`)
+        self._learning = asyncio.Lock()   # held while the server's -kvu/-ctk/-ctv are learnt (:meth:`probe_when_due`)
         self.session: ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
@@ -184,9 +185,9 @@ class Proxy:
                            f"{f.build_info}", total_slots=f.total_slots, model=self.cache.model)
             self.cache.learn_due = True     # a server back may have been started with other flags
         self._said_down = False
-        await self.learn_flags(key)
+        await self.probe_when_due(key)
 
-    async def learn_flags(self, key: str | None, read_facts: bool = False) -> None:
+    async def probe_when_due(self, key: str | None, read_facts: bool = False) -> None:
         """When due (the facts first read or changed, the server back or restarted): the server's ``-kvu``,
         ``-ctk``, ``-ctv`` learnt from a save of one of its slots (:meth:`Cache.probe`), held by serve meanwhile
         (no request of serve's uses it): the free slot that holds the fewest tokens (a slot that holds nothing
@@ -440,7 +441,7 @@ class Proxy:
             if tokens is not None:
                 reused = 0
                 if self.cache.learn_due and self.may_restore(slot, tokens):
-                    await self.learn_flags(key, read_facts=True)  # the server's flags learnt before it is judged
+                    await self.probe_when_due(key, read_facts=True)  # the server's flags learnt before it is judged
                 try:
                     if self.may_restore(slot, tokens):      # looked up, judged and restored in a worker thread
                         reused = await asyncio.to_thread(self.prepare, slot, tokens, key)
@@ -625,25 +626,27 @@ class Proxy:
         for state, common in found:
             if common - held < self.min_gain:
                 break
-            judged = self.cache.judge(state, slot.id)
-            if judged.verdict not in RESTORABLE and not judged.convert:
-                self._refused(state, slot, judged)
+            judged = self.cache.judge(state.name, slot.id)
+            refused = self.cache.why_not(judged)
+            if refused is not None:
+                self._refused(state, slot, *refused, catalog=judged.catalog)
                 continue
             gain = self.cache.reuse(judged, state, common, len(tokens))
             if gain - held < self.min_gain:
                 continue
-            if judged.verdict in RESTORABLE:
+            if judged.restores:
                 return self._restore(slot, state, gain, held, len(tokens), key, judged=judged)
             t0 = time.perf_counter()
             try:
-                with self.cache.converted(state, slot.id) as (placed, sent):
+                with self.cache.converted(state.name, slot.id, judged) as (placed, conv, sent):
+                    c.add("conversions")
                     if sent.verdict not in RESTORABLE:
-                        self._refused(state, slot, sent)
+                        self._refused(state, slot, sent.verdict, converted_reason(conv.changes, sent.error))
                         continue
                     gain = self.cache.reuse(sent, state, common, len(tokens))
                     if gain - held < self.min_gain:
                         continue
-                    return self._restore(slot, state, gain, held, len(tokens), key, placed, sent.convert,
+                    return self._restore(slot, state, gain, held, len(tokens), key, placed, conv.changes,
                                          (time.perf_counter() - t0) * 1000, judged=sent)
             except ConversionFailed as e:
                 c.add("conversion_failures")
@@ -652,13 +655,13 @@ class Proxy:
                 return held
         return held
 
-    def _refused(self, state, slot: Slot, judged) -> None:
+    def _refused(self, state, slot: Slot, verdict: str, reason: str | None, *, catalog: bool = False) -> None:
         self.cache.counters.add("restores_refused_by_verdict")
-        self.log("refused", f"{state.name}: not restored into slot {slot.id}: validate says {judged.verdict}"
-                            + (f" ({judged.reason})" if judged.reason else "")
+        self.log("refused", f"{state.name}: not restored into slot {slot.id}: validate says {verdict}"
+                            + (f" ({reason})" if reason else "")
                             + (" (unchanged since serve judged it: the catalog's row, not read again)"
-                               if judged.catalog else ""),
-                 slot=slot.id, name=state.name, verdict=judged.verdict, **({"catalog": True} if judged.catalog else {}))
+                               if catalog else ""),
+                 slot=slot.id, name=state.name, verdict=verdict, **({"catalog": True} if catalog else {}))
 
     def _restore(self, slot: Slot, state, gain: int, held: int, n_request: int, key: str | None,
                  placed: str | None = None, changes: list[str] | None = None, convert_ms: float = 0.0, *,
@@ -668,7 +671,8 @@ class Proxy:
         c = self.cache.counters
         slot.tokens = EMPTY         # whatever happens now, the slot's old tokens are gone
         t0 = time.perf_counter()
-        answer = self.cache.restore(state, slot.id, key, placed, identity=None if placed else judged.identity)
+        answer = self.cache.restore(state.name, slot.id, placed=placed, identity=None if placed else judged.identity,
+                                    api_key=key)
         slot.tokens = state.tokens
         c.add("restores")
         c.add("restored_tokens", gain)
@@ -692,7 +696,7 @@ class Proxy:
         saved = None
         try:
             work = self.cache.work_name(slot.id)
-            learnt = asyncio.ensure_future(self._learn(slot, text, before, key)) if before is not None else None
+            learnt = asyncio.ensure_future(self._tokens_sent(slot, text, before, key)) if before is not None else None
             try:
                 answer = await self._post(f"/slots/{slot.id}?action=save", {"filename": work}, key,
                                           timeout=self.cache.timeout)
@@ -728,7 +732,7 @@ class Proxy:
                 self.log("error", f"slot {slot.id}: not stored: {e}", slot=slot.id)
 
 
-    async def _learn(self, slot: Slot, text: str, before: np.ndarray, key: str | None) -> np.ndarray | None:
+    async def _tokens_sent(self, slot: Slot, text: str, before: np.ndarray, key: str | None) -> np.ndarray | None:
         """The server's tokens of a prompt ``text`` sent by :meth:`by_text` into ``slot``, which held ``before``
         (the metrics told what the server kept of it); None when they cannot be had (the slot's text is then
         forgotten: its next request asks for its tokens first)."""
