@@ -296,10 +296,7 @@ class Keeper:
         try:
             self._save(slot, sig, work)
         finally:    # stored, refused or failed: the working file never stays
-            try:
-                os.unlink(self.slot_dir / work)
-            except FileNotFoundError:
-                pass
+            self.states.discard(work)
 
     def _save(self, slot: int, sig: tuple, work: str) -> None:
         answer = self.states.save(slot, work)

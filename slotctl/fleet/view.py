@@ -82,7 +82,7 @@ def stored_states(states, slot: int) -> list[dict]:
             found = {"verdict": "unreadable", "n_tokens": None, "n_reused": None,
                      "reason": f"{name}: {e.strerror or e}"}
         out.append({"name": name, "saved": iso_time(listed[name][1] / 1e9), **found})
-    states.keep_only(slot, listed)
+    states.keep_only(prefix, listed)
     return out
 
 

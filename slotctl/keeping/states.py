@@ -82,12 +82,13 @@ class ServerStates:
         self.before_write: Callable[[], None] | None = None
         self.use_catalog = catalog
         self._catalog = None
-        self._judged: dict[tuple[str, int], Judged] = {}
+        #: state name -> its verdict for the server now running (one for every slot: :meth:`judge`)
+        self._judged: dict[str, Judged] = {}
         #: the verdicts in memory that the catalog holds too (said from it: ``Judged.catalog``)
-        self._kept: set[tuple[str, int]] = set()
+        self._kept: set[str] = set()
         self._setups: dict[int, object] = {}
-        #: slot -> the question verdicts for it answer in the catalog (:func:`slotctl.catalog.verdict_key`)
-        self._questions: dict[int, str] = {}
+        #: the question verdicts answer in the catalog (:func:`slotctl.catalog.verdict_key`; :meth:`question`)
+        self._question: str | None = None
         #: an s3:// store's states as last listed (:meth:`listing`): name -> (identity, changed_ns)
         self._listed_ids: dict[str, tuple[str, int]] = {}
         self._lock = threading.RLock()
@@ -126,7 +127,7 @@ class ServerStates:
             self._judged.clear()
             self._kept.clear()
             self._setups.clear()
-            self._questions.clear()
+            self._question = None
 
     def probe(self, slot: int, api_key: str | None = None) -> None:
         """The server's ``-kvu``/``-ctk``/``-ctv`` learnt (:meth:`learn`) from a save of ``slot`` (idle: the
@@ -173,23 +174,28 @@ class ServerStates:
                 self._setups[slot] = setup
         return setup
 
-    def question(self, slot: int) -> str:
-        """The question a verdict on one of ``slot``'s states answers in the catalog
-        (:func:`slotctl.catalog.verdict_key`): what the slot's setup is learnt from (the server's facts, its build
-        among them, the flags given or learnt from its saves, the model file's identity:
-        :func:`slotctl.live.prove.local_setup_key`, asked without reading the GGUF), whether the conversion
-        step may be lossy, and slotctl's version. The same for keep, serve and the fleet view: one state is
-        judged once for one server."""
+    def question(self) -> str:
+        """The question a verdict on a state answers in the catalog (:func:`slotctl.catalog.verdict_key`): what
+        the server's setup is learnt from (the server's facts, its build among them, the flags given or learnt
+        from its saves, the model file's identity: :func:`slotctl.live.prove.local_setup_key`, asked without
+        reading the GGUF), whether the conversion step may be lossy, and slotctl's version. The same for keep,
+        serve and the fleet view, and for every slot (validate's verdict without a real load, its prediction
+        and the conversion's plan read the slot only to know it exists: the setup is named by slot 0): one
+        state is judged once for one server."""
         with self._lock:
-            question = self._questions.get(slot)
+            question = self._question
         if question is None:
             from slotctl.catalog import verdict_key
+            from slotctl.server.saved import SAID
 
-            question = verdict_key("state", None, learnt=local_setup_key(self.facts, slot, self.learnt.flags,
-                                                                           self.learnt.given),
+            # a flag the server does not report, given (or learnt) as llama-server's default, makes the setup
+            # its default makes: one question, whether the server's save said it yet or not
+            flags, default = self.learnt.flags, ServerFlags()
+            given = frozenset(n for n in self.learnt.given if n not in SAID or getattr(flags, n) != getattr(default, n))
+            question = verdict_key("state", None, learnt=local_setup_key(self.facts, 0, flags, given),
                                    allow_lossy=self.allow_lossy)
             with self._lock:
-                self._questions[slot] = question
+                self._question = question
         return question
 
     # -- the store -------------------------------------------------------------------------------------
@@ -220,19 +226,17 @@ class ServerStates:
     def forget(self, gone) -> None:
         """The verdicts on states gone from the store forgotten (in memory: a process that runs for months
         holds only the store's states)."""
-        gone = set(gone)
         with self._lock:
-            for key in [k for k in self._judged if k[0] in gone]:
-                del self._judged[key]
-                self._kept.discard(key)
+            for name in set(gone):
+                self._judged.pop(name, None)
+                self._kept.discard(name)
 
-    def keep_only(self, slot: int, present) -> None:
-        """The verdicts on ``slot``'s states not in ``present`` (the store's now) forgotten."""
+    def keep_only(self, prefix: str, present) -> None:
+        """The verdicts on the states whose names begin with ``prefix`` and are not ``present`` (the store's
+        now) forgotten."""
         present = set(present)
         with self._lock:
-            for key in [k for k in self._judged if k[1] == slot and k[0] not in present]:
-                del self._judged[key]
-                self._kept.discard(key)
+            self.forget([n for n in self._judged if n.startswith(prefix) and n not in present])
 
     def held(self) -> int:
         """How many verdicts are held in memory."""
@@ -262,19 +266,19 @@ class ServerStates:
 
     def judge(self, name: str, slot: int) -> Judged:
         """validate's verdict on the stored state ``name`` for ``slot`` of the server now running
-        (:class:`~slotctl.keeping.judged.Judged`); when it is not ``restores``, whether the conversion step can
-        bring the state over to this server's ``-np``/``-kvu`` (and cache types, when lossy re-encoding is
-        allowed): planned from the file's metadata, nothing written.
+        (:class:`~slotctl.keeping.judged.Judged`; the same for every slot: :meth:`question`); when it is not
+        ``restores``, whether the conversion step can bring the state over to this server's ``-np``/``-kvu``
+        (and cache types, when lossy re-encoding is allowed): planned from the file's metadata, nothing written.
 
-        A verdict is made once per state, slot and identity of the state (a local file's device, inode, size,
+        A verdict is made once per state and identity of the state (a local file's device, inode, size,
         ``mtime_ns`` and ``ctime_ns``, one ``stat``; an object's ETag and size, from the store's last listing
-        or one HEAD): kept in memory, and in the store's catalog under the slot's :meth:`question`, so that a
+        or one HEAD): kept in memory, and in the store's catalog under the :meth:`question`, so that a
         process started again judges a state judged before without opening it (nor the model's GGUF). A row is
         trusted only for the identity it was made on and when made at least
         :data:`slotctl.catalog.RACY_SECONDS` after the file last changed; a state is sent only while it still
         has the identity its verdict was made on (:meth:`placed`). OSError or SlotctlError when the state
         cannot be read."""
-        key = (name, slot)
+        key = name
         where = self.store.where(name)
         try:
             now = self.identity(name)
@@ -286,7 +290,7 @@ class ServerStates:
         if found is not None and found.identity == (now[0] if now is not None else None):
             # judged before, unchanged since: not read again (from the catalog, when it holds the verdict too)
             return dataclasses.replace(found, catalog=True) if kept and not found.catalog else found
-        question = self.question(slot)
+        question = self.question()
         if now is not None:
             index = self.catalog(create=False)
             row = index.verdict(where, question, now[0]) if index is not None else None
@@ -300,7 +304,7 @@ class ServerStates:
         judged = judge_file(where, self.setup(slot), reads_checkpoints=server_reads_checkpoints(self.facts.build_info))
         if not judged.restores and judged.parsed:
             self._plan(judged, where, slot)
-        self.remember(name, slot, judged, taken)
+        self.remember(name, judged, taken)
         return judged
 
     def _plan(self, judged: Judged, where: str, slot: int) -> None:
@@ -323,10 +327,10 @@ class ServerStates:
         elif planned.changes:
             judged.convert = planned.changes
 
-    def remember(self, name: str, slot: int, judged: Judged, taken: int) -> None:
-        """``judged`` kept for the state ``name`` and ``slot``: in memory, and in the catalog under the slot's
-        question for the identity it was made on (``taken``: when, before the read)."""
-        key = (name, slot)
+    def remember(self, name: str, judged: Judged, taken: int) -> None:
+        """``judged`` kept for the state ``name``: in memory, and in the catalog under the :meth:`question` for
+        the identity it was made on (``taken``: when, before the read)."""
+        key = name
         with self._lock:
             self._judged[key] = judged
             self._kept.discard(key)
@@ -334,7 +338,7 @@ class ServerStates:
             return
         index = self.catalog(create=True)
         if index is not None:
-            index.put_verdict(self.store.where(name), self.question(slot), judged.identity, judged.changed_ns,
+            index.put_verdict(self.store.where(name), self.question(), judged.identity, judged.changed_ns,
                               judged.as_row(), read_ns=taken, model=self.model)
             if index.usable:
                 with self._lock:
@@ -371,7 +375,7 @@ class ServerStates:
                               reads_checkpoints=server_reads_checkpoints(self.facts.build_info))
             after = After(sent.verdict, sent.sendable, sent.error, sent.why)
             if judged.after != after:       # the state's verdict from now on (its identity unchanged)
-                self.remember(name, slot, dataclasses.replace(judged, after=after, catalog=False), taken)
+                self.remember(name, dataclasses.replace(judged, after=after, catalog=False), taken)
             yield work, conv, sent
         finally:
             _unlink(dest)
@@ -439,6 +443,10 @@ class ServerStates:
         and the file name are the ones asked)."""
         return http.save_slot(self.url, slot, work, api_key=api_key or self.api_key, timeout=self.timeout,
                               check=False)
+
+    def discard(self, work: str) -> None:
+        """A working file removed from the slot directory (gone already: nothing to do)."""
+        _unlink(self.slot_dir / work)
 
     def read_back(self, slot: int, work: str, answer: dict) -> Saved:
         """The file the server saved as ``work`` for ``slot``, read against its ``answer`` (it parses, with the

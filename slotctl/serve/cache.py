@@ -206,7 +206,6 @@ class Cache(ServerStates):
         """The file the server saved as ``work`` for ``slot`` checked against its answer to the save: it parses,
         with the token count and size the server reported (:meth:`read_back`). None when the slot held
         nothing (the working file removed); the working file is :meth:`store_saved`'s to store or remove."""
-        path = self.slot_dir / work
         try:
             what = f"POST {self.url}/slots/{slot}?action=save"
             http.check_shape(what, answer, http.SHAPES["save"])
@@ -214,18 +213,14 @@ class Cache(ServerStates):
                 raise http.ServerAnswerError(f"{what}: unexpected answer: not slot {slot}'s save to {work}")
             got = self.read_back(slot, work, answer)
             if got.problem is not None:
-                raise http.ServerAnswerError(f"{path}: not stored: {got.problem}")
+                raise http.ServerAnswerError(f"{got.path}: not stored: {got.problem}")
             if got.n_tokens == 0 or got.media:
-                _unlink(path)
+                self.discard(work)
                 return None
             return dataclasses.replace(got, tokens=as_tokens(got.tokens))
         except BaseException:
-            _unlink(path)
+            self.discard(work)
             raise
-
-    def discard(self, work: str) -> None:
-        """A save's working file removed (a save whose answer never came)."""
-        _unlink(self.slot_dir / work)
 
     def store_saved(self, saved: Saved) -> None:
         """A checked save stored under its content's name (once: a state already stored, saved from this slot
@@ -248,7 +243,7 @@ class Cache(ServerStates):
                 self.index.add(State(name, saved.tokens, saved.kind, saved.size))
             self._prune()
         finally:
-            _unlink(saved.path)
+            self.discard(saved.path.name)
 
     def _prune(self) -> None:
         if self.max_size is None:
@@ -269,10 +264,3 @@ def converted_reason(changes: list[str], error: str | None) -> str:
     """Why a state converted for the server is not restored: the conversion's changes, the converted file's
     first error."""
     return f"converted ({'; '.join(changes)}): {error}"
-
-
-def _unlink(path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
