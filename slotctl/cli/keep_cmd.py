@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.text import Text
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
 from slotctl.cli.options import ApiKeyOpt, ArgsCommand, ConfigOpt, RouterModelOpt, flag_option, store_option
-from slotctl.cli.output import Output, style_of
-from slotctl.errors import SlotctlError, UsageError
+from slotctl.cli.output import Output
+from slotctl.errors import UsageError
 from slotctl.live import SLOT_FILE_TIMEOUT
-
 
 
 def register(app: typer.Typer) -> None:
@@ -96,43 +93,27 @@ def keep(
     Exit codes: 0 stopped by SIGTERM or SIGINT (--save-all, --restore-all: done); 2 usage error (a missing directory, a bad --max-size,
     a bad configuration file, another keeper keeping this server with this store, the lease lost).
     """
+    from slotctl.cli import running
     from slotctl.cli.common import use_store
     from slotctl.fleet.keep import Keeper
-    from slotctl.unattended import lock as locks
-    from slotctl.unattended import systemd
-    from slotctl.unattended.config import Config, load
+    from slotctl.unattended.lock import DEFAULT_TTL
+    from slotctl.unattended.shell import Shell, count_store
 
     out = Output(json_mode=json_out)
-    cfg = load(config) if config is not None else Config()
-    server, slot_dir, store, api_key = cfg.fill("keep", server, slot_dir, store, api_key)
-    if router_model is not None and server is not None:
-        server = remote.server_url(server, router_model)
-    k = cfg.keep
-
-    def pick(flag, key, default):
-        return flag if flag is not None else k.get(key, default)
-
-    every, min_tokens = pick(every, "every", 30.0), pick(min_tokens, "min_tokens", 1)
-    timeout, lease = pick(timeout, "timeout", SLOT_FILE_TIMEOUT), pick(lease, "lease", locks.DEFAULT_TTL)
-    listen = pick(listen, "listen", None) or None
-    max_size = max_size if max_size is not None else cfg.max_size
-    keep_newest = keep_newest if keep_newest is not None else cfg.newest
+    run = running.settings("keep", config, server, slot_dir, store, api_key)
+    if router_model is not None and run.url is not None:
+        run.url = remote.server_url(run.url, router_model)
+    every, min_tokens = run.pick(every, "every", 30.0), run.pick(min_tokens, "min_tokens", 1)
+    timeout, lease = run.pick(timeout, "timeout", SLOT_FILE_TIMEOUT), run.pick(lease, "lease", DEFAULT_TTL)
+    listen = run.pick(listen, "listen", None) or None
+    keep_newest = keep_newest if keep_newest is not None else run.newest
     if prove_restores is None:
-        prove_restores = cfg.proof != "never"
+        prove_restores = run.proof != "never"
     if save_all and restore_all:
         raise UsageError("--save-all and --restore-all: give one")
-    if server is None:
-        raise UsageError("--server: no URL given (nor a server in --config)")
-    if slot_dir is None:
-        raise UsageError("--slot-dir: no directory given (nor slot_dir in --config)")
-    remote.check_slot_dir_and_store(slot_dir, store)
-    use_store([store])
-    size = None
-    if max_size is not None:
-        from slotctl.prune import parse_size
-
-        size = parse_size(max_size)
-
+    run.require("--server")
+    use_store([run.store])
+    size = run.budget(max_size)
     metrics = None
 
     def emit(ev) -> None:
@@ -140,79 +121,46 @@ def keep(
         if metrics is not None:
             metrics.observe(doc)
             if ev.event in ("up", "restart", "stored", "pruned"):
-                count_store()
+                count_store(metrics, keeper.store)
         if json_out:
             out.json_line(doc)
-            return
-        line = Text(f"{doc['time']} ")
-        line.append(ev.event, style=style_of(ev.event, "bold"))
-        line.append(f" {remote._plain(ev.message)}")
-        out.err.print(line)
+        else:
+            running.event_line(out, doc["time"], ev.event, ev.message)
 
-    from slotctl.server.flags import ServerFlags
-
-    given = remote.given_params(ctx) & {"kv_unified", "cache_type_k", "cache_type_v"}
-    flags = ServerFlags(kv_unified=kv_unified, cache_type_k=cache_type_k or ServerFlags().cache_type_k,
-                        cache_type_v=cache_type_v or ServerFlags().cache_type_v)
-    keeper = Keeper(server, slot_dir, store, every=every, min_tokens=min_tokens, max_size=size, api_key=api_key,
-                    timeout=timeout, emit=emit, retention=keep_newest, prove=prove_restores, force=force,
-                    flags=flags, given=frozenset(given), allow_lossy=allow_lossy, catalog=not no_cache)
-
-    def count_store() -> None:
-        try:
-            metrics.store_usage(*keeper.store.usage())
-        except (SlotctlError, OSError) as e:
-            metrics.store_failed(str(e))
-
+    flags, given = running.unreported_flags(ctx, kv_unified, cache_type_k, cache_type_v)
+    keeper = Keeper(run.url, run.slot_dir, run.store, every=every, min_tokens=min_tokens, max_size=size,
+                    api_key=run.api_key, timeout=timeout, emit=emit, retention=keep_newest, prove=prove_restores,
+                    force=force, flags=flags, given=given, allow_lossy=allow_lossy, catalog=not no_cache)
     from slotctl.live import router
 
     model = router.model_for(keeper.url)   # one keeper per router's model and store
-    held = locks.acquire(store if store is not None else slot_dir,
-                         keeper.url + (f" (model {model})" if model else ""), ttl=lease)
-    keeper.lock = held
-    endpoint = watchdog = None
-    try:
-        if isinstance(held, locks.Lease):
-            held.start(keeper.abandon)
+    where = run.store if run.store is not None else run.slot_dir
+    shell = Shell("keep", where, keeper.url + (f" (model {model})" if model else ""), ttl=lease)
+    keeper.lock = shell.lock()
+    with shell:
+        shell.keep_lease(keeper.abandon)
         if listen is not None:
-            from slotctl.unattended.metrics import Endpoint, KeepMetrics, StoreProbe
+            from slotctl.fleet.ui import keeper_page
+            from slotctl.unattended.metrics import KeepMetrics, StoreProbe
 
             metrics = KeepMetrics(keeper.url)
             keeper.on_look = metrics.look
-            count_store()
-            probe = StoreProbe(str(store if store is not None else slot_dir))
-            from slotctl.fleet.ui import keeper_page
-
-            endpoint = Endpoint(listen, metrics.registry.exposition,
-                                lambda: metrics.ready(3 * keeper.every + keeper.timeout, probe),
-                                lambda: _alive(keeper), ui=lambda: keeper_page(keeper)).start()
+            count_store(metrics, keeper.store)
+            probe = StoreProbe(str(where))
+            endpoint = shell.serve_metrics(listen, metrics.registry.exposition,
+                                           lambda: metrics.ready(3 * keeper.every + keeper.timeout, probe),
+                                           lambda: _alive(keeper), ui=lambda: keeper_page(keeper))
             if not json_out:
                 out.err.print(f"metrics: {endpoint.url}/metrics, /livez, /readyz; the slots: {endpoint.url}/ui",
                               markup=False, highlight=False)
-        wd = systemd.watchdog_seconds()
-        if wd is not None:      # its pings begin after READY=1 (a ping before it would precede the ready)
-            watchdog = systemd.Watchdog(lambda: _alive(keeper)[0], wd)
-        def stopping(*_) -> None:
-            systemd.notify("STOPPING=1")
-            keeper.stop()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, stopping)
+        shell.arm_watchdog(lambda: _alive(keeper)[0])
+        shell.on_signals(keeper.stop)
         if save_all or restore_all:
-            if watchdog is not None:
-                watchdog.start()
+            shell.start_watchdog()
             code = keeper.once(restore=restore_all)
         else:
-            systemd.notify("READY=1", f"STATUS=keeping {keeper.url} (store {keeper.store})")
-            if watchdog is not None:
-                watchdog.start()
+            shell.ready(f"keeping {keeper.url} (store {keeper.store})")
             code = keeper.run()
-    finally:
-        if watchdog is not None:
-            watchdog.stop()
-        if endpoint is not None:
-            endpoint.stop()
-        held.release()
     raise typer.Exit(code)
 
 

@@ -7,16 +7,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
 from slotctl.cli.options import ApiKeyOpt, ArgsCommand, ConfigOpt, flag_option
 from slotctl.cli.output import Output
 from slotctl.errors import UsageError
 from slotctl.live import SLOT_FILE_TIMEOUT
-
-_STYLE = {"restored": "green", "stored": "green", "up": "green", "down": "yellow", "refused": "yellow",
-          "pruned": "yellow", "disconnect": "yellow", "upstream": "bold red", "error": "bold red", "learned": "green",
-          "warning": "yellow"}
 
 
 def register(app: typer.Typer) -> None:
@@ -90,64 +85,41 @@ def serve(
     the [serve] extra missing, the address in use, a bad configuration file, another serve serving
     this server with this store, the lease lost).
     """
-    from slotctl.unattended.config import Config, load
+    from slotctl.cli import running
     from slotctl.unattended.lock import DEFAULT_TTL
     from slotctl.unattended.metrics import parse_listen
 
-    cfg = load(config) if config is not None else Config()
-    upstream, slot_dir, store, api_key = cfg.fill("serve", upstream, slot_dir, store, api_key)
-    if upstream is not None:
+    run = running.settings("serve", config, upstream, slot_dir, store, api_key)
+    if run.url is not None:
         from slotctl.live import router
         from slotctl.live.http import normalize_url
 
-        if router.model_for(normalize_url(upstream)) is not None:
-            raise UsageError(f"serve: {normalize_url(upstream)} is a router (its server entry names a model): serve "
+        if router.model_for(normalize_url(run.url)) is not None:
+            raise UsageError(f"serve: {normalize_url(run.url)} is a router (its server entry names a model): serve "
                              f"caches one server's prompts and does not front a router's models (point it at the "
                              f"model's own server; docs/fleet.md, router mode)")
-    v = cfg.serve
-
-    def pick(flag, key, default):
-        return flag if flag is not None else v.get(key, default)
-
-    listen, min_gain = pick(listen, "listen", "127.0.0.1:8081"), pick(min_gain, "min_gain", 16)
-    timeout, lease = pick(timeout, "timeout", SLOT_FILE_TIMEOUT), pick(lease, "lease", DEFAULT_TTL)
-    metrics_listen = pick(metrics_listen, "metrics_listen", None) or None
-    max_size = max_size if max_size is not None else cfg.max_size
-    if upstream is None:
-        raise UsageError("--upstream: no URL given (nor a server in --config)")
-    if slot_dir is None:
-        raise UsageError("--slot-dir: no directory given (nor slot_dir in --config)")
+    listen, min_gain = run.pick(listen, "listen", "127.0.0.1:8081"), run.pick(min_gain, "min_gain", 16)
+    timeout, lease = run.pick(timeout, "timeout", SLOT_FILE_TIMEOUT), run.pick(lease, "lease", DEFAULT_TTL)
+    metrics_listen = run.pick(metrics_listen, "metrics_listen", None) or None
+    run.require("--upstream")
     host, port = parse_listen(listen)
     if metrics_listen is not None:
         parse_listen(metrics_listen, "--metrics-listen")
-    remote.check_slot_dir_and_store(slot_dir, store)
-    size = None
-    if max_size is not None:
-        from slotctl.prune import parse_size
-
-        size = parse_size(max_size)
+    size = run.budget(max_size)
     from slotctl.serve import main
-    from slotctl.server.flags import ServerFlags
 
-    given = remote.given_params(ctx) & {"kv_unified", "cache_type_k", "cache_type_v"}
-    flags = ServerFlags(kv_unified=kv_unified, cache_type_k=cache_type_k or ServerFlags().cache_type_k,
-                        cache_type_v=cache_type_v or ServerFlags().cache_type_v)
+    flags, given = running.unreported_flags(ctx, kv_unified, cache_type_k, cache_type_v)
     out = Output(json_mode=json_out)
 
     def emit(event: str, message: str, details: dict) -> None:
         if json_out:
             out.json_line({"time": _now(), "event": event, "message": message, "details": details})
-            return
-        from rich.text import Text
+        else:
+            running.event_line(out, _now(), event, message)
 
-        line = Text(f"{_now()} ")
-        line.append(event, style=_STYLE.get(event, "bold"))
-        line.append(f" {remote._plain(message)}")
-        out.err.print(line)
-
-    raise typer.Exit(main.serve(upstream, slot_dir, store, host=host, port=port, max_size=size, min_gain=min_gain,
-                                api_key=api_key, timeout=timeout, catalog=not no_cache, emit=emit,
-                                flags=flags, given=frozenset(given), metrics_listen=metrics_listen, lease=lease))
+    raise typer.Exit(main.serve(run.url, run.slot_dir, run.store, host=host, port=port, max_size=size,
+                                min_gain=min_gain, api_key=run.api_key, timeout=timeout, catalog=not no_cache,
+                                emit=emit, flags=flags, given=given, metrics_listen=metrics_listen, lease=lease))
 
 
 def _now() -> str:
