@@ -76,7 +76,7 @@ def test_serve_metrics_equal_what_serve_did(fresh, tmp_path):
         assert c["restores"] == 1 and c["saves"] == 2, s.output()
         url = fresh.url
         turns = [first, second]
-        # the restore's predicted reuse, counted from Proxy.prepare's answer (not read back from the log)
+        # the restore's predicted reuse, counted from Cache.prepare's answer (not read back from the log)
         (restored,) = [e["details"] for e in s.events_named("restored")]
         ss = wait_until(lambda: (lambda x: x if value(x, "slotctl_serve_store_objects", server=url) == 2 else None)(
             samples(scrape(base)[2], "slotctl_serve_")))

@@ -324,6 +324,16 @@ def _api_key(api_key: str | None) -> str | None:
 _READS: set = set()
 
 
+#: connections made to each server (its normalized URL), counted (:func:`connections_made`)
+_MADE: dict[str, int] = {}
+
+
+def connections_made(url: str) -> int:
+    """How many connections this process has made to the server at ``url``: a request that had to make one
+    may have reached a restarted server (serve's view of the slots reads ``GET /slots`` again)."""
+    return _MADE.get(normalize_url(url), 0)
+
+
 def cut_off_reads() -> None:
     """Cut off every GET in flight now (safe from a signal handler): a process stopping (``keep`` on
     SIGTERM) does not wait out a server that drips its answer. Slot actions (save, restore) are not cut:
@@ -393,6 +403,7 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
     sent = False
     try:
         conn, prefix = _connection(route, timeout, sockets)   # a proxy's CONNECT included
+        _MADE[base] = _MADE.get(base, 0) + 1
         if expired.is_set():
             raise TimeoutError
         conn.request(method, prefix + target, body=data, headers=headers)

@@ -200,6 +200,94 @@ class Cache(ServerStates):
             return judged.after.verdict, converted_reason(judged.convert, judged.after.error)
         return None
 
+    # -- the restore policy ----------------------------------------------------------------------------
+
+    def prepare(self, slot, tokens: np.ndarray, min_gain: int, key: str | None = None) -> int:
+        """With ``slot`` held (a :class:`slotctl.serve.slots.Slot`), in a worker thread: restore the stored
+        state that keeps the most of the prompt ``tokens``, when its verdict for this server is ``restores``
+        and it keeps at least ``min_gain`` tokens more than the slot holds. A state another server's
+        ``-np``/``-kvu`` made is converted for this one first (:meth:`converted`) and the converted file judged
+        the same way; a conversion that fails leaves the request uncached. The prompt tokens the server is
+        predicted to reuse: the restored state's (its ``restored`` event's ``reuse``), else what the slot
+        already holds of the prompt."""
+        from slotctl.keeping.states import ConversionFailed
+        from slotctl.serve.slots import SlotView
+
+        c = self.counters
+        held = SlotView.held(slot, tokens)
+        if len(tokens) - held < min_gain:
+            return held
+        try:
+            found = self.lookup(tokens)
+        except Exception as e:  # noqa: BLE001 - the store down: uncached
+            c.add("lookup_failures")
+            self.log("error", f"the store cannot be read ({e}): the request goes uncached")
+            return held
+        for state, common in found:
+            if common - held < min_gain:
+                break
+            judged = self.judge(state.name, slot.id)
+            refused = self.why_not(judged)
+            if refused is not None:
+                self._refused(state, slot, *refused, catalog=judged.catalog)
+                continue
+            gain = self.reuse(judged, state, common, len(tokens))
+            if gain - held < min_gain:
+                continue
+            if judged.restores:
+                return self._restore(slot, state, gain, held, len(tokens), key, judged=judged)
+            t0 = time.perf_counter()
+            try:
+                with self.converted(state.name, slot.id, judged) as (placed, conv, sent):
+                    c.add("conversions")
+                    if sent.verdict not in RESTORABLE:
+                        self._refused(state, slot, sent.verdict, converted_reason(conv.changes, sent.error))
+                        continue
+                    gain = self.reuse(sent, state, common, len(tokens))
+                    if gain - held < min_gain:
+                        continue
+                    return self._restore(slot, state, gain, held, len(tokens), key, placed, conv.changes,
+                                         (time.perf_counter() - t0) * 1000, judged=sent)
+            except ConversionFailed as e:
+                c.add("conversion_failures")
+                self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id,
+                         name=state.name)
+                return held
+        return held
+
+    def _refused(self, state: State, slot, verdict: str, reason: str | None, *, catalog: bool = False) -> None:
+        self.counters.add("restores_refused_by_verdict")
+        self.log("refused", f"{state.name}: not restored into slot {slot.id}: validate says {verdict}"
+                            + (f" ({reason})" if reason else "")
+                            + (" (unchanged since serve judged it: the catalog's row, not read again)"
+                               if catalog else ""),
+                 slot=slot.id, name=state.name, verdict=verdict, **({"catalog": True} if catalog else {}))
+
+    def _restore(self, slot, state: State, gain: int, held: int, n_request: int, key: str | None,
+                 placed: str | None = None, changes: list[str] | None = None, convert_ms: float = 0.0, *,
+                 judged: Judged) -> int:
+        """``state`` restored into ``slot`` (``judged``: its verdict, ``restores``: sent only while the state has
+        the identity it was made on); ``gain``, the prompt tokens the request is predicted to keep."""
+        from slotctl.serve.slots import EMPTY
+
+        c = self.counters
+        slot.tokens = EMPTY         # whatever happens now, the slot's old tokens are gone
+        t0 = time.perf_counter()
+        answer = self.restore(state.name, slot.id, placed=placed, identity=None if placed else judged.identity,
+                              api_key=key)
+        slot.tokens = state.tokens
+        c.add("restores")
+        c.add("restored_tokens", gain)
+        how = f" converted ({'; '.join(changes)}, {convert_ms:.0f} ms)" if changes else ""
+        extra = {"converted": changes, "convert_ms": round(convert_ms, 3)} if changes else {}
+        if judged.catalog:
+            extra["catalog"] = True     # the verdict from the catalog: the state not opened to judge it
+        self.log("restored", f"{state.name}{how} restored into slot {slot.id}: {answer.get('n_restored', 0):,} "
+                             f"tokens in {(time.perf_counter() - t0) * 1000:.0f} ms; the request keeps "
+                             f"{gain:,} of its {n_request:,} (the slot held {held:,})",
+                 slot=slot.id, name=state.name, n_restored=answer.get("n_restored"), reuse=gain, held=held, **extra)
+        return gain
+
     # -- saving ----------------------------------------------------------------------------------------
 
     def checked(self, slot: int, work: str, answer) -> Saved | None:

@@ -71,7 +71,7 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
             loop.call_soon_threadsafe(lambda: (shell.stopping(), stop.set()))
 
         shell.keep_lease(on_lost)
-        # each request given a slot counted: the prompt tokens predicted reused and evaluated (Proxy.prepare's)
+        # each request given a slot counted: the prompt tokens predicted reused and evaluated (Cache.prepare's)
         proxy = Proxy(cache, min_gain=min_gain, log=log, on_prompt=metrics.prompt if metrics is not None else None)
 
         async def beating() -> None:
