@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Optional
-
 import typer
 
 from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ApiKeyOpt, ArgsCommand, ConfigOpt, RouterModelOpt, flag_option, store_option
+from slotctl.cli.options import (
+    AllowLossyOpt, ApiKeyOpt, ArgsCommand, ConfigOpt, EventsJsonOpt, EveryOpt, ForceRestoreOpt, KeepListenOpt,
+    KeepNewestOpt, KeepServerOpt, KeptSlotDirOpt, KeptStoreOpt, KeptTimeoutOpt, LeaseOpt, MinTokensOpt,
+    ProveRestoresOpt, RestoreAllOpt, RouterModelOpt, SaveAllOpt, StoreBudgetOpt, StoreCatalogOpt, UnreportedCtkOpt,
+    UnreportedCtvOpt, UnreportedKvuOpt,
+)
 from slotctl.cli.output import Output
 from slotctl.errors import UsageError
 from slotctl.live import SLOT_FILE_TIMEOUT
@@ -22,56 +24,29 @@ def register(app: typer.Typer) -> None:
 @handle_errors
 def keep(
     ctx: typer.Context,
-    server: Annotated[Optional[str], typer.Option("--server", metavar="URL", help="The llama-server's base URL, "
-                                                  "e.g. http://127.0.0.1:8080 (or the configuration's).")] = None,
-    slot_dir: Annotated[Optional[Path], typer.Option("--slot-dir", file_okay=False, metavar="DIR",
-                                                     help="The server's --slot-save-path as this machine sees it.")] = None,
-    store: Annotated[Optional[str], store_option("Where the states are kept: a directory or an s3:// prefix "
-                                                 "(docs/store.md; default: --slot-dir itself).")] = None,
-    every: Annotated[Optional[float], typer.Option("--every", min=0.05, max=86400.0, metavar="SECONDS",
-                                                   help="Seconds between two looks at the server [default: 30].")] = None,
-    min_tokens: Annotated[Optional[int], typer.Option("--min-tokens", min=1, max=1 << 24, metavar="N",
-                                                      help="Save only slots whose last prompt had at least N tokens "
-                                                           "[default: 1].")] = None,
-    max_size: Annotated[Optional[str], typer.Option("--max-size", metavar="SIZE", help="Keep the store under SIZE "
-                                                    "(20G, 500M) by prune's rules, least recently used first.")] = None,
-    keep_newest: Annotated[Optional[int], typer.Option("--keep-newest", min=1, max=1 << 20, metavar="N",
-                                                       help="Keep only the newest N states of each slot and model "
-                                                            "(older ones deleted after each new state).")] = None,
-    prove_restores: Annotated[Optional[bool], typer.Option("--prove/--no-prove", help="Prove each restore with "
-                                                           "the server's own counts [default: --prove].")] = None,
+    server: KeepServerOpt = None,
+    slot_dir: KeptSlotDirOpt = None,
+    store: KeptStoreOpt = None,
+    every: EveryOpt = None,
+    min_tokens: MinTokensOpt = None,
+    max_size: StoreBudgetOpt = None,
+    keep_newest: KeepNewestOpt = None,
+    prove_restores: ProveRestoresOpt = None,
     config: ConfigOpt = None,
-    lease: Annotated[Optional[float], typer.Option("--lease", min=1.0, max=86400.0, metavar="SECONDS",
-                                                   help="With an s3:// store: seconds the keeper's lease holds "
-                                                        "without a renewal [default: 60].")] = None,
-    listen: Annotated[Optional[str], typer.Option("--listen", metavar="HOST:PORT",
-                                                  help="Serve /metrics, /livez, /readyz and the slots' page /ui "
-                                                       "there (loopback unless a host is given).")] = None,
-    save_all: Annotated[bool, typer.Option("--save-all", help="One pass, then exit: save every idle slot whose "
-                                           "state the store does not have (llama-swap's cmdStop).")] = False,
-    restore_all: Annotated[bool, typer.Option("--restore-all", help="One pass, then exit: restore (and prove) "
-                                              "every empty slot from the store.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Restore a stored state even when validate says the "
-                                        "server now running refuses it or aborts on it.")] = False,
-    kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The server runs with -kvu (not "
-                                             "reported by the server; learnt from its saves, which win): stored "
-                                             "states are converted for it.")] = False,
-    cache_type_k: Annotated[Optional[str], flag_option("cache_type_k", help="The server's -ctk (not reported; "
-                                                       "learnt from its saves, which win; default f16).")] = None,
-    cache_type_v: Annotated[Optional[str], flag_option("cache_type_v", help="The server's -ctv (not reported; "
-                                                       "learnt from its saves, which win; default f16).")] = None,
-    allow_lossy: Annotated[bool, typer.Option("--allow-lossy", help="Re-encode a stored state's cache rows when "
-                                              "the server's cache types changed (lossy).")] = False,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="Do not use the catalog (the SQLite index of the "
-                                           "store): judge again every stored state the server did not restore "
-                                           "before.")] = False,
+    lease: LeaseOpt = None,
+    listen: KeepListenOpt = None,
+    save_all: SaveAllOpt = False,
+    restore_all: RestoreAllOpt = False,
+    force: ForceRestoreOpt = False,
+    kv_unified: UnreportedKvuOpt = False,
+    cache_type_k: UnreportedCtkOpt = None,
+    cache_type_v: UnreportedCtvOpt = None,
+    allow_lossy: AllowLossyOpt = False,
+    no_cache: StoreCatalogOpt = False,
     router_model: RouterModelOpt = None,
     api_key: ApiKeyOpt = None,
-    timeout: Annotated[Optional[float], typer.Option("--timeout", min=0.001, max=86400.0, metavar="SECONDS",
-                                                     help="Give up on a request after this many seconds "
-                                                          "[default: 600].")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per action on stdout "
-                                           "(docs/json.md) instead of log lines on stderr.")] = False,
+    timeout: KeptTimeoutOpt = None,
+    json_out: EventsJsonOpt = False,
 ) -> None:
     """Keep a running llama-server's slots across its restarts: save idle slots, restore them after.
 

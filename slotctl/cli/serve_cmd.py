@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Optional
-
 import typer
 
 from slotctl.cli.common import handle_errors
-from slotctl.cli.options import ApiKeyOpt, ArgsCommand, ConfigOpt, flag_option
+from slotctl.cli.options import (
+    ApiKeyOpt, ArgsCommand, ConfigOpt, EventsJsonOpt, KeptSlotDirOpt, KeptStoreOpt, KeptTimeoutOpt, LeaseOpt,
+    MetricsListenOpt, MinGainOpt, ServeListenOpt, StoreBudgetOpt, StoreCatalogOpt, UnreportedCtkOpt,
+    UnreportedCtvOpt, UnreportedKvuOpt, UpstreamOpt,
+)
 from slotctl.cli.output import Output
 from slotctl.errors import UsageError
 from slotctl.live import SLOT_FILE_TIMEOUT
@@ -21,46 +22,22 @@ def register(app: typer.Typer) -> None:
 @handle_errors
 def serve(
     ctx: typer.Context,
-    upstream: Annotated[Optional[str], typer.Option("--upstream", metavar="URL", help="The llama-server (or "
-                                                    "llama-swap) to serve, e.g. http://127.0.0.1:8080 (or the "
-                                                    "configuration's).")] = None,
-    slot_dir: Annotated[Optional[Path], typer.Option("--slot-dir", file_okay=False, metavar="DIR",
-                                                     help="The server's --slot-save-path as this machine sees "
-                                                          "it.")] = None,
-    store: Annotated[Optional[str], typer.Option("--store", metavar="DIR|s3://BUCKET/PREFIX/",
-                                                 help="Where the states are kept: a directory or an s3:// prefix "
-                                                      "(docs/store.md; default: --slot-dir itself).")] = None,
-    listen: Annotated[Optional[str], typer.Option("--listen", metavar="HOST:PORT", help="Where serve listens (port "
-                                                  "0: any free port, said on the first line) [default: "
-                                                  "127.0.0.1:8081].")] = None,
-    max_size: Annotated[Optional[str], typer.Option("--max-size", metavar="SIZE", help="Keep the store under SIZE "
-                                                    "(20G, 500M) by prune's rules, least recently used first.")] = None,
-    min_gain: Annotated[Optional[int], typer.Option("--min-gain", min=1, metavar="N", help="Restore a stored "
-                                                    "state only when it keeps at least N prompt tokens more than "
-                                                    "the slot holds [default: 16].")] = None,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="Do not use the catalog (the SQLite index of the "
-                                           "stored states' tokens): read every stored state.")] = False,
+    upstream: UpstreamOpt = None,
+    slot_dir: KeptSlotDirOpt = None,
+    store: KeptStoreOpt = None,
+    listen: ServeListenOpt = None,
+    max_size: StoreBudgetOpt = None,
+    min_gain: MinGainOpt = None,
+    no_cache: StoreCatalogOpt = False,
     config: ConfigOpt = None,
-    metrics_listen: Annotated[Optional[str], typer.Option("--metrics-listen", metavar="HOST:PORT",
-                                                          help="Serve /metrics, /livez and /readyz there, apart "
-                                                               "from the proxy (loopback unless a host is "
-                                                               "given).")] = None,
-    lease: Annotated[Optional[float], typer.Option("--lease", min=1.0, max=86400.0, metavar="SECONDS",
-                                                   help="With an s3:// store: seconds serve's lease holds without "
-                                                        "a renewal [default: 60].")] = None,
-    kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The server runs with -kvu (not "
-                                             "reported by the server; learnt from its saves, which win): states "
-                                             "are judged, and converted, for it.")] = False,
-    cache_type_k: Annotated[Optional[str], flag_option("cache_type_k", help="The server's -ctk (not reported; "
-                                                       "learnt from its saves, which win; default f16).")] = None,
-    cache_type_v: Annotated[Optional[str], flag_option("cache_type_v", help="The server's -ctv (not reported; "
-                                                       "learnt from its saves, which win; default f16).")] = None,
+    metrics_listen: MetricsListenOpt = None,
+    lease: LeaseOpt = None,
+    kv_unified: UnreportedKvuOpt = False,
+    cache_type_k: UnreportedCtkOpt = None,
+    cache_type_v: UnreportedCtvOpt = None,
     api_key: ApiKeyOpt = None,
-    timeout: Annotated[Optional[float], typer.Option("--timeout", min=0.001, metavar="SECONDS", help="Give up on a "
-                                                     "save or restore after this many seconds [default: "
-                                                     "600].")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per event on stdout "
-                                           "(docs/json.md), the first saying where serve listens.")] = False,
+    timeout: KeptTimeoutOpt = None,
+    json_out: EventsJsonOpt = False,
 ) -> None:
     """Serve a llama-server through a prompt cache on disk or in S3: restore, request, save.
 
@@ -72,7 +49,8 @@ def serve(
     is saved into the store (once per content), kept under --max-size. The cache never fails a
     request: what fails in it is logged and the request goes uncached. A state stored by a server of
     other -np or -kvu (another serve sharing the store) is converted for this one first (exact; cache
-    types never re-encoded) and judged again. GET /slotctl/stats: counters.
+    types never re-encoded) and judged again. GET /slotctl/stats: counters. One log line per
+    event; --json: one JSON line each, the first saying where serve listens.
     SIGTERM or SIGINT: saves in progress finish, exit 0. Needs the [serve] extra (aiohttp). Details:
     docs/serve.md.
 
