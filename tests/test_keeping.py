@@ -64,3 +64,67 @@ def test_working_files_are_private_to_their_process_and_pinned():
     assert not any(fnmatch.fnmatch("serve-0a1b2c3d-0000002-9f8e7d6c5b4a3928.bin", g) for g in names.WORK_GLOBS)
     with pytest.raises(ValueError):
         names.work_name("migrate", 0, "incoming")
+
+
+def _facts(url: str = "http://127.0.0.1:9"):
+    from slotctl.live.http import ServerFacts
+
+    return ServerFacts(url, "/nowhere/tiny.gguf", 2, 512, "/slots", False, None, "b11434-test", False,
+                       {"n_vocab": 64, "n_embd": 16, "n_params": 1000, "size": 4000, "n_ctx_train": 1024}, {}, [])
+
+
+def _judged(identity: str):
+    from slotctl.keeping.judged import Judged
+
+    return Judged("restores", True, 3, "kv", 0, 3, None, None, "validate says ...", parsed=True, identity=identity,
+                  changed_ns=0)
+
+
+def test_one_verdict_kept_for_every_reader_and_slot(tmp_path):
+    """What keep or serve kept for a state is what another process asks for, whatever the slot; the fleet view
+    reads it, and writes into a store only a catalog keep or serve made."""
+    import time
+
+    from slotctl.catalog import INDEX_NAME, local_identity
+    from slotctl.keeping.states import ServerStates
+
+    store = tmp_path / "store"
+    store.mkdir()
+    name = names.state_name(1, names.model_hash(_facts()), [1, 2, 3])
+    (store / name).write_bytes(b"\0" * 64)
+    old = time.time() - 3600        # changed long before the row is made: trusted
+    os.utime(store / name, (old, old))
+    ident = local_identity(os.stat(store / name))
+
+    view = ServerStates("http://127.0.0.1:9", None, str(store), create_catalog=False)
+    view.set_facts(_facts())
+    view.remember(name, _judged(ident), time.time_ns())
+    assert not (store / INDEX_NAME).exists()        # the view made none
+    assert view.judge(name, 0).verdict == "restores" and view.held() == 1      # its own, in memory
+
+    keep = ServerStates("http://127.0.0.1:9", tmp_path, str(store), role="keep")
+    keep.set_facts(_facts())
+    keep.remember(name, _judged(ident), time.time_ns())
+    assert (store / INDEX_NAME).exists()
+    # a serve started anew: the verdict from the catalog for slot 0 and slot 1 alike, the state never opened
+    serve = ServerStates("http://127.0.0.1:9", tmp_path, str(store), role="serve")
+    serve.set_facts(_facts())
+    for slot in (0, 1):
+        got = serve.judge(name, slot)
+        assert got.catalog and got.verdict == "restores" and got.identity == ident
+    # the state changed: no verdict kept for its new identity (it would be read again)
+    os.utime(store / name, (old + 60, old + 60))
+    fresh = ServerStates("http://127.0.0.1:9", tmp_path, str(store), role="serve")
+    fresh.set_facts(_facts())
+    index = fresh.catalog(create=False)
+    assert index.verdict(fresh.store.where(name), fresh.question(), fresh.identity(name)[0]) is None
+    # other flags learnt: another question
+    other = ServerStates("http://127.0.0.1:9", tmp_path, str(store), role="serve")
+    other.set_facts(_facts())
+    assert other.question() == serve.question()
+    from slotctl.server.flags import ServerFlags
+
+    unified = ServerStates("http://127.0.0.1:9", tmp_path, str(store), role="serve",
+                           flags=ServerFlags(kv_unified=True), given=frozenset({"kv_unified"}))
+    unified.set_facts(_facts())
+    assert unified.question() != serve.question()

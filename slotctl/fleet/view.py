@@ -43,15 +43,16 @@ _STATES_LOCK = threading.Lock()
 
 
 def states_of(t: Target):
-    """The server's states with its store (:class:`~slotctl.keeping.states.ServerStates`, judging only), one
-    per server and store for the life of the process."""
+    """The server's states with its store (:class:`~slotctl.keeping.states.ServerStates`, judging only: its
+    verdicts read from the store's catalog, and kept there only when keep or serve made one), one per server
+    and store for the life of the process."""
     from slotctl.keeping.states import ServerStates
 
     key = (http.normalize_url(t.url), t.store)
     with _STATES_LOCK:
         found = _STATES.get(key)
         if found is None:
-            found = _STATES[key] = ServerStates(t.url, None, t.store, api_key=t.api_key)
+            found = _STATES[key] = ServerStates(t.url, None, t.store, api_key=t.api_key, create_catalog=False)
         return found
 
 

@@ -52,13 +52,14 @@ class ServerStates:
     in ``given``, until the server's own saves say otherwise (:meth:`learn`). ``allow_lossy``: the conversion
     step may re-encode cache rows (keep's ``--allow-lossy``). ``max_size`` / ``retention``: the store's budget
     and how many of each slot's newest states it keeps (:meth:`prune`). ``catalog`` False: verdicts are not
-    kept in the store's catalog (``--no-cache``). ``log(event, message, **details)`` gets the catalog's lines
+    kept in the store's catalog (``--no-cache``); ``create_catalog`` False: kept only in a catalog keep or
+    serve made (the fleet view writes nothing new into a store it only looks at). ``log(event, message, **details)`` gets the catalog's lines
     and what a save taught (``learned``, ``warning``: ``slot`` among the details)."""
 
     def __init__(self, url: str, slot_dir: str | os.PathLike | None, store=None, *, role: str | None = None,
                  api_key: str | None = None, timeout: float = 600.0, max_size: int | None = None,
                  retention: int | None = None, catalog: bool = True, flags=None, given: frozenset[str] = frozenset(),
-                 allow_lossy: bool = False, log: Callable | None = None):
+                 allow_lossy: bool = False, log: Callable | None = None, create_catalog: bool = True):
         if role is not None and role not in names.ROLES:
             raise ValueError(f"role {role!r}: expected one of {names.ROLES}")
         self.role = role
@@ -80,7 +81,7 @@ class ServerStates:
         #: called before each write into the store (a state stored): the lock's check (keep's; raises when the
         #: lock is lost)
         self.before_write: Callable[[], None] | None = None
-        self.use_catalog = catalog
+        self.use_catalog, self.create_catalog = catalog, create_catalog
         self._catalog = None
         #: state name -> its verdict for the server now running (one for every slot: :meth:`judge`)
         self._judged: dict[str, Judged] = {}
@@ -336,7 +337,7 @@ class ServerStates:
             self._kept.discard(key)
         if judged.identity is None:
             return
-        index = self.catalog(create=True)
+        index = self.catalog(create=self.create_catalog)
         if index is not None:
             index.put_verdict(self.store.where(name), self.question(), judged.identity, judged.changed_ns,
                               judged.as_row(), read_ns=taken, model=self.model)
