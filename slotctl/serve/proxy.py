@@ -66,6 +66,8 @@ class Proxy:
         self.log = log or cache.log
         #: serve's view of the slots (what each holds: every request goes through serve), and its choices
         self.view = SlotView(min_gain)
+        #: serve's last small request made a connection of its own (the client keeps none alive: the next would too)
+        self._fresh = True
         self._learning = asyncio.Lock()   # held while the server's -kvu/-ctk/-ctv are learnt (:meth:`probe_when_due`)
         self.session: ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -99,7 +101,8 @@ class Proxy:
         try:
             return await asyncio.to_thread(fn, *args, **kwargs)
         finally:
-            if http.connections_made(self.base) != made:
+            self._fresh = http.connections_made(self.base) != made
+            if self._fresh:
                 self.view.connected()
 
     async def begin(self) -> None:
@@ -395,7 +398,13 @@ class Proxy:
                 self.view.release(slot)
 
     async def _health(self, key: str | None) -> None:
-        """``GET /health``, for its connection (:meth:`_small`); loading or down: the view is read again first."""
+        """``GET /health``, for its connection (:meth:`_small`): one kept alive shows the server is the one the
+        view describes. Loading or down, or when serve's last small request had to make a connection of its
+        own (then this one would too, and tell nothing: ``GET /slots`` is read instead), the view is read
+        again first."""
+        if self._fresh:
+            self.view.distrust()
+            return
         try:
             await self._small(http.get_health, self.base, api_key=key, timeout=SMALL_TIMEOUT)
         except Exception:  # noqa: BLE001 - loading or down: GET /slots says which
@@ -501,6 +510,8 @@ class Proxy:
             try:
                 entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT)
                 self.view.noted(slot, next((e for e in entries if e.get("id") == slot.id), None))
+                if self.view.apply(entries):    # the other slots as the server shows them now: the view read
+                    self.cache.learn_due = True
             except Exception:  # noqa: BLE001 - unknown: the next check finds the slot's tokens unknown
                 slot.sig = UNKNOWN
         finally:
