@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--states", type=int, default=20, help="states per slot")
     ap.add_argument("--runs", type=int, default=3)
     a = ap.parse_args()
-    from slotctl.fleet.keep import model_hash
+    from slotctl.keeping.names import model_hash
     from slotctl.fleet.view import Target, fleet
     from slotctl.live import http
 

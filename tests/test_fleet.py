@@ -33,9 +33,17 @@ from seaweed import BUCKET
 from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 from slotctl.cli.app import app
 from slotctl.errors import ExitStatus
-from slotctl.fleet.keep import INCOMING_GLOB, tokens_hash
+from slotctl.keeping.names import WORK_GLOBS, tokens_hash
 from slotctl.slotfile import open_slot_file
 from slotctl.tinymodels import SAMPLE_PROMPT
+
+#: keep's working files in the server's --slot-save-path, whatever the process
+INCOMING_GLOB = WORK_GLOBS[0]
+
+
+def stored_name(slot: int, model: str, tokens: str) -> str:
+    """A state's name as the previous release's keep wrote it (``slotN-MODEL-TOKENS.bin``): still read."""
+    return f"slot{slot}-{model}-{tokens}.bin"
 
 server = pytest.mark.server
 runner = CliRunner()
@@ -464,7 +472,7 @@ def test_keep_killed_mid_copy_leaves_the_store_consistent(kept, tmp_path):
         sf = open_slot_file(p)
         assert not sf.errors, (p.name, sf.errors)
         # named by slot, model and the hash of the tokens it holds
-        assert re.fullmatch(rf"slot\d+-[0-9a-f]{{8}}-{tokens_hash(sf.tokens.tokens)}\.bin", p.name), p.name
+        assert re.fullmatch(rf"slot\d+-[0-9a-f]{{8}}-\d{{7}}-{tokens_hash(sf.tokens.tokens)}\.bin", p.name), p.name
     res = slotctl("ls", store, "--json", code=OK)
     assert all(row["verdict"] != "unreadable" for row in json.loads(res.stdout)["files"])
     # a keep started again stores the slot's state (nothing it stored was lost or torn)
@@ -633,7 +641,7 @@ def test_an_s3_store_is_held_under_max_size_by_prunes_rules(seaweed, monkeypatch
     never touched), against the real SeaweedFS; the objects kept are whole."""
     import time
 
-    from slotctl.fleet.states import ObjectStore
+    from slotctl.keeping.store import ObjectStore
     from slotctl.store.s3 import S3_STORE
 
     for k in [k for k in os.environ if k.startswith("AWS_")]:
@@ -785,7 +793,7 @@ def test_migrate_to_slot_defaults_to_a_slot_the_destination_has(three, one):
 
 @server
 def test_keep_never_restores_a_stored_state_validate_says_the_server_aborts_on(kept, tmp_path):
-    from slotctl.fleet.keep import model_hash, stored_name
+    from slotctl.keeping.names import model_hash
     from slotctl.live import http as live_http
 
     kept.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
@@ -849,7 +857,7 @@ def test_keep_does_not_read_again_a_stored_state_it_found_the_server_refuses(kep
     is read and restored each time. A new keep process finds the row too; a file changed since, or
     --no-cache, is read again."""
     from slotctl.catalog import INDEX_NAME
-    from slotctl.fleet.keep import model_hash, stored_name
+    from slotctl.keeping.names import model_hash
     from slotctl.live import http as live_http
 
     kept.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
@@ -916,7 +924,7 @@ def test_keep_does_not_download_again_an_s3_state_the_server_refuses(kept, three
     once; the next pass says the same line from the catalog and downloads nothing."""
     import obstore
 
-    from slotctl.fleet.keep import model_hash, stored_name
+    from slotctl.keeping.names import model_hash
     from slotctl.live import http as live_http
     from slotctl.store.s3 import S3_STORE
 
@@ -955,7 +963,7 @@ def test_keep_remembers_a_damaged_s3_state_instead_of_an_error_at_every_pass(kep
     import obstore
 
     from slotctl import sources
-    from slotctl.fleet.keep import model_hash, stored_name
+    from slotctl.keeping.names import model_hash
     from slotctl.live import http as live_http
     from slotctl.store.s3 import S3_STORE
 
@@ -1002,7 +1010,7 @@ def test_a_download_is_kept_only_when_its_etag_is_the_one_judged(seaweed, monkey
 
     from slotctl.catalog import object_identity
     from slotctl.errors import UsageError
-    from slotctl.fleet.states import ObjectStore
+    from slotctl.keeping.store import ObjectStore
     from slotctl.store.s3 import S3_STORE
 
     _on_seaweed(seaweed, monkeypatch, tmp_path)
@@ -1036,7 +1044,7 @@ def test_keep_says_when_the_stores_catalog_cannot_be_used(kept, tmp_path):
     import sqlite3
 
     from slotctl.catalog import INDEX_NAME
-    from slotctl.fleet.keep import model_hash, stored_name
+    from slotctl.keeping.names import model_hash
     from slotctl.live import http as live_http
 
     kept.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
@@ -1202,7 +1210,7 @@ def test_keep_converts_a_state_saved_before_the_servers_np_changed(kept, tmp_pat
     """A state of one KV stream (saved at -np 1, made here by slotctl convert from the server's own file) in
     the store of a server now at -np 2: keep converts it as migrate does (exact), restores it and the server
     reuses it."""
-    from slotctl.fleet.keep import model_hash, stored_name
+    from slotctl.keeping.names import model_hash
     from slotctl.live import http as live_http
 
     kept.completion(SAMPLE_PROMPT + " The convert", slot=1, n_predict=3)

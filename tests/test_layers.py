@@ -14,9 +14,9 @@ PKG = ROOT / "slotctl"
 LAYERS = [
     {"__main__"},
     {"cli"},
-    {"serve"},
-    {"fleet"},
+    {"serve", "fleet"},
     {"unattended"},
+    {"keeping"},
     {"prune"},
     {"catalog"},
     {"live"},

@@ -235,13 +235,13 @@ def test_a_completion_through_serve_is_the_servers_answer(llama, tmp_path):
         c = s.wait_for("saves", 1)
         assert c["cached"] == 1 and c["saves"] == 1
         # stored under the model's hash and the token prefix, once per content
-        stored = sorted(p.name for p in tmp_path.glob("serve-*.bin"))
+        stored = sorted(p.name for p in tmp_path.glob("slot*.bin"))
         assert len(stored) == 1
         assert complete(s.url, SAMPLE_PROMPT)["content"] == direct["content"]   # the same tokens: stored once
         c = s.wait_for("saves_deduplicated", 1)
         assert c["saves_deduplicated"] == 1 and c["saves"] == 1
-        assert len(list(tmp_path.glob("serve-*.bin"))) == 1
-        assert not left_after(llama.save_dir, "serve-slot*-incoming.bin")   # the working file is removed
+        assert len(list(tmp_path.glob("slot*.bin"))) == 1
+        assert not left_after(llama.save_dir, "serve-slot*-incoming-*.bin")   # the working file is removed
 
 
 @server
@@ -284,7 +284,7 @@ def test_chat_completions_are_cached(llama, tmp_path):
         # the stored state begins with the tokens serve computed for the prompt (apply-template + tokenize)
         from slotctl.slotfile import open_slot_file
 
-        (name,) = [p for p in tmp_path.glob("serve-*.bin")]
+        (name,) = [p for p in tmp_path.glob("slot*.bin")]
         _st, _h, tpl = call(llama.url, "POST", "/apply-template", {"messages": messages})
         want = llama.post("/tokenize", {"content": json.loads(tpl)["prompt"], "add_special": True})[1]["tokens"]
         assert [int(t) for t in open_slot_file(name).tokens.tokens][:len(want)] == want
@@ -334,7 +334,7 @@ def test_a_store_down_means_uncached_not_failed(llama, tmp_path):
             assert complete(s.url, SAMPLE_PROMPT)["content"] == direct["content"]
         c = s.wait_for("save_failures", 2)
         assert c["save_failures"] == 2 and c["lookup_failures"] >= 1 and c["saves"] == 0
-        assert not list(llama.save_dir.glob("serve-slot*-incoming.bin"))
+        assert not list(llama.save_dir.glob("serve-slot*-incoming-*.bin"))
 
 
 def stream_begun(port: int, body: dict, events: int = 3) -> tuple[socket.socket, bytes]:
@@ -639,7 +639,7 @@ def test_a_state_the_verdict_refuses_is_never_sent(fresh, tmp_path):
     with serving(fresh, fresh.save_dir, str(store)) as s:
         complete(s.url, TURN1)
         s.wait_for("saves", 1)
-    (state,) = store.glob("serve-*.bin")
+    (state,) = store.glob("slot*.bin")
     data = state.read_bytes()
     state.write_bytes(data[: len(data) // 2])      # its payload cut short: refused or aborts, not restores
     fresh.kill_and_start_again()
@@ -928,7 +928,7 @@ def test_the_catalog_spares_reading_stored_states_again(llama, tmp_path):
     with serving(llama, llama.save_dir, str(tmp_path)) as s:
         complete(s.url, SAMPLE_PROMPT)
         s.wait_for("saves", 1)
-    (state,) = tmp_path.glob("serve-*.bin")
+    (state,) = tmp_path.glob("slot*.bin")
     old = time.time() - 3600
     os.utime(state, (old, old))        # older than the catalog's 3 s: its row is trusted
     from slotctl.catalog import INDEX_NAME
@@ -940,10 +940,10 @@ def test_the_catalog_spares_reading_stored_states_again(llama, tmp_path):
             complete(s.url, SAMPLE_PROMPT)
             (ev,) = s.events_named("indexed")
             assert ev["details"]["n"] == 1 and ev["details"]["read"] == read, ev
-    assert len(list(tmp_path.glob("serve-*.bin"))) == 1
+    assert len(list(tmp_path.glob("slot*.bin"))) == 1
 
 
-#: a sitecustomize for a serve process: an audit hook writes every open of a file named ``serve-*`` or ``*.gguf``
+#: a sitecustomize for a serve process: an audit hook writes every open of a file named ``slot*`` or ``*.gguf``
 #: into the file ``$SLOTCTL_TEST_OPENS``, as ``parse`` when validate, the slot-file parser or convert's plan
 #: opened it (a function of theirs on the stack) and ``read`` otherwise (a copy, the access time's one byte, the
 #: model's GGUF read for the server's setup)
@@ -958,7 +958,7 @@ def _hook(event, args):
     if event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)):
         return
     path = os.fsdecode(args[0])
-    if not os.path.basename(path).startswith("serve-") and not path.endswith(".gguf"):
+    if not os.path.basename(path).startswith("slot") and not path.endswith(".gguf"):
         return
     names, f = set(), sys._getframe(1)
     while f is not None:
@@ -990,7 +990,7 @@ def test_a_restarted_serve_takes_its_verdicts_from_the_catalog(llama, tmp_path):
     with serving(llama, llama.save_dir, str(store)) as s:
         first = complete(s.url, TURN1)
         s.wait_for("saves", 1)
-    (state,) = store.glob("serve-*.bin")
+    (state,) = store.glob("slot*.bin")
     returning = TURN1 + first["content"] + TURN2_EXTRA
 
     def run(*extra: str) -> tuple[dict, list[dict], list[str]]:
@@ -1002,7 +1002,7 @@ def test_a_restarted_serve_takes_its_verdicts_from_the_catalog(llama, tmp_path):
             answer = complete(s.url, returning)
             s.wait_for("saves", 1)
             events = [e for e in s.events if e["event"] in ("restored", "refused")]
-        for p in store.glob("serve-*.bin"):
+        for p in store.glob("slot*.bin"):
             if p != state:
                 p.unlink()
         lines = opens.read_text().splitlines()
@@ -1065,7 +1065,7 @@ def test_a_restarted_serve_takes_its_verdicts_from_the_catalog_of_an_s3_store(ll
         s.wait_for("saves", 1)
     def states() -> list[str]:      # serve's states (the lease object beside them is not one)
         return [o["path"] for batch in obstore.list(client, prefix=prefix) for o in batch
-                if o["path"].rpartition("/")[2].startswith("serve-") and o["path"].endswith(".bin")]
+                if o["path"].rpartition("/")[2].startswith("slot") and o["path"].endswith(".bin")]
 
     (kept,) = states()
     time.sleep(3.2)     # a row made less than 3 s after the object was put is not trusted
@@ -1101,7 +1101,7 @@ def test_a_state_is_sent_only_with_the_identity_its_verdict_was_made_on(tmp_path
     slots.mkdir()
     store = tmp_path / "store" if own_store else slots
     store.mkdir(exist_ok=True)
-    name = "serve-00000000-0000003-0000000000000000.bin"
+    name = "slot0-00000000-0000003-0000000000000000.bin"
     (store / name).write_bytes(b"\0" * 64)       # what it holds is not read: the identity is checked first
     judged_on = local_identity(os.stat(store / name))
     t = time.time() - 60
@@ -1109,7 +1109,7 @@ def test_a_state_is_sent_only_with_the_identity_its_verdict_was_made_on(tmp_path
     cache = Cache("http://127.0.0.1:9", slots, str(store) if own_store else None, catalog=False, timeout=1)
     state = State(name, np.array([1, 2, 3], dtype=np.int32), "kv", (store / name).stat().st_size)
     with pytest.raises(UsageError) as e:
-        cache.restore(state, 0, identity=judged_on)
+        cache.restore(state.name, 0, identity=judged_on)
     assert e.value.code == "object_changed" and "changed since its verdict" in str(e.value)
     assert sorted(p.name for p in slots.iterdir()) == ([] if own_store else [name])
 
@@ -1219,7 +1219,7 @@ def test_the_server_dying_mid_answer(llama_server_bin, tiny_models, tmp_path):
             assert s.wait_for("saves", 1)["saves"] == 1
             from slotctl.slotfile import open_slot_file
 
-            (state,) = store.glob("serve-*.bin")
+            (state,) = store.glob("slot*.bin")
             with open_slot_file(state) as sf:
                 assert sf.tokens.n_tokens == via["timings"]["prompt_n"] + via["timings"]["cache_n"] + 7
     finally:
@@ -1242,7 +1242,7 @@ def test_the_store_is_held_under_max_size(llama, tmp_path):
     with serving(llama, llama.save_dir, str(store)) as s:     # one state's size, without a budget
         complete(s.url, "Part 9 of the story. " + SAMPLE_PROMPT)
         s.wait_for("saves", 1)
-    (first,) = store.glob("serve-*.bin")
+    (first,) = store.glob("slot*.bin")
     size = first.stat().st_size
     # a real slot file under a working file's name, used an hour ago: the least recently used of all, but pinned
     pinned = store / "serve-slot1-999-1-incoming.bin"
@@ -1258,7 +1258,7 @@ def test_the_store_is_held_under_max_size(llama, tmp_path):
             s.wait_for("saves", k + 1)
             time.sleep(0.2)
         assert s.stats()["pruned"] == 0
-        states = {p.name: p for p in store.glob("serve-*.bin") if p != pinned}
+        states = {p.name: p for p in store.glob("slot*.bin") if p != pinned}
         by_prompt = {}
         from slotctl.slotfile import open_slot_file
 

@@ -67,7 +67,7 @@ def test_serve_metrics_equal_what_serve_did(fresh, tmp_path):
         assert c["restores"] == 1 and c["saves"] == 2, s.output()
         url = fresh.url
         turns = [first, second]
-        # the restore's predicted reuse, counted from Proxy.prepare's answer (not read back from the log)
+        # the restore's predicted reuse, counted from Cache.prepare's answer (not read back from the log)
         (restored,) = [e["details"] for e in s.events_named("restored")]
         ss = wait_until(lambda: (lambda x: x if value(x, "slotctl_serve_store_objects", server=url) == 2 else None)(
             samples(scrape(base)[2], "slotctl_serve_")))
@@ -96,7 +96,7 @@ def test_serve_metrics_equal_what_serve_did(fresh, tmp_path):
         assert value(ss, "slotctl_serve_saves_total", server=url, outcome="stored") == 3
         stored = [e["details"] for e in s.events_named("stored", 3)]
         assert value(ss, "slotctl_serve_stored_bytes_total", server=url) == sum(d["size"] for d in stored)
-        files = list(store.glob("serve-*.bin"))
+        files = list(store.glob("slot*.bin"))
         assert value(ss, "slotctl_serve_store_bytes", server=url) == sum(p.stat().st_size for p in files)
         # the server's own count of what it evaluated: all of the first prompt, the second's and third's new parts
         assert value(ss, "slotctl_serve_prompt_tokens_evaluated_total", server=url, source="predicted") == \

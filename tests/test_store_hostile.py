@@ -251,7 +251,7 @@ def test_a_long_running_process_tries_the_store_again(in_process):
     """keep's store: a store that stopped answering stops that run (every request refused at once with the
     first error), and the next run (keep's next tick: ObjectStore.again) tries it again."""
     from slotctl.errors import StoreDown
-    from slotctl.fleet.states import ObjectStore
+    from slotctl.keeping.store import ObjectStore
 
     srv, prefix, proxy = in_process
     store = ObjectStore(prefix)

@@ -720,15 +720,16 @@ def test_slots_shows_every_servers_slots_in_one_table(one, three, tmp_path):
     assert doc["servers"][0]["slots"][1]["best"]["name"] == whole
     assert doc["servers"][1]["slots"][1]["stored_states"] == 2
     # a long-running process keeps the judgements of the states the store holds, and forgets a pruned one
-    from slotctl.fleet.states import open_store
-    from slotctl.fleet.view import Judgements, stored_states
+    from slotctl.fleet.view import stored_states
+    from slotctl.keeping.states import ServerStates
     from slotctl.live import http
 
-    kept_here, facts, opened = Judgements(), http.server_facts(one.url), open_store(str(store), store)
-    assert len(stored_states(opened, facts, 1, judged=kept_here)) == 2 and len(kept_here) == 2
+    kept_here = ServerStates(one.url, None, str(store))
+    kept_here.set_facts(http.server_facts(one.url))
+    assert len(stored_states(kept_here, 1)) == 2 and kept_here.held() == 2
     (store / cut).unlink()
-    assert [s["name"] for s in stored_states(opened, facts, 1, judged=kept_here)] == [whole]
-    assert len(kept_here) == 1
+    assert [s["name"] for s in stored_states(kept_here, 1)] == [whole]
+    assert kept_here.held() == 1
     # repeated --server: both servers (before, the last one only)
     doc = json.loads(slotctl("slots", "--server", one.url, "--server", three.url, "--json", code=0).stdout)
     assert [d["server"] for d in doc["servers"]] == [one.url, three.url]

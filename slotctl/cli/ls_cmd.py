@@ -13,6 +13,7 @@ from slotctl.cli.common import handle_errors, store_deadline
 from slotctl.cli.command_line import ArgsCommand, remote_paths
 from slotctl.cli.options import (
     DraftModelOpt,
+    FileCatalogOpt,
     JudgeServerOpt,
     JsonOpt,
     LiveApiKeyOpt,
@@ -73,9 +74,7 @@ def ls(
     timeout: LiveTimeoutOpt = DEFAULT_TIMEOUT,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="Worker processes (default: the "
                                                 "CPUs, for more than a few dozen files).")] = None,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="Read every file: do not use the catalog (what "
-                                           "reading each unchanged file found, kept under the user's cache "
-                                           "directory).")] = False,
+    no_cache: FileCatalogOpt = False,
     json_out: JsonOpt = False,
     jsonl: Annotated[bool, typer.Option("--jsonl", help="One JSON object per file and line, then a summary line.")
                      ] = False,

@@ -194,3 +194,95 @@ def flag_option(field: str, **opts: Any) -> Any:
     if negated:  # each spelling with its negation, as b11434 pairs them (-kvu/-no-kvu), the long one first
         decls = sorted((f"{a}/{b}" for a, b in zip(spellings, negated)), key=lambda d: not d.startswith("--"))
     return typer.Option(*decls, **opts)
+
+
+# -- the long-running commands (keep, serve: docs/fleet.md, docs/serve.md) -----------------------------------
+
+#: keep: the server kept; serve: the server served (each, or the configuration file's)
+KeepServerOpt = Annotated[Optional[str], typer.Option("--server", metavar="URL",
+                                                      help="The llama-server's base URL, e.g. http://127.0.0.1:8080 "
+                                                           "(or the configuration's).")]
+UpstreamOpt = Annotated[Optional[str], typer.Option("--upstream", metavar="URL",
+                                                    help="The llama-server (or llama-swap) to serve, e.g. "
+                                                         "http://127.0.0.1:8080 (or the configuration's).")]
+KeptSlotDirOpt = Annotated[Optional[Path], typer.Option("--slot-dir", file_okay=False, metavar="DIR",
+                                                        help="The server's --slot-save-path as this machine sees "
+                                                             "it.")]
+KeptStoreOpt = Annotated[Optional[str], store_option("Where the states are kept: a directory or an s3:// prefix "
+                                                     "(docs/store.md; default: --slot-dir itself).")]
+#: the store's budget (default: the configuration file's max_size)
+StoreBudgetOpt = Annotated[Optional[str], typer.Option("--max-size", metavar="SIZE",
+                                                       help="Keep the store under SIZE (20G, 500M) by prune's rules, "
+                                                            "least recently used first.")]
+#: the store's catalog: its verdicts and the stored states' tokens (slotctl.keeping.states)
+StoreCatalogOpt = Annotated[bool, typer.Option("--no-cache", help="Do not use the store's catalog (its SQLite index "
+                                               "of the stored states' tokens and verdicts): read and judge every "
+                                               "stored state again.")]
+LeaseOpt = Annotated[Optional[float], typer.Option("--lease", min=2.0, max=86400.0, metavar="SECONDS",
+                                                   help="With an s3:// store: seconds the process's lease holds "
+                                                        "without a renewal [default: 60].")]
+#: default :data:`slotctl.live.SLOT_FILE_TIMEOUT` (a save or restore moves a whole slot file)
+KeptTimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", min=0.001, max=86400.0, metavar="SECONDS",
+                                                         help="Give up on a request to the server (a save, a "
+                                                              "restore) after this many seconds [default: 600].")]
+EventsJsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON line per event on stdout (docs/json.md) "
+                                             "instead of log lines on stderr.")]
+#: the server's flags it does not report, as given (its saves say them and win: slotctl.server.saved)
+UnreportedKvuOpt = Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The server runs with -kvu (not "
+                                                "reported by the server; learnt from its saves, which win): "
+                                                "states are judged, and converted, for it.")]
+#: ``UnreportedCtkOpt``, ``UnreportedCtvOpt``: -ctk/-ctv spelled as the server spells them (:func:`flag_option`),
+#: made on first use (:func:`__getattr__`: the flag tables are read only by the commands that take them)
+_UNREPORTED_TYPES = {"UnreportedCtkOpt": ("cache_type_k", "-ctk"), "UnreportedCtvOpt": ("cache_type_v", "-ctv")}
+# keep's own
+EveryOpt = Annotated[Optional[float], typer.Option("--every", min=0.05, max=86400.0, metavar="SECONDS",
+                                                   help="Seconds between two looks at the server [default: 30].")]
+MinTokensOpt = Annotated[Optional[int], typer.Option("--min-tokens", min=1, max=1 << 24, metavar="N",
+                                                     help="Save only slots whose last prompt had at least N tokens "
+                                                          "[default: 1].")]
+KeepNewestOpt = Annotated[Optional[int], typer.Option("--keep-newest", min=1, max=1 << 20, metavar="N",
+                                                      help="Keep only the newest N states of each slot and model "
+                                                           "(older ones deleted after each new state).")]
+ProveRestoresOpt = Annotated[Optional[bool], typer.Option("--prove/--no-prove", help="Prove each restore with the "
+                                                          "server's own counts [default: --prove].")]
+KeepListenOpt = Annotated[Optional[str], typer.Option("--listen", metavar="HOST:PORT",
+                                                      help="Serve /metrics, /livez, /readyz and the slots' page /ui "
+                                                           "there (loopback unless a host is given).")]
+SaveAllOpt = Annotated[bool, typer.Option("--save-all", help="One pass, then exit: save every idle slot whose state "
+                                          "the store does not have (llama-swap's cmdStop).")]
+RestoreAllOpt = Annotated[bool, typer.Option("--restore-all", help="One pass, then exit: restore (and prove) every "
+                                             "empty slot from the store.")]
+ForceRestoreOpt = Annotated[bool, typer.Option("--force", help="Restore a stored state even when validate says the "
+                                               "server now running refuses it or aborts on it.")]
+AllowLossyOpt = Annotated[bool, typer.Option("--allow-lossy", help="Re-encode a stored state's cache rows when the "
+                                             "server's cache types changed (lossy).")]
+# serve's own
+ServeListenOpt = Annotated[Optional[str], typer.Option("--listen", metavar="HOST:PORT",
+                                                       help="Where serve listens (port 0: any free port, said on "
+                                                            "the first line) [default: 127.0.0.1:8081].")]
+MetricsListenOpt = Annotated[Optional[str], typer.Option("--metrics-listen", metavar="HOST:PORT",
+                                                         help="Serve /metrics, /livez and /readyz there, apart from "
+                                                              "the proxy (loopback unless a host is given).")]
+MinGainOpt = Annotated[Optional[int], typer.Option("--min-gain", min=1, metavar="N",
+                                                   help="Restore a stored state only when it keeps at least N "
+                                                        "prompt tokens more than the slot holds [default: 16].")]
+
+# -- directories: ls and prune ----------------------------------------------------------------------------
+
+FileCatalogOpt = Annotated[bool, typer.Option("--no-cache", help="Read every file: do not use the catalog (what "
+                                              "reading each unchanged file found, kept by ls and prune under the "
+                                              "user's cache directory).")]
+PruneMaxSizeOpt = Annotated[Optional[str], typer.Option("--max-size", metavar="SIZE",
+                                                        help="Delete least recently used files until the directory "
+                                                             "holds at most SIZE (20G, 500M, bytes).")]
+
+
+def __getattr__(name: str) -> Any:
+    """The aliases made on first use (:data:`_UNREPORTED_TYPES`)."""
+    if name in _UNREPORTED_TYPES:
+        field, said = _UNREPORTED_TYPES[name]
+        alias = Annotated[Optional[str], flag_option(field, help=f"The server's {said} (not reported; learnt from "
+                                                                 f"its saves, which win; default f16).")]
+        globals()[name] = alias
+        return alias
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -36,12 +36,12 @@ FOLD_WIDTH = 12
 #: the whole file or run is); cyan: what a dry run would do; magenta: not decided; dim: nothing happened.
 STYLES = {
     **dict.fromkeys(("restores", "restored", "ok", "fits", "copied", "stored", "proof", "proven", "stripped",
-                     "pinned", "idle", "same", "learned"), "green"),
+                     "pinned", "idle", "same", "learned", "up"), "green"),
     **dict.fromkeys(("restores_with_drops", "dropped", "drop", "ignored", "skipped", "down", "restart", "pruned",
-                     "busy", "warning"), "yellow"),
+                     "busy", "warning", "disconnect"), "yellow"),
     **dict.fromkeys(("mismatch", "partial", "deleted"), "red"),
     **dict.fromkeys(("refused", "failed", "error", "unreadable", "aborts", "aborted", "aborts_later", "reevaluated",
-                     "differs"), "bold red"),
+                     "differs", "upstream"), "bold red"),
     **dict.fromkeys(("would_strip", "would_delete"), "cyan"),
     "undecided": "magenta",
     "not_taken": "yellow",     # a proof not sent

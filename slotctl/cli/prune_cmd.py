@@ -13,8 +13,10 @@ from slotctl.cli.command_line import ArgsCommand
 from slotctl.cli.options import (
     StoreTimeoutOpt,
     DraftModelOpt,
+    FileCatalogOpt,
     JsonOpt,
     ModelOpt,
+    PruneMaxSizeOpt,
     SlotOpt,
     VerboseOpt,
 )
@@ -37,9 +39,7 @@ def prune(
                                                         "default: the --slot-save-path of llama-server's "
                                                         "command line pasted among the arguments).",
                                                         file_okay=False)] = None,
-    max_size: Annotated[Optional[str], typer.Option("--max-size", metavar="SIZE", help="Delete least recently "
-                                                    "used files until the directory holds at most SIZE (20G, "
-                                                    "500M, bytes).")] = None,
+    max_size: PruneMaxSizeOpt = None,
     older_than: Annotated[Optional[str], typer.Option("--older-than", metavar="AGE", help="Delete files not used "
                                                       "for AGE (7d, 12h, 30m, seconds).")] = None,
     keep: Annotated[Optional[int], typer.Option("--keep", min=0, help="Keep the N most recently used files "
@@ -64,9 +64,7 @@ def prune(
                                              "killed writes left: those untouched for --grace seconds and open "
                                              "in no other process. On its own, only those.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be deleted; delete nothing.")] = False,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="Read every file: do not use the catalog (what "
-                                           "reading each unchanged file found, kept by ls and prune under the "
-                                           "user's cache directory).")] = False,
+    no_cache: FileCatalogOpt = False,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     slot: SlotOpt = 0,

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Optional
-
 import typer
 
-from slotctl.cli import remote
 from slotctl.cli.common import handle_errors
 from slotctl.cli.command_line import ArgsCommand
-from slotctl.cli.options import ApiKeyOpt, ConfigOpt, flag_option
+from slotctl.cli.options import (
+    ApiKeyOpt, ConfigOpt, EventsJsonOpt, KeptSlotDirOpt, KeptStoreOpt, KeptTimeoutOpt, LeaseOpt,
+    MetricsListenOpt, MinGainOpt, ServeListenOpt, StoreBudgetOpt, StoreCatalogOpt, UnreportedCtkOpt,
+    UnreportedCtvOpt, UnreportedKvuOpt, UpstreamOpt,
+)
 from slotctl.cli.output import Output
 from slotctl.errors import UsageError
 from slotctl.live import SLOT_FILE_TIMEOUT
-
-_STYLE = {"restored": "green", "stored": "green", "up": "green", "down": "yellow", "refused": "yellow",
-          "pruned": "yellow", "disconnect": "yellow", "upstream": "bold red", "error": "bold red", "learned": "green",
-          "warning": "yellow"}
 
 
 def register(app: typer.Typer) -> None:
@@ -27,46 +23,22 @@ def register(app: typer.Typer) -> None:
 @handle_errors
 def serve(
     ctx: typer.Context,
-    upstream: Annotated[Optional[str], typer.Option("--upstream", metavar="URL", help="The llama-server (or "
-                                                    "llama-swap) to serve, e.g. http://127.0.0.1:8080 (or the "
-                                                    "configuration's).")] = None,
-    slot_dir: Annotated[Optional[Path], typer.Option("--slot-dir", file_okay=False, metavar="DIR",
-                                                     help="The server's --slot-save-path as this machine sees "
-                                                          "it.")] = None,
-    store: Annotated[Optional[str], typer.Option("--store", metavar="DIR|s3://BUCKET/PREFIX/",
-                                                 help="Where the states are kept: a directory or an s3:// prefix "
-                                                      "(docs/store.md; default: --slot-dir itself).")] = None,
-    listen: Annotated[Optional[str], typer.Option("--listen", metavar="HOST:PORT", help="Where serve listens (port "
-                                                  "0: any free port, said on the first line) [default: "
-                                                  "127.0.0.1:8081].")] = None,
-    max_size: Annotated[Optional[str], typer.Option("--max-size", metavar="SIZE", help="Keep the store under SIZE "
-                                                    "(20G, 500M) by prune's rules, least recently used first.")] = None,
-    min_gain: Annotated[Optional[int], typer.Option("--min-gain", min=1, metavar="N", help="Restore a stored "
-                                                    "state only when it keeps at least N prompt tokens more than "
-                                                    "the slot holds [default: 16].")] = None,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="Do not use the catalog (the SQLite index of the "
-                                           "stored states' tokens): read every stored state.")] = False,
+    upstream: UpstreamOpt = None,
+    slot_dir: KeptSlotDirOpt = None,
+    store: KeptStoreOpt = None,
+    listen: ServeListenOpt = None,
+    max_size: StoreBudgetOpt = None,
+    min_gain: MinGainOpt = None,
+    no_cache: StoreCatalogOpt = False,
     config: ConfigOpt = None,
-    metrics_listen: Annotated[Optional[str], typer.Option("--metrics-listen", metavar="HOST:PORT",
-                                                          help="Serve /metrics, /livez and /readyz there, apart "
-                                                               "from the proxy (loopback unless a host is "
-                                                               "given).")] = None,
-    lease: Annotated[Optional[float], typer.Option("--lease", min=1.0, max=86400.0, metavar="SECONDS",
-                                                   help="With an s3:// store: seconds serve's lease holds without "
-                                                        "a renewal [default: 60].")] = None,
-    kv_unified: Annotated[bool, typer.Option("--kv-unified", "-kvu", help="The server runs with -kvu (not "
-                                             "reported by the server; learnt from its saves, which win): states "
-                                             "are judged, and converted, for it.")] = False,
-    cache_type_k: Annotated[Optional[str], flag_option("cache_type_k", help="The server's -ctk (not reported; "
-                                                       "learnt from its saves, which win; default f16).")] = None,
-    cache_type_v: Annotated[Optional[str], flag_option("cache_type_v", help="The server's -ctv (not reported; "
-                                                       "learnt from its saves, which win; default f16).")] = None,
+    metrics_listen: MetricsListenOpt = None,
+    lease: LeaseOpt = None,
+    kv_unified: UnreportedKvuOpt = False,
+    cache_type_k: UnreportedCtkOpt = None,
+    cache_type_v: UnreportedCtvOpt = None,
     api_key: ApiKeyOpt = None,
-    timeout: Annotated[Optional[float], typer.Option("--timeout", min=0.001, metavar="SECONDS", help="Give up on a "
-                                                     "save or restore after this many seconds [default: "
-                                                     "600].")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per event on stdout "
-                                           "(docs/json.md), the first saying where serve listens.")] = False,
+    timeout: KeptTimeoutOpt = None,
+    json_out: EventsJsonOpt = False,
 ) -> None:
     """Serve a llama-server through a prompt cache on disk or in S3: restore, request, save.
 
@@ -78,7 +50,8 @@ def serve(
     is saved into the store (once per content), kept under --max-size. The cache never fails a
     request: what fails in it is logged and the request goes uncached. A state stored by a server of
     other -np or -kvu (another serve sharing the store) is converted for this one first (exact; cache
-    types never re-encoded) and judged again. GET /slotctl/stats: counters.
+    types never re-encoded) and judged again. GET /slotctl/stats: counters. One log line per
+    event; --json: one JSON line each, the first saying where serve listens.
     SIGTERM or SIGINT: saves in progress finish, exit 0. Needs the [serve] extra (aiohttp). Details:
     docs/serve.md.
 
@@ -91,64 +64,41 @@ def serve(
     the [serve] extra missing, the address in use, a bad configuration file, another serve serving
     this server with this store, the lease lost).
     """
-    from slotctl.unattended.config import Config, load
+    from slotctl.cli import running
     from slotctl.unattended.lock import DEFAULT_TTL
     from slotctl.unattended.metrics import parse_listen
 
-    cfg = load(config) if config is not None else Config()
-    upstream, slot_dir, store, api_key = cfg.fill("serve", upstream, slot_dir, store, api_key)
-    if upstream is not None:
+    run = running.settings("serve", config, upstream, slot_dir, store, api_key)
+    if run.url is not None:
         from slotctl.live import router
         from slotctl.live.http import normalize_url
 
-        if router.model_for(normalize_url(upstream)) is not None:
-            raise UsageError(f"serve: {normalize_url(upstream)} is a router (its server entry names a model): serve "
+        if router.model_for(normalize_url(run.url)) is not None:
+            raise UsageError(f"serve: {normalize_url(run.url)} is a router (its server entry names a model): serve "
                              f"caches one server's prompts and does not front a router's models (point it at the "
                              f"model's own server; docs/fleet.md, router mode)")
-    v = cfg.serve
-
-    def pick(flag, key, default):
-        return flag if flag is not None else v.get(key, default)
-
-    listen, min_gain = pick(listen, "listen", "127.0.0.1:8081"), pick(min_gain, "min_gain", 16)
-    timeout, lease = pick(timeout, "timeout", SLOT_FILE_TIMEOUT), pick(lease, "lease", DEFAULT_TTL)
-    metrics_listen = pick(metrics_listen, "metrics_listen", None) or None
-    max_size = max_size if max_size is not None else cfg.max_size
-    if upstream is None:
-        raise UsageError("--upstream: no URL given (nor a server in --config)")
-    if slot_dir is None:
-        raise UsageError("--slot-dir: no directory given (nor slot_dir in --config)")
+    listen, min_gain = run.pick(listen, "listen", "127.0.0.1:8081"), run.pick(min_gain, "min_gain", 16)
+    timeout, lease = run.pick(timeout, "timeout", SLOT_FILE_TIMEOUT), run.pick(lease, "lease", DEFAULT_TTL)
+    metrics_listen = run.pick(metrics_listen, "metrics_listen", None) or None
+    run.require("--upstream")
     host, port = parse_listen(listen)
     if metrics_listen is not None:
         parse_listen(metrics_listen, "--metrics-listen")
-    remote.check_slot_dir_and_store(slot_dir, store)
-    size = None
-    if max_size is not None:
-        from slotctl.prune import parse_size
-
-        size = parse_size(max_size)
+    size = run.budget(max_size)
     from slotctl.serve import main
-    from slotctl.server.flags import ServerFlags
 
-    given = remote.given_params(ctx) & {"kv_unified", "cache_type_k", "cache_type_v"}
-    flags = ServerFlags(kv_unified=kv_unified, cache_type_k=cache_type_k or ServerFlags().cache_type_k,
-                        cache_type_v=cache_type_v or ServerFlags().cache_type_v)
+    flags, given = running.unreported_flags(ctx, kv_unified, cache_type_k, cache_type_v)
     out = Output(json_mode=json_out)
 
     def emit(event: str, message: str, details: dict) -> None:
         if json_out:
             out.json_line({"time": _now(), "event": event, "message": message, "details": details})
-            return
-        from rich.text import Text
+        else:
+            running.event_line(out, _now(), event, message)
 
-        line = Text(f"{_now()} ")
-        line.append(event, style=_STYLE.get(event, "bold"))
-        line.append(f" {remote._plain(message)}")
-        out.err.print(line)
-
-    raise typer.Exit(main.serve(upstream, slot_dir, store, host=host, port=port, max_size=size, min_gain=min_gain,
-                                api_key=api_key, timeout=timeout, catalog=not no_cache, emit=emit,
-                                flags=flags, given=frozenset(given), metrics_listen=metrics_listen, lease=lease))
+    raise typer.Exit(main.serve(run.url, run.slot_dir, run.store, host=host, port=port, max_size=size,
+                                min_gain=min_gain, api_key=run.api_key, timeout=timeout, catalog=not no_cache,
+                                emit=emit, flags=flags, given=given, metrics_listen=metrics_listen, lease=lease))
 
 
 def _now() -> str:

@@ -1,28 +1,32 @@
-"""``slotctl keep``: a foreground process that keeps a running llama-server's slots across its restarts.
+"""``slotctl keep``: a foreground process that keeps a running llama-server's slots across its restarts: the
+loop, over the server's states as :class:`slotctl.keeping.states.ServerStates` keeps them (what serve does
+alike: learning the server's flags, judging, converting, placing and restoring, saving, storing, pruning).
 
 Every ``every`` seconds (:meth:`Keeper.tick`):
 
 * **health**: ``GET /health``; no answer (or 503 while loading) is the server *down*. Its identity
-  (:func:`server_identity`: ``/props`` model path, build, slots, slot context and ``/v1/models`` meta) is read
-  each time it answers. Back after being down, up with another identity (llama-swap swapped the model
-  behind the URL), or a slot keep saved now showing no task at all (a new process, restarted between two
-  looks) is a *restart*: every slot that holds nothing gets the newest state of the store that
-  validates for the server now running (:meth:`Keeper.restore_all`; one the server would refuse or abort on
-  is never sent unless ``force``: :mod:`slotctl.live.judge`), restored and proven (:mod:`slotctl.live.prove`:
-  not where the proving request would spend the restore). So does every empty slot when keep starts. A
-  state saved before the server's ``-np``, ``-kvu`` or cache types changed is converted first, by migrate's
-  conversion step (:func:`slotctl.fleet.migrate.convert_for`: exact for streams, lossy for cache types only
-  with ``allow_lossy``); a state that cannot be is skipped, saying why. A state skipped is kept so in the
-  store's catalog (:class:`slotctl.catalog.Index`) and not read again while it and the server are unchanged.
+  (:func:`slotctl.keeping.names.server_identity`: ``/props`` model path, build, slots, slot context and
+  ``/v1/models`` meta) is read each time it answers. Back after being down, up with another identity
+  (llama-swap swapped the model behind the URL), or a slot keep saved now showing no task at all (a new
+  process, restarted between two looks) is a *restart*: every slot that holds nothing gets the newest state
+  of the store that validates for the server now running (:meth:`Keeper.restore_all`; one the server would
+  refuse or abort on is never sent unless ``force``), restored and proven (:mod:`slotctl.live.prove`: not
+  where the proving request would spend the restore). So does every empty slot when keep starts. A state
+  saved before the server's ``-np``, ``-kvu`` or cache types changed is converted first, by the conversion
+  step (:mod:`slotctl.keeping.conversion`: exact for streams, lossy for cache types only with
+  ``allow_lossy``); a state that cannot be is skipped, saying why. Every verdict is kept in the store's
+  catalog (:class:`slotctl.catalog.Index`), shared with serve and the fleet view: a state is not read again
+  to be judged while it and the server are unchanged.
 * **save**: each idle slot (``is_processing`` false) whose last task (``/slots`` ``id_task``, ``n_prompt_tokens``)
   changed since keep last saved or restored it, with at least ``min_tokens`` prompt tokens, is saved by the
   server under a working name (``keep-slotN-incoming-PID-RANDOM.bin`` in ``--slot-save-path``, private to the
-  process); only after the save
-  answered 200 and the file parses with the token count and size the server reported is it copied into the
-  store, atomically, as ``slotN-MODEL-TOKENS.bin`` (MODEL: a hash of the server's model identity, TOKENS: a
-  hash of the saved tokens: one state is stored once). The working file is then removed.
+  process: :func:`slotctl.keeping.names.work_name`); only after the save answered 200 and the file parses
+  with the token count and size the server reported is it copied into the store, atomically, as
+  ``slotN-MODEL-NTOKENS-TOKENS.bin`` (:func:`slotctl.keeping.names.state_name`: MODEL a hash of the server's
+  model identity, TOKENS a hash of the saved tokens: one state is stored once). The working file is then
+  removed.
 * **budget**: with ``max_size``, the store is pruned by :mod:`slotctl.prune`'s rules (least recently used
-  first; temporary files never touched).
+  first; temporary and working files never touched).
 
 Each action is one :class:`Event` (a log line, or a ``--json`` line). :meth:`Keeper.stop` (SIGTERM) makes
 the loop do a last save of the changed slots and return. A killed keep loses nothing it stored (every copy is
@@ -32,29 +36,18 @@ answer never comes, or the file does not check).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from slotctl.errors import SlotctlError, error_entry
+from slotctl.keeping.names import server_identity
+from slotctl.keeping.states import ServerStates
 from slotctl.live import http
-from slotctl.fleet.migrate import IDENTITY_KEYS
-from slotctl.fleet.states import copy_atomic, open_store, read_saved
-from slotctl.live.prove import local_setup, prove
-from slotctl.server.flags import ServerFlags
-from slotctl.server.saved import Learnt, saved_flags
+from slotctl.live.prove import prove
 
-#: the name the server saves a slot under before keep checks it (in --slot-save-path): private to this keep
-#: process (its pid and a random word: two keepers of one server never share it), removed on every way out
-INCOMING = "keep-slot{slot}-incoming-{pid}-{nonce}.bin"
-#: every keep's working files, whatever their process (prune never touches them)
-INCOMING_GLOB = "keep-slot*-incoming*.bin"
 #: seconds a working file of a keep process that is gone stays untouched before keep removes it at its start
 ORPHAN_AGE = 3600.0
 #: seconds a health check may take (a server that does not answer that fast is taken as down)
@@ -79,74 +72,66 @@ class Event:
                 "details": self.details}
 
 
-def server_identity(facts: http.ServerFacts) -> dict:
-    """What tells this server process's model and shape apart from another's."""
-    meta = facts.model_meta or {}
-    return {"model_path": facts.model_path, "build_info": facts.build_info, "total_slots": facts.total_slots,
-            "n_ctx_slot": facts.n_ctx_slot, **{k: meta.get(k) for k in IDENTITY_KEYS}}
-
-
-def model_hash(facts: http.ServerFacts) -> str:
-    """A short hash of the model as the server reports it (``/v1/models`` meta; the model's file name when
-    the server does not answer it): part of each stored file's name, so a state is offered only to a server
-    running the model that made it."""
-    meta = facts.model_meta or {}
-    ident = [meta.get(k) for k in IDENTITY_KEYS]
-    if all(v is None for v in ident):
-        ident = [os.path.basename(facts.model_path or "")]
-    return hashlib.sha256(repr(ident).encode()).hexdigest()[:8]
-
-
-def tokens_hash(tokens: np.ndarray) -> str:
-    """A short hash of a slot's tokens (as little-endian int32)."""
-    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()[:16]
-
-
-def stored_name(slot: int, model: str, tokens: str) -> str:
-    return f"slot{slot}-{model}-{tokens}.bin"
-
-
 class Keeper:
     """The loop of the module docstring for the server at ``url`` (its ``--slot-save-path`` is ``slot_dir`` on
-    this machine) and the store directory ``store`` (``slot_dir`` itself when None). ``emit(Event)`` gets
-    every action."""
+    this machine) and the store ``store`` (``slot_dir`` itself when None), over its
+    :class:`~slotctl.keeping.states.ServerStates` (``states``). ``emit(Event)`` gets every action."""
 
     def __init__(self, url: str, slot_dir: str | os.PathLike, store: str | os.PathLike | None = None, *,
                  every: float = 30.0, min_tokens: int = 1, max_size: int | None = None,
                  api_key: str | None = None, timeout: float = 600.0, emit: Callable[[Event], None] = print,
                  lock=None, retention: int | None = None, prove: bool = True, force: bool = False, flags=None,
                  given: frozenset[str] = frozenset(), allow_lossy: bool = False, catalog: bool = True):
-        self.url = http.normalize_url(url)
-        self.slot_dir = Path(slot_dir)
-        self.store = open_store(store, self.slot_dir)
-        self.every, self.min_tokens, self.max_size = every, min_tokens, max_size
-        self.api_key, self.timeout, self.emit = api_key, timeout, emit
+        self.emit = emit
+        #: the server's states: its flags it does not report (``-kvu``, ``-ctk``, ``-ctv``, the fields named in
+        #: ``given``) with what its saves said over them, the verdicts (the store's catalog, shared with serve;
+        #: ``--no-cache``: none kept), the store under ``max_size`` and ``retention`` (the newest states kept per
+        #: slot and model), stored states re-encoded when the cache types changed only with ``allow_lossy``
+        self.states = ServerStates(url, slot_dir, store, role="keep", api_key=api_key, timeout=timeout,
+                                   max_size=max_size, retention=retention, catalog=catalog, flags=flags,
+                                   given=given, allow_lossy=allow_lossy, log=self._said)
+        self.url, self.slot_dir, self.store = self.states.url, self.states.slot_dir, self.states.store
+        self.every, self.min_tokens = every, min_tokens
+        self.api_key, self.timeout = api_key, timeout
         #: restore a state even when validate says the server refuses it or aborts on it (``--force``)
         self.force = force
-        #: the server's flags it does not report (``-kvu``, ``-ctk``, ``-ctv``: the fields named in ``given``), with
-        #: what its saves said over them (:meth:`learn_flags`, :mod:`slotctl.server.saved`)
-        self.learnt = Learnt(flags or ServerFlags(), frozenset(given))
-        #: re-encode a state's cache rows when the server's cache types changed (lossy: ``--allow-lossy``)
-        self.allow_lossy = allow_lossy
         self.up: bool | None = None
         self.identity: dict | None = None
-        self.facts: http.ServerFacts | None = None
         #: slot -> the /slots signature of its state when keep last saved or restored it
         self.seen: dict[int, tuple] = {}
         self._stop = threading.Event()
         self.errors = 0
         #: running unattended (slotctl.unattended): the lock of this server and store (its journal; checked
-        #: before each write), the newest states kept per slot and model, whether restores are proven
-        self.lock, self.retention, self.prove = lock, retention, prove
+        #: before each write: :attr:`lock`), whether restores are proven
+        self.lock, self.prove = lock, prove
         #: a lost lock: the loop stops without its last save; monotonic time of the loop's last sign of life
         self.lost: Exception | None = None
         self.beat = time.monotonic()
         #: called after each look at the server with whether it answered (metrics, readiness)
         self.on_look: Callable[[bool], None] | None = None
-        #: the catalog (:class:`slotctl.catalog.Index`, the store's, as serve's): the stored states keep found
-        #: the server now running does not restore, not read again while unchanged (``--no-cache``: False)
-        self.use_catalog = catalog
-        self._catalog = None
+
+    @property
+    def lock(self):
+        return self._lock
+
+    @lock.setter
+    def lock(self, lock) -> None:
+        self._lock = lock
+        self.states.before_write = lock.check if lock is not None else None
+
+    @property
+    def facts(self) -> http.ServerFacts | None:
+        """The server's facts as keep's last look read them."""
+        return self.states.facts
+
+    @facts.setter
+    def facts(self, facts: http.ServerFacts) -> None:
+        self.states.set_facts(facts)
+
+    @property
+    def learnt(self):
+        """The server's flags it does not report, as given and as its saves said (:class:`slotctl.server.saved.Learnt`)."""
+        return self.states.learnt
 
     # -- the loop ---------------------------------------------------------------------------------------
 
@@ -187,44 +172,17 @@ class Keeper:
         """At exit, after the last save: this process's own working files still there. Each save removes its
         file, but a save keep stopped waiting for (it failed or timed out: the server may still write it, in
         its task queue's order, before the last save's look at the slots is answered) leaves one behind."""
-        for p in self.slot_dir.glob(INCOMING.format(slot="*", pid=os.getpid(), nonce="*")):
-            try:
-                size = p.stat().st_size
-                p.unlink()
-            except OSError:
-                continue
-            self._event("pruned", None, f"{p}: deleted (a working file of this keep process that a save it "
-                                        f"stopped waiting for left), {size:,} bytes", path=str(p), size=size,
-                        action="deleted")
+        self.states.sweep_own(lambda p, size: self._event(
+            "pruned", None, f"{p}: deleted (a working file of this keep process that a save it stopped waiting "
+                            f"for left), {size:,} bytes", path=str(p), size=size, action="deleted"))
 
     def sweep(self, now: float | None = None) -> None:
         """Remove the working files of keep processes that are gone (killed: SIGKILL leaves no way to clean
         up) and untouched for :data:`ORPHAN_AGE` seconds: the pid in the name is no process of this machine.
         A keeper on another machine sharing the directory keeps its own, being recent."""
-        import re
-
-        now = time.time() if now is None else now
-        for p in self.slot_dir.glob(INCOMING_GLOB):
-            m = re.fullmatch(r"keep-slot\d+-incoming-(\d+)-[0-9a-f]+\.bin", p.name)
-            if m is None or int(m.group(1)) == os.getpid():
-                continue
-            try:
-                os.kill(int(m.group(1)), 0)
-                continue                        # its keeper is alive
-            except ProcessLookupError:
-                pass
-            except (PermissionError, OverflowError):
-                continue
-            try:
-                st = p.stat()
-                if now - st.st_mtime < ORPHAN_AGE:
-                    continue
-                p.unlink()
-            except OSError:
-                continue
-            self._event("pruned", None, f"{p}: deleted (the working file of keep process {m.group(1)}, which is "
-                                        f"gone), {st.st_size:,} bytes", path=str(p), size=st.st_size,
-                        action="deleted")
+        self.states.sweep(lambda p, pid, size: self._event(
+            "pruned", None, f"{p}: deleted (the working file of keep process {pid}, which is gone), {size:,} bytes",
+            path=str(p), size=size, action="deleted"), age=ORPHAN_AGE, now=now)
 
     def once(self, *, restore: bool) -> int:
         """One pass, then return (llama-swap's ``cmdStop``, a start hook): the server's facts, then every
@@ -240,9 +198,9 @@ class Keeper:
             return 2
         self.up, self.identity, self.facts = True, server_identity(facts), facts
         if self.lock is not None:
-            self.seen.update(self.lock.known(model_hash(facts), self.store.has))
+            self.seen.update(self.lock.known(self.states.model, self.store.has))
         if restore:
-            self.learn_flags()
+            self.probe()
             self.restore_all()
         else:
             self.save_changed()
@@ -275,8 +233,8 @@ class Keeper:
         # a slot keep saved or restored that shows no task at all: a new server process (erase keeps id_task),
         # restarted between two looks
         fresh = [e["id"] for e in facts.slots or () if self.seen.get(e["id"]) and "id_task" not in e]
-        other_model = self.facts is not None and model_hash(self.facts) != model_hash(facts)
-        self.up, self.identity, self.facts = True, ident, facts
+        self.up, self.identity = True, ident
+        self.facts = facts      # another model (llama-swap): another command line, its flags forgotten
         if first or back or changed or fresh:
             why = ("keep started" if first else "the server is back" if back else
                    "the server's identity changed (GET /props, /v1/models)" if changed else
@@ -286,10 +244,8 @@ class Keeper:
             if back or changed or fresh:
                 self.seen.clear()
             elif self.lock is not None:     # keep started: the states its journal says the store has
-                self.seen.update(self.lock.known(model_hash(facts), self.store.has))
-            if other_model:
-                self.learnt.forget()        # another model (llama-swap): another command line
-            self.learn_flags()
+                self.seen.update(self.lock.known(self.states.model, self.store.has))
+            self.probe()
             self.restore_all()
         self.save_changed()
 
@@ -336,48 +292,28 @@ class Keeper:
         self._each_idle_slot(self._changed, lambda e: self.save(e["id"], self.signature(e)))
 
     def save(self, slot: int, sig: tuple) -> None:
-        import secrets
-
-        work = INCOMING.format(slot=slot, pid=os.getpid(), nonce=secrets.token_hex(4))
-        path = self.slot_dir / work
+        work = self.states.work_name(slot)
         try:
-            self._save(slot, sig, work, path)
-        finally:    # stored (moved), refused or failed: the working file never stays
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            self._save(slot, sig, work)
+        finally:    # stored, refused or failed: the working file never stays
+            self.states.discard(work)
 
-    def _save(self, slot: int, sig: tuple, work: str, path: Path) -> None:
-        answer = http.save_slot(self.url, slot, work, api_key=self.api_key, timeout=self.timeout, check=False)
+    def _save(self, slot: int, sig: tuple, work: str) -> None:
+        answer = self.states.save(slot, work)
         self._event("saved", slot, f"slot {slot} saved by the server: {answer['n_saved']:,} tokens, "
                                    f"{answer['n_written']:,} bytes", answer=answer)
-        saved = read_saved(path, answer)
+        saved = self.states.read_back(slot, work, answer)
         if saved.problem is not None:
-            self._event("skipped", slot, f"{path}: not stored: {saved.problem}")
+            self._event("skipped", slot, f"{saved.path}: not stored: {saved.problem}")
             return
-        self._learn(saved.flags, slot, "save")
         n = saved.n_tokens
         self.seen[slot] = sig
         if n < self.min_tokens:
             self._event("skipped", slot, f"slot {slot}: {n:,} tokens, fewer than --min-tokens {self.min_tokens}")
-            os.unlink(path)
             return
-        name = stored_name(slot, model_hash(self.facts), tokens_hash(saved.tokens))
-        if self.store.has(name):
-            os.unlink(path)
-            self._event("unchanged", slot, f"slot {slot}: {name} is already in the store (the same tokens)",
-                        name=name)
-            self._remember(slot, sig, name)
-            return
-        if self.lock is not None:
-            self.lock.check()
-        try:
-            self.store.put(path, name)
-        except SlotctlError as e:
-            if getattr(e, "code", None) != "exists":
-                raise
-            # another keeper of the same server stored the same state between the look and the copy
+        name = saved.name
+        if not self.states.put_saved(saved):
+            # in the store already, or stored by another keeper of the same server between the look and the copy
             self._event("unchanged", slot, f"slot {slot}: {name} is already in the store (the same tokens)",
                         name=name)
             self._remember(slot, sig, name)
@@ -390,238 +326,120 @@ class Keeper:
 
     def _remember(self, slot: int, sig: tuple | None, name: str) -> None:
         if self.lock is not None:
-            self.lock.remember(slot, sig, model_hash(self.facts), name)
+            self.lock.remember(slot, sig, self.states.model, name)
 
     def prune(self, slot: int | None = None) -> None:
-        def pruned(path: str, size: int, action: str, reason: str) -> None:
-            self._event("pruned", None, f"{path}: {action} ({reason}), {size:,} bytes", path=path, size=size,
-                        action=action)
-
-        if self.retention is not None and slot is not None:
-            for name in self.candidates(slot)[self.retention:]:
-                size = self.store.delete(name)
-                pruned(self.store.where(name), size, "deleted", f"older than the newest {self.retention} of slot "
-                                                                 f"{slot}")
-        if self.max_size is None:
-            return
-        self.store.prune(self.max_size, (INCOMING_GLOB,), pruned)
+        self.states.prune(lambda path, size, action, reason: self._event(
+            "pruned", None, f"{path}: {action} ({reason}), {size:,} bytes", path=path, size=size, action=action),
+            slot)
 
     # -- the flags the server does not report ---------------------------------------------------------
 
-    def learn_flags(self) -> None:
+    def probe(self) -> None:
         """Before keep judges a state for the server (it started, came back, restarted): its ``-kvu``,
-        ``-ctk``, ``-ctv`` learnt from a save of its idle slot holding the fewest tokens into a working file
-        (removed), as serve learns them (:mod:`slotctl.server.saved`): its stream count always, its cache types
-        when the slot holds cells (a restarted server's slots hold nothing: the types keep's earlier saves said
-        stay). A save that fails is a ``skipped`` line (not an error: keep's own saves and restores say what
-        fails); the flags as known are judged with."""
-        import secrets
-
+        ``-ctk``, ``-ctv`` learnt from a save of its idle slot holding the fewest tokens (a working file,
+        removed: :meth:`slotctl.keeping.states.ServerStates.probe`), as serve learns them: its stream count
+        always, its cache types when the slot holds cells (a restarted server's slots hold nothing: the types
+        keep's earlier saves said stay). A save that fails is a ``skipped`` line (not an error: keep's own saves
+        and restores say what fails); the flags as known are judged with."""
         idle = [e for e in self.facts.slots or () if isinstance(e.get("id"), int) and not e.get("is_processing")]
         if not idle:
             return
         slot = min(idle, key=lambda e: ((e.get("n_prompt_tokens") or 0) if "id_task" in e else 0, e["id"]))["id"]
-        work = INCOMING.format(slot=slot, pid=os.getpid(), nonce=secrets.token_hex(4))
-        path = self.slot_dir / work
         try:
-            answer = http.save_slot(self.url, slot, work, api_key=self.api_key, timeout=self.timeout, check=False)
-            saved = read_saved(path, answer)
-            if saved.problem is not None:
-                raise http.ServerAnswerError(f"{path}: {saved.problem}")
-            self._learn(saved.flags, slot, "probe")
+            self.states.probe(slot)
         except http.CutOff:     # by stop()
             return
         except (SlotctlError, OSError) as e:    # not learnt: keep's own saves and restores say what fails
             self._event("skipped", slot, f"slot {slot}: the server's -kvu/-ctk/-ctv not learnt from a save ({e}): "
                                          f"judged with the flags as known")
-        finally:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-
-    def _learn(self, written, slot: int, source: str) -> None:
-        """What a save of ``slot`` says of the server's flags taken over (:meth:`slotctl.server.saved.Learnt.take`):
-        its ``warning`` and ``learned`` events."""
-        total = self.facts.total_slots if self.facts is not None else None
-        events, _changed = self.learnt.take(saved_flags(written, total), slot=slot, total_slots=total, source=source)
-        for event, message, details in events:
-            self._event(event, slot, message, **details)
 
     # -- restoring --------------------------------------------------------------------------------------
 
     def candidates(self, slot: int) -> list[str]:
         """The store's states for ``slot`` made with the server's model, newest first."""
-        return self.store.names(f"slot{slot}-{model_hash(self.facts)}-")
+        return self.states.candidates(slot)
 
     def restore_all(self) -> None:
         """Restore into each idle slot that holds nothing of its own (no task since the server started)."""
         self._each_idle_slot(lambda e: self.signature(e) is None, lambda e: self.restore(e["id"]))
 
     def restore(self, slot: int) -> None:
-        import tempfile
-
-        setup = None
-        with tempfile.TemporaryDirectory(prefix="slotctl-keep-") as staging:
-            for name in self.candidates(slot):
-                known = self._known(slot, name)
-                if known is None:
-                    continue        # judged before, unchanged since: the catalog's row said it (nothing read)
-                if setup is None:   # once per slot, when a state is read: it reads the model's GGUF (about 1 s
-                    # for the tiny model); a pass whose every state the catalog knows makes none
-                    setup, _notes = local_setup(self.facts, slot, self.learnt.flags, self.learnt.given)
-                if self._restore_one(slot, name, Path(staging), setup, known):
-                    return
+        """The newest state of ``slot`` that the server now running restores (or the newest one at all, with
+        ``force``), restored and proven; each one tried before it that it does not restore is a ``skipped``
+        line (``details.catalog`` when the verdict came from the catalog: the state not read again)."""
+        for name in self.candidates(slot):
+            if self._restore_one(slot, name):
+                return
         self._event("skipped", slot, f"slot {slot}: no state in the store for the server now running")
 
-    def _restore_one(self, slot: int, name: str, staging: Path, setup, known) -> bool:
-        """Restore the store's state ``name`` into ``slot`` (``setup``: the server now running as validate
-        judges for it; ``known``: :meth:`_known`'s) and prove it; False when it does not validate."""
-        from slotctl.fleet.migrate import Refused, convert_for
-        from slotctl.live.judge import NotSent, check_sendable, why
+    def _restore_one(self, slot: int, name: str) -> bool:
+        """Restore the store's state ``name`` into ``slot`` and prove it; False when the server would not
+        restore it (said, and kept in the catalog with its verdict). As it is when validate says the server
+        takes it (or ``force``), else converted for the server now running first (its -np, -kvu, cache types)
+        and judged again."""
+        from slotctl.keeping.states import ConversionFailed
 
-        try:
-            path = self.store.local(name, staging)
-        except SlotctlError as e:
-            # an object cp refuses to download (damaged: the server refuses it or aborts on it whatever its
-            # flags) is judged where it is, by validate's ranged reads, as ls judges it: skipped with its
-            # verdict and kept in the catalog, not an error at every pass (and the older states still tried)
-            if getattr(e, "code", None) != "damaged" or self.force:
-                raise
-            try:
-                check_sendable(self.store.where(name), setup, force=False)
-            except NotSent as refused:
-                self._refused(slot, known, name, refused.report)
+        judged = self.states.judge(name, slot)
+        if judged.convert:
+            if judged.after is not None and not judged.after.sendable and not self.force:
+                self._refused(slot, name, judged.after.verdict, judged.after.why, judged.catalog)
                 return False
-            raise
-        # converted for the server now running as migrate converts (its -np, -kvu, cache types)
-        try:
-            conv = convert_for(path, setup, staging / f"converted-{name}", allow_lossy=self.allow_lossy,
-                               lossy_remedy="keep --allow-lossy re-encodes them")
-        except Refused as e:
-            self._not_restored(slot, known, f"{name}: not restored: {e}", name=name, reason="conversion")
+            try:
+                with self.states.converted(name, slot, judged) as (placed, conv, after):
+                    self._event("converted", slot, f"{name}: converted for the server now running ("
+                                                   + "; ".join(conv.changes) + ")", name=name, **conv.details)
+                    if not after.sendable and not self.force:
+                        self._refused(slot, name, after.verdict, after.why, False)
+                        return False
+                    answer = self.states.restore(name, slot, placed=placed)
+                    return self._restored(slot, name, answer, self.slot_dir / placed,
+                                          after.why if not after.sendable else None)
+            except ConversionFailed as e:
+                cause = e.__cause__
+                if isinstance(cause, (SlotctlError, OSError)):
+                    raise cause from None       # the download or the disk: an error line, as before
+                raise SlotctlError(str(e)) from None
+        if judged.parsed and (refusal := judged.refusal(who="server", remedy="keep --allow-lossy re-encodes them")):
+            self._event("skipped", slot, f"{name}: not restored: {refusal}"
+                                         + (_FROM_CATALOG if judged.catalog else ""),
+                        name=name, reason="conversion", **({"catalog": True} if judged.catalog else {}))
             return False
-        except SlotctlError:     # a file that does not parse: judged as it is (validate says what the server does)
-            conv = None
-        if conv is not None and conv.changes:
-            self._event("converted", slot, f"{name}: converted for the server now running ("
-                                           + "; ".join(conv.changes) + ")", name=name, **conv.details)
-            path = conv.path
-        try:
-            report = check_sendable(path, setup, force=self.force)
-        except NotSent as e:
-            self._refused(slot, known, name, e.report)
+        if not judged.sendable and not self.force:
+            self._refused(slot, name, judged.verdict, judged.why, judged.catalog)
             return False
-        placed = self.slot_dir / name
-        copied = not placed.exists()
-        if copied:
-            copy_atomic(path, placed)
-        try:
-            answer = http.restore_slot(self.url, slot, name, api_key=self.api_key, timeout=self.timeout,
-                                       check=False)
-        finally:
-            if copied:     # the server has read it: the store keeps the state
-                os.unlink(placed)
-        forced = f" (sent with --force: {why(report)})" if report.refused_or_aborts else ""
-        self._event("restored", slot, f"{name} restored into slot {slot}: {answer['n_restored']:,} tokens{forced}",
+        # the copy in the slot directory removed once the server has read it: the store keeps the state
+        answer = self.states.restore(name, slot, identity=judged.identity)
+        return self._restored(slot, name, answer, self.store.where(name), judged.why if not judged.sendable else None)
+
+    def _restored(self, slot: int, name: str, answer: dict, source, forced: str | None) -> bool:
+        """The state ``name`` restored into ``slot`` (the server's ``answer``; ``source``: the file it read, or
+        the store's state it was a copy of; ``forced``: why validate would not have sent it), then proven:
+        True."""
+        note = f" (sent with --force: {forced})" if forced else ""
+        self._event("restored", slot, f"{name} restored into slot {slot}: {answer['n_restored']:,} tokens{note}",
                     name=name, answer=answer)
-        if not self.prove:
-            entry = next((e for e in self._slots() if e["id"] == slot), {})
-            self.seen[slot] = self.signature(entry)
-            self._remember(slot, self.seen[slot], name)
-            return True
-        p = prove(self.url, slot, path, setup, build_info=self.facts.build_info, api_key=self.api_key,
-                  timeout=self.timeout)
-        self._event("proof", slot, f"slot {slot}: {p.summary()}", proof=p.as_dict())
+        if self.prove:
+            p = prove(self.url, slot, source, self.states.setup(slot), build_info=self.facts.build_info,
+                      api_key=self.api_key, timeout=self.timeout)
+            self._event("proof", slot, f"slot {slot}: {p.summary()}", proof=p.as_dict())
         entry = next((e for e in self._slots() if e["id"] == slot), {})
         self.seen[slot] = self.signature(entry)   # the proving request is not a change to save
         self._remember(slot, self.seen[slot], name)
         return True
 
-    # -- the catalog: states the server now running does not restore -------------------------------------
-    #
-    # A stored state keep judged and did not restore (its conversion refused, or validate's verdict for the
-    # server now running refuses or aborts on it) is judged again at every restore pass (every restart, model
-    # swap, keep start) until a newer state restores: downloaded whole from an s3:// store, parsed twice
-    # (convert's plan, validate), the model's GGUF read. Its skipped line is kept in the catalog, under the
-    # question asked (what the server's setup is learnt from: its facts, the flags given, the slot, the model
-    # file's identity; slotctl's version, --allow-lossy, --force) and the file's identity: while neither
-    # changed, the same line is said again from the row and the file is neither downloaded nor opened (nor
-    # the GGUF read, when no other state of the pass is). The verdict stays validate's on those bytes
-    # for that server; a state that restores is read as before (its bytes are sent anyway).
-
-    def _index(self, create: bool):
-        """The store's catalog (beside a directory store, as serve's; under the cache directory for s3://),
-        opened on first use; None with ``--no-cache``, or when it does not exist yet and ``create`` is False
-        (nothing is written into a store until keep has a row to keep)."""
-        if not self.use_catalog:
-            return None
-        if self._catalog is None:
-            from slotctl.catalog import Index, index_path
-
-            where = index_path(self.store.where(""), beside=True)
-            if not create and not os.path.exists(where):
-                return None
-            # an index it cannot use (not SQLite, another version: rebuilt; locked too long, unreadable: not
-            # used) is a `catalog` line, as serve's; keep goes on, judging the states itself
-            self._catalog = Index(where, log=lambda message: self._event("catalog", None, message, path=where))
-        return self._catalog if self._catalog.usable else None
-
-    def _question(self, slot: int) -> str:
-        """keep's question for ``slot`` of the server now running: its setup named by what it is learnt from
-        (:func:`slotctl.live.prove.local_setup_key`: asking reads no GGUF), ``--allow-lossy``, ``--force``."""
-        from slotctl.catalog import verdict_key
-        from slotctl.live.prove import local_setup_key
-
-        return verdict_key("keep", None, learnt=local_setup_key(self.facts, slot, self.learnt.flags, self.learnt.given),
-                           allow_lossy=self.allow_lossy, force=self.force)
-
-    def _known(self, slot: int, name: str) -> tuple | None | bool:
-        """What the catalog knows of the state ``name`` for ``slot``: None when it holds keep's skipped line
-        for the state's identity now (said again, ``details.catalog`` true: nothing read); else what
-        :meth:`_not_restored` needs to keep a new one (False without the catalog)."""
-        if not self.use_catalog:
-            return False
-        try:
-            got = self.store.identity(name)
-        except SlotctlError:     # the store does not answer: the read below says so
-            return False
-        if got is None:
-            return False
-        taken = time.time_ns()      # the identity as of now: a row is never newer than the read it is made from
-        key, where = self._question(slot), self.store.where(name)
-        ix = self._index(create=False)
-        said = (ix.verdict(where, key, got[0]) if ix is not None else None) or {}
-        details = said.get("details")
-        if isinstance(details, dict) and details and isinstance(said.get("message"), str):
-            # only the keys keep writes there (a row of a damaged index gives nothing else)
-            kept = {k: v for k, v in details.items() if k in ("name", "verdict", "reason") and isinstance(v, str)}
-            self._event("skipped", slot, f"{said['message']} (unchanged since keep judged it: the catalog's row, "
-                                         f"not read again)", **kept, catalog=True)
-            return None
-        return key, where, got[0], got[1], taken
-
-    def _refused(self, slot: int, known, name: str, report) -> None:
-        """The state ``name`` not restored into ``slot``: validate's ``report`` says the server refuses it or
-        aborts on it."""
-        from slotctl.live.judge import why
-
-        self._not_restored(slot, known, f"{name}: not restored: {why(report)} (keep --force restores it anyway)",
-                           name=name, verdict=str(report.verdict))
-
-    def _not_restored(self, slot: int, known, message: str, **details) -> None:
-        """A state not restored into ``slot``: its skipped line, kept in the catalog for the state's identity
-        and the question (``known``, from :meth:`_known`)."""
-        self._event("skipped", slot, message, **details)
-        if not known:
-            return
-        key, where, ident, changed, taken = known
-        ix = self._index(create=True)
-        if ix is not None:
-            ix.put_verdict(where, key, ident, changed, {"message": message, "details": details}, read_ns=taken,
-                           model=model_hash(self.facts))
+    def _refused(self, slot: int, name: str, verdict: str, why: str, catalog: bool) -> None:
+        """The state ``name`` not restored into ``slot``: validate's ``verdict`` (``why``, in one line) says the
+        server refuses it or aborts on it; ``catalog``: said from the catalog's row (the state not read)."""
+        self._event("skipped", slot, f"{name}: not restored: {why} (keep --force restores it anyway)"
+                                     + (_FROM_CATALOG if catalog else ""),
+                    name=name, verdict=verdict, **({"catalog": True} if catalog else {}))
 
     # -- events -----------------------------------------------------------------------------------------
+
+    def _said(self, event: str, message: str, slot: int | None = None, **details) -> None:
+        """What keep's states say (the catalog's lines, what a save taught) as keep's events."""
+        self._event(event, slot, message, **details)
 
     def _event(self, event: str, slot: int | None, message: str, **details) -> None:
         self.beat = time.monotonic()
@@ -631,3 +449,7 @@ class Keeper:
         self.errors += 1
         err = error_entry(e)
         self._event("error", slot, err.message, error=err.as_dict())
+
+
+#: how a line said again from the catalog's row ends
+_FROM_CATALOG = " (unchanged since keep judged it: the catalog's row, not read again)"

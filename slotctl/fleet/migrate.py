@@ -9,12 +9,13 @@ of :class:`_Migrator` named as the step, written in this order:
    training context), else refused (:func:`other_model`);
 3. ``save``: the source saves the slot into its ``--slot-save-path`` (``--from-dir`` here);
 4. ``fetch``: the saved file holds the slot's tokens in the size the source answered;
-5. ``check``: the conversion the destination's flags need (:mod:`slotctl.convert`: ``-np``/``-kvu`` streams,
-   exact; cache types, lossy, only with ``allow_lossy``), then validate's verdict for the converted file
+5. ``check``: the conversion the destination's flags need (the conversion step keep and serve take too,
+   :mod:`slotctl.keeping.conversion`: ``-np``/``-kvu`` streams, exact; cache types, lossy, only with
+   ``allow_lossy``), then validate's verdict for the converted file
    and the destination's own model and flags (:func:`slotctl.live.prove.local_setup`): refused when the
    destination would refuse it (another model, a context too small, ...);
 6. ``store`` (with ``store``): the (converted) file written into the store (a directory or an ``s3://``
-   prefix, :mod:`slotctl.fleet.states`), never over a file of that name; the next step places the store's copy;
+   prefix, :mod:`slotctl.keeping.store`), never over a file of that name; the next step places the store's copy;
 7. ``place``: the (converted) file written into ``--to-dir`` atomically, under the same name;
 8. ``restore``: the destination restores it into its slot;
 9. ``prove``: the proving request (:mod:`slotctl.live.prove`; not sent where it would spend the restore);
@@ -39,28 +40,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slotctl.errors import ExitStatus, SlotctlError, UsageError, error_entry
+from slotctl.keeping.conversion import Conversion, Refused, convert_for
+from slotctl.keeping.names import IDENTITY_KEYS
+from slotctl.keeping.store import copy_atomic, read_saved
 from slotctl.live import http
 from slotctl.live.prove import Proof, local_setup
 from slotctl.live.prove import prove as prove_restore   # the step is the method _Migrator.prove
-from slotctl.fleet.states import copy_atomic, read_saved
 from slotctl.server.flags import ServerFlags
 
-#: the /v1/models meta keys that tell two models apart (llama_model_n_vocab, n_embd, n_params, size, n_ctx_train)
-IDENTITY_KEYS = ("n_vocab", "n_embd", "n_params", "size", "n_ctx_train")
-
 STEPS = ("source", "destination", "save", "fetch", "check", "store", "place", "restore", "prove", "cleanup")
-
-
-class Refused(SlotctlError):
-    """The migration cannot work; nothing was sent to the destination."""
-
-    exit_status = ExitStatus.FAILED
-    code = "refused"
-
-    def __init__(self, message: str, details: dict | None = None):
-        super().__init__(message)
-        #: the figures of the step that refused (what a conversion would have changed)
-        self.details = details
 
 
 @dataclass
@@ -111,88 +99,6 @@ def other_model(src: http.ServerFacts, dst: http.ServerFacts) -> str | None:
     return f"the destination runs another model than the source{names}: {'; '.join(diffs)} (GET /v1/models)"
 
 
-@dataclass
-class Conversion:
-    """A file made fit for a server's flags (:func:`convert_for`): ``path`` the file to send (the original
-    when nothing changes), ``changes`` in words, ``details`` for a step's or an event's figures."""
-
-    path: Path
-    changes: list[str]
-    details: dict
-
-
-@dataclass
-class Planned:
-    """A conversion planned for a server's flags (:func:`plan_for`), nothing written yet: ``plan`` (None when
-    nothing changes), the model's ``layout`` (None without the model), ``details`` as :class:`Conversion`'s."""
-
-    plan: object
-    layout: object
-    changes: list[str]
-    details: dict
-
-
-def plan_for(path, setup, *, allow_lossy: bool, lossy_remedy: str, who: str = "server") -> Planned:
-    """The conversion of ``path`` (a local path or an ``s3://`` object: only its metadata is read) for the
-    server of ``setup``, planned (:mod:`slotctl.convert`: its ``-np``/``-kvu`` streams, exact; its cache types,
-    lossy, only with ``allow_lossy``). :class:`Refused` when it cannot be converted, or the conversion would be
-    lossy and not allowed (``lossy_remedy``: what the caller's command takes to allow it); FormatError when the
-    file does not parse."""
-    from slotctl import convert as conv
-    from slotctl.validate.setup import Models
-
-    models = Models(setup)
-    flags = setup.flags
-    rule = layout = None
-    if models.target is not None:
-        from slotctl.model.predict import rotation_rule
-
-        rule, layout = rotation_rule(models.target), models.target.layout()
-    req = conv.Request(target=conv.Target(conv.stream_count(flags.parallel, flags.kv_unified),
-                                          conv.cache_type_id(flags.cache_type_k, "-ctk"),
-                                          conv.cache_type_id(flags.cache_type_v, "-ctv"), rule))
-    try:
-        plan = conv.plan_convert(path, req, layout=layout)
-    except conv.ConversionRefused as e:
-        raise Refused(f"the file cannot be converted for the {who}: {e}") from None
-    changes = [c.describe() for c in plan.changes]
-    lossy = [c.describe() for c in plan.changes if c.what in ("K type", "V type")]
-    details = {"changes": changes, "lossy": lossy, "converted": bool(plan.changes)}
-    if lossy and not allow_lossy:
-        plan.parsed.close()
-        raise Refused(f"the {who}'s cache types differ ({'; '.join(lossy)}): re-encoding is lossy, {lossy_remedy}",
-                      details)
-    if not plan.changes:
-        plan.parsed.close()     # nothing to write: the parse is not kept open
-        return Planned(None, layout, changes, details)
-    return Planned(plan, layout, changes, details)
-
-
-def convert_for(path: Path, setup, dest: Path, *, allow_lossy: bool, lossy_remedy: str,
-                who: str = "server") -> Conversion:
-    """``path`` converted for the server of ``setup`` (:func:`plan_for`) into ``dest`` when anything changes;
-    the one conversion step of ``migrate``, ``keep`` and ``serve``. :class:`Refused` as :func:`plan_for`."""
-    planned = plan_for(path, setup, allow_lossy=allow_lossy, lossy_remedy=lossy_remedy, who=who)
-    return write_planned(planned, path, dest)
-
-
-def write_planned(planned: Planned, path, dest: Path) -> Conversion:
-    """A :class:`Planned` conversion of ``path`` written into ``dest`` (streamed, atomic:
-    :func:`slotctl.convert.write_converted`), the plan's parse closed after; ``path`` itself when nothing
-    changes."""
-    from slotctl import convert as conv
-
-    details = dict(planned.details)
-    if planned.plan is None:
-        return Conversion(Path(path), [], details)
-    try:
-        errors = conv.write_converted(planned.plan, dest, layout=planned.layout)
-    finally:
-        planned.plan.parsed.close()     # the source read: not kept open (serve removes a download after)
-    details["max_abs_error"] = max((e.max_abs_error for e in errors), default=None)
-    return Conversion(Path(dest), planned.changes, details)
-
-
 def default_name(slot: int) -> str:
     """The file name a migration saves under when none is given."""
     return f"migrate-slot{slot}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}.bin"
@@ -219,7 +125,7 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int | None, *, 
         raise UsageError(f"{to_dir / name}: exists in --to-dir (give another --name)")
     kept = None
     if store is not None:
-        from slotctl.fleet.states import open_store
+        from slotctl.keeping.store import open_store
 
         kept = open_store(store, to_dir)
         if kept.has(name):

@@ -99,29 +99,26 @@ def page(servers: list[dict], *, refresh: float, title: str = "slotctl slots", s
     return "\n".join(out)
 
 
-def server_page(url: str, facts, up: bool | None, store, *, every: float, title: str, flags=None,
-                given: frozenset[str] = frozenset()) -> str:
+def server_page(url: str, facts, up: bool | None, states, *, every: float, title: str) -> str:
     """The page of one server kept by a long-running process (keep; serve can pass its own): ``facts`` as
     its last look read them (``up``: whether that look found the server answering, None before the first),
-    ``store`` its open store, ``every`` seconds between its looks. No request is made to the server: a page
-    load never wakes it or makes llama-swap load a model; the store is listed now and each new state
-    judged once (:func:`slotctl.fleet.view.stored_states`), with ``flags``/``given`` for what the server does
-    not report (``-kvu``, cache types)."""
+    ``states`` the process's :class:`~slotctl.keeping.states.ServerStates` (its store, the flags as given or
+    learnt from the server's saves, its verdicts), ``every`` seconds between its looks. No request is made to
+    the server: a page load never wakes it or makes llama-swap load a model; the store is listed now and each
+    new state judged once (:func:`slotctl.fleet.view.stored_states`)."""
     from slotctl.errors import SlotctlError
     from slotctl.fleet.view import Target, server_doc
 
-    t = Target(url, store=str(store))
+    t = Target(url, store=str(states.store))
     if facts is None or up is not True:
         why = "not looked at yet" if up is None else "the server did not answer the last look"
         doc = server_doc(t, None, error=SlotctlError(why))
     else:
-        doc = server_doc(t, facts, store=store, flags=flags, given=given)
+        doc = server_doc(t, facts, states=states)
     return page([doc], refresh=min(60.0, max(2.0, every)), title=title,
                 source=f"the slots as last looked at (every {every:g} s); the store as it is now")
 
 
 def keeper_page(keeper) -> str:
-    """keep's ``/ui`` (:func:`server_page` of the server it keeps, with its flags as given or learnt from its
-    saves)."""
-    return server_page(keeper.url, keeper.facts, keeper.up, keeper.store, every=keeper.every, title="slotctl keep",
-                       flags=keeper.learnt.flags, given=keeper.learnt.given)
+    """keep's ``/ui`` (:func:`server_page` of the server it keeps, judged by keep's own states)."""
+    return server_page(keeper.url, keeper.facts, keeper.up, keeper.states, every=keeper.every, title="slotctl keep")

@@ -4,18 +4,18 @@ in one list of rows, with what each server's store holds for each slot and what 
 
 Each server is read with :func:`slotctl.live.http.server_facts` (``GET /props``, ``/slots``, ``/v1/models``);
 a server that does not answer is a row of its own with its error, and the others are still shown. The
-stored states of a slot are the store's states named for that slot and the server's model (keep's names:
-:func:`slotctl.fleet.keep.stored_name`); the newest one's time is the slot's "last saved".
+stored states of a slot are the store's states named for that slot and the server's model (the names keep
+and serve write: :mod:`slotctl.keeping.names`); the newest one's time is the slot's "last saved".
 
-Each stored state is judged for the server now running, as keep judges the state it would restore
-(:func:`slotctl.live.judge.judge`: validate's verdict, no real load, for what the server reports,
-:func:`slotctl.live.prove.local_setup`; the model read once for all the states of a slot), and its predicted reuse is validate's
-(:func:`slotctl.server.reuse.reuse_for`, the one home of the prediction, which validate calls for a file that
-restores): the prompt tokens a restored slot keeps for a request that extends the saved prompt, by the rule
-of the server's build (b11434 ignores a file's checkpoints: :func:`slotctl.live.prove.server_reads_checkpoints`).
-The slot's *best* state is the one that restores and keeps the most (the newest of equals). A judgement is
-kept for as long as the process runs (:class:`Judgements`: a state's bytes never change under its name, and
-its identity, size and time, is part of the key), so ``--watch`` and the page judge each state once.
+Each stored state is judged for the server now running as keep and serve judge the states they restore, by
+the same object (:class:`slotctl.keeping.states.ServerStates`: validate's verdict, no real load, for what the
+server reports, :func:`slotctl.live.prove.local_setup`; its predicted reuse, by the rule of the server's build)
+and through the same catalog: a verdict keep or serve kept for the state and the server is shown without
+reading the state again, and one made here is kept for them. The prediction is the prompt tokens a restored
+slot keeps for a request that extends the saved prompt (b11434 ignores a file's checkpoints:
+:func:`slotctl.live.prove.server_reads_checkpoints`). The slot's *best* state is the one that restores and
+keeps the most (the newest of equals). Each server's states are kept for as long as the process runs
+(:func:`states_of`), so ``--watch`` judges each state once; keep's page judges with keep's own.
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from slotctl.errors import ExitStatus, SlotctlError, error_entry
+from slotctl.keeping.judged import RESTORES
 from slotctl.live import http
-
-#: the verdicts of a state the server restores (validate's words)
-RESTORES = ("restores", "restores_with_drops")
 
 
 @dataclass
@@ -39,115 +37,53 @@ class Target:
     api_key: str | None = None
 
 
-class Judgements:
-    """What each stored state was judged for a server (verdict, tokens, predicted reuse), kept by the
-    server's identity, the slot, the state's name and its time: judged once per process; and the setup each
-    server is judged with (:func:`slotctl.live.prove.local_setup` reads the server's model: once a server
-    identity, then the same for each slot)."""
+#: each server's states with its store, as this process judged them (``--watch`` passes): by URL and store
+_STATES: dict[tuple[str, str], object] = {}
+_STATES_LOCK = threading.Lock()
 
-    def __init__(self):
-        self._done: dict[tuple, dict[tuple, dict]] = {}
-        self._setups: dict[str, object] = {}
-        self._models: dict[tuple, tuple] = {}
-        self._lock = threading.Lock()
 
-    def setup(self, ident: str, facts: http.ServerFacts, slot: int, flags, given: frozenset[str]):
-        """The (setup, models) to judge ``slot``'s states with, for the server ``facts`` describe."""
-        import dataclasses
+def states_of(t: Target):
+    """The server's states with its store (:class:`~slotctl.keeping.states.ServerStates`, judging only: its
+    verdicts read from the store's catalog, and kept there only when keep or serve made one), one per server
+    and store for the life of the process."""
+    from slotctl.keeping.states import ServerStates
 
-        from slotctl.live.prove import local_setup
-        from slotctl.validate.setup import Models
-
-        with self._lock:
-            found = self._models.get((ident, slot))
-            base = self._setups.get(ident)
-        if found is not None:
-            return found
-        if base is None:
-            base, _notes = local_setup(facts, slot, flags, given)
-        setup = base if base.slot == slot else dataclasses.replace(base, slot=slot)
-        found = (setup, Models(setup))
-        with self._lock:
-            self._setups.setdefault(ident, base)
-            self._models[(ident, slot)] = found
+    key = (http.normalize_url(t.url), t.store)
+    with _STATES_LOCK:
+        found = _STATES.get(key)
+        if found is None:
+            found = _STATES[key] = ServerStates(t.url, None, t.store, api_key=t.api_key, create_catalog=False)
         return found
 
-    def __len__(self) -> int:
-        with self._lock:
-            return sum(len(v) for v in self._done.values())
 
-    def of(self, ident: str, slot: int) -> dict[tuple, dict]:
-        """The judgements of the states of ``slot`` on the server ``ident``, by (name, time)."""
-        with self._lock:
-            return dict(self._done.get((ident, slot), {}))
-
-    def keep(self, ident: str, slot: int, judged: dict[tuple, dict]) -> None:
-        """``judged`` (the states the store holds now) replaces what was kept for ``slot``: a state pruned
-        from the store is forgotten, so a process that runs for months holds only the store's states."""
-        with self._lock:
-            self._done[(ident, slot)] = judged
+def judged_row(judged) -> dict:
+    """What the view shows of a verdict (:class:`~slotctl.keeping.judged.Judged`): ``{verdict, n_tokens,
+    n_reused, reason}``, ``n_reused`` None when the server would not restore the state, ``reason`` why fewer
+    than all are kept, or why it is not restored."""
+    restores = judged.verdict in RESTORES
+    return {"verdict": judged.verdict, "n_tokens": judged.n_tokens, "n_reused": judged.extending if restores else None,
+            "reason": judged.reuse_reason if restores else judged.why}
 
 
-#: the judgements of this process (``--watch`` passes, page loads)
-JUDGED = Judgements()
-
-
-def _judge(where: str, setup, models, reads: bool) -> dict:
-    """validate's verdict on the state at ``where`` for ``setup`` (``models``: its
-    :class:`~slotctl.validate.setup.Models`, read once for every state of a slot) and its predicted reuse
-    (validate's own call of :func:`slotctl.server.reuse.reuse_for`; ``reads``: the server reads a file's
-    checkpoints)."""
-    from slotctl.validate.check import validate_file
-
-    report = validate_file(where, setup, models)
-    sf = report.slot_file
-    if sf is not None:
-        sf.close()
-    n_reused = reason = None
-    r = report.reuse if str(report.verdict) in RESTORES else None
-    if r is not None:
-        rule = r if reads else r["b11434"]
-        n_reused, reason = rule["n_reused"], rule["reason"]
-    if str(report.verdict) not in RESTORES:
-        from slotctl.live.judge import why
-
-        reason = why(report)
-    return {"verdict": str(report.verdict), "n_tokens": report.n_tokens, "n_reused": n_reused, "reason": reason}
-
-
-def stored_states(store, facts: http.ServerFacts, slot: int, *, flags=None, given: frozenset[str] = frozenset(),
-                  judged: Judgements = JUDGED) -> list[dict]:
-    """The store's states for ``slot`` and the server's model, newest first, each judged for the server
-    ``facts`` describe: ``{name, saved, n_tokens, verdict, n_reused, reason}`` (``n_reused`` None when the
-    server would not restore it). ``flags``/``given``: what the server does not report (keep's ``-kvu``,
-    cache types)."""
+def stored_states(states, slot: int) -> list[dict]:
+    """The store's states for ``slot`` and the server's model, newest first, each judged for the server now
+    running (``states``: its :class:`~slotctl.keeping.states.ServerStates`, its facts read):
+    ``{name, saved, n_tokens, verdict, n_reused, reason}``. The verdicts of the slot's states gone from the
+    store are forgotten, so a process that runs for months holds only the store's states."""
     from slotctl.catalog import iso_time
-    from slotctl.fleet.keep import model_hash, server_identity
-    from slotctl.live.prove import server_reads_checkpoints
+    from slotctl.keeping.names import slot_prefix
 
-    mh = model_hash(facts)
-    ident = repr(sorted(server_identity(facts).items())) + repr((flags, sorted(given)))
-    reads = server_reads_checkpoints(facts.build_info)
-    setup = models = None
+    prefix = slot_prefix(slot, states.model)
+    listed = states.listing(lambda name: name.startswith(prefix))
     out = []
-    before, now = judged.of(ident, slot), {}
-    for name in store.names(f"slot{slot}-{mh}-"):
+    for name in sorted(listed, key=lambda n: listed[n][1], reverse=True):
         try:
-            t = store.mtime(name)
-        except (SlotctlError, OSError):     # gone since the list (pruned): not a state any more
-            continue
-        found = before.get((name, t))
-        if found is None:
-            if setup is None:
-                setup, models = judged.setup(ident, facts, slot, flags, given)
-            try:
-                found = _judge(store.where(name), setup, models, reads)
-            except OSError as e:
-                found = {"verdict": "unreadable", "n_tokens": None, "n_reused": None,
-                         "reason": f"{name}: {e.strerror or e}"}
-        now[(name, t)] = found
-        out.append({"name": name, "saved": iso_time(t), **found})
-    judged.keep(ident, slot, now)
+            found = judged_row(states.judge(name, slot))
+        except OSError as e:     # gone since the listing, or unreadable
+            found = {"verdict": "unreadable", "n_tokens": None, "n_reused": None,
+                     "reason": f"{name}: {e.strerror or e}"}
+        out.append({"name": name, "saved": iso_time(listed[name][1] / 1e9), **found})
+    states.keep_only(prefix, listed)
     return out
 
 
@@ -161,12 +97,10 @@ def best_state(states: list[dict]) -> dict | None:
     return None if best is None else {k: best[k] for k in ("name", "n_tokens", "n_reused", "reason")}
 
 
-def server_doc(t: Target, facts: http.ServerFacts | None, *, store=None, error: SlotctlError | None = None,
-               flags=None, given: frozenset[str] = frozenset(), judged: Judgements = JUDGED) -> dict:
-    """The fleet view's document of one server from its facts (read now, or keep's last look) and its store
-    (an open store, or ``t.store`` opened here); ``error``: why the server could not be read."""
-    from slotctl.fleet.states import open_store
-
+def server_doc(t: Target, facts: http.ServerFacts | None, *, states=None, error: SlotctlError | None = None) -> dict:
+    """The fleet view's document of one server from its facts (read now, or keep's last look) and its store's
+    states (``states``: the server's :class:`~slotctl.keeping.states.ServerStates`, keep's own; else
+    ``t.store``'s, :func:`states_of`); ``error``: why the server could not be read."""
     doc = {"server": http.normalize_url(t.url), "name": t.name, "store": t.store, "model": None,
            "total_slots": None, "build_info": None, "error": None, "slots": []}
     if facts is None:
@@ -175,22 +109,21 @@ def server_doc(t: Target, facts: http.ServerFacts | None, *, store=None, error: 
         doc["exit_code"] = int(getattr(e, "exit_status", ExitStatus.USAGE))
         return doc
     doc.update(model=facts.model_path, total_slots=facts.total_slots, build_info=facts.build_info, exit_code=0)
-    if store is None and t.store is not None:
-        from pathlib import Path
-
-        store = open_store(t.store, Path(t.store) if "://" not in t.store else Path("."))
+    if states is None and t.store is not None:
+        states = states_of(t)
+        states.set_facts(facts)
     for s in facts.slots or ():
         sid = s.get("id")
         row = {"slot": sid, "n_ctx": s.get("n_ctx"), "n_tokens": s.get("n_prompt_tokens"),
                "busy": bool(s.get("is_processing")), "task": s.get("id_task"), "stored_states": None,
                "last_saved": None, "states": [], "best": None}
-        if store is not None and doc["exit_code"] == 0:
+        if states is not None and doc["exit_code"] == 0:
             try:
-                states = stored_states(store, facts, sid, flags=flags, given=given, judged=judged)
-                row.update(stored_states=len(states), last_saved=states[0]["saved"] if states else None,
-                           states=states, best=best_state(states))
+                found = stored_states(states, sid)
+                row.update(stored_states=len(found), last_saved=found[0]["saved"] if found else None,
+                           states=found, best=best_state(found))
             except (SlotctlError, OSError) as e:
-                doc["error"] = {"code": error_entry(e).code, "message": f"{t.store or store}: {e}"}
+                doc["error"] = {"code": error_entry(e).code, "message": f"{t.store or states.store}: {e}"}
                 doc["exit_code"] = int(ExitStatus.USAGE)
         doc["slots"].append(row)
     return doc

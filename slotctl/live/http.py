@@ -29,7 +29,7 @@ from slotctl.live.errors import (CutOff, ProxyRefused, RouterMode, RouterModelNo
                                  ServerAuthError, ServerDropped, ServerError, ServerRedirect, ServerRefused,
                                  ServerUnreachable)
 from slotctl.live.router import ROUTER_NO_MODEL
-from slotctl.live.transport import Pool, check_timeout, cut_off_reads, normalize_url, redact, send
+from slotctl.live.transport import Pool, check_timeout, connections_made, cut_off_reads, normalize_url, redact, send
 from slotctl.server.filenames import check_filename
 from slotctl.server.flags import MAX_PARALLEL
 
@@ -37,7 +37,7 @@ __all__ = [
     "DEFAULT_TIMEOUT", "MAX_ANSWER_BYTES", "MAX_ANSWER_DEPTH", "MAX_ANSWER_ESCAPES", "MAX_ANSWER_ITEMS", "SHAPES",
     "CutOff", "ProxyRefused", "RouterMode", "RouterModelNotLoaded", "ServerAnswerError", "ServerAuthError",
     "Pool", "ServerDropped", "ServerError", "ServerFacts", "ServerRedirect", "ServerRefused", "ServerUnreachable",
-    "check_filename", "check_shape", "check_slot", "completion", "cut_off_reads", "erase_slot", "get_health",
+    "check_filename", "check_shape", "connections_made", "check_slot", "completion", "cut_off_reads", "erase_slot", "get_health",
     "get_models", "get_props", "get_slots", "normalize_url", "parse_answer", "redact", "request", "restore_slot",
     "router_message", "router_models", "save_slot", "server_facts",
 ]

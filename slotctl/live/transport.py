@@ -229,6 +229,15 @@ def _api_key(api_key: str | None) -> str | None:
 
 #: every GET in flight: (its "stopped" event, its cut-off) (:func:`cut_off_reads`)
 _READS: set = set()
+#: connections made to each server (its normalized URL), pooled or not (:func:`connections_made`)
+_MADE: dict[str, int] = {}
+
+
+def connections_made(base: str) -> int:
+    """How many connections this process has made to the server at ``base`` (a URL :func:`normalize_url` made):
+    a request that had to make one may have reached a restarted server (serve's view of the slots reads
+    ``GET /slots`` again)."""
+    return _MADE.get(base, 0)
 
 
 def cut_off_reads() -> None:
@@ -397,6 +406,7 @@ def send(base: str, method: str, path: str, data: bytes | None = None, *, query:
                     prefix = route.path
                 else:
                     conn, prefix = _connection(route, timeout, sockets)   # a proxy's CONNECT included
+                    _MADE[base] = _MADE.get(base, 0) + 1
                     if pool is not None:
                         pool.counted(made=1)
                 if expired.is_set():

@@ -51,13 +51,14 @@ def _common_bytes(a: bytes, b: bytes) -> int:
 
 
 class StateIndex:
-    """The states of one store for one model (names beginning with ``prefix``), kept in memory, sorted by
-    their tokens: the states sharing the longest prefix with a request sit next to where the request's
-    tokens would be (in a sorted list of sequences, the common prefix with a query only shrinks going away
-    from its place), so a lookup compares O(log n) keys and then only its neighbours."""
+    """The states of one store for one model (``model``: its hash in the states' names,
+    :func:`slotctl.keeping.names.of_model`), kept in memory, sorted by their tokens: the states sharing the
+    longest prefix with a request sit next to where the request's tokens would be (in a sorted list of
+    sequences, the common prefix with a query only shrinks going away from its place), so a lookup compares
+    O(log n) keys and then only its neighbours."""
 
-    def __init__(self, prefix: str):
-        self.prefix = prefix
+    def __init__(self, model: str):
+        self.model = model
         self.states: dict[str, State] = {}
         self._keys: list[bytes] = []
         self._names: list[str] = []
@@ -95,6 +96,10 @@ class StateIndex:
         q = _key(tokens)
         with self._lock:
             return self._lookup(q, bisect.bisect_left(self._keys, q), limit)
+
+    def holding(self, tokens: np.ndarray) -> State | None:
+        """A state holding exactly ``tokens`` (saved from any slot), or None."""
+        return next((st for st, common in self.lookup(tokens) if common == st.n_tokens == len(tokens)), None)
 
     def extends(self, prefix: np.ndarray, min_tokens: int, besides: np.ndarray, scan: int = 64) -> bool:
         """Whether a state begins with ``prefix``, holds at least ``min_tokens`` tokens and is not a prefix

@@ -1,14 +1,13 @@
-"""``slotctl serve``'s process: the lock taken, the cache and the proxy made, the event loop run until SIGTERM or
-SIGINT; running unattended (:mod:`slotctl.unattended`) as keep does: ``/metrics``, ``/livez`` and ``/readyz``
-on an address of their own, systemd's ``NOTIFY_SOCKET`` protocol, one serve per server and store."""
+"""``slotctl serve``'s process: the cache and the proxy made, the event loop run until SIGTERM or SIGINT, in the
+shell keep runs in too (:class:`slotctl.unattended.shell.Shell`: one serve per server and store, ``/metrics``,
+``/livez`` and ``/readyz`` on an address of their own, systemd's ``NOTIFY_SOCKET`` protocol)."""
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 
-from slotctl.errors import SlotctlError, UsageError
+from slotctl.errors import UsageError
 
 #: seconds the event loop may go without a beat before ``/livez`` (and systemd's watchdog) says it is stuck:
 #: every blocking step runs in a worker thread, so the loop itself never waits this long
@@ -33,13 +32,11 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
         raise UsageError("slotctl serve needs the [serve] extra: pip install 'slotctl[serve]' (aiohttp)",
                          code="missing_extra") from None
     import asyncio
-    import signal
 
     from slotctl.live.http import redact
     from slotctl.serve.cache import Cache
     from slotctl.serve.proxy import Proxy, run
-    from slotctl.unattended import lock as locks
-    from slotctl.unattended import systemd
+    from slotctl.unattended.shell import Shell, count_store
 
     metrics = None
 
@@ -47,75 +44,34 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
         if metrics is not None:
             metrics.observe(event, details)
             if event in ("stored", "pruned"):
-                count_store()
+                count_store(metrics, cache.store)
         emit(event, message, details)
 
     cache = Cache(upstream, slot_dir, store, api_key=api_key, max_size=max_size, timeout=timeout, catalog=catalog,
                   log=log, flags=flags, given=given)
     where = os.fspath(store if store is not None else slot_dir)
-    ttl = lease or locks.DEFAULT_TTL
-    unlocked: Exception | None = None
-    try:
-        held = locks.acquire(where, cache.url, ttl=ttl, role="serve")
-    except locks.Held:
-        raise
-    except SlotctlError as e:
-        if not where.startswith("s3://"):
-            raise
-        # the store does not answer: serve serves all the same (uncached while the store fails), and takes
-        # the lease once the store answers (a serve already holding it then: this one stops, exit 2)
-        held, unlocked = None, e
-
-    def count_store() -> None:
-        try:
-            metrics.store_usage(*cache.store.usage())
-        except Exception:  # noqa: BLE001 - counted at the next state; /readyz says why the store fails
-            pass
-
-    lost: list[Exception] = []
-    quit_ = threading.Event()
-
-    def take_later(on_lost) -> None:
-        """Try the lease every third of it until it is taken (then renewed as usual) or serve stops."""
-        nonlocal held
-        while not quit_.wait(ttl / 3):
-            try:
-                got = locks.acquire(where, cache.url, ttl=ttl, role="serve")
-            except locks.Held as e:
-                on_lost(e)
-                return
-            except SlotctlError:
-                continue
-            held = got
-            log("locked", f"{got.path}: the lease is taken", path=got.path)
-            got.start(on_lost)
-            return
-
+    # the store does not answer: serve serves all the same (uncached while the store fails), and takes the lease
+    # once the store answers (a serve already holding it then: this one stops, exit 2)
+    shell = Shell("serve", where, cache.url, ttl=lease, log=log)
+    shell.lock(wait_for_store=True)
     beat = [time.monotonic()]
 
     def alive() -> tuple[bool, str]:
-        if lost:
-            return False, f"the lock is lost: {lost[0]}"
+        if shell.lost:
+            return False, f"the lock is lost: {shell.lost[0]}"
         age = time.monotonic() - beat[0]
         return age <= LOOP_STUCK, f"the event loop's last beat {age:.1f} s ago (limit {LOOP_STUCK:g} s)"
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        shell.on_signals(stop.set, loop=loop)
 
-        def stopping() -> None:
-            systemd.notify("STOPPING=1")
-            stop.set()
+        def on_lost(_e: Exception) -> None:
+            loop.call_soon_threadsafe(lambda: (shell.stopping(), stop.set()))
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stopping)
-        def on_lost(e: Exception) -> None:
-            lost.append(e)
-            loop.call_soon_threadsafe(stopping)
-
-        if isinstance(held, locks.Lease):
-            held.start(on_lost)
-        # each request given a slot counted: the prompt tokens predicted reused and evaluated (Proxy.prepare's)
+        shell.keep_lease(on_lost)
+        # each request given a slot counted: the prompt tokens predicted reused and evaluated (Cache.prepare's)
         proxy = Proxy(cache, min_gain=min_gain, log=log, on_prompt=metrics.prompt if metrics is not None else None)
 
         async def beating() -> None:
@@ -135,19 +91,18 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
         beats = loop.create_task(beating())
 
         def ready(h: str, p: int) -> None:
+            endpoint = shell.endpoint
             extra = {"metrics": endpoint.url} if endpoint is not None else {}
             log("listening", f"serving {redact(cache.url)} on http://{h}:{p}: slot dir {cache.slot_dir}, store "
                              f"{cache.store}" + (f"; metrics on {endpoint.url}/metrics, /livez, /readyz"
                                                  if endpoint is not None else ""),
                 listen=f"{h}:{p}", port=p, upstream=redact(cache.url), store=str(cache.store), **extra)
-            if held is None:
-                log("error", f"{unlocked}: serve runs without its lease (a second serve of this server and store "
-                             f"is not refused meanwhile); it takes the lease once the store answers",
-                    code=getattr(unlocked, "code", "store_error"))
-                threading.Thread(target=take_later, args=(on_lost,), name="slotctl-lease-take", daemon=True).start()
-            systemd.notify("READY=1", f"STATUS=serving {redact(cache.url)} on http://{h}:{p} (store {cache.store})")
-            if watchdog is not None:    # the pings follow READY=1 (started before it, they came first)
-                watchdog.start()
+            if shell.held is None:
+                log("error", f"{shell.unlocked}: serve runs without its lease (a second serve of this server and "
+                             f"store is not refused meanwhile); it takes the lease once the store answers",
+                    code=getattr(shell.unlocked, "code", "store_error"))
+                shell.take_later(on_lost)
+            shell.ready(f"serving {redact(cache.url)} on http://{h}:{p} (store {cache.store})")
 
         try:
             await run(proxy, host, port, ready=ready, stop=stop)
@@ -155,32 +110,21 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
             raise UsageError(f"--listen {host}:{port}: {e.strerror or e}", code="listen_failed") from None
         finally:
             beats.cancel()
-        if lost:
-            log("error", str(lost[0]), code=getattr(lost[0], "code", "lease_lost"))
+        if shell.lost:
+            log("error", str(shell.lost[0]), code=getattr(shell.lost[0], "code", "lease_lost"))
             log("stop", "stopped: the lock is lost (another serve may be writing)", counters=cache.counters.as_dict())
         else:
             log("stop", "stopped", counters=cache.counters.as_dict())
 
-    endpoint = watchdog = None
-    try:
+    with shell:
         if metrics_listen:
-            from slotctl.unattended.metrics import Endpoint, ServeMetrics, StoreProbe
+            from slotctl.unattended.metrics import ServeMetrics, StoreProbe
 
             metrics = ServeMetrics(redact(cache.url), cache.counters)
-            count_store()
+            count_store(metrics, cache.store)
             probe = StoreProbe(where)
-            endpoint = Endpoint(metrics_listen, metrics.exposition, lambda: metrics.ready(probe), alive,
-                                option="--metrics-listen").start()
-        wd = systemd.watchdog_seconds()
-        if wd is not None:      # started by ready(), once READY=1 is said
-            watchdog = systemd.Watchdog(lambda: alive()[0], wd)
+            shell.serve_metrics(metrics_listen, metrics.exposition, lambda: metrics.ready(probe), alive,
+                                option="--metrics-listen")
+        shell.arm_watchdog(lambda: alive()[0])
         asyncio.run(main())
-    finally:
-        quit_.set()
-        if watchdog is not None:
-            watchdog.stop()
-        if endpoint is not None:
-            endpoint.stop()
-        if held is not None:
-            held.release()
-    return 2 if lost else 0
+    return 2 if shell.lost else 0

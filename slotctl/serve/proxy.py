@@ -4,13 +4,18 @@ client in one package: a response is passed on chunk by chunk as it comes, SSE i
 Every request is passed on as it came (method, path and query, headers but the hop-by-hop ones, body) and
 its answer comes back as the server sent it (status, reason, headers, bytes: nothing decompressed or
 re-encoded). A completion request (:data:`slotctl.server.requests.COMPLETION_PATHS`) whose body is a JSON
-object is given a slot first (:meth:`Proxy.choose`, from serve's own view of what each slot holds:
-``GET /slots`` is asked only when a connection to the server was made since it was last asked, and once a
-second in the background), the stored state that pays restored into it (:meth:`Proxy.prepare`), and goes
-with ``id_slot`` and ``cache_prompt``; after a whole answer, the slot is saved into the store before
-another request may use it (:meth:`Proxy._save_then_release`). Whatever
-fails in the cache, the request goes on uncached; only an upstream that does not answer is an error
-(502, JSON).
+object is given a slot first (:meth:`slotctl.serve.slots.SlotView.choose`, from serve's own view of what
+each slot holds: ``GET /slots`` is asked only when a connection to the server was made since it was last
+asked, and once a second in the background), the stored state that pays restored into it
+(:meth:`slotctl.serve.cache.Cache.prepare`), and goes with ``id_slot`` and ``cache_prompt``; after a whole
+answer, the slot is saved into the store before another request may use it
+(:meth:`Proxy._save_then_release`). Whatever fails in the cache, the request goes on uncached; only an
+upstream that does not answer is an error (502, JSON).
+
+Only the relay of client traffic goes through aiohttp. serve's own small requests (``GET /slots``,
+``/health``, ``POST /tokenize``, ``/apply-template``, the slot's save) go through slotctl's one HTTP client
+(:mod:`slotctl.live.http`: no redirect followed, answers bounded and checked, deadlines, the proxy environment,
+the key never logged), in worker threads.
 """
 
 from __future__ import annotations
@@ -18,14 +23,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, TraceConfig, web
 from yarl import URL
 
-from slotctl.serve.cache import RESTORABLE, Cache, ConversionFailed
+from slotctl.live import http
+from slotctl.serve.cache import Cache
 from slotctl.serve.index import as_tokens, common_prefix
+from slotctl.serve.slots import EMPTY, UNKNOWN, Slot, SlotView
 from slotctl.server.requests import COMPLETION_PATHS, TOKENIZE_FLAGS, prompt_form
 
 #: headers of one connection only (RFC 9110 7.6.1), never passed on; Host and Content-Length are set anew
@@ -35,68 +41,11 @@ HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy
 STATS_PATH = "/slotctl/stats"
 #: a completion request's body is read whole (to find its prompt) up to this; the rest are streamed
 MAX_BODY = 256 << 20
-#: seconds serve waits for its own small requests (/slots, /tokenize, /apply-template)
+#: seconds serve waits for its own small requests (/slots, /health, /tokenize, /apply-template)
 SMALL_TIMEOUT = 30.0
-#: the slots' state as serve last left it is unknown (a request it sent that was not saved)
-UNKNOWN = ("unknown",)
-EMPTY = np.zeros(0, dtype=np.int32)
 #: tokens at the end of a prompt text that may be tokenized otherwise once more text follows it (the last
 #: word, number or run of spaces: tokenizers split text into such pieces and merge only within one)
 MARGIN = 8
-
-
-@dataclass
-class Slot:
-    """One slot of the server as serve knows it: the tokens it holds (the last prompt, or the state saved or
-    restored), the ``/slots`` signature then (a change serve did not make: the tokens are unknown), when it
-    was last used, and the requests holding or waiting for it. ``text`` and ``prompt``: the prompt text serve
-    last sent into the slot and the server's tokens of it, while the slot holds what that request left
-    (any other change of ``tokens`` forgets them)."""
-
-    id: int
-    _tokens: np.ndarray = field(default_factory=lambda: EMPTY)
-    sig: tuple | None = None
-    used: float = 0.0
-    pending: int = 0
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    text: str | None = None
-    prompt: np.ndarray = field(default_factory=lambda: EMPTY)
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return self._tokens
-
-    @tokens.setter
-    def tokens(self, tokens: np.ndarray) -> None:
-        self._tokens, self.text, self.prompt = tokens, None, EMPTY
-
-    def sent(self, tokens: np.ndarray, text: str | None, prompt: np.ndarray) -> None:
-        """The slot holds ``tokens`` after serve sent it the prompt ``text`` (whose tokens are ``prompt``)."""
-        self._tokens, self.text, self.prompt = tokens, text, prompt
-
-
-def signature(entry: dict) -> tuple | None:
-    """A slot's state as ``GET /slots`` shows it (its last task and its prompt's length); None for a slot
-    that has run no task since the server started."""
-    if "id_task" not in entry:
-        return None
-    return entry.get("id_task"), entry.get("n_prompt_tokens")
-
-
-def _holds(slot: Slot) -> int:
-    """The tokens ``slot`` holds as far as serve knows: ``GET /slots``' count (none for a slot that has run no
-    task), else what serve put there."""
-    if slot.sig is None:
-        return 0
-    if len(slot.sig) == 2 and isinstance(slot.sig[1], int):
-        return slot.sig[1]
-    return len(slot.tokens)
-
-
-class UpstreamDown(Exception):
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
 
 
 class Proxy:
@@ -115,15 +64,11 @@ class Proxy:
         self.facts_every = facts_every
         self.check_every = check_every
         self.log = log or cache.log
-        self.slots: dict[int, Slot] = {}
-        # serve's view of the slots (what each holds: every request goes through serve) is trusted while every
-        # connection to the server was made before the last GET /slots (``view_gen``): a server restarted
-        # since has closed them all, and serve's next request opens a new one (``gen`` counts them)
-        self.gen = 0
-        self.view_gen = -1
-        self._busy: set[int] = set()      # slots the last GET /slots saw at work for another client
-        self._top_task = -1               # the highest task id GET /slots showed: lower later, a new server
-        self._learning = asyncio.Lock()   # held while the server's -kvu/-ctk/-ctv are learnt (:meth:`learn_flags`)
+        #: serve's view of the slots (what each holds: every request goes through serve), and its choices
+        self.view = SlotView(min_gain)
+        #: serve's last small request made a connection of its own (the client keeps none alive: the next would too)
+        self._fresh = True
+        self._learning = asyncio.Lock()   # held while the server's -kvu/-ctk/-ctv are learnt (:meth:`probe_when_due`)
         self.session: ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
@@ -146,7 +91,19 @@ class Proxy:
                                      skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
 
     async def _connected(self, *_args) -> None:
-        self.gen += 1
+        self.view.connected()
+
+    async def _small(self, fn, *args, **kwargs):
+        """One of serve's own requests to the server (``fn``, of :mod:`slotctl.live.http` or the cache) in a
+        worker thread; a connection it had to make counts as one the relay makes (:meth:`SlotView.connected`:
+        it may be a restarted server's)."""
+        made = http.connections_made(self.base)
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        finally:
+            self._fresh = http.connections_made(self.base) != made
+            if self._fresh:
+                self.view.connected()
 
     async def begin(self) -> None:
         """Once listening: the server's facts read (until then completions pass through uncached), then
@@ -184,9 +141,9 @@ class Proxy:
                            f"{f.build_info}", total_slots=f.total_slots, model=self.cache.model)
             self.cache.learn_due = True     # a server back may have been started with other flags
         self._said_down = False
-        await self.learn_flags(key)
+        await self.probe_when_due(key)
 
-    async def learn_flags(self, key: str | None, read_facts: bool = False) -> None:
+    async def probe_when_due(self, key: str | None, read_facts: bool = False) -> None:
         """When due (the facts first read or changed, the server back or restarted): the server's ``-kvu``,
         ``-ctk``, ``-ctv`` learnt from a save of one of its slots (:meth:`Cache.probe`), held by serve meanwhile
         (no request of serve's uses it): the free slot that holds the fewest tokens (a slot that holds nothing
@@ -201,22 +158,20 @@ class Proxy:
                     await asyncio.to_thread(self.cache.refresh_facts, key)
                 except Exception:  # noqa: BLE001 - down again: the facts loop says so; learnt when it is back
                     return
-            if self.view_gen != self.gen and not await self.check_slots(key):
+            if not self.view.trusted and not await self.check_slots(key):
                 return
-            free = [s for s in self.slots.values() if not s.lock.locked() and s.pending == 0 and s.id not in self._busy]
-            if not free:
+            slot = self.view.for_probe()
+            if slot is None:
                 return
-            slot = min(free, key=lambda s: (_holds(s), s.id))
-            slot.pending += 1
             await slot.lock.acquire()
             try:
-                await asyncio.to_thread(self.cache.probe, slot.id, key)
+                await self._small(self.cache.probe, slot.id, key)
             except Exception as e:  # noqa: BLE001 - not learnt: judged with the flags given, as before
                 self.log("error", f"slot {slot.id}: the server's -kvu/-ctk/-ctv cannot be learnt from a save ({e}): "
                                   f"states are judged with the flags given (llama-server's defaults for the rest)",
                          slot=slot.id)
             finally:
-                self._release(slot)
+                self.view.release(slot)
 
     async def _facts_loop(self) -> None:
         while not self._stop.is_set():
@@ -237,49 +192,19 @@ class Proxy:
                 await self.check_slots(self.cache.api_key)
 
     async def check_slots(self, key: str | None) -> bool:
-        """``GET /slots`` read against serve's view (:meth:`_apply`); False when it cannot be read (the view is
-        then lost: every slot taken as holding nothing)."""
+        """``GET /slots`` read against serve's view (:meth:`SlotView.apply`; a restart seen makes a save to learn
+        the server's flags due); False when it cannot be read (the view is then lost: every slot taken as
+        holding nothing; not when a key is wanted, a client's in the background: unknown)."""
         try:
-            entries = await self._get("/slots", key)
-        except UpstreamDown as e:
-            if e.status not in (401, 403):     # refused for want of a key (a client's, in the background): unknown
-                self._lose_view()
+            entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT)
+        except http.ServerAuthError:
             return False
         except Exception:  # noqa: BLE001 - the server down or restarting
-            self._lose_view()
+            self.view.lose()
             return False
-        self._apply(entries if isinstance(entries, list) else [])
-        return True
-
-    def _lose_view(self) -> None:
-        self.view_gen = -1
-        for s in self.slots.values():
-            s.tokens, s.sig = EMPTY, UNKNOWN
-
-    def _apply(self, entries: list) -> None:
-        """What ``GET /slots`` shows: a slot serve neither holds nor waits for whose signature is not the one
-        serve noted after its last request holds what serve did not put there (another client; a restarted
-        server: no task yet, or task ids counting from 0 again): taken as holding nothing."""
-        gen = self.gen      # every connection made until now answers for the server this answer describes
-        entries = [e for e in entries if isinstance(e, dict) and isinstance(e.get("id"), int)
-                   and not isinstance(e.get("id"), bool)]
-        tasks = [e["id_task"] for e in entries if isinstance(e.get("id_task"), int)]
-        top = max(tasks, default=-1)
-        if top < self._top_task:
-            for s in self.slots.values():
-                if not s.lock.locked() and s.pending == 0:
-                    s.tokens, s.sig = EMPTY, UNKNOWN
+        if self.view.apply(entries):
             self.cache.learn_due = True     # a restarted server may run other flags
-        self._top_task = top
-        busy = set()
-        for entry in entries:
-            s = self.slots.setdefault(entry["id"], Slot(entry["id"]))
-            if not s.lock.locked() and s.pending == 0 and signature(entry) != s.sig:
-                s.tokens, s.sig = EMPTY, signature(entry)
-            if entry.get("is_processing") and not s.lock.locked():
-                busy.add(s.id)
-        self._busy = busy
-        self.view_gen = gen if self.slots else -1
+        return True
 
     # -- every request ---------------------------------------------------------------------------------
 
@@ -388,10 +313,10 @@ class Proxy:
         # since it was last read (serve's first request, a restarted server): at the same time as the prompt's
         # tokens are asked for when that is known before; after, when asking for them took a new connection.
         # A prompt of tokens asks the server nothing: GET /health is asked instead, for its connection.
-        check = None if self.view_gen == self.gen else asyncio.ensure_future(self.check_slots(key))
+        check = None if self.view.trusted else asyncio.ensure_future(self.check_slots(key))
         text = slot = tokens = None
         try:
-            prompt = await self.prompt_of(raw, body, form, key)
+            prompt = await self.prompt_of(body, form, key)
             text = prompt if isinstance(prompt, str) else None
             if text is not None and (check is None or await check):
                 slot = await self.by_text(text, body.get("id_slot"), form, key)    # no /tokenize before the request
@@ -408,15 +333,12 @@ class Proxy:
             c.add("passed_through")
             return (await self.forward(request, raw))[0]
         if check is None and form != "chat" and prompt_form(body.get("prompt")) == "tokens":
-            try:
-                await self._get("/health", key)
-            except Exception:  # noqa: BLE001 - loading or down: GET /slots below says which
-                self.view_gen = -1
-        if self.view_gen != self.gen and not await self.check_slots(key):
+            await self._health(key)
+        if not self.view.trusted and not await self.check_slots(key):
             self.log("error", "GET /slots cannot be read: the request passes through uncached")
             c.add("passed_through")
             return (await self.forward(request, raw))[0]
-        slot = self.choose(tokens, body.get("id_slot"))
+        slot = self.view.choose(tokens, body.get("id_slot"))
         if slot is None:
             c.add("passed_through")
             return (await self.forward(request, raw))[0]
@@ -425,8 +347,8 @@ class Proxy:
     async def send(self, request: web.Request, body: dict, slot: Slot, key: str | None, tokens: np.ndarray | None,
                    text: str | None) -> web.StreamResponse:
         """The request sent into ``slot`` (its ``pending`` counted), the slot held until its save: prepared
-        first (:meth:`prepare`) when the prompt's ``tokens`` are known; None: a prompt ``text`` that begins
-        with the slot's own (:meth:`by_text`), its tokens asked for once the answer was passed on."""
+        first (:meth:`Cache.prepare`) when the prompt's ``tokens`` are known; None: a prompt ``text`` that
+        begins with the slot's own (:meth:`by_text`), its tokens asked for once the answer was passed on."""
         c = self.cache.counters
         c.add("cached")
         handed = False
@@ -439,13 +361,13 @@ class Proxy:
             before = slot.tokens
             if tokens is not None:
                 reused = 0
-                if self.cache.learn_due and self.may_restore(slot, tokens):
-                    await self.learn_flags(key, read_facts=True)  # the server's flags learnt before it is judged
+                if self.cache.learn_due and self.view.may_restore(slot, tokens):
+                    await self.probe_when_due(key, read_facts=True)  # the server's flags learnt before it is judged
                 try:
-                    if self.may_restore(slot, tokens):      # looked up, judged and restored in a worker thread
-                        reused = await asyncio.to_thread(self.prepare, slot, tokens, key)
+                    if self.view.may_restore(slot, tokens):     # looked up, judged and restored in a worker thread
+                        reused = await asyncio.to_thread(self.cache.prepare, slot, tokens, self.min_gain, key)
                     else:
-                        reused = self.prepare(slot, tokens, key)     # nothing to look up: at once, on the event loop
+                        reused = self.view.held(slot, tokens)   # nothing to look up
                 except Exception as e:  # noqa: BLE001 - a restore that fails: the request goes uncached
                     c.add("restore_failures")
                     slot.tokens = EMPTY
@@ -469,56 +391,57 @@ class Proxy:
                     self._spawn(self._save_then_release(slot, key, text, before), name=f"save-{slot.id}")
                 handed = True
             else:
-                slot.tokens, slot.sig = EMPTY, UNKNOWN     # a broken answer: what the slot holds is not known
+                slot.forget()     # a broken answer: what the slot holds is not known
             return resp
         finally:
             if not handed:
-                self._release(slot)
+                self.view.release(slot)
+
+    async def _health(self, key: str | None) -> None:
+        """``GET /health``, for its connection (:meth:`_small`): one kept alive shows the server is the one the
+        view describes. Loading or down, or when serve's last small request had to make a connection of its
+        own (then this one would too, and tell nothing: ``GET /slots`` is read instead), the view is read
+        again first."""
+        if self._fresh:
+            self.view.distrust()
+            return
+        try:
+            await self._small(http.get_health, self.base, api_key=key, timeout=SMALL_TIMEOUT)
+        except Exception:  # noqa: BLE001 - loading or down: GET /slots says which
+            self.view.distrust()
 
     async def _same_server(self, form: str, key: str | None) -> bool:
-        """Whether serve's view of the slots still holds once a request has gone to the server on its
-        connection (a chat's ``/apply-template`` went; else ``GET /health``). A connection made anew may be a
-        restarted server's (or the server closed an idle one: cpp-httplib does after a few seconds): the
-        slots are read again first (``GET /slots``, :meth:`_apply`: a restart, or a slot changed by another
+        """Whether serve's view of the slots still holds once a request has gone to the server (a chat's
+        ``/apply-template`` went; else ``GET /health``). One that had to make a connection may have reached a
+        restarted server (or the server closed an idle one: cpp-httplib does after a few seconds): the slots
+        are read again first (``GET /slots``, :meth:`SlotView.apply`: a restart, or a slot changed by another
         client, takes the slots' text away)."""
         if form != "chat":
-            try:
-                await self._get("/health", key)
-            except Exception:  # noqa: BLE001 - loading or down: GET /slots says which
-                self.view_gen = -1
-        if self.view_gen != self.gen:
+            await self._health(key)
+        if not self.view.trusted:
             await self.check_slots(key)
-        return self.view_gen == self.gen
+        return self.view.trusted
 
     async def by_text(self, text: str, want, form: str, key: str | None) -> Slot | None:
         """The slot for a prompt ``text`` without asking the server for its tokens (its ``pending`` counted):
         the idle slot whose own prompt text (:attr:`Slot.text`) ``text`` begins with, the longest such
-        (``want``'s alone when given), when no stored state could keep ``min_gain`` tokens more of the request
-        than the slot holds (:meth:`Cache.may_beat`: such a state would begin with the slot's prompt tokens but
-        their last :data:`MARGIN`, the tokens that more text may change). That is the choice :meth:`choose` and
-        :meth:`prepare` make from the prompt's tokens: the slot shares the most of it, and nothing is
-        restored. None: the tokens are needed."""
-        if self._by_text(text, want) is None or not await self._same_server(form, key):
+        (``want``'s alone when given: :meth:`SlotView.by_text`), when no stored state could keep ``min_gain``
+        tokens more of the request than the slot holds (:meth:`Cache.may_beat`: such a state would begin with
+        the slot's prompt tokens but their last :data:`MARGIN`, the tokens that more text may change). That is
+        the choice :meth:`SlotView.choose` and :meth:`Cache.prepare` make from the prompt's tokens: the slot
+        shares the most of it, and nothing is restored. None: the tokens are needed."""
+        if self.view.by_text(text, want) is None or not await self._same_server(form, key):
             return None
         if not self.cache.index_fresh():
             try:        # other serve processes' states, listed as prepare lists them
                 await asyncio.to_thread(self.cache.sync_index)
             except Exception:  # noqa: BLE001 - the store down: prepare says so, and goes uncached
                 return None
-        s = self._by_text(text, want)       # again: other requests ran meanwhile
-        if s is None or self.view_gen != self.gen or self.cache.may_beat(s.prompt, s.tokens, self.min_gain, MARGIN):
+        s = self.view.by_text(text, want)       # again: other requests ran meanwhile
+        if s is None or not self.view.trusted or self.cache.may_beat(s.prompt, s.tokens, self.min_gain, MARGIN):
             return None
         s.pending += 1
         return s
-
-    def _by_text(self, text: str, want) -> Slot | None:
-        if isinstance(want, int) and want >= 0:
-            pool = [self.slots[want]] if want in self.slots else []
-        else:
-            pool = list(self.slots.values())
-        fits = [s for s in pool if s.text is not None and s.pending == 0 and s.id not in self._busy
-                and text.startswith(s.text)]
-        return max(fits, key=lambda s: len(s.text), default=None)
 
     @staticmethod
     def _slot_id_ok(v) -> bool:
@@ -531,32 +454,15 @@ class Proxy:
         h = request.headers.get("Authorization", "")
         return h[7:].strip() if h[:7].lower() == "bearer " else None
 
-    async def _post(self, path: str, body, key: str | None, raw: bytes | None = None, timeout: float = SMALL_TIMEOUT):
-        headers = {"Content-Type": "application/json"}
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        data = raw if raw is not None else json.dumps(body).encode()
-        async with self.session.post(URL(self.base + path), data=data, headers=headers,
-                                     timeout=ClientTimeout(total=timeout)) as r:
-            if r.status != 200:
-                raise UpstreamDown(f"POST {path}: HTTP {r.status}")
-            return await r.json(content_type=None)
-
-    async def _get(self, path: str, key: str | None):
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        async with self.session.get(URL(self.base + path), headers=headers,
-                                    timeout=ClientTimeout(total=SMALL_TIMEOUT)) as r:
-            if r.status != 200:
-                raise UpstreamDown(f"GET {path}: HTTP {r.status}", r.status)
-            return await r.json(content_type=None)
-
-    async def prompt_of(self, raw: bytes, body: dict, form: str, key: str | None):
+    async def prompt_of(self, body: dict, form: str, key: str | None):
         """The request's prompt as the server reads it: its ``prompt``, or a chat's ``messages`` through the
         server's ``/apply-template``; None for a chat serve does not cache (no messages, media)."""
         if form == "chat":
             if not isinstance(body.get("messages"), list) or self.cache.facts.mmproj:
                 return None
-            return (await self._post("/apply-template", None, key, raw=raw)).get("prompt")
+            answer = await self._small(http.request, self.base, "POST", "/apply-template", body, api_key=key,
+                                       timeout=SMALL_TIMEOUT)
+            return answer.get("prompt") if isinstance(answer, dict) else None
         return body.get("prompt")
 
     async def tokens_of(self, prompt, key: str | None) -> np.ndarray | None:
@@ -567,120 +473,12 @@ class Proxy:
             return as_tokens(prompt)
         if how != "text":
             return None
-        answer = await self._post("/tokenize", {"content": prompt, **TOKENIZE_FLAGS}, key)
+        answer = await self._small(http.request, self.base, "POST", "/tokenize", {"content": prompt, **TOKENIZE_FLAGS},
+                                   api_key=key, timeout=SMALL_TIMEOUT)
         toks = answer.get("tokens") if isinstance(answer, dict) else None
         if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
-            raise UpstreamDown("POST /tokenize: no token list in the answer")
+            raise http.ServerAnswerError(f"POST {self.base}/tokenize: no token list in the answer")
         return as_tokens(toks)
-
-    def choose(self, tokens: np.ndarray, want) -> Slot | None:
-        """The slot for a request (its ``pending`` counted), from serve's view of the slots: ``want`` when given
-        (not -1); else the idle slot whose tokens share the longest prefix with ``tokens``, else the least
-        recently used (also when the longest shares fewer than ``min_gain`` tokens). None when serve knows no
-        slot, or ``want`` is not one of them (the server's answer)."""
-        if not self.slots:
-            return None
-        if isinstance(want, int) and want >= 0:
-            s = self.slots.get(want)
-            if s is None:
-                return None      # a slot the server does not have: its own answer
-        else:
-            free = [s for s in self.slots.values() if s.pending == 0 and s.id not in self._busy]
-            pool = free or list(self.slots.values())
-            best = max(pool, key=lambda s: (common_prefix(s.tokens, tokens), -s.used))
-            if common_prefix(best.tokens, tokens) < self.min_gain:
-                # sharing less than --min-gain (a BOS token, a chat template's first line) is no reason to
-                # take a conversation's slot: the least recently used (an empty one first) is taken instead
-                best = min(pool, key=lambda s: (s.pending, s.used))
-            s = best
-        s.pending += 1
-        return s
-
-    def _release(self, slot: Slot) -> None:
-        slot.pending -= 1
-        slot.lock.release()
-
-    def may_restore(self, slot: Slot, tokens: np.ndarray) -> bool:
-        """Whether a stored state could keep ``min_gain`` tokens more of ``tokens`` than ``slot`` holds: not when
-        fewer than that are not in the slot (then :meth:`prepare` looks nothing up)."""
-        return len(tokens) - min(common_prefix(slot.tokens, tokens), len(tokens) - 1) >= self.min_gain
-
-    def prepare(self, slot: Slot, tokens: np.ndarray, key: str | None = None) -> int:
-        """In a worker thread, with the slot held: restore the stored state that keeps the most of the
-        prompt, when its verdict for this slot is ``restores`` and it keeps at least ``min_gain`` tokens
-        more than the slot holds. A state another server's ``-np``/``-kvu`` made is converted for this one
-        first (:meth:`Cache.converted`) and the converted file judged the same way; a conversion that fails
-        leaves the request uncached. The prompt tokens the server is predicted to reuse: the restored
-        state's (its ``restored`` event's ``reuse``), else what the slot already holds of the prompt."""
-        c = self.cache.counters
-        held = min(common_prefix(slot.tokens, tokens), len(tokens) - 1)
-        if not self.may_restore(slot, tokens):
-            return held
-        try:
-            found = self.cache.lookup(tokens)
-        except Exception as e:  # noqa: BLE001 - the store down: uncached
-            c.add("lookup_failures")
-            self.log("error", f"the store cannot be read ({e}): the request goes uncached")
-            return held
-        for state, common in found:
-            if common - held < self.min_gain:
-                break
-            judged = self.cache.judge(state, slot.id)
-            if judged.verdict not in RESTORABLE and not judged.convert:
-                self._refused(state, slot, judged)
-                continue
-            gain = self.cache.reuse(judged, state, common, len(tokens))
-            if gain - held < self.min_gain:
-                continue
-            if judged.verdict in RESTORABLE:
-                return self._restore(slot, state, gain, held, len(tokens), key, judged=judged)
-            t0 = time.perf_counter()
-            try:
-                with self.cache.converted(state, slot.id) as (placed, sent):
-                    if sent.verdict not in RESTORABLE:
-                        self._refused(state, slot, sent)
-                        continue
-                    gain = self.cache.reuse(sent, state, common, len(tokens))
-                    if gain - held < self.min_gain:
-                        continue
-                    return self._restore(slot, state, gain, held, len(tokens), key, placed, sent.convert,
-                                         (time.perf_counter() - t0) * 1000, judged=sent)
-            except ConversionFailed as e:
-                c.add("conversion_failures")
-                self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id,
-                         name=state.name)
-                return held
-        return held
-
-    def _refused(self, state, slot: Slot, judged) -> None:
-        self.cache.counters.add("restores_refused_by_verdict")
-        self.log("refused", f"{state.name}: not restored into slot {slot.id}: validate says {judged.verdict}"
-                            + (f" ({judged.reason})" if judged.reason else "")
-                            + (" (unchanged since serve judged it: the catalog's row, not read again)"
-                               if judged.catalog else ""),
-                 slot=slot.id, name=state.name, verdict=judged.verdict, **({"catalog": True} if judged.catalog else {}))
-
-    def _restore(self, slot: Slot, state, gain: int, held: int, n_request: int, key: str | None,
-                 placed: str | None = None, changes: list[str] | None = None, convert_ms: float = 0.0, *,
-                 judged) -> int:
-        """``state`` restored into ``slot`` (``judged``: its verdict, ``restores``: sent only while the state has
-        the identity it was made on); ``gain``, the prompt tokens the request is predicted to keep."""
-        c = self.cache.counters
-        slot.tokens = EMPTY         # whatever happens now, the slot's old tokens are gone
-        t0 = time.perf_counter()
-        answer = self.cache.restore(state, slot.id, key, placed, identity=None if placed else judged.identity)
-        slot.tokens = state.tokens
-        c.add("restores")
-        c.add("restored_tokens", gain)
-        how = f" converted ({'; '.join(changes)}, {convert_ms:.0f} ms)" if changes else ""
-        extra = {"converted": changes, "convert_ms": round(convert_ms, 3)} if changes else {}
-        if judged.catalog:
-            extra["catalog"] = True     # the verdict from the catalog: the state not opened to judge it
-        self.log("restored", f"{state.name}{how} restored into slot {slot.id}: {answer.get('n_restored', 0):,} "
-                             f"tokens in {(time.perf_counter() - t0) * 1000:.0f} ms; the request keeps "
-                             f"{gain:,} of its {n_request:,} (the slot held {held:,})",
-                 slot=slot.id, name=state.name, n_restored=answer.get("n_restored"), reuse=gain, held=held, seconds=round(time.perf_counter() - t0, 6), **extra)
-        return gain
 
     async def _save_then_release(self, slot: Slot, key: str | None, text: str | None = None,
                                  before: np.ndarray | None = None) -> None:
@@ -692,10 +490,9 @@ class Proxy:
         saved = None
         try:
             work = self.cache.work_name(slot.id)
-            learnt = asyncio.ensure_future(self._learn(slot, text, before, key)) if before is not None else None
+            learnt = asyncio.ensure_future(self._tokens_sent(slot, text, before, key)) if before is not None else None
             try:
-                answer = await self._post(f"/slots/{slot.id}?action=save", {"filename": work}, key,
-                                          timeout=self.cache.timeout)
+                answer = await self._small(self.cache.save, slot.id, work, key)
                 saved = await asyncio.to_thread(self.cache.checked, slot.id, work, answer)
             except Exception as e:  # noqa: BLE001 - a save that fails costs the next restore, nothing more
                 self.cache.discard(work)
@@ -711,15 +508,14 @@ class Proxy:
                 else:
                     slot.sent(saved.tokens if saved is not None else prompt, text, prompt)
             try:
-                entries = await self._get("/slots", key)
-                entry = next((e for e in entries if isinstance(e, dict) and e.get("id") == slot.id), None)
-                slot.sig = signature(entry) if entry is not None else UNKNOWN
-                if entry is not None and isinstance(entry.get("id_task"), int):
-                    self._top_task = max(self._top_task, entry["id_task"])
+                entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT)
+                self.view.noted(slot, next((e for e in entries if e.get("id") == slot.id), None))
+                if self.view.apply(entries):    # the other slots as the server shows them now: the view read
+                    self.cache.learn_due = True
             except Exception:  # noqa: BLE001 - unknown: the next check finds the slot's tokens unknown
                 slot.sig = UNKNOWN
         finally:
-            self._release(slot)
+            self.view.release(slot)
         if saved is not None:
             try:
                 await asyncio.to_thread(self.cache.store_saved, saved)
@@ -728,7 +524,7 @@ class Proxy:
                 self.log("error", f"slot {slot.id}: not stored: {e}", slot=slot.id)
 
 
-    async def _learn(self, slot: Slot, text: str, before: np.ndarray, key: str | None) -> np.ndarray | None:
+    async def _tokens_sent(self, slot: Slot, text: str, before: np.ndarray, key: str | None) -> np.ndarray | None:
         """The server's tokens of a prompt ``text`` sent by :meth:`by_text` into ``slot``, which held ``before``
         (the metrics told what the server kept of it); None when they cannot be had (the slot's text is then
         forgotten: its next request asks for its tokens first)."""

@@ -1,6 +1,8 @@
-"""Running unattended: the parts a long-running process (``keep``, later ``serve``) needs beside its work
+"""Running unattended: the parts a long-running process (``keep``, ``serve``) needs beside its work
 (docs/fleet.md, "Running unattended").
 
+- ``shell``: the process around the work, one for keep and serve: the lock (or lease) taken and released,
+  the metrics endpoint and the store probe, systemd's notify protocol and watchdog, SIGTERM and SIGINT;
 - ``lock``: one keeper per server and store (``flock`` in a directory store, a lease object in ``s3://``),
   and its journal of the states already stored;
 - ``config``: the TOML configuration file (servers, stores, budgets, retention, the proof policy);

@@ -1,5 +1,6 @@
-"""Where kept states live: a directory of this machine or an ``s3://`` prefix (``keep --store``, ``migrate
---store``), behind one small interface (``has``, ``put``, ``names``, ``local``, ``prune``, ``where``).
+"""Where kept states live: a directory of this machine or an ``s3://`` prefix (``keep --store``, ``serve
+--store``, ``migrate --store``), behind one small interface (``has``, ``put``, ``names``, ``listing``,
+``local``, ``prune``, ``where``); and a slot file a server has just saved, read back (:class:`Saved`).
 
 Every write is whole or absent: a local file through :func:`slotctl.atomic.atomic_writer`, an object through
 :mod:`slotctl.store.cp`'s upload (created only if absent, its size and MD5 checked).
@@ -53,6 +54,22 @@ class DirectoryStore:
         """The states whose names start with ``prefix``, newest first (temporary files never)."""
         found = [p for p in self.path.iterdir() if p.name.startswith(prefix) and p.name.endswith(".bin")]
         return [p.name for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]
+
+    def listing(self, match) -> dict[str, tuple[str | None, int, int]]:
+        """The states whose names ``match(name)``: name -> (identity for the catalog, changed_ns, size), one
+        directory read (temporary files never)."""
+        from slotctl.catalog import local_identity
+
+        out = {}
+        with os.scandir(self.path) as it:
+            for d in it:
+                if d.name.endswith(".bin") and match(d.name):
+                    try:
+                        st = d.stat()
+                    except FileNotFoundError:
+                        continue
+                    out[d.name] = (local_identity(st), st.st_mtime_ns, st.st_size)
+        return out
 
     def local(self, name: str, staging: Path) -> Path:
         """A local file holding the state ``name`` (the store's own file here)."""
@@ -144,6 +161,19 @@ class ObjectStore:
                  and e.path.endswith(".bin")]
         return [e.path.rpartition("/")[2] for e in sorted(found, key=lambda e: e.mtime, reverse=True)]
 
+    def listing(self, match) -> dict[str, tuple[str | None, int, int]]:
+        """The states whose names ``match(name)``: name -> (identity for the catalog, changed_ns, size), one
+        listing of the prefix."""
+        from slotctl.catalog import object_identity
+        from slotctl.sources import list_prefix
+
+        out = {}
+        for e in list_prefix(self.url) or ():
+            name = e.path.rpartition("/")[2]
+            if name.endswith(".bin") and match(name):
+                out[name] = (object_identity(e.etag, e.size), int(e.mtime * 1e9), e.size)
+        return out
+
     def mtime(self, name: str) -> float:
         from slotctl.store.s3 import S3_STORE
 
@@ -173,18 +203,17 @@ class ObjectStore:
         self.usage()
 
     def identity(self, name: str) -> tuple[str, int] | None:
-        """The object ``name``'s identity for the catalog (its ETag, size and Last-Modified:
-        :func:`slotctl.catalog.object_identity`, one HEAD) and its Last-Modified (ns); None when it is absent
-        or has no ETag."""
+        """The object ``name``'s identity for the catalog (its ETag and size, as a listing and a download pinned
+        to one ETag say it: :func:`slotctl.catalog.object_identity`; one HEAD) and its Last-Modified (ns); None
+        when it is absent or has no ETag."""
         from slotctl.catalog import object_identity
         from slotctl.store.s3 import S3_STORE
 
         e = S3_STORE.stat(self.where(name))
         if e is None:
             return None
-        changed = int(e.mtime * 1e9)
-        ident = object_identity(e.etag, e.size, changed)
-        return (ident, changed) if ident is not None else None
+        ident = object_identity(e.etag, e.size)
+        return (ident, int(e.mtime * 1e9)) if ident is not None else None
 
     def local(self, name: str, staging: Path, *, identity: str | None = None) -> Path:
         """The object ``name`` downloaded into ``staging`` (whole, or absent). ``identity``: the object's
@@ -262,7 +291,9 @@ class Saved:
     whether its prompt holds media and its target memory's kind; ``damage``: the first layer that does not
     parse, ``mismatch``: the token count or size differ from the server's answer (each None when not so);
     ``flags``: what its target memory says of the server's flags (:func:`slotctl.slotfile.written_flags`,
-    read by :func:`slotctl.server.saved.saved_flags`; None when it did not parse)."""
+    read by :func:`slotctl.server.saved.saved_flags`; None when it did not parse). Once checked for a slot
+    (:meth:`slotctl.keeping.states.ServerStates.checked`): the ``slot`` saved, its working file (``path``) and
+    the ``name`` it is stored under."""
 
     size: int
     n_tokens: int
@@ -273,6 +304,9 @@ class Saved:
     media: bool = False
     kind: str | None = None
     flags: tuple | None = None
+    slot: int | None = None
+    path: Path | None = None
+    name: str | None = None
 
     @property
     def problem(self) -> str | None:
@@ -298,4 +332,4 @@ def read_saved(path: str | os.PathLike, answer: dict) -> Saved:
                      str(sf.errors[0]) if sf.errors else None, mismatch,
                      bool(sf.tokens is not None and sf.tokens.media),
                      sf.target.layout.kind if sf.target is not None else None,
-                     written_flags(sf.target) if sf.target is not None else None)
+                     written_flags(sf.target) if sf.target is not None else None, path=Path(path))
