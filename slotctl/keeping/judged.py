@@ -160,7 +160,8 @@ def judge_file(where: str, setup, *, reads_checkpoints: bool) -> Judged:
         kind = sf.target.layout.kind if sf is not None and sf.target is not None else None
         if sf is not None and sf.target is not None:
             r = reuse_for(sf, models.target, swa_full=setup.settings.swa_full,
-                          n_ctx_checkpoints=setup.n_ctx_checkpoints, reads_checkpoints=reads_checkpoints, extends=True)
+                          n_ctx_checkpoints=setup.n_ctx_checkpoints, reads_checkpoints=reads_checkpoints, extends=True,
+                          build=setup.build)     # the server's own build's rules (live.prove.local_setup: /props)
             if r is not None:
                 extending, reason = ((r.n_reused, r.reason) if reads_checkpoints
                                      else (r.n_reused_b11434, r.reason_b11434))
