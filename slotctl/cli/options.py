@@ -266,6 +266,11 @@ MetricsListenOpt = Annotated[Optional[str], typer.Option("--metrics-listen", met
 MinGainOpt = Annotated[Optional[int], typer.Option("--min-gain", min=1, metavar="N",
                                                    help="Restore a stored state only when it keeps at least N "
                                                         "prompt tokens more than the slot holds [default: 16].")]
+RestorePolicyOpt = Annotated[Optional[str], typer.Option("--restore-policy", metavar="POLICY",
+                                                         help="cost: restore a stored state only when the restore "
+                                                              "is predicted faster than the prefill it spares "
+                                                              "(measured); tokens: whenever it keeps --min-gain "
+                                                              "tokens more [default: cost].")]
 
 # -- directories: ls and prune ----------------------------------------------------------------------------
 

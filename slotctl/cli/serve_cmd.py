@@ -8,7 +8,7 @@ from slotctl.cli.common import handle_errors
 from slotctl.cli.command_line import ArgsCommand
 from slotctl.cli.options import (
     ApiKeyOpt, ConfigOpt, EventsJsonOpt, KeptSlotDirOpt, KeptStoreOpt, KeptTimeoutOpt, LeaseOpt,
-    MetricsListenOpt, MinGainOpt, ServeListenOpt, StoreBudgetOpt, StoreCatalogOpt, UnreportedCtkOpt,
+    MetricsListenOpt, MinGainOpt, RestorePolicyOpt, ServeListenOpt, StoreBudgetOpt, StoreCatalogOpt, UnreportedCtkOpt,
     UnreportedCtvOpt, UnreportedKvuOpt, UpstreamOpt,
 )
 from slotctl.cli.output import Output
@@ -29,6 +29,7 @@ def serve(
     listen: ServeListenOpt = None,
     max_size: StoreBudgetOpt = None,
     min_gain: MinGainOpt = None,
+    restore_policy: RestorePolicyOpt = None,
     no_cache: StoreCatalogOpt = False,
     config: ConfigOpt = None,
     metrics_listen: MetricsListenOpt = None,
@@ -61,8 +62,9 @@ def serve(
     WATCHDOG=1, STOPPING=1.
 
     Exit codes: 0 stopped by SIGTERM or SIGINT; 2 usage error (a missing directory, a bad --listen,
-    the [serve] extra missing, the address in use, a bad configuration file, another serve serving
-    this server with this store, the lease lost).
+    the [serve] or [s3] extra missing, the address in use, a bad configuration file, another serve
+    serving this server with this store). A store that fails or stalls, or a lease lost, does not
+    stop serve: it goes on uncached and says so.
     """
     from slotctl.cli import running
     from slotctl.unattended.lock import DEFAULT_TTL
@@ -78,9 +80,17 @@ def serve(
                              f"caches one server's prompts and does not front a router's models (point it at the "
                              f"model's own server; docs/fleet.md, router mode)")
     listen, min_gain = run.pick(listen, "listen", "127.0.0.1:8081"), run.pick(min_gain, "min_gain", 16)
+    from slotctl.unattended.config import RESTORE_POLICIES
+
+    restore_policy = run.pick(restore_policy, "restore_policy", "cost")
+    if restore_policy not in RESTORE_POLICIES:
+        raise UsageError(f"--restore-policy {restore_policy!r}: expected {' or '.join(RESTORE_POLICIES)}")
     timeout, lease = run.pick(timeout, "timeout", SLOT_FILE_TIMEOUT), run.pick(lease, "lease", DEFAULT_TTL)
     metrics_listen = run.pick(metrics_listen, "metrics_listen", None) or None
     run.require("--upstream")
+    from slotctl.cli.common import use_store
+
+    use_store([run.store])      # an s3:// store from the configuration file needs the [s3] extra too
     host, port = parse_listen(listen)
     if metrics_listen is not None:
         parse_listen(metrics_listen, "--metrics-listen")
@@ -97,7 +107,7 @@ def serve(
             running.event_line(out, _now(), event, message)
 
     raise typer.Exit(main.serve(run.url, run.slot_dir, run.store, host=host, port=port, max_size=size,
-                                min_gain=min_gain, api_key=run.api_key, timeout=timeout, catalog=not no_cache,
+                                min_gain=min_gain, restore_policy=restore_policy, api_key=run.api_key, timeout=timeout, catalog=not no_cache,
                                 emit=emit, flags=flags, given=given, metrics_listen=metrics_listen, lease=lease))
 
 

@@ -76,6 +76,9 @@ class ServerStates:
         self.learnt = Learnt(flags or ServerFlags(), frozenset(given))
         self.learn_due = True
         self.facts: http.ServerFacts | None = None
+        #: connections kept open to the server for the requests made here (:class:`slotctl.live.transport.Pool`;
+        #: None: a connection per request): serve gives its worker threads one
+        self.pool: http.Pool | None = None
         #: the hash of the server's model in the states' names (:func:`slotctl.keeping.names.model_hash`)
         self.model: str | None = None
         #: called before each write into the store (a state stored): the lock's check (keep's; raises when the
@@ -100,7 +103,7 @@ class ServerStates:
         """``/props``, ``/slots``, ``/v1/models`` read again (``api_key``: a client's, when there is none of the
         process's own) and taken (:meth:`set_facts`)."""
         facts = http.server_facts(self.url, api_key=api_key or self.api_key,
-                                  timeout=timeout if timeout is not None else self.timeout)
+                                  timeout=timeout if timeout is not None else self.timeout, pool=self.pool)
         self.set_facts(facts)
         return facts
 
@@ -427,7 +430,7 @@ class ServerStates:
             with self.placed(name, identity) as there:
                 return self.restore(name, slot, placed=there, api_key=api_key)
         answer = http.restore_slot(self.url, slot, placed, api_key=api_key or self.api_key, timeout=self.timeout,
-                                   check=False)
+                                   check=False, pool=self.pool)
         where = self.store.where(name)
         if not where.startswith("s3://"):       # an object has no access time
             _used(where)
@@ -443,7 +446,7 @@ class ServerStates:
         """``slot`` saved by the server into its slot directory as ``work``: its answer (checked: the slot
         and the file name are the ones asked)."""
         return http.save_slot(self.url, slot, work, api_key=api_key or self.api_key, timeout=self.timeout,
-                              check=False)
+                              check=False, pool=self.pool)
 
     def discard(self, work: str) -> None:
         """A working file removed from the slot directory (gone already: nothing to do)."""

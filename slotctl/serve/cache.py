@@ -11,6 +11,7 @@ Every failure is the caller's to count: a method raises, the proxy sends the req
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -24,11 +25,63 @@ from slotctl.keeping.judged import Judged
 from slotctl.keeping.states import ServerStates
 from slotctl.keeping.store import Saved
 from slotctl.live import http
+from slotctl.serve.costs import Costs, Prediction
 from slotctl.serve.index import State, StateIndex, as_tokens
 from slotctl.server.reuse import request_reuse
 
 #: verdicts serve restores (validate's: nothing dropped, nothing refused)
 RESTORABLE = ("restores",)
+#: seconds a request to the store may take in the request path before the store counts as down (every later
+#: request then goes uncached at once, and the store is tried again in the background)
+STORE_STALL = 5.0
+
+#: what happened to a request's prompt, for the metrics (``slotctl_serve_request_outcomes_total``): its slot
+#: held at least ``--min-gain`` of it; a stored state was restored; a restore was predicted slower than
+#: prefill; nothing held and nothing restored; the cache could not be used (the store down or stalled, no
+#: lease, a lookup or restore that failed); not given a slot at all
+OUTCOMES = ("slot_hit", "restored", "prefill", "cold", "uncached", "passed_through")
+
+
+@dataclass
+class Prepared:
+    """What :meth:`Cache.prepare` did for a request: the prompt tokens the server is predicted to keep
+    (``reused``), what happened (``outcome``, one of :data:`OUTCOMES`), the prediction it chose by (None: not
+    measured yet, or nothing to choose), and the restore's seconds when it restored."""
+
+    reused: int
+    outcome: str
+    prediction: Prediction | None = None
+    seconds: float | None = None
+
+
+class StoreOff(Exception):
+    """The store is not to be used now (:meth:`Cache.unusable`): nothing is written to it."""
+
+
+class GaveUp(Exception):
+    """The request stopped waiting for the store (:class:`Gate`): nothing is sent to the server for it."""
+
+
+class Gate:
+    """One request's wait on the store's side of a restore, between the proxy (which gives up at its
+    deadline: :meth:`give_up`) and the worker thread (which passes it before it sends the server the restore:
+    :meth:`enter`); whichever comes first wins, so a restore is either the server's to do, and waited for,
+    or never sent."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.given_up = self.entered = False
+
+    def enter(self) -> bool:
+        with self._lock:
+            self.entered = not self.given_up
+            return self.entered
+
+    def give_up(self) -> bool:
+        """True when given up (the restore was not sent); False when the server has it already."""
+        with self._lock:
+            self.given_up = not self.entered
+            return self.given_up
 
 
 @dataclass
@@ -55,6 +108,12 @@ class Counters:
     client_disconnects: int = 0
     restored_tokens: int = 0
     pruned: int = 0
+    #: requests given a slot, by what happened to their prompt (:data:`OUTCOMES`)
+    slot_hit: int = 0
+    restored: int = 0
+    prefill: int = 0
+    cold: int = 0
+    uncached: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, n: int = 1) -> None:
@@ -73,13 +132,23 @@ class Cache(ServerStates):
 
     def __init__(self, url: str, slot_dir: str | os.PathLike, store: str | None = None, *,
                  api_key: str | None = None, max_size: int | None = None, timeout: float = 600.0,
-                 catalog: bool = True, log=None, flags=None, given: frozenset[str] = frozenset()):
+                 catalog: bool = True, log=None, flags=None, given: frozenset[str] = frozenset(),
+                 restore_policy: str = "cost"):
         super().__init__(url, slot_dir, store, role="serve", api_key=api_key, timeout=timeout, max_size=max_size,
                          catalog=catalog, flags=flags, given=given, log=log)
         self.counters = Counters()
         self.index: StateIndex | None = None
         self._listed = 0.0
         self._syncing = threading.Lock()
+        #: what restores and prefill cost, measured (:mod:`slotctl.serve.costs`); ``restore_policy`` "cost": a
+        #: restore only when predicted faster than the prefill it spares; "tokens": by ``--min-gain`` alone
+        self.costs = Costs(placed_free=bool(getattr(self.store, "same", False)))
+        self.by_cost = restore_policy == "cost"
+        #: why the store is not used now (None: it is): no lease held, or a request gave up on it (its work
+        #: still running: :meth:`stalled`)
+        self.lease_off: str | None = None
+        self._stalled = 0
+        self._off_said: str | None = None
         self.catalog(create=True)       # the stored states' tokens are kept there from the first listing
 
     # -- the server ------------------------------------------------------------------------------------
@@ -97,6 +166,49 @@ class Cache(ServerStates):
                 self._listed = 0.0
         return other
 
+    # -- the store's availability ----------------------------------------------------------------------
+
+    def unusable(self) -> str | None:
+        """Why the store is not to be used now (the request goes uncached), or None: no lease held (an
+        ``s3://`` store's: another serve may write it), the store known down (a request to it failed to
+        answer: tried again in the background), or a request that gave up on it whose work still runs."""
+        if self.lease_off is not None:
+            return self.lease_off
+        if self.where_s3():
+            from slotctl.store.s3 import known_down
+
+            down = known_down()
+            if down is not None:
+                return str(down)
+        if self._stalled:
+            return "the store did not answer within a request's time (its request still runs)"
+        return None
+
+    def where_s3(self) -> bool:
+        return self.store.where("").startswith("s3://")
+
+    def stall_begins(self) -> None:
+        """A request stopped waiting for its work on the store: the store is not used until it ends
+        (:meth:`stall_ends`)."""
+        with self._lock:
+            self._stalled += 1
+
+    def stall_ends(self) -> None:
+        with self._lock:
+            self._stalled -= 1
+
+    def said_off(self) -> None:
+        """The store's use said off or on again (a ``cache`` event) when that changed since last said."""
+        why = self.unusable()
+        if why == self._off_said or (why is not None and self._off_said is not None):
+            return
+        self._off_said = why
+        if why is not None:
+            self.log("cache", f"the cache is off: {why}: requests are sent uncached (the store is tried again in the "
+                              f"background)", state="off", reason=why)
+        else:
+            self.log("cache", "the cache is on again: the store answers", state="on")
+
     # -- the index -------------------------------------------------------------------------------------
 
     def sync_index(self, every: float = 2.0) -> None:
@@ -105,8 +217,12 @@ class Cache(ServerStates):
         identity the catalog knows is not read again (:class:`slotctl.catalog.Index`)."""
         if self.index is None or time.monotonic() - self._listed < every:
             return
-        with self._syncing:
+        if not self._syncing.acquire(blocking=False):
+            return      # another thread lists it: the index as it is (no thread waits on a store that stalls)
+        try:
             self._sync_index(every)
+        finally:
+            self._syncing.release()
 
     def index_fresh(self, every: float = 2.0) -> bool:
         """Whether the index was listed less than ``every`` seconds ago (or there is none to list)."""
@@ -202,30 +318,50 @@ class Cache(ServerStates):
 
     # -- the restore policy ----------------------------------------------------------------------------
 
-    def prepare(self, slot, tokens: np.ndarray, min_gain: int, key: str | None = None) -> int:
+    def prepare(self, slot, tokens: np.ndarray, min_gain: int, key: str | None = None,
+                gate: Gate | None = None) -> Prepared:
         """With ``slot`` held (a :class:`slotctl.serve.slots.Slot`), in a worker thread: restore the stored
-        state that keeps the most of the prompt ``tokens``, when its verdict for this server is ``restores``
-        and it keeps at least ``min_gain`` tokens more than the slot holds. A state another server's
-        ``-np``/``-kvu`` made is converted for this one first (:meth:`converted`) and the converted file judged
-        the same way; a conversion that fails leaves the request uncached. The prompt tokens the server is
-        predicted to reuse: the restored state's (its ``restored`` event's ``reuse``), else what the slot
-        already holds of the prompt."""
+        state that keeps the most of the prompt ``tokens``, when its verdict for this server is ``restores``,
+        it keeps at least ``min_gain`` tokens more than the slot holds, and the restore is predicted faster
+        than the prefill it spares (:meth:`slotctl.serve.costs.Costs.predict`; not measured yet: the token rule
+        alone). A state another server's ``-np``/``-kvu`` made is converted for this one first
+        (:meth:`converted`) and the converted file judged the same way; a conversion that fails leaves the
+        request uncached. Each request to the store is given :data:`STORE_STALL` seconds (past them the store
+        counts as down); ``gate``: the request may stop waiting before the restore is sent (:class:`Gate`),
+        and then nothing is sent. What it did: :class:`Prepared` (the prompt tokens the server is predicted
+        to reuse: the restored state's, its ``restored`` event's ``reuse``, else what the slot already holds)."""
         from slotctl.keeping.states import ConversionFailed
         from slotctl.serve.slots import SlotView
+        from slotctl.store.s3 import request_timeout
 
-        c = self.counters
         held = SlotView.held(slot, tokens)
+        own = "slot_hit" if held >= min_gain else "cold"
         if len(tokens) - held < min_gain:
-            return held
+            return Prepared(held, own)
+        if self.by_cost and self.costs.cheaper_than_any_restore(len(tokens) - held):
+            return Prepared(held, own)      # no state could pay: the store is not asked
+        try:
+            with request_timeout(STORE_STALL) if self.where_s3() else contextlib.nullcontext():
+                return self._prepare(slot, tokens, min_gain, key, gate, held, own, ConversionFailed)
+        except GaveUp:
+            return Prepared(held, "uncached")
+
+    def _prepare(self, slot, tokens, min_gain, key, gate, held, own, ConversionFailed) -> Prepared:
+        c = self.counters
         try:
             found = self.lookup(tokens)
         except Exception as e:  # noqa: BLE001 - the store down: uncached
             c.add("lookup_failures")
             self.log("error", f"the store cannot be read ({e}): the request goes uncached")
-            return held
+            return Prepared(held, "uncached")
         for state, common in found:
             if common - held < min_gain:
                 break
+            # predicted slower even if it kept every token it shares: not judged (a first verdict reads the model)
+            pred = self.costs.predict(n_request=len(tokens), held=held, kept=common, size=state.size)
+            if pred is not None and not pred.restore and self.by_cost:
+                self._prefilled(state, slot, pred, len(tokens), held, common)
+                return Prepared(held, "prefill", pred)
             judged = self.judge(state.name, slot.id)
             refused = self.why_not(judged)
             if refused is not None:
@@ -234,8 +370,12 @@ class Cache(ServerStates):
             gain = self.reuse(judged, state, common, len(tokens))
             if gain - held < min_gain:
                 continue
+            pred = self.costs.predict(n_request=len(tokens), held=held, kept=gain, size=state.size)
+            if pred is not None and not pred.restore and self.by_cost:
+                self._prefilled(state, slot, pred, len(tokens), held, gain)
+                return Prepared(held, "prefill", pred)
             if judged.restores:
-                return self._restore(slot, state, gain, held, len(tokens), key, judged=judged)
+                return self._restore(slot, state, gain, held, len(tokens), key, judged=judged, gate=gate, pred=pred)
             t0 = time.perf_counter()
             try:
                 with self.converted(state.name, slot.id, judged) as (placed, conv, sent):
@@ -247,13 +387,13 @@ class Cache(ServerStates):
                     if gain - held < min_gain:
                         continue
                     return self._restore(slot, state, gain, held, len(tokens), key, placed, conv.changes,
-                                         (time.perf_counter() - t0) * 1000, judged=sent)
+                                         (time.perf_counter() - t0) * 1000, judged=sent, gate=gate, pred=pred)
             except ConversionFailed as e:
                 c.add("conversion_failures")
                 self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id,
                          name=state.name)
-                return held
-        return held
+                return Prepared(held, "uncached")
+        return Prepared(held, own)
 
     def _refused(self, state: State, slot, verdict: str, reason: str | None, *, catalog: bool = False) -> None:
         self.counters.add("restores_refused_by_verdict")
@@ -263,31 +403,49 @@ class Cache(ServerStates):
                                if catalog else ""),
                  slot=slot.id, name=state.name, verdict=verdict, **({"catalog": True} if catalog else {}))
 
+    def _prefilled(self, state: State, slot, pred: Prediction, n_request: int, held: int, gain: int) -> None:
+        self.log("prefill", f"{state.name}: not restored into slot {slot.id}: the prefill of the {n_request - held:,} "
+                            f"tokens the slot does not hold is predicted {pred.prefill_ms:.0f} ms, the restore "
+                            f"{pred.restore_ms:.0f} ms (placing {pred.place_ms:.0f} ms, the server's read "
+                            f"{pred.read_ms:.0f} ms, then {n_request - gain:,} tokens)",
+                 slot=slot.id, name=state.name, size=state.size, reuse=gain, held=held, prediction=pred.as_dict())
+
     def _restore(self, slot, state: State, gain: int, held: int, n_request: int, key: str | None,
                  placed: str | None = None, changes: list[str] | None = None, convert_ms: float = 0.0, *,
-                 judged: Judged) -> int:
+                 judged: Judged, gate: Gate | None = None, pred: Prediction | None = None) -> Prepared:
         """``state`` restored into ``slot`` (``judged``: its verdict, ``restores``: sent only while the state has
-        the identity it was made on); ``gain``, the prompt tokens the request is predicted to keep."""
+        the identity it was made on; placed in the slot directory first, unless a conversion's file is
+        ``placed`` there); ``gain``, the prompt tokens the request is predicted to keep. Nothing is sent once the
+        request stopped waiting (``gate``: :class:`GaveUp`)."""
         from slotctl.serve.slots import EMPTY
 
         c = self.counters
-        slot.tokens = EMPTY         # whatever happens now, the slot's old tokens are gone
         t0 = time.perf_counter()
-        answer = self.restore(state.name, slot.id, placed=placed, identity=None if placed else judged.identity,
-                              api_key=key)
+        with (self.placed(state.name, judged.identity) if placed is None else contextlib.nullcontext(placed)) as there:
+            took = time.perf_counter() - t0
+            if placed is None and not self.costs.placed_free:
+                self.costs.placed(state.size, took)
+            if gate is not None and not gate.enter():
+                raise GaveUp
+            slot.tokens = EMPTY         # whatever happens now, the slot's old tokens are gone
+            answer = self.restore(state.name, slot.id, placed=there, api_key=key)
+        self.costs.restored(answer)
         slot.tokens = state.tokens
+        seconds = time.perf_counter() - t0
         c.add("restores")
         c.add("restored_tokens", gain)
         how = f" converted ({'; '.join(changes)}, {convert_ms:.0f} ms)" if changes else ""
         extra = {"converted": changes, "convert_ms": round(convert_ms, 3)} if changes else {}
         if judged.catalog:
             extra["catalog"] = True     # the verdict from the catalog: the state not opened to judge it
+        if pred is not None:
+            extra["prediction"] = pred.as_dict()
         self.log("restored", f"{state.name}{how} restored into slot {slot.id}: {answer.get('n_restored', 0):,} "
-                             f"tokens in {(time.perf_counter() - t0) * 1000:.0f} ms; the request keeps "
+                             f"tokens in {seconds * 1000:.0f} ms; the request keeps "
                              f"{gain:,} of its {n_request:,} (the slot held {held:,})",
                  slot=slot.id, name=state.name, n_restored=answer.get("n_restored"), reuse=gain, held=held,
-                 seconds=round(time.perf_counter() - t0, 6), **extra)
-        return gain
+                 seconds=round(seconds, 6), size=state.size, **extra)
+        return Prepared(gain, "restored", pred, seconds)
 
     # -- saving ----------------------------------------------------------------------------------------
 
@@ -311,21 +469,30 @@ class Cache(ServerStates):
             self.discard(work)
             raise
 
-    def store_saved(self, saved: Saved) -> None:
+    def store_saved(self, saved: Saved, began: float | None = None) -> None:
         """A checked save stored under its content's name (once: a state already stored, saved from this slot
         or another, is not stored again: :meth:`ServerStates.put_saved`), indexed, the store held under its
-        budget; the working file removed whatever happens."""
+        budget; the working file removed whatever happens. :class:`StoreOff` when the store is not to be used
+        now (:meth:`unusable`). ``began``: when the save began (``time.perf_counter()``), for the ``stored``
+        event's ``seconds``."""
+        began = time.perf_counter() if began is None else began
         name = saved.name
         try:
             if self.index is not None and self.index.holding(saved.tokens) is not None:
                 stored = False      # the same tokens, saved from another slot
             else:
+                why = self.unusable()
+                if why is not None:
+                    raise StoreOff(f"not stored: {why}")
+                t0 = time.perf_counter()
                 stored = self.put_saved(saved)
+                if stored and self.where_s3():
+                    self.costs.stored(saved.size, time.perf_counter() - t0)
             if stored:
                 self.counters.add("saves")
                 self.log("stored", f"slot {saved.slot}: stored as {self.store.where(name)} ({saved.size:,} bytes, "
                                    f"{len(saved.tokens):,} tokens)", slot=saved.slot, name=name, size=saved.size,
-                         n_tokens=len(saved.tokens))
+                         n_tokens=len(saved.tokens), seconds=round(time.perf_counter() - began, 6))
             else:
                 self.counters.add("saves_deduplicated")
             if self.index is not None:

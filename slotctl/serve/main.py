@@ -1,6 +1,12 @@
 """``slotctl serve``'s process: the cache and the proxy made, the event loop run until SIGTERM or SIGINT, in the
 shell keep runs in too (:class:`slotctl.unattended.shell.Shell`: one serve per server and store, ``/metrics``,
-``/livez`` and ``/readyz`` on an address of their own, systemd's ``NOTIFY_SOCKET`` protocol)."""
+``/livez`` and ``/readyz`` on an address of their own, systemd's ``NOTIFY_SOCKET`` protocol).
+
+serve is in its clients' path, so nothing of the store's stops it: a store that does not answer (or stalls), a
+lease it cannot take or renew (or that another serve took over), credentials the store refuses, all leave it
+proxying, uncached (:meth:`slotctl.serve.cache.Cache.unusable`), saying so (a ``cache`` event, ``/readyz``,
+``slotctl_serve_cache_available``); it writes nothing to the store while it holds no lease, tries the store
+again in the background (:data:`AGAIN`) and takes the lease back when it can."""
 
 from __future__ import annotations
 
@@ -14,18 +20,19 @@ from slotctl.errors import UsageError
 LOOP_STUCK = 30.0
 #: seconds between two beats of the event loop
 BEAT = 1.0
-#: seconds after which a store that stopped answering is tried again
-AGAIN = 10.0
+#: seconds after which a store that stopped answering is asked again (one ``HEAD``, in the background)
+AGAIN = 5.0
 
 
 def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host: str, port: int,
           max_size: int | None, min_gain: int, api_key: str | None, timeout: float, catalog: bool = True,
+          restore_policy: str = "cost",
           flags=None, given: frozenset[str] = frozenset(), emit, metrics_listen: str | None = None,
           lease: float | None = None) -> int:
     """Run the proxy (see :mod:`slotctl.serve.proxy`); ``emit(event, message, details)`` gets every event,
     the first one ``listening`` with the address; ``flags`` / ``given``: the server's flags it does not report
-    (``-kvu``, ``-ctk``, ``-ctv``, :class:`~slotctl.serve.cache.Cache`). 0 once stopped by SIGTERM or SIGINT;
-    2 when the lock (an ``s3://`` store's lease) was lost."""
+    (``-kvu``, ``-ctk``, ``-ctv``, :class:`~slotctl.serve.cache.Cache`). 0 once stopped by SIGTERM or SIGINT
+    (a lease lost does not stop serve: it goes on uncached)."""
     try:
         import aiohttp  # noqa: F401 - the [serve] extra
     except ImportError:
@@ -36,6 +43,7 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
     from slotctl.live.http import redact
     from slotctl.serve.cache import Cache
     from slotctl.serve.proxy import Proxy, run
+    from slotctl.unattended.metrics import StoreProbe
     from slotctl.unattended.shell import Shell, count_store
 
     metrics = None
@@ -48,17 +56,32 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
         emit(event, message, details)
 
     cache = Cache(upstream, slot_dir, store, api_key=api_key, max_size=max_size, timeout=timeout, catalog=catalog,
-                  log=log, flags=flags, given=given)
+                  log=log, flags=flags, given=given, restore_policy=restore_policy)
     where = os.fspath(store if store is not None else slot_dir)
-    # the store does not answer: serve serves all the same (uncached while the store fails), and takes the lease
-    # once the store answers (a serve already holding it then: this one stops, exit 2)
+    probe = StoreProbe(where)
+    # the store does not answer: serve serves all the same (uncached while it holds no lease), and takes the lease
+    # once the store answers
     shell = Shell("serve", where, cache.url, ttl=lease, log=log)
     shell.lock(wait_for_store=True)
     beat = [time.monotonic()]
 
+    def lease_lost(e: Exception) -> None:
+        """The lease lost (not renewed in time, taken over), or not taken back yet: uncached, taken back when
+        the store lets it (said once per loss)."""
+        shell.lost.clear()          # not serve's end: /livez stays up
+        shell.held = None
+        if cache.lease_off is None:
+            cache.lease_off = f"no lease ({e})"
+            log("error", f"{e}: serve goes on uncached and takes the lease back when it can",
+                code=getattr(e, "code", "lease_lost"))
+            cache.said_off()
+        shell.take_later(lease_lost, lease_taken)
+
+    def lease_taken() -> None:
+        cache.lease_off = None
+        cache.said_off()
+
     def alive() -> tuple[bool, str]:
-        if shell.lost:
-            return False, f"the lock is lost: {shell.lost[0]}"
         age = time.monotonic() - beat[0]
         return age <= LOOP_STUCK, f"the event loop's last beat {age:.1f} s ago (limit {LOOP_STUCK:g} s)"
 
@@ -66,29 +89,28 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         shell.on_signals(stop.set, loop=loop)
-
-        def on_lost(_e: Exception) -> None:
-            loop.call_soon_threadsafe(lambda: (shell.stopping(), stop.set()))
-
-        shell.keep_lease(on_lost)
-        # each request given a slot counted: the prompt tokens predicted reused and evaluated (Cache.prepare's)
-        proxy = Proxy(cache, min_gain=min_gain, log=log, on_prompt=metrics.prompt if metrics is not None else None)
+        shell.keep_lease(lease_lost)
+        proxy = Proxy(cache, min_gain=min_gain, log=log, metrics=metrics)
 
         async def beating() -> None:
             tried = time.monotonic()
             while not stop.is_set():
                 beat[0] = time.monotonic()
-                if beat[0] - tried >= AGAIN:
-                    # a store that stopped answering refuses every later request at once (slotctl.store.s3):
-                    # the next request tries it again, as keep does at each look
-                    cache.store.again()
-                    tried = beat[0]
+                if beat[0] - tried >= AGAIN and cache.where_s3():
+                    from slotctl.store.s3 import known_down
+
+                    if known_down() is not None:
+                        # a store that stopped answering is refused at once by every request; asked again here
+                        # (one HEAD, in a thread: StoreProbe), and used again once it answers
+                        tried = beat[0]
+                        await asyncio.to_thread(probe)
+                cache.said_off()
                 try:
                     await asyncio.wait_for(stop.wait(), BEAT)
                 except asyncio.TimeoutError:
                     pass
 
-        beats = loop.create_task(beating())
+        beats: list[asyncio.Task] = []
 
         def ready(h: str, p: int) -> None:
             endpoint = shell.endpoint
@@ -98,33 +120,32 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
                                                  if endpoint is not None else ""),
                 listen=f"{h}:{p}", port=p, upstream=redact(cache.url), store=str(cache.store), **extra)
             if shell.held is None:
-                log("error", f"{shell.unlocked}: serve runs without its lease (a second serve of this server and "
-                             f"store is not refused meanwhile); it takes the lease once the store answers",
+                cache.lease_off = f"no lease ({shell.unlocked})"
+                log("error", f"{shell.unlocked}: serve runs without its lease, uncached (a second serve of this "
+                             f"server and store is not refused meanwhile); it takes the lease once the store answers",
                     code=getattr(shell.unlocked, "code", "store_error"))
-                shell.take_later(on_lost)
+                cache.said_off()
+                shell.take_later(lease_lost, lease_taken)
             shell.ready(f"serving {redact(cache.url)} on http://{h}:{p} (store {cache.store})")
+            beats.append(loop.create_task(beating()))       # its events after the first, listening
 
         try:
             await run(proxy, host, port, ready=ready, stop=stop)
         except OSError as e:
             raise UsageError(f"--listen {host}:{port}: {e.strerror or e}", code="listen_failed") from None
         finally:
-            beats.cancel()
-        if shell.lost:
-            log("error", str(shell.lost[0]), code=getattr(shell.lost[0], "code", "lease_lost"))
-            log("stop", "stopped: the lock is lost (another serve may be writing)", counters=cache.counters.as_dict())
-        else:
-            log("stop", "stopped", counters=cache.counters.as_dict())
+            for b in beats:
+                b.cancel()
+        log("stop", "stopped", counters=cache.counters.as_dict())
 
     with shell:
         if metrics_listen:
-            from slotctl.unattended.metrics import ServeMetrics, StoreProbe
+            from slotctl.unattended.metrics import ServeMetrics
 
-            metrics = ServeMetrics(redact(cache.url), cache.counters)
+            metrics = ServeMetrics(redact(cache.url), cache.counters, cache.unusable)
             count_store(metrics, cache.store)
-            probe = StoreProbe(where)
             shell.serve_metrics(metrics_listen, metrics.exposition, lambda: metrics.ready(probe), alive,
                                 option="--metrics-listen")
         shell.arm_watchdog(lambda: alive()[0])
         asyncio.run(main())
-    return 2 if shell.lost else 0
+    return 0

@@ -9,29 +9,35 @@ each slot holds: ``GET /slots`` is asked only when a connection to the server wa
 asked, and once a second in the background), the stored state that pays restored into it
 (:meth:`slotctl.serve.cache.Cache.prepare`), and goes with ``id_slot`` and ``cache_prompt``; after a whole
 answer, the slot is saved into the store before another request may use it
-(:meth:`Proxy._save_then_release`). Whatever fails in the cache, the request goes on uncached; only an
-upstream that does not answer is an error (502, JSON).
+(:meth:`Proxy._save_then_release`). A request waits for the first slot that frees, as the server's own
+deferred tasks do (:meth:`slotctl.serve.slots.SlotView.take`). Whatever fails in the cache, the request goes
+on uncached, and a store that does not answer within the request's time (the prefill a restore would
+spare: the server's time, never the store's) is left to itself and not asked again until it answers; only
+an upstream that does not answer is an error (502, JSON, in serve's own words).
 
 Only the relay of client traffic goes through aiohttp. serve's own small requests (``GET /slots``,
 ``/health``, ``POST /tokenize``, ``/apply-template``, the slot's save) go through slotctl's one HTTP client
 (:mod:`slotctl.live.http`: no redirect followed, answers bounded and checked, deadlines, the proxy environment,
-the key never logged), in worker threads.
+the key never logged), in worker threads, on connections kept open (one :class:`slotctl.live.http.Pool`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 
 import numpy as np
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, TraceConfig, web
+from aiohttp import (ClientConnectionError, ClientConnectorError, ClientError, ClientSession, ClientTimeout,
+                     ServerDisconnectedError, TCPConnector, TraceConfig, web)
 from yarl import URL
 
 from slotctl.live import http
-from slotctl.serve.cache import Cache
+from slotctl.serve.cache import Cache, Gate, Prepared, StoreOff
 from slotctl.serve.index import as_tokens, common_prefix
-from slotctl.serve.slots import EMPTY, UNKNOWN, Slot, SlotView
+from slotctl.serve.relayed import Tail
+from slotctl.serve.slots import EMPTY, REQUEST, SAVE, UNKNOWN, Slot, SlotView
 from slotctl.server.requests import COMPLETION_PATHS, TOKENIZE_FLAGS, prompt_form
 
 #: headers of one connection only (RFC 9110 7.6.1), never passed on; Host and Content-Length are set anew
@@ -46,19 +52,73 @@ SMALL_TIMEOUT = 30.0
 #: tokens at the end of a prompt text that may be tokenized otherwise once more text follows it (the last
 #: word, number or run of spaces: tokenizers split text into such pieces and merge only within one)
 MARGIN = 8
+#: seconds a request waits for the store's side of a restore (its lookup, verdict, download) from an ``s3://``
+#: store at least: the prefill the restore would spare when longer (the server's time). A first verdict on a
+#: state reads the model's GGUF (a few hundred ms with a small model, more on a loaded machine), which this
+#: leaves room for; a store that stalls costs one request this much, and the next ones nothing (the store is
+#: not asked again until it answers). A directory store is the machine's own disk: waited for
+STORE_WAIT = 2.0
+#: the same before the server's prefill speed is measured (serve's first requests): a request to the store that
+#: takes longer than :data:`slotctl.serve.cache.STORE_STALL` makes it count as down whatever this is
+STORE_WAIT_UNMEASURED = 10.0
+#: seconds a returning turn sent by its text waits for the store's listing (else its tokens are asked for)
+LISTING_WAIT = 0.25
+#: seconds serve reads on from the server after the client went away at the end of an answer (its last bytes)
+DRAIN = 10.0
+#: worker threads for the store's side of requests (apart from serve's small requests, so that a store that
+#: stalls never holds them up)
+STORE_THREADS = 4
+
+
+class Relayed:
+    """An answer passed on (:meth:`Proxy.forward`): the response, whether the server completed it with status
+    200 (``completed``: its slot holds the whole exchange, whether or not the client read it to its end), and
+    the server's ``timings`` of it (:class:`slotctl.serve.relayed.Tail`)."""
+
+    __slots__ = ("response", "completed", "timings")
+
+    def __init__(self, response: web.StreamResponse, completed: bool = False, timings: dict | None = None):
+        self.response, self.completed, self.timings = response, completed, timings
+
+
+def unavailable(message: str, status: int = 502) -> web.Response:
+    """serve's own error answer, in the server's shape."""
+    return web.json_response({"error": {"code": status, "type": "unavailable_error",
+                                        "message": f"slotctl serve: {message}"}}, status=status)
+
+
+def why_not_answered(e: BaseException) -> str:
+    """Why the server did not answer, in serve's words (never aiohttp's internals)."""
+    if isinstance(e, ClientConnectorError):
+        err = e.os_error
+        if isinstance(err, ConnectionRefusedError):
+            return "connection refused (is llama-server running there?)"
+        if isinstance(err, (TimeoutError, asyncio.TimeoutError)):
+            return "no connection within 10 s"
+        return f"cannot connect ({err.strerror or type(err).__name__})" if isinstance(err, OSError) and err.strerror \
+            else "cannot connect"
+    if isinstance(e, ServerDisconnectedError):
+        return "the server closed the connection without answering"
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+        return "no answer in time"
+    if isinstance(e, ClientConnectionError):
+        return "the connection to the server failed"
+    if isinstance(e, ClientError):
+        return "not a valid HTTP answer"
+    if isinstance(e, OSError):
+        return f"cannot connect ({e.strerror})" if e.strerror else "cannot connect"
+    return "the request to the server failed"
 
 
 class Proxy:
     """The proxy for ``cache``'s server. ``min_gain``: a stored state is restored only when it keeps at
-    least this many more prompt tokens than the slot already holds."""
+    least this many more prompt tokens than the slot already holds. ``metrics``: serve's metrics
+    (:class:`slotctl.unattended.metrics.ServeMetrics`, or None), told what each request did."""
 
     def __init__(self, cache: Cache, *, min_gain: int = 16, facts_every: float = 5.0, check_every: float = 1.0,
-                 log=None, on_prompt=None):
+                 log=None, metrics=None):
         self.cache = cache
-        #: ``on_prompt(reused, evaluated)`` once per request given a slot: the prompt tokens :meth:`prepare`
-        #: predicts the server reuses (the restored state's, else the slot's own prefix; 0 when the restore
-        #: failed) and evaluates (serve's metrics)
-        self.on_prompt = on_prompt
+        self.metrics = metrics
         self.base = cache.url
         self.min_gain = min_gain
         self.facts_every = facts_every
@@ -66,10 +126,15 @@ class Proxy:
         self.log = log or cache.log
         #: serve's view of the slots (what each holds: every request goes through serve), and its choices
         self.view = SlotView(min_gain)
-        #: serve's last small request made a connection of its own (the client keeps none alive: the next would too)
+        #: serve's own small requests' connections, kept open (shared by its worker threads)
+        self.pool = http.Pool()
+        cache.pool = self.pool
+        #: serve's last small request made a connection of its own (a kept one was not there: the next
+        #: small request may find the server restarted)
         self._fresh = True
         self._learning = asyncio.Lock()   # held while the server's -kvu/-ctk/-ctv are learnt (:meth:`probe_when_due`)
         self.session: ClientSession | None = None
+        self._store_threads = concurrent.futures.ThreadPoolExecutor(STORE_THREADS, "slotctl-serve-store")
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
 
@@ -95,15 +160,20 @@ class Proxy:
 
     async def _small(self, fn, *args, **kwargs):
         """One of serve's own requests to the server (``fn``, of :mod:`slotctl.live.http` or the cache) in a
-        worker thread; a connection it had to make counts as one the relay makes (:meth:`SlotView.connected`:
-        it may be a restarted server's)."""
-        made = http.connections_made(self.base)
+        worker thread, on a connection of the pool; a connection it had to make counts as one the relay makes
+        (:meth:`SlotView.connected`: it may be a restarted server's)."""
+        made = self.pool.made
         try:
             return await asyncio.to_thread(fn, *args, **kwargs)
         finally:
-            self._fresh = http.connections_made(self.base) != made
+            self._fresh = self.pool.made != made
             if self._fresh:
                 self.view.connected()
+
+    async def _on_store(self, fn, *args):
+        """``fn(*args)``, work on the store's side (a lookup, a restore, a save stored), in a worker thread of its
+        own pool: a store that stalls holds those threads, never the ones of serve's small requests."""
+        return await asyncio.get_running_loop().run_in_executor(self._store_threads, fn, *args)
 
     async def begin(self) -> None:
         """Once listening: the server's facts read (until then completions pass through uncached), then
@@ -120,6 +190,8 @@ class Proxy:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.session.close()
+        self.pool.close()
+        self._store_threads.shutdown(wait=False)
 
     def _spawn(self, coro, name: str = "task") -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro, name=name)
@@ -129,7 +201,7 @@ class Proxy:
 
     async def _refresh_facts(self, key: str | None = None) -> None:
         try:
-            await asyncio.to_thread(self.cache.refresh_facts, key)
+            await self._small(self.cache.refresh_facts, key)
         except Exception as e:  # noqa: BLE001 - the server down or not a llama-server: pass through meanwhile
             if self.cache.facts is not None or not getattr(self, "_said_down", False):
                 self.log("down", f"the server's facts cannot be read ({e}): requests pass through uncached")
@@ -155,7 +227,7 @@ class Proxy:
                 return
             if read_facts:
                 try:
-                    await asyncio.to_thread(self.cache.refresh_facts, key)
+                    await self._small(self.cache.refresh_facts, key)
                 except Exception:  # noqa: BLE001 - down again: the facts loop says so; learnt when it is back
                     return
             if not self.view.trusted and not await self.check_slots(key):
@@ -163,7 +235,6 @@ class Proxy:
             slot = self.view.for_probe()
             if slot is None:
                 return
-            await slot.lock.acquire()
             try:
                 await self._small(self.cache.probe, slot.id, key)
             except Exception as e:  # noqa: BLE001 - not learnt: judged with the flags given, as before
@@ -182,7 +253,7 @@ class Proxy:
 
     async def _check_loop(self) -> None:
         """Every ``check_every`` seconds, off the request path: the slots read again (a change serve did not
-        make: another client, a restart)."""
+        make: another client, a restart, fewer slots)."""
         while not self._stop.is_set():
             try:
                 await asyncio.wait_for(self._stop.wait(), self.check_every)
@@ -196,7 +267,7 @@ class Proxy:
         the server's flags due); False when it cannot be read (the view is then lost: every slot taken as
         holding nothing; not when a key is wanted, a client's in the background: unknown)."""
         try:
-            entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT)
+            entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT, pool=self.pool)
         except http.ServerAuthError:
             return False
         except Exception:  # noqa: BLE001 - the server down or restarting
@@ -215,20 +286,20 @@ class Proxy:
             raise
         except Exception as e:  # noqa: BLE001 - a bug of serve's: one line, never a traceback
             self.log("error", f"{request.method} {request.path}: {type(e).__name__}: {e}")
-            raise web.HTTPBadGateway(text=json.dumps({"error": {"code": 502, "type": "unavailable_error",
-                                                                "message": f"slotctl serve: {e}"}}),
-                                     content_type="application/json") from None
+            return unavailable(f"the request could not be handled ({type(e).__name__}; serve's log says more)")
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         c = self.cache.counters
         c.add("requests")
         if request.method == "GET" and request.path == STATS_PATH:
             return web.json_response({"counters": c.as_dict(), "model": self.cache.model,
-                                      "states": len(self.cache.index.states) if self.cache.index else 0})
+                                      "states": len(self.cache.index.states) if self.cache.index else 0,
+                                      "costs": self.cache.costs.known(), "cache": self.cache.unusable() or "on",
+                                      "slots": self.view.ids()})
         form = COMPLETION_PATHS.get(self._route(request.path)) if request.method == "POST" else None
         if form is None:
             c.add("passed_through")
-            return (await self.forward(request, request.content if request.body_exists else None))[0]
+            return (await self.forward(request, request.content if request.body_exists else None)).response
         raw = await request.read()
         return await self.completion(request, raw, form)
 
@@ -248,20 +319,23 @@ class Proxy:
     def _headers(request: web.Request) -> list[tuple[str, str]]:
         return [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
 
-    async def forward(self, request: web.Request, data, headers=None) -> tuple[web.StreamResponse, bool]:
-        """``request`` sent upstream with the body ``data`` (bytes or a stream) and the answer streamed back.
-        (the response, whether it came whole with status 200)."""
+    async def forward(self, request: web.Request, data, headers=None) -> Relayed:
+        """``request`` sent upstream with the body ``data`` (bytes or a stream) and the answer streamed back
+        (:class:`Relayed`). A client that goes away before the answer's end: serve reads on, for at most
+        :data:`DRAIN` seconds, only when what it passed on already ends the server's work
+        (:meth:`slotctl.serve.relayed.Tail.final`: the client closed after the last event, as the ``openai`` SDK
+        does); else it closes its request to the server, which stops the task and frees the slot."""
         try:
             up = await self.session.request(request.method, self._target(request),
                                             headers=headers if headers is not None else self._headers(request),
                                             data=data, allow_redirects=False)
         except (ClientError, OSError, asyncio.TimeoutError) as e:
             self.cache.counters.add("upstream_errors")
-            self.log("upstream", f"{request.method} {request.path}: the server does not answer: {e}")
-            return web.json_response({"error": {"code": 502, "type": "unavailable_error",
-                                                "message": f"slotctl serve: the server {self.base} does not "
-                                                           f"answer: {e or type(e).__name__}"}}, status=502), False
+            why = why_not_answered(e)
+            self.log("upstream", f"{request.method} {request.path}: the server does not answer: {why}")
+            return Relayed(unavailable(f"the server {self.base} does not answer: {why}"))
         whole = False
+        tail = Tail(up.headers.get("Content-Type"))
         resp = web.StreamResponse(status=up.status, reason=up.reason)
         try:
             for k, v in up.headers.items():
@@ -271,32 +345,52 @@ class Proxy:
                 resp.content_length = up.content_length
             await resp.prepare(request)
             async for chunk in up.content.iter_any():
+                tail.feed(chunk)
                 await resp.write(chunk)
             await resp.write_eof()
             whole = True
-            return resp, up.status == 200
+            return Relayed(resp, up.status == 200, tail.timings())
         except ConnectionResetError:
+            if up.status == 200 and tail.final() and await self._drain(up, tail):
+                whole = True    # the server's work is done, and the slot holds it: saved as any other
+                return Relayed(resp, True, tail.timings())
             # the client went away: the answer is left unfinished (aiohttp's own end of it fails quietly)
             self.cache.counters.add("client_disconnects")
             self.log("disconnect", f"{request.method} {request.path}: the client went away: the request to the "
                                    f"server is closed")
-            return resp, False
+            return Relayed(resp)
         except (ClientError, asyncio.TimeoutError) as e:
             # the server went away mid-answer: the client's connection is closed, never ended as if whole
             self.cache.counters.add("upstream_errors")
-            self.log("upstream", f"{request.method} {request.path}: the server's answer broke off: {e}")
+            self.log("upstream", f"{request.method} {request.path}: the server's answer broke off: "
+                                 f"{why_not_answered(e)}")
             if request.transport is not None:
                 request.transport.close()
-            return resp, False
+            return Relayed(resp)
         finally:
             if whole:
                 up.release()
             else:
                 up.close()      # the server sees the connection close and stops the task: the slot is freed
 
+    @staticmethod
+    async def _drain(up, tail: Tail) -> bool:
+        """The rest of an answer the client stopped reading after its last event, read (and kept in ``tail``)
+        to its end within :data:`DRAIN` seconds; False when it did not end."""
+        async def rest() -> None:
+            async for chunk in up.content.iter_any():
+                tail.feed(chunk)
+
+        try:
+            await asyncio.wait_for(rest(), DRAIN)
+        except (ClientError, asyncio.TimeoutError):
+            return False
+        return True
+
     # -- completions -----------------------------------------------------------------------------------
 
     async def completion(self, request: web.Request, raw: bytes, form: str) -> web.StreamResponse:
+        began = time.monotonic()
         c = self.cache.counters
         try:
             body = json.loads(raw)
@@ -307,141 +401,223 @@ class Proxy:
             await self._refresh_facts(key)   # not read yet (serve just started, the server was down, a key needed)
         if (not isinstance(body, dict) or self.cache.facts is None or body.get("cache_prompt") is False
                 or not self._slot_id_ok(body.get("id_slot"))):
-            c.add("passed_through")
-            return (await self.forward(request, raw))[0]
+            return await self._through(request, raw)
         # serve's view of the slots is read again (GET /slots) only when a connection to the server was made
         # since it was last read (serve's first request, a restarted server): at the same time as the prompt's
         # tokens are asked for when that is known before; after, when asking for them took a new connection.
         # A prompt of tokens asks the server nothing: GET /health is asked instead, for its connection.
         check = None if self.view.trusted else asyncio.ensure_future(self.check_slots(key))
         text = slot = tokens = None
+        waited = 0.0
         try:
             prompt = await self.prompt_of(body, form, key)
             text = prompt if isinstance(prompt, str) else None
             if text is not None and (check is None or await check):
-                slot = await self.by_text(text, body.get("id_slot"), form, key)    # no /tokenize before the request
+                slot, waited = await self.by_text(text, body.get("id_slot"), form, key)   # no /tokenize first
             if slot is None:
                 tokens = await self.tokens_of(prompt, key)
         except Exception as e:  # noqa: BLE001 - the cache never fails a request
             c.add("lookup_failures")
             self.log("error", f"{request.path}: the prompt's tokens cannot be had ({e}): passed through uncached")
         if slot is not None:
-            return await self.send(request, body, slot, key, None, text)
+            return await self.send(request, body, slot, key, None, text, began, waited)
         if check is not None:
             await check
         if tokens is None or len(tokens) == 0:
-            c.add("passed_through")
-            return (await self.forward(request, raw))[0]
+            return await self._through(request, raw)
         if check is None and form != "chat" and prompt_form(body.get("prompt")) == "tokens":
             await self._health(key)
         if not self.view.trusted and not await self.check_slots(key):
             self.log("error", "GET /slots cannot be read: the request passes through uncached")
-            c.add("passed_through")
-            return (await self.forward(request, raw))[0]
-        slot = self.view.choose(tokens, body.get("id_slot"))
+            return await self._through(request, raw)
+        t0 = time.monotonic()
+        slot = await self.view.take(tokens, body.get("id_slot"))    # the first slot that frees, as the server's
+        waited = time.monotonic() - t0
         if slot is None:
-            c.add("passed_through")
-            return (await self.forward(request, raw))[0]
-        return await self.send(request, body, slot, key, tokens, text)
+            return await self._through(request, raw)
+        return await self.send(request, body, slot, key, tokens, text, began, waited)
+
+    async def _through(self, request: web.Request, raw: bytes) -> web.StreamResponse:
+        self.cache.counters.add("passed_through")
+        self._outcome("passed_through")
+        return (await self.forward(request, raw)).response
+
+    def _outcome(self, outcome: str) -> None:
+        if outcome != "passed_through":
+            self.cache.counters.add(outcome)
+        if self.metrics is not None:
+            self.metrics.outcome(outcome)
 
     async def send(self, request: web.Request, body: dict, slot: Slot, key: str | None, tokens: np.ndarray | None,
-                   text: str | None) -> web.StreamResponse:
-        """The request sent into ``slot`` (its ``pending`` counted), the slot held until its save: prepared
-        first (:meth:`Cache.prepare`) when the prompt's ``tokens`` are known; None: a prompt ``text`` that
-        begins with the slot's own (:meth:`by_text`), its tokens asked for once the answer was passed on."""
+                   text: str | None, began: float, waited: float) -> web.StreamResponse:
+        """The request sent into ``slot`` (held for it), the slot held until its save: prepared first
+        (:meth:`_prepare`) when the prompt's ``tokens`` are known; None: a prompt ``text`` that begins with the
+        slot's own (:meth:`by_text`), its tokens asked for once the answer was passed on. ``began``: when
+        serve had the request; ``waited``: the seconds it waited for its slot (the server alone would have
+        too), the rest of what passed until it goes is what serve added."""
         c = self.cache.counters
         c.add("cached")
         handed = False
         try:
-            await slot.lock.acquire()
-        except BaseException:
-            slot.pending -= 1
-            raise
-        try:
-            before = slot.tokens
+            before, prompt_before = slot.tokens, slot.prompt
             if tokens is not None:
-                reused = 0
-                if self.cache.learn_due and self.view.may_restore(slot, tokens):
-                    await self.probe_when_due(key, read_facts=True)  # the server's flags learnt before it is judged
-                try:
-                    if self.view.may_restore(slot, tokens):     # looked up, judged and restored in a worker thread
-                        reused = await asyncio.to_thread(self.cache.prepare, slot, tokens, self.min_gain, key)
-                    else:
-                        reused = self.view.held(slot, tokens)   # nothing to look up
-                except Exception as e:  # noqa: BLE001 - a restore that fails: the request goes uncached
-                    c.add("restore_failures")
-                    slot.tokens = EMPTY
-                    self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id)
-                if self.on_prompt is not None:
-                    self.on_prompt(reused, len(tokens) - reused)
+                prepared = await self._prepare(slot, tokens, key)
+                if self.metrics is not None:
+                    self.metrics.prompt(prepared.reused, len(tokens) - prepared.reused)
             else:
                 c.add("matched_by_text")
+                prepared = Prepared(0, "slot_hit")
+            self._outcome(prepared.outcome)
             data = json.dumps(dict(body, id_slot=slot.id, cache_prompt=True)).encode()
-            resp, ok = await self.forward(request, data, self._headers(request))
+            if self.metrics is not None:
+                self.metrics.added_time_to_first_token(max(0.0, time.monotonic() - began - waited))
+            relayed = await self.forward(request, data, self._headers(request))
             slot.used = time.monotonic()
-            if ok:
+            self._measured(relayed, prepared, slot)
+            if relayed.completed:
                 # the save is asked once the answer was passed on, not while its last bytes are on their way
                 # (the save's worker thread then held them back by a few milliseconds, measured)
                 slot.sig = UNKNOWN
                 if tokens is not None:
                     slot.sent(tokens, text, tokens)
-                    self._spawn(self._save_then_release(slot, key), name=f"save-{slot.id}")
-                else:
-                    slot.tokens = EMPTY
-                    self._spawn(self._save_then_release(slot, key, text, before), name=f"save-{slot.id}")
+                    learnt = None
+                else:       # its own text kept (its next turn finds the slot), its tokens asked for meanwhile
+                    slot.sent(before, text, prompt_before)
+                    learnt = asyncio.ensure_future(self._tokens_sent(slot, text, before, key))
+                self.view.hold(slot, SAVE)
+                self._spawn(self._save_then_release(slot, key, learnt), name=f"save-{slot.id}")
                 handed = True
             else:
                 slot.forget()     # a broken answer: what the slot holds is not known
-            return resp
+            return relayed.response
         finally:
             if not handed:
                 self.view.release(slot)
 
+    async def _prepare(self, slot: Slot, tokens: np.ndarray, key: str | None) -> Prepared:
+        """The restore for a request (:meth:`Cache.prepare`) when one could pay and the store can be used: its
+        store side (an ``s3://`` store's) waited for no longer than the prefill the restore would spare (the
+        server's time: at least :data:`STORE_WAIT`), then the request goes uncached and the store is left alone
+        until that work ends (:meth:`Cache.stall_begins`)."""
+        c = self.cache.counters
+        held = self.view.held(slot, tokens)
+        own = Prepared(held, "slot_hit" if held >= self.min_gain else "cold")
+        if not self.view.may_restore(slot, tokens):
+            return own
+        if self.cache.learn_due:
+            await self.probe_when_due(key, read_facts=True)  # the server's flags learnt before it is judged
+        off = self.cache.unusable()
+        self.cache.said_off()
+        if off is not None:
+            return own if own.outcome == "slot_hit" else Prepared(held, "uncached")
+        spare = self.cache.costs.prefill_ms(len(tokens) - held)
+        wait = STORE_WAIT_UNMEASURED if spare is None else max(STORE_WAIT, spare / 1000.0)
+        if not self.cache.where_s3():
+            wait = None     # the machine's own disk
+        gate = Gate()
+        work = asyncio.ensure_future(self._on_store(self.cache.prepare, slot, tokens, self.min_gain, key, gate))
+        try:
+            done, _ = await asyncio.wait({work}, timeout=wait)
+            if not done and gate.give_up():
+                self._stalled(work, wait)
+                return Prepared(held, "uncached")
+            return await work       # done, or the restore sent to the server: the server's time now
+        except Exception as e:  # noqa: BLE001 - a restore that fails: the request goes uncached
+            c.add("restore_failures")
+            slot.tokens = EMPTY
+            self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id)
+            return Prepared(0, "uncached")
+
+    def _stalled(self, work: asyncio.Future, wait: float) -> None:
+        """A request stopped waiting for the store's side of its restore after ``wait`` seconds: the store is not
+        used until that work ends (said once, a ``cache`` event)."""
+        self.cache.counters.add("lookup_failures")
+        self.cache.stall_begins()
+        self.log("error", f"the store did not answer within {wait * 1000:.0f} ms (the prefill a restore would spare, "
+                          f"at least {STORE_WAIT:g} s): the request goes uncached", code="store_stalled")
+        self.cache.said_off()
+
+        def ended(_f) -> None:
+            self.cache.stall_ends()
+            if not _f.cancelled():
+                _f.exception()      # retrieved: said already
+            self.cache.said_off()
+
+        work.add_done_callback(ended)
+
+    def _measured(self, relayed: Relayed, prepared: Prepared, slot: Slot) -> None:
+        """The server's timings of an answer taken (its prefill speed), and a restore-or-prefill choice's
+        outcome said (an ``outcome`` event: what was predicted, what the server's timings and the restore
+        measured)."""
+        timings = relayed.timings
+        self.cache.costs.prefilled(timings)
+        pred = prepared.prediction
+        if pred is None or not timings or not isinstance(timings.get("prompt_ms"), (int, float)):
+            return
+        restore_ms = (prepared.seconds or 0.0) * 1000.0
+        measured = timings["prompt_ms"] + restore_ms
+        chose = "restore" if prepared.outcome == "restored" else "prefill"
+        predicted = pred.restore_ms if chose == "restore" else pred.prefill_ms
+        self.log("outcome", f"slot {slot.id}: {'restored' if chose == 'restore' else 'prefill'}: predicted "
+                            f"{predicted:.0f} ms, measured {measured:.0f} ms (the server's prompt "
+                            f"{timings['prompt_ms']:.0f} ms for {timings.get('prompt_n', 0):.0f} tokens"
+                            + (f", the restore {restore_ms:.0f} ms" if prepared.outcome == "restored" else "") + ")",
+                 slot=slot.id, chose=chose, predicted_ms=round(predicted, 3),
+                 measured_ms=round(measured, 3), prompt_n=timings.get("prompt_n"), prediction=pred.as_dict())
+        if self.metrics is not None:
+            self.metrics.predicted(chose, predicted / 1000.0, measured / 1000.0)
+
     async def _health(self, key: str | None) -> None:
         """``GET /health``, for its connection (:meth:`_small`): one kept alive shows the server is the one the
-        view describes. Loading or down, or when serve's last small request had to make a connection of its
-        own (then this one would too, and tell nothing: ``GET /slots`` is read instead), the view is read
-        again first."""
-        if self._fresh:
-            self.view.distrust()
-            return
+        view describes. Loading or down, or when it had to make a connection (a kept one was not there: the
+        server may have restarted), the view is read again first."""
         try:
-            await self._small(http.get_health, self.base, api_key=key, timeout=SMALL_TIMEOUT)
+            await self._small(http.get_health, self.base, api_key=key, timeout=SMALL_TIMEOUT, pool=self.pool)
         except Exception:  # noqa: BLE001 - loading or down: GET /slots says which
             self.view.distrust()
 
     async def _same_server(self, form: str, key: str | None) -> bool:
         """Whether serve's view of the slots still holds once a request has gone to the server (a chat's
         ``/apply-template`` went; else ``GET /health``). One that had to make a connection may have reached a
-        restarted server (or the server closed an idle one: cpp-httplib does after a few seconds): the slots
-        are read again first (``GET /slots``, :meth:`SlotView.apply`: a restart, or a slot changed by another
-        client, takes the slots' text away)."""
+        restarted server (or the server closed an idle one: cpp-httplib does after 5 s): the slots are read
+        again first (``GET /slots``, :meth:`SlotView.apply`: a restart, or a slot changed by another client,
+        takes the slots' text away)."""
         if form != "chat":
             await self._health(key)
         if not self.view.trusted:
             await self.check_slots(key)
         return self.view.trusted
 
-    async def by_text(self, text: str, want, form: str, key: str | None) -> Slot | None:
-        """The slot for a prompt ``text`` without asking the server for its tokens (its ``pending`` counted):
-        the idle slot whose own prompt text (:attr:`Slot.text`) ``text`` begins with, the longest such
-        (``want``'s alone when given: :meth:`SlotView.by_text`), when no stored state could keep ``min_gain``
-        tokens more of the request than the slot holds (:meth:`Cache.may_beat`: such a state would begin with
-        the slot's prompt tokens but their last :data:`MARGIN`, the tokens that more text may change). That is
-        the choice :meth:`SlotView.choose` and :meth:`Cache.prepare` make from the prompt's tokens: the slot
-        shares the most of it, and nothing is restored. None: the tokens are needed."""
+    async def by_text(self, text: str, want, form: str, key: str | None) -> tuple[Slot | None, float]:
+        """The slot for a prompt ``text`` without asking the server for its tokens (held for it): the slot whose
+        own prompt text (:attr:`Slot.text`) ``text`` begins with, the longest such (``want``'s alone when
+        given: :meth:`SlotView.by_text`), waited for while its save runs, when no stored state could keep
+        ``min_gain`` tokens more of the request than the slot holds (:meth:`Cache.may_beat`: such a state would
+        begin with the slot's prompt tokens but their last :data:`MARGIN`, the tokens that more text may
+        change). That is the choice :meth:`SlotView.choose` and :meth:`Cache.prepare` make from the prompt's
+        tokens: the slot shares the most of it, and nothing is restored. None: the tokens are needed. With the
+        seconds it waited for the slot's save."""
+        waited = 0.0
         if self.view.by_text(text, want) is None or not await self._same_server(form, key):
-            return None
-        if not self.cache.index_fresh():
-            try:        # other serve processes' states, listed as prepare lists them
-                await asyncio.to_thread(self.cache.sync_index)
-            except Exception:  # noqa: BLE001 - the store down: prepare says so, and goes uncached
-                return None
-        s = self.view.by_text(text, want)       # again: other requests ran meanwhile
-        if s is None or not self.view.trusted or self.cache.may_beat(s.prompt, s.tokens, self.min_gain, MARGIN):
-            return None
-        s.pending += 1
-        return s
+            return None, waited
+        if not self.cache.index_fresh() and self.cache.unusable() is None:
+            # other serve processes' states, listed as prepare lists them (not waited for long: a store that
+            # stalls sends the turn the long way, whose lookup gives up in the server's time)
+            listing = asyncio.ensure_future(self._on_store(self.cache.sync_index))
+            done, _ = await asyncio.wait({listing}, timeout=LISTING_WAIT)
+            if not done or listing.exception() is not None:
+                return None, waited
+        for _ in range(4):
+            s = self.view.by_text(text, want)       # again: other requests ran meanwhile
+            if s is None or not self.view.trusted or self.cache.may_beat(s.prompt, s.tokens, self.min_gain, MARGIN):
+                return None, waited
+            if s.idle:
+                self.view.hold(s, REQUEST)
+                return s, waited
+            t0 = time.monotonic()
+            await self.view.idle_again(s)       # its save (the turn came the moment its answer did)
+            waited += time.monotonic() - t0
+        return None, waited
 
     @staticmethod
     def _slot_id_ok(v) -> bool:
@@ -461,7 +637,7 @@ class Proxy:
             if not isinstance(body.get("messages"), list) or self.cache.facts.mmproj:
                 return None
             answer = await self._small(http.request, self.base, "POST", "/apply-template", body, api_key=key,
-                                       timeout=SMALL_TIMEOUT)
+                                       timeout=SMALL_TIMEOUT, pool=self.pool)
             return answer.get("prompt") if isinstance(answer, dict) else None
         return body.get("prompt")
 
@@ -474,30 +650,33 @@ class Proxy:
         if how != "text":
             return None
         answer = await self._small(http.request, self.base, "POST", "/tokenize", {"content": prompt, **TOKENIZE_FLAGS},
-                                   api_key=key, timeout=SMALL_TIMEOUT)
+                                   api_key=key, timeout=SMALL_TIMEOUT, pool=self.pool)
         toks = answer.get("tokens") if isinstance(answer, dict) else None
         if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
             raise http.ServerAnswerError(f"POST {self.base}/tokenize: no token list in the answer")
         return as_tokens(toks)
 
-    async def _save_then_release(self, slot: Slot, key: str | None, text: str | None = None,
-                                 before: np.ndarray | None = None) -> None:
-        """After a whole answer: the slot saved by the server (asked at once, on serve's own connection) and
-        the file checked (in a worker thread), its ``/slots`` signature noted, then freed; the state is stored
-        after (the slot's next request need not wait for the copy). A request sent by its ``text``
-        (:meth:`by_text`; ``before``: what the slot held then) has the text's tokens asked for meanwhile:
-        what the slot now holds, and the prompt tokens kept and evaluated for the metrics."""
+    async def _save_then_release(self, slot: Slot, key: str | None, learnt: asyncio.Future | None = None) -> None:
+        """After a whole answer (the slot held by its save meanwhile, :data:`SAVE`: the conversation's next turn
+        waits for it): the slot saved by the server (asked at once, on a kept connection) and the file checked
+        (in a worker thread), its ``/slots`` signature noted, then freed; the state is stored after (the slot's
+        next request need not wait for the copy). With the store not to be used (:meth:`Cache.unusable`), no
+        save is asked (it could not be stored). A request sent by its text (:meth:`by_text`) has its text's
+        tokens asked for meanwhile (``learnt``): what the slot now holds, and the prompt tokens kept and
+        evaluated for the metrics."""
+        began = time.perf_counter()
         saved = None
         try:
-            work = self.cache.work_name(slot.id)
-            learnt = asyncio.ensure_future(self._tokens_sent(slot, text, before, key)) if before is not None else None
-            try:
-                answer = await self._small(self.cache.save, slot.id, work, key)
-                saved = await asyncio.to_thread(self.cache.checked, slot.id, work, answer)
-            except Exception as e:  # noqa: BLE001 - a save that fails costs the next restore, nothing more
-                self.cache.discard(work)
-                self.cache.counters.add("save_failures")
-                self.log("error", f"slot {slot.id}: not saved: {e}", slot=slot.id)
+            if self.cache.unusable() is None:
+                work = self.cache.work_name(slot.id)
+                try:
+                    answer = await self._small(self.cache.save, slot.id, work, key)
+                    self.cache.costs.saved(answer)
+                    saved = await asyncio.to_thread(self.cache.checked, slot.id, work, answer)
+                except Exception as e:  # noqa: BLE001 - a save that fails costs the next restore, nothing more
+                    self.cache.discard(work)
+                    self.cache.counters.add("save_failures")
+                    self.log("error", f"slot {slot.id}: not saved: {e}", slot=slot.id)
             if learnt is None:          # the prompt's tokens known before: what the slot holds, saved
                 if saved is not None:
                     slot.sent(saved.tokens, slot.text, slot.prompt)
@@ -506,9 +685,10 @@ class Proxy:
                 if prompt is None:
                     slot.tokens = saved.tokens if saved is not None else EMPTY
                 else:
-                    slot.sent(saved.tokens if saved is not None else prompt, text, prompt)
+                    slot.sent(saved.tokens if saved is not None else prompt, slot.text, prompt)
             try:
-                entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT)
+                entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT,
+                                            pool=self.pool)
                 self.view.noted(slot, next((e for e in entries if e.get("id") == slot.id), None))
                 if self.view.apply(entries):    # the other slots as the server shows them now: the view read
                     self.cache.learn_due = True
@@ -518,11 +698,17 @@ class Proxy:
             self.view.release(slot)
         if saved is not None:
             try:
-                await asyncio.to_thread(self.cache.store_saved, saved)
+                await self._on_store(self.cache.store_saved, saved, began)
+            except StoreOff as e:
+                self.cache.counters.add("save_failures")
+                self.log("error", f"slot {slot.id}: {e}", slot=slot.id, code="store_off")
             except Exception as e:  # noqa: BLE001 - the store down: the next restore misses it
                 self.cache.counters.add("save_failures")
                 self.log("error", f"slot {slot.id}: not stored: {e}", slot=slot.id)
-
+            finally:
+                self.cache.said_off()
+            if self.metrics is not None:
+                self.metrics.save_took(time.perf_counter() - began)
 
     async def _tokens_sent(self, slot: Slot, text: str, before: np.ndarray, key: str | None) -> np.ndarray | None:
         """The server's tokens of a prompt ``text`` sent by :meth:`by_text` into ``slot``, which held ``before``
@@ -536,9 +722,9 @@ class Proxy:
         if tokens is None or len(tokens) == 0:
             self.cache.counters.add("lookup_failures")
             return None
-        if self.on_prompt is not None:
+        if self.metrics is not None:
             reused = min(common_prefix(before, tokens), len(tokens) - 1)
-            self.on_prompt(reused, len(tokens) - reused)
+            self.metrics.prompt(reused, len(tokens) - reused)
         return tokens
 
 

@@ -95,6 +95,9 @@ _deadline: float | None = None
 _timeout: float | None = None
 #: the first failure that said the store stopped answering: every later request is refused with it
 _down: StoreDown | None = None
+#: per thread, the seconds each request may take (a long-running process's work that must not wait on a store
+#: that stalls: serve's request path, :func:`request_timeout`)
+_per_request = threading.local()
 #: calls still running in their threads when the deadline came (the process ends without waiting for them)
 STUCK: list = []
 
@@ -105,6 +108,26 @@ def set_deadline(seconds: float | None) -> None:
     global _deadline, _timeout
     _timeout = seconds
     _deadline = None if seconds is None else time.monotonic() + seconds
+
+
+@contextlib.contextmanager
+def request_timeout(seconds: float):
+    """While the block runs, in this thread: each request to a store is given ``seconds`` from when it is made
+    (besides the command's deadline). Past them the store counts as down (:func:`known_down`: every later
+    request refused at once) until :func:`forget_down`, and the request is left to itself, as past a
+    command's deadline."""
+    before = getattr(_per_request, "seconds", None)
+    _per_request.seconds = seconds
+    try:
+        yield
+    finally:
+        _per_request.seconds = before
+
+
+def known_down() -> StoreDown | None:
+    """The failure that said the store stopped answering, while every request to it is refused at once
+    (None: it is tried)."""
+    return _down
 
 
 def start_run() -> None:
@@ -135,10 +158,14 @@ def call(url: str, action: str, fn, *args, **kwargs):
     too. Other failures are raised as they are (the caller says what they mean)."""
     if _down is not None:
         raise _down
+    deadline, within = _deadline, f"--timeout {_timeout:g} s" if _timeout is not None else ""
+    per = getattr(_per_request, "seconds", None)
+    if per is not None and (deadline is None or time.monotonic() + per < deadline):
+        deadline, within = time.monotonic() + per, f"{per:g} s"
     try:
-        if _deadline is None:
+        if deadline is None:
             return fn(*args, **kwargs)
-        done, value = _until(_deadline, action, fn, args, kwargs)
+        done, value = _until(deadline, action, fn, args, kwargs)
     except StoreDown:
         raise
     except UsageError as e:
@@ -146,7 +173,8 @@ def call(url: str, action: str, fn, *args, **kwargs):
             raise _stopped(str(e)) from None
         raise
     if not done:
-        raise _stopped(f"{url}: no answer within --timeout {_timeout:g} s ({action}): the run stops")
+        raise _stopped(f"{url}: no answer within {within} ({action}): the run stops" if within.startswith("--")
+                       else f"{url}: no answer within {within} ({action}): the store counts as down")
     return value
 
 

@@ -24,6 +24,7 @@ read with the standard library's ``tomllib`` (docs/fleet.md, "The configuration 
     listen = "127.0.0.1:8081"            # where serve's proxy listens
     metrics_listen = "127.0.0.1:9465"    # serve's /metrics, /livez, /readyz ("" or absent: none)
     min_gain = 16
+    restore_policy = "cost"              # "cost": restore only when predicted faster than prefill; "tokens"
     timeout = 600
     lease = 60
 
@@ -181,7 +182,10 @@ def _show(v: Any) -> str:
 
 _SERVER_KEYS = {"name": "", "url": "", "slot_dir": "", "store": "", "api_key_env": "", "model": ""}
 _KEEP_KEYS = {"server": "", "every": "", "min_tokens": "", "timeout": "", "lease": "", "listen": ""}
-_SERVE_KEYS = {"server": "", "listen": "", "metrics_listen": "", "min_gain": "", "timeout": "", "lease": ""}
+_SERVE_KEYS = {"server": "", "listen": "", "metrics_listen": "", "min_gain": "", "restore_policy": "", "timeout": "",
+               "lease": ""}
+#: serve's restore policies (``--restore-policy``): by predicted cost, or by tokens alone
+RESTORE_POLICIES = ("cost", "tokens")
 
 
 def parse(raw: bytes, path: str) -> Config:
@@ -259,6 +263,9 @@ def parse(raw: bytes, path: str) -> Config:
     v["listen"] = _listen(c, serve, "listen", "serve", empty=False)
     v["metrics_listen"] = _listen(c, serve, "metrics_listen", "serve")
     v["min_gain"] = c.number(serve, "min_gain", "serve", low=1, high=1 << 24, integer=True, what="an integer")
+    v["restore_policy"] = c.string(serve, "restore_policy", "serve")
+    if v["restore_policy"] is not None and v["restore_policy"] not in RESTORE_POLICIES:
+        raise c.fail("serve.restore_policy", " or ".join(f'"{p}"' for p in RESTORE_POLICIES), v["restore_policy"])
     v["timeout"] = c.number(serve, "timeout", "serve", low=0.001, high=86400.0, what="seconds")
     v["lease"] = c.number(serve, "lease", "serve", low=MIN_LEASE, high=86400.0, what="seconds")
     cfg.serve = {key: x for key, x in v.items() if x is not None}

@@ -379,8 +379,15 @@ class ServeMetrics:
               "save_failures": "save_failed", "upstream_errors": "upstream_unreachable",
               "client_disconnects": "client_disconnected"}
 
-    def __init__(self, server: str, counters):
+    #: what happened to each completion request's prompt (slotctl.serve.cache.OUTCOMES)
+    OUTCOMES = ("slot_hit", "restored", "prefill", "cold", "uncached", "passed_through")
+    #: the upper bounds of the buckets of a prediction's measured time over its predicted time
+    RATIO_BUCKETS = (0.25, 0.5, 0.8, 1.0, 1.25, 2.0, 4.0, 8.0)
+
+    def __init__(self, server: str, counters, cache_off: Callable[[], str | None] | None = None):
         self.server, self.counters = server, counters
+        #: why serve's cache is off now (its store not used: no lease, the store down or stalled), or None
+        self.cache_off = cache_off or (lambda: None)
         r = self.registry = Registry("serve")
         s = ("server",)
         self.requests = r.counter("slotctl_serve_requests_total", "Requests, by outcome (cached: given a slot "
@@ -418,9 +425,28 @@ class ServeMetrics:
         self.added_ttft_seconds = r.histogram("slotctl_serve_added_time_to_first_token_seconds", "Seconds serve "
                                               "added before a request's first token, beside the server's own "
                                               "(the lookup, a restore).", s)
+        self.outcomes = r.counter("slotctl_serve_request_outcomes_total", "Completion requests, by what happened "
+                                  "to their prompt: slot_hit (its slot held --min-gain tokens of it), restored (a "
+                                  "stored state), prefill (a restore was predicted slower than the prefill it "
+                                  "spares), cold (nothing held, nothing restored), uncached (the cache could not "
+                                  "be used: the store down or stalled, no lease, a failure), passed_through (not "
+                                  "given a slot).", ("server", "outcome"))
+        self.choices = r.counter("slotctl_serve_choices_total", "Restore-or-prefill choices made by prediction "
+                                 "(restore, prefill), counted once the answer's timings measured them.",
+                                 ("server", "choice"))
+        self.prediction_ratio = r.histogram("slotctl_serve_prediction_ratio", "Each restore-or-prefill choice's "
+                                            "measured time (the restore and the server's prompt time) over its "
+                                            "predicted time.", ("server", "choice"), buckets=self.RATIO_BUCKETS)
+        self.cache_on = r.gauge("slotctl_serve_cache_available", "1 while serve uses its store (restores, saves), "
+                                "0 while requests go uncached (the store down or stalled, no lease held).", s)
         self.started.set(time.time(), server=server)
         for h in (self.restore_seconds, self.save_seconds, self.added_ttft_seconds):
             h.touch(server=server)
+        for outcome in self.OUTCOMES:
+            self.outcomes.inc(0, server=server, outcome=outcome)
+        for choice in ("restore", "prefill"):
+            self.choices.inc(0, server=server, choice=choice)
+            self.prediction_ratio.touch(server=server, choice=choice)
         #: the last facts event: (server answered, monotonic time)
         self.server_ok: tuple[bool, float] | None = None
 
@@ -441,7 +467,6 @@ class ServeMetrics:
             elif event == "stored":
                 self.stored_bytes.inc(details.get("size") or 0, server=srv)
                 self.last.set(now, server=srv, action="save")
-                self._took(self.save_seconds, details)
 
     def _took(self, histogram: Histogram, details: dict) -> None:
         """An event's ``seconds`` (what it took) observed, when the event says it."""
@@ -463,6 +488,19 @@ class ServeMetrics:
         """What serve added (seconds) before one request's first token, beside the server's own time."""
         with self.registry.lock:
             self.added_ttft_seconds.observe(seconds, server=self.server)
+
+    def outcome(self, outcome: str) -> None:
+        """One completion request and what happened to its prompt (:data:`OUTCOMES`)."""
+        with self.registry.lock:
+            self.outcomes.inc(server=self.server, outcome=outcome)
+
+    def predicted(self, choice: str, predicted: float, measured: float) -> None:
+        """One restore-or-prefill ``choice`` (``restore``, ``prefill``) made by a prediction of ``predicted``
+        seconds, measured ``measured`` seconds."""
+        with self.registry.lock:
+            self.choices.inc(server=self.server, choice=choice)
+            if predicted > 0:
+                self.prediction_ratio.observe(measured / predicted, server=self.server, choice=choice)
 
     def prompt(self, reused: int, evaluated: int) -> None:
         """One request given a slot: the prompt tokens predicted to be reused and evaluated."""
@@ -490,6 +528,7 @@ class ServeMetrics:
                 if key in c:
                     self.conversions.set(c[key], server=srv, outcome=outcome)
             self.pruned.set(c["pruned"], server=srv)
+            self.cache_on.set(0 if self.cache_off() else 1, server=srv)
             for key, code in self.ERRORS.items():
                 if c[key]:
                     self.errors.set(c[key], server=srv, code=code)
@@ -508,9 +547,12 @@ class ServeMetrics:
             why.append("server: up")
         ok_store, said = probe() if probe is not None else (True, "")
         why.append(f"store: reachable" if ok_store else f"store: failed ({said})")
+        off = self.cache_off()
+        why.append("cache: on" if off is None else f"cache: off ({off}): requests go uncached")
+        ok = ok_server and ok_store and off is None
         with self.registry.lock:
-            self.ready_.set(1 if ok_server and ok_store else 0, server=self.server)
-        return ok_server and ok_store, why
+            self.ready_.set(1 if ok else 0, server=self.server)
+        return ok, why
 
 
 # -- the HTTP endpoint ------------------------------------------------------------------------------------

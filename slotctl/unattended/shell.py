@@ -75,10 +75,10 @@ class Shell:
 
         return lost
 
-    def take_later(self, on_lost: Callable[[Exception], None]) -> None:
-        """The lease not taken at start (:meth:`lock`): tried every third of it on a daemon thread until it is
-        taken (a ``locked`` event, then renewed as usual) or the process stops; another holder by then is the
-        lock lost (``on_lost``)."""
+    def take_later(self, on_lost: Callable[[Exception], None], on_taken: Callable[[], None] | None = None) -> None:
+        """The lease not taken at start (:meth:`lock`), or lost (serve takes it back): tried every third of it on
+        a daemon thread until it is taken (a ``locked`` event, ``on_taken()``, then renewed as usual) or the
+        process stops; another holder by then is the lock lost (``on_lost``)."""
         losing = self._losing(on_lost)
 
         def take() -> None:
@@ -92,6 +92,8 @@ class Shell:
                     continue
                 self.held = got
                 self.log("locked", f"{got.path}: the lease is taken", path=got.path)
+                if on_taken is not None:
+                    on_taken()
                 got.start(losing)
                 return
 
