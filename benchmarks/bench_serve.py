@@ -23,8 +23,15 @@ the differences, and the load average.
 ``--s3``: two serve processes over one SeaweedFS bucket (tests/seaweed.py), each before its own server: a
 conversation begun behind one continues behind the other, its prefix restored from the bucket.
 
+``--only-cases``: issue 33's cases, side by side with the server alone in one run (each case on a server
+started anew, straight, then through serve on another server started anew): the head-of-line case (``-np 2``;
+A, 600 tokens, and B, 30, running; C, 30 tokens whose prompt shares A's, sent 0.4 s later: C's time); a
+back-to-back agent loop (a 2,000-token conversation, each turn sent the moment its answer came: the prompt
+tokens evaluated per turn); ``--chats`` streamed chats through the official ``openai`` SDK (the states
+serve saved of them).
+
 Run: ``python benchmarks/bench_serve.py [--conversations 16] [--turns 4] [--overhead 40] [--s3] [--out FILE]
-[--start-repeat 6] [--only-overhead]``.
+[--start-repeat 6] [--only-overhead] [--only-cases] [--chats 100]``.
 """
 
 from __future__ import annotations
@@ -195,6 +202,10 @@ def main() -> None:
                     help="a conversation's first turn holds the sample prompt this many times (about 100 tokens "
                          "each; 6: about 600, a system prompt and a first question)")
     ap.add_argument("--only-overhead", action="store_true", help="measure serve's overhead alone (no conversations)")
+    ap.add_argument("--only-cases", action="store_true", help="issue 33's cases alone (head of line, agent loop, "
+                                                                 "openai SDK streams)")
+    ap.add_argument("--chats", type=int, default=100, help="streamed chats through the openai SDK (--only-cases)")
+    ap.add_argument("--agent-turns", type=int, default=12, help="turns of the agent loop (--only-cases)")
     ap.add_argument("--threads", type=int, default=2,
                     help="the server's -t and -tb with --only-overhead (1: no wait on a second thread that a loaded "
                          "machine has not scheduled)")
@@ -206,6 +217,9 @@ def main() -> None:
                            n_ff=512, context_length=8192, name="slotctl-bench-serve")
         args = ["-c", "8192", "-np", "2", "-fa", "on"]
         results = {}
+        if a.only_cases:
+            cases(binary, model, args, tmp, a)
+            return
         if a.only_overhead:
             d = tmp / "overhead"
             (d / "slots").mkdir(parents=True)
@@ -315,6 +329,94 @@ def print_overhead(ov: dict) -> None:
           f"them, {ov['by_text']} sent by their text before their tokens were asked for, load average {ov['load']:.1f}): median {ov['median_ms']:.2f} ms (straight "
           f"{ov['straight_ms']:.2f} ms, through serve {ov['serve_ms']:.2f} ms at the median); serve's CPU time "
           f"{ov['cpu_ms']:.1f} ms a request (its save and the benchmark's polls of its counters included)")
+
+
+def head_of_line(url: str, tag: str) -> float:
+    """The issue's case: A (600 tokens) and B (30) running in the two slots, C (30 tokens, its prompt sharing A's
+    but for its last line) sent 0.4 s later: C's seconds."""
+    a_prompt = conversation_start(50, 4) + f" {tag}"
+    done: dict = {}
+
+    def send(name: str, prompt: str, n: int) -> None:
+        done[name] = post(url, "/completion", {"prompt": prompt, "n_predict": n, "temperature": 0,
+                                               "ignore_eos": True})[0]
+
+    ts = [threading.Thread(target=send, args=("A", a_prompt, 600)),
+          threading.Thread(target=send, args=("B", conversation_start(51, 4) + f" {tag}", 30))]
+    for t in ts:
+        t.start()
+    time.sleep(0.4)
+    c_secs = post(url, "/completion", {"prompt": a_prompt + " And C?", "n_predict": 30, "temperature": 0,
+                                       "ignore_eos": True})[0]
+    for t in ts:
+        t.join()
+    return c_secs
+
+
+def agent_loop(url: str, turns: int) -> list[int]:
+    """A conversation of about 2,000 tokens, each turn sent the moment its answer came: each turn's prompt_n."""
+    prompt = conversation_start(60, 20)
+    out = []
+    for k in range(turns):
+        _s, ans = post(url, "/completion", {"prompt": prompt, "n_predict": 16, "temperature": 0})
+        out.append(ans["timings"]["prompt_n"])
+        prompt += ans["content"] + f" Tool result {k}: done."
+    return out
+
+
+def openai_chats(url: str, n: int) -> int:
+    """``n`` streamed chats through the official openai SDK, each read as its iterator gives it: the answers
+    with text."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    got = 0
+    for i in range(n):
+        stream = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": f"Chat {i} about the {TOPICS[i % len(TOPICS)]}."}],
+            max_tokens=8, temperature=0, stream=True)
+        got += bool("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
+    client.close()
+    return got
+
+
+def cases(binary, model, args, tmp: Path, a) -> None:
+    """Issue 33's cases, each straight to a server started anew and through serve before another."""
+    rows = {}
+    for label in ("server alone", "serve"):
+        d = tmp / label.replace(" ", "-")
+        (d / "slots").mkdir(parents=True)
+        (d / "store").mkdir()
+        with LlamaServer(binary, model, args=args, slot_save_path=d / "slots", log_path=d / "server.log") as srv:
+            serve = Serve(srv.url, d / "slots", str(d / "store"), log=d / "serve.log") if label == "serve" else None
+            url = serve.url if serve else srv.url
+            try:
+                post(url, "/completion", {"prompt": "warm up", "n_predict": 4})
+                hol = [head_of_line(url, f"run {k}") for k in range(3)]
+                if serve:
+                    serve.idle()
+                loop = agent_loop(url, a.agent_turns)
+                if serve:
+                    serve.idle()
+                    saves0 = serve.stats()["saves"]
+                chats = openai_chats(url, a.chats)
+                saved = None
+                if serve:
+                    serve.idle()
+                    saved = serve.stats()["saves"] - saves0
+                rows[label] = {"hol": hol, "loop": loop, "chats": chats, "saved": saved}
+            finally:
+                if serve:
+                    serve.stop()
+    al, sv = rows["server alone"], rows["serve"]
+    print(f"load average {os.getloadavg()[0]:.1f} at the end (1 min), model {a.layers} layers, n_embd 256, {' '.join(args)}")
+    med_a, med_s = statistics.median(al["hol"]), statistics.median(sv["hol"])
+    print(f"head of line, C's seconds (3 runs): server alone {' '.join(f'{x:.2f}' for x in al['hol'])}, serve "
+          f"{' '.join(f'{x:.2f}' for x in sv['hol'])}: median {med_s / med_a:.2f}x the server alone's (goal: 1.2x)")
+    print(f"agent loop, prompt tokens evaluated per turn: server alone {al['loop']}, serve {sv['loop']}; returning "
+          f"turns' sum {sum(al['loop'][1:])} and {sum(sv['loop'][1:])}")
+    print(f"openai SDK streamed chats: {sv['chats']}/{a.chats} answered through serve, {sv['saved']} saved "
+          f"(server alone answered {al['chats']})")
 
 
 def two_serves(binary, model, args, tmp: Path, a) -> None:
