@@ -158,3 +158,11 @@ class Seaweed:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+def put(srv: Seaweed, key: str, data: bytes) -> str:
+    """``data`` put at ``key`` in the test bucket, through obstore directly; its ``s3://`` URL."""
+    import obstore
+
+    obstore.put(srv.client(), key, data)
+    return f"s3://{BUCKET}/{key}"

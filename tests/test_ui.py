@@ -22,7 +22,7 @@ import pytest
 
 import json_schemas
 from llama_server import free_port
-from test_fleet import Keep, kept, slotctl  # noqa: F401 - the keep process helper, the real server kept
+from keeping import Keep, first_line, keep_proc, slotctl, stop
 from slotctl.fleet.ui import page
 from slotctl.fleet.view import rows
 from slotctl.tinymodels import SAMPLE_PROMPT
@@ -116,7 +116,6 @@ def test_a_slot_whose_states_none_restores_says_so():
 
 def test_keeps_ui_page_while_its_server_is_down(tmp_path):
     """No server at the URL: the page is served all the same, one row saying error and why."""
-    from test_unattended import keep_proc, first_line, stop
 
     port = free_port()
     down = f"http://127.0.0.1:{free_port()}"
