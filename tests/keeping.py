@@ -146,7 +146,8 @@ def keep_proc(url: str, slot_dir: Path, *more: str, env: dict | None = None) -> 
 
 
 def first_line(proc: subprocess.Popen, timeout: float = 60) -> dict:
-    """The first JSON line of a keep process (its ``start`` event), or the failure it exited with."""
+    """The first JSON line of a keep process (its ``start`` event), or the failure it exited with: the document
+    of a keep refused at its start (one JSON document over several lines, then exit 2)."""
     import selectors
 
     sel = selectors.DefaultSelector()
@@ -155,6 +156,8 @@ def first_line(proc: subprocess.Popen, timeout: float = 60) -> dict:
         raise AssertionError(f"keep said nothing within {timeout} s")
     line = proc.stdout.readline()
     assert line, f"keep exited with {proc.wait(5)}: {proc.stderr.read()}"
+    if line.rstrip("\n") == "{":
+        return json.loads(line + proc.stdout.read())
     return json.loads(line)
 
 

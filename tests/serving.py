@@ -109,6 +109,15 @@ class Serve:
                 return c
             time.sleep(0.05)
 
+    def wait_for_any(self, *reached: tuple[str, int], timeout: float = 60) -> dict:
+        """The counters once one of ``reached``'s (key, n) pairs has its key at n or more."""
+        deadline = time.monotonic() + timeout
+        while True:
+            c = self.stats()
+            if any(c[key] >= n for key, n in reached) or time.monotonic() > deadline:
+                return c
+            time.sleep(0.05)
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -26,7 +26,7 @@ import pytest
 import json_schemas
 from conftest import DATA, default_signals
 from keeping import ROOT, Keep, emptied, serving, slotctl, tokens_of
-from seaweed import BUCKET
+from seaweed import BUCKET, next_second
 from slotctl.errors import ExitStatus
 from slotctl.fleet.keep import INCOMING_GLOB, tokens_hash
 from slotctl.slotfile import open_slot_file
@@ -496,8 +496,6 @@ def test_migrate_through_an_s3_store(one, three, seaweed, monkeypatch):
 def test_an_s3_store_is_held_under_max_size_by_prunes_rules(seaweed, monkeypatch):
     """keep's budget on an ``s3://`` store: prune's rules for a prefix (least recently modified first, pins
     never touched), against the real SeaweedFS; the objects kept are whole."""
-    import time
-
     from slotctl.fleet.states import ObjectStore
     from slotctl.store.s3 import S3_STORE
 
@@ -512,7 +510,7 @@ def test_an_s3_store_is_held_under_max_size_by_prunes_rules(seaweed, monkeypatch
     names = ["slot0-a.bin", "slot0-b.bin", "slot0-c.bin", "keep-slot0-incoming-7-0a0b0c0d.bin"]
     for name in names:      # Last-Modified has a resolution of a second
         obstore.put(seaweed.client(), f"budget/{name}", data)
-        time.sleep(1.1)
+        next_second()
     store = ObjectStore(f"s3://{BUCKET}/budget/")
     gone = []
     store.prune(2 * len(data) + 1, (INCOMING_GLOB,), lambda path, size, action, reason: gone.append(
@@ -793,7 +791,8 @@ def test_keep_does_not_download_again_an_s3_state_the_server_refuses(kept, three
     bad = stored_name(0, model_hash(facts), "toolong")
     obstore.put(seaweed.client(), f"keep-catalog/{bad}", (three.save_dir / "long-catalog.bin").read_bytes())
     store = f"s3://{BUCKET}/keep-catalog/"
-    time.sleep(3.2)     # an object's Last-Modified is when it was put: a row younger than 3 s after it is not trusted
+    # an object's Last-Modified is when it was put: under the rule of 3 s its row would not be trusted yet
+    monkeypatch.setenv("SLOTCTL_RACY_SECONDS", "0")
     S3_STORE.reset()
     try:
         lines = []
@@ -832,10 +831,10 @@ def test_keep_remembers_a_damaged_s3_state_instead_of_an_error_at_every_pass(kep
     good, bad = stored_name(0, model_hash(facts), "whole"), stored_name(0, model_hash(facts), "cut100")
     prefix = f"keep-damaged-{tmp_path.name}"
     obstore.put(seaweed.client(), f"{prefix}/{good}", whole)
-    time.sleep(1.1)     # Last-Modified has second precision: the damaged state is the newest, tried first
+    next_second()       # Last-Modified has second precision: the damaged state is the newest, tried first
     obstore.put(seaweed.client(), f"{prefix}/{bad}", whole[:-100])
     store = f"s3://{BUCKET}/{prefix}/"
-    time.sleep(3.2)     # a row younger than 3 s after the object was put is not trusted
+    monkeypatch.setenv("SLOTCTL_RACY_SECONDS", "0")     # a row of an object just put trusted (3 s: a wait)
     S3_STORE.reset()
     passes = []
     try:

@@ -22,7 +22,7 @@ import pytest
 
 import json_schemas
 from llama_server import free_port
-from keeping import Keep, first_line, keep_proc, slotctl, stop
+from keeping import Keep, first_line, keep_proc, slotctl, stop, wait_until
 from slotctl.fleet.ui import page
 from slotctl.fleet.view import rows
 from slotctl.tinymodels import SAMPLE_PROMPT
@@ -122,8 +122,9 @@ def test_keeps_ui_page_while_its_server_is_down(tmp_path):
     proc = keep_proc(down, tmp_path, "--every", "0.2", "--listen", str(port))
     try:
         first_line(proc)
-        time.sleep(1)
-        status, headers, html = get(f"http://127.0.0.1:{port}/ui")
+        said = f"{down}: the server did not answer the last look"    # once keep has looked
+        status, headers, html = wait_until(lambda: (lambda r: r if said in html_module.unescape(r[2]) else None)(
+            get(f"http://127.0.0.1:{port}/ui")))
         assert status == 200 and headers["Content-Type"].startswith("text/html")
         p = parsed(html)
         assert p.cells[8:16] == [down, "-", "-", "-", "error", "-", "-", "-"]

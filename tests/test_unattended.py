@@ -122,9 +122,15 @@ def test_a_keeper_whose_lease_was_taken_over_stops_writing(seaweed, tmp_path):
     assert first_line(a)["event"] == "start"
     a.send_signal(signal.SIGSTOP)
     try:
-        time.sleep(3.5)
-        b = keep_proc(url, tmp_path, *args, env=env)
-        assert first_line(b)["event"] == "start"
+        # the next keeper is refused while the frozen one's lease holds, and takes it over once it expired
+        deadline = time.monotonic() + 60
+        while True:
+            b = keep_proc(url, tmp_path, *args, env=env)
+            said = first_line(b)
+            if said.get("event") == "start":
+                break
+            assert said["error"]["code"] == "locked" and time.monotonic() < deadline, said
+            assert stop(b) == 2
     finally:
         a.send_signal(signal.SIGCONT)
     try:
@@ -156,10 +162,13 @@ def test_a_keeper_started_again_does_not_save_what_the_store_has(kept, tmp_path)
         assert keep.stop() == 0
     journal = [p for p in store.iterdir() if p.name.endswith(".json")]
     assert len(journal) == 1 and json.loads(journal[0].read_text())["journal"]["0"]["name"] == stored["name"]
-    keep = Keep(kept, store, "--every", "0.2")
+    port = free_port()
+    keep = Keep(kept, store, "--every", "0.2", "--listen", f"127.0.0.1:{port}")
     try:
         keep.wait_for("up")
-        time.sleep(2)       # ten looks
+        # ten looks at the server (its metrics count them): none saves the state the store has
+        wait_until(lambda: value(samples(scrape(f"http://127.0.0.1:{port}")[2]), "slotctl_keep_looks_total",
+                                 server=kept.url, outcome="up") >= 10)
         kept.completion(SAMPLE_PROMPT + " The journal goes on", slot=0, n_predict=3)
         again = keep.wait_for("stored", 0)["details"]
         assert again["name"] != stored["name"]
@@ -345,8 +354,8 @@ def test_metrics_equal_what_keep_did(kept, tmp_path):
         keep.wait_for("restart")
         restored = keep.wait_for("restored", 0)
         proof = keep.wait_for("proof", 0)["details"]["proof"]
-        time.sleep(1)
-        ss = samples(scrape(base)[2])
+        ss = wait_until(lambda: (lambda s: s if value(s, "slotctl_keep_proofs_total", server=url, slot=0,
+                                                      verdict=proof["verdict"]) else None)(samples(scrape(base)[2])))
         assert value(ss, "slotctl_keep_restores_total", server=url, slot=0, outcome="restored") == 1
         assert restored["details"]["name"] == stored["name"]
         assert value(ss, "slotctl_keep_proofs_total", server=url, slot=0, verdict=proof["verdict"]) == 1
