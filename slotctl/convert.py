@@ -240,6 +240,8 @@ class _Planner:
     def blob(self, b: Blob, tgt: Target, part: str) -> list[Piece]:
         if b.span.size == 0:
             return []
+        if b.header_only:   # a plain KV cache's PARTIAL_ONLY state: the blob header alone, nothing to convert
+            return [b.span]
         if b.memory is None or b.seq_id is None:
             if tgt.changes or self.vin != self.vout:
                 flag = "-md" if "draft" in part else "-m"

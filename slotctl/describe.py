@@ -128,6 +128,7 @@ def describe_blob(b: Blob | None, info=None) -> dict | None:
         "size": b.span.size,
         "seq_id": b.seq_id,
         "memory": describe_memory(b.memory, info),
+        "header_only": b.header_only,
         "error": {"code": b.error.error_code, "message": b.error.one_line()} if b.error else None,
     }
 

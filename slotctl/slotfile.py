@@ -131,6 +131,9 @@ class Blob:
     memory: Memory | None = None
     error: FormatError | None = None
     candidates: list = field(default_factory=list)   # layouts that fit, when no layout was given
+    #: the blob header alone (8 bytes): a plain KV cache's PARTIAL_ONLY state as libllama b11434 and later
+    #: write it (a checkpoint's blob; llama-cpp-python 0.3.36 writes the whole cache there)
+    header_only: bool = False
 
 
 @dataclass
@@ -415,8 +418,13 @@ def _known_to_fail(memo: dict, offset: int, layout: MemoryLayout) -> bool:
     return False
 
 
-def parse_blob(f: BinaryIO, span: Span, layout: MemoryLayout | None, version: int, layer: str) -> Blob:
-    """Dissect an in-memory blob at ``span``; without a layout, the candidates that fill it exactly."""
+def parse_blob(f: BinaryIO, span: Span, layout: MemoryLayout | None, version: int, layer: str, *,
+               partial: bool = False) -> Blob:
+    """Dissect an in-memory blob at ``span``; without a layout, the candidates that fill it exactly.
+
+    ``partial``: a PARTIAL_ONLY blob (a checkpoint's): the blob header alone is a plain KV cache's state as
+    libllama b11434 and later write it (``header_only``), read so when the layout is a plain KV cache or
+    not known."""
     b = Blob(span)
     if span.size == 0:
         return b
@@ -428,6 +436,9 @@ def parse_blob(f: BinaryIO, span: Span, layout: MemoryLayout | None, version: in
         return b
     b.seq_id = hdr.seq_id
     body = span.offset + blobfmt.BLOB_HEADER_SIZE
+    if partial and span.size == blobfmt.BLOB_HEADER_SIZE and (layout is None or layout.kind == "kv"):
+        b.header_only = True
+        return b
     if layout is not None:
         try:
             m = parse_memory(f, body, span.end, layout, version, layer)
@@ -717,8 +728,10 @@ def _read_appendices(f: BinaryIO, sf: SlotFile, offset: int, draft_layout: Memor
                                 "are not read")
                 sf.add_error("SCKP appendix", e)
                 break
-            tgt = parse_blob(f, c.tgt.data, tgt_partial, version, f"{checkpoint_layer(i, 'target')} blob")
-            dft = parse_blob(f, c.dft.data, dft_partial, version, f"{checkpoint_layer(i, 'draft')} blob")
+            tgt = parse_blob(f, c.tgt.data, tgt_partial, version, f"{checkpoint_layer(i, 'target')} blob",
+                             partial=True)
+            dft = parse_blob(f, c.dft.data, dft_partial, version, f"{checkpoint_layer(i, 'draft')} blob",
+                             partial=True)
             for kind, b in (("target", tgt), ("draft", dft)):
                 if b.error:
                     sf.add_error(f"{checkpoint_layer(i, kind)} blob", b.error)

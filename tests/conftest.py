@@ -12,7 +12,7 @@ import pytest
 DATA = Path(__file__).parent / "data"
 sys.path.insert(0, str(Path(__file__).parent))
 
-from llama_server import BuildError, LlamaServer, ServerStartError, server_binary  # noqa: E402
+from llama_server import BuildError, Chroot, LlamaServer, ServerStartError, seed_server, server_binary  # noqa: E402
 
 import json_schemas  # noqa: E402
 
@@ -79,19 +79,35 @@ _build_failure: list[str] = []
 @pytest.fixture(scope="session")
 def llama_server_bin(request) -> Path:
     """llama-server b11434: $SLOTCTL_LLAMA_SERVER, the cached build, or a build now (once per machine)."""
-    if _build_failure:
-        pytest.fail(_build_failure[0], pytrace=False)
+    return _made_once(request, server_binary, _build_failure, "cannot build llama-server")
+
+
+_seed_failure: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def llama_server_b11669(request) -> Chroot:
+    """llama-server b11669 (the seed's build: SCKP and SDFT): $SLOTCTL_B11669_ROOT, the cached sid chroot, or one
+    set up now (once per machine); give it to :class:`LlamaServer` as the binary."""
+    return _made_once(request, seed_server, _seed_failure, "cannot set up llama-server b11669")
+
+
+def _made_once(request, make, failures: list[str], what: str):
+    """``make(log=...)``, telling the terminal about a build while pytest captures output (it takes minutes);
+    a failure fails every later test that needs it at once, with the same message (it is not tried again)."""
+    if failures:
+        pytest.fail(failures[0], pytrace=False)
     capture = request.config.pluginmanager.getplugin("capturemanager")
 
-    def say(message: str) -> None:  # shown while pytest captures output: a build takes minutes
+    def say(message: str) -> None:
         with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
             print(f"\n[slotctl tests] {message}", flush=True)
 
     try:
-        return server_binary(log=say)
+        return make(log=say)
     except BuildError as e:
-        _build_failure.append(f"cannot build llama-server: {e}")
-        pytest.fail(_build_failure[0], pytrace=False)
+        failures.append(f"{what}: {e}")
+        pytest.fail(failures[0], pytrace=False)
 
 
 @pytest.fixture(autouse=True)
@@ -117,7 +133,7 @@ def default_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def start_server(binary: Path, model: Path, tmp: Path, name: str, **kw) -> LlamaServer:
+def start_server(binary: Path | Chroot, model: Path | None, tmp: Path, name: str, **kw) -> LlamaServer:
     srv = LlamaServer(binary, model, log_path=tmp / f"{name}.log", **kw)
     try:
         return srv.start()

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -196,3 +197,55 @@ def wait_until(check, timeout: float = 30):
             return got
         time.sleep(0.1)
     raise AssertionError(f"not within {timeout} s")
+
+
+# -- metrics: keep's and serve's expositions, and what the docs say of them ---------------------------------
+
+
+def families(text: str, prefix: str = "slotctl_keep_") -> dict[str, str]:
+    """Each family of an exposition parsed by prometheus_client's own parser, named as its samples are (a
+    counter's with ``_total``), and its type. Every sample belongs to a family of the type declared for it:
+    a counter whose ``# TYPE`` line the parser does not match to its samples reads as an empty counter and
+    an ``unknown`` family per sample, which fails here."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        assert fam.name.startswith(prefix) or fam.name == "slotctl_build_info", fam.name
+        assert fam.type in ("counter", "gauge", "histogram"), (fam.name, fam.type)
+        name = fam.name + ("_total" if fam.type == "counter" else "")
+        suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}[fam.type]
+        assert all(s.name in [fam.name + x for x in suffixes] for s in fam.samples), (fam.name, fam.samples)
+        assert name not in out, name
+        out[name] = fam.type
+    return out
+
+
+def documented(page: str) -> dict[str, str]:
+    """The families a page's metrics table lists (``| `NAME{labels}`, `NAME2` | type | what |``) and their
+    types."""
+    out = {}
+    for line in (ROOT / "docs" / page).read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| `slotctl_") or len(cells) < 3:
+            continue
+        for name in re.findall(r"`([a-z_]+)(?:\{[^}]*\})?`", cells[0]):
+            out[name] = cells[1]
+    return out
+
+
+def samples(text: str, prefix: str = "slotctl_keep_") -> dict[tuple, float]:
+    """Every sample of an exposition, parsed by prometheus_client's parser: (name, sorted labels) -> value
+    (each family's type checked by :func:`families`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families(text, prefix)
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(ss: dict, name: str, **labels) -> float:
+    return ss.get((name, tuple(sorted({k: str(v) for k, v in labels.items()}.items()))), 0.0)

@@ -15,6 +15,16 @@
 :class:`LlamaServer` starts it on 127.0.0.1 on a free port with the given models and flags, waits for
 ``/health`` and stops it (terminate, then kill) — every wait bounded. Its output goes to a log file;
 :meth:`LlamaServer.log_tail` gives the end of it for a failing test's message.
+
+:func:`seed_server` returns llama-server **b11669** (the first reachable build that writes the ``SCKP`` and
+``SDFT`` appendices): Debian unstable's ``llama.cpp-tools 1:0.7.0+dfsg-2`` installed in a minimal sid chroot
+(``debootstrap --variant=minbase sid``), made once per machine in ``.../slotctl/llama-server-b11669/root``
+with a ``build-info.json`` beside it, by the same rules as the b11434 build (a temporary folder renamed into
+place, a file lock, every step bounded). It needs root (debootstrap, chroot, mount); ``debootstrap`` is
+installed with apt-get when missing. :class:`LlamaServer` starts it as it starts b11434: the chroot runs in a
+private mount namespace of its own (``unshare -m``) with ``/tmp`` bound at the same path and ``/proc``
+mounted, so that nothing stays mounted when it stops and paths under ``/tmp`` (pytest's ``tmp_path``, the
+tiny models) are the same inside and out. ``SLOTCTL_B11669_ROOT`` names an existing chroot to use instead.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 #: the llama.cpp release the tests run against (state version 4)
@@ -67,6 +78,23 @@ N_PREDICT = 8
 SUFFIX = " The river runs through the middle of the city"
 STOP_TIMEOUT = 15
 REQUEST_TIMEOUT = 60
+
+#: llama-server b11669: Debian unstable's package, in a minimal sid chroot
+SEED_BUILD = "b11669"
+SEED_PACKAGE = "llama.cpp-tools"
+SEED_PACKAGE_VERSION = "1:0.7.0+dfsg-2"
+SEED_SUITE = "sid"
+#: what ``llama-server --version`` says of b11669 (Debian builds it with the commit "Debian")
+SEED_VERSION_LINE = "version: 0.7.0 (build 11669, commit Debian)"
+#: the suite's Release file on the mirror is past its Valid-Until: apt refuses it unless told
+APT_OPTIONS = ("-o", "Acquire::Check-Valid-Until=false")
+ENV_SEED_ROOT = "SLOTCTL_B11669_ROOT"
+#: the path of llama-server inside the chroot
+SEED_BINARY = "/usr/bin/llama-server"
+# bounds (seconds): measured 66 s for debootstrap, 12 s for apt-get update, 10 s for the install
+DEBOOTSTRAP_TIMEOUT = 1200
+APT_TIMEOUT = 900
+SEED_LOCK_TIMEOUT = DEBOOTSTRAP_TIMEOUT + 3 * APT_TIMEOUT
 
 
 class BuildError(RuntimeError):
@@ -253,12 +281,12 @@ def llama_source_file(rel: str, *, log=None) -> Path:
     return kept
 
 
-def _run(cmd: Sequence[str], logf, timeout: float) -> None:
+def _run(cmd: Sequence[str], logf, timeout: float, *, env: dict[str, str] | None = None) -> None:
     """Run ``cmd`` with its output in the build log; BuildError (with the log's end) unless it exits 0."""
     logf.write(f"$ {' '.join(cmd)}\n")
     logf.flush()
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -308,6 +336,179 @@ def _kill_group(proc: subprocess.Popen) -> None:
             proc.wait(timeout=wait)
 
 
+# -- b11669: Debian's package in a sid chroot -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chroot:
+    """A llama-server installed in a chroot, started in a private mount namespace of its own.
+
+    ``binds`` are host directories bound at the same path inside (``/tmp``, and the temporary directory when
+    it lies elsewhere): paths under them mean the same file inside and out. Nothing stays mounted: the mounts
+    belong to the namespace, which ends with the server's process.
+    """
+
+    root: Path
+    build: str = SEED_BUILD
+    binary: str = SEED_BINARY
+    binds: tuple[str, ...] = ()
+
+    def command(self, args: Sequence[str]) -> list[str]:
+        # sh -c SCRIPT sh ROOT BIND... -- ARGS: no quoting of paths; mount points of binds outside /tmp are made
+        script = ('r=$1; shift; while [ "$1" != -- ]; do mkdir -p "$r$1" && mount --bind "$1" "$r$1" || exit 97; '
+                  'shift; done; shift; mount -t proc proc "$r/proc" || exit 97; exec chroot "$r" "$@"')
+        return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", str(self.root),
+                *self.binds, "--", self.binary, *args]
+
+    def shares(self, path: Path) -> bool:
+        """Whether ``path`` is the same file inside the chroot (it lies under a bound directory)."""
+        resolved = Path(os.path.realpath(path))
+        return any(resolved.is_relative_to(b) for b in self.binds)
+
+
+def seed_binds() -> tuple[str, ...]:
+    """``/tmp``, and the temporary directory (``TMPDIR``, pytest's ``tmp_path``) when it lies elsewhere."""
+    binds = ["/tmp"]
+    tmp = os.path.realpath(tempfile.gettempdir())
+    if not Path(tmp).is_relative_to("/tmp"):
+        binds.append(tmp)
+    return tuple(binds)
+
+
+def seed_cache_dir() -> Path:
+    """The finished chroot: ``root/`` and ``build-info.json``."""
+    return cache_root() / f"llama-server-{SEED_BUILD}"
+
+
+def _seed_cache_is_valid(d: Path) -> bool:
+    try:
+        info = json.loads((d / "build-info.json").read_text())
+    except (OSError, ValueError):
+        return False
+    binary = d / "root" / SEED_BINARY.lstrip("/")
+    return (info.get("build") == SEED_BUILD and info.get("package_version") == SEED_PACKAGE_VERSION
+            and binary.is_file() and os.access(binary, os.X_OK))
+
+
+def seed_server(*, log=None) -> Chroot:
+    """llama-server b11669: ``$SLOTCTL_B11669_ROOT`` (an existing chroot), the cached one, or a new one.
+
+    ``log(str)`` is told about the set-up (default: stderr). BuildError when it fails, with the end of its
+    log; the full log stays in the cache root as ``build-b11669.log``.
+    """
+    explicit = os.environ.get(ENV_SEED_ROOT)
+    if explicit:
+        root = Path(explicit).expanduser()
+        if not (root / SEED_BINARY.lstrip("/")).is_file():
+            raise BuildError(f"{ENV_SEED_ROOT}={explicit}: no {SEED_BINARY} in that chroot")
+        _need_root("to run llama-server b11669 in its chroot")
+        return Chroot(root, binds=seed_binds())
+    _need_root("to set up and run llama-server b11669 (debootstrap, chroot, mount)")
+    if not _seed_cache_is_valid(seed_cache_dir()):
+        cache_root().mkdir(parents=True, exist_ok=True)
+        with _file_lock(cache_root() / f".llama-server-{SEED_BUILD}.lock", SEED_LOCK_TIMEOUT):
+            if not _seed_cache_is_valid(seed_cache_dir()):  # else another process made it while we waited
+                make_seed_chroot(seed_cache_dir(), log=log)
+    return Chroot(seed_cache_dir() / "root", binds=seed_binds())
+
+
+def _need_root(why: str) -> None:
+    if os.geteuid() != 0:
+        raise BuildError(f"root is needed {why}; the tests of b11669 run as root (CI does)")
+
+
+def make_seed_chroot(dest: Path, *, log=None) -> None:
+    """Make the sid chroot with llama-server b11669 into ``dest`` (replaced atomically). Call with the lock held.
+
+    debootstrap (installed with apt-get when missing), then apt-get update and the package inside, each in a
+    private mount namespace (whatever debootstrap or a package's scripts mount goes with it), then the
+    server's ``--version`` checked; the package archives are removed (apt-get clean).
+    """
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    root = dest.parent
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f".build-{SEED_BUILD}-*"):  # left by an interrupted set-up (we hold the lock)
+        _remove_tree(stale)
+    log_path = root / f"build-{SEED_BUILD}.log"
+    work = Path(tempfile.mkdtemp(prefix=f".build-{SEED_BUILD}-", dir=root))
+    t0 = time.monotonic()
+    say(f"setting up llama-server {SEED_BUILD} once (a sid chroot with {SEED_PACKAGE}, 2 to 5 minutes), "
+        f"log: {log_path}")
+    try:
+        with open(log_path, "w") as logf:
+            steps = {}
+            if shutil.which("debootstrap") is None:
+                t = time.monotonic()
+                env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+                _run(["apt-get", "update", "-qq"], logf, APT_TIMEOUT, env=env)
+                _run(["apt-get", "install", "-y", "-qq", "debootstrap"], logf, APT_TIMEOUT, env=env)
+                steps["install_debootstrap"] = round(time.monotonic() - t, 1)
+            stage = work / "out"
+            target = stage / "root"
+            target.mkdir(parents=True)
+            private = ["unshare", "-m", "--propagation", "private"]
+            t = time.monotonic()
+            _run([*private, "debootstrap", "--variant=minbase", SEED_SUITE, str(target)], logf, DEBOOTSTRAP_TIMEOUT)
+            steps["debootstrap"] = round(time.monotonic() - t, 1)
+            in_root = [*private, "chroot", str(target), "env", "DEBIAN_FRONTEND=noninteractive"]
+            t = time.monotonic()
+            _run([*in_root, "apt-get", *APT_OPTIONS, "update"], logf, APT_TIMEOUT)
+            steps["apt_update"] = round(time.monotonic() - t, 1)
+            t = time.monotonic()
+            _run([*in_root, "apt-get", *APT_OPTIONS, "install", "-y", "--no-install-recommends",
+                  f"{SEED_PACKAGE}={SEED_PACKAGE_VERSION}"], logf, APT_TIMEOUT)
+            steps["apt_install"] = round(time.monotonic() - t, 1)
+            _run([*in_root, "apt-get", "clean"], logf, APT_TIMEOUT)
+            chroot = Chroot(target, binds=seed_binds())
+            out = subprocess.run(chroot.command(["--version"]), capture_output=True, text=True,
+                                 timeout=START_TIMEOUT, stdin=subprocess.DEVNULL)
+            logf.write(f"$ llama-server --version\n{out.stdout}{out.stderr}")
+            if SEED_VERSION_LINE not in out.stdout + out.stderr:
+                raise BuildError(f"llama-server in the new chroot is not {SEED_BUILD}: expected "
+                                 f"{SEED_VERSION_LINE!r}, got {(out.stdout + out.stderr).strip()[-300:]!r}")
+            seconds = time.monotonic() - t0
+            info = {"build": SEED_BUILD, "package": SEED_PACKAGE, "package_version": SEED_PACKAGE_VERSION,
+                    "suite": SEED_SUITE, "version": SEED_VERSION_LINE, "seconds": round(seconds, 1),
+                    "steps": steps, "root_bytes": _tree_bytes(target)}
+            (stage / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
+            # swap in one rename: a reader sees the old folder, no folder, or the finished new one
+            if dest.exists():
+                os.rename(dest, work / "old")
+            os.rename(stage, dest)
+        say(f"set up llama-server {SEED_BUILD} in {seconds:.0f} s: {dest / 'root'}")
+    finally:
+        _remove_tree(work)
+
+
+def _mounts_under(path: Path) -> list[str]:
+    """Mount points at or under ``path`` in this process's mount namespace."""
+    base = os.path.realpath(path)
+    found = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            point = line.split()[4].replace("\\040", " ")
+            if point == base or point.startswith(base.rstrip("/") + "/"):
+                found.append(point)
+    return found
+
+
+def _remove_tree(path: Path) -> None:
+    """``rm -rf``, never through a mount point (a chroot's /proc or /tmp left mounted would be emptied)."""
+    mounted = _mounts_under(path)
+    if mounted:
+        raise BuildError(f"{path} has mounts under it ({', '.join(mounted[:3])}): not removed; unmount them first")
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+    return total
+
+
 # -- the server ----------------------------------------------------------------------------------------
 
 
@@ -317,21 +518,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: flags whose value is a path the server opens (checked to be shared with a chroot)
+PATH_FLAGS = ("-m", "--model", "-md", "--model-draft", "--spec-draft-model", "--models-dir", "--models-preset",
+              "-mm", "--mmproj", "--slot-save-path")
+
+
 class LlamaServer:
     """``llama-server -m MODEL [-md DRAFT] ARGS`` on 127.0.0.1, a free port; a context manager.
 
-    ``args`` are further server flags (``-c 256 -np 1 -fa on``, ``--spec-type draft-simple``, ``-ctkd q8_0``,
-    ...); ``slot_save_path`` a folder for ``--slot-save-path``; ``api_key`` for ``--api-key``. The server
-    log goes to ``log_path``.
+    ``binary`` is b11434's binary (a path: :func:`server_binary`) or b11669's chroot (:func:`seed_server`);
+    ``build`` says which. ``args`` are further server flags (``-c 256 -np 1 -fa on``, ``--spec-type
+    draft-simple``, ``-ctkd q8_0``, ...); ``slot_save_path`` a folder for ``--slot-save-path``; ``api_key``
+    for ``--api-key``. ``model=None`` starts the router (give ``--models-dir DIR --models-max N`` in
+    ``args``). The server log goes to ``log_path``. For the chroot, every path given (the models, the draft,
+    the slot folder, a ``--models-dir``) must lie under a directory it shares (``/tmp``): ValueError if not.
     """
 
     host = "127.0.0.1"
 
-    def __init__(self, binary: Path, model: Path, *, draft: Path | None = None, args: Sequence[str] = (),
-                 slot_save_path: Path | None = None, api_key: str | None = None, log_path: Path,
-                 threads: int = 2):
-        self.binary = Path(binary)
-        self.model = Path(model)
+    def __init__(self, binary: Path | Chroot, model: Path | None, *, draft: Path | None = None,
+                 args: Sequence[str] = (), slot_save_path: Path | None = None, api_key: str | None = None,
+                 log_path: Path, threads: int = 2):
+        self.binary = binary if isinstance(binary, Chroot) else Path(binary)
+        self.model = Path(model) if model is not None else None
         self.draft = Path(draft) if draft else None
         self.args = [str(a) for a in args]
         self.slot_save_path = Path(slot_save_path) if slot_save_path else None
@@ -341,21 +550,38 @@ class LlamaServer:
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
         self._log = None
+        if isinstance(self.binary, Chroot):
+            given = [self.model, self.draft, self.slot_save_path]
+            given += [Path(a) for flag, a in zip(self.args, self.args[1:]) if flag in PATH_FLAGS]
+            outside = [str(g) for g in given if g is not None and not self.binary.shares(g)]
+            if outside:
+                raise ValueError(f"llama-server {self.binary.build} runs in a chroot that shares only "
+                                 f"{', '.join(self.binary.binds)}: {', '.join(outside)} would not be seen")
+
+    @property
+    def build(self) -> str:
+        """``b11434`` or ``b11669``: the build started (b11434 for a binary given by path)."""
+        return self.binary.build if isinstance(self.binary, Chroot) else LLAMA_CPP_BUILD
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [str(self.binary), "--host", self.host, "--port", str(self.port), "-m", str(self.model),
-               "-t", str(self.threads), "-tb", str(self.threads), "--no-ui"]
+        args = ["--host", self.host, "--port", str(self.port), "-t", str(self.threads), "-tb", str(self.threads),
+                "--no-ui"]
+        if self.model is not None:
+            args += ["-m", str(self.model)]
         if self.draft:
-            cmd += ["-md", str(self.draft)]
+            args += ["-md", str(self.draft)]
         if self.slot_save_path:
-            cmd += ["--slot-save-path", str(self.slot_save_path)]
+            args += ["--slot-save-path", str(self.slot_save_path)]
         if self.api_key:
-            cmd += ["--api-key", self.api_key]
-        return cmd + self.args
+            args += ["--api-key", self.api_key]
+        args += self.args
+        if isinstance(self.binary, Chroot):
+            return self.binary.command(args)
+        return [str(self.binary), *args]
 
     def start(self, timeout: float = START_TIMEOUT) -> LlamaServer:
         """Start and wait until ``/health`` answers 200; ServerStartError (with the log's end) otherwise."""

@@ -445,7 +445,8 @@ def b11434_matrix(llama_server_bin, models, tmp_path_factory) -> Matrix:
                 srv = servers.get(fs.name) or start_server(llama_server_bin, models[fs.model], tmp, fs.name,
                                                            args=fs.flags, slot_save_path=slots)
                 servers[fs.name] = srv
-                verdicts = validate_json(list(files.values()), "-m", str(models[fs.model]), *fs.flags)
+                verdicts = validate_json(list(files.values()), "-m", str(models[fs.model]), *fs.flags,
+                                         "--server-build", "b11434")
                 for name, path in sorted(files.items()):
                     truth, answer = restore_outcome(srv, name)
                     if truth == "aborts":
@@ -530,6 +531,189 @@ def test_the_b11434_matrix_covers_every_outcome(b11434_matrix):
     assert truths == {"restored", "refused", "aborts"}
     assert len({c["flags"] for c in b11434_matrix.cells}) == len(B11434_FLAG_SETS) + len(KIND_FLAG_SETS)
     assert len(b11434_matrix.cells) >= 200
+
+
+# -- the b11669 matrix: the seed's own server, which reads both appendices --------------------------------------
+
+
+def b11669_flag_sets(models: dict[str, Path]) -> list[FlagSet]:
+    """b11434's flag sets and memory kinds, and drafters: the draft of the save, another draft cache type,
+    -md without a drafter, and fewer --ctx-checkpoints."""
+    d = str(models["draft"])
+    return [*B11434_FLAG_SETS, *KIND_FLAG_SETS,
+            FlagSet("draft", "target", ("-c", "256", "-np", "1", "-fa", "on", "-md", d, "--spec-type", "draft-simple")),
+            FlagSet("draft-ctkd-q8_0", "target", ("-c", "256", "-np", "1", "-fa", "on", "-md", d, "--spec-type",
+                                                  "draft-simple", "-ctkd", "q8_0", "-ctvd", "q8_0")),
+            FlagSet("md-without-drafter", "target", ("-c", "256", "-np", "1", "-fa", "on", "-md", d)),
+            FlagSet("gemma2-draft-ctxcp-1", "gemma2", ("-c", "256", "-np", "1", "-fa", "on", "-md", d, "--spec-type",
+                                                       "draft-simple", "--ctx-checkpoints", "1"))]
+
+
+def appendix_damages(data: bytes) -> dict[str, bytes]:
+    """Copies of a file b11669 saved with checkpoints and a draft state, each appendix damaged one way: the
+    checkpoint appendix's version, count, an empty target blob, a target or draft blob that is no state, a cut
+    in it; the draft state's version, magic, length, a blob that is no state, a cut in it."""
+    at = data.find(SCKP)
+    base = data[:at]
+    k, s = split_appendices(data, at)
+    n_tokens, pos_min, pos_max = struct.unpack_from("<qii", k, 12)
+    blobs, pos = [], 12 + 16
+    for _ in range(3):
+        (n,) = struct.unpack_from("<Q", k, pos)
+        blobs.append(k[pos + 8:pos + 8 + n])
+        pos += 8 + n
+    rest = k[pos:]      # the later checkpoints
+    count = struct.unpack_from("<I", k, 8)[0]
+
+    def first(tgt: bytes, dft: bytes) -> bytes:
+        return (SCKP + struct.pack("<II", 1, count) + struct.pack("<qii", n_tokens, pos_min, pos_max)
+                + b"".join(struct.pack("<Q", len(b)) + b for b in (tgt, dft, blobs[2])) + rest)
+
+    (n_dft,) = struct.unpack_from("<Q", s, 8)
+    return {
+        "b11669-saved": data,
+        "sckp-version-2": base + k[:4] + struct.pack("<I", 2) + k[8:] + s,
+        "sckp-count-plus-1": base + k[:8] + struct.pack("<I", count + 1) + k[12:] + s,
+        "sckp-empty-target": base + first(b"", blobs[1]) + s,
+        "sckp-target-not-a-state": base + first(not_a_state(64), blobs[1]) + s,
+        "sckp-target-cut": base + first(blobs[0][:-9], blobs[1]) + s,
+        "sckp-draft-not-a-state": base + first(blobs[0], not_a_state(64)) + s,
+        "sckp-cut": base + k[:len(k) // 2],
+        "sdft-version-2": base + k + s[:4] + struct.pack("<I", 2) + s[8:],
+        "sdft-magic": base + k + b"SDFX" + s[4:],
+        "sdft-length-beyond": base + k + s[:8] + struct.pack("<Q", 1 << 40) + s[16:],
+        "sdft-not-a-state": base + k + sdft(not_a_state(64)),
+        "sdft-cut": base + k + s[:16 + n_dft // 2],
+        "no-sdft": base + k,
+        "no-appendix": base,
+    }
+
+
+@pytest.fixture(scope="module")
+def b11669_matrix(llama_server_b11669, models, tmp_path_factory) -> Matrix:
+    """Every class of damage of the b11434 matrix and the appendices' under b11669, restored by b11669: the
+    truth of a cell is its outcome and, when restored, the checkpoint and draft steps its log lines say
+    (tests/test_b11669.py's reading of them); validate --server-build b11669 must say the same, and its predicted
+    reuse must be the server's cache_n."""
+    from server_log import restore as restore_logged
+    from server_log import steps_of
+
+    tmp = tmp_path_factory.mktemp("agreement-b11669")
+    slots = tmp / "slots"
+    slots.mkdir()
+    # the chroot sees /tmp only: the models are copied there
+    models = {k: Path(shutil.copy(v, tmp / f"{k}.gguf")) for k, v in models.items()}
+    flag_sets = b11669_flag_sets(models)
+    plain: dict[str, Path] = {}
+    for p in sorted(DATA.glob("srv-*.bin")):
+        plain[p.name] = Path(shutil.copy(p, slots / p.name))
+    for name, args in (("slotctl-np1.bin", ("-c", "256", "-np", "1", "-fa", "on")),
+                       ("slotctl-draft.bin", ("-c", "256", "-np", "1", "-fa", "on", "-md", str(models["draft"]),
+                                              "--spec-type", "draft-simple"))):
+        _slotctl_save(slots / name, models["target"], *args)
+        plain[name] = slots / name
+    base = (DATA / "srv-np1.bin").read_bytes()
+    for name, data in {**damaged(base, header_end_of(base)), **header_cuts(base, header_end_of(base)),
+                       **loader_order_damages(base)}.items():
+        (slots / f"np1-{name}.bin").write_bytes(data)
+        plain[f"np1-{name}.bin"] = slots / f"np1-{name}.bin"
+    kind_files: dict[str, dict[str, Path]] = {}
+    for kind in ("gemma2", "mamba"):
+        data = (DATA / "kinds" / f"srv-{kind}.bin").read_bytes()
+        cuts = ({**recurrent_header_cuts(data, header_end_of(data)), **recurrent_order_damages(data)}
+                if kind == "mamba" else loader_order_damages(data))
+        kind_files[kind] = {}
+        for name, blob in (("", data), ("-one-short", data[:-1]), ("-cut-half", data[:len(data) // 2]),
+                           *((f"-{n}", b) for n, b in cuts.items())):
+            p = slots / f"srv-{kind}{name}.bin"
+            p.write_bytes(blob)
+            kind_files[kind][p.name] = p
+
+    matrix = Matrix()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GGML_NO_BACKTRACE", "1")
+        servers: dict[str, LlamaServer] = {}
+        try:
+            # files b11669 saves itself: one per flag set, and gemma2 with a draft (checkpoints and SDFT),
+            # whose appendices are then damaged one way each
+            for fs in flag_sets:
+                srv = servers[fs.name] = start_server(llama_server_b11669, models[fs.model], tmp, fs.name,
+                                                      args=fs.flags, slot_save_path=slots)
+                srv.completion(LIVE_PROMPT, slot=0, n_predict=4)
+                srv.save(0, f"live-{fs.name}.bin")
+                srv.erase(0)
+                (kind_files[fs.model] if fs.model in kind_files else plain)[f"live-{fs.name}.bin"] = \
+                    slots / f"live-{fs.name}.bin"
+            srv = servers["gemma2-draft-ctxcp-1"]
+            srv.completion(SAVE_PROMPT, slot=0, n_predict=4)
+            srv.completion(SAVE_PROMPT + " " + LIVE_PROMPT, slot=0, n_predict=4)
+            srv.save(0, "gemma2-draft-saved.bin")
+            srv.erase(0)
+            for name, data in appendix_damages((slots / "gemma2-draft-saved.bin").read_bytes()).items():
+                (slots / f"gemma2-{name}.bin").write_bytes(data)
+                kind_files["gemma2"][f"gemma2-{name}.bin"] = slots / f"gemma2-{name}.bin"
+            for fs in flag_sets:
+                files = kind_files.get(fs.model, plain)
+                srv = servers[fs.name]
+                reports = validate_json(list(files.values()), "-m", str(models[fs.model]), *fs.flags,
+                                        "--server-build", "b11669")
+                for name, path in sorted(files.items()):
+                    try:
+                        got = restore_logged(srv, name)
+                        truth, answer = ("restored" if got.status == 200 else "refused"), got.answer
+                    except (OSError, http.client.HTTPException, AssertionError):
+                        truth, answer = "aborts", None
+                    if srv.proc.poll() is not None:
+                        truth = "aborts"
+                    if truth == "aborts":
+                        srv.stop()
+                        srv = servers[fs.name] = start_server(llama_server_b11669, models[fs.model], tmp,
+                                                              f"{fs.name}-again", args=fs.flags, slot_save_path=slots)
+                    rep = reports[name]
+                    verdict = VERDICT_TRUTH.get(rep["verdict"], rep["verdict"])
+                    agree, why = verdict == truth, ""
+                    if not rep["certain"] and rep["verdict"] == "aborts":
+                        agree = truth in ("refused", "aborts")
+                        matrix.uncertain[truth] = matrix.uncertain.get(truth, 0) + 1
+                    if truth == "restored" and agree:
+                        if got.steps != steps_of(rep):
+                            agree, why = False, f"the server {got.steps}, validate {steps_of(rep)}"
+                        elif answer.get("n_restored") != n_tokens_of(path.read_bytes()):
+                            agree, why = False, f"n_restored {answer.get('n_restored')}"
+                        else:   # restored again (the log's marker was a failed restore into the slot)
+                            assert restore_outcome(srv, name)[0] == "restored"
+                            kept = reused_by_server(srv, tokens_of(path.read_bytes()))
+                            srv.erase(0)
+                            matrix.reuse_checked += 1
+                            if rep.get("reuse") is None or rep["reuse"]["n_reused"] != kept:
+                                agree, why = False, f"the server kept {kept} tokens, validate predicted {rep.get('reuse')}"
+                    if not agree and not why:
+                        why = first_error(rep) if truth == "restored" else (
+                            "server: " + str(answer)[:160] if truth == "refused" else "")
+                    matrix.add(file=name, flags=fs.name, truth=truth, verdict=rep["verdict"],
+                               certain=rep["certain"], agree=agree, why=why)
+        finally:
+            for srv in servers.values():
+                srv.stop()
+    print("\n" + matrix.summary("b11669 agreement matrix"))
+    return matrix
+
+
+KNOWN_B11669: set[tuple[str, str]] = set()
+
+
+def test_validate_agrees_with_llama_server_b11669(b11669_matrix):
+    """100% of the cells validate calls certain agree with b11669 (outcome, the appendices' steps from its log
+    lines, the reuse); the uncertain ones (a payload cut where the loader reads what the file never filled)
+    are counted by what the server did."""
+    check_matrix(b11669_matrix, KNOWN_B11669, "b11669 agreement matrix")
+    assert not [c for c in b11669_matrix.cells if c["certain"] and not c["agree"]]
+
+
+def test_the_b11669_matrix_covers_every_outcome(b11669_matrix):
+    truths = {c["truth"] for c in b11669_matrix.cells}
+    assert {"restored", "refused"} <= truths
+    assert len(b11669_matrix.cells) >= 250 and b11669_matrix.reuse_checked >= 50
 
 
 # -- the appendix matrix: against slotctl restore in real llama-cpp-python contexts -------------------------

@@ -445,10 +445,12 @@ def test_checkpoints_and_draft_follow_the_slot_count_and_draft_types(tmp_path):
     out = tmp_path / "np1.bin"
     d = convert_json(src, "-o", out, "-np", "1", "-ctkd", "q8_0", "-ctvd", "q8_0", "-m", target, "-md", draft)
     parts = {(c["part"].split(" ")[0], c["what"]) for c in d["changes"]}
+    # the checkpoints' draft blobs of the plain draft are the blob header alone (b11669's PARTIAL_ONLY):
+    # no types to convert there
     assert parts == {("target", "n_stream"), ("checkpoint", "n_stream"), ("SDFT", "n_stream"),
-                     ("checkpoint", "K type"), ("checkpoint", "V type"), ("SDFT", "K type"), ("SDFT", "V type")}
+                     ("SDFT", "K type"), ("SDFT", "V type")}
     assert d["layers"] and all(e["max_abs_error"] < 0.05 for e in d["layers"])
-    assert {e["part"].split(" ")[0] for e in d["layers"]} == {"checkpoint", "SDFT"}
+    assert {e["part"].split(" ")[0] for e in d["layers"]} == {"SDFT"}
 
     # the unconverted file's draft would be dropped at -np 1; the converted one restores completely
     with ServerContexts.open(target, ContextSettings(n_ctx=512, n_parallel=1), draft_path=draft,
@@ -459,7 +461,7 @@ def test_checkpoints_and_draft_follow_the_slot_count_and_draft_types(tmp_path):
         assert len(restored.checkpoints) == 2
         for cp in restored.checkpoints:
             assert sc.target.state_seq_set(bytearray(cp.tgt), 0, STATE_FLAGS_PARTIAL_ONLY) == len(cp.tgt)
-            assert sc.draft.state_seq_set(bytearray(cp.dft), 0, STATE_FLAGS_PARTIAL_ONLY) == len(cp.dft)
+            assert len(cp.dft) == 8     # the blob header alone: read as b11669's libllama reads it, nothing to load
         with pytest.raises(Exception):
             restore_slot(sc, src, 0)   # n_stream mismatch
     assert info_of(target).memory_kind == "iswa"

@@ -137,10 +137,10 @@ def test_checkpoints_and_draft_state_compared_the_same_way(tiny_models, tmp_path
     assert doc["target"]["equal"] and doc["tokens"]["equal"]
     (dst,) = doc["draft"]["sections"][0]["streams"]
     assert dst["layers"][0]["k_type"] == ["f16", "q8_0"] and 0 < dst["layers"][0]["k_max_abs_diff"] < 0.05
+    # a plain KV cache's checkpoint blobs are the blob header alone (b11669's PARTIAL_ONLY): nothing to compare
     (cp,) = doc["checkpoints"]
-    assert cp["n_tokens"] == [40, 40] and cp["target"]["equal"]
-    assert cp["draft"]["sections"][0]["streams"][0]["layers"][0]["k_type"] == ["f16", "q8_0"]
-    assert {d["layer"].split(",")[0] for d in doc["differences"]} == {"draft state", "checkpoint 0 draft"}
+    assert cp["n_tokens"] == [40, 40] and cp["target"] is None and cp["draft"] is None and cp["equal"]
+    assert {d["layer"].split(",")[0] for d in doc["differences"]} == {"draft state"}
 
 
 def test_small_chunks_give_the_same_answer(monkeypatch):

@@ -255,6 +255,9 @@ def test_save_writes_the_servers_checkpoints_and_inspect_dissects_every_kind(mod
         assert d["target"]["memory"]["kind"] == MEMORY_KINDS[kind]
         assert _sections(d["target"]["memory"]) == EXPECTED_SECTIONS[kind]
         for cp in d["checkpoints"]:
+            if kind == "llama":   # a plain KV cache's PARTIAL_ONLY state as b11669 writes it: the blob header alone
+                assert cp["target"]["header_only"] and cp["target"]["memory"] is None
+                continue
             assert [s["role"] for s in cp["target"]["memory"]["sections"]] == PARTIAL_ROLES[kind]
     # with the model: which layers each section holds
     ids = {s["role"]: s["layer_ids"] for s in d["target"]["memory"]["sections"]}
@@ -327,7 +330,11 @@ def _validate(child, path, model, **settings):
 def test_every_kind_validates_and_loads(child, models, files, kind):
     r = _validate(child, files[kind], models[kind], n_ctx=256)
     assert r.verdict == "restores", r.findings
-    assert all((c.predicted, c.loaded, c.effect) == ("fits", "fits", "ok") for c in r.checks), r.checks
+    # a plain KV cache's checkpoints are the blob header alone (b11669's PARTIAL_ONLY): predicted to fit, not
+    # loaded into this runtime's llama.cpp, which writes and reads the whole cache there
+    header_only = {c.layer for c in r.checks if c.layer.startswith("checkpoint")} if kind == "llama" else set()
+    assert all((c.predicted, c.loaded, c.effect) == ("fits", "skipped" if c.layer in header_only else "fits", "ok")
+               for c in r.checks), r.checks
     assert len(r.checks) == 1 + len(files[kind + "_json"]["checkpoints"])
 
 

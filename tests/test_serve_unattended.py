@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -19,25 +20,15 @@ import time
 
 import pytest
 
+import slotctl
 from conftest import default_signals
-from keeping import child_env, first_line, keep_proc, lease_of, scrape, stop, wait_until
+from keeping import (child_env, documented, families, first_line, keep_proc, lease_of, samples, scrape, stop,
+                     wait_until)
 from llama_server import free_port
 from seaweed import BUCKET, Seaweed, weed_binary
 from serving import TURN1, TURN2_EXTRA, Router, Serve, complete
 
 server = pytest.mark.server
-
-
-def samples(text: str, prefix: str) -> dict[tuple, float]:
-    """Every sample of an exposition, parsed by prometheus_client's parser: (name, sorted labels) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        assert fam.name.startswith(prefix), fam.name
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def value(ss: dict, name: str, **labels) -> float:
@@ -113,6 +104,16 @@ def test_serve_metrics_equal_what_serve_did(fresh, tmp_path):
             assert value(ss, "slotctl_serve_last_success_timestamp_seconds", server=url,
                          action=action) > time.time() - 300, action
         assert not [k for k in ss if k[0] == "slotctl_serve_errors_total"]
+        # the one restore, observed in its histogram by the seconds its event says it took
+        assert value(ss, "slotctl_serve_restore_seconds_count", server=url) == 1
+        assert value(ss, "slotctl_serve_restore_seconds_sum", server=url) == pytest.approx(restored["seconds"])
+        assert value(ss, "slotctl_serve_restore_seconds_bucket", server=url, le="+Inf") == 1
+        # each family typed as docs/serve.md's table says, and the build's
+        status, ctype, text = scrape(base)
+        assert ctype == "text/plain; version=0.0.4; charset=utf-8"
+        assert families(text, "slotctl_serve_") == documented("serve.md")
+        assert value(samples(text, "slotctl_serve_"), "slotctl_build_info", version=slotctl.__version__,
+                     python=platform.python_version(), role="serve") == 1
         status, _ct, body = scrape(base, "/readyz")
         assert status == 200 and "server: up" in body and "store: reachable" in body, body
         assert scrape(base, "/livez")[0] == 200
@@ -269,7 +270,7 @@ def test_the_shipped_serve_unit_is_printed_and_systemd_accepts_it(tmp_path):
                        timeout=60, env=child_env())
     assert r.returncode == 0, r.stderr
     for line in ("Type=notify", "WatchdogSec=", "NotifyAccess=main",
-                 "ExecStart=/usr/bin/env slotctl serve --config /etc/slotctl/%i.toml"):
+                 f"ExecStart={sys.executable} -m slotctl serve --config /etc/slotctl/%i.toml"):
         assert line in r.stdout, line
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed")

@@ -536,8 +536,9 @@ def test_an_appendix_of_2000_checkpoints_keeps_the_newest_and_the_draft_behind_i
     assert (steps["checkpoints"]["status"], steps["checkpoints"]["count"], steps["checkpoints"]["kept"]) == \
         ("restored", 2000, 32)
     assert steps["draft"]["status"] == "restored"
-    assert rep["verdict"] == "restores_with_drops" and rep["certain"] is False
-    assert any("033df86b6" in why for why in rep["uncertain"])
+    # b11669 (the default build) restores such a file so (tests/test_b11669.py): certain; for b11434 the
+    # appendix is ignored whole
+    assert rep["verdict"] == "restores_with_drops" and rep["certain"] is True and rep["build"] == "b11669"
     # beyond slotctl's bound: nothing read, nothing claimed but the reading
     head = apx.SckpAppendix.build(dict(magic=apx.SCKP_MAGIC, version=1, count=0, checkpoints=[]))[:8]
     big = head + struct.pack("<I", apx.MAX_CHECKPOINTS + 1) + bytes(40 * (apx.MAX_CHECKPOINTS + 1))
@@ -592,10 +593,13 @@ def test_each_appendix_is_named_with_the_change_that_reads_it(tmp_path):
             ("sckp", apx.build_sckp(cps), "checkpoint change (PR #26004, llama.cpp 033df86b6)", "ea736c1d5"),
             ("sdft", apx.build_sdft(b"d" * 8), "draft-state change (llama.cpp ea736c1d5)", "033df86b6")):
         path, _ = _copy_with(tmp_path, f"{name}.bin", tail)
-        (f,) = [x for x in structural_findings(open_slot_file(path, layout=_layout()))
+        (f,) = [x for x in structural_findings(open_slot_file(path, layout=_layout()), build="b11434")
                 if x.code == "appendix_needs_new_server"]
         assert has in f.message and lacks not in f.message, f.message
         assert (f.doubt is not None) == (name == "sckp")
+        # b11669 has both changes: no such note
+        assert not [x for x in structural_findings(open_slot_file(path, layout=_layout()))
+                    if x.code == "appendix_needs_new_server"]
     assert "b11434" in _ANSWER_KEYS["n_read"] and "appendices" in _ANSWER_KEYS["n_read"]
 
 
@@ -667,3 +671,19 @@ def test_validate_drops_a_draft_state_for_md_alone_and_says_why(tmp_path):
     (rep,) = json.loads(res.stdout)["files"]
     (f,) = [x for x in rep["findings"] if x["code"] == "no_draft_context"]
     assert "builds no drafter" in f["message"] and rep["verdict"] == "restores_with_drops"
+
+
+def test_the_build_a_server_names_is_judged_by_a_known_one():
+    """/props build_info -> the build whose rules apply (slotctl.server.builds.from_build_info)."""
+    from slotctl.server.builds import KNOWN, NEWEST, from_build_info, get
+
+    assert KNOWN == ("b11434", "b11669") and NEWEST == "b11669"
+    assert from_build_info("b11669-Debian") == ("b11669", None)
+    assert from_build_info("b11434-1a2b3c") == ("b11434", None)
+    assert from_build_info("b11549-abc")[0] == "b11434" and "nearest" in from_build_info("b11549-abc")[1]
+    assert from_build_info("b12000")[0] == "b11669"
+    assert from_build_info("b100")[0] == "b11434"
+    assert from_build_info(None)[0] == NEWEST and "no build number" in from_build_info(None)[1]
+    with pytest.raises(ValueError, match="known: b11434, b11669"):
+        get("b9")
+    assert get("B11669").reads_checkpoints and not get("b11434").reads_checkpoints

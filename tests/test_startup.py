@@ -146,3 +146,37 @@ def test_only_an_s3_path_loads_the_object_store(tmp_path):
         subprocess.run([sys.executable, "-c", code, str(out), *args], capture_output=True, timeout=120, env=env)
         mods = json.loads(out.read_text())
         assert [m for m in mods if m in ("obstore", "slotctl.store.s3")] == want, args
+
+
+def test_prometheus_client_only_when_metrics_are_served(tmp_path):
+    """keep (one pass against a server that is down) imports prometheus_client only with --listen, where it
+    serves /metrics; serve only with --metrics-listen (stopped by SIGTERM once it listens)."""
+    import signal
+
+    out = tmp_path / "m.json"
+    code = ("import json, sys\nfrom slotctl.cli.app import main\ntry:\n    main(sys.argv[2:])\nexcept SystemExit:\n"
+            "    pass\njson.dump(sorted(m for m in sys.modules if m.split('.')[0] == 'prometheus_client'), "
+            "open(sys.argv[1], 'w'))\n")
+    down = "http://127.0.0.1:9"
+    for extra, want in (([], False), (["--listen", "127.0.0.1:0"], True)):
+        r = subprocess.run([sys.executable, "-c", code, str(out), "keep", "--server", down, "--slot-dir",
+                            str(tmp_path), "--save-all", "--timeout", "2", *extra],
+                           capture_output=True, text=True, timeout=120)
+        assert "did not answer" in r.stderr, r.stderr
+        assert bool(json.loads(out.read_text())) == want, (extra, r.stderr)
+    pytest.importorskip("aiohttp")
+    for extra, want in (([], False), (["--metrics-listen", "127.0.0.1:0"], True)):
+        out.unlink(missing_ok=True)
+        p = subprocess.Popen([sys.executable, "-c", code, str(out), "serve", "--upstream", down, "--slot-dir",
+                              str(tmp_path), "--listen", "127.0.0.1:0", "--json", *extra],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            first = json.loads(p.stdout.readline())
+            assert first["event"] == "listening", first
+            p.send_signal(signal.SIGTERM)
+            p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert bool(json.loads(out.read_text())) == want, (extra, first)

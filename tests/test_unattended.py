@@ -23,10 +23,10 @@ import pytest
 import json_schemas
 
 from conftest import default_signals
+from keeping import (Keep, child_env, documented, emptied, families, first_line, keep_proc, lease_of, samples, scrape,
+                     slotctl, stop, tokens_of, value, wait_until)
 from llama_server import free_port
 from seaweed import BUCKET
-from keeping import (Keep, child_env, emptied, first_line, keep_proc, lease_of, scrape, slotctl, stop, tokens_of,
-                     wait_until)
 from slotctl.tinymodels import SAMPLE_PROMPT
 
 server = pytest.mark.server
@@ -246,22 +246,6 @@ def test_the_configuration_drives_keep_and_flags_override_it(tmp_path):
 # -- metrics and health --------------------------------------------------------------------------------------
 
 
-def samples(text: str) -> dict[tuple, float]:
-    """Every sample of an exposition, parsed by prometheus_client's parser: (name, sorted labels) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        assert fam.name.startswith("slotctl_keep_"), fam.name
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(ss: dict, name: str, **labels) -> float:
-    return ss.get((name, tuple(sorted({k: str(v) for k, v in labels.items()}.items()))), 0.0)
-
-
 class Answering:
     """A stand-in for a llama-server started with --api-key, asked without one: /health answers (it is
     public), /props is 401; each look of keep is then an error with a code (the metrics count them)."""
@@ -311,8 +295,19 @@ def test_metrics_count_errors_and_readyz_says_why_not(tmp_path):
         status, _, body = scrape(base, "/livez")
         assert status == 200, body
         assert scrape(base, "/nothing")[0] == 404
-        status, ctype, _ = scrape(base)
-        assert ctype.startswith("text/plain; version=0.0.4")
+        status, ctype, text = scrape(base)
+        assert ctype == "text/plain; version=0.0.4; charset=utf-8"
+        # every family typed as docs/fleet.md's table says (a counter's TYPE line names it with _total), and
+        # the build's: this slotctl's version, keep's role
+        assert families(text) == documented("fleet.md")
+        import platform
+
+        from slotctl import __version__
+
+        ss = samples(text)
+        assert value(ss, "slotctl_build_info", version=__version__, python=platform.python_version(),
+                     role="keep") == 1
+        assert re.search(r"^# TYPE slotctl_keep_looks_total counter$", text, re.M), text
     finally:
         assert stop(proc) == 0
     fake = Answering()
@@ -421,17 +416,25 @@ def test_the_watchdog_of_another_process_is_not_answered_and_an_abstract_socket_
 
 
 def test_the_shipped_unit_is_printed_and_systemd_accepts_it(tmp_path):
+    """The unit of the install slotctl runs from (its ExecStart: this Python; tests/test_units.py runs one of
+    a fresh venv as systemd would); a bad name or --user is one line, exit 2."""
     import shutil
 
     res = slotctl("unit", "keep", code=0)
     text = res.stdout
-    for line in ("Type=notify", "WatchdogSec=", "NotifyAccess=main", "KillSignal=SIGTERM",
-                 "ExecStart=/usr/bin/env slotctl keep --config /etc/slotctl/%i.toml"):
+    for line in ("Type=notify", "WatchdogSec=", "NotifyAccess=main", "KillSignal=SIGTERM", "User=llama\n",
+                 f"ExecStart={sys.executable} -m slotctl keep --config /etc/slotctl/%i.toml\n",
+                 "CacheDirectory=slotctl\n", "Environment=SLOTCTL_CACHE_DIR=%C/slotctl\n", "LimitNOFILE=65536\n"):
         assert line in text, line
     from slotctl.unattended.systemd import unit_text
 
-    assert text == unit_text("keep")
+    assert text == unit_text("keep", python=sys.executable)
+    assert "@" not in text.replace("slotctl-keep@", "").replace("%i", "")   # every placeholder filled
     assert "expected one of: keep" in slotctl("unit", "nothing", code=2).stderr
+    assert "--user 'a;b': expected a user name" in slotctl("unit", "keep", "--user", "a;b", code=2).stderr
+    doc = json.loads(slotctl("unit", "serve", "--json", "--user", "root", code=0).stdout)
+    assert doc["python"] == sys.executable and doc["user"] == "root" and "User=root\n" in doc["text"]
+    json_schemas.check("unit", doc)
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed")
     unit = tmp_path / "slotctl-keep@test.service"

@@ -55,25 +55,22 @@ def test_a_refused_file_says_its_error_first_and_each_remedy_once(spec):
     assert "the server refuses it" in r.stdout
     lines = _finding_lines(r.stdout)
     assert lines[0].startswith("error target memory") and "[n_stream_mismatch]" in lines[0]
-    # the same stream mismatch in four checkpoint blobs and the draft: one remedy, one line naming them
+    # the same stream mismatch in the draft state: one remedy, one line naming it (the checkpoints' blobs of a
+    # plain KV cache are the blob header alone, b11669's PARTIAL_ONLY: no streams to mismatch)
     assert r.stdout.count("start the server with -kvu") == 1
     flat = " ".join(r.stdout.split())           # lines as a terminal of any width wraps them
     same = [part.split(" note ")[0] for part in flat.split(" the same in ")[1:]]
     assert len(same) == 1
-    for layer in ("checkpoint 0 target", "checkpoint 0 draft", "checkpoint 1 target", "checkpoint 1 draft",
-                  "draft @"):
-        assert layer in same[0]
-    assert "not reached, the server refuses the file before it reads them" in same[0]
+    assert "draft @" in same[0] and "checkpoint" not in same[0]
+    assert "not reached, the server refuses the file before it reads it" in same[0]
     assert "harmless" not in r.stdout and "restores with it" not in r.stdout
     assert r.stderr == ""
     # the JSON keeps every finding, worst first, and none says the refused file restores
     doc = json.loads(run(*args, "--json").stdout)
     found = doc["files"][0]["findings"]
     assert [f["severity"] for f in found] == sorted((f["severity"] for f in found), key=SEVERITIES.index)
-    assert sum(f["code"] == "n_stream_mismatch" for f in found) == 6
+    assert sum(f["code"] == "n_stream_mismatch" for f in found) == 2
     assert not any("restores with it" in f["message"] for f in found)
-    assert any("not reached: the server refuses the file before it reads its checkpoints" in f["message"]
-               for f in found)
 
 
 def _on_terminal(args: list[str], columns: int) -> str:
@@ -121,7 +118,8 @@ def test_notes_of_many_files_are_said_once_on_stdout_not_as_warnings(spec, tmp_p
     target, draft, path = spec
     for name in ("a.bin", "b.bin"):
         shutil.copyfile(path, tmp_path / name)
-    r = run("validate", tmp_path, "-m", target, "-md", draft, "--spec-type", "draft-simple", "-c", "256", "-fa", "on", "--no-load")
+    r = run("validate", tmp_path, "-m", target, "-md", draft, "--spec-type", "draft-simple", "-c", "256", "-fa", "on",
+            "--no-load", "--server-build", "b11434")
     assert r.exit_code == 0, r.output
     assert r.stderr == ""
     notes = [line for line in r.stdout.splitlines() if line.startswith("note (2 files) ")]
@@ -129,10 +127,14 @@ def test_notes_of_many_files_are_said_once_on_stdout_not_as_warnings(spec, tmp_p
 
 
 def test_quiet_keeps_a_file_whose_restore_keeps_fewer_tokens_than_it_holds():
-    # gemma2's SWA cache holds only the window: a request extending the prompt finds 0 of its 60 tokens
-    r = run("validate", "-q", KINDS / "srv-gemma2.bin", "-m", KINDS / "gemma2.gguf", "--no-load")
+    # gemma2's SWA cache holds only the window: for b11434 a request extending the prompt finds 0 of its 60
+    # tokens; b11669 keeps them all (measured: tests/test_b11669.py), and the file is left out
+    r = run("validate", "-q", KINDS / "srv-gemma2.bin", "-m", KINDS / "gemma2.gguf", "--no-load",
+            "--server-build", "b11434")
     assert r.exit_code == 0
     assert "srv-gemma2.bin  restores completely" in r.stdout and "finds 0 of its 60 tokens" in r.stdout
+    r = run("validate", "-q", KINDS / "srv-gemma2.bin", "-m", KINDS / "gemma2.gguf", "--no-load")
+    assert r.exit_code == 0 and "srv-gemma2.bin" not in r.stdout
     # a file that restores and keeps every token is left out
     r = run("validate", "-q", KINDS / "srv-mamba.bin", "-m", KINDS / "mamba.gguf", "--no-load")
     assert r.exit_code == 0 and "srv-mamba.bin" not in r.stdout

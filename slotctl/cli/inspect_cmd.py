@@ -10,10 +10,12 @@ import typer
 from slotctl.cli.common import FileRun, NoteCounter, file_error, handle_errors, readable, store_deadline
 from slotctl.cli.extras import llama_available, llama_install
 from slotctl.cli.layout import Text
-from slotctl.cli.options import DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt, StoreTimeoutOpt, VerboseOpt
+from slotctl.cli.options import (DraftModelOpt, JsonlOpt, JsonOpt, ModelOpt, QuietOpt, ServerBuildOpt, StoreTimeoutOpt,
+                                 VerboseOpt)
 from slotctl.cli.output import Output
 from slotctl.describe import describe_file
-from slotctl.errors import SlotctlError
+from slotctl.errors import SlotctlError, UsageError
+from slotctl.server.builds import NEWEST as NEWEST_BUILD
 from slotctl.server.findings import Finding, file_findings
 from slotctl.inputs import expand_slot_paths
 from slotctl.slotfile import open_slot_file
@@ -33,6 +35,7 @@ def inspect(
     jsonl: JsonlOpt = False,
     quiet: QuietOpt = False,
     tokens: Annotated[bool, typer.Option("--tokens", help="Include the token ids.")] = False,
+    server_build: ServerBuildOpt = NEWEST_BUILD,
     timeout: StoreTimeoutOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -48,6 +51,12 @@ def inspect(
     cannot be read; the others are still shown).
     """
     store_deadline(timeout, files)
+    from slotctl.server.builds import get as get_build
+
+    try:
+        server_build = get_build(server_build).name
+    except ValueError as e:
+        raise UsageError(f"--server-build: {e}") from None
     out = Output(json_mode=json_out, jsonl=jsonl, quiet=quiet, verbose=verbose)
     target_info = draft_info = None
     if model is not None:
@@ -67,7 +76,7 @@ def inspect(
         try:
             with readable(path) as real:
                 data = _inspect_one(real, path, target_info, draft_info, model if decode else None, tokens=tokens,
-                                    verbose=verbose)
+                                    verbose=verbose, build=server_build)
         except (SlotctlError, OSError) as e:
             data = file_error(path, e)
         run.add(data)
@@ -100,9 +109,10 @@ def render(out: Output, data: dict, **kwargs) -> None:
     view(out, data, **kwargs)
 
 
-def _inspect_one(real: str, path: str, target_info, draft_info, model, *, tokens: bool, verbose: bool):
-    """The file at ``real`` (shown as ``path``) parsed and described (its JSON object); with ``model``, the
-    prompt decoded with its vocabulary."""
+def _inspect_one(real: str, path: str, target_info, draft_info, model, *, tokens: bool, verbose: bool,
+                 build: str = NEWEST_BUILD):
+    """The file at ``real`` (shown as ``path``) parsed and described (its JSON object), its findings and reuse
+    for the llama-server ``build``; with ``model``, the prompt decoded with its vocabulary."""
     another = None
     if target_info is None:
         sf = open_slot_file(real, draft_layout=draft_info.layout() if draft_info else None)
@@ -115,7 +125,7 @@ def _inspect_one(real: str, path: str, target_info, draft_info, model, *, tokens
             from slotctl.runtime.vocab import detokenize
 
             text = detokenize(model, sf.tokens.tokens, verbose=verbose)
-        found = file_findings(sf)
+        found = file_findings(sf, build)
         if another is not None:
             found.insert(0, another)
         if target_info is not None and another is None and sf.tokens is not None and not sf.tokens.error:
@@ -125,10 +135,11 @@ def _inspect_one(real: str, path: str, target_info, draft_info, model, *, tokens
                                          Path(target_info.path).name)
             if bad is not None:
                 found.append(bad)
-        reuse = _reuse(sf, target_info, found)
+        reuse = _reuse(sf, target_info, found, build)
         data = describe_file(sf, tokens=tokens, text=text, info=target_info if another is None else None,
                              draft_info=draft_info, findings=found)
         data["reuse"] = reuse
+        data["build"] = build
         if any(f.severity == "error" for f in found):   # does not fit the model given: 1, as in validate
             data["exit_code"] = max(data["exit_code"], 1)
         return data
@@ -161,14 +172,14 @@ def _with_model(real: str, target_info, draft_info):
     return sf, None
 
 
-def _reuse(sf, target_info, found: list) -> dict | None:
+def _reuse(sf, target_info, found: list, build: str = NEWEST_BUILD) -> dict | None:
     """The tokens a restored slot keeps for a request extending the saved prompt (with the server's
     defaults: ``--ctx-checkpoints`` 32, no ``--swa-full``), and a note in ``found`` when it is fewer than all."""
     from slotctl.server.reuse import reuse_for
 
     if sf.damaged and sf.target is None:
         return None
-    r = reuse_for(sf, target_info)   # the server's defaults: --ctx-checkpoints 32, no --swa-full
+    r = reuse_for(sf, target_info, build=build)   # the server's defaults: --ctx-checkpoints 32, no --swa-full
     if r is None:
         return None
     if r.n_reused < r.n_tokens:

@@ -186,6 +186,8 @@ def _blob_cell(b: dict | None) -> str:
             cells = sum(s["cell_count"] for s in sec["streams"])
             parts.append(f"{sec['role']} {cells} cell{'' if cells == 1 else 's'}")
         desc += f"\n{' + '.join(parts)}"
+    elif b.get("header_only"):     # a plain KV cache's PARTIAL_ONLY state as b11669 writes it
+        desc += "\nheader only"
     elif b.get("error"):
         desc += " (damaged)"
     return desc

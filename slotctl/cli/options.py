@@ -52,6 +52,12 @@ ServerStateVersionOpt = Annotated[int, typer.Option("--state-version", min=min(S
                                                     max=max(SUPPORTED_VERSIONS),
                                                     help="The server's state version: its loader accepts no other "
                                                          "(4: llama.cpp b11434 and later).")]
+#: validate, inspect and save: the llama-server build whose rules apply (default
+#: :data:`slotctl.server.builds.NEWEST`; live mode learns it from the server's /props)
+ServerBuildOpt = Annotated[str, typer.Option("--server-build", metavar="BUILD",
+                                             help="The llama-server build whose rules apply: b11669 (reads and "
+                                                  "writes the checkpoint and draft-state appendices) or b11434 "
+                                                  "(ignores them). With --server, the server's own.")]
 #: save: the state version to write (default :data:`slotctl.server.flags.SERVER_STATE_VERSION`)
 SaveStateVersionOpt = Annotated[int, typer.Option("--state-version", help="4: what current llama-server reads; "
                                                   "3: what this llama-cpp-python reads.")]

@@ -14,13 +14,14 @@ from slotctl.cli.common import handle_errors, read_prompt
 from slotctl.cli.extras import require_llama
 from slotctl.cli.command_line import ArgsCommand
 from slotctl.cli.options import (RouterModelOpt, DraftModelOpt, JsonOpt, LiveApiKeyOpt, LiveServerOpt, LiveTimeoutOpt,
-                                 LocalModelOpt, SaveStateVersionOpt, SlotOpt, VerboseOpt)
+                                 LocalModelOpt, SaveStateVersionOpt, ServerBuildOpt, SlotOpt, VerboseOpt)
 from slotctl.cli.server_panel import with_server_flags
 from slotctl.live import SLOT_FILE_TIMEOUT
 from slotctl.cli.output import Output
 from slotctl.errors import UsageError
 from slotctl.paths import check_readable
 from slotctl.runtime.save import STATE_VERSIONS
+from slotctl.server.builds import NEWEST as NEWEST_BUILD
 from slotctl.server.flags import SERVER_STATE_VERSION, ServerFlags, check_slot
 
 
@@ -44,6 +45,7 @@ def save(
                                                         allow_dash=True)] = None,
     draft_model: DraftModelOpt = None,
     state_version: SaveStateVersionOpt = SERVER_STATE_VERSION,
+    server_build: ServerBuildOpt = NEWEST_BUILD,
     checkpoint_at: Annotated[Optional[list[int]], typer.Option("--checkpoint-at", help="Take a context "
                                                                "checkpoint when the prompt reaches N tokens "
                                                                "(repeatable; written as an SCKP appendix).")] = None,
@@ -103,6 +105,12 @@ def save(
     for path, what in ((model, "model "), (draft_model, "draft model ")):
         if path is not None:
             check_readable(path, what=what)   # missing, a FIFO, a device, a symlink loop: one line
+    from slotctl.server.builds import get as get_build
+
+    try:
+        server_build = get_build(server_build).name
+    except ValueError as e:
+        raise UsageError(f"--server-build: {e}") from None
     flags.context_settings()   # settings llama.cpp would refuse: a usage error before the models load
     check_slot(slot, flags.parallel)
 
@@ -120,7 +128,7 @@ def save(
     done = save_prompt(model, text, output, flags, slot=slot, draft_model=draft_model, state_version=state_version,
                        checkpoint_at=checkpoint_at or (), checkpoint_every=checkpoint_every,
                        user_delimiter=user_delimiter or (), server_checkpoints=server_checkpoints, overwrite=force,
-                       verbose=verbose, bar=out.progress)
+                       verbose=verbose, bar=out.progress, build=server_build)
     written, checkpoints, starts, timings = done.written, done.checkpoints, done.user_starts, done.timings
     tinfo, dinfo = done.target_info, done.draft_info
 
@@ -130,7 +138,7 @@ def save(
 
     with open_slot_file(output, layout=tinfo.layout(), draft_layout=dinfo.layout() if dinfo is not None else None) as sf:
         described = describe_file(sf, text=done.prompt_text, info=tinfo, draft_info=dinfo,
-                                  findings=file_findings(sf))
+                                  findings=file_findings(sf, server_build))
     if json_out:
         out.json({
             "path": written.path,

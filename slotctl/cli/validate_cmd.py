@@ -22,6 +22,7 @@ from slotctl.cli.options import (
     LiveApiKeyOpt,
     LiveTimeoutOpt,
     ModelOpt,
+    ServerBuildOpt,
     ServerStateVersionOpt,
     QuietOpt,
     SlotOpt,
@@ -29,6 +30,8 @@ from slotctl.cli.options import (
 )
 from slotctl.cli.server_panel import with_server_flags
 from slotctl.cli.output import Output, escape_text, human_bytes, style_of
+from slotctl.errors import UsageError
+from slotctl.server.builds import NEWEST as NEWEST_BUILD
 from slotctl.server.flags import SERVER_STATE_VERSION, ServerFlags, attn_rot_disable
 from slotctl.live import DEFAULT_TIMEOUT
 
@@ -58,6 +61,7 @@ def validate(
                                                    help="The server's multimodal projector: media chunks in the "
                                                         "prompt restore only with one (not loaded).")] = None,
     state_version: ServerStateVersionOpt = SERVER_STATE_VERSION,
+    server_build: ServerBuildOpt = NEWEST_BUILD,
     load: Annotated[bool, typer.Option("--load/--no-load",
                                        help="With -m: also load every layer into real contexts built with these "
                                             "flags, in a child process (--no-load: predict only).")] = True,
@@ -97,9 +101,13 @@ def validate(
                                   state_version=state_version, store=store)
     if lv is not None:
         model, draft_model, flags, slot = lv.model, lv.draft_model, lv.server_flags, lv.slot
+        from slotctl.server.builds import from_build_info
+
+        server_build, _why = from_build_info(lv.facts.build_info)
     setup = ServerSetup.from_flags(flags, target=model, draft=draft_model, slot=slot,
                                    mmproj=mmproj is not None if lv is None else lv.mmproj,
-                                   state_version=state_version, attn_rot_disable=attn_rot_disable())
+                                   state_version=state_version, attn_rot_disable=attn_rot_disable(),
+                                   build=server_build)
     expansion = expand_slot_paths(files, follow_symlinks=True)
     run = FileRun(out, expansion, what="validate")
     paths = expansion.files
@@ -149,6 +157,8 @@ def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = 
             head.append(f"  {fr.size:,} bytes", style="dim")
         if fr.version is not None:
             head.append(f", state version {fr.version}", style="dim")
+        if fr.build is not None:
+            head.append(f", for {fr.build}", style="dim")
         out.print(head)
         for why in fr.uncertain:
             line = Text("  not certain ", style="bold yellow")

@@ -98,6 +98,7 @@ def _explain(name: str, comp: Completion, fcomp: Completion, restored: RestoredS
              n_ctx_checkpoints: int) -> str | None:
     """The server's documented behaviour that explains a difference (:func:`slotctl.server.reuse.
     explain_difference`), with validate's predicted reuse when the request extends the saved prompt."""
+    from slotctl.server import builds
     from slotctl.server.checkpoints import rolls_back
     from slotctl.server.reuse import explain_difference, predict_reuse
     from slotctl.slotfile import open_slot_file
@@ -107,7 +108,9 @@ def _explain(name: str, comp: Completion, fcomp: Completion, restored: RestoredS
     if name == "n_evaluated" and comp.n_common == len(restored.tokens):
         read = restored.step("checkpoints").status != "ignored"
         with open_slot_file(restored.path, layout=tinfo.layout()) as sf:
-            r = predict_reuse(sf, n_swa=n_swa, n_ctx_checkpoints=n_ctx_checkpoints, checkpoints_read=read)
+            # the runtime's own rules (b11434's update_slots, the appendices read): what it did, predicted
+            r = predict_reuse(sf, n_swa=n_swa, n_ctx_checkpoints=n_ctx_checkpoints, checkpoints_read=read,
+                              build=builds.RUNTIME)
         predicted = r.n_reused if r is not None else None
     draft = restored.step("draft")
     return explain_difference(name, comp, fcomp, draft_status=draft.status, draft_reason=draft.reason,

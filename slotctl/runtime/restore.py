@@ -301,10 +301,10 @@ def _load_checkpoints(f: BinaryIO, offset: int, size: int, version: int, tinfo: 
     t_layout = tinfo.layout().partial()
     d_layout = dinfo.layout().partial() if dinfo else None
     for i, cp in enumerate(got.kept):
-        tgt, why = prepare_blob(cp.tgt.read(f), t_layout, version, tinfo, f"checkpoint {i} target blob")
+        tgt, why = _prepare_partial(cp.tgt.read(f), t_layout, version, tinfo, f"checkpoint {i} target blob")
         dft = b""
         if not why and cp.dft.size:
-            dft, why = prepare_blob(cp.dft.read(f), d_layout, version, dinfo, f"checkpoint {i} draft blob")
+            dft, why = _prepare_partial(cp.dft.read(f), d_layout, version, dinfo, f"checkpoint {i} draft blob")
             if why and d_layout is None:
                 why, dft = None, b""  # no draft context: the draft half is never loaded
         if why:
@@ -317,6 +317,16 @@ def _load_checkpoints(f: BinaryIO, offset: int, size: int, version: int, tinfo: 
                                                      "pos_max": c.pos_max} for c in out])
     step.reason = "; ".join(notes) or None
     return out, step
+
+
+def _prepare_partial(blob: bytes, layout: MemoryLayout | None, version: int, info: ModelInfo | None,
+                     layer: str) -> tuple[bytes, str | None]:
+    """:func:`prepare_blob` for a checkpoint's PARTIAL_ONLY blob: the blob header alone is a plain KV cache's
+    state as libllama b11434 and later write it (kept as it is: :func:`slotctl.runtime.speculative` reads
+    nothing of it, as that libllama does)."""
+    if len(blob) == BLOB_HEADER_SIZE and layout is not None and layout.kind == "kv":
+        return blob, None
+    return prepare_blob(blob, layout, version, info, layer)
 
 
 def _load_draft(sc: ServerContexts, f: BinaryIO, offset: int, size: int, slot: int, version: int,

@@ -53,12 +53,13 @@ def save_prompt(model: str | os.PathLike, text: str, output: str | os.PathLike, 
                 slot: int = 0, draft_model: str | os.PathLike | None = None, state_version: int = 4,
                 checkpoint_at: Sequence[int] = (), checkpoint_every: int | None = None,
                 user_delimiter: Sequence[str] = (), server_checkpoints: bool = False, overwrite: bool = False,
-                verbose: bool = False, bar: Bar = _no_bar) -> Saved:
+                verbose: bool = False, bar: Bar = _no_bar, build: str | None = None) -> Saved:
     """Evaluate ``text`` in slot ``slot`` of contexts made as a server of ``flags`` makes them, and write the
     slot file it would save to ``output``. ``server_checkpoints``: take checkpoints as the server does (also
     when ``user_delimiter`` is given); ``checkpoint_at``/``checkpoint_every``: at these prompt positions too.
     :class:`PromptRefused` when the server would refuse the prompt; UsageError for a model llama.cpp refuses
-    or positions that do not fit."""
+    or positions that do not fit. ``build``: the llama-server build the file is written as (its checkpoints'
+    PARTIAL_ONLY blobs: :func:`slotctl.runtime.slot.write_slot_file`; default the newest known)."""
     from slotctl.runtime.log import configure_logging
     from slotctl.runtime.slot import ServerContexts, evaluate_prompt, write_slot_file
     from slotctl.server.checkpoints import CheckpointPolicy, requested_positions, user_starts
@@ -95,7 +96,7 @@ def save_prompt(model: str | os.PathLike, text: str, output: str | os.PathLike, 
         t_eval = time.perf_counter() - t0
         t0 = time.perf_counter()
         written = write_slot_file(output, sc, slot, tokens, version=state_version, checkpoints=checkpoints,
-                                  overwrite=overwrite)
+                                  overwrite=overwrite, **({"build": build} if build else {}))
         t_write = time.perf_counter() - t0
         return Saved(written, checkpoints, starts, sc.target_model.detokenize(tokens), sc.target_info,
                      sc.draft_info, {"load_ms": round(t_load * 1000, 3), "evaluate_ms": round(t_eval * 1000, 3),

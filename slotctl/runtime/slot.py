@@ -45,6 +45,7 @@ from slotctl.format.convert import convert_blob, convert_payload
 from slotctl.format.tokens import pack_tokens
 from slotctl.model.info import ModelInfo, read_model_info
 from slotctl.model.predict import rotation_rule
+from slotctl.server import builds
 from slotctl.runtime.context import STATE_FLAGS_NONE, STATE_FLAGS_PARTIAL_ONLY, STATE_VERSION, Context
 from slotctl.runtime.model import Model
 from slotctl.model.settings import DRAFT_CACHE_TYPE_DEFAULT, ContextSettings
@@ -247,14 +248,23 @@ class WrittenFile:
 
 def write_slot_file(path: str | os.PathLike, sc: ServerContexts, slot: int, tokens: Sequence[int], *,
                     version: int = 4, checkpoints: Sequence[Checkpoint] = (), with_draft: bool = True,
-                    overwrite: bool = False) -> WrittenFile:
-    """Write the slot file llama-server with llama.cpp ea736c1d5 would write for ``slot``, atomically.
+                    overwrite: bool = False, build: str = builds.NEWEST) -> WrittenFile:
+    """Write the slot file llama-server ``build`` (b11669: llama.cpp ea736c1d5's appendices) would write for
+    ``slot``, atomically.
 
     Header and packed token record; the target payload (``state_write`` of the target context, flags 0);
     SCKP when there are checkpoints (their speculative state is empty); SDFT with the draft context's
     full state when there is a draft context (empty speculative state). Payload and blobs are converted
-    from this runtime's state version to ``version`` (exact, or refused with the reason).
+    from this runtime's state version to ``version`` (exact, or refused with the reason). A checkpoint's
+    blob of a plain KV cache is written as the build's libllama writes a PARTIAL_ONLY state there
+    (:data:`slotctl.server.builds.Build.partial_plain_kv`: the blob header alone for b11434 and b11669;
+    llama-cpp-python 0.3.36 gives the whole cache).
     """
+    header_only = builds.get(build).partial_plain_kv == "header"
+
+    def partial(blob: bytes, layout) -> bytes:
+        return blob[:BLOB_HEADER_SIZE] if header_only and blob and layout.kind == "kv" else blob
+
     words = pack_tokens(tokens)
     blob = sc.target.state_seq_get(slot, STATE_FLAGS_NONE)
     payload = blob[BLOB_HEADER_SIZE:]
@@ -267,10 +277,11 @@ def write_slot_file(path: str | os.PathLike, sc: ServerContexts, slot: int, toke
         dinfo = sc.draft_info or read_model_info(sc.draft_model.path)
     sckp = apx.build_sckp([
         dict(n_tokens=c.n_tokens, pos_min=c.pos_min, pos_max=c.pos_max,
-             tgt=convert_blob(c.tgt, tinfo.layout().partial(), STATE_VERSION, version, rotations=t_rule,
-                              layer="checkpoint target blob"),
-             dft=convert_blob(c.dft, dinfo.layout().partial(), STATE_VERSION, version,
-                              rotations=rotation_rule(dinfo), layer="checkpoint draft blob") if dinfo else c.dft,
+             tgt=partial(convert_blob(c.tgt, tinfo.layout().partial(), STATE_VERSION, version, rotations=t_rule,
+                                      layer="checkpoint target blob"), tinfo.layout()),
+             dft=partial(convert_blob(c.dft, dinfo.layout().partial(), STATE_VERSION, version,
+                                      rotations=rotation_rule(dinfo), layer="checkpoint draft blob"), dinfo.layout())
+             if dinfo else c.dft,
              spec=c.spec) for c in checkpoints])
     sdft = b""
     if sc.draft is not None and with_draft:

@@ -47,6 +47,7 @@ import llama_cpp
 
 from slotctl.progress import Progress
 from slotctl.errors import ExitStatus, SlotctlError, UsageError
+from slotctl.format.blob import BLOB_HEADER_SIZE
 from slotctl.runtime.context import STATE_FLAGS_PARTIAL_ONLY, Context
 from slotctl.runtime.model import LlamaError, Model
 from slotctl.runtime.slot import ServerContexts, process_prompt
@@ -229,15 +230,13 @@ class ServerSlot:
                 # the memory no longer holds what n_past needs (SWA window, recurrent state): go back to
                 # the last checkpoint that is early enough, or start over
                 found = rollback_checkpoint(self.checkpoints, pos_next, pos_min_thold)
-                if found is not None and not self.sc.target.state_seq_set(found.tgt, self.id,
-                                                                          STATE_FLAGS_PARTIAL_ONLY):
+                if found is not None and not _set_partial(self.sc.target, found.tgt, self.id):
                     # a checkpoint the context does not take (it was converted and checked at restore,
                     # so this is not expected): the server aborts ("checkpoint size mismatch")
                     raise ServerAborts(f"llama-server aborts here: the checkpoint at {found.n_tokens} tokens does "
                                        "not fit the target context (GGML_ABORT checkpoint size mismatch)")
                 if found is not None:
-                    if self.sc.draft is not None and found.dft and \
-                            not self.sc.draft.state_seq_set(found.dft, self.id, STATE_FLAGS_PARTIAL_ONLY):
+                    if self.sc.draft is not None and found.dft and not _set_partial(self.sc.draft, found.dft, self.id):
                         raise ServerAborts(f"llama-server aborts here: the checkpoint at {found.n_tokens} tokens "
                                            "does not fit the draft context (GGML_ABORT checkpoint size mismatch)")
                     pos_next = min(pos_next, max(found.pos_min + 1, found.pos_max))
@@ -443,3 +442,12 @@ class ServerSlot:
             for token in accepted:
                 if not process_token(token):
                     return
+
+
+def _set_partial(ctx: Context, blob: bytes, seq_id: int) -> int:
+    """A checkpoint's PARTIAL_ONLY blob loaded into ``ctx``; the bytes read. The blob header alone (8 bytes: a
+    plain KV cache's state as libllama b11434 and later write it, :mod:`slotctl.server.builds`) is read as that
+    libllama reads it: the header, nothing restored (a KV cache drops positions itself)."""
+    if len(blob) == BLOB_HEADER_SIZE:
+        return BLOB_HEADER_SIZE
+    return ctx.state_seq_set(blob, seq_id, STATE_FLAGS_PARTIAL_ONLY)

@@ -679,7 +679,7 @@ class Proxy:
         self.log("restored", f"{state.name}{how} restored into slot {slot.id}: {answer.get('n_restored', 0):,} "
                              f"tokens in {(time.perf_counter() - t0) * 1000:.0f} ms; the request keeps "
                              f"{gain:,} of its {n_request:,} (the slot held {held:,})",
-                 slot=slot.id, name=state.name, n_restored=answer.get("n_restored"), reuse=gain, held=held, **extra)
+                 slot=slot.id, name=state.name, n_restored=answer.get("n_restored"), reuse=gain, held=held, seconds=round(time.perf_counter() - t0, 6), **extra)
         return gain
 
     async def _save_then_release(self, slot: Slot, key: str | None, text: str | None = None,

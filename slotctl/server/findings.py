@@ -17,6 +17,7 @@ import numpy as np
 from slotctl.errors import FormatError
 from slotctl.format import tokens as tokfmt
 from slotctl.format.common import parse_bytes
+from slotctl.server import builds
 from slotctl.server.checkpoints import DEFAULT_CTX_CHECKPOINTS
 from slotctl.slotfile import SlotFile, checkpoint_layer, is_checkpoint_layer, torn_magic
 
@@ -63,38 +64,43 @@ class ServerRules:
 
     state_version: int | None = 4
     mmproj: bool = False
+    #: the build judged for (:mod:`slotctl.server.builds`): b11669's checkpoint rules are measured (no doubt;
+    #: a damaged checkpoint blob is dropped, never an abort)
+    build: str = builds.NEWEST
 
 
 def structural_findings(sf: SlotFile, *, n_ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS,
-                        server: ServerRules | None = None, f: BinaryIO | None = None) -> list[Finding]:
+                        server: ServerRules | None = None, f: BinaryIO | None = None,
+                        build: str | None = None) -> list[Finding]:
     """Findings from the parsed layers (no models needed); with ``server``, its rules too. ``f``: the file,
-    open (the few bytes read again come from it; without it the file is opened for them).
+    open (the few bytes read again come from it; without it the file is opened for them). ``build``: the
+    build judged for (default the server's, else :data:`slotctl.server.builds.NEWEST`).
 
     They are about what a server does with the file; what slotctl's own llama-cpp-python can load is
     said only where it loads the file (``restore``, validate's real check).
     """
+    rules = builds.get(build or (server.build if server is not None else builds.NEWEST))
+    reading = None if rules.measured else READING_033DF86B6
     out: list[Finding] = []
     for e in sf.errors:
         layer = e.part or e.layer       # the slot file's layer the walk recorded it for
+        if not rules.reads_checkpoints and (layer.startswith(("SCKP", "SDFT")) or is_checkpoint_layer(layer)):
+            continue    # a build that reads no appendix (b11434): appendix_needs_new_server says it is ignored
         if server is not None and is_checkpoint_layer(layer):
-            name = layer.removesuffix(" blob")
-            out.append(Finding(name, "error", "checkpoint_blob_damaged",
-                               f"{e.one_line()}: no state llama.cpp loads; the checkpoint appendix loader "
-                               "checks only lengths, so the server keeps this checkpoint", e.offset,
-                               doubt=READING_033DF86B6))
+            out.append(checkpoint_blob_finding(layer.removesuffix(" blob"), e.one_line(), e.offset, rules.name))
         elif layer.startswith("SCKP") and e.expected.startswith("checkpoint count of at most"):
             out.append(Finding("checkpoints", "note", "checkpoints_unread",
                                f"{e.one_line()}: more checkpoints than slotctl reads (its own bound; a server "
                                "writes at most its --ctx-checkpoints); the server's loader has no such cap: "
                                "it reads them and keeps the newest --ctx-checkpoints, unchecked here", e.offset,
-                               doubt=f"{READING_033DF86B6}, and the checkpoints were not read"))
+                               doubt=f"{reading or 'measured on ' + rules.name}, and the checkpoints were not read"))
         elif layer.startswith("SCKP") or is_checkpoint_layer(layer):
             behind = (", and any draft state behind it (the draft loader looks for SDFT right after the "
                       "payload)") if server is not None else ""
             out.append(Finding("checkpoints", "drop", "checkpoints_damaged",
                                f"{e.one_line()}: the server ignores the checkpoint appendix (\"invalid context "
                                f"checkpoint appendix - ignored\") and reads none of it{behind}", e.offset,
-                               doubt=READING_033DF86B6))
+                               doubt=reading))
         elif layer.startswith("SDFT draft blob"):
             # load_slot_draft (llama.cpp ea736c1d5): the appendix is well framed, llama_state_seq_set_data_ext refuses the blob
             out.append(Finding("draft", "drop", "draft_dropped",
@@ -117,17 +123,19 @@ def structural_findings(sf: SlotFile, *, n_ctx_checkpoints: int = DEFAULT_CTX_CH
                            f"{sf.version} restores it, or convert the file: slotctl convert FILE -o OUT "
                            f"--state-version {server.state_version} (exact, or refused; -m MODEL for a quantized "
                            "cache)", 4))
-    if sf.sckp or sf.sdft:
+    lacks = [(n, a) for n, a, has in (("checkpoints (SCKP) need a server with the checkpoint change (PR #26004, "
+                                       "llama.cpp 033df86b6)", sf.sckp, rules.reads_checkpoints),
+                                      ("draft state (SDFT) needs one with the draft-state change (llama.cpp "
+                                       "ea736c1d5)", sf.sdft, rules.reads_draft_state)) if a and not has]
+    if lacks:
         # SCKP: the checkpoint change (PR #26004, llama.cpp 033df86b6); SDFT: the draft-state change
         # (ea736c1d5) on top of it. b11434 predates both: it restores the target and reads no appendix.
-        names = " and ".join(n for n, a in (("checkpoints (SCKP) need a server with the checkpoint change "
-                                              "(PR #26004, llama.cpp 033df86b6)", sf.sckp),
-                                             ("draft state (SDFT) needs one with the draft-state change "
-                                              "(llama.cpp ea736c1d5)", sf.sdft)) if a)
+        # Said only when the build judged for lacks the change (b11669 has both).
+        names = " and ".join(n for n, _ in lacks)
         out.append(Finding("appendix", "note", "appendix_needs_new_server",
-                           f"the {names}; llama.cpp b11434 and older restore the target and silently ignore "
-                           f"{'them' if sf.sckp and sf.sdft else 'it'}",
-                           (sf.sckp or sf.sdft).offset, doubt=READING_033DF86B6 if sf.sckp else None))
+                           f"the {names}; llama.cpp {rules.name} (the build judged for) restores the target and "
+                           f"silently ignores {'them' if len(lacks) > 1 else 'it'}",
+                           lacks[0][1].offset, doubt=reading if sf.sckp else None))
     tk = sf.tokens
     if tk is not None and not tk.error:
         if tk.format == "legacy":
@@ -149,22 +157,24 @@ def structural_findings(sf: SlotFile, *, n_ctx_checkpoints: int = DEFAULT_CTX_CH
                 out.append(Finding("target memory", "note", "cells_tokens_differ",
                                    f"the prompt has {tk.n_tokens:,} tokens, the target memory {n_cells:,} cells",
                                    sf.target.offset))
-    empty = checkpoints_ignored(sf)
-    if empty is not None:
+    empty = checkpoints_ignored(sf) if rules.reads_checkpoints else None
+    if not rules.reads_checkpoints:
+        pass
+    elif empty is not None:
         out.append(Finding("checkpoints", "drop", "checkpoints_ignored",
                            f"checkpoint {empty} has an empty target blob: the server ignores the whole checkpoint "
                            "appendix (\"invalid context checkpoint appendix - ignored\") and reads none of it",
-                           sf.sckp.offset, doubt=READING_033DF86B6))
+                           sf.sckp.offset, doubt=reading))
         if sf.sdft is not None:
             out.append(Finding("draft", "drop", "draft_unreachable",
                                "the draft state behind the ignored checkpoint appendix is never read: the server looks "
                                "for it right after the payload, finds the checkpoint appendix there, and starts the "
-                               "draft empty (silently)", sf.sdft.offset, doubt=READING_033DF86B6))
+                               "draft empty (silently)", sf.sdft.offset, doubt=reading))
     elif sf.checkpoints is not None and len(sf.checkpoints) > n_ctx_checkpoints:
         out.append(Finding("checkpoints", "drop", "too_many_checkpoints",
                            f"{len(sf.checkpoints)} checkpoints: a server keeps the last {n_ctx_checkpoints} "
-                           "(--ctx-checkpoints) and drops the rest", sf.sckp.offset, doubt=READING_033DF86B6))
-    if sf.sdft is not None and sf.draft is not None and sf.draft.span.size == 0:
+                           "(--ctx-checkpoints) and drops the rest", sf.sckp.offset, doubt=reading))
+    if sf.sdft is not None and sf.draft is not None and sf.draft.span.size == 0 and rules.reads_draft_state:
         out.append(Finding("draft", "note", "draft_empty",
                            "the draft appendix holds only speculative state; the draft context starts empty",
                            sf.sdft.offset))
@@ -183,6 +193,27 @@ def structural_findings(sf: SlotFile, *, n_ctx_checkpoints: int = DEFAULT_CTX_CH
     if server is not None:
         out += _cell_findings(sf)
     return out
+
+
+def checkpoint_blob_finding(layer: str, what: str, offset: int | None, build: str) -> Finding:
+    """A checkpoint blob (``layer``: "checkpoint N target" / "checkpoint N draft") that is no state the
+    server's context loads (``what``: why), as the build judged for treats it. b11669 (measured) drops a
+    draft blob on restore ("draft context checkpoint data ... does not match the draft context - dropped")
+    and keeps the checkpoint; it keeps a target blob unchecked, and a request going back to that checkpoint
+    fails to load it ("failed to load context checkpoint restored from a slot file") and evaluates the whole
+    prompt again. The reading of 033df86b6 (the loader checks only lengths; a rollback aborts): an error."""
+    rules = builds.get(build)
+    if rules.aborts_on_bad_checkpoint:
+        return Finding(layer, "error", "checkpoint_blob_damaged",
+                       f"{what}: no state llama.cpp loads; the checkpoint appendix loader checks only lengths, so "
+                       "the server keeps this checkpoint", offset, doubt=None if rules.measured else READING_033DF86B6)
+    if layer.endswith("draft"):
+        return Finding(layer, "drop", "checkpoint_draft_dropped",
+                       f"{what}: the server drops this draft blob when it restores the file (\"draft context "
+                       "checkpoint data ... does not match the draft context - dropped\") and keeps the checkpoint "
+                       "without it", offset)
+    return Finding(layer, "drop", "checkpoint_blob_damaged",
+                   f"{what}: no state the target context loads; the server keeps the checkpoint unchecked", offset)
 
 
 def media_extents(sf: SlotFile, f: BinaryIO | None = None) -> dict:
@@ -347,6 +378,7 @@ def _max_cells(sf: SlotFile) -> int | None:
     return sum(s.cell_count for s in sec.streams)
 
 
-def file_findings(sf: SlotFile) -> list[Finding]:
-    """What ``inspect`` reports: the notes of the walk through the layers, then the structural findings."""
-    return [Finding("file", "note", "walk_note", w) for w in sf.warnings] + structural_findings(sf)
+def file_findings(sf: SlotFile, build: str = builds.NEWEST) -> list[Finding]:
+    """What ``inspect`` reports for the build judged for: the notes of the walk through the layers, then the
+    structural findings."""
+    return [Finding("file", "note", "walk_note", w) for w in sf.warnings] + structural_findings(sf, build=build)

@@ -64,11 +64,23 @@ def short_first(names: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _server_args() -> dict[str, ServerArg]:
-    """Every spelling llama-server takes, to its argument. The server's rule (``common_params_parser_init``'s
-    ``add_opt``): an argument set for ``LLAMA_EXAMPLE_SERVER`` or ``LLAMA_EXAMPLE_COMMON`` and not excluded
-    from the server; a spelling declared twice means the last declaration (``arg_to_options``)."""
-    from slotctl.server.args_b11434 import ARGS
+    """Every spelling llama-server takes, to its argument: b11434's (``common/arg.cpp``) and b11669's (its
+    ``--help``: ``--spec-draft-*``, the router's ``--models-dir``, ``--cache-idle-slots``, ...), so that a
+    command line of either build pastes. The server's rule (``common_params_parser_init``'s ``add_opt``): an
+    argument set for ``LLAMA_EXAMPLE_SERVER`` or ``LLAMA_EXAMPLE_COMMON`` and not excluded from the server; a
+    spelling declared twice means the last declaration (``arg_to_options``). A spelling both builds take is
+    b11434's argument (the fields slotctl uses are spelt alike in both)."""
+    return {**build_args("b11669"), **build_args("b11434")}
 
+
+def build_args(build: str) -> dict[str, ServerArg]:
+    """Every spelling llama-server ``build`` (b11434, b11669) takes, to its argument: its own table alone."""
+    if build == "b11434":
+        from slotctl.server.args_b11434 import ARGS
+    elif build == "b11669":
+        from slotctl.server.args_b11669 import ARGS
+    else:
+        raise ValueError(f"no argument table of {build}")
     table: dict[str, ServerArg] = {}
     for names, negated, values, env, examples, excludes in ARGS:
         if ("SERVER" in examples or "COMMON" in examples) and "SERVER" not in excludes:

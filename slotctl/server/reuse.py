@@ -15,14 +15,23 @@ cell (0); an iSWA cache at its SWA section's first cell (a slot file holds only 
 starts exactly at the threshold: the server always needs a checkpoint); a recurrent state at its one
 cell (the last position, below the threshold of an extending request); a hybrid memory at the larger of
 its parts'. b11434 ignores the checkpoint appendix (it restores the target only), so it never has a
-checkpoint to go back to after a restore; the server of llama.cpp ea736c1d5 keeps the newest
-``--ctx-checkpoints`` of the file's (the readings of upstream ``load_slot_checkpoints``).
+checkpoint to go back to after a restore; a server that reads them (b11669) keeps the newest
+``--ctx-checkpoints`` of the file's.
+
+The rules differ by build (:mod:`slotctl.server.builds`): b11669, measured, keeps every token of a restored
+iSWA slot (its SWA cache holding only the window) for a request that extends its whole prompt
+(``timings.cache_n`` is the file's token count), and all but the last for the saved prompt itself, where
+b11434's threshold sends both back to a checkpoint or to the start;
+and a checkpoint whose target blob does not load makes b11669 evaluate the whole prompt again ("failed to load
+context checkpoint restored from a slot file"). ``n_reused`` is the prediction for the build judged
+(``build``), ``n_reused_b11434`` b11434's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slotctl.server import builds
 from slotctl.server.checkpoints import DEFAULT_CTX_CHECKPOINTS, keep_newest, pos_min_threshold, rollback_checkpoint
 from slotctl.slotfile import SlotFile
 
@@ -41,10 +50,12 @@ class Reuse:
     reason_b11434: str | None
     #: what a request that diverges from the saved prompt keeps, in words
     divergence: str | None = None
+    #: the build ``n_reused`` is predicted for (:mod:`slotctl.server.builds`)
+    build: str = builds.NEWEST
 
     def as_dict(self) -> dict:
-        return {"n_tokens": self.n_tokens, "n_reused": self.n_reused, "checkpoint": self.checkpoint,
-                "reason": self.reason, "divergence": self.divergence,
+        return {"build": self.build, "n_tokens": self.n_tokens, "n_reused": self.n_reused,
+                "checkpoint": self.checkpoint, "reason": self.reason, "divergence": self.divergence,
                 "b11434": {"n_reused": self.n_reused_b11434, "reason": self.reason_b11434}}
 
 
@@ -70,7 +81,7 @@ def memory_pos_min(sf: SlotFile) -> tuple[int | None, str]:
 
 
 def predict_reuse(sf: SlotFile, *, n_swa: int | None, n_ctx_checkpoints: int,
-                  checkpoints_read: bool = True, extends: bool = True) -> Reuse | None:
+                  checkpoints_read: bool = True, extends: bool = True, build: str = builds.NEWEST) -> Reuse | None:
     """The prediction for ``sf`` (its target memory parsed), or None when it cannot be made (no parsed
     memory or tokens, media chunks). ``n_swa``: the server's (None: the window the file's SWA section was
     saved with). ``checkpoints_read``: the server of ea736c1d5 reads the file's checkpoint appendix (False:
@@ -81,12 +92,16 @@ def predict_reuse(sf: SlotFile, *, n_swa: int | None, n_ctx_checkpoints: int,
     ``update_slots`` then lowers the threshold by one (``has_new_tokens`` false: the last position must be
     evaluated again, so a memory starting at it needs a checkpoint too) and, when every token matched,
     evaluates the last one again for its logits (``[TAG_PROMPT_LOGITS]``: ``n_past--``)."""
-    r = _predict(sf, n_swa, n_ctx_checkpoints, checkpoints_read, 0 if extends else 1)
+    rules = builds.get(build)
+    r = _predict(sf, n_swa, n_ctx_checkpoints, checkpoints_read and rules.reads_checkpoints, 0 if extends else 1,
+                 rules)
+    if r is not None:
+        r.build = rules.name
     return r if extends else _same_prompt(r)
 
 
 def _predict(sf: SlotFile, n_swa: int | None, n_ctx_checkpoints: int, checkpoints_read: bool,
-             thold_shift: int) -> Reuse | None:
+             thold_shift: int, rules: builds.Build) -> Reuse | None:
     """:func:`predict_reuse` with the threshold lowered by ``thold_shift`` (1: no new tokens)."""
     tk = sf.tokens
     if sf.target is None or tk is None or tk.error is not None or tk.media:
@@ -109,10 +124,21 @@ def _predict(sf: SlotFile, n_swa: int | None, n_ctx_checkpoints: int, checkpoint
     if pos_min < thold:
         return Reuse(n, n, None, None, n, None, divergence)
     held = _held(kind, part, pos_min, n, n_swa)
+    b_reason = (f"{held}; b11434 ignores the file's checkpoint appendix (it restores the target only): it "
+                "evaluates the whole prompt again") if sf.checkpoints else (
+        f"{held}, and the file holds no checkpoint to go back to: the server evaluates the whole prompt again")
+    if rules.swa_window_serves and part == "the SWA cache":
+        # measured on b11669: an SWA cache holding the window serves the whole prompt extended or repeated
+        return Reuse(n, n, None, None, 0, b_reason, divergence)
     found = rollback_checkpoint(kept, pos_next, thold)
     none_early = (f"and no checkpoint of the file is early enough (one with pos_min below {thold:,}): the server "
                   "evaluates the whole prompt again")
-    if found is not None:
+    if found is not None and _unloadable(found) and not rules.aborts_on_bad_checkpoint:
+        n_reused, cp = 0, found.n_tokens
+        reason = (f"{held}: the server goes back to the checkpoint at {found.n_tokens:,} tokens, whose target blob "
+                  "does not load (\"failed to load context checkpoint restored from a slot file\"), and evaluates "
+                  "the whole prompt again")
+    elif found is not None:
         back = min(pos_next, max(found.pos_min + 1, found.pos_max))
         n_reused, cp = min(back, found.n_tokens), found.n_tokens
         reason = (f"{held}: the server goes back to the checkpoint at {found.n_tokens:,} tokens and evaluates the "
@@ -126,12 +152,45 @@ def _predict(sf: SlotFile, n_swa: int | None, n_ctx_checkpoints: int, checkpoint
     else:
         n_reused, cp = 0, None
         reason = f"{held}, {none_early}"
-    if sf.checkpoints:
-        b_reason = (f"{held}; b11434 ignores the file's checkpoint appendix (it restores the target only): it "
-                    "evaluates the whole prompt again")
-    else:
+    if not sf.checkpoints:
         b_reason = reason
     return Reuse(n, n_reused, cp, reason, 0, b_reason, divergence)
+
+
+def diverging_reuse(sf: SlotFile, common: int, *, n_swa: int | None, n_ctx_checkpoints: int = DEFAULT_CTX_CHECKPOINTS,
+                    checkpoints_read: bool = True, build: str = builds.NEWEST) -> int | None:
+    """How many prompt tokens a slot restored from ``sf`` keeps for a request that shares the saved prompt's
+    first ``common`` tokens and then differs (``update_slots``: ``n_past`` is the common prefix, the threshold
+    ``pos_next - n_swa``): a memory that starts before the threshold keeps them (a plain KV cache drops the
+    positions after them); one that does not goes back to the newest of the file's checkpoints kept
+    (:func:`keep_newest`) that ends by the divergence and starts before the threshold, or evaluates the whole
+    prompt again (b11434 reads no checkpoint: always so). The same for b11434 and b11669 (measured:
+    tests/test_b11669.py); None when no prediction can be made (as :func:`predict_reuse`)."""
+    rules = builds.get(build)
+    tk = sf.tokens
+    if sf.target is None or tk is None or tk.error is not None or tk.media:
+        return None
+    common = max(0, min(common, tk.n_tokens))
+    pos_min, _part = memory_pos_min(sf)
+    if common == 0 or pos_min is None:
+        return 0
+    if n_swa is None:
+        n_swa = _file_window(sf)
+    thold = pos_min_threshold(common, n_swa, has_new_tokens=True)
+    if pos_min < thold:
+        return common
+    kept = keep_newest(list(sf.checkpoints or []), n_ctx_checkpoints) \
+        if checkpoints_read and rules.reads_checkpoints else []
+    found = rollback_checkpoint(kept, common, thold)
+    if found is None or (_unloadable(found) and not rules.aborts_on_bad_checkpoint):
+        return 0
+    return min(min(common, max(found.pos_min + 1, found.pos_max)), found.n_tokens)
+
+
+def _unloadable(cp) -> bool:
+    """A checkpoint whose target blob slotctl could not read as a state (damaged, or of another memory)."""
+    tgt = getattr(cp, "tgt", None)
+    return tgt is not None and getattr(tgt, "error", None) is not None
 
 
 def _same_prompt(r: Reuse | None) -> Reuse | None:
@@ -226,7 +285,7 @@ def explain_difference(check: str, restored, fresh, *, draft_status: str, draft_
 
 
 def reuse_for(sf: SlotFile, info, *, swa_full: bool = False, n_ctx_checkpoints: int | None = None,
-              reads_checkpoints: bool = True, extends: bool = True) -> Reuse | None:
+              reads_checkpoints: bool = True, extends: bool = True, build: str = builds.NEWEST) -> Reuse | None:
     """:func:`predict_reuse` for a server running the model ``info`` (None: not known, the window the file
     was saved with): its SWA window (:func:`server_n_swa`, ``swa_full`` its ``--swa-full``), its
     ``--ctx-checkpoints`` (default the server's), and whether it reads the file's checkpoints
@@ -237,7 +296,7 @@ def reuse_for(sf: SlotFile, info, *, swa_full: bool = False, n_ctx_checkpoints: 
     n_swa = server_n_swa(info, swa_full=swa_full) if info is not None else None
     return predict_reuse(sf, n_swa=n_swa,
                          n_ctx_checkpoints=DEFAULT_CTX_CHECKPOINTS if n_ctx_checkpoints is None else n_ctx_checkpoints,
-                         checkpoints_read=reads_checkpoints and checkpoints_read(sf), extends=extends)
+                         checkpoints_read=reads_checkpoints and checkpoints_read(sf), extends=extends, build=build)
 
 
 def request_reuse(kind: str, n_swa: int, n_file: int, common: int, n_request: int,

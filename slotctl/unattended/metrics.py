@@ -1,10 +1,16 @@
-"""Metrics and health of a long-running slotctl: counters and gauges written in Prometheus's text format
-(version 0.0.4), served with ``/livez`` and ``/readyz`` by a small standard-library HTTP server thread
-(docs/fleet.md, "Metrics and health").
+"""Metrics and health of a long-running slotctl: counters, gauges and histograms exposed through
+prometheus_client (its registry, its typed metric families and its text format: version 0.0.4, whose
+counters' ``# TYPE`` lines carry the ``_total`` of their samples), served with ``/livez`` and ``/readyz`` by a
+small standard-library HTTP server thread (docs/fleet.md, "Metrics and health").
 
 Names follow Prometheus's practice: ``slotctl_`` first, base units, ``_total`` for counters, ``_bytes`` and
-``_seconds`` for sizes and times. :class:`KeepMetrics` turns keep's events (``slotctl.fleet.keep.Event``, as
-``as_dict()``) into them, so what is counted is what keep reported, one event at a time.
+``_seconds`` for sizes and times; ``slotctl_build_info`` (a gauge of 1) names the version running.
+:class:`KeepMetrics` turns keep's events (``slotctl.fleet.keep.Event``, as ``as_dict()``) into them, so what
+is counted is what keep reported, one event at a time; :class:`ServeMetrics` reads serve's counters at each
+scrape and its events as they come.
+
+prometheus_client (a core dependency: keep runs on the core install) is imported when metrics are served,
+never by a command that serves none (tests/test_startup.py).
 
 Answering never makes a request to the server: ``/readyz`` reads what the keeper (or serve) last saw of it
 (its last look, and how long ago), so a scrape never wakes a sleeping server and never makes llama-swap
@@ -20,29 +26,20 @@ import math
 import socket
 import threading
 import time
-from typing import Callable, Iterable
+from typing import Callable
 
 from slotctl.errors import UsageError
 
+#: the text format prometheus_client's ``generate_latest`` writes (what its own handler answers a scraper
+#: that asks for nothing else)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: seconds between two probes of the store (``/readyz`` answers the last one meanwhile)
 PROBE_EVERY = 5.0
 #: seconds a probe of the store may take before it says the store does not answer
 PROBE_TIMEOUT = 5.0
-
-
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _number(v: float) -> str:
-    if isinstance(v, int):
-        return str(v)
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    if math.isnan(v):
-        return "NaN"
-    return repr(float(v))
+#: the upper bounds (seconds) of the buckets of a histogram of durations: a restore or a save of a few
+#: milliseconds (a small state, a local store) to minutes (gigabytes over S3)
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class Family:
@@ -69,18 +66,86 @@ class Family:
     def get(self, **labels) -> float:
         return self.values.get(self._key(labels), 0)
 
-    def lines(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} {self.kind}"
+    def family(self):
+        """The family as prometheus_client's typed metric family (its samples sorted by label values)."""
+        from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+
+        cls = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
+        fam = cls(self.name, self.help, labels=self.labels)
         for key in sorted(self.values):
-            inner = ",".join(f'{n}="{_escape(v)}"' for n, v in zip(self.labels, key))
-            yield f"{self.name}{{{inner}}} {_number(self.values[key])}" if inner else f"{self.name} {_number(self.values[key])}"
+            fam.add_metric(list(key), self.values[key])
+        return fam
+
+
+class Histogram(Family):
+    """A histogram: per label set, how many observations fell at or under each bucket's bound, their count
+    and their sum (prometheus_client's histogram family: ``_bucket{le}``, ``_count``, ``_sum``)."""
+
+    def __init__(self, name: str, help_: str, labels: tuple[str, ...], buckets: tuple[float, ...]):
+        super().__init__(name, "histogram", help_, labels)
+        if list(buckets) != sorted(set(buckets)) or not buckets or math.isinf(buckets[-1]):
+            raise ValueError(f"{name}: buckets must be finite and increasing")
+        self.buckets = tuple(float(b) for b in buckets)
+        #: label values -> (the observations in each bucket (not cumulated) and above the last, their sum)
+        self.observed: dict[tuple[str, ...], tuple[list[int], float]] = {}
+
+    def observe(self, value: float, **labels) -> None:
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{self.name}: an observation must be a finite duration or size, got {value!r}")
+        counts, total = self.observed.get(self._key(labels), ([0] * (len(self.buckets) + 1), 0.0))
+        counts[next((i for i, b in enumerate(self.buckets) if value <= b), len(self.buckets))] += 1
+        self.observed[self._key(labels)] = (counts, total + value)
+
+    def touch(self, **labels) -> None:
+        """The series of ``labels`` shown with no observation yet (a rate has its start)."""
+        self.observed.setdefault(self._key(labels), ([0] * (len(self.buckets) + 1), 0.0))
+
+    def count(self, **labels) -> int:
+        got = self.observed.get(self._key(labels))
+        return sum(got[0]) if got else 0
+
+    def inc(self, amount: float = 1, **labels) -> None:
+        raise TypeError(f"{self.name}: a histogram is observed, not incremented")
+
+    def set(self, value: float, **labels) -> None:
+        raise TypeError(f"{self.name}: a histogram is observed, not set")
+
+    def family(self):
+        from prometheus_client.metrics_core import HistogramMetricFamily
+
+        fam = HistogramMetricFamily(self.name, self.help, labels=self.labels)
+        for key in sorted(self.observed):
+            counts, total = self.observed[key]
+            running, buckets = 0, []
+            for bound, n in zip(self.buckets + (math.inf,), counts):
+                running += n
+                buckets.append(("+Inf" if math.isinf(bound) else repr(bound), running))
+            fam.add_metric(list(key), buckets, total)
+        return fam
 
 
 class Registry:
-    def __init__(self):
+    """The families of one process (``role``: ``keep`` or ``serve``), ``slotctl_build_info`` first, exposed
+    through a prometheus_client ``CollectorRegistry`` of which this is the one collector."""
+
+    def __init__(self, role: str = ""):
+        try:
+            from prometheus_client.registry import CollectorRegistry
+        except ImportError:     # a core dependency: missing only from an install made without its dependencies
+            raise UsageError("metrics need prometheus_client, a dependency of slotctl: pip install "
+                             "prometheus_client", code="missing_extra") from None
         self.families: dict[str, Family] = {}
         self.lock = threading.Lock()
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self)
+        if role:
+            import platform
+
+            from slotctl import __version__
+
+            self.gauge("slotctl_build_info", "The slotctl running (1): its version, Python's and its role "
+                       "(keep, serve).", ("version", "python", "role")).set(
+                1, version=__version__, python=platform.python_version(), role=role)
 
     def counter(self, name: str, help_: str, labels: tuple[str, ...] = ()) -> Family:
         assert name.endswith("_total"), name
@@ -89,21 +154,28 @@ class Registry:
     def gauge(self, name: str, help_: str, labels: tuple[str, ...] = ()) -> Family:
         return self._add(Family(name, "gauge", help_, labels))
 
+    def histogram(self, name: str, help_: str, labels: tuple[str, ...] = (),
+                  buckets: tuple[float, ...] = SECONDS_BUCKETS) -> Histogram:
+        got = Histogram(name, help_, labels, buckets)
+        self._add(got)
+        return got
+
     def _add(self, f: Family) -> Family:
+        if f.name in self.families:
+            raise ValueError(f"{f.name}: defined twice")
         self.families[f.name] = f
         return f
 
-    def exposition(self) -> str:
-        """The text format: each family's HELP, TYPE and samples (a counter's ``# TYPE`` names it without
-        ``_total``, as the format's parsers expect)."""
+    def collect(self):
+        """prometheus_client's collector protocol: every family, typed, as it is now."""
         with self.lock:
-            out = []
-            for f in self.families.values():
-                for line in f.lines():
-                    if line.startswith(("# HELP", "# TYPE")) and f.kind == "counter":
-                        line = line.replace(f" {f.name} ", f" {f.name.removesuffix('_total')} ", 1)
-                    out.append(line)
-            return "\n".join(out) + "\n"
+            return [f.family() for f in self.families.values()]
+
+    def exposition(self) -> str:
+        """The families in prometheus_client's text format (version 0.0.4: :data:`CONTENT_TYPE`)."""
+        from prometheus_client.exposition import generate_latest
+
+        return generate_latest(self._registry).decode()
 
 
 class KeepMetrics:
@@ -111,7 +183,7 @@ class KeepMetrics:
 
     def __init__(self, server: str):
         self.server = server
-        r = self.registry = Registry()
+        r = self.registry = Registry("keep")
         s, ss = ("server",), ("server", "slot")
         self.looks = r.counter("slotctl_keep_looks_total", "Looks at the server (GET /health), by outcome (up, down).",
                                ("server", "outcome"))
@@ -309,7 +381,7 @@ class ServeMetrics:
 
     def __init__(self, server: str, counters):
         self.server, self.counters = server, counters
-        r = self.registry = Registry()
+        r = self.registry = Registry("serve")
         s = ("server",)
         self.requests = r.counter("slotctl_serve_requests_total", "Requests, by outcome (cached: given a slot "
                                   "and a lookup; passed_through: sent on untouched).", ("server", "outcome"))
@@ -338,7 +410,17 @@ class ServeMetrics:
                             "(Unix time): facts (the server read), restore, save.", ("server", "action"))
         self.started = r.gauge("slotctl_serve_start_timestamp_seconds", "When this serve started (Unix time).", s)
         self.ready_ = r.gauge("slotctl_serve_ready", "1 when /readyz last said ready.", s)
+        self.restore_seconds = r.histogram("slotctl_serve_restore_seconds", "Seconds each restore of a stored "
+                                           "state took, from the request for it to the server's answer (the "
+                                           "state fetched from the store, placed, read by the server).", s)
+        self.save_seconds = r.histogram("slotctl_serve_save_seconds", "Seconds each save after an answer took "
+                                        "(the server's write, the file checked, the state stored).", s)
+        self.added_ttft_seconds = r.histogram("slotctl_serve_added_time_to_first_token_seconds", "Seconds serve "
+                                              "added before a request's first token, beside the server's own "
+                                              "(the lookup, a restore).", s)
         self.started.set(time.time(), server=server)
+        for h in (self.restore_seconds, self.save_seconds, self.added_ttft_seconds):
+            h.touch(server=server)
         #: the last facts event: (server answered, monotonic time)
         self.server_ok: tuple[bool, float] | None = None
 
@@ -355,9 +437,32 @@ class ServeMetrics:
                 self.server_ok = (False, time.monotonic())
             elif event == "restored":
                 self.last.set(now, server=srv, action="restore")
+                self._took(self.restore_seconds, details)
             elif event == "stored":
                 self.stored_bytes.inc(details.get("size") or 0, server=srv)
                 self.last.set(now, server=srv, action="save")
+                self._took(self.save_seconds, details)
+
+    def _took(self, histogram: Histogram, details: dict) -> None:
+        """An event's ``seconds`` (what it took) observed, when the event says it."""
+        took = details.get("seconds")
+        if isinstance(took, (int, float)) and not isinstance(took, bool) and math.isfinite(took) and took >= 0:
+            histogram.observe(took, server=self.server)
+
+    def restore_took(self, seconds: float) -> None:
+        """One restore and what it took (seconds), as the ``restored`` event's ``seconds`` counts it."""
+        with self.registry.lock:
+            self.restore_seconds.observe(seconds, server=self.server)
+
+    def save_took(self, seconds: float) -> None:
+        """One save after an answer and what it took (seconds)."""
+        with self.registry.lock:
+            self.save_seconds.observe(seconds, server=self.server)
+
+    def added_time_to_first_token(self, seconds: float) -> None:
+        """What serve added (seconds) before one request's first token, beside the server's own time."""
+        with self.registry.lock:
+            self.added_ttft_seconds.observe(seconds, server=self.server)
 
     def prompt(self, reused: int, evaluated: int) -> None:
         """One request given a slot: the prompt tokens predicted to be reused and evaluated."""

@@ -19,6 +19,7 @@ from slotctl.format import ggml
 from slotctl.format.cut import Cut, Expected, Extended, locate_cut
 from slotctl.model.info import ModelInfo
 from slotctl.model.predict import Prediction
+from slotctl.server import builds
 from slotctl.server.checkpoints import may_load, rolls_back
 from slotctl.server.restore import cut_payload_outcome
 from slotctl.slotfile import (Blob, SlotFile, is_checkpoint_layer, parse_blob, parse_memory,
@@ -92,7 +93,7 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
 def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
                    checker: LoadChecker | None, confirm_refusals: bool = False) -> FileReport:
     tinfo, dinfo = models.target, models.draft
-    rules = ServerRules(state_version=setup.state_version, mmproj=setup.mmproj)
+    rules = ServerRules(state_version=setup.state_version, mmproj=setup.mmproj, build=setup.build)
     report = FileReport(path)
     model_parse = False     # whether the target payload parsed with the model's layout
     if tinfo is None:
@@ -111,7 +112,7 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
     if cut is not None:
         sf, cut_error = cut[1], cut[2]
         model_parse = sf.target is not None
-    layers = _memory_layers(sf, f, model_parse, tinfo, dinfo, issues, models.draft_context.why)
+    layers = _memory_layers(sf, f, model_parse, tinfo, dinfo, issues, models.draft_context.why, setup.build)
     explained = {id(e) for e in _explained_errors(sf, layers)}
     if cut is not None:
         explained.add(id(cut_error))
@@ -151,30 +152,56 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
     from slotctl.server.reuse import server_n_swa
 
     n_swa = server_n_swa(tinfo, swa_full=setup.settings.swa_full) if tinfo is not None else 0
-    issues = _weigh_rollback(issues, kind, n_swa, sf)
+    issues = _weigh_rollback(issues, kind, n_swa, sf, setup.build)
     for ml in layers:
-        ml.issues = _weigh_rollback(ml.issues, kind, n_swa, sf)
+        ml.issues = _weigh_rollback(ml.issues, kind, n_swa, sf, setup.build)
         issues += ml.issues
         worst = [i.effect for i in ml.issues if i.finding.severity != "note"]
         ml.check.effect = _worst_effect(worst)
         report.checks.append(ml.check)
+    shared = _unified_cache_note(sf, setup, tpred)
+    if shared is not None:
+        issues.append(_Issue(shared, EFFECT_OK))
     report.findings = [i.finding for i in issues]
     report.effects = [i.effect for i in issues if i.finding.severity != "note" or i.effect == EFFECT_UNDECIDED]
     report.verdict = _verdict(report.effects)
     report.uncertain = _doubts(issues, report.verdict)
     report.steps = _predict_steps(sf, report, setup)
+    report.build = setup.build
     if sf.tokens is not None and sf.tokens.error is None:
         report.n_tokens = sf.tokens.n_tokens
     if report.verdict in ("restores", "restores_with_drops") and sf.target is not None:
         from slotctl.server.reuse import reuse_for
 
-        r = reuse_for(sf, tinfo, swa_full=setup.settings.swa_full, n_ctx_checkpoints=setup.n_ctx_checkpoints)
+        r = reuse_for(sf, tinfo, swa_full=setup.settings.swa_full, n_ctx_checkpoints=setup.n_ctx_checkpoints,
+                      build=setup.build)
         report.reuse = r.as_dict() if r is not None else None
     return report
 
 
 #: the layers whose refusal or abort the server meets first: a certain one there settles the verdict
 _FIRST_LAYERS = ("state header", "token words", TARGET, "file")
+
+
+def _unified_cache_note(sf: SlotFile, setup: ServerSetup, tpred: Prediction | None) -> Finding | None:
+    """With -kvu and more than one slot the slots share one cache: a file's cells fit it as judged (empty of
+    other slots' cells); the server refuses the file when the other slots hold more than the rest
+    (``llama_kv_cache`` ``find_slot``: "failed to find N available cells"; measured on b11669, issue 35)."""
+    s = setup.settings
+    if tpred is None or not s.kv_unified or s.n_parallel < 2 or sf.target is None or not sf.target.sections:
+        return None
+    sec = sf.target.sections[0]
+    if getattr(sec, "streams", None) is None:
+        return None
+    cells = sum(st.cell_count for st in sec.streams)
+    if not cells:
+        return None
+    room = tpred.n_ctx - cells
+    return Finding(TARGET, "note", "unified_cache_shared",
+                   f"with -kvu the {s.n_parallel} slots share one cache of {tpred.n_ctx:,} cells: this file's "
+                   f"{cells:,} cells fit it judged empty of the other slots' cells; the server refuses the file "
+                   f"(\"failed to find {cells:,} available cells\") when the other slots hold more than {room:,} "
+                   "cells at the restore", sf.target.offset)
 
 
 def _doubts(issues: list[_Issue], verdict: str) -> list[str]:
@@ -204,6 +231,10 @@ def _predict_steps(sf: SlotFile, report: FileReport, setup: ServerSetup) -> list
         return steps + [{"step": "tokens", "status": "refused"}]
     steps.append({"step": "tokens", "status": "restored"})
     codes = {f.code for f in report.findings}
+    rules = builds.get(setup.build)
+    if not rules.reads_checkpoints:     # b11434: the target and the tokens only
+        return steps + [{"step": "checkpoints", "status": "ignored" if sf.sckp else "absent", "count": 0, "kept": 0},
+                        {"step": "draft", "status": "ignored" if sf.sdft else "absent"}]
     ignored = not checkpoints_read(sf)
     if ignored:
         steps.append({"step": "checkpoints", "status": "ignored", "count": 0, "kept": 0})
@@ -216,7 +247,7 @@ def _predict_steps(sf: SlotFile, report: FileReport, setup: ServerSetup) -> list
     if ignored or sf.sdft is None:
         status = "ignored" if "draft_damaged" in codes and not ignored else "absent"
     elif codes & {"no_draft_context", "draft_dropped"} or any(
-            c.layer == DRAFT and c.effect == EFFECT_DROPPED for c in report.checks):
+            c.layer == DRAFT and c.effect in (EFFECT_DROPPED, EFFECT_REFUSED) for c in report.checks):
         status = "dropped"
     else:
         status = "restored"
@@ -301,7 +332,8 @@ def _cut_issues(cut: Cut, target: _MemLayer | None) -> list[_Issue]:
 
 
 def _memory_layers(sf: SlotFile, f: BinaryIO, model_parse: bool, tinfo: ModelInfo | None,
-                   dinfo: ModelInfo | None, issues: list[_Issue], no_draft: str | None = None) -> list[_MemLayer]:
+                   dinfo: ModelInfo | None, issues: list[_Issue], no_draft: str | None = None,
+                   build: str = builds.NEWEST) -> list[_MemLayer]:
     """The memory layers of ``sf`` to check, each parsed with its model's layout when there is a model
     (``model_parse``: the target payload was; else it is of another kind, or there is no model)."""
     out: list[_MemLayer] = []
@@ -323,17 +355,17 @@ def _memory_layers(sf: SlotFile, f: BinaryIO, model_parse: bool, tinfo: ModelInf
         out.append(_MemLayer(tside, LayerCheck(TARGET, sf.header_end, sf.size - sf.header_end, "target"),
                              sf.header_end, sf.size - sf.header_end, False, FLAGS_NONE, None, None,
                              prefix=True))
-    if not checkpoints_read(sf):
+    if not checkpoints_read(sf) or not builds.get(build).reads_checkpoints:
         return out    # the server reads neither the checkpoints nor the draft state behind them
     with nullcontext(f):
         for i, c in enumerate(sf.checkpoints or ()):
             for kind, blob, info in (("target", c.tgt, tinfo), ("draft", c.dft, dinfo)):
                 if blob.span.size == 0:
                     continue
-                side = _checkpoint_side(i, kind)
+                side = _checkpoint_side(i, kind, build)
                 if kind == "draft" and info is None and tinfo is not None:
                     continue  # the server has no draft context: load_dft ignores the blob
-                out.append(_blob_layer(f, sf, blob, side, info, FLAGS_PARTIAL_ONLY, partial=True))
+                out.append(_blob_layer(f, sf, blob, side, info, FLAGS_PARTIAL_ONLY, partial=True, build=build))
         if sf.draft is not None and sf.draft.span.size:
             side = _draft_side()
             if tinfo is not None and dinfo is None:
@@ -349,21 +381,31 @@ def _memory_layers(sf: SlotFile, f: BinaryIO, model_parse: bool, tinfo: ModelInf
 
 
 def _blob_layer(f, sf: SlotFile, blob: Blob, side: _Side, info: ModelInfo | None, flags: int,
-                partial: bool) -> _MemLayer:
+                partial: bool, build: str = builds.NEWEST) -> _MemLayer:
     check = LayerCheck(side.layer, blob.span.offset, blob.span.size, side.kind)
     ml = _MemLayer(side, check, blob.span.offset, blob.span.size, True, flags, None, None)
     if info is None:
         ml.parsed_layout = blob.memory.layout if blob.memory else None
         return ml
     want = info.layout().partial() if partial else info.layout()
+    if partial and want.kind == "kv" and builds.get(build).partial_plain_kv == "header":
+        return _header_only_layer(f, sf, blob, side, ml, build)
     mine = blob if blob.memory is not None and blob.memory.layout == want \
         else parse_blob(f, blob.span, want, sf.version, side.layer)
     if mine.memory is not None and mine.error is None:
         ml.memory, ml.parsed_layout = mine.memory, want
         return ml
     # the model's layout does not parse it: which kind of memory is it?
-    other = parse_blob(f, blob.span, None, sf.version, side.layer)
-    if other.memory is not None or other.candidates:
+    other = parse_blob(f, blob.span, None, sf.version, side.layer, partial=partial)
+    if other.header_only:
+        ml.issues.append(_issue(side, "memory_kind_mismatch",
+                                f"{side.what} is the blob header alone (a plain KV cache's PARTIAL_ONLY state), but "
+                                f"{Path(info.path).name} ({info.arch}) keeps {_want_part_words(info)} there: the "
+                                f"file was saved with another {side.model_word} (give {side.model_flag} the one it "
+                                "was saved with)", blob.span.offset))
+        ml.no_load = HEADER_ONLY_NOT_LOADED
+        ml.check.predicted = MISMATCH
+    elif other.memory is not None or other.candidates:
         ml.parsed_layout = other.memory.layout if other.memory else None
         words = _part_words if partial else _kind_words
         got = " or ".join(sorted({words(c) for c in ([other.memory.layout] if other.memory
@@ -374,6 +416,32 @@ def _blob_layer(f, sf: SlotFile, blob: Blob, side: _Side, info: ModelInfo | None
                                 f"{keeps} there: the file was saved with another "
                                 f"{side.model_word} (give {side.model_flag} the one it was saved with)",
                                 blob.span.offset))
+    return ml
+
+
+#: why validate's real load skips a PARTIAL_ONLY blob of a plain KV cache
+HEADER_ONLY_NOT_LOADED = ("a PARTIAL_ONLY blob of a plain KV cache: libllama b11434 and later write and read the "
+                          "blob header alone there (8 bytes), this runtime's llama.cpp (llama-cpp-python 0.3.36) the "
+                          "whole cache: not comparable")
+
+
+def _header_only_layer(f, sf: SlotFile, blob: Blob, side: _Side, ml: _MemLayer, build: str) -> _MemLayer:
+    """A checkpoint blob of a context whose memory is a plain KV cache, for a build whose libllama writes the
+    blob header alone for its PARTIAL_ONLY state and reads exactly those 8 bytes back (b11434, b11669): the
+    blob fits when it is that header; a blob of the whole cache (what llama-cpp-python 0.3.36 writes) reads
+    short (8 of its bytes), which b11669 drops for a draft blob on restore and fails to load for a target
+    blob when it goes back to the checkpoint."""
+    ml.no_load = HEADER_ONLY_NOT_LOADED
+    mine = blob if blob.header_only else parse_blob(f, blob.span, None, sf.version, side.layer, partial=True)
+    if mine.header_only:
+        ml.check.predicted = FITS
+        return ml
+    ml.check.predicted = MISMATCH
+    ml.issues.append(_issue(side, "partial_blob_whole_cache",
+                            f"{side.what} holds {blob.span.size:,} bytes where llama-server {build}'s context reads "
+                            "the blob header alone (8 bytes: libllama b11434 and later write a plain KV cache's "
+                            "PARTIAL_ONLY state so; llama-cpp-python 0.3.36 writes the whole cache): the sizes "
+                            "differ", blob.span.offset))
     return ml
 
 
@@ -418,11 +486,16 @@ def _structural_effect(f: Finding, setup: ServerSetup) -> str:
     return EFFECT_REFUSED
 
 
-def _weigh_rollback(issues: list[_Issue], kind: str | None, n_swa: int, sf: SlotFile) -> list[_Issue]:
+def _weigh_rollback(issues: list[_Issue], kind: str | None, n_swa: int, sf: SlotFile,
+                    build: str = builds.NEWEST) -> list[_Issue]:
     """A checkpoint blob that does not fit is kept (the appendix loader checks only lengths) and the file
     restores; the hazard is the rollback to it (``GGML_ABORT("checkpoint size mismatch")``): an error
     where some request makes the server load that checkpoint (:func:`slotctl.server.checkpoints.may_load`),
-    a note where none does."""
+    a note where none does. b11669 (measured) never aborts there: a draft blob is dropped on restore, a
+    target blob fails to load where a request goes back to it and the prompt is evaluated again (a drop
+    where some request does, a note where none does)."""
+    if not builds.get(build).aborts_on_bad_checkpoint:
+        return [_weigh_dropped(i, kind, n_swa, sf) for i in issues]
     out = []
     for i in issues:
         if i.effect != EFFECT_ABORTS_LATER or i.finding.severity == "note":
@@ -441,6 +514,26 @@ def _weigh_rollback(issues: list[_Issue], kind: str | None, n_swa: int, sf: Slot
             f = dataclasses.replace(i.finding, severity="note", message=f"{i.finding.message}; {ROLLBACK_HARMLESS}")
         out.append(_Issue(f, i.effect))
     return out
+
+
+def _weigh_dropped(i: _Issue, kind: str | None, n_swa: int, sf: SlotFile) -> _Issue:
+    """b11669's rule for one issue of a checkpoint blob (see :func:`_weigh_rollback`)."""
+    f = i.finding
+    cp = _checkpoint_of(sf, f.layer) if is_checkpoint_layer(f.layer) else None
+    if cp is None or f.severity == "note" or i.effect != EFFECT_DROPPED:
+        return i
+    if f.layer.endswith("draft"):
+        if "does not match the draft context - dropped" in f.message:
+            return i
+        return _Issue(dataclasses.replace(f, message=f"{f.message}: the server drops this draft blob when it restores "
+                                          "the file (\"draft context checkpoint data ... does not match the draft "
+                                          "context - dropped\") and keeps the checkpoint without it"), i.effect)
+    if kind is not None and not may_load(kind, n_swa, cp.pos_min, cp.pos_max):
+        return _Issue(dataclasses.replace(f, severity="note", message=f"{f.message}; {ROLLBACK_HARMLESS}"), EFFECT_OK)
+    return _Issue(dataclasses.replace(f, message=f"{f.message}; the file restores with it, and a request that goes "
+                                      "back to this checkpoint fails to load it (\"failed to load context checkpoint "
+                                      "restored from a slot file\"): the server evaluates the whole prompt again"),
+                  i.effect)
 
 
 def _checkpoint_of(sf: SlotFile, layer: str):

@@ -14,6 +14,7 @@ from slotctl.format import ggml
 from slotctl.format.memory import MemoryLayout, SectionLayout
 from slotctl.model.info import ModelInfo
 from slotctl.model.predict import Prediction, SectionPrediction
+from slotctl.server import builds
 from slotctl.server.findings import Finding
 from slotctl.server.flags import MAX_PARALLEL
 from slotctl.slotfile import Memory, checkpoint_layer, is_checkpoint_layer
@@ -76,8 +77,12 @@ def _draft_side() -> _Side:
     return _Side(DRAFT, "the draft state", "draft", "drop", EFFECT_DROPPED)
 
 
-def _checkpoint_side(i: int, kind: str) -> _Side:
-    return _Side(checkpoint_layer(i, kind), f"checkpoint {i}'s {kind} blob", kind, "error", EFFECT_ABORTS_LATER)
+def _checkpoint_side(i: int, kind: str, build: str = builds.NEWEST) -> _Side:
+    """A checkpoint's blob: a mismatch is an abort when the server goes back to it (the reading of 033df86b6,
+    b11434's rules), a drop for b11669 (measured: :mod:`slotctl.server.builds`)."""
+    if builds.get(build).aborts_on_bad_checkpoint:
+        return _Side(checkpoint_layer(i, kind), f"checkpoint {i}'s {kind} blob", kind, "error", EFFECT_ABORTS_LATER)
+    return _Side(checkpoint_layer(i, kind), f"checkpoint {i}'s {kind} blob", kind, "drop", EFFECT_DROPPED)
 
 
 @dataclass

@@ -70,6 +70,8 @@ class FileReport:
     #: why the verdict is not settled by the sources slotctl reads (undefined behaviour in b11434's loader,
     #: a reading of code neither sdist holds); empty: the verdict is certain
     uncertain: list[str] = field(default_factory=list)
+    #: the llama-server build the verdict is for (:mod:`slotctl.server.builds`)
+    build: str | None = None
 
     @property
     def certain(self) -> bool:
@@ -117,6 +119,7 @@ class FileReport:
             "size": self.size,
             "state_version": self.version,
             "n_tokens": self.n_tokens,
+            "build": self.build,
             "verdict": self.verdict,
             "certain": self.certain,
             "uncertain": list(self.uncertain),

@@ -12,6 +12,7 @@ from slotctl.errors import UsageError
 from slotctl.model.info import ModelInfo, read_model_info
 from slotctl.model.predict import Prediction, predict, requested_n_ctx
 from slotctl.model.settings import DRAFT_CACHE_TYPE_DEFAULT, ContextSettings
+from slotctl.server import builds
 from slotctl.server.flags import DEFAULT_CTX_CHECKPOINTS, SERVER_STATE_VERSION, ServerFlags, cache_type, check_slot
 from slotctl.server.speculative import draft_context
 
@@ -30,7 +31,8 @@ class ServerSetup:
     ``n_ctx_checkpoints``: ``--ctx-checkpoints``. ``state_version``: the state version of the server
     (its loader accepts no other). ``attn_rot_disable``: the server runs with ``LLAMA_ATTN_ROT_DISABLE``.
     ``spec_type``: ``--spec-type`` (None: not given), which decides with ``draft`` whether the server has a
-    draft context (:func:`slotctl.server.speculative.draft_context`: ``-md`` alone builds none).
+    draft context (:func:`slotctl.server.speculative.draft_context`: ``-md`` alone builds none). ``build``:
+    the llama-server build whose rules apply (:mod:`slotctl.server.builds`; live mode: the server's own).
     """
 
     target: Path | None = None
@@ -44,8 +46,13 @@ class ServerSetup:
     state_version: int = SERVER_STATE_VERSION
     attn_rot_disable: bool = False
     spec_type: str | None = None
+    build: str = builds.NEWEST
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "build", builds.get(self.build).name)
+        except ValueError as e:
+            raise UsageError(f"--server-build: {e}") from None
         if self.draft is not None and self.target is None:
             raise UsageError("a draft model (-md) needs a target model (-m)")
         check_slot(self.slot, self.settings.n_parallel)
@@ -85,6 +92,7 @@ class ServerSetup:
             "state_version": self.state_version,
             "attn_rot_disable": self.attn_rot_disable,
             "spec_type": self.spec_type,
+            "build": self.build,
         }
 
 
