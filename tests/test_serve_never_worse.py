@@ -16,8 +16,7 @@ import pytest
 
 from llama_server import free_port
 from slotctl.tinymodels import SAMPLE_PROMPT
-from test_serve import ARGS, TURN1, TURN2_EXTRA, call, complete, fresh, serving, stream_begun  # noqa: F401
-from test_unattended import samples, scrape
+from serving import TURN1, TURN2_EXTRA, call, complete, samples, scrape, serving, stream_begun
 
 server = pytest.mark.server
 

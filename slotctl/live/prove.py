@@ -131,13 +131,10 @@ def local_setup(facts: http.ServerFacts, slot: int, flags: ServerFlags | None = 
 
 def learnt_from(facts: http.ServerFacts) -> tuple:
     """What :func:`local_setup` learns a slot's setup from, of the server's facts (not the answers as they came:
-    ``/slots`` changes with every task): equal for two servers whose setups it makes equal. The speculative
-    types count only for a server that decodes speculatively (``/slots`` shows them only once the slot ran a
-    task: else a server's first task would change the question its verdicts are kept under)."""
+    ``/slots`` changes with every task): equal for two servers whose setups it makes equal."""
     f = facts
-    return (f.url, f.model_path, f.total_slots, f.n_ctx_slot, f.n_ctx_from, f.speculative,
-            f.speculative_types if f.speculative else None, f.build_info, f.mmproj,
-            sorted((f.model_meta or {}).items()))
+    return (f.url, f.model_path, f.total_slots, f.n_ctx_slot, f.n_ctx_from, f.speculative, f.speculative_types,
+            f.build_info, f.mmproj, sorted((f.model_meta or {}).items()))
 
 
 def local_setup_key(facts: http.ServerFacts, slot: int, flags: ServerFlags | None = None,
