@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from slotctl.keeping import names
+from slotctl import seal
 from slotctl.keeping.judged import Judged
 from slotctl.keeping.states import ServerStates
 from slotctl.keeping.store import Saved
@@ -73,9 +73,12 @@ class Cache(ServerStates):
 
     def __init__(self, url: str, slot_dir: str | os.PathLike, store: str | None = None, *,
                  api_key: str | None = None, max_size: int | None = None, timeout: float = 600.0,
-                 catalog: bool = True, log=None, flags=None, given: frozenset[str] = frozenset()):
+                 catalog: bool = True, log=None, flags=None, given: frozenset[str] = frozenset(),
+                 draft_model=None, progress=None):
+        # the model is hashed (once per file) in a thread of its own: requests go uncached meanwhile
         super().__init__(url, slot_dir, store, role="serve", api_key=api_key, timeout=timeout, max_size=max_size,
-                         catalog=catalog, flags=flags, given=given, log=log)
+                         catalog=catalog, flags=flags, given=given, log=log, draft_model=draft_model,
+                         background=True, progress=progress)
         self.counters = Counters()
         self.index: StateIndex | None = None
         self._listed = 0.0
@@ -89,8 +92,8 @@ class Cache(ServerStates):
         own); a new model starts a new index."""
         return self.read_facts(api_key, timeout=min(self.timeout, 30.0))
 
-    def set_facts(self, facts: http.ServerFacts) -> bool:
-        other = super().set_facts(facts)
+    def set_facts(self, facts: http.ServerFacts, *, restarted: bool = False) -> bool:
+        other = super().set_facts(facts, restarted=restarted)
         if other:
             with self._lock:
                 self.index = StateIndex(self.model)
@@ -126,7 +129,7 @@ class Cache(ServerStates):
         index = self.index
         if index is None or time.monotonic() - self._listed < every:
             return
-        listed = self.listing(lambda name: names.of_model(name, index.model))
+        listed = self.listing(self.takes)     # the server's model's states (its content, in their names)
         gone = set(index.states) - set(listed)
         index.forget(gone)
         self.forget(gone)
@@ -210,7 +213,6 @@ class Cache(ServerStates):
         the same way; a conversion that fails leaves the request uncached. The prompt tokens the server is
         predicted to reuse: the restored state's (its ``restored`` event's ``reuse``), else what the slot
         already holds of the prompt."""
-        from slotctl.keeping.states import ConversionFailed
         from slotctl.serve.slots import SlotView
 
         c = self.counters
@@ -226,34 +228,58 @@ class Cache(ServerStates):
         for state, common in found:
             if common - held < min_gain:
                 break
-            judged = self.judge(state.name, slot.id)
-            refused = self.why_not(judged)
-            if refused is not None:
-                self._refused(state, slot, *refused, catalog=judged.catalog)
-                continue
-            gain = self.reuse(judged, state, common, len(tokens))
-            if gain - held < min_gain:
-                continue
-            if judged.restores:
-                return self._restore(slot, state, gain, held, len(tokens), key, judged=judged)
-            t0 = time.perf_counter()
             try:
-                with self.converted(state.name, slot.id, judged) as (placed, conv, sent):
-                    c.add("conversions")
-                    if sent.verdict not in RESTORABLE:
-                        self._refused(state, slot, sent.verdict, converted_reason(conv.changes, sent.error))
-                        continue
-                    gain = self.reuse(sent, state, common, len(tokens))
-                    if gain - held < min_gain:
-                        continue
-                    return self._restore(slot, state, gain, held, len(tokens), key, placed, conv.changes,
-                                         (time.perf_counter() - t0) * 1000, judged=sent)
-            except ConversionFailed as e:
-                c.add("conversion_failures")
-                self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id,
-                         name=state.name)
-                return held
+                return self._prepare_one(slot, state, common, held, tokens, min_gain, key)
+            except seal.ChecksumMismatch as e:      # nothing sent: the next state is tried
+                self._damaged_state(state, slot, e)
+            except _NotTaken:
+                continue
         return held
+
+    def _prepare_one(self, slot, state: State, common: int, held: int, tokens: np.ndarray, min_gain: int,
+                     key: str | None) -> int:
+        """:meth:`prepare` of one stored state sharing ``common`` tokens with the request: what the request keeps,
+        the state restored; :class:`_NotTaken` when it is not restored (said when validate or the conversion
+        refuses it); ChecksumMismatch when its bytes are not the ones stored (nothing sent)."""
+        from slotctl.keeping.states import ConversionFailed
+
+        c = self.counters
+        judged = self.judge(state.name, slot.id)
+        refused = self.why_not(judged)
+        if refused is not None:
+            self._refused(state, slot, *refused, catalog=judged.catalog)
+            raise _NotTaken
+        gain = self.reuse(judged, state, common, len(tokens))
+        if gain - held < min_gain:
+            raise _NotTaken
+        if judged.restores:
+            return self._restore(slot, state, gain, held, len(tokens), key, judged=judged)
+        t0 = time.perf_counter()
+        try:
+            with self.converted(state.name, slot.id, judged) as (placed, conv, sent):
+                c.add("conversions")
+                if sent.verdict not in RESTORABLE:
+                    self._refused(state, slot, sent.verdict, converted_reason(conv.changes, sent.error))
+                    raise _NotTaken
+                gain = self.reuse(sent, state, common, len(tokens))
+                if gain - held < min_gain:
+                    raise _NotTaken
+                return self._restore(slot, state, gain, held, len(tokens), key, placed, conv.changes,
+                                     (time.perf_counter() - t0) * 1000, judged=sent, checksum=conv.checksum)
+        except ConversionFailed as e:
+            c.add("conversion_failures")
+            self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id,
+                     name=state.name)
+            return held
+
+    def _damaged_state(self, state: State, slot, e: Exception) -> None:
+        """``state`` not restored into ``slot``: its bytes are not the ones stored (``e``); never offered again."""
+        self.counters.add("restores_refused_by_verdict")
+        self.found_damaged(state.name)
+        if self.index is not None:
+            self.index.forget([state.name])
+        self.log("refused", f"{state.name}: not restored into slot {slot.id}: {e}", slot=slot.id, name=state.name,
+                 verdict="corrupt", reason="checksum")
 
     def _refused(self, state: State, slot, verdict: str, reason: str | None, *, catalog: bool = False) -> None:
         self.counters.add("restores_refused_by_verdict")
@@ -265,7 +291,7 @@ class Cache(ServerStates):
 
     def _restore(self, slot, state: State, gain: int, held: int, n_request: int, key: str | None,
                  placed: str | None = None, changes: list[str] | None = None, convert_ms: float = 0.0, *,
-                 judged: Judged) -> int:
+                 judged: Judged, checksum: str | None = None) -> int:
         """``state`` restored into ``slot`` (``judged``: its verdict, ``restores``: sent only while the state has
         the identity it was made on); ``gain``, the prompt tokens the request is predicted to keep."""
         from slotctl.serve.slots import EMPTY
@@ -274,7 +300,7 @@ class Cache(ServerStates):
         slot.tokens = EMPTY         # whatever happens now, the slot's old tokens are gone
         t0 = time.perf_counter()
         answer = self.restore(state.name, slot.id, placed=placed, identity=None if placed else judged.identity,
-                              api_key=key)
+                              checksum=checksum, api_key=key)
         slot.tokens = state.tokens
         c.add("restores")
         c.add("restored_tokens", gain)
@@ -315,8 +341,12 @@ class Cache(ServerStates):
         """A checked save stored under its content's name (once: a state already stored, saved from this slot
         or another, is not stored again: :meth:`ServerStates.put_saved`), indexed, the store held under its
         budget; the working file removed whatever happens."""
-        name = saved.name
         try:
+            if saved.name is None:      # saved while the model was hashed (in a thread of its own): named once known
+                saved = self.named(saved, wait=self.timeout)
+            name = saved.name
+            if name is None:
+                return      # the server's model not identified: nothing stored (the ``unidentified`` event said why)
             if self.index is not None and self.index.holding(saved.tokens) is not None:
                 stored = False      # the same tokens, saved from another slot
             else:
@@ -347,6 +377,10 @@ class Cache(ServerStates):
             self.log("pruned", f"{path}: {action} ({reason}), {size:,} bytes", path=path, size=size)
 
         self.prune(pruned)
+
+
+class _NotTaken(Exception):
+    """A stored state :meth:`Cache.prepare` does not restore (validate, the conversion or the gain say no)."""
 
 
 def converted_reason(changes: list[str], error: str | None) -> str:

@@ -21,10 +21,11 @@ AGAIN = 10.0
 def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host: str, port: int,
           max_size: int | None, min_gain: int, api_key: str | None, timeout: float, catalog: bool = True,
           flags=None, given: frozenset[str] = frozenset(), emit, metrics_listen: str | None = None,
-          lease: float | None = None) -> int:
+          lease: float | None = None, draft_model=None, progress=None) -> int:
     """Run the proxy (see :mod:`slotctl.serve.proxy`); ``emit(event, message, details)`` gets every event,
     the first one ``listening`` with the address; ``flags`` / ``given``: the server's flags it does not report
-    (``-kvu``, ``-ctk``, ``-ctv``, :class:`~slotctl.serve.cache.Cache`). 0 once stopped by SIGTERM or SIGINT;
+    (``-kvu``, ``-ctk``, ``-ctv``, :class:`~slotctl.serve.cache.Cache`); ``draft_model``: its draft model's file
+    (``-md``: no server reports it); ``progress(done, total)``: the model's hashing (once per file). 0 once stopped by SIGTERM or SIGINT;
     2 when the lock (an ``s3://`` store's lease) was lost."""
     try:
         import aiohttp  # noqa: F401 - the [serve] extra
@@ -48,7 +49,7 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
         emit(event, message, details)
 
     cache = Cache(upstream, slot_dir, store, api_key=api_key, max_size=max_size, timeout=timeout, catalog=catalog,
-                  log=log, flags=flags, given=given)
+                  log=log, flags=flags, given=given, draft_model=draft_model, progress=progress)
     where = os.fspath(store if store is not None else slot_dir)
     # the store does not answer: serve serves all the same (uncached while the store fails), and takes the lease
     # once the store answers (a serve already holding it then: this one stops, exit 2)
