@@ -5,6 +5,7 @@ fixture."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -183,3 +184,17 @@ class Router:
 
     def stop(self) -> None:
         self.srv.stop()     # its process group: the children with it
+
+
+@contextlib.contextmanager
+def serving(upstream, slot_dir: Path, store: str | None = None, *extra: str, env=None,
+            max_file_size: int | None = None):
+    """``slotctl serve`` in front of ``upstream`` (a LlamaServer) for the ``with`` block: stopped after, exit 0 and
+    every event line of its schema."""
+    s = Serve(upstream.url, slot_dir, store, *extra, env=env, max_file_size=max_file_size)
+    try:
+        yield s
+    finally:
+        code = s.stop()
+        assert code == 0, s.output()
+        assert not s.schema_errors, s.schema_errors

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from conftest import start_server
-from test_fleet import Keep, emptied, slotctl, tokens_of
-from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
+from keeping import Keep, emptied, slotctl, tokens_of
+from seaweed import BUCKET
+from serving import TURN1, TURN2_EXTRA, serving
 from slotctl.errors import ExitStatus
 from slotctl.seal import parse_name
 from slotctl.tinymodels import SAMPLE_PROMPT, make_model
@@ -241,12 +242,13 @@ def test_keep_never_restores_a_flipped_bit_or_a_splice_and_restores_the_intact_s
         other = base[:1] + list(reversed(base[1:]))
         srv.completion(other, slot=0, n_predict=4)
         older = keep.wait_for("stored", 0)["details"]["name"]
-        time.sleep(1.1)         # newest first, by the second
         srv.completion(base, slot=0, n_predict=4)
         newer = keep.wait_for("stored", 0)["details"]["name"]
     finally:
         assert keep.stop() == 0
     assert (store / older).stat().st_size == (store / newer).stat().st_size
+    old = time.time() - 3600
+    os.utime(store / older, (old, old))     # keep restores the newest first: the damaged one is tried first
     intact = (store / newer).read_bytes()
     for damage in ("flip", "splice"):
         if damage == "flip":
@@ -285,7 +287,6 @@ def test_serve_never_gives_the_twin_the_targets_state(llama_server_bin, tiny_mod
     """The issue's case: the server restarts behind the same serve with its model file replaced in place by the
     twin (the same /v1/models facts, the same shapes): serve restores nothing of the target's, and every answer
     is the twin's own; once the twin's own conversation is stored, serve restores that one."""
-    from test_serve import TURN1, TURN2_EXTRA, serving
 
     cache = tmp_path / "cache"
     model = own_model(tmp_path, tiny_models.target)
@@ -337,8 +338,6 @@ def test_serve_never_restores_a_flipped_bit_of_an_s3_state(kept_target, seaweed,
     server's own; the state is not offered again."""
     import obstore
 
-    from seaweed import BUCKET
-    from test_serve import TURN1, TURN2_EXTRA, serving
 
     srv = kept_target
     emptied(srv)

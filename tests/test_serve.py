@@ -23,7 +23,7 @@ import pytest
 from conftest import start_server
 from llama_server import LlamaServer, free_port
 from seaweed import BUCKET
-from serving import ARGS, TURN1, TURN2_EXTRA, Serve, call, complete
+from serving import ARGS, TURN1, TURN2_EXTRA, Serve, call, complete, serving
 from slotctl.tinymodels import SAMPLE_PROMPT
 
 server = pytest.mark.server
@@ -36,18 +36,6 @@ def left_after(directory: Path, pattern: str, timeout: float = 60) -> list[Path]
     while (left := list(directory.glob(pattern))) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
-
-
-@contextlib.contextmanager
-def serving(upstream: LlamaServer, slot_dir: Path, store: str | None = None, *extra: str, env=None,
-            max_file_size: int | None = None):
-    s = Serve(upstream.url, slot_dir, store, *extra, env=env, max_file_size=max_file_size)
-    try:
-        yield s
-    finally:
-        code = s.stop()
-        assert code == 0, s.output()
-        assert not s.schema_errors, s.schema_errors
 
 
 @pytest.fixture(scope="module")
