@@ -24,6 +24,15 @@ from slotctl.errors import UsageError
 CATALOG_FILE = ".slotctl-catalog.sqlite"
 
 
+def cache_home() -> str:
+    """slotctl's cache directory: ``$SLOTCTL_CACHE_DIR``, else ``$XDG_CACHE_HOME/slotctl``, else
+    ``~/.cache/slotctl`` (the catalogs of what ls only reads, the models' digests: :mod:`slotctl.model.content`)."""
+    if os.environ.get("SLOTCTL_CACHE_DIR"):
+        return os.path.expanduser(os.environ["SLOTCTL_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "slotctl")
+
+
 #: seconds since the last modification under which a file counts as being written (``prune``,
 #: ``strip-draft``: a server saving a slot writes the file from its start to its end)
 DEFAULT_GRACE = 60.0

@@ -632,12 +632,15 @@ class LlamaServer:
             self._log = None
         return rc
 
-    def kill_and_start_again(self, timeout: float = START_TIMEOUT) -> None:
+    def kill_and_start_again(self, timeout: float = START_TIMEOUT, between=None) -> None:
         """SIGKILL the server, then start it again with the same command line on the same port (what a
-        process that watches its URL sees as a crash and a restart)."""
+        process that watches its URL sees as a crash and a restart); ``between()``, when given, runs while it is
+        down (a model file replaced in place)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=STOP_TIMEOUT)
+        if between is not None:
+            between()
         self._log.write(f"$ {' '.join(self.command())}\n")
         self._log.flush()
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,

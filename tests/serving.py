@@ -29,18 +29,6 @@ TURN1 = " ".join([SAMPLE_PROMPT] * 2)
 TURN2_EXTRA = " And then the story went on, as stories do, to its end."
 
 
-@contextlib.contextmanager
-def serving(upstream, slot_dir: Path, store: str | None = None, *extra: str, env=None,
-            max_file_size: int | None = None):
-    s = Serve(upstream.url, slot_dir, store, *extra, env=env, max_file_size=max_file_size)
-    try:
-        yield s
-    finally:
-        code = s.stop()
-        assert code == 0, s.output()
-        assert not s.schema_errors, s.schema_errors
-
-
 def stream_begun(port: int, body: dict, events: int = 3) -> tuple[socket.socket, bytes]:
     """A streamed completion sent on a socket of its own, read until ``events`` events came: (the socket, the
     bytes read)."""
@@ -212,3 +200,17 @@ class Router:
 
     def stop(self) -> None:
         self.srv.stop()     # its process group: the children with it
+
+
+@contextlib.contextmanager
+def serving(upstream, slot_dir: Path, store: str | None = None, *extra: str, env=None,
+            max_file_size: int | None = None):
+    """``slotctl serve`` in front of ``upstream`` (a LlamaServer) for the ``with`` block: stopped after, exit 0 and
+    every event line of its schema."""
+    s = Serve(upstream.url, slot_dir, store, *extra, env=env, max_file_size=max_file_size)
+    try:
+        yield s
+    finally:
+        code = s.stop()
+        assert code == 0, s.output()
+        assert not s.schema_errors, s.schema_errors

@@ -544,7 +544,8 @@ def test_migrate_between_two_b11669_servers(llama_server_b11669, models, tmp_pat
         before = len(b.log_text().splitlines())
         res = subprocess.run([sys.executable, "-m", "slotctl", "migrate", "--from", a.url, "--slot", "0", "--to", b.url,
                               "--to-slot", "1", "--from-dir", str(a_dir), "--to-dir", str(b_dir), "--name", "moved.bin",
-                              "-kvu", "--store", str(store), "--json"], capture_output=True, text=True, timeout=300)
+                              "-kvu", "--store", str(store), "--draft-model", str(models["draft"]), "--json"],
+                             capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stdout + res.stderr
         doc = json.loads(res.stdout)
         said = "\n".join(wait_log(b, r"restored the draft state", before))

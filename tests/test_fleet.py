@@ -28,7 +28,8 @@ from conftest import DATA, default_signals
 from keeping import ROOT, Keep, emptied, serving, slotctl, tokens_of
 from seaweed import BUCKET, next_second
 from slotctl.errors import ExitStatus
-from slotctl.keeping.names import WORK_GLOBS, tokens_hash
+from slotctl.keeping.names import WORK_GLOBS
+from slotctl.seal import tokens_hash
 from slotctl.slotfile import open_slot_file
 from slotctl.tinymodels import SAMPLE_PROMPT
 
@@ -36,9 +37,22 @@ from slotctl.tinymodels import SAMPLE_PROMPT
 INCOMING_GLOB = WORK_GLOBS[0]
 
 
-def stored_name(slot: int, model: str, tokens: str) -> str:
-    """A state's name as the previous release's keep wrote it (``slotN-MODEL-TOKENS.bin``): still read."""
-    return f"slot{slot}-{model}-{tokens}.bin"
+def stored_name(slot: int, model: Path, path: Path) -> str:
+    """The name keep and serve store the state at ``path`` under, for a server running ``model`` (slotctl.seal:
+    the model's content identity, the state's tokens and its checksum)."""
+    from slotctl.model.content import model_content
+    from slotctl.seal import checksum_file, state_name
+
+    return state_name(slot, model_content(model).short, tokens_of(path), checksum_file(path))
+
+
+def put_stored(store: Path, slot: int, model: Path, data: bytes) -> str:
+    """``data`` stored in the directory ``store`` under its name (:func:`stored_name`)."""
+    tmp = store / ".incoming.tmp"
+    tmp.write_bytes(data)
+    name = stored_name(slot, model, tmp)
+    os.replace(tmp, store / name)
+    return name
 
 server = pytest.mark.server
 OK, FAILED, USAGE = int(ExitStatus.OK), int(ExitStatus.FAILED), int(ExitStatus.USAGE)
@@ -337,7 +351,8 @@ def test_keep_killed_mid_copy_leaves_the_store_consistent(kept, tmp_path):
         sf = open_slot_file(p)
         assert not sf.errors, (p.name, sf.errors)
         # named by slot, model and the hash of the tokens it holds
-        assert re.fullmatch(rf"slot\d+-[0-9a-f]{{8}}-\d{{7}}-{tokens_hash(sf.tokens.tokens)}\.bin", p.name), p.name
+        assert re.fullmatch(rf"slot\d+-[0-9a-f]{{16}}-\d{{7}}-{tokens_hash(sf.tokens.tokens)}-[0-9a-f]{{16}}\.bin",
+                            p.name), p.name
     res = slotctl("ls", store, "--json", code=OK)
     assert all(row["verdict"] != "unreadable" for row in json.loads(res.stdout)["files"])
     # a keep started again stores the slot's state (nothing it stored was lost or torn)
@@ -656,15 +671,11 @@ def test_migrate_to_slot_defaults_to_a_slot_the_destination_has(three, one):
 
 @server
 def test_keep_never_restores_a_stored_state_validate_says_the_server_aborts_on(kept, tmp_path):
-    from slotctl.keeping.names import model_hash
-    from slotctl.live import http as live_http
-
     kept.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
     kept.save(0, "keep-whole.bin")
     store = tmp_path / "store"
     store.mkdir()
-    name = stored_name(0, model_hash(live_http.server_facts(kept.url)), "cut100")
-    _cut(kept.save_dir / "keep-whole.bin", store / name)
+    name = put_stored(store, 0, kept.model, (kept.save_dir / "keep-whole.bin").read_bytes()[:-100])
     kept.erase(0), kept.erase(1)
     keep = Keep(kept, store, "--every", "0.3")
     try:
@@ -720,17 +731,14 @@ def test_keep_does_not_read_again_a_stored_state_it_found_the_server_refuses(kep
     is read and restored each time. A new keep process finds the row too; a file changed since, or
     --no-cache, is read again."""
     from slotctl.catalog import INDEX_NAME
-    from slotctl.keeping.names import model_hash
     from slotctl.live import http as live_http
 
     kept.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
     kept.save(0, "keep-whole-catalog.bin")
     store = tmp_path / "store"
     store.mkdir()
-    model = model_hash(live_http.server_facts(kept.url))
-    good, bad = stored_name(0, model, "whole"), stored_name(0, model, "cut100")
-    (store / good).write_bytes((kept.save_dir / "keep-whole-catalog.bin").read_bytes())
-    _cut(kept.save_dir / "keep-whole-catalog.bin", store / bad)
+    whole = (kept.save_dir / "keep-whole-catalog.bin").read_bytes()
+    good, bad = put_stored(store, 0, kept.model, whole), put_stored(store, 0, kept.model, whole[:-100])
     now = time.time()
     os.utime(store / good, (now - 7200, now - 7200))
     os.utime(store / bad, (now - 3600, now - 3600))     # the newest: tried first; changed long enough ago
@@ -787,7 +795,6 @@ def test_keep_does_not_download_again_an_s3_state_the_server_refuses(kept, three
     once; the next pass says the same line from the catalog and downloads nothing."""
     import obstore
 
-    from slotctl.keeping.names import model_hash
     from slotctl.live import http as live_http
     from slotctl.store.s3 import S3_STORE
 
@@ -796,7 +803,7 @@ def test_keep_does_not_download_again_an_s3_state_the_server_refuses(kept, three
     three.completion(" ".join([SAMPLE_PROMPT] * 7), slot=0, n_predict=2)
     three.save(0, "long-catalog.bin")
     facts = live_http.server_facts(kept.url)
-    bad = stored_name(0, model_hash(facts), "toolong")
+    bad = stored_name(0, kept.model, three.save_dir / "long-catalog.bin")
     obstore.put(seaweed.client(), f"keep-catalog/{bad}", (three.save_dir / "long-catalog.bin").read_bytes())
     store = f"s3://{BUCKET}/keep-catalog/"
     # an object's Last-Modified is when it was put: under the rule of 3 s its row would not be trusted yet
@@ -827,7 +834,6 @@ def test_keep_remembers_a_damaged_s3_state_instead_of_an_error_at_every_pass(kep
     import obstore
 
     from slotctl import sources
-    from slotctl.keeping.names import model_hash
     from slotctl.live import http as live_http
     from slotctl.store.s3 import S3_STORE
 
@@ -836,7 +842,9 @@ def test_keep_remembers_a_damaged_s3_state_instead_of_an_error_at_every_pass(kep
     kept.save(0, "keep-whole-damaged.bin")
     whole = (kept.save_dir / "keep-whole-damaged.bin").read_bytes()
     facts = live_http.server_facts(kept.url)
-    good, bad = stored_name(0, model_hash(facts), "whole"), stored_name(0, model_hash(facts), "cut100")
+    (tmp_path / "cut.bin").write_bytes(whole[:-100])
+    good, bad = stored_name(0, kept.model, kept.save_dir / "keep-whole-damaged.bin"), stored_name(0, kept.model,
+                                                                                                 tmp_path / "cut.bin")
     prefix = f"keep-damaged-{tmp_path.name}"
     obstore.put(seaweed.client(), f"{prefix}/{good}", whole)
     next_second()       # Last-Modified has second precision: the damaged state is the newest, tried first
@@ -908,7 +916,6 @@ def test_keep_says_when_the_stores_catalog_cannot_be_used(kept, tmp_path):
     import sqlite3
 
     from slotctl.catalog import INDEX_NAME
-    from slotctl.keeping.names import model_hash
     from slotctl.live import http as live_http
 
     kept.completion(SAMPLE_PROMPT, slot=0, n_predict=3)
@@ -916,8 +923,7 @@ def test_keep_says_when_the_stores_catalog_cannot_be_used(kept, tmp_path):
     store = tmp_path / "store"
     store.mkdir()
     facts = live_http.server_facts(kept.url)
-    bad = stored_name(0, model_hash(facts), "cut100")
-    _cut(kept.save_dir / "keep-whole-silence.bin", store / bad)
+    bad = put_stored(store, 0, kept.model, (kept.save_dir / "keep-whole-silence.bin").read_bytes()[:-100])
     old = time.time() - 3600
     os.utime(store / bad, (old, old))
     index = store / INDEX_NAME
@@ -1074,17 +1080,15 @@ def test_keep_converts_a_state_saved_before_the_servers_np_changed(kept, tmp_pat
     """A state of one KV stream (saved at -np 1, made here by slotctl convert from the server's own file) in
     the store of a server now at -np 2: keep converts it as migrate does (exact), restores it and the server
     reuses it."""
-    from slotctl.keeping.names import model_hash
-    from slotctl.live import http as live_http
-
     kept.completion(SAMPLE_PROMPT + " The convert", slot=1, n_predict=3)
     kept.save(1, "keep-np2.bin")
     tokens = tokens_of(kept.save_dir / "keep-np2.bin")
     n = len(tokens)
     store = tmp_path / "store"
     store.mkdir()
-    name = stored_name(1, model_hash(live_http.server_facts(kept.url)), "np1")
-    slotctl("convert", kept.save_dir / "keep-np2.bin", "-o", store / name, "-np", "1", code=OK)
+    slotctl("convert", kept.save_dir / "keep-np2.bin", "-o", tmp_path / "np1.bin", "-np", "1", code=OK)
+    name = stored_name(1, kept.model, tmp_path / "np1.bin")
+    os.replace(tmp_path / "np1.bin", store / name)
     assert open_slot_file(store / name).target.sections[0].n_stream == 1
     kept.erase(0), kept.erase(1)
     keep = Keep(kept, store, "--every", "0.3")

@@ -8,39 +8,70 @@ import os
 import numpy as np
 import pytest
 
+from slotctl import seal
 from slotctl.keeping import names
 
 
+M, D = "0a1b2c3d4e5f6a7b", "8c9d0e1f2a3b4c5d"
+SUM = "f" * 64
+
+
 def test_one_name_for_a_state_whoever_stores_it():
+    """A stored state's name carries the model's content identity (and the draft's, for a draft state) and its
+    content's checksum (slotctl.seal); one state of a slot's tokens is stored once, whatever its checksum."""
     tokens = np.array([1, 15043, 3186, 29991], dtype=np.int32)
-    name = names.state_name(1, "0a1b2c3d", tokens)
-    assert name == f"slot1-0a1b2c3d-0000004-{names.tokens_hash(tokens)}.bin"
-    assert names.parse_name(name) == names.StateName(1, "0a1b2c3d", 4, names.tokens_hash(tokens))
-    assert name.startswith(names.slot_prefix(1, "0a1b2c3d")) and not name.startswith(names.slot_prefix(11, "0a1b2c3d"))
-    assert names.of_model(name, "0a1b2c3d") and not names.of_model(name, "ffffffff")
+    name = seal.state_name(1, M, tokens, SUM)
+    assert name == f"slot1-{M}-0000004-{seal.tokens_hash(tokens)}-{SUM[:16]}.bin"
+    assert seal.parse_name(name) == seal.StateName(1, M, 4, seal.tokens_hash(tokens), None, SUM[:16])
+    assert seal.parse_name(name).sealed
+    assert name.startswith(seal.slot_prefix(1, M)) and not name.startswith(seal.slot_prefix(11, M))
+    assert name.startswith(seal.stored_prefix(1, M, tokens))
+    # a draft state: the draft model's identity too (all zeros: not known when it was stored)
+    drafted = seal.state_name(1, M, tokens, SUM, D)
+    assert drafted == f"slot1-{M}x{D}-0000004-{seal.tokens_hash(tokens)}-{SUM[:16]}.bin"
+    assert seal.parse_name(drafted).draft == D and drafted.startswith(seal.slot_prefix(1, M))
+    assert not drafted.startswith(seal.stored_prefix(1, M, tokens))
+    assert seal.parse_name(seal.state_name(0, M, tokens, SUM, seal.UNKNOWN_DRAFT)).draft == seal.UNKNOWN_DRAFT
     # the same tokens as a list or as another integer type: one hash, one name
-    assert names.state_name(1, "0a1b2c3d", [1, 15043, 3186, 29991]) == name
-    assert names.state_name(1, "0a1b2c3d", tokens.astype(np.int64)) == name
+    assert seal.state_name(1, M, [1, 15043, 3186, 29991], SUM) == name
+    assert seal.state_name(1, M, tokens.astype(np.int64), SUM) == name
     # names sort by length within a slot and model
-    short, long = names.state_name(0, "m", tokens[:2]), names.state_name(0, "m", np.arange(1_000))
+    short, long = seal.state_name(0, M, tokens[:2], SUM), seal.state_name(0, M, np.arange(1_000), SUM)
     assert sorted([long, short]) == [short, long]
 
 
-def test_the_previous_releases_names_are_still_read():
+def test_the_earlier_releases_names_are_read_and_of_no_known_model():
+    # the last release's: slotN-MODEL-NTOKENS-TOKENS.bin, MODEL a hash of what the server reported
+    last = "slot1-0a1b2c3d-0000004-9f8e7d6c5b4a3928.bin"
+    assert seal.parse_name(last) == seal.StateName(1, "0a1b2c3d", 4, "9f8e7d6c5b4a3928")
+    assert not seal.parse_name(last).sealed
     # keep's: slotN-MODEL-TOKENS.bin (any tail: its tokens' hash), read for its slot and model
-    assert names.parse_name("slot0-0a1b2c3d-9f8e7d6c5b4a3928.bin") == names.StateName(0, "0a1b2c3d", None,
-                                                                                        "9f8e7d6c5b4a3928")
-    assert names.parse_name("slot12-0a1b2c3d-cut100.bin").slot == 12
-    assert "slot3-0a1b2c3d-9f8e7d6c5b4a3928.bin".startswith(names.slot_prefix(3, "0a1b2c3d"))
+    assert seal.parse_name("slot0-0a1b2c3d-9f8e7d6c5b4a3928.bin") == seal.StateName(0, "0a1b2c3d", None,
+                                                                                       "9f8e7d6c5b4a3928")
+    assert seal.parse_name("slot12-0a1b2c3d-cut100.bin").slot == 12
     # serve's: serve-MODEL-NTOKENS-TOKENS.bin, no slot
     old = "serve-0a1b2c3d-0000042-9f8e7d6c5b4a3928.bin"
-    assert names.parse_name(old) == names.StateName(None, "0a1b2c3d", 42, "9f8e7d6c5b4a3928")
-    assert names.of_model(old, "0a1b2c3d")
+    assert seal.parse_name(old) == seal.StateName(None, "0a1b2c3d", 42, "9f8e7d6c5b4a3928")
+    # none of them is any server's model's: which model wrote them is not known
+    from slotctl.live.identity import ServerModel
+    from slotctl.model.content import ModelContent
+
+    server = ServerModel(ModelContent(M + "0" * 48, ("m.gguf",), ("k",), 1, 1, 1))
+    for n in (last, old, "slot0-0a1b2c3d-9f8e7d6c5b4a3928.bin"):
+        assert "earlier slotctl" in server.refusal(seal.parse_name(n))
+    assert server.refusal(seal.parse_name(seal.state_name(0, M, [1], SUM))) is None
+    assert "another model" in server.refusal(seal.parse_name(seal.state_name(0, D, [1], SUM)))
+    assert "not known" in server.refusal(seal.parse_name(seal.state_name(0, M, [1], SUM, D)))
+    with_draft = ServerModel(server.target, ModelContent(D + "0" * 48, ("d.gguf",), ("k",), 1, 1, 1))
+    assert with_draft.refusal(seal.parse_name(seal.state_name(0, M, [1], SUM, D))) is None
+    assert "another draft model" in with_draft.refusal(seal.parse_name(seal.state_name(0, M, [1], SUM, M)))
+    assert "not known when it was stored" in with_draft.refusal(
+        seal.parse_name(seal.state_name(0, M, [1], SUM, seal.UNKNOWN_DRAFT)))
     # not states: working files, temporary files, other files
     for other in ("keep-slot0-incoming-12-0a0b0c0d.bin", "serve-slot1-incoming-12-0a0b0c0d.bin",
                   "serve-slot1-999-1-incoming.bin", ".slot0-a-b.bin.slotctl-1a2b.tmp", "notes.txt", "slot0.bin",
                   "x-slot0-a-b.bin"):
-        assert names.parse_name(other) is None, other
+        assert seal.parse_name(other) is None, other
 
 
 def test_working_files_are_private_to_their_process_and_pinned():
@@ -55,12 +86,12 @@ def test_working_files_are_private_to_their_process_and_pinned():
             assert names.work_owner(w) == (role, os.getpid())
             assert fnmatch.fnmatch(w, names.own_works(role))
             assert any(fnmatch.fnmatch(w, g) for g in names.WORK_GLOBS)
-            assert names.parse_name(w) is None
+            assert seal.parse_name(w) is None
     assert names.work_name("keep", 0, "incoming") != names.work_name("keep", 0, "incoming")
     # keep's working files of the previous release are the same names
     assert names.work_owner("keep-slot0-incoming-4242-0a0b0c0d.bin") == ("keep", 4242)
     # no state is pinned: prune may delete every one
-    assert not any(fnmatch.fnmatch(names.state_name(0, "0a1b2c3d", [1, 2]), g) for g in names.WORK_GLOBS)
+    assert not any(fnmatch.fnmatch(seal.state_name(0, M, [1, 2], SUM), g) for g in names.WORK_GLOBS)
     assert not any(fnmatch.fnmatch("serve-0a1b2c3d-0000002-9f8e7d6c5b4a3928.bin", g) for g in names.WORK_GLOBS)
     with pytest.raises(ValueError):
         names.work_name("migrate", 0, "incoming")
@@ -90,7 +121,7 @@ def test_one_verdict_kept_for_every_reader_and_slot(tmp_path):
 
     store = tmp_path / "store"
     store.mkdir()
-    name = names.state_name(1, names.model_hash(_facts()), [1, 2, 3])
+    name = seal.state_name(1, M, [1, 2, 3], SUM)
     (store / name).write_bytes(b"\0" * 64)
     old = time.time() - 3600        # changed long before the row is made: trusted
     os.utime(store / name, (old, old))

@@ -28,7 +28,7 @@ LAYERS = [
     {"server"},
     {"model", "slotfile"},
     {"format"},
-    {"sources"},
+    {"sources", "seal"},
     {"atomic", "paths", "progress", "tinymodels", "sample"},
     {"errors"},
 ]

@@ -178,6 +178,7 @@ def test_a_store_down_means_uncached_not_failed(llama, tmp_path):
     erase_all(llama)
     direct = complete(llama.url, SAMPLE_PROMPT)
     with serving(llama, llama.save_dir, "s3://nobucket/serve/", env=env) as s:
+        assert s.events_named("identified")     # the model hashed (a thread of its own): the store is asked
         for _ in range(2):
             assert complete(s.url, SAMPLE_PROMPT)["content"] == direct["content"]
         # no lease (the store never answered): uncached, said once; nothing saved (it could not be stored)
@@ -940,7 +941,7 @@ def test_a_state_is_sent_only_with_the_identity_its_verdict_was_made_on(tmp_path
     slots.mkdir()
     store = tmp_path / "store" if own_store else slots
     store.mkdir(exist_ok=True)
-    name = "slot0-00000000-0000003-0000000000000000.bin"
+    name = "slot0-0000000000000000-0000003-0000000000000000-0000000000000000.bin"
     (store / name).write_bytes(b"\0" * 64)       # what it holds is not read: the identity is checked first
     judged_on = local_identity(os.stat(store / name))
     t = time.time() - 60

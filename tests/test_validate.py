@@ -722,8 +722,8 @@ def test_cli_json_document():
     assert res.stderr == ""
     d = json.loads(res.stdout)
     assert set(d) == {"server", "files", "summary", "exit_code"}
-    assert d["summary"] == {"files": 1, "restores": 1, "restores_with_drops": 0, "undecided": 0, "aborts": 0,
-                            "refused": 0, "unreadable": 0, "skipped": 0}
+    assert d["summary"] == {"files": 1, "restores": 1, "restores_with_drops": 0, "undecided": 0, "other_model": 0,
+                            "corrupt": 0, "aborts": 0, "refused": 0, "unreadable": 0, "skipped": 0}
     (f,) = d["files"]
     assert set(f) == {"path", "size", "state_version", "n_tokens", "build", "verdict", "certain", "uncertain", "exit_code", "counts", "findings",
                       "checks", "steps", "reuse"}

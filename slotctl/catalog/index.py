@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from slotctl.paths import CATALOG_FILE
+from slotctl.paths import CATALOG_FILE, cache_home
 from slotctl.sources import remote_url
 
 #: the index's layout; an index of another version (or another slotctl version) is rebuilt, never read
@@ -65,15 +65,6 @@ CREATE TABLE heads (
     head BLOB NOT NULL           -- the file's first bytes: whether it is a slot file (format.magic.is_slot_entry)
 );
 """
-
-
-def cache_home() -> str:
-    """slotctl's cache directory: ``$SLOTCTL_CACHE_DIR``, else ``$XDG_CACHE_HOME/slotctl``, else
-    ``~/.cache/slotctl``."""
-    if os.environ.get("SLOTCTL_CACHE_DIR"):
-        return os.path.expanduser(os.environ["SLOTCTL_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "slotctl")
 
 
 def index_path(where: str, *, beside: bool = False) -> str:

@@ -27,6 +27,10 @@ from slotctl.sources import remote_url
 
 #: what prune reports for an ``undecided`` file whose payload no layout fits: the server refuses it or aborts
 CUT_SHORT = "undecided: cut short (refused or aborts)"
+#: the rows' and verdicts' format: a row or verdict kept in a catalog under another is not read (made again)
+#: (2: rows say their ``build``; verdicts say ``other_model`` and ``corrupt``, stored states' names carry the
+#: model's content identity)
+ROW_FORMAT = "2"
 #: below this many files the pool costs more than it saves
 POOL_MIN_FILES = 48
 #: files a worker takes at a time
@@ -75,6 +79,7 @@ def _row_from(path: str, st, sf, report, now: float, standing=None) -> dict:
         "draft_size": _draft_size(sf),
         "damaged": sf.damaged,
         "verdict": report.verdict,
+        "build": report.build,
         "certain": report.certain,
         "uncertain": list(report.uncertain),
         "reuse": _reuse(report),
@@ -113,7 +118,8 @@ def _unreadable(path: str, e: Exception, st) -> dict:
             "mtime": iso_time(st.mtime) if st else None,
             "atime": iso_time(st.used) if st and st.used is not None else None,
             "age_seconds": None, "state_version": None, "n_tokens": None, "memory_kind": None, "checkpoints": [],
-            "draft_size": 0, "damaged": False, "verdict": "unreadable", "certain": True, "uncertain": [], "reuse": None,
+            "draft_size": 0, "damaged": False, "verdict": "unreadable", "build": None, "certain": True,
+            "uncertain": [], "reuse": None,
             "findings": [], "class": "broken", "remedy": None, "exit_code": int(ExitStatus.USAGE),
             "error": err.as_dict()}
 
@@ -181,7 +187,7 @@ def request_key(request: Request) -> str:
 
     from slotctl import __version__
 
-    parts = [__version__, repr(request.setup), str(request.real_check)]
+    parts = [__version__, ROW_FORMAT, repr(request.setup), str(request.real_check)]
     for attr in ("target", "draft"):
         m = getattr(request.setup, attr, None)
         if m is not None:

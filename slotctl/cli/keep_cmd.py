@@ -10,10 +10,10 @@ from slotctl.cli.command_line import ArgsCommand
 from slotctl.cli.options import (
     AllowLossyOpt, ApiKeyOpt, ConfigOpt, EventsJsonOpt, EveryOpt, ForceRestoreOpt, KeepListenOpt,
     KeepNewestOpt, KeepServerOpt, KeptSlotDirOpt, KeptStoreOpt, KeptTimeoutOpt, LeaseOpt, MinTokensOpt,
-    ProveRestoresOpt, RestoreAllOpt, RouterModelOpt, SaveAllOpt, StoreBudgetOpt, StoreCatalogOpt, UnreportedCtkOpt,
-    UnreportedCtvOpt, UnreportedKvuOpt,
+    ProveRestoresOpt, RestoreAllOpt, RouterModelOpt, SaveAllOpt, ServerDraftModelOpt, StoreBudgetOpt, StoreCatalogOpt,
+    UnreportedCtkOpt, UnreportedCtvOpt, UnreportedKvuOpt,
 )
-from slotctl.cli.output import Output
+from slotctl.cli.output import Output, hashing_progress
 from slotctl.errors import UsageError
 from slotctl.live import SLOT_FILE_TIMEOUT
 
@@ -44,6 +44,7 @@ def keep(
     cache_type_v: UnreportedCtvOpt = None,
     allow_lossy: AllowLossyOpt = False,
     no_cache: StoreCatalogOpt = False,
+    draft_model: ServerDraftModelOpt = None,
     router_model: RouterModelOpt = None,
     api_key: ApiKeyOpt = None,
     timeout: KeptTimeoutOpt = None,
@@ -106,7 +107,8 @@ def keep(
     flags, given = running.unreported_flags(ctx, kv_unified, cache_type_k, cache_type_v)
     keeper = Keeper(run.url, run.slot_dir, run.store, every=every, min_tokens=min_tokens, max_size=size,
                     api_key=run.api_key, timeout=timeout, emit=emit, retention=keep_newest, prove=prove_restores,
-                    force=force, flags=flags, given=given, allow_lossy=allow_lossy, catalog=not no_cache)
+                    force=force, flags=flags, given=given, allow_lossy=allow_lossy, catalog=not no_cache,
+                    draft_model=draft_model, progress=hashing_progress(out))
     from slotctl.live import router
 
     model = router.model_for(keeper.url)   # one keeper per router's model and store

@@ -19,6 +19,7 @@ from slotctl.cli.options import (
     LiveApiKeyOpt,
     LiveTimeoutOpt,
     ModelOpt,
+    ServerBuildOpt,
     ServerStateVersionOpt,
     SlotOpt,
     VerboseOpt,
@@ -27,6 +28,7 @@ from slotctl.cli.server_panel import with_server_flags
 from rich.cells import cell_len
 
 from slotctl.cli.output import FOLD_WIDTH, Output, escape_text, human_bytes, style_of
+from slotctl.server.builds import NEWEST as NEWEST_BUILD
 from slotctl.server.flags import SERVER_STATE_VERSION, ServerFlags
 from slotctl.live import DEFAULT_TIMEOUT
 from slotctl.errors import UsageError, worst
@@ -62,11 +64,12 @@ def ls(
                                             "checkpoint draft blobs).")] = False,
     verdict: Annotated[Optional[list[str]], typer.Option("--verdict", metavar="V", help="Only files with this "
                                                          "verdict (repeatable): restores, restores_with_drops, "
-                                                         "aborts, refused, unreadable.")] = None,
+                                                         "other_model, corrupt, aborts, refused, unreadable.")] = None,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     slot: SlotOpt = 0,
     state_version: ServerStateVersionOpt = SERVER_STATE_VERSION,
+    server_build: ServerBuildOpt = NEWEST_BUILD,
     load: Annotated[bool, typer.Option("--load", help="With -m: also load every layer of every file into real "
                                        "contexts (validate's real check; slow).")] = False,
     server: JudgeServerOpt = None,
@@ -112,16 +115,24 @@ def ls(
     lv = remote.learn_from_server(ctx, out, "ls", server, api_key=api_key, timeout=timeout, flags=flags,
                                   model=model, draft_model=draft_model, slot=slot, mmproj=False,
                                   state_version=state_version, store=store)
+    from slotctl.server.builds import from_build_info, get as get_build
+
+    try:
+        server_build = get_build(server_build).name
+    except ValueError as e:
+        raise UsageError(f"--server-build: {e}") from None
     if lv is not None:
         model, draft_model, flags, slot = lv.model, lv.draft_model, lv.server_flags, lv.slot
+        server_build = from_build_info(lv.facts.build_info)[0]
     setup = None
-    if model is not None or state_version != 4 or slot or flags != ServerFlags():
+    if model is not None or state_version != 4 or slot or flags != ServerFlags() or server_build != NEWEST_BUILD:
         from slotctl.server.flags import attn_rot_disable
         from slotctl.validate import ServerSetup
 
         setup = ServerSetup.from_flags(flags, target=model, draft=draft_model, slot=slot,
                                        mmproj=lv.mmproj if lv is not None else False,
-                                       state_version=state_version, attn_rot_disable=attn_rot_disable())
+                                       state_version=state_version, attn_rot_disable=attn_rot_disable(),
+                                       build=server_build)
         if model is not None:
             from slotctl.validate import Models
 

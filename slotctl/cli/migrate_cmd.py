@@ -50,6 +50,10 @@ def migrate(
                                               "destination's cache types differ (lossy; measured).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Send the file even when validate says the destination "
                                         "refuses it or aborts on it.")] = False,
+    draft_model: Annotated[Optional[Path], typer.Option(
+        "--draft-model", "-md", dir_okay=False, metavar="GGUF",
+        help="The draft model both servers run (no server reports it): a state that carries a draft state moves "
+             "only with it.")] = None,
     api_key: ApiKeyOpt = None,
     to_api_key: Annotated[Optional[str], typer.Option("--to-api-key", help="The destination's API key (default: "
                                                       "--api-key).")] = None,
@@ -59,8 +63,9 @@ def migrate(
     """Move a slot from one running llama-server to another: save, check, convert, place, restore, prove.
 
     Saves the source's slot, reads the file in --from-dir, refuses it before touching the destination
-    when it cannot work there (another model by /v1/models, a context too small, flags validate says
-    the server refuses), converts it for the destination's -np/-kvu (exact) and cache types (lossy, only
+    when it cannot work there (another model, by /v1/models and by the content of the model files the
+    servers name, read on this machine; a context too small; flags validate says the server refuses),
+    converts it for the destination's -np/-kvu (exact) and cache types (lossy, only
     with --allow-lossy), writes it into --to-dir atomically, restores it into the destination's slot and
     proves it (the file's own prompt, the server's own counts, as restore --prove), then removes its
     working files (the store keeps its copy). A file validate says the destination refuses or aborts on
@@ -71,6 +76,7 @@ def migrate(
     refused the file, or the proof found more prompt tokens evaluated than predicted; 2 usage error, a
     server unreachable or an I/O error (the step that failed says which); 3 the proof cannot predict.
     """
+    from slotctl.cli.output import hashing_progress
     from slotctl.fleet.migrate import migrate as run
     from slotctl.server.flags import ServerFlags
 
@@ -80,7 +86,8 @@ def migrate(
                         cache_type_v=cache_type_v or ServerFlags().cache_type_v)
     m = run(from_url, slot, to_url, to_slot, from_dir=from_dir, to_dir=to_dir,
             name=name, store=store, dst_flags=flags, given=frozenset(given), allow_lossy=allow_lossy, api_key=api_key,
-            to_api_key=to_api_key, timeout=timeout, force=force)
+            to_api_key=to_api_key, timeout=timeout, force=force, draft_model=draft_model,
+            hashing=hashing_progress(out))
     doc = m.as_dict()
     if json_out:
         out.json(doc)

@@ -234,6 +234,10 @@ UnreportedKvuOpt = Annotated[bool, typer.Option("--kv-unified", "-kvu", help="Th
 #: ``UnreportedCtkOpt``, ``UnreportedCtvOpt``: -ctk/-ctv spelled as the server spells them (:func:`flag_option`),
 #: made on first use (:func:`__getattr__`: the flag tables are read only by the commands that take them)
 _UNREPORTED_TYPES = {"UnreportedCtkOpt": ("cache_type_k", "-ctk"), "UnreportedCtvOpt": ("cache_type_v", "-ctv")}
+ServerDraftModelOpt = Annotated[Optional[Path], typer.Option(
+    "--draft-model", "-md", dir_okay=False, metavar="GGUF",
+    help="The server's draft model (-md; no server reports it): a state that carries a draft state is restored "
+         "only into a server whose draft model is this one's content.")]
 # keep's own
 EveryOpt = Annotated[Optional[float], typer.Option("--every", min=0.05, max=86400.0, metavar="SECONDS",
                                                    help="Seconds between two looks at the server [default: 30].")]

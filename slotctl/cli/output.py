@@ -36,12 +36,12 @@ FOLD_WIDTH = 12
 #: the whole file or run is); cyan: what a dry run would do; magenta: not decided; dim: nothing happened.
 STYLES = {
     **dict.fromkeys(("restores", "restored", "ok", "fits", "copied", "stored", "proof", "proven", "stripped",
-                     "pinned", "idle", "same", "learned", "up"), "green"),
+                     "pinned", "idle", "same", "learned", "up", "identified"), "green"),
     **dict.fromkeys(("restores_with_drops", "dropped", "drop", "ignored", "skipped", "down", "restart", "pruned",
                      "busy", "warning", "disconnect"), "yellow"),
     **dict.fromkeys(("mismatch", "partial", "deleted"), "red"),
     **dict.fromkeys(("refused", "failed", "error", "unreadable", "aborts", "aborted", "aborts_later", "reevaluated",
-                     "differs", "upstream"), "bold red"),
+                     "differs", "upstream", "other_model", "corrupt", "unidentified"), "bold red"),
     **dict.fromkeys(("would_strip", "would_delete"), "cyan"),
     "undecided": "magenta",
     "not_taken": "yellow",     # a proof not sent
@@ -527,3 +527,22 @@ def _measuring_console():
     if _MEASURING is None:
         _MEASURING = Console()
     return _MEASURING
+
+
+def hashing_progress(out: Output):
+    """The progress of a model's hashing (once per model file: :mod:`slotctl.model.content`) as a bar on stderr
+    when it is a terminal, drawn from the first call to the last byte; None on a pipe (the ``identified`` event
+    says what it took)."""
+    if not out.interactive:
+        return None
+    bar: list = []
+
+    def update(done: int, total: int) -> None:
+        if not bar:
+            cm = out.progress("hashing the model (once per file)", total, bytes_=True)
+            bar.append((cm, cm.__enter__()))
+        bar[0][1](done, total)
+        if done >= total:
+            bar.pop()[0].__exit__(None, None, None)
+
+    return update

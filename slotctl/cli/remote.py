@@ -185,6 +185,15 @@ def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name:
         raise UsageError("--prove-anyway goes with --prove")
     note = None
     setup = facts = None
+    # a stored state of another model, or whose bytes are not the ones stored, is never sent (--force or not)
+    from slotctl.live.identity import check_stored, is_stored
+
+    if is_stored(name):
+        if slot_dir is not None:
+            server_api.check_filename(name)
+            local = Path(slot_dir) / name
+        facts = server_api.server_facts(url, slot, api_key=api_key, timeout=timeout)
+        check_stored(name, facts.model_path, facts.model_meta, local=local, progress=_hashing(out))
     if slot_dir is not None:
         server_api.check_filename(name)
         local = Path(slot_dir) / name
@@ -194,7 +203,7 @@ def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name:
         from slotctl.live.judge import check_sendable
         from slotctl.live.prove import local_setup
 
-        facts = server_api.server_facts(url, slot, api_key=api_key, timeout=timeout)
+        facts = facts or server_api.server_facts(url, slot, api_key=api_key, timeout=timeout)
         setup, _notes = local_setup(facts, slot)
         report = check_sendable(local, setup, force=force, remedy="--force")
         if report.refused_or_aborts:
@@ -227,6 +236,12 @@ def restore_on_server(ctx: typer.Context | None, out: Output, server: str, name:
     if proof is not None and proof.exit_status:
         out.error(f"--prove: {proof.verdict}: {proof.reason}")
         raise typer.Exit(int(proof.exit_status))
+
+
+def _hashing(out: Output):
+    from slotctl.cli.output import hashing_progress
+
+    return hashing_progress(out)
 
 
 def _answer(out: Output, answer: Any, json_out: bool, url: str, head: str, *, slot: int, name: str,

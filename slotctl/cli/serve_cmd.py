@@ -8,10 +8,10 @@ from slotctl.cli.common import handle_errors
 from slotctl.cli.command_line import ArgsCommand
 from slotctl.cli.options import (
     ApiKeyOpt, ConfigOpt, EventsJsonOpt, KeptSlotDirOpt, KeptStoreOpt, KeptTimeoutOpt, LeaseOpt,
-    MetricsListenOpt, MinGainOpt, RestorePolicyOpt, ServeListenOpt, StoreBudgetOpt, StoreCatalogOpt, UnreportedCtkOpt,
-    UnreportedCtvOpt, UnreportedKvuOpt, UpstreamOpt,
+    MetricsListenOpt, MinGainOpt, RestorePolicyOpt, ServeListenOpt, ServerDraftModelOpt, StoreBudgetOpt,
+    StoreCatalogOpt, UnreportedCtkOpt, UnreportedCtvOpt, UnreportedKvuOpt, UpstreamOpt,
 )
-from slotctl.cli.output import Output
+from slotctl.cli.output import Output, hashing_progress
 from slotctl.errors import UsageError
 from slotctl.live import SLOT_FILE_TIMEOUT
 
@@ -37,6 +37,7 @@ def serve(
     kv_unified: UnreportedKvuOpt = False,
     cache_type_k: UnreportedCtkOpt = None,
     cache_type_v: UnreportedCtvOpt = None,
+    draft_model: ServerDraftModelOpt = None,
     api_key: ApiKeyOpt = None,
     timeout: KeptTimeoutOpt = None,
     json_out: EventsJsonOpt = False,
@@ -107,8 +108,10 @@ def serve(
             running.event_line(out, _now(), event, message)
 
     raise typer.Exit(main.serve(run.url, run.slot_dir, run.store, host=host, port=port, max_size=size,
-                                min_gain=min_gain, restore_policy=restore_policy, api_key=run.api_key, timeout=timeout, catalog=not no_cache,
-                                emit=emit, flags=flags, given=given, metrics_listen=metrics_listen, lease=lease))
+                                min_gain=min_gain, restore_policy=restore_policy, api_key=run.api_key, timeout=timeout,
+                                catalog=not no_cache, emit=emit, flags=flags, given=given,
+                                metrics_listen=metrics_listen, lease=lease, draft_model=draft_model,
+                                progress=hashing_progress(out)))
 
 
 def _now() -> str:

@@ -37,10 +37,13 @@ from slotctl.live import DEFAULT_TIMEOUT
 
 _VERDICT_WORDS = {"restores": "restores completely", "restores_with_drops": "restores, with layers dropped",
                   "aborts": "the server aborts on it", "refused": "the server refuses it",
-                  "unreadable": "unreadable", "undecided": "undecided without the model (give -m)"}
+                  "unreadable": "unreadable", "undecided": "undecided without the model (give -m)",
+                  "other_model": "stored for another model: never restored", "corrupt": "not the bytes stored: never "
+                                                                                         "restored"}
 _SUMMARY_WORDS = {"restores": "restoring completely", "restores_with_drops": "restoring with layers dropped",
                   "aborts": "making the server abort", "refused": "refused", "unreadable": "unreadable",
-                  "undecided": "undecided without the model"}
+                  "undecided": "undecided without the model", "other_model": "stored for another model",
+                  "corrupt": "not the bytes stored"}
 
 
 def register(app: typer.Typer) -> None:
@@ -129,14 +132,33 @@ def validate(
         stdin_path = stack.enter_context(stdin_copy(STDIN_HEAD)) if STDIN in paths else None
         if stdin_path is not None:
             paths = [stdin_path if p == STDIN else p for p in paths]
+        _model_identities(out, setup, paths)
         with out.progress("validating", total=len(paths)) as update:
-            report = validate_paths(paths, setup, real_check=load, verbose=verbose,
+            report = validate_paths(paths, setup, real_check=load, verbose=verbose, check_content=True,
                                     on_file=lambda done, total, _p: update(done), on_report=one_done)
     doc = report.as_dict() if lv is None else lv.annotate(report.as_dict())
     summary = {**doc["summary"], "skipped": len(expansion.skipped)}
     if not out.json_mode:
         render(out, report, skipped=len(expansion.skipped), load_skipped=load_skipped, server=doc["server"])
     run.finish(summary, server=doc["server"])
+
+
+def _model_identities(out: Output, setup, paths) -> None:
+    """The models' content identities made before the files are judged, with a progress bar on a terminal (once
+    per model file, kept: :mod:`slotctl.model.content`), when a file's name says which model it was stored for
+    (:mod:`slotctl.seal`)."""
+    import os
+
+    from slotctl.seal import parse_name
+
+    if setup.target is None or not any((s := parse_name(os.path.basename(os.fspath(p)))) and s.sealed for p in paths):
+        return
+    from slotctl.cli.output import hashing_progress
+    from slotctl.model.content import model_content
+
+    for m in (setup.target, setup.draft):
+        if m is not None:
+            model_content(m, progress=hashing_progress(out))
 
 
 def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = None,
@@ -193,8 +215,8 @@ def render(out: Output, report, *, skipped: int = 0, load_skipped: str | None = 
     notes.render(out)
     if many or skipped:
         s = report.summary()
-        parts = [f"{s[v]} {_SUMMARY_WORDS[v]}" for v in ("restores", "restores_with_drops", "undecided", "aborts",
-                                                          "refused", "unreadable") if s[v]]
+        parts = [f"{s[v]} {_SUMMARY_WORDS[v]}" for v in ("restores", "restores_with_drops", "undecided", "other_model",
+                                                          "corrupt", "aborts", "refused", "unreadable") if s[v]]
         if skipped:
             parts.append(f"{skipped} skipped (not slot files)")
         out.print(Text(f"{s['files']} file(s): " + ", ".join(parts), style="bold"))

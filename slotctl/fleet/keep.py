@@ -81,7 +81,8 @@ class Keeper:
                  every: float = 30.0, min_tokens: int = 1, max_size: int | None = None,
                  api_key: str | None = None, timeout: float = 600.0, emit: Callable[[Event], None] = print,
                  lock=None, retention: int | None = None, prove: bool = True, force: bool = False, flags=None,
-                 given: frozenset[str] = frozenset(), allow_lossy: bool = False, catalog: bool = True):
+                 given: frozenset[str] = frozenset(), allow_lossy: bool = False, catalog: bool = True,
+                 draft_model: str | os.PathLike | None = None, progress=None):
         self.emit = emit
         #: the server's states: its flags it does not report (``-kvu``, ``-ctk``, ``-ctv``, the fields named in
         #: ``given``) with what its saves said over them, the verdicts (the store's catalog, shared with serve;
@@ -89,7 +90,8 @@ class Keeper:
         #: slot and model), stored states re-encoded when the cache types changed only with ``allow_lossy``
         self.states = ServerStates(url, slot_dir, store, role="keep", api_key=api_key, timeout=timeout,
                                    max_size=max_size, retention=retention, catalog=catalog, flags=flags,
-                                   given=given, allow_lossy=allow_lossy, log=self._said)
+                                   given=given, allow_lossy=allow_lossy, log=self._said, draft_model=draft_model,
+                                   progress=self._hashing(progress))
         self.url, self.slot_dir, self.store = self.states.url, self.states.slot_dir, self.states.store
         self.every, self.min_tokens = every, min_tokens
         self.api_key, self.timeout = api_key, timeout
@@ -109,6 +111,16 @@ class Keeper:
         self.beat = time.monotonic()
         #: called after each look at the server with whether it answered (metrics, readiness)
         self.on_look: Callable[[bool], None] | None = None
+
+    def _hashing(self, progress):
+        """The progress callback of the model's hashing (``progress``: a bar on a terminal, or None): keep's
+        heartbeat goes on meanwhile (a model of many gigabytes takes seconds)."""
+        def update(done: int, total: int) -> None:
+            self.beat = time.monotonic()
+            if progress is not None:
+                progress(done, total)
+
+        return update
 
     @property
     def lock(self):
@@ -234,7 +246,9 @@ class Keeper:
         # restarted between two looks
         fresh = [e["id"] for e in facts.slots or () if self.seen.get(e["id"]) and "id_task" not in e]
         self.up, self.identity = True, ident
-        self.facts = facts      # another model (llama-swap): another command line, its flags forgotten
+        # another model (llama-swap): another command line, its flags forgotten; a restart: its model identified
+        # anew by its file's content (a file replaced while it ran is the one it loads now)
+        self.states.set_facts(facts, restarted=bool(back or changed or fresh))
         if first or back or changed or fresh:
             why = ("keep started" if first else "the server is back" if back else
                    "the server's identity changed (GET /props, /v1/models)" if changed else
@@ -289,6 +303,10 @@ class Keeper:
                 and (entry.get("n_prompt_tokens") or 0) >= self.min_tokens)
 
     def save_changed(self) -> None:
+        """Each idle slot that changed saved and stored; none while the server's model is not identified by its
+        content (its ``unidentified`` event said why: a state is stored only under the model that wrote it)."""
+        if self.states.model is None:
+            return
         self._each_idle_slot(self._changed, lambda e: self.save(e["id"], self.signature(e)))
 
     def save(self, slot: int, sig: tuple) -> None:
@@ -306,6 +324,10 @@ class Keeper:
         if saved.problem is not None:
             self._event("skipped", slot, f"{saved.path}: not stored: {saved.problem}")
             return
+        if saved.name is None:
+            self._event("skipped", slot, f"slot {slot}: not stored: the server's model is not identified "
+                                         f"({self.states.unidentified})", reason="unidentified")
+            return
         n = saved.n_tokens
         self.seen[slot] = sig
         if n < self.min_tokens:
@@ -319,6 +341,7 @@ class Keeper:
             self._remember(slot, sig, name)
             return
         self._remember(slot, sig, name)
+        self.states.discard(work)       # before the event: whoever reads it finds no working file left
         where = self.store.where(name)
         self._event("stored", slot, f"slot {slot}: stored as {where} ({saved.size:,} bytes, {n:,} tokens)",
                     name=name, path=where, size=saved.size, n_tokens=n)
@@ -368,9 +391,20 @@ class Keeper:
         """The newest state of ``slot`` that the server now running restores (or the newest one at all, with
         ``force``), restored and proven; each one tried before it that it does not restore is a ``skipped``
         line (``details.catalog`` when the verdict came from the catalog: the state not read again)."""
+        from slotctl.seal import ChecksumMismatch
+
+        if self.states.model is None:
+            self._event("skipped", slot, f"slot {slot}: nothing restored: the server's model is not identified "
+                                         f"({self.states.unidentified})", reason="unidentified")
+            return
         for name in self.candidates(slot):
-            if self._restore_one(slot, name):
-                return
+            try:
+                if self._restore_one(slot, name):
+                    return
+            except ChecksumMismatch as e:       # nothing sent: the next state is tried
+                self.states.found_damaged(name)
+                self._event("skipped", slot, f"{name}: not restored: {e}", name=name, verdict="corrupt",
+                            reason="checksum")
         self._event("skipped", slot, f"slot {slot}: no state in the store for the server now running")
 
     def _restore_one(self, slot: int, name: str) -> bool:
@@ -392,7 +426,7 @@ class Keeper:
                     if not after.sendable and not self.force:
                         self._refused(slot, name, after.verdict, after.why, False)
                         return False
-                    answer = self.states.restore(name, slot, placed=placed)
+                    answer = self.states.restore(name, slot, placed=placed, checksum=conv.checksum)
                     return self._restored(slot, name, answer, self.slot_dir / placed,
                                           after.why if not after.sendable else None)
             except ConversionFailed as e:

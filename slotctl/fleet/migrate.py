@@ -3,20 +3,26 @@
 The steps, each with its outcome (:class:`Step`), stopping at the first that does not succeed; each is a method
 of :class:`_Migrator` named as the step, written in this order:
 
-1. ``source``: the source's facts (``/props``, ``/slots``, ``/v1/models``); the slot exists;
-2. ``destination``: the destination's facts; the slot exists; the destination runs the source's model as far
+1. ``source``: the source's facts (``/props``, ``/slots``, ``/v1/models``); the slot exists; its model told by
+   its content (:func:`slotctl.live.identity.identify`: the file ``/props`` names, on this machine), else
+   refused (a model that cannot be read here is not known);
+2. ``destination``: the destination's facts; the slot exists; the destination runs the source's model: as far
    as the servers report it (``/v1/models`` meta: vocabulary, embedding size, parameters, tensor bytes,
-   training context), else refused (:func:`other_model`);
+   training context: :func:`other_model`) and by its content (the two files' digests), else refused;
 3. ``save``: the source saves the slot into its ``--slot-save-path`` (``--from-dir`` here);
-4. ``fetch``: the saved file holds the slot's tokens in the size the source answered;
+4. ``fetch``: the saved file holds the slot's tokens in the size the source answered; its checksum made
+   (:mod:`slotctl.seal`); a state that carries a draft state moves only with ``draft_model`` (no server
+   reports its draft model: the one both servers run), else refused;
 5. ``check``: the conversion the destination's flags need (the conversion step keep and serve take too,
    :mod:`slotctl.keeping.conversion`: ``-np``/``-kvu`` streams, exact; cache types, lossy, only with
    ``allow_lossy``), then validate's verdict for the converted file
    and the destination's own model and flags (:func:`slotctl.live.prove.local_setup`): refused when the
    destination would refuse it (another model, a context too small, ...);
 6. ``store`` (with ``store``): the (converted) file written into the store (a directory or an ``s3://``
-   prefix, :mod:`slotctl.keeping.store`), never over a file of that name; the next step places the store's copy;
-7. ``place``: the (converted) file written into ``--to-dir`` atomically, under the same name;
+   prefix, :mod:`slotctl.keeping.store`), never over a file of that name; the next step places the store's copy,
+   read back and checked against the checksum the conversion made;
+7. ``place``: the (converted) file written into ``--to-dir`` atomically, under the same name, its bytes checked
+   against the checksum as they are copied (a file whose bytes changed on the way is never restored);
 8. ``restore``: the destination restores it into its slot;
 9. ``prove``: the proving request (:mod:`slotctl.live.prove`; not sent where it would spend the restore);
 10. ``cleanup``: after a migration that succeeded, the working files are removed (the source's save in
@@ -108,13 +114,15 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int | None, *, 
             to_dir: str | os.PathLike, name: str | None = None, store: str | None = None,
             dst_flags: ServerFlags | None = None,
             given: frozenset[str] = frozenset(), allow_lossy: bool = False, api_key: str | None = None,
-            to_api_key: str | None = None, timeout: float = 600.0, progress=None, force: bool = False) -> Migration:
+            to_api_key: str | None = None, timeout: float = 600.0, progress=None, force: bool = False,
+            draft_model: str | os.PathLike | None = None, hashing=None) -> Migration:
     """Run the steps of the module docstring. ``dst_flags`` / ``given``: the destination's flags it does not
     report (``-kvu``, ``-ctk``, ``-ctv``), for the fields named in ``given``. ``store``: a directory or an
     ``s3://`` prefix the (converted) file goes through on its way to ``to_dir``, and stays in (step ``store``;
     without it, ``skipped``). ``progress(step name)`` is called
     as each step starts. Errors become the failing step's outcome; UsageError for arguments (before any
-    request)."""
+    request). ``draft_model``: the draft model both servers run (a state that carries a draft state moves only
+    with it); ``hashing(done, total)``: the progress of a model's hashing (once per model file)."""
     name = name or default_name(src_slot)
     http.check_filename(name)
     from_dir, to_dir = Path(from_dir), Path(to_dir)
@@ -135,7 +143,8 @@ def migrate(src_url: str, src_slot: int, dst_url: str, dst_slot: int | None, *, 
         run = _Migrator(http.normalize_url(src_url), src_slot, http.normalize_url(dst_url), dst_slot,
                         from_dir=from_dir, to_dir=to_dir, name=name, kept=kept, staging=staging,
                         dst_flags=dst_flags, given=given, allow_lossy=allow_lossy, force=force, api_key=api_key,
-                        to_key=api_key if to_api_key is None else to_api_key, timeout=timeout)
+                        to_key=api_key if to_api_key is None else to_api_key, timeout=timeout,
+                        draft_model=draft_model, hashing=hashing)
         for step in STEPS:
             if step == "store" and kept is None:
                 continue
@@ -155,7 +164,8 @@ class _Migrator:
 
     def __init__(self, src_url: str, src_slot: int, dst_url: str, dst_slot: int | None, *, from_dir: Path,
                  to_dir: Path, name: str, kept, staging: Path, dst_flags: ServerFlags | None, given: frozenset[str],
-                 allow_lossy: bool, force: bool, api_key: str | None, to_key: str | None, timeout: float):
+                 allow_lossy: bool, force: bool, api_key: str | None, to_key: str | None, timeout: float,
+                 draft_model=None, hashing=None):
         self.src_url, self.src_slot, self.dst_url, self.dst_slot = src_url, src_slot, dst_url, dst_slot
         self.from_dir, self.to_dir, self.name, self.kept, self.staging = from_dir, to_dir, name, kept, staging
         self.dst_flags, self.given, self.allow_lossy, self.force = dst_flags, given, allow_lossy, force
@@ -171,6 +181,9 @@ class _Migrator:
         self.damaged: str | None = None             # the saved file's first damage, in one line (fetch)
         self.path: Path | None = None               # the file the source saved (fetch)
         self.placed_from: Path | None = None        # the file that goes to the destination (check, store)
+        self.draft_model, self.hashing = draft_model, hashing
+        self.src_model = None                       # the source's model by its content (source)
+        self.checksum: str | None = None            # the hex SHA-256 of the file that goes (fetch, check)
 
     def step(self, step: str, progress=None) -> bool:
         """Run the step ``step`` (the method of that name): its outcome recorded, True when it succeeded."""
@@ -197,7 +210,10 @@ class _Migrator:
         f = self.src = http.server_facts(self.src_url, self.src_slot, api_key=self.api_key, timeout=self.timeout)
         s.details = {"model": f.model_path, "total_slots": f.total_slots, "n_ctx_slot": f.n_ctx_slot,
                      "build_info": f.build_info}
-        return f"{self.src_url}: slot {self.src_slot} of {f.total_slots}, model {f.model_path}"
+        self.src_model = _identified(f, self.draft_model, self.hashing, "source")
+        s.details["model_digest"] = self.src_model.target.digest
+        return (f"{self.src_url}: slot {self.src_slot} of {f.total_slots}, model {f.model_path} (model "
+                f"{self.src_model.short} by its content)")
 
     def destination(self, s: Step) -> str:
         if self.dst_slot is None:
@@ -210,8 +226,16 @@ class _Migrator:
         why = other_model(self.src, f)
         if why:
             raise Refused(why)
+        dst_model = _identified(f, self.draft_model, self.hashing, "destination")
+        s.details["model_digest"] = dst_model.target.digest
+        if dst_model.target.digest != self.src_model.target.digest:
+            raise Refused(f"the destination runs another model than the source, by their content (model "
+                          f"{self.src_model.short} there, {dst_model.short} here: "
+                          f"{os.path.basename(self.src.model_path or '?')} -> {os.path.basename(f.model_path or '?')}"
+                          f"): the state would restore, and answer as neither")
         self.setup, s.details["notes"] = local_setup(f, self.dst_slot, self.dst_flags, self.given)
-        return f"{self.dst_url}: slot {self.dst_slot} of {f.total_slots}, model {f.model_path}"
+        return (f"{self.dst_url}: slot {self.dst_slot} of {f.total_slots}, model {f.model_path} (model "
+                f"{dst_model.short}, the source's)")
 
     def save(self, s: Step) -> str:
         answer = http.save_slot(self.src_url, self.src_slot, self.name, api_key=self.api_key, timeout=self.timeout,
@@ -232,8 +256,12 @@ class _Migrator:
         if got.mismatch:
             raise Refused(f"{path}: holds {got.n_tokens:,} tokens in {got.size:,} bytes, the source saved "
                           f"{saved['n_saved']:,} in {saved['n_written']:,} (another file under that name?)")
-        self.path = path
-        s.details = {"path": os.fspath(path), "size": got.size, "n_tokens": got.n_tokens, "state_version": got.version}
+        if got.draft and self.draft_model is None:
+            raise Refused(f"{path}: it carries a draft state, and which draft model the servers run is not known (no "
+                          f"server reports it): give --draft-model, the draft model both run")
+        self.path, self.checksum = path, got.checksum
+        s.details = {"path": os.fspath(path), "size": got.size, "n_tokens": got.n_tokens, "state_version": got.version,
+                     "checksum": got.checksum}
         return f"{path}: {got.n_tokens:,} tokens, {got.size:,} bytes"
 
     def check(self, s: Step) -> str:
@@ -247,6 +275,8 @@ class _Migrator:
                                lossy_remedy="pass --allow-lossy to accept it", who="destination")
         s.details = conv.details
         self.placed_from = conv.path
+        if conv.checksum is not None:       # a conversion: the checksum of the file it wrote
+            self.checksum = s.details["checksum"] = conv.checksum
         report = judge(conv.path, self.setup)
         s.details["verdict"] = report.verdict
         s.details["findings"] = [f.as_dict() for f in report.findings if f.severity != "note"]
@@ -261,22 +291,28 @@ class _Migrator:
 
     def store(self, s: Step) -> str:
         kept, name = self.kept, self.name
+        from slotctl.seal import checksum_file, verify
+
         kept.put(self.placed_from, name, move=False)
         (self.staging / "from-store").mkdir(exist_ok=True)
         local = kept.local(name, self.staging / "from-store")
-        s.details = {"where": kept.where(name)}
+        verify(kept.where(name), self.checksum, checksum_file(local))       # the store's copy, read back
+        s.details = {"where": kept.where(name), "checksum": self.checksum}
         self.placed_from = local
-        return f"{kept.where(name)}: written"
+        return f"{kept.where(name)}: written, read back and checked"
 
     def place(self, s: Step) -> str:
         src, dest = self.placed_from, self.to_dir / self.name
+        from slotctl.seal import checksum_file, verify
+
         if self.kept is not None and os.fspath(src) == os.fspath(dest):
             s.details = {"path": os.fspath(dest), "copied": False}
-            return f"{dest}: already there (--store is --to-dir)"
+            return f"{dest}: already there (--store is --to-dir, checked)"
         if src == self.path and _same_dir(self.from_dir, self.to_dir):
+            verify(dest, self.checksum, checksum_file(dest))
             s.details = {"path": os.fspath(dest), "copied": False}
-            return f"{dest}: already there (--from-dir and --to-dir are one directory)"
-        copy_atomic(src, dest)
+            return f"{dest}: already there (--from-dir and --to-dir are one directory; checked)"
+        copy_atomic(src, dest, checksum=self.checksum)      # checked as it is copied: never a changed file
         s.details = {"path": os.fspath(dest), "copied": True, "size": os.path.getsize(dest)}
         return f"{dest}: written ({s.details['size']:,} bytes)"
 
@@ -307,6 +343,17 @@ class _Migrator:
                 removed.append(p)
         s.details = {"removed": sorted(removed)}
         return f"removed {', '.join(sorted(removed))}" if removed else "nothing to remove"
+
+
+def _identified(facts: http.ServerFacts, draft_model, hashing, who: str):
+    """The model of the server ``facts`` describe, by its content (:func:`slotctl.live.identity.identify`);
+    :class:`Refused` naming ``who`` when it cannot be told here."""
+    from slotctl.live.identity import Unidentified, identify
+
+    try:
+        return identify(facts.model_path, facts.model_meta, draft_model, progress=hashing)
+    except Unidentified as e:
+        raise Refused(f"the {who}'s model is not known: {e}") from None
 
 
 def default_slot(url: str, src_slot: int, *, api_key: str | None, timeout: float) -> int:

@@ -27,7 +27,7 @@ th, td { border-bottom: 1px solid #ddd; padding: .3em .8em; text-align: left; wh
 th { background: #f3f3f3; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 td.idle { color: #1a7f37; } td.busy { color: #9a6700; } td.error { color: #cf222e; font-weight: bold; }
-td.refused, td.aborts, td.unreadable, td.undecided { color: #cf222e; }
+td.refused, td.aborts, td.unreadable, td.undecided, td.other_model, td.corrupt { color: #cf222e; }
 td.restores { color: #1a7f37; } td.restores_with_drops { color: #9a6700; }
 ul.errors li { color: #cf222e; }
 td.name { font-family: monospace; white-space: normal; word-break: break-all; }
@@ -36,7 +36,8 @@ td.why { white-space: normal; min-width: 24em; }
 
 
 #: the verdicts a cell is coloured for (validate's words: a class name of the style sheet)
-_VERDICTS = ("restores", "restores_with_drops", "refused", "aborts", "unreadable", "undecided")
+_VERDICTS = ("restores", "restores_with_drops", "refused", "aborts", "unreadable", "undecided", "other_model",
+             "corrupt")
 
 
 def text(value) -> str:

@@ -4,8 +4,9 @@ in one list of rows, with what each server's store holds for each slot and what 
 
 Each server is read with :func:`slotctl.live.http.server_facts` (``GET /props``, ``/slots``, ``/v1/models``);
 a server that does not answer is a row of its own with its error, and the others are still shown. The
-stored states of a slot are the store's states named for that slot and the server's model (the names keep
-and serve write: :mod:`slotctl.keeping.names`); the newest one's time is the slot's "last saved".
+stored states of a slot are the store's states named for that slot and the server's model, told by its content
+(the names keep and serve write: :mod:`slotctl.seal`; none while the model is not identified, the document's
+``identity`` says why); the newest one's time is the slot's "last saved".
 
 Each stored state is judged for the server now running as keep and serve judge the states they restore, by
 the same object (:class:`slotctl.keeping.states.ServerStates`: validate's verdict, no real load, for what the
@@ -71,10 +72,12 @@ def stored_states(states, slot: int) -> list[dict]:
     ``{name, saved, n_tokens, verdict, n_reused, reason}``. The verdicts of the slot's states gone from the
     store are forgotten, so a process that runs for months holds only the store's states."""
     from slotctl.catalog import iso_time
-    from slotctl.keeping.names import slot_prefix
+    from slotctl.seal import slot_prefix
 
+    if states.model is None:        # the server's model not identified by its content: no state is its model's
+        return []
     prefix = slot_prefix(slot, states.model)
-    listed = states.listing(lambda name: name.startswith(prefix))
+    listed = states.listing(lambda name: name.startswith(prefix) and states.takes(name))
     out = []
     for name in sorted(listed, key=lambda n: listed[n][1], reverse=True):
         try:
@@ -102,7 +105,7 @@ def server_doc(t: Target, facts: http.ServerFacts | None, *, states=None, error:
     states (``states``: the server's :class:`~slotctl.keeping.states.ServerStates`, keep's own; else
     ``t.store``'s, :func:`states_of`); ``error``: why the server could not be read."""
     doc = {"server": http.normalize_url(t.url), "name": t.name, "store": t.store, "model": None,
-           "total_slots": None, "build_info": None, "error": None, "slots": []}
+           "identity": None, "total_slots": None, "build_info": None, "error": None, "slots": []}
     if facts is None:
         e = error or SlotctlError("not read yet")
         doc["error"] = {"code": getattr(e, "error_code", "error"), "message": str(e)}
@@ -112,6 +115,10 @@ def server_doc(t: Target, facts: http.ServerFacts | None, *, states=None, error:
     if states is None and t.store is not None:
         states = states_of(t)
         states.set_facts(facts)
+    if states is not None:
+        ident = states.server_model
+        doc["identity"] = {"model": ident.target.digest if ident is not None else None,
+                           "unidentified": states.unidentified if ident is None else None}
     for s in facts.slots or ():
         sid = s.get("id")
         row = {"slot": sid, "n_ctx": s.get("n_ctx"), "n_tokens": s.get("n_prompt_tokens"),

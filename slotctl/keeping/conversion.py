@@ -28,11 +28,14 @@ class Refused(SlotctlError):
 @dataclass
 class Conversion:
     """A file made fit for a server's flags (:func:`convert_for`): ``path`` the file to send (the original
-    when nothing changes), ``changes`` in words, ``details`` for a step's or an event's figures."""
+    when nothing changes), ``changes`` in words, ``details`` for a step's or an event's figures, ``checksum`` the
+    hex SHA-256 of the file written (:mod:`slotctl.seal`: checked again before it is restored; None when
+    nothing was written)."""
 
     path: Path
     changes: list[str]
     details: dict
+    checksum: str | None = None
 
 
 @dataclass
@@ -112,8 +115,8 @@ def convert_for(path: Path, setup, dest: Path, *, allow_lossy: bool, lossy_remed
 
 def write_planned(planned: Planned, path, dest: Path) -> Conversion:
     """A :class:`Planned` conversion of ``path`` written into ``dest`` (streamed, atomic:
-    :func:`slotctl.convert.write_converted`), the plan's parse closed after; ``path`` itself when nothing
-    changes."""
+    :func:`slotctl.convert.write_converted`), the plan's parse closed after, and its checksum made (the file
+    read once more: :attr:`Conversion.checksum`); ``path`` itself when nothing changes."""
     from slotctl import convert as conv
 
     details = dict(planned.details)
@@ -124,4 +127,6 @@ def write_planned(planned: Planned, path, dest: Path) -> Conversion:
     finally:
         planned.close()     # the source read: not kept open (serve removes a download after)
     details["max_abs_error"] = max((e.max_abs_error for e in errors), default=None)
-    return Conversion(Path(dest), planned.changes, details)
+    from slotctl.seal import checksum_file
+
+    return Conversion(Path(dest), planned.changes, details, checksum_file(dest))

@@ -24,18 +24,29 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from slotctl.errors import SlotctlError
+from slotctl import seal
+from slotctl.errors import SlotctlError, UsageError
 from slotctl.keeping import names
 from slotctl.keeping.judged import After, Judged, judge_file
 from slotctl.keeping.store import Saved, changed_since, copy_atomic, open_store, read_saved
 from slotctl.live import http
+from slotctl.live.identity import ServerModel, Unidentified, identify
 from slotctl.live.prove import learnt_from, local_setup, local_setup_key, server_reads_checkpoints
+from slotctl.model.content import cached_content, file_key
 from slotctl.server.flags import ServerFlags
 from slotctl.server.saved import Learnt, saved_flags
 
 
 class ConversionFailed(Exception):
     """A stored state could not be converted for the server (its download or its rewrite failed)."""
+
+
+class NotIdentified(UsageError):
+    """The server's model is not identified by its content (yet, or at all), or a state is not its model's:
+    nothing is stored for it or restored into it (:attr:`ServerStates.unidentified` says why)."""
+
+    def __init__(self, message: str, *, code: str = "model_unidentified"):
+        super().__init__(message, code=code)
 
 
 def _quiet(event: str, message: str, **details) -> None:
@@ -59,7 +70,8 @@ class ServerStates:
     def __init__(self, url: str, slot_dir: str | os.PathLike | None, store=None, *, role: str | None = None,
                  api_key: str | None = None, timeout: float = 600.0, max_size: int | None = None,
                  retention: int | None = None, catalog: bool = True, flags=None, given: frozenset[str] = frozenset(),
-                 allow_lossy: bool = False, log: Callable | None = None, create_catalog: bool = True):
+                 allow_lossy: bool = False, log: Callable | None = None, create_catalog: bool = True,
+                 draft_model: str | os.PathLike | None = None, background: bool = False, progress=None):
         if role is not None and role not in names.ROLES:
             raise ValueError(f"role {role!r}: expected one of {names.ROLES}")
         self.role = role
@@ -79,8 +91,20 @@ class ServerStates:
         #: connections kept open to the server for the requests made here (:class:`slotctl.live.transport.Pool`;
         #: None: a connection per request): serve gives its worker threads one
         self.pool: http.Pool | None = None
-        #: the hash of the server's model in the states' names (:func:`slotctl.keeping.names.model_hash`)
+        #: the server's model as its content says (:class:`slotctl.live.identity.ServerModel`; None: not identified,
+        #: :attr:`unidentified` says why); ``model``: its short digest, the MODEL of its states' names
+        self.server_model: ServerModel | None = None
         self.model: str | None = None
+        self.unidentified: str | None = "the server's facts are not read yet"
+        #: the draft model's file (``-md``: no server reports it); ``background``: a model is hashed in a thread of
+        #: its own (serve: requests go uncached meanwhile), else in the caller's (keep); ``progress(done, total)``
+        #: as it is hashed
+        self.draft_model, self.background, self.progress = draft_model, background, progress
+        #: the model file's path and identities when it was identified; the file changed since, to other bytes,
+        #: while the server has not been seen to restart (:meth:`server_restarted`)
+        self._identified: tuple[str | None, tuple[str, ...]] | None = None
+        self._stale = False
+        self._hashing: threading.Thread | None = None
         #: called before each write into the store (a state stored): the lock's check (keep's; raises when the
         #: lock is lost)
         self.before_write: Callable[[], None] | None = None
@@ -96,6 +120,10 @@ class ServerStates:
         #: an s3:// store's states as last listed (:meth:`listing`): name -> (identity, changed_ns)
         self._listed_ids: dict[str, tuple[str, int]] = {}
         self._lock = threading.RLock()
+        self._facts_before: http.ServerFacts | None = None
+        self._said_unidentified: str | None = None
+        #: the stored states whose bytes were found not to be the ones stored (their checksum): never offered again
+        self._damaged: set[str] = set()
 
     # -- the server ------------------------------------------------------------------------------------
 
@@ -107,14 +135,22 @@ class ServerStates:
         self.set_facts(facts)
         return facts
 
-    def set_facts(self, facts: http.ServerFacts) -> bool:
+    def set_facts(self, facts: http.ServerFacts, *, restarted: bool = False) -> bool:
         """The server's facts as just read; True when its model is another than before (llama-swap swapped it,
-        or none was known). The verdicts made for other facts are forgotten (the setup is learnt from them: another
-        ``-c``, another build is another setup); another model forgets what the saves taught (another command
-        line); a save to learn the flags from is due when the model, the slot count or the slot context changed."""
-        model = names.model_hash(facts)
+        its file was replaced, or none was known). ``restarted``: the server was seen to start again since the
+        last facts (its model is identified anew from its file); so is one whose slots show it
+        (:func:`slots_restarted`). The model is told by its content
+        (:meth:`identify`). The verdicts made for other facts are forgotten (the setup is learnt from them:
+        another ``-c``, another build is another setup); another model forgets what the saves taught (another
+        command line); a save to learn the flags from is due when the model, the slot count or the slot context
+        changed."""
         with self._lock:
-            old = self.facts
+            self.facts, old = facts, self._facts_before
+        if old is not None and old.url == facts.url and slots_restarted(old.slots, facts.slots):
+            restarted = True        # a new server process, as GET /slots shows it
+        model = self.identify(facts, restarted=restarted)
+        with self._lock:
+            old = self._facts_before
             if model != self.model or old is None or learnt_from(facts) != learnt_from(old):
                 self._forget_judged()
             if (model != self.model or old is None or facts.total_slots != old.total_slots
@@ -123,8 +159,146 @@ class ServerStates:
             other = model != self.model
             if other:
                 self.learnt.forget()
-            self.facts, self.model = facts, model
+            self._facts_before, self.model = facts, model
         return other
+
+    # -- the model's identity --------------------------------------------------------------------------
+
+    def server_restarted(self) -> None:
+        """The server was seen to start again (keep's restart, serve's view of the slots): its model is identified
+        anew from its file at the next facts (a file replaced while it ran is the model it loads now)."""
+        with self._lock:
+            self._stale = False
+            self._identified = None
+
+    def identify(self, facts: http.ServerFacts, *, restarted: bool = False) -> str | None:
+        """The short digest of the model the server ``facts`` describe runs, by its file's content
+        (:func:`slotctl.live.identity.identify`: once per file identity, from the cache after); None while it is
+        not identified (:attr:`unidentified` says why, an ``unidentified`` event once per reason).
+
+        A server process's model is the one identified when it was first seen (or seen to restart): its file
+        changed since to other bytes (replaced in place) leaves the model the server runs unknown, so nothing is
+        stored or restored until the server is seen to start again (:meth:`server_restarted`; a file touched
+        or its mode changed, the same bytes, changes nothing). In the background (serve) a model not in the
+        cache is hashed in a thread of its own, meanwhile not identified."""
+        if restarted:
+            self.server_restarted()
+        path = facts.model_path
+        with self._lock:
+            ident, known, stale, hashing = self.server_model, self._identified, self._stale, self._hashing
+        if hashing is not None and hashing.is_alive():
+            return None
+        if stale:
+            return None
+        if ident is not None and known is not None and known[0] == path:
+            if _current_keys(ident) == known[1]:
+                return ident.short      # the same process, its file unchanged: one stat per file
+            again = self._identified_now(facts, quiet=True)
+            if again is not None and again.target.digest == ident.target.digest:
+                with self._lock:
+                    self._identified = (path, _recorded_keys(again))
+                return ident.short      # touched, or its mode changed: the same bytes
+            with self._lock:
+                self.server_model, self._stale = None, True
+            self._unidentified(f"the model file {path} changed since the server loaded it"
+                               + (f" (its content is now model {again.short})" if again is not None else "")
+                               + ": which model the server runs is not known until it is seen to start again; "
+                                 "nothing is stored or restored meanwhile")
+            return None
+        if self.background and path and cached_content(path) is None:
+            self._unidentified(f"the server's model {path} is being identified by its content (hashed once per "
+                               f"file): requests go uncached meanwhile", event=False)
+            t = threading.Thread(target=self._identify_behind, args=(facts,), name="slotctl-identify", daemon=True)
+            with self._lock:
+                self._hashing = t
+            t.start()
+            return None
+        made = self._identified_now(facts)
+        return made.short if made is not None else None
+
+    def _identified_now(self, facts: http.ServerFacts, *, quiet: bool = False) -> ServerModel | None:
+        """The model identified from ``facts`` (hashed here when the cache does not hold it), taken (unless
+        ``quiet``: only asked); None when it cannot be (said)."""
+        t0 = time.perf_counter()
+        try:
+            made = identify(facts.model_path, facts.model_meta, self.draft_model, progress=self.progress)
+        except Unidentified as e:
+            if not quiet:
+                with self._lock:
+                    self.server_model, self.model = None, None
+                self._unidentified(str(e))
+            return None
+        if quiet:
+            return made
+        hashed = [c for c in (made.target, made.draft) if c is not None and not c.cached]
+        with self._lock:
+            self.server_model, self.unidentified = made, None
+            self._identified = (facts.model_path, _recorded_keys(made))
+            self._said_unidentified = None
+        how = (f"hashed {sum(c.size for c in hashed) / 1e9:,.2f} GB in {time.perf_counter() - t0:.1f} s" if hashed
+               else "from the cache")
+        self.log("identified", f"the server's model {facts.model_path} is model {made.short} by its content ({how})"
+                 + (f"; draft model {made.draft.short}" if made.draft is not None else ""),
+                 model=made.target.digest, draft_model=made.draft.digest if made.draft is not None else None,
+                 cached=not hashed, seconds=round(time.perf_counter() - t0, 3))
+        return made
+
+    def _identify_behind(self, facts: http.ServerFacts) -> None:
+        """The background identification (serve): once the model is known, the facts taken again (:meth:`set_facts`:
+        ``model`` set there, and what a model change forgets, serve's index made anew), unless newer facts came."""
+        try:
+            made = self._identified_now(facts)
+        finally:
+            with self._lock:
+                self._hashing = None
+        if made is not None and self.facts is facts:
+            self.set_facts(facts)
+
+    def _unidentified(self, why: str, *, event: bool = True) -> None:
+        with self._lock:
+            self.unidentified = why
+            said, self._said_unidentified = self._said_unidentified, why
+        if event and said != why:
+            self.log("unidentified", why)
+
+    def refusal(self, name: str) -> str | None:
+        """Why the stored state ``name`` is not for the server now running (another model, an unknown one, a draft
+        state of another draft model: :meth:`slotctl.live.identity.ServerModel.refusal`; the server's model not
+        identified), or None when it is."""
+        with self._lock:
+            ident, damaged = self.server_model, name in self._damaged
+        if damaged:
+            return "its content is not the state that was stored (its checksum): never restored"
+        if ident is None:
+            return f"the server's model is not identified: {self.unidentified}"
+        return ident.refusal(seal.parse_name(name))
+
+    def found_damaged(self, name: str) -> None:
+        """The stored state ``name`` was found not to be the bytes stored (:class:`~slotctl.seal.ChecksumMismatch`):
+        never offered again by this process, its verdict forgotten, and a save of its tokens is stored beside it."""
+        with self._lock:
+            self._damaged.add(name)
+            self._judged.pop(name, None)
+            self._kept.discard(name)
+
+    def takes(self, name: str) -> bool:
+        """Whether the stored state ``name`` is this server's model's (:meth:`refusal` None)."""
+        return self.refusal(name) is None
+
+    def check_model(self) -> None:
+        """:class:`NotIdentified` unless the server's model is identified and its file unchanged since (one
+        ``stat`` per file): before a state is stored or restored (a file replaced meanwhile is noticed here, and
+        its server's model is not known until it is seen to start again)."""
+        with self._lock:
+            ident, known = self.server_model, self._identified
+        if ident is not None and known is not None and _current_keys(ident) == known[1]:
+            return
+        if ident is not None and self.facts is not None:
+            self.identify(self.facts)
+        with self._lock:
+            if self.server_model is not None:
+                return
+        raise NotIdentified(f"the server's model is not identified: {self.unidentified}")
 
     def _forget_judged(self) -> None:
         with self._lock:
@@ -205,8 +379,12 @@ class ServerStates:
     # -- the store -------------------------------------------------------------------------------------
 
     def candidates(self, slot: int) -> list[str]:
-        """The store's states saved from ``slot`` by a server running the model now running, newest first."""
-        return self.store.names(names.slot_prefix(slot, self.model))
+        """The store's states saved from ``slot`` by a server running the model now running (its content: the
+        target's and, for a state that carries a draft state, the draft's: :meth:`takes`), newest first; none
+        while the model is not identified."""
+        if self.model is None:
+            return []
+        return [n for n in self.store.names(seal.slot_prefix(slot, self.model)) if self.takes(n)]
 
     def listing(self, match: Callable[[str], bool]) -> dict[str, tuple[str | None, int, int]]:
         """The store's states whose names ``match``: name -> (identity, changed_ns, size); an ``s3://`` store's
@@ -356,9 +534,17 @@ class ServerStates:
         removed once converted) and the converted file judged as any state is: yields (its name in the slot
         directory, the conversion, the converted file's :class:`~slotctl.keeping.judged.Judged`), the file
         removed after. The verdict is kept with the state's (``judged.after``): a state whose conversion is not
-        sent is not converted again. :class:`ConversionFailed` when the download or the conversion fails."""
+        sent is not converted again. :class:`ConversionFailed` when the download or the conversion fails.
+
+        The state's bytes must have the checksum its name says before they are converted (the download's, or
+        the store's file read once, which must not change while it is converted:
+        :class:`~slotctl.seal.ChecksumMismatch`, raised as it is); the converted file's checksum is made as it is
+        written (``Conversion.checksum``) and checked again before it is restored (:meth:`restore`)."""
         from slotctl.keeping.conversion import convert_for
 
+        said = seal.parse_name(name)
+        if said is None or said.checksum is None:
+            raise seal.ChecksumMismatch(f"{self.store.where(name)}: its name carries no checksum: never restored")
         work = names.work_name(self.role, slot, "converted")
         dest = self.slot_dir / work
         taken = time.time_ns()      # before the source is read (the catalog's row of the converted verdict)
@@ -366,12 +552,18 @@ class ServerStates:
             try:
                 where = self.store.where(name)
                 with tempfile.TemporaryDirectory(prefix=f".slotctl-{self.role}-", dir=self.slot_dir) as staging:
-                    src = self.store.local(name, Path(staging)) if where.startswith("s3://") else Path(where)
+                    if where.startswith("s3://"):
+                        src = self.store.local(name, Path(staging), checksum=said.checksum)
+                        before = None
+                    else:
+                        src, before = Path(where), _checked_in_place(where, said.checksum)
                     conv = convert_for(src, self.setup(slot), dest, allow_lossy=self.allow_lossy,
                                        lossy_remedy="not allowed")
+                    if before is not None and _identity_of(where) != before:
+                        raise changed_since(where)
                 if not conv.changes:
                     raise ConversionFailed("nothing to convert")
-            except ConversionFailed:
+            except (ConversionFailed, seal.ChecksumMismatch):
                 raise
             except Exception as e:  # noqa: BLE001 - the caller's to say: the state is not restored
                 raise ConversionFailed(f"{name}: not converted for slot {slot}: {e}") from e
@@ -394,23 +586,26 @@ class ServerStates:
         directory. ``identity``: the identity of the bytes a verdict was made on (``Judged.identity``): the file
         the server reads must still have it (a copy: the source opened has it before and after the copy; a
         download: its reads were pinned to that ETag; the store's own file in the slot directory: its
-        ``stat``), else nothing is placed (:func:`~slotctl.keeping.store.changed_since`)."""
+        ``stat``), else nothing is placed (:func:`~slotctl.keeping.store.changed_since`). The bytes placed must
+        have the checksum the state's name says (:mod:`slotctl.seal`: hashed as they are copied or downloaded,
+        or read once where they are), else nothing is placed (:class:`~slotctl.seal.ChecksumMismatch`): a state
+        damaged since it was stored is never sent."""
+        said = seal.parse_name(name)
+        expected = said.checksum if said is not None else None
+        if expected is None:
+            raise seal.ChecksumMismatch(f"{self.store.where(name)}: its name carries no checksum: never restored")
         placed = self.slot_dir / name
         copied = not placed.exists()
         if copied:
             where = self.store.where(name)
-            if where.startswith("s3://"):
-                self.store.local(name, self.slot_dir, identity=identity)      # downloaded whole, complete or absent
+            if where.startswith("s3://"):       # downloaded whole, complete or absent, and checked
+                self.store.local(name, self.slot_dir, identity=identity, checksum=expected)
             else:       # not a hard link: that would change the state's ctime, its identity
-                copy_atomic(where, placed, identity=identity)
-        elif identity is not None:     # the file the server reads is the one in the slot directory
-            from slotctl.catalog import local_identity
-
-            try:
-                now = local_identity(os.stat(placed))
-            except OSError:
-                now = None
-            if now != identity:
+                copy_atomic(where, placed, identity=identity, checksum=expected)
+        else:       # the file the server reads is the store's own, in the slot directory
+            if identity is not None and _identity_of(placed) != identity:
+                raise changed_since(placed)     # before its bytes are read
+            if _checked_in_place(placed, expected) != identity and identity is not None:
                 raise changed_since(placed)
         try:
             yield name
@@ -419,16 +614,23 @@ class ServerStates:
                 _unlink(placed)
 
     def restore(self, name: str, slot: int, *, placed: str | None = None, identity: str | None = None,
-                api_key: str | None = None) -> dict:
-        """The stored state ``name`` restored into ``slot``: the server's answer (its own error raised).
-        ``placed``: the name of a file already in the slot directory holding it (a conversion, :meth:`converted`;
-        a copy :meth:`placed` made), restored as it is; else it is placed for the restore (:meth:`placed`, with
-        ``identity``). A state of a directory store is then read as a reader reads (:func:`_used`): a budget
+                checksum: str | None = None, api_key: str | None = None) -> dict:
+        """The stored state ``name`` restored into ``slot``: the server's answer (its own error raised). Never a
+        state of another model than the server's (:meth:`takes`), nor while the server's model is not identified
+        or its file changed (:meth:`check_model`: :class:`NotIdentified`).
+        ``placed``: the name of a file already in the slot directory holding it (a conversion, :meth:`converted`,
+        whose ``checksum`` it must still have; a copy :meth:`placed` made), restored as it is; else it is placed
+        for the restore (:meth:`placed`, with ``identity``, checked against the checksum in its name). A state of a directory store is then read as a reader reads (:func:`_used`): a budget
         prunes the least recently used by the access time, which the copy (``copy_file_range``) does not
         update."""
-        if placed is None:
+        if placed is None:      # placed (its identity, then its checksum, checked), then restored as below
             with self.placed(name, identity) as there:
                 return self.restore(name, slot, placed=there, api_key=api_key)
+        if checksum is not None:     # a conversion's file: its bytes as they were written
+            _checked_in_place(self.slot_dir / placed, checksum)
+        self.check_model()      # the last look before the request: the model file unchanged, the state its model's
+        if not self.takes(name):
+            raise NotIdentified(f"{name}: not restored: {self.refusal(name)}", code="other_model")
         answer = http.restore_slot(self.url, slot, placed, api_key=api_key or self.api_key, timeout=self.timeout,
                                    check=False, pool=self.pool)
         where = self.store.where(name)
@@ -455,22 +657,49 @@ class ServerStates:
     def read_back(self, slot: int, work: str, answer: dict) -> Saved:
         """The file the server saved as ``work`` for ``slot``, read against its ``answer`` (it parses, with the
         token count and size the server reported: :attr:`Saved.problem` None), and what it says of the server's
-        flags taken over (:meth:`learn`). Named as a state of ``slot`` (:attr:`Saved.name`) when it parses."""
+        flags taken over (:meth:`learn`). Named as a state of ``slot`` (:attr:`Saved.name`: the model's content
+        identity, and the draft model's for a state that carries a draft state, and its checksum:
+        :func:`slotctl.seal.state_name`) when it parses and the server's model is identified."""
         got = read_saved(self.slot_dir / work, answer)
         if got.problem is not None:
             return dataclasses.replace(got, slot=slot)
         self.learn(got.flags, slot, "save")
-        tokens = got.tokens if got.tokens is not None else ()
-        return dataclasses.replace(got, slot=slot, name=names.state_name(slot, self.model, tokens))
+        return self.named(dataclasses.replace(got, slot=slot))
+
+    def named(self, saved: Saved, *, wait: float | None = None) -> Saved:
+        """``saved`` (a checked save of ``saved.slot``) named as a stored state of the server's model
+        (:func:`slotctl.seal.state_name`), or as it is (``name`` None) while the model is not identified. ``wait``:
+        seconds to wait for a model being hashed in the background (serve names its save when it stores it, off
+        the request path: the first conversation after a start is stored too)."""
+        with self._lock:
+            hashing = self._hashing
+        if wait is not None and hashing is not None:
+            hashing.join(wait)
+        with self._lock:
+            ident = self.server_model
+        if ident is None or saved.checksum is None or saved.slot is None:
+            return saved
+        tokens = saved.tokens if saved.tokens is not None else ()
+        return dataclasses.replace(saved, name=seal.state_name(saved.slot, ident.short, tokens, saved.checksum,
+                                                               ident.draft_part(saved.draft)))
 
     def put_saved(self, saved: Saved) -> bool:
         """A checked save (``saved.path``, the working file) stored under its name, once: False when a state of
-        that name is in the store already (written by another process meanwhile, too); a directory store on
-        the slot directory's file system takes a hard link, nothing copied, else a copy through a temporary
-        file; an ``s3://`` store an object created only if absent. The working file stays: the caller's to
-        remove."""
+        its slot, model and tokens is in the store already (whatever its checksum: written by another process
+        meanwhile, too); a directory store on the slot directory's file system takes a hard link, nothing
+        copied, else a copy through a temporary file; an ``s3://`` store an object created only if absent. The
+        working file stays: the caller's to remove. :class:`NotIdentified` when the server's model is not
+        identified, or its file changed since (:meth:`check_model`): a state is stored only under the identity
+        of the model that wrote it."""
+        self.check_model()
+        if saved.name is None:
+            raise NotIdentified(f"the server's model is not identified: {self.unidentified}")
         name, path = saved.name, saved.path
-        if self.store.has(name):
+        said = seal.parse_name(name)
+        prefix = name[:-len(f"{said.checksum}.bin")]
+        with self._lock:
+            damaged = set(self._damaged)
+        if set(self.store.named(prefix)) - damaged:
             return False
         if self.before_write is not None:
             self.before_write()
@@ -547,6 +776,55 @@ class ServerStates:
             except OSError:
                 continue
             on_file(p, size)
+
+
+def slots_restarted(before: list | None, now: list | None) -> bool:
+    """Whether ``GET /slots`` as it is ``now`` shows a new server process since it was ``before``: a slot that had
+    run a task shows none (an erase keeps its task id), or the highest task id is lower (a new process counts
+    from 0 again). A server that ran no task between the two shows nothing."""
+    def tasks(slots) -> dict:
+        return {e.get("id"): e.get("id_task") for e in slots or () if isinstance(e, dict)}
+
+    old, new = tasks(before), tasks(now)
+    if any(isinstance(old.get(i), int) and not isinstance(t, int) for i, t in new.items()):
+        return True
+    top_old = max((t for t in old.values() if isinstance(t, int) and not isinstance(t, bool)), default=None)
+    top_new = max((t for t in new.values() if isinstance(t, int) and not isinstance(t, bool)), default=None)
+    return top_old is not None and top_new is not None and top_new < top_old
+
+
+def _identity_of(path) -> str | None:
+    from slotctl.catalog import local_identity
+
+    try:
+        return local_identity(os.stat(path))
+    except OSError:
+        return None
+
+
+def _checked_in_place(path, expected: str) -> str:
+    """The file at ``path`` read once and its bytes checked against ``expected`` (:func:`slotctl.seal.verify`);
+    its identity (:func:`slotctl.catalog.local_identity`) as it was read."""
+    from slotctl.catalog import local_identity
+    from slotctl.paths import open_regular
+
+    with open_regular(path, what="slot file ") as f:
+        ident = local_identity(os.fstat(f.fileno()))
+        seal.verify(path, expected, seal.checksum(f))
+        return ident
+
+
+def _recorded_keys(ident: ServerModel) -> tuple[str, ...]:
+    """The identities of the model files (target, then draft) as they were when their content was hashed."""
+    return tuple(k for c in (ident.target, ident.draft) if c is not None for k in c.keys)
+
+
+def _current_keys(ident: ServerModel) -> tuple[str, ...] | None:
+    """The identities of the model files as they are now (one ``stat`` each); None when one is gone."""
+    try:
+        return tuple(file_key(os.stat(p)) for c in (ident.target, ident.draft) if c is not None for p in c.files)
+    except OSError:
+        return None
 
 
 def _used(path: str) -> None:

@@ -35,6 +35,11 @@ class DirectoryStore:
     def has(self, name: str) -> bool:
         return (self.path / name).exists()
 
+    def named(self, prefix: str) -> list[str]:
+        """The states whose names begin with ``prefix`` (one directory read; temporary files never)."""
+        with os.scandir(self.path) as it:
+            return [d.name for d in it if d.name.startswith(prefix) and d.name.endswith(".bin")]
+
     def put(self, local: Path, name: str, *, move: bool = True) -> None:
         """``local`` into the store as ``name``, atomically (never over a state of that name); with ``move``
         (keep's working file) ``local`` is gone after."""
@@ -149,6 +154,13 @@ class ObjectStore:
 
         return S3_STORE.stat(self.where(name)) is not None
 
+    def named(self, prefix: str) -> list[str]:
+        """The states whose names begin with ``prefix`` (one listing of the prefix)."""
+        from slotctl.store.s3 import S3_STORE
+
+        return [n for e in S3_STORE.list(self.url) if (n := e.path.rpartition("/")[2]).startswith(prefix)
+                and n.endswith(".bin")]
+
     def put(self, local: Path, name: str, *, move: bool = True) -> None:
         self._copy(os.fspath(local), self.where(name))
         if move:
@@ -215,11 +227,12 @@ class ObjectStore:
         ident = object_identity(e.etag, e.size)
         return (ident, int(e.mtime * 1e9)) if ident is not None else None
 
-    def local(self, name: str, staging: Path, *, identity: str | None = None) -> Path:
+    def local(self, name: str, staging: Path, *, identity: str | None = None, checksum: str | None = None) -> Path:
         """The object ``name`` downloaded into ``staging`` (whole, or absent). ``identity``: the object's
         identity a verdict was made on (:func:`slotctl.catalog.object_identity` of its ETag and size): the
         download, whose reads are pinned to one ETag, must have read that one, else the file is removed
-        (:func:`changed_since`)."""
+        (:func:`changed_since`). ``checksum``: the state's checksum as its name says it (:mod:`slotctl.seal`): the
+        downloaded bytes must have it, else the file is removed (:class:`~slotctl.seal.ChecksumMismatch`)."""
         dest = staging / name
         if not dest.exists():
             res = self._copy(self.where(name), os.fspath(dest))
@@ -229,6 +242,14 @@ class ObjectStore:
                 if object_identity(res.etag, res.size or 0) != identity:
                     os.unlink(dest)
                     raise changed_since(self.where(name))
+            if checksum is not None:
+                from slotctl.seal import checksum_file, verify
+
+                try:
+                    verify(self.where(name), checksum, checksum_file(dest))
+                except BaseException:
+                    os.unlink(dest)
+                    raise
         return dest
 
     @staticmethod
@@ -260,11 +281,14 @@ def open_store(store: str | os.PathLike | None, slot_dir: Path):
     return DirectoryStore(slot_dir if store is None else store, slot_dir)
 
 
-def copy_atomic(src: str | os.PathLike, dest: str | os.PathLike, *, identity: str | None = None) -> None:
+def copy_atomic(src: str | os.PathLike, dest: str | os.PathLike, *, identity: str | None = None,
+                checksum: str | None = None) -> str | None:
     """``src`` copied to ``dest`` through :func:`slotctl.atomic.atomic_writer` (never a torn ``dest``).
     ``identity``: the file's identity a verdict was made on (:func:`slotctl.catalog.local_identity`): the
     file opened must have it before the copy and still after it, else nothing is copied
-    (:func:`changed_since`)."""
+    (:func:`changed_since`). ``checksum``: the state's checksum as its name says it (:mod:`slotctl.seal`): the
+    bytes copied are hashed as they are copied and must have it, else nothing is copied
+    (:class:`~slotctl.seal.ChecksumMismatch`). The hex SHA-256 of the bytes copied when ``checksum`` is given."""
     from slotctl.atomic import atomic_writer, copy_range
     from slotctl.catalog import local_identity
     from slotctl.paths import open_regular
@@ -274,9 +298,39 @@ def copy_atomic(src: str | os.PathLike, dest: str | os.PathLike, *, identity: st
         if identity is not None and local_identity(st) != identity:
             raise changed_since(src)
         with atomic_writer(dest) as out:
-            copy_range(f, out, 0, st.st_size)
+            got = None
+            if checksum is None:
+                copy_range(f, out, 0, st.st_size)
+            else:
+                got = _copy_hashed(f, out, st.st_size)
             if identity is not None and local_identity(os.fstat(f.fileno())) != identity:
                 raise changed_since(src)      # inside the writer: dest is not made
+            if checksum is not None:
+                from slotctl.seal import verify
+
+                verify(src, checksum, got)    # inside the writer: dest is not made
+        return got
+
+
+def _copy_hashed(src, dst, size: int) -> str:
+    """``size`` bytes of ``src`` from its start copied to ``dst``, hashed as they go: their hex SHA-256."""
+    import hashlib
+
+    from slotctl.seal import READ_CHUNK
+
+    h = hashlib.sha256()
+    buf = bytearray(READ_CHUNK)
+    view = memoryview(buf)
+    src.seek(0)
+    done = 0
+    while done < size:
+        n = src.readinto(view[:min(READ_CHUNK, size - done)])
+        if not n:
+            raise OSError(f"unexpected end of file at {done}")
+        h.update(view[:n])
+        dst.write(view[:n])
+        done += n
+    return h.hexdigest()
 
 
 def changed_since(where: str | os.PathLike) -> UsageError:
@@ -307,6 +361,10 @@ class Saved:
     slot: int | None = None
     path: Path | None = None
     name: str | None = None
+    #: the hex SHA-256 of the file's bytes (what its stored name's checksum is made of: :mod:`slotctl.seal`)
+    checksum: str | None = None
+    #: it carries a draft state (an SDFT appendix, or checkpoint draft blobs): its name records the draft model
+    draft: bool = False
 
     @property
     def problem(self) -> str | None:
@@ -319,10 +377,14 @@ class Saved:
 
 
 def read_saved(path: str | os.PathLike, answer: dict) -> Saved:
-    """The file at ``path`` against the server's answer to its save (``n_saved`` tokens, ``n_written`` bytes)."""
+    """The file at ``path`` against the server's answer to its save (``n_saved`` tokens, ``n_written`` bytes),
+    with its checksum (every byte read once: :func:`slotctl.seal.checksum`) and whether it carries a draft
+    state."""
+    from slotctl.seal import checksum
     from slotctl.slotfile import open_slot_file, written_flags
 
     with open_slot_file(path) as sf:
+        digest = checksum(sf.stream)
         n = sf.tokens.n_tokens if sf.tokens is not None else 0
         mismatch = None
         if n != answer["n_saved"] or sf.size != answer["n_written"]:
@@ -332,4 +394,16 @@ def read_saved(path: str | os.PathLike, answer: dict) -> Saved:
                      str(sf.errors[0]) if sf.errors else None, mismatch,
                      bool(sf.tokens is not None and sf.tokens.media),
                      sf.target.layout.kind if sf.target is not None else None,
-                     written_flags(sf.target) if sf.target is not None else None, path=Path(path))
+                     written_flags(sf.target) if sf.target is not None else None, path=Path(path),
+                     checksum=digest, draft=carries_draft(sf))
+
+
+def carries_draft(sf) -> bool:
+    """Whether the parsed slot file ``sf`` carries a draft model's state: an SDFT appendix's draft blob, or a
+    checkpoint's draft blob, holding more than its header (what the draft model's content decides; the
+    speculative state beside it, an n-gram drafter's too, is the tokens')."""
+    from slotctl.format.blob import BLOB_HEADER_SIZE
+
+    if sf.sdft is not None and sf.draft is not None and sf.draft.span.size > BLOB_HEADER_SIZE:
+        return True
+    return any(c.dft.span.size > BLOB_HEADER_SIZE for c in sf.checkpoints or ())

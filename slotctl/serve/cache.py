@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from slotctl.keeping import names
+from slotctl import seal
 from slotctl.keeping.judged import Judged
 from slotctl.keeping.states import ServerStates
 from slotctl.keeping.store import Saved
@@ -133,9 +133,11 @@ class Cache(ServerStates):
     def __init__(self, url: str, slot_dir: str | os.PathLike, store: str | None = None, *,
                  api_key: str | None = None, max_size: int | None = None, timeout: float = 600.0,
                  catalog: bool = True, log=None, flags=None, given: frozenset[str] = frozenset(),
-                 restore_policy: str = "cost"):
+                 restore_policy: str = "cost", draft_model=None, progress=None):
+        # the model is hashed (once per file) in a thread of its own: requests go uncached meanwhile
         super().__init__(url, slot_dir, store, role="serve", api_key=api_key, timeout=timeout, max_size=max_size,
-                         catalog=catalog, flags=flags, given=given, log=log)
+                         catalog=catalog, flags=flags, given=given, log=log, draft_model=draft_model,
+                         background=True, progress=progress)
         self.counters = Counters()
         self.index: StateIndex | None = None
         self._listed = 0.0
@@ -158,8 +160,8 @@ class Cache(ServerStates):
         own); a new model starts a new index."""
         return self.read_facts(api_key, timeout=min(self.timeout, 30.0))
 
-    def set_facts(self, facts: http.ServerFacts) -> bool:
-        other = super().set_facts(facts)
+    def set_facts(self, facts: http.ServerFacts, *, restarted: bool = False) -> bool:
+        other = super().set_facts(facts, restarted=restarted)
         if other:
             with self._lock:
                 self.index = StateIndex(self.model)
@@ -242,7 +244,7 @@ class Cache(ServerStates):
         index = self.index
         if index is None or time.monotonic() - self._listed < every:
             return
-        listed = self.listing(lambda name: names.of_model(name, index.model))
+        listed = self.listing(self.takes)     # the server's model's states (its content, in their names)
         gone = set(index.states) - set(listed)
         index.forget(gone)
         self.forget(gone)
@@ -329,8 +331,8 @@ class Cache(ServerStates):
         request uncached. Each request to the store is given :data:`STORE_STALL` seconds (past them the store
         counts as down); ``gate``: the request may stop waiting before the restore is sent (:class:`Gate`),
         and then nothing is sent. What it did: :class:`Prepared` (the prompt tokens the server is predicted
-        to reuse: the restored state's, its ``restored`` event's ``reuse``, else what the slot already holds)."""
-        from slotctl.keeping.states import ConversionFailed
+        to reuse: the restored state's, its ``restored`` event's ``reuse``, else what the slot already holds).
+        A state whose bytes are not the ones its name's checksum says is never sent (the next is tried)."""
         from slotctl.serve.slots import SlotView
         from slotctl.store.s3 import request_timeout
 
@@ -342,11 +344,11 @@ class Cache(ServerStates):
             return Prepared(held, own)      # no state could pay: the store is not asked
         try:
             with request_timeout(STORE_STALL) if self.where_s3() else contextlib.nullcontext():
-                return self._prepare(slot, tokens, min_gain, key, gate, held, own, ConversionFailed)
+                return self._prepare(slot, tokens, min_gain, key, gate, held, own)
         except GaveUp:
             return Prepared(held, "uncached")
 
-    def _prepare(self, slot, tokens, min_gain, key, gate, held, own, ConversionFailed) -> Prepared:
+    def _prepare(self, slot, tokens, min_gain, key, gate, held, own) -> Prepared:
         c = self.counters
         try:
             found = self.lookup(tokens)
@@ -362,38 +364,64 @@ class Cache(ServerStates):
             if pred is not None and not pred.restore and self.by_cost:
                 self._prefilled(state, slot, pred, len(tokens), held, common)
                 return Prepared(held, "prefill", pred)
-            judged = self.judge(state.name, slot.id)
-            refused = self.why_not(judged)
-            if refused is not None:
-                self._refused(state, slot, *refused, catalog=judged.catalog)
-                continue
-            gain = self.reuse(judged, state, common, len(tokens))
-            if gain - held < min_gain:
-                continue
-            pred = self.costs.predict(n_request=len(tokens), held=held, kept=gain, size=state.size)
-            if pred is not None and not pred.restore and self.by_cost:
-                self._prefilled(state, slot, pred, len(tokens), held, gain)
-                return Prepared(held, "prefill", pred)
-            if judged.restores:
-                return self._restore(slot, state, gain, held, len(tokens), key, judged=judged, gate=gate, pred=pred)
-            t0 = time.perf_counter()
             try:
-                with self.converted(state.name, slot.id, judged) as (placed, conv, sent):
-                    c.add("conversions")
-                    if sent.verdict not in RESTORABLE:
-                        self._refused(state, slot, sent.verdict, converted_reason(conv.changes, sent.error))
-                        continue
-                    gain = self.reuse(sent, state, common, len(tokens))
-                    if gain - held < min_gain:
-                        continue
-                    return self._restore(slot, state, gain, held, len(tokens), key, placed, conv.changes,
-                                         (time.perf_counter() - t0) * 1000, judged=sent, gate=gate, pred=pred)
-            except ConversionFailed as e:
-                c.add("conversion_failures")
-                self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id,
-                         name=state.name)
-                return Prepared(held, "uncached")
+                return self._prepare_one(slot, state, common, held, tokens, min_gain, key, gate)
+            except seal.ChecksumMismatch as e:      # nothing sent: the next state is tried
+                self._damaged_state(state, slot, e)
+            except _NotTaken:
+                continue
         return Prepared(held, own)
+
+    def _prepare_one(self, slot, state: State, common: int, held: int, tokens: np.ndarray, min_gain: int,
+                     key: str | None, gate: Gate | None) -> Prepared:
+        """:meth:`prepare` of one stored state sharing ``common`` tokens with the request: what the request keeps,
+        the state restored, or the prefill chosen (predicted faster); :class:`_NotTaken` when it is not restored
+        (said when validate or the conversion refuses it); ChecksumMismatch when its bytes are not the ones stored
+        (nothing sent)."""
+        from slotctl.keeping.states import ConversionFailed
+
+        c = self.counters
+        judged = self.judge(state.name, slot.id)
+        refused = self.why_not(judged)
+        if refused is not None:
+            self._refused(state, slot, *refused, catalog=judged.catalog)
+            raise _NotTaken
+        gain = self.reuse(judged, state, common, len(tokens))
+        if gain - held < min_gain:
+            raise _NotTaken
+        pred = self.costs.predict(n_request=len(tokens), held=held, kept=gain, size=state.size)
+        if pred is not None and not pred.restore and self.by_cost:
+            self._prefilled(state, slot, pred, len(tokens), held, gain)
+            return Prepared(held, "prefill", pred)
+        if judged.restores:
+            return self._restore(slot, state, gain, held, len(tokens), key, judged=judged, gate=gate, pred=pred)
+        t0 = time.perf_counter()
+        try:
+            with self.converted(state.name, slot.id, judged) as (placed, conv, sent):
+                c.add("conversions")
+                if sent.verdict not in RESTORABLE:
+                    self._refused(state, slot, sent.verdict, converted_reason(conv.changes, sent.error))
+                    raise _NotTaken
+                gain = self.reuse(sent, state, common, len(tokens))
+                if gain - held < min_gain:
+                    raise _NotTaken
+                return self._restore(slot, state, gain, held, len(tokens), key, placed, conv.changes,
+                                     (time.perf_counter() - t0) * 1000, judged=sent, checksum=conv.checksum,
+                                     gate=gate, pred=pred)
+        except ConversionFailed as e:
+            c.add("conversion_failures")
+            self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id,
+                     name=state.name)
+            return Prepared(held, "uncached")
+
+    def _damaged_state(self, state: State, slot, e: Exception) -> None:
+        """``state`` not restored into ``slot``: its bytes are not the ones stored (``e``); never offered again."""
+        self.counters.add("restores_refused_by_verdict")
+        self.found_damaged(state.name)
+        if self.index is not None:
+            self.index.forget([state.name])
+        self.log("refused", f"{state.name}: not restored into slot {slot.id}: {e}", slot=slot.id, name=state.name,
+                 verdict="corrupt", reason="checksum")
 
     def _refused(self, state: State, slot, verdict: str, reason: str | None, *, catalog: bool = False) -> None:
         self.counters.add("restores_refused_by_verdict")
@@ -412,7 +440,8 @@ class Cache(ServerStates):
 
     def _restore(self, slot, state: State, gain: int, held: int, n_request: int, key: str | None,
                  placed: str | None = None, changes: list[str] | None = None, convert_ms: float = 0.0, *,
-                 judged: Judged, gate: Gate | None = None, pred: Prediction | None = None) -> Prepared:
+                 judged: Judged, checksum: str | None = None, gate: Gate | None = None,
+                 pred: Prediction | None = None) -> Prepared:
         """``state`` restored into ``slot`` (``judged``: its verdict, ``restores``: sent only while the state has
         the identity it was made on; placed in the slot directory first, unless a conversion's file is
         ``placed`` there); ``gain``, the prompt tokens the request is predicted to keep. Nothing is sent once the
@@ -428,7 +457,7 @@ class Cache(ServerStates):
             if gate is not None and not gate.enter():
                 raise GaveUp
             slot.tokens = EMPTY         # whatever happens now, the slot's old tokens are gone
-            answer = self.restore(state.name, slot.id, placed=there, api_key=key)
+            answer = self.restore(state.name, slot.id, placed=there, checksum=checksum, api_key=key)
         self.costs.restored(answer)
         slot.tokens = state.tokens
         seconds = time.perf_counter() - t0
@@ -476,8 +505,12 @@ class Cache(ServerStates):
         now (:meth:`unusable`). ``began``: when the save began (``time.perf_counter()``), for the ``stored``
         event's ``seconds``."""
         began = time.perf_counter() if began is None else began
-        name = saved.name
         try:
+            if saved.name is None:      # saved while the model was hashed (in a thread of its own): named once known
+                saved = self.named(saved, wait=self.timeout)
+            name = saved.name
+            if name is None:
+                return      # the server's model not identified: nothing stored (the ``unidentified`` event said why)
             if self.index is not None and self.index.holding(saved.tokens) is not None:
                 stored = False      # the same tokens, saved from another slot
             else:
@@ -514,6 +547,10 @@ class Cache(ServerStates):
             self.log("pruned", f"{path}: {action} ({reason}), {size:,} bytes", path=path, size=size)
 
         self.prune(pruned)
+
+
+class _NotTaken(Exception):
+    """A stored state :meth:`Cache.prepare` does not restore (validate, the conversion or the gain say no)."""
 
 
 def converted_reason(changes: list[str], error: str | None) -> str:

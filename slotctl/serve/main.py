@@ -29,11 +29,12 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
           max_size: int | None, min_gain: int, api_key: str | None, timeout: float, catalog: bool = True,
           restore_policy: str = "cost",
           flags=None, given: frozenset[str] = frozenset(), emit, metrics_listen: str | None = None,
-          lease: float | None = None) -> int:
+          lease: float | None = None, draft_model=None, progress=None) -> int:
     """Run the proxy (see :mod:`slotctl.serve.proxy`); ``emit(event, message, details)`` gets every event,
     the first one ``listening`` with the address; ``flags`` / ``given``: the server's flags it does not report
-    (``-kvu``, ``-ctk``, ``-ctv``, :class:`~slotctl.serve.cache.Cache`). 0 once stopped by SIGTERM or SIGINT
-    (a lease lost does not stop serve: it goes on uncached)."""
+    (``-kvu``, ``-ctk``, ``-ctv``, :class:`~slotctl.serve.cache.Cache`); ``draft_model``: its draft model's file
+    (``-md``: no server reports it); ``progress(done, total)``: the model's hashing (once per file). 0 once
+    stopped by SIGTERM or SIGINT (a lease lost does not stop serve: it goes on uncached)."""
     try:
         import aiohttp  # noqa: F401 - the [serve] extra
     except ImportError:
@@ -57,7 +58,8 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
         emit(event, message, details)
 
     cache = Cache(upstream, slot_dir, store, api_key=api_key, max_size=max_size, timeout=timeout, catalog=catalog,
-                  log=log, flags=flags, given=given, restore_policy=restore_policy)
+                  log=log, flags=flags, given=given, restore_policy=restore_policy, draft_model=draft_model,
+                  progress=progress)
     where = os.fspath(store if store is not None else slot_dir)
     probe = StoreProbe(where)
     # the store does not answer: serve serves all the same (uncached while it holds no lease), and takes the lease

@@ -212,6 +212,7 @@ class Proxy:
             self.log("up", f"{f.url}: {f.total_slots} slot(s) of {f.n_ctx_slot} tokens, model {f.model_path}, "
                            f"{f.build_info}", total_slots=f.total_slots, model=self.cache.model)
             self.cache.learn_due = True     # a server back may have been started with other flags
+            self.cache.server_restarted()   # ... or another model file: identified anew at the next facts
         self._said_down = False
         await self.probe_when_due(key)
 
@@ -275,6 +276,7 @@ class Proxy:
             return False
         if self.view.apply(entries):
             self.cache.learn_due = True     # a restarted server may run other flags
+            self.cache.server_restarted()   # and another model file: identified anew at the next facts
         return True
 
     # -- every request ---------------------------------------------------------------------------------
@@ -692,6 +694,7 @@ class Proxy:
                 self.view.noted(slot, next((e for e in entries if e.get("id") == slot.id), None))
                 if self.view.apply(entries):    # the other slots as the server shows them now: the view read
                     self.cache.learn_due = True
+                    self.cache.server_restarted()
             except Exception:  # noqa: BLE001 - unknown: the next check finds the slot's tokens unknown
                 slot.sig = UNKNOWN
         finally:

@@ -42,6 +42,8 @@ from slotctl.validate.report import (
     EFFECT_ABORTS_LATER,
     EFFECT_DROPPED,
     EFFECT_OK,
+    EFFECT_CORRUPT,
+    EFFECT_OTHER_MODEL,
     EFFECT_REFUSED,
     EFFECT_UNDECIDED,
     FITS,
@@ -64,7 +66,7 @@ from slotctl.validate.wording import (ROLLBACK_HARMLESS, _kind_words, _part_word
 
 def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | None = None,
                   checker: LoadChecker | None = None, *, f: BinaryIO | None = None,
-                  confirm_refusals: bool = False) -> FileReport:
+                  confirm_refusals: bool = False, check_content: bool = False) -> FileReport:
     """Validate one slot file against ``setup`` (see the module docstring).
 
     ``models``: the setup's :class:`Models` (made here when None). ``checker``: a :class:`LoadChecker`
@@ -72,7 +74,9 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
     once: every later read (another layout, media chunks, a cut payload, the real load's bytes) uses it.
     ``path`` may be an object in a store (``s3://``, :mod:`slotctl.sources`); ``f``: the file already open.
     ``confirm_refusals``: the real check loads the layers the prediction refuses too (bounded; see
-    :func:`slotctl.validate.load._real_check`), else it never does.
+    :func:`slotctl.validate.load._real_check`), else it never does. A stored state's name (:mod:`slotctl.seal`)
+    says which model it was stored for: another than the setup's is ``other_model``; ``check_content``: every
+    byte of such a file read once and checked against the checksum in its name (``corrupt`` when it differs).
     """
     url = remote_url(path)
     path = url or os.fspath(path)
@@ -80,7 +84,7 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
     if skipped:   # the child loads layers from a local path: an object would be downloaded whole
         checker = None
     with (nullcontext(f) if f is not None else open_input(path)) as f:
-        report = _validate_open(f, path, setup, models or Models(setup), checker, confirm_refusals)
+        report = _validate_open(f, path, setup, models or Models(setup), checker, confirm_refusals, check_content)
         raise_failure(f)   # a store that failed mid-read: its error (exit 2), not damage
     if skipped:
         report.findings.append(Finding("file", "note", "load_not_run_remote",
@@ -91,7 +95,8 @@ def validate_file(path: str | os.PathLike, setup: ServerSetup, models: Models | 
 
 
 def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
-                   checker: LoadChecker | None, confirm_refusals: bool = False) -> FileReport:
+                   checker: LoadChecker | None, confirm_refusals: bool = False,
+                   check_content: bool = False) -> FileReport:
     tinfo, dinfo = models.target, models.draft
     rules = ServerRules(state_version=setup.state_version, mmproj=setup.mmproj, build=setup.build)
     report = FileReport(path)
@@ -162,6 +167,7 @@ def _validate_open(f: BinaryIO, path: str, setup: ServerSetup, models: Models,
     shared = _unified_cache_note(sf, setup, tpred)
     if shared is not None:
         issues.append(_Issue(shared, EFFECT_OK))
+    issues += _seal_issues(path, f, setup, models, check_content)
     report.findings = [i.finding for i in issues]
     report.effects = [i.effect for i in issues if i.finding.severity != "note" or i.effect == EFFECT_UNDECIDED]
     report.verdict = _verdict(report.effects)
@@ -545,17 +551,60 @@ def _checkpoint_of(sf: SlotFile, layer: str):
     return None
 
 
+def _seal_issues(path: str, f: BinaryIO, setup: ServerSetup, models: Models, check_content: bool) -> list[_Issue]:
+    """What a stored state's name (:mod:`slotctl.seal`: the model's content identity, the draft model's for a
+    draft state, its checksum) says against the setup: the target model given another (``other_model``), the
+    draft context's model another, or not known when it was stored; with ``check_content``, bytes other than
+    the ones stored (``corrupt``). None for any other name (which model wrote it is not recorded)."""
+    from slotctl.seal import UNKNOWN_DRAFT, checksum, parse_name
+
+    said = parse_name(path.rpartition("/")[2])
+    if said is None or not said.sealed:
+        return []
+    out = []
+    if setup.target is not None:
+        from slotctl.model.content import model_content
+
+        target = model_content(setup.target)
+        if said.model != target.short:
+            out.append(_Issue(Finding("file", "error", "other_model",
+                                      f"stored for model {said.model} (its name), and -m is model {target.short} by "
+                                      f"its content: restored, it would answer as neither", None), EFFECT_OTHER_MODEL))
+        if said.draft is not None and models.draft_context.built and setup.draft is not None:
+            draft = model_content(setup.draft)
+            if said.draft == UNKNOWN_DRAFT:
+                why = "its draft state is of a draft model that was not known when it was stored"
+            elif said.draft != draft.short:
+                why = f"its draft state is of draft model {said.draft}, and -md is model {draft.short}"
+            else:
+                why = None
+            if why is not None:
+                out.append(_Issue(Finding("file", "error", "other_draft_model", why, None), EFFECT_OTHER_MODEL))
+    if check_content:
+        got = checksum(f)
+        if not got.startswith(said.checksum):
+            out.append(_Issue(Finding("file", "error", "checksum_mismatch",
+                                      f"its bytes are not the state that was stored (checksum {got[:16]}, stored as "
+                                      f"{said.checksum}): damaged since", None), EFFECT_CORRUPT))
+    return out
+
+
 def _worst_effect(effects: Iterable[str]) -> str:
     order = [EFFECT_OK, EFFECT_DROPPED, EFFECT_ABORTS_LATER, EFFECT_REFUSED, EFFECT_ABORTS]
     return max(effects, key=order.index, default=EFFECT_OK)
 
 
 def _verdict(effects: list[str]) -> Verdict:
-    """The target decides first: a refused or aborting target leaves nothing else to restore."""
+    """The target decides first: a refused or aborting target leaves nothing else to restore. Then what is
+    restored but is not the state stored, or not the model's."""
     if EFFECT_ABORTS in effects:
         return Verdict.ABORTS
     if EFFECT_REFUSED in effects:
         return Verdict.REFUSED
+    if EFFECT_CORRUPT in effects:
+        return Verdict.CORRUPT
+    if EFFECT_OTHER_MODEL in effects:
+        return Verdict.OTHER_MODEL
     if EFFECT_UNDECIDED in effects:
         return Verdict.UNDECIDED
     if EFFECT_DROPPED in effects:
@@ -597,14 +646,15 @@ def _token_issues(sf: SlotFile, tpred: Prediction, tinfo: ModelInfo, setup: Serv
 def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, real_check: bool = True,
                    verbose: bool = False, on_file: Callable[[int, int, str], None] | None = None,
                    on_report: Callable[[FileReport], None] | None = None,
-                   child: ChildProcess | None = None, confirm_refusals: bool = False) -> Report:
+                   child: ChildProcess | None = None, confirm_refusals: bool = False,
+                   check_content: bool = False) -> Report:
     """Validate every file of ``paths`` (directories expanded to their slot files) against ``setup``.
 
     The real check runs when there is a target model and ``real_check``: one child process for all
     files (a new one after an abort). ``on_file(done, total, path)`` is called before each file,
     ``on_report(report)`` after it. A file that cannot be read is an "unreadable" report; the others
     are still validated. ``child``: a :class:`ChildProcess` to run the real check in (left open),
-    instead of a new one. ``confirm_refusals``: see :func:`validate_file`.
+    instead of a new one. ``confirm_refusals``, ``check_content``: see :func:`validate_file`.
     """
     from slotctl.inputs import expand_slot_paths
 
@@ -619,7 +669,8 @@ def validate_paths(paths: Sequence[str | os.PathLike], setup: ServerSetup, *, re
             if on_file:
                 on_file(i, len(files), p)
             try:
-                reports.append(validate_file(p, setup, models, checker, confirm_refusals=confirm_refusals))
+                reports.append(validate_file(p, setup, models, checker, confirm_refusals=confirm_refusals,
+                                             check_content=check_content))
             except (OSError, UsageError) as e:
                 err = error_entry(e, p)
                 r = FileReport(p, verdict=Verdict.UNREADABLE, error=err.as_dict())

@@ -7,7 +7,8 @@ verdict, so that an act deletes or refuses only what it should.
   refused or aborted on, and it is no other model's file; or its payload is cut short. ``ls --broken`` and
   ``prune --broken`` (and ``cp``, which refuses these only) act on this class.
 * ``mismatch``: refused only by the flags or the model given: the file restores in a server started as it
-  was saved. Its remedy is the first refusal's own (``slotctl convert ... -np N``, ``-c``, ``-m``: validate's
+  was saved; or a stored state of another model than the one given (``other_model``: its name's model identity,
+  :mod:`slotctl.seal`). A stored state whose bytes are not the ones stored (``corrupt``) is ``broken``. Its remedy is the first refusal's own (``slotctl convert ... -np N``, ``-c``, ``-m``: validate's
   words); deleted only when asked for by ``prune --mismatched``.
 * ``useless``: the server restores it but will reuse none of it: validate's predicted reuse for a request that
   extends the prompt is 0 (gemma2 at b11434: its SWA cache holds only the window and b11434 keeps no
@@ -82,6 +83,10 @@ def classify(report: FileReport, setup: ServerSetup) -> Standing:
     from slotctl.validate.check import validate_file
 
     sf = report.slot_file
+    if report.verdict == Verdict.OTHER_MODEL:
+        return Standing(FileClass.MISMATCH, f"{_first_error(report)} (give -m the model it was stored for)")
+    if report.verdict == Verdict.CORRUPT:
+        return Standing(FileClass.BROKEN)
     if report.refused_or_aborts:
         if report.verdict == Verdict.UNREADABLE or sf is None or sf.payload_cut or sf.target is None:
             return Standing(FileClass.BROKEN)

@@ -14,7 +14,8 @@ from slotctl.validate.wording import ROLLBACK_HARMLESS
 
 
 # the members by the names the checks write them with
-EFFECT_OK, EFFECT_DROPPED, EFFECT_ABORTS_LATER, EFFECT_REFUSED, EFFECT_ABORTS, EFFECT_UNDECIDED = Effect
+(EFFECT_OK, EFFECT_DROPPED, EFFECT_ABORTS_LATER, EFFECT_REFUSED, EFFECT_ABORTS, EFFECT_UNDECIDED, EFFECT_OTHER_MODEL,
+ EFFECT_CORRUPT) = Effect
 FITS, MISMATCH, REFUSED, PARTIAL, ABORTED, SKIPPED = Load
 
 TARGET = "target memory"
@@ -80,9 +81,10 @@ class FileReport:
     @property
     def refused_or_aborts(self) -> bool:
         """The server refuses the file or aborts on it, for the setup it was judged for: its verdict says so,
-        or its payload is cut short (undecided which, one or the other). An act (``restore --server``,
-        ``keep``, ``migrate``) never sends such a file unless forced."""
-        if Verdict(self.verdict).broken:
+        or its payload is cut short (undecided which, one or the other); or it restores a state that is not the
+        one stored or not this model's (``corrupt``, ``other_model``). An act (``restore --server``, ``keep``,
+        ``migrate``) never sends such a file unless forced (and never those two, forced or not)."""
+        if Verdict(self.verdict).broken or self.verdict == Verdict.OTHER_MODEL:
             return True
         sf = self.slot_file
         return self.verdict == Verdict.UNDECIDED and bool(getattr(sf, "payload_cut", False))

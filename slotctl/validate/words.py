@@ -20,6 +20,8 @@ class Effect(StrEnum):
     REFUSED = Status.REFUSED.value          # "Unable to restore slot"
     ABORTS = Status.ABORTS.value            # llama.cpp aborts the server while restoring
     UNDECIDED = "undecided"                 # what the server does cannot be told without the model
+    OTHER_MODEL = "other_model"             # restored, but stored for another model (its name's model identity)
+    CORRUPT = "corrupt"                     # restored, but not the bytes stored (its name's checksum)
 
 
 class Verdict(StrEnum):
@@ -28,14 +30,20 @@ class Verdict(StrEnum):
     RESTORES = "restores"
     RESTORES_WITH_DROPS = "restores_with_drops"
     UNDECIDED = Effect.UNDECIDED.value
+    #: the server restores it, but it was stored for another model than the one given (or a draft state for
+    #: another draft model): its answers would be neither model's (a stored state's name: :mod:`slotctl.seal`)
+    OTHER_MODEL = Effect.OTHER_MODEL.value
+    #: the server restores it, but its bytes are not the ones stored (its name's checksum): damaged since
+    CORRUPT = Effect.CORRUPT.value
     ABORTS = Status.ABORTS.value
     REFUSED = Status.REFUSED.value
     UNREADABLE = "unreadable"
 
     @property
     def broken(self) -> bool:
-        """The server refuses the file or aborts on it, or it cannot be read (``ls --broken``, ``prune --broken``)."""
-        return self in (Verdict.ABORTS, Verdict.REFUSED, Verdict.UNREADABLE)
+        """The server refuses the file or aborts on it, it cannot be read, or its bytes are not the ones stored
+        (``ls --broken``, ``prune --broken``)."""
+        return self in (Verdict.ABORTS, Verdict.REFUSED, Verdict.UNREADABLE, Verdict.CORRUPT)
 
 
 class Load(StrEnum):
