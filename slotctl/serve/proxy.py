@@ -514,6 +514,8 @@ class Proxy:
             return own if own.outcome == "slot_hit" else Prepared(held, "uncached")
         spare = self.cache.costs.prefill_ms(len(tokens) - held)
         wait = STORE_WAIT_UNMEASURED if spare is None else max(STORE_WAIT, spare / 1000.0)
+        if not self.cache.by_cost:
+            wait = STORE_WAIT_UNMEASURED    # --restore-policy tokens: restored whatever the prefill costs
         if not self.cache.where_s3():
             wait = None     # the machine's own disk
         gate = Gate()
