@@ -1106,7 +1106,7 @@ def test_a_state_is_sent_only_with_the_identity_its_verdict_was_made_on(tmp_path
     judged_on = local_identity(os.stat(store / name))
     t = time.time() - 60
     os.utime(store / name, (t, t))
-    cache = Cache("http://127.0.0.1:9", slots, str(store) if own_store else None, catalog=False, timeout=1)
+    cache = Cache("http://127.0.0.1:9", slots, str(store), catalog=False, timeout=1)     # --store given so
     state = State(name, np.array([1, 2, 3], dtype=np.int32), "kv", (store / name).stat().st_size)
     with pytest.raises(UsageError) as e:
         cache.restore(state.name, 0, identity=judged_on)

@@ -38,6 +38,8 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
     from slotctl.serve.proxy import Proxy, run
     from slotctl.unattended.shell import Shell, count_store
 
+    from slotctl.keeping.store import legacy_states
+
     metrics = None
 
     def log(event: str, message: str, **details) -> None:
@@ -49,7 +51,7 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
 
     cache = Cache(upstream, slot_dir, store, api_key=api_key, max_size=max_size, timeout=timeout, catalog=catalog,
                   log=log, flags=flags, given=given)
-    where = os.fspath(store if store is not None else slot_dir)
+    where = str(cache.store)       # the lock lives in the store (the default one: inside the slot directory)
     # the store does not answer: serve serves all the same (uncached while the store fails), and takes the lease
     # once the store answers (a serve already holding it then: this one stops, exit 2)
     shell = Shell("serve", where, cache.url, ttl=lease, log=log)
@@ -97,6 +99,12 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
                              f"{cache.store}" + (f"; metrics on {endpoint.url}/metrics, /livez, /readyz"
                                                  if endpoint is not None else ""),
                 listen=f"{h}:{p}", port=p, upstream=redact(cache.url), store=str(cache.store), **extra)
+            sweep(cache, log)       # before the first request is served (nothing is accepted before this returns)
+            if store is None and (n := legacy_states(cache.slot_dir)):
+                log("warning", f"{cache.slot_dir}: {n:,} stored state(s) in the slot directory itself (an earlier "
+                               f"release's default store) are not used: the store is now {cache.store}, out of a "
+                               f"client's slot save's reach (move them there to use them, if no client could "
+                               f"have written them; or give --store)", n=n, path=os.fspath(cache.slot_dir))
             if shell.held is None:
                 log("error", f"{shell.unlocked}: serve runs without its lease (a second serve of this server and "
                              f"store is not refused meanwhile); it takes the lease once the store answers",
@@ -128,3 +136,18 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
         shell.arm_watchdog(lambda: alive()[0])
         asyncio.run(main())
     return 2 if shell.lost else 0
+
+
+def sweep(cache, log) -> None:
+    """What serve processes that are gone left in the slot directory (and the store's temporary files of
+    copies untouched for an hour) removed at start, each said (:meth:`ServerStates.sweep`)."""
+    def swept(path, pid: int, size: int) -> None:
+        log("pruned", f"{path}: deleted (" + (f"left by serve process {pid}, which is gone" if pid else
+                                             "a temporary file of a copy into the store, untouched for an hour")
+            + f"), {size:,} bytes", path=os.fspath(path), size=size)
+
+    try:
+        cache.sweep(swept)
+    except OSError as e:
+        log("error", f"{cache.slot_dir}: the working files of serve processes that are gone cannot be swept: "
+                     f"{e.strerror or e}")
