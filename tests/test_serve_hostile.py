@@ -1,5 +1,7 @@
-"""``slotctl serve``'s stored states out of a client's slot save's reach, and a SIGKILLed serve's working files
-swept at the next start (issue 36).
+"""``slotctl serve`` under hostile clients (issue 36, docs/serve.md "Limits" and "API keys"): a client the server
+refuses changes no slot; bodies read within a bound, off the event loop, malformed ones passed on untouched;
+connections limited, one log line per kind of failure; paths never leave the upstream's prefix; the stored
+states out of a client's slot save's reach; a SIGKILLed serve's working files swept at the next start.
 
 Every serve is a real process in front of a real llama-server b11434 (tiny model); the unit tests at the top
 run the parts alone.
@@ -8,23 +10,115 @@ run the parts alone.
 from __future__ import annotations
 
 import hashlib
+import http.server
+import json
 import os
 import random
+import resource
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from test_serve import TURN1, TURN2_EXTRA, Serve, call, complete, fresh, serving  # noqa: F401
+from conftest import start_server
+from test_serve import ARGS, TURN1, TURN2_EXTRA, Prefixed, Serve, call, complete, fresh, llama, serving  # noqa: F401
 from slotctl.tinymodels import SAMPLE_PROMPT
 
 server = pytest.mark.server
 
 
 # -- the parts alone -----------------------------------------------------------------------------------------
+
+
+def test_the_upstream_path_is_normalised_and_never_leaves_the_prefix():
+    from slotctl.serve.target import Leaves, under_prefix
+
+    p = "/upstream/tiny"
+    assert under_prefix(p, "/completion") == (p + "/completion", "/completion")
+    assert under_prefix(p, p + "/v1/chat/completions?x=1") == (p + "/v1/chat/completions?x=1", "/v1/chat/completions")
+    assert under_prefix(p, "/v1/../completion") == (p + "/completion", "/completion")
+    assert under_prefix(p, "/a/%2e/b/%2E%2e/c") == (p + "/a/c", "/a/c")
+    assert under_prefix(p, "/a%2fb") == (p + "/a%2fb", "/a%2fb")       # an encoded separator alone: as sent
+    assert under_prefix(p, p) == (p, "/")
+    for leaving in ("/..", "/../secret", p + "/../../secret", p + "/%2e%2e/%2e%2e/secret", "/a/../../b",
+                    "/..%2fsecret", "/x/..%5c..%5csecret", p + "/v1/%2E%2E/%2e%2E/%2e%2e/x?y=1"):
+        with pytest.raises(Leaves):
+            under_prefix(p, leaving)
+    # no prefix: the client's path untouched (the server alone is the bar)
+    assert under_prefix("", "/../x?y") == ("/../x?y", "/../x")
+
+
+def test_a_body_is_sent_on_with_the_clients_bytes_and_cached_only_as_sent():
+    import asyncio
+
+    from slotctl.serve.body import cacheable, parse, with_slot
+
+    raw = b'{"prompt": "a\\u00e9", "temperature": 1e-1,"n_predict":2 }\n'
+    body = asyncio.run(parse(raw))
+    sent = with_slot(raw, body, 1)
+    assert sent == b'{"prompt": "a\\u00e9", "temperature": 1e-1,"n_predict":2 , "id_slot": 1, "cache_prompt": true}'
+    assert json.loads(sent) == dict(body, id_slot=1, cache_prompt=True)
+    assert with_slot(b"{}", {}, 0) == b'{"id_slot": 0, "cache_prompt": true}'
+    # given twice, the last is the one read (as llama-server's parser reads it)
+    assert json.loads(with_slot(b'{"id_slot": -1, "cache_prompt": true}', {"id_slot": -1}, 1))["id_slot"] == 1
+    for ok in ({}, {"cache_prompt": True}, {"id_slot": None}, {"id_slot": -1}, {"id_slot": 3}):
+        assert cacheable(ok), ok
+    for no in ({"cache_prompt": False}, {"cache_prompt": "yes"}, {"cache_prompt": 1}, {"cache_prompt": None},
+               {"id_slot": "0"}, {"id_slot": True}, {"id_slot": 1.0}):
+        assert not cacheable(no), no
+    # malformed, deeper than Python's parser goes, another encoding, not an object: None (passed on untouched)
+    deep = b'{"prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for bad in (b'{"prompt": ', deep, '{"prompt": "x"}'.encode("utf-16"), b'["x"]', b'\xef\xbb\xbf{"a": 1}',
+                b'{"prompt": "\xff"}'):
+        assert asyncio.run(parse(bad)) is None, bad[:40]
+
+
+def test_the_clients_key_is_read_as_the_server_reads_it():
+    from slotctl.serve.auth import NO_KEY, Keys, client_key
+
+    assert client_key({"Authorization": "Bearer k1"}) == "k1"
+    assert client_key({"Authorization": "k1"}) == "k1"
+    assert client_key({"Authorization": "bearer k1"}) == "bearer k1"     # the server strips "Bearer " only
+    assert client_key({"X-Api-Key": "k2"}) == "k2"
+    assert client_key({"Authorization": "Bearer k1", "X-Api-Key": "k2"}) == "k1"
+    assert client_key({}) == NO_KEY
+    now = [0.0]
+    keys = Keys("own", kept=60, clock=lambda: now[0])
+    assert keys.known("own") is True and keys.last == "own"
+    assert keys.known("other") is None
+    keys.said("other", False)
+    keys.said("good", True)
+    assert keys.known("other") is False and keys.known("good") is True
+    now[0] = 61.0       # a minute later: asked again
+    assert keys.known("other") is None and keys.known("good") is None
+    mine = Keys(None, clock=lambda: now[0])
+    assert mine.last is None
+    mine.said("k", True)
+    assert mine.last == "k"
+    mine.said("k", False)
+    assert mine.last is None
+
+
+def test_one_line_per_kind_of_failure():
+    from slotctl.serve.front import FailureLog
+
+    lines = []
+    log = FailureLog(lambda event, message, **d: lines.append((event, d)))
+    for _ in range(1000):
+        log.note("descriptors", "out of descriptors")
+    log.note("connections_full", "full")
+    assert lines == [("front", {"code": "descriptors", "count": 1}), ("front", {"code": "connections_full", "count": 1})]
+    log.say_counts()
+    assert lines[2:] == [("front", {"code": "descriptors", "count": 999})]
+    log.say_counts()
+    assert len(lines) == 3
+    assert log.counts() == {"descriptors": 1000, "connections_full": 1}
 
 
 def test_a_killed_process_leaves_nothing_the_next_one_does_not_sweep(tmp_path):
@@ -78,7 +172,333 @@ def test_the_default_store_is_out_of_a_client_saves_reach(tmp_path):
     assert not open_store(None, tmp_path / "elsewhere").names("")     # a reader makes nothing
 
 
+def test_the_shipped_unit_holds_the_default_connection_limit():
+    """The unit's LimitNOFILE holds --max-connections' default with a relay each, and the descriptors serve keeps
+    for the rest; a limit that cannot is taken down to what it holds."""
+    import re
+
+    from slotctl.serve.front import DEFAULT_MAX_CONNECTIONS, RESERVED_FDS, connection_limit
+    from slotctl.unattended.systemd import unit_text
+
+    (limit,) = re.findall(r"^LimitNOFILE=(\d+)$", unit_text("serve", python="/usr/bin/python3"), re.M)
+    assert 2 * DEFAULT_MAX_CONNECTIONS + RESERVED_FDS <= int(limit)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+        if hard != resource.RLIM_INFINITY and hard <= 1024:
+            assert connection_limit(DEFAULT_MAX_CONNECTIONS) == ((hard - RESERVED_FDS) // 2, hard)
+        else:       # the soft limit is raised as far as needed
+            assert connection_limit(DEFAULT_MAX_CONNECTIONS)[0] == min(DEFAULT_MAX_CONNECTIONS,
+                                                                       (hard - RESERVED_FDS) // 2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 # -- against a real llama-server b11434 ----------------------------------------------------------------------
+
+
+KEY = "sk-hostile-4242"
+
+
+def slots_of(srv) -> list[tuple]:
+    """What each slot of the server holds, as its own ``GET /slots`` says (the server's key)."""
+    status, slots = srv.get("/slots")
+    assert status == 200, slots
+    return [(s["id"], s.get("id_task"), json.dumps(s.get("next_token"), sort_keys=True), s.get("n_ctx"))
+            for s in slots]
+
+
+@server
+@pytest.mark.parametrize("own_key", [True, False], ids=["serve-has-the-key", "serve-has-none"])
+def test_a_request_without_the_key_changes_no_slot(llama_server_bin, tiny_models, tmp_path, own_key):
+    """Behind a server run with --api-key, a stored state that a returning turn would have restored: sent with
+    no key, a wrong key, a key the server does not read as one ('bearer ' in lower case), serve restores
+    nothing, takes no slot, saves nothing, and the server's own 401 comes back byte for byte; the slots are
+    as they were. Sent with the key (Authorization, or X-Api-Key as the server reads it too), it is restored."""
+    (tmp_path / "slots").mkdir()
+    srv = start_server(llama_server_bin, tiny_models.target, tmp_path, "keyed", args=ARGS,
+                       slot_save_path=tmp_path / "slots", api_key=KEY)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    try:
+        extra = ("--api-key", KEY) if own_key else ()
+        with serving(srv, tmp_path / "slots", None, *extra, env={"LLAMA_API_KEY": ""}) as s:
+            status, _h, raw = call(s.url, "POST", "/completion", {"prompt": TURN1, "n_predict": 8, "temperature": 0},
+                                   headers=auth)
+            assert status == 200, raw
+            first = json.loads(raw)
+            s.wait_for("saves", 1)
+            for other in ("Another story began there. " * 12, "A third one, told elsewhere. " * 12):
+                assert call(s.url, "POST", "/completion", {"prompt": other, "n_predict": 4}, headers=auth)[0] == 200
+            s.wait_for("saves", 3)
+            returning = {"prompt": TURN1 + first["content"] + TURN2_EXTRA, "n_predict": 8, "temperature": 0}
+            before, counters = slots_of(srv), s.stats()
+            refused = call(srv.url, "POST", "/completion", returning)      # the server alone, no key
+            assert refused[0] == 401
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"bearer {KEY}"},
+                            {"X-Api-Key": "wrong"}):
+                got = call(s.url, "POST", "/completion", returning, headers=headers)
+                assert (got[0], got[2]) == (refused[0], refused[2]), (headers, got)
+            after = s.stats()
+            assert slots_of(srv) == before
+            for k in ("restores", "cached", "saves", "saves_deduplicated", "save_failures", "restore_failures",
+                      "lookup_failures"):
+                assert after[k] == counters[k], (k, counters, after)
+            assert after["unauthorized"] == counters["unauthorized"] + 4
+            assert not s.events_named("restored", timeout=0)
+            # the key, as X-Api-Key: accepted as the server accepts it, and the state restored
+            status, _h, raw = call(s.url, "POST", "/completion", returning, headers={"X-Api-Key": KEY})
+            assert status == 200, raw
+            assert s.wait_for("restores", 1)["restores"] == 1, s.output()
+        assert KEY not in s.output()
+    finally:
+        srv.stop()
+
+
+@server
+def test_serve_without_a_key_of_its_own_uses_its_clients_and_stays_up(llama_server_bin, tiny_models, tmp_path):
+    """serve without --api-key behind a server that wants one: down until a client's key is accepted, then up
+    (its own reads carry that key) and it stays up: no 'down' line, /readyz 200, over two reads of the facts."""
+    from llama_server import free_port
+
+    (tmp_path / "slots").mkdir()
+    srv = start_server(llama_server_bin, tiny_models.target, tmp_path, "keyed", args=ARGS,
+                       slot_save_path=tmp_path / "slots", api_key=KEY)
+    port = free_port()
+    metrics = f"http://127.0.0.1:{port}"
+    try:
+        with serving(srv, tmp_path / "slots", None, "--metrics-listen", str(port), env={"LLAMA_API_KEY": ""}) as s:
+            assert s.events_named("down")
+            assert call(metrics, "GET", "/readyz")[0] == 503
+            status, _h, raw = call(s.url, "POST", "/completion", {"prompt": SAMPLE_PROMPT, "n_predict": 2},
+                                   headers={"Authorization": f"Bearer {KEY}"})
+            assert status == 200, raw
+            assert s.events_named("up")
+            s.wait_for("saves", 1)
+            downs = len(s.events_named("down"))
+            time.sleep(11)      # a window where nothing must happen: two reads of the facts (every 5 s)
+            assert len(s.events_named("down", timeout=0)) == downs, s.output()
+            status, _h, body = call(metrics, "GET", "/readyz")
+            assert status == 200 and b"server: up" in body, body
+        assert KEY not in s.output()
+    finally:
+        srv.stop()
+
+
+def vm_hwm(pid: int) -> int:
+    """The peak resident memory of process ``pid`` so far (bytes)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def send_large(port: int, size: int, path: str = "/completion") -> tuple[int, float]:
+    """A completion whose prompt makes the body ``size`` bytes, sent in 1 MiB pieces as fast as serve takes
+    them: (status, seconds until the answer began)."""
+    head, tail = b'{"n_predict": 1, "prompt": "', b'"}'
+    s = socket.create_connection(("127.0.0.1", port))
+    s.settimeout(300)
+    t0 = time.monotonic()
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {size}\r\n"
+              f"\r\n".encode() + head)
+    piece, left = b"a" * (1 << 20), size - len(head) - len(tail)
+    try:
+        while left:
+            n = min(left, len(piece))
+            s.sendall(piece[:n])
+            left -= n
+        s.sendall(tail)
+    except (BrokenPipeError, ConnectionResetError):
+        pass        # the server answered before the end (its 413) and closed
+    got = b""
+    while b"\r\n" not in got:
+        more = s.recv(4096)
+        if not more:
+            break
+        got += more
+    s.close()
+    return int(got.split(b" ", 2)[1]), time.monotonic() - t0
+
+
+@server
+@pytest.mark.parametrize("size", [200_000_000, 60_000_000], ids=["200MB", "60MB"])
+def test_a_large_body_costs_other_clients_nothing(llama, tmp_path, size):
+    """A 200 MB body (over b11434's 100 MB: its 413) and a 60 MB one (the server reads it and answers) go through
+    serve as they come: serve's peak memory grows by less than 64 MiB, another client's completions through
+    serve go on meanwhile (each answered), and the answer is the server's own to the same body."""
+    (tmp_path / "store").mkdir()
+    with serving(llama, llama.save_dir, str(tmp_path / "store")) as s:
+        complete(s.url, SAMPLE_PROMPT)
+        s.wait_for("saves", 1)
+        peak = vm_hwm(s.proc.pid)
+        done = threading.Event()
+        others: list[tuple[float, float, int]] = []
+
+        def other_client() -> None:
+            while not done.is_set():
+                t = time.monotonic()
+                status = call(s.url, "POST", "/completion", {"prompt": SAMPLE_PROMPT, "n_predict": 1})[0]
+                others.append((t, time.monotonic(), status))
+
+        th = threading.Thread(target=other_client, daemon=True)
+        th.start()
+        t0 = time.monotonic()
+        status, took = send_large(s.port, size)
+        t1 = time.monotonic()
+        done.set()
+        th.join(120)
+        grown = vm_hwm(s.proc.pid) - peak
+        during = [o for o in others if t0 <= o[0] and o[1] <= t1]
+        print(f"\n{size:,} bytes: status {status} in {took:.2f} s; serve's peak memory grew {grown / 2**20:.1f} MiB; "
+              f"another client: {len(during)} completions during it, the slowest "
+              f"{max((o[1] - o[0] for o in others), default=0) * 1000:.0f} ms")
+        assert grown < 64 << 20, grown
+        assert all(o[2] == 200 for o in others), others
+        assert len(during) >= 1 or took < 1.0, (took, others)
+        assert s.stats()["unread_bodies"] == 1
+    assert status == send_large(int(llama.url.rsplit(":", 1)[1]), size)[0]
+
+
+@server
+def test_malformed_bodies_go_to_the_server_untouched(llama, tmp_path):
+    """Deeply nested JSON (deeper than Python's parser goes, which the server takes) and a cache_prompt that is
+    not a boolean: serve neither fails nor rewrites them: the server's own answer comes back, uncached."""
+    (tmp_path / "store").mkdir()
+    deep = (b'{"prompt": "' + SAMPLE_PROMPT.encode() + b'", "n_predict": 2, "temperature": 0, "x": '
+            + b"[" * 5000 + b"]" * 5000 + b"}")
+    yes = json.dumps({"prompt": SAMPLE_PROMPT, "n_predict": 2, "cache_prompt": "yes"}).encode()
+    with serving(llama, llama.save_dir, str(tmp_path / "store")) as s:
+        for raw in (deep, yes):
+            direct = call(llama.url, "POST", "/completion", raw=raw)
+            through = call(s.url, "POST", "/completion", raw=raw)
+            assert through[0] == direct[0], (through, direct)
+            if direct[0] == 200:
+                assert json.loads(through[2])["content"] == json.loads(direct[2])["content"]
+            else:
+                assert through[2] == direct[2]
+        c = s.stats()
+        assert c["cached"] == 0 and c["passed_through"] == 2, c
+        assert not s.stderr, s.stderr
+
+
+def raise_nofile(n: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < n:
+        if hard != resource.RLIM_INFINITY and hard < n:
+            pytest.skip(f"the test's process may hold {hard} descriptors, fewer than {n}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))
+
+
+@server
+def test_1100_idle_connections_leave_livez_and_requests_answered(llama, tmp_path):
+    """serve under a 1,024-descriptor limit (as the finding had it), 1,100 idle connections opened to it: serve
+    says how many it takes, closes the longest idle to take new ones, /livez answers, a real completion is
+    answered and cached, and stderr holds nothing (no traceback per connection: one front line per kind)."""
+    from llama_server import free_port
+
+    raise_nofile(4096)
+    (tmp_path / "store").mkdir()
+    port = free_port()
+    s = Serve(llama.url, llama.save_dir, str(tmp_path / "store"), "--metrics-listen", str(port), nofile=1024)
+    idle = []
+    try:
+        assert s.events[0]["details"]["max_connections"] < 1024 // 2
+        assert s.events_named("warning", where=lambda e: "descriptor limit" in e["message"])
+        for _ in range(1100):
+            idle.append(socket.create_connection(("127.0.0.1", s.port), timeout=10))
+        status, _h, body = call(f"http://127.0.0.1:{port}", "GET", "/livez", timeout=15)
+        assert status == 200, body
+        answer = complete(s.url, SAMPLE_PROMPT)
+        assert answer["content"]
+        assert s.wait_for("saves", 1)["cached"] == 1
+        front = s.events_named("front")
+        assert front and {e["details"]["code"] for e in front} == {"connections_full"}, front
+    finally:
+        for c in idle:
+            c.close()
+        assert s.stop() == 0, s.output()
+    assert not s.stderr, "".join(s.stderr[:20])
+    assert len(s.events_named("front", timeout=0)) <= 2
+
+
+class Recorder(http.server.ThreadingHTTPServer):
+    """An upstream that records every path it is asked and answers 200."""
+
+    def __init__(self):
+        paths = self.paths = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                paths.append(self.path)
+                body = b'{"status": "ok"}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_POST = do_GET  # noqa: N815
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+LEAVING = ["/upstream/tiny/../../secret", "/upstream/tiny/%2e%2e/%2E%2E/secret", "/..%2f..%2fsecret", "/../health",
+           "/v1/../../health", "/upstream/tiny/v1/%2e%2e/%2e%2e/%2e%2e/x?y=1"]
+
+
+def raw_get(port: int, path: str) -> tuple[int, bytes]:
+    """``GET path`` sent as given (no client normalises it)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+        c.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        got = b""
+        while more := c.recv(65536):
+            got += more
+    head, _, body = got.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+@server
+def test_dot_dot_never_leaves_the_prefix(llama_server_bin, tiny_models, tmp_path):
+    """Under an upstream path (a real b11434 run with --api-prefix /upstream/tiny; and an upstream that records
+    what it is asked): a path that would leave the prefix, plain or percent-encoded, is a 400 of serve's own and
+    nothing is sent; one whose dot segments stay inside is sent normalised and answered."""
+    (tmp_path / "slots").mkdir()
+    rec = Recorder()
+    try:
+        with serving(_Fake(f"http://127.0.0.1:{rec.server_address[1]}/upstream/tiny"), tmp_path / "slots",
+                     str(tmp_path / "slots")) as s:
+            for path in LEAVING:
+                status, body = raw_get(s.port, path)
+                assert status == 400 and b"slotctl serve" in body, (path, status, body)
+            assert raw_get(s.port, "/upstream/tiny/v1/../health")[0] == 200
+            assert raw_get(s.port, "/v1/%2e%2e/health?x=1")[0] == 200
+        assert rec.paths and all(p.startswith("/upstream/tiny/") for p in rec.paths), rec.paths
+        assert "/upstream/tiny/health" in rec.paths and "/upstream/tiny/health?x=1" in rec.paths
+        assert not [p for p in rec.paths if ".." in p or "%2e" in p.lower() or "secret" in p], rec.paths
+    finally:
+        rec.shutdown()
+    srv = Prefixed(llama_server_bin, tiny_models.target, args=[*ARGS, "--api-prefix", Prefixed.PREFIX],
+                   slot_save_path=tmp_path / "slots", log_path=tmp_path / "prefixed.log")
+    (tmp_path / "store").mkdir()
+    with srv:
+        with serving(srv, tmp_path / "slots", str(tmp_path / "store")) as s:
+            for path in LEAVING:
+                assert raw_get(s.port, path)[0] == 400, path
+            status, body = raw_get(s.port, "/upstream/tiny/v1/../health")
+            assert status == 200 and json.loads(body)["status"] == "ok", body
+            assert complete(s.url, SAMPLE_PROMPT, path="/v1/../completion")["content"]
+
+
+class _Fake:
+    """Stands for a LlamaServer where only its URL is used."""
+
+    def __init__(self, url: str):
+        self.url = url
 
 
 def digest(p: Path) -> str:

@@ -36,7 +36,9 @@ class Counters:
     """What serve did, for ``GET /slotctl/stats`` and the log: requests seen, cached (given a slot and a
     lookup), passed through untouched, restores done / skipped by the verdict / failed, saves done /
     deduplicated / failed, lookups failed, prompt tokens predicted to be reused thanks to a restore, states
-    converted for this server's -np/-kvu / conversions that failed."""
+    converted for this server's -np/-kvu / conversions that failed; completions passed through because the
+    server refuses the client's key (``unauthorized``) or their body was not read (``unread_bodies``: over
+    ``--max-body``)."""
 
     requests: int = 0
     cached: int = 0
@@ -53,6 +55,8 @@ class Counters:
     matched_by_text: int = 0
     upstream_errors: int = 0
     client_disconnects: int = 0
+    unauthorized: int = 0
+    unread_bodies: int = 0
     restored_tokens: int = 0
     pruned: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -21,11 +21,12 @@ AGAIN = 10.0
 def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host: str, port: int,
           max_size: int | None, min_gain: int, api_key: str | None, timeout: float, catalog: bool = True,
           flags=None, given: frozenset[str] = frozenset(), emit, metrics_listen: str | None = None,
-          lease: float | None = None) -> int:
+          lease: float | None = None, limits=None) -> int:
     """Run the proxy (see :mod:`slotctl.serve.proxy`); ``emit(event, message, details)`` gets every event,
     the first one ``listening`` with the address; ``flags`` / ``given``: the server's flags it does not report
-    (``-kvu``, ``-ctk``, ``-ctv``, :class:`~slotctl.serve.cache.Cache`). 0 once stopped by SIGTERM or SIGINT;
-    2 when the lock (an ``s3://`` store's lease) was lost."""
+    (``-kvu``, ``-ctk``, ``-ctv``, :class:`~slotctl.serve.cache.Cache`); ``limits``: on the clients
+    (:class:`slotctl.serve.front.Limits`). 0 once stopped by SIGTERM or SIGINT; 2 when the lock (an ``s3://``
+    store's lease) was lost."""
     try:
         import aiohttp  # noqa: F401 - the [serve] extra
     except ImportError:
@@ -35,6 +36,7 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
 
     from slotctl.live.http import redact
     from slotctl.serve.cache import Cache
+    from slotctl.serve.front import FailureLog, Limits, connection_limit
     from slotctl.serve.proxy import Proxy, run
     from slotctl.unattended.shell import Shell, count_store
 
@@ -49,6 +51,10 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
                 count_store(metrics, cache.store)
         emit(event, message, details)
 
+    limits = limits or Limits()
+    # the clients' connections the descriptor limit holds (each with its relay to the server)
+    max_connections, nofile = connection_limit(limits.max_connections)
+    failures = FailureLog(log)
     cache = Cache(upstream, slot_dir, store, api_key=api_key, max_size=max_size, timeout=timeout, catalog=catalog,
                   log=log, flags=flags, given=given)
     where = str(cache.store)       # the lock lives in the store (the default one: inside the slot directory)
@@ -74,7 +80,8 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
 
         shell.keep_lease(on_lost)
         # each request given a slot counted: the prompt tokens predicted reused and evaluated (Cache.prepare's)
-        proxy = Proxy(cache, min_gain=min_gain, log=log, on_prompt=metrics.prompt if metrics is not None else None)
+        proxy = Proxy(cache, min_gain=min_gain, log=log, on_prompt=metrics.prompt if metrics is not None else None,
+                      limits=limits, failures=failures)
 
         async def beating() -> None:
             tried = time.monotonic()
@@ -98,13 +105,19 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
             log("listening", f"serving {redact(cache.url)} on http://{h}:{p}: slot dir {cache.slot_dir}, store "
                              f"{cache.store}" + (f"; metrics on {endpoint.url}/metrics, /livez, /readyz"
                                                  if endpoint is not None else ""),
-                listen=f"{h}:{p}", port=p, upstream=redact(cache.url), store=str(cache.store), **extra)
-            sweep(cache, log)       # before the first request is served (nothing is accepted before this returns)
+                listen=f"{h}:{p}", port=p, upstream=redact(cache.url), store=str(cache.store),
+                max_connections=max_connections, **extra)
+            sweep(cache, log)       # before the first request is served (the accept loop waits for this)
             if store is None and (n := legacy_states(cache.slot_dir)):
                 log("warning", f"{cache.slot_dir}: {n:,} stored state(s) in the slot directory itself (an earlier "
                                f"release's default store) are not used: the store is now {cache.store}, out of a "
                                f"client's slot save's reach (move them there to use them, if no client could "
                                f"have written them; or give --store)", n=n, path=os.fspath(cache.slot_dir))
+            if max_connections < limits.max_connections:
+                log("warning", f"--max-connections {limits.max_connections:,}: the descriptor limit ({nofile:,}, "
+                               f"RLIMIT_NOFILE) holds {max_connections:,} clients' connections with their relays "
+                               f"to the server: serve takes that many at once (raise LimitNOFILE, or ulimit -n)",
+                    max_connections=max_connections, nofile=nofile)
             if shell.held is None:
                 log("error", f"{shell.unlocked}: serve runs without its lease (a second serve of this server and "
                              f"store is not refused meanwhile); it takes the lease once the store answers",
@@ -113,7 +126,7 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
             shell.ready(f"serving {redact(cache.url)} on http://{h}:{p} (store {cache.store})")
 
         try:
-            await run(proxy, host, port, ready=ready, stop=stop)
+            await run(proxy, host, port, ready=ready, stop=stop, max_connections=max_connections)
         except OSError as e:
             raise UsageError(f"--listen {host}:{port}: {e.strerror or e}", code="listen_failed") from None
         finally:

@@ -29,7 +29,10 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, Tra
 from yarl import URL
 
 from slotctl.live import http
+from slotctl.serve import auth, target
+from slotctl.serve.body import Bodies, Stalled, Unread, cacheable, parse, with_slot
 from slotctl.serve.cache import Cache
+from slotctl.serve.front import FailureLog, Front, Limits, listening_socket, server_settings
 from slotctl.serve.index import as_tokens, common_prefix
 from slotctl.serve.slots import EMPTY, UNKNOWN, Slot, SlotView
 from slotctl.server.requests import COMPLETION_PATHS, TOKENIZE_FLAGS, prompt_form
@@ -39,8 +42,6 @@ HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy
                         "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"))
 #: serve's own answer (everything else is the server's)
 STATS_PATH = "/slotctl/stats"
-#: a completion request's body is read whole (to find its prompt) up to this; the rest are streamed
-MAX_BODY = 256 << 20
 #: seconds serve waits for its own small requests (/slots, /health, /tokenize, /apply-template)
 SMALL_TIMEOUT = 30.0
 #: tokens at the end of a prompt text that may be tokenized otherwise once more text follows it (the last
@@ -53,7 +54,7 @@ class Proxy:
     least this many more prompt tokens than the slot already holds."""
 
     def __init__(self, cache: Cache, *, min_gain: int = 16, facts_every: float = 5.0, check_every: float = 1.0,
-                 log=None, on_prompt=None):
+                 log=None, on_prompt=None, limits: Limits | None = None, failures: FailureLog | None = None):
         self.cache = cache
         #: ``on_prompt(reused, evaluated)`` once per request given a slot: the prompt tokens :meth:`prepare`
         #: predicts the server reuses (the restored state's, else the slot's own prefix; 0 when the restore
@@ -64,6 +65,15 @@ class Proxy:
         self.facts_every = facts_every
         self.check_every = check_every
         self.log = log or cache.log
+        #: serve's limits on its clients; the front (set by :func:`run`) counts their connections;
+        #: one line per kind of failure of the front
+        self.limits = limits or Limits()
+        self.front: Front | None = None
+        self.failures = failures or FailureLog(self.log)
+        #: completion bodies read within --max-body (docs/serve.md, "Limits")
+        self.bodies = Bodies(self.limits.max_body, self.limits.idle_timeout)
+        #: the keys the server accepts, as it answered (serve's own --api-key, and its clients')
+        self.keys = auth.Keys(cache.api_key)
         #: serve's view of the slots (what each holds: every request goes through serve), and its choices
         self.view = SlotView(min_gain)
         #: serve's last small request made a connection of its own (the client keeps none alive: the next would too)
@@ -76,7 +86,7 @@ class Proxy:
     # -- the application -------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY)
+        app = web.Application(client_max_size=self.limits.max_body)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
@@ -128,13 +138,20 @@ class Proxy:
         return t
 
     async def _refresh_facts(self, key: str | None = None) -> None:
+        key = key if key is not None else self.keys.last
         try:
             await asyncio.to_thread(self.cache.refresh_facts, key)
         except Exception as e:  # noqa: BLE001 - the server down or not a llama-server: pass through meanwhile
+            if isinstance(e, http.ServerAuthError) and key is not None:
+                self.keys.said(key, False)
             if self.cache.facts is not None or not getattr(self, "_said_down", False):
-                self.log("down", f"the server's facts cannot be read ({e}): requests pass through uncached")
+                self.log("down", f"the server's facts cannot be read ({e}): requests pass through uncached"
+                         + ("; its first client whose key it accepts gives serve the key"
+                            if isinstance(e, http.ServerAuthError) and self.keys.last is None else ""))
             self._said_down = True
             return
+        if key is not None:
+            self.keys.said(key, True)
         if getattr(self, "_said_down", True):
             f = self.cache.facts
             self.log("up", f"{f.url}: {f.total_slots} slot(s) of {f.n_ctx_slot} tokens, model {f.model_path}, "
@@ -189,7 +206,7 @@ class Proxy:
             except asyncio.TimeoutError:
                 pass
             if not self._stop.is_set() and self.cache.facts is not None:
-                await self.check_slots(self.cache.api_key)
+                await self.check_slots(self.keys.last)
 
     async def check_slots(self, key: str | None) -> bool:
         """``GET /slots`` read against serve's view (:meth:`SlotView.apply`; a restart seen makes a save to learn
@@ -209,15 +226,32 @@ class Proxy:
     # -- every request ---------------------------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        transport = request.transport
+        if self.front is not None:
+            self.front.begin(transport)     # not idle while it runs: never closed to make room
         try:
             return await self._handle(request)
         except (asyncio.CancelledError, web.HTTPException):
             raise
+        except target.Leaves as e:
+            self.cache.counters.add("passed_through")
+            return web.json_response({"error": {"code": 400, "type": "invalid_request_error",
+                                                "message": f"slotctl serve: {e}: not sent"}}, status=400)
+        except Stalled as e:
+            self.failures.note("body_stalled", f"{request.method} {request.path}: {e}: the connection is closed")
+            if request.transport is not None:
+                request.transport.close()
+            raise web.HTTPRequestTimeout(text=json.dumps({"error": {"code": 408, "type": "timeout_error",
+                                                                    "message": f"slotctl serve: {e}"}}),
+                                         content_type="application/json") from None
         except Exception as e:  # noqa: BLE001 - a bug of serve's: one line, never a traceback
             self.log("error", f"{request.method} {request.path}: {type(e).__name__}: {e}")
             raise web.HTTPBadGateway(text=json.dumps({"error": {"code": 502, "type": "unavailable_error",
                                                                 "message": f"slotctl serve: {e}"}}),
                                      content_type="application/json") from None
+        finally:
+            if self.front is not None:
+                self.front.end(transport)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         c = self.cache.counters
@@ -225,34 +259,72 @@ class Proxy:
         if request.method == "GET" and request.path == STATS_PATH:
             return web.json_response({"counters": c.as_dict(), "model": self.cache.model,
                                       "states": len(self.cache.index.states) if self.cache.index else 0})
-        form = COMPLETION_PATHS.get(self._route(request.path)) if request.method == "POST" else None
+        sent, route = self._target(request)
+        form = COMPLETION_PATHS.get(route) if request.method == "POST" else None
         if form is None:
             c.add("passed_through")
-            return (await self.forward(request, request.content if request.body_exists else None))[0]
-        raw = await request.read()
-        return await self.completion(request, raw, form)
+            return (await self.forward(request, request.content if request.body_exists else None,
+                                       self._headers(request, stream=True)))[0]
+        # nothing happens for a client the server would refuse: its request goes on untouched, unread
+        accepted = await self.accepted(auth.client_key(request.headers))
+        if not accepted:
+            c.add("passed_through")
+            if accepted is False:
+                c.add("unauthorized")
+            return (await self.forward(request, request.content, self._headers(request, stream=True)))[0]
+        raw, held = await self.bodies.read(request)
+        try:
+            if isinstance(raw, Unread):     # over --max-body: streamed to the server as it comes, uncached
+                c.add("passed_through")
+                c.add("unread_bodies")
+                return (await self.forward(request, raw.data, self._headers(request, length=raw.length)))[0]
+            request["slotctl.body"] = raw
+            return await self.completion(request, raw, form)
+        finally:
+            self.bodies.give_back(held)
 
-    def _route(self, path: str) -> str:
-        """``path`` without the upstream's own prefix (``--api-prefix``) when the client used it."""
-        prefix = URL(self.base).path.rstrip("/")
-        return path[len(prefix):] if prefix and path.startswith(prefix + "/") else path
+    async def accepted(self, key: str) -> bool | None:
+        """Whether the server accepts the client's ``key`` (:func:`slotctl.serve.auth.client_key`): serve's own
+        ``--api-key`` as given, else as the server last said within a minute, else asked (``GET /props`` with it:
+        no task queue, no sleeping server woken). None when the server does not say (down, loading)."""
+        said = self.keys.known(key)
+        if said is not None:
+            return said
+        try:
+            await asyncio.to_thread(http.get_props, self.base, api_key=key, timeout=SMALL_TIMEOUT)
+        except http.ServerAuthError:
+            self.keys.said(key, False)
+            return False
+        except Exception:  # noqa: BLE001 - down or loading: not known, the request goes on untouched
+            return None
+        self.keys.said(key, True)
+        return True
 
-    def _target(self, request: web.Request) -> URL:
-        prefix = URL(self.base).path.rstrip("/")
-        path = request.raw_path
-        if prefix and (path == prefix or path.startswith(prefix + "/")):
-            path = path[len(prefix):]
-        return URL(self.base.rstrip("/") + path, encoded=True)
+    def _target(self, request: web.Request) -> tuple[URL, str]:
+        """Where ``request`` goes upstream (its path put under the upstream's prefix, normalised:
+        :func:`slotctl.serve.target.under_prefix`, :class:`~slotctl.serve.target.Leaves` when it would leave it)
+        and the route it names there."""
+        base = URL(self.base)
+        path, route = target.under_prefix(base.path.rstrip("/"), request.raw_path)
+        return URL(str(base.origin()) + path, encoded=True), route
 
     @staticmethod
-    def _headers(request: web.Request) -> list[tuple[str, str]]:
-        return [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+    def _headers(request: web.Request, *, stream: bool = False, length: int | None = None) -> list[tuple[str, str]]:
+        """The client's headers but the hop-by-hop ones; ``stream``: its body sent as it comes, with the
+        Content-Length it gave (``length``: this one), else chunked."""
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+        if stream and length is None and request.body_exists and request.content_length is not None \
+                and "chunked" not in request.headers.get("Transfer-Encoding", "").lower():
+            length = request.content_length
+        if length is not None:
+            headers.append(("Content-Length", str(length)))
+        return headers
 
     async def forward(self, request: web.Request, data, headers=None) -> tuple[web.StreamResponse, bool]:
         """``request`` sent upstream with the body ``data`` (bytes or a stream) and the answer streamed back.
         (the response, whether it came whole with status 200)."""
         try:
-            up = await self.session.request(request.method, self._target(request),
+            up = await self.session.request(request.method, self._target(request)[0],
                                             headers=headers if headers is not None else self._headers(request),
                                             data=data, allow_redirects=False)
         except (ClientError, OSError, asyncio.TimeoutError) as e:
@@ -298,15 +370,11 @@ class Proxy:
 
     async def completion(self, request: web.Request, raw: bytes, form: str) -> web.StreamResponse:
         c = self.cache.counters
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            body = None
+        body = await parse(raw)     # off the event loop; None: not a JSON object serve reads (the server's to answer)
         key = self._auth(request)
-        if isinstance(body, dict) and self.cache.facts is None:
+        if body is not None and self.cache.facts is None:
             await self._refresh_facts(key)   # not read yet (serve just started, the server was down, a key needed)
-        if (not isinstance(body, dict) or self.cache.facts is None or body.get("cache_prompt") is False
-                or not self._slot_id_ok(body.get("id_slot"))):
+        if body is None or self.cache.facts is None or not cacheable(body):
             c.add("passed_through")
             return (await self.forward(request, raw))[0]
         # serve's view of the slots is read again (GET /slots) only when a connection to the server was made
@@ -376,7 +444,7 @@ class Proxy:
                     self.on_prompt(reused, len(tokens) - reused)
             else:
                 c.add("matched_by_text")
-            data = json.dumps(dict(body, id_slot=slot.id, cache_prompt=True)).encode()
+            data = with_slot(request["slotctl.body"], body, slot.id)
             resp, ok = await self.forward(request, data, self._headers(request))
             slot.used = time.monotonic()
             if ok:
@@ -443,16 +511,10 @@ class Proxy:
         s.pending += 1
         return s
 
-    @staticmethod
-    def _slot_id_ok(v) -> bool:
-        return v is None or (isinstance(v, int) and not isinstance(v, bool))
-
-    def _auth(self, request: web.Request) -> str | None:
-        """The key for serve's own requests: ``--api-key``, else the client's bearer token (never kept)."""
-        if self.cache.api_key:
-            return self.cache.api_key
-        h = request.headers.get("Authorization", "")
-        return h[7:].strip() if h[:7].lower() == "bearer " else None
+    def _auth(self, request: web.Request) -> str:
+        """The key for serve's own requests of a client's request (the server accepts it: :meth:`accepted`):
+        ``--api-key``, else the client's own (as the server reads it; never logged)."""
+        return self.cache.api_key or auth.client_key(request.headers)
 
     async def prompt_of(self, body: dict, form: str, key: str | None):
         """The request's prompt as the server reads it: its ``prompt``, or a chat's ``messages`` through the
@@ -542,23 +604,45 @@ class Proxy:
         return tokens
 
 
-async def run(proxy: Proxy, host: str, port: int, *, ready=None, stop: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set (SIGTERM, SIGINT). ``ready(host, port)`` once listening, then the server's
-    facts are read (:meth:`Proxy.begin`)."""
-    runner = web.AppRunner(proxy.app(), access_log=None, handle_signals=False)
+async def run(proxy: Proxy, host: str, port: int, *, ready=None, stop: asyncio.Event | None = None,
+              max_connections: int | None = None) -> None:
+    """Serve until ``stop`` is set (SIGTERM, SIGINT): the clients' connections accepted by serve's front
+    (:class:`slotctl.serve.front.Front`, at most ``max_connections`` at once: default the limits'), what asyncio
+    and aiohttp would log themselves said once per kind (:class:`~slotctl.serve.front.FailureLog`).
+    ``ready(host, port)`` once listening, then the server's facts are read (:meth:`Proxy.begin`)."""
+    loop = asyncio.get_running_loop()
+    failures = proxy.failures
+    loop.set_exception_handler(failures.loop_exception)
+    undo = failures.catch_logs()
+    runner = web.AppRunner(proxy.app(), access_log=None, handle_signals=False,
+                           **server_settings(proxy.limits.idle_timeout))
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
     try:
-        await site.start()
+        sock = listening_socket(host, port)
     except BaseException:
         await runner.cleanup()      # the client session made at start-up closed (the address in use, ...)
+        undo()
         raise
-    bound = runner.addresses[0][1] if runner.addresses else port
+    proxy.front = Front(sock, runner.server, failures=failures,
+                        limit=max_connections if max_connections is not None else proxy.limits.max_connections)
+    accepting = loop.create_task(proxy.front.serve(), name="accept")
+    counting = loop.create_task(_say_counts(failures), name="failures")
     if ready is not None:
-        ready(host, bound)
-    await proxy.begin()
+        ready(host, sock.getsockname()[1])
     stop = stop or asyncio.Event()
     try:
+        await proxy.begin()
         await stop.wait()
     finally:
+        accepting.cancel()
+        counting.cancel()
+        sock.close()
         await runner.cleanup()
+        failures.say_counts()
+        undo()
+
+
+async def _say_counts(failures: FailureLog) -> None:
+    while True:
+        await asyncio.sleep(failures.every)
+        failures.say_counts()
