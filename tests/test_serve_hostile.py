@@ -422,6 +422,51 @@ def test_1100_idle_connections_leave_livez_and_requests_answered(llama, tmp_path
     assert len(s.events_named("front", timeout=0)) <= 2
 
 
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end closes ``sock`` (waits for it: at most the socket's timeout)."""
+    try:
+        while True:
+            got = sock.recv(65536)
+            if not got:
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+@server
+def test_idle_connections_are_closed_and_busy_ones_never(llama, tmp_path):
+    """--idle-timeout 1: a connection that never sends a request, one that stops in the middle of its headers, and
+    a keep-alive one after its answer are closed by serve; one whose request is in progress (its body sent in
+    pieces more than a second apart in all, each within the timeout) is not, and gets the server's answer."""
+    (tmp_path / "store").mkdir()
+    with serving(llama, llama.save_dir, str(tmp_path / "store"), "--idle-timeout", "1") as s:
+        silent = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+        halfway = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+        halfway.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        kept = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+        kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert kept.recv(65536).startswith(b"HTTP/1.1 200")
+        body = json.dumps({"content": SAMPLE_PROMPT}).encode()
+        busy = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+        busy.sendall(f"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
+        pieces = [body[i:i + len(body) // 4 + 1] for i in range(0, len(body), len(body) // 4 + 1)]
+        for piece in pieces:
+            busy.sendall(piece)
+            time.sleep(0.6)     # each piece within the timeout, the whole body longer than it
+        got = b""
+        while more := busy.recv(65536):
+            got += more
+        assert got.startswith(b"HTTP/1.1 200") and b'"tokens"' in got, got[:300]
+        for sock in (silent, halfway, kept):
+            assert closed_by_peer(sock)
+            sock.close()
+        busy.close()
+        assert complete(s.url, SAMPLE_PROMPT)["content"]
+
 class Recorder(http.server.ThreadingHTTPServer):
     """An upstream that records every path it is asked and answers 200."""
 

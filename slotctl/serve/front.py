@@ -10,9 +10,11 @@ open and which are idle:
   sent its request yet) is closed to make room; when every one is at work, the new one is answered ``503``
   and closed. Descriptors that run out all the same (``EMFILE``: another part of the process holds more than
   reserved) close the idle one the longest too, and accepting goes on.
-- **idle time and headers** are aiohttp's (:func:`server_settings`): a connection without a request in
-  progress is closed after ``idle_timeout`` seconds (one that sends its headers slowly too: its request has
-  not begun), the request line and each header at most the server's own limits allow and no more.
+- **idle time**: a connection without a request in progress is closed after ``idle_timeout`` seconds, by
+  serve's own timer (:meth:`Front.reap`: one that never sends a request, or sends its headers that slowly,
+  too; aiohttp before 3.14 closes only a connection idle between two requests) and by aiohttp's keep-alive
+  timeout; **headers**: the request line and each header at most the server's own limits allow and no more
+  (:func:`server_settings`).
 - **one line per kind of failure** (:class:`FailureLog`): the first of each kind is said (a ``front`` event,
   ``details.code``), the later ones counted and said together once a minute (``details.count``). What asyncio
   and aiohttp would print themselves (a traceback per connection) goes through it too.
@@ -183,17 +185,22 @@ BUSY = json.dumps({"error": {"code": 503, "type": "unavailable_error",
 class Front:
     """The accept loop of the listening socket ``sock`` (bound, listening), each connection handed to aiohttp's
     ``server`` (the protocol factory: ``web.AppRunner.server``); at most ``limit`` open at once (see the module
-    docstring). :meth:`serve` runs until cancelled; :meth:`at_work` marks a connection's request in progress
-    (the proxy's handler runs inside it)."""
+    docstring). :meth:`serve` and :meth:`reap` run until cancelled; :meth:`begin` and :meth:`end` mark a
+    connection's request in progress (the proxy's handler runs between them); ``idle_timeout``: seconds a
+    connection may stay without one (None: no timer of serve's own)."""
 
-    def __init__(self, sock: socket.socket, server, *, limit: int, failures: FailureLog):
+    def __init__(self, sock: socket.socket, server, *, limit: int, failures: FailureLog,
+                 idle_timeout: float | None = None):
         self.sock, self.server, self.limit, self.failures = sock, server, limit, failures
+        self.idle_timeout = idle_timeout
         sock.setblocking(False)
-        #: the open connections (transports), the one idle the longest first: a request's end moves its own last
-        self._open: dict[asyncio.BaseTransport, None] = {}
+        #: the open connections (transports) and when each was last at work (accepted, or its last request
+        #: ended: the loop's clock), the one idle the longest first: a request's end moves its own last
+        self._open: dict[asyncio.BaseTransport, float] = {}
         #: requests in progress per connection (pipelined requests run one after the other: at most 1 in practice)
         self._busy: dict[asyncio.BaseTransport, int] = {}
         self.closed_idle = 0
+        self.timed_out = 0
         self.refused = 0
 
     @property
@@ -234,7 +241,25 @@ class Front:
                 conn.close()
                 self.failures.note("handover", f"a connection accepted cannot be served: {e.strerror or e}")
                 continue
-            self._open[transport] = None
+            self._open[transport] = loop.time()
+
+    async def reap(self) -> None:
+        """Close, every quarter of the idle timeout, the connections without a request in progress whose last
+        one ended (or that were accepted) ``idle_timeout`` seconds ago or more."""
+        if self.idle_timeout is None:
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(max(self.idle_timeout / 4, 0.05))
+            self._forget_closed()
+            now = loop.time()
+            for t, since in list(self._open.items()):
+                if now - since < self.idle_timeout:
+                    break       # the rest were at work later (the dict is in that order)
+                if not self._busy.get(t):
+                    t.close()
+                    del self._open[t]
+                    self.timed_out += 1
 
     def _forget_closed(self) -> None:
         for t in [t for t in self._open if t.is_closing()]:
@@ -284,7 +309,7 @@ class Front:
         if transport in self._open:
             del self._open[transport]
             if not transport.is_closing():
-                self._open[transport] = None
+                self._open[transport] = asyncio.get_running_loop().time()
 
 
 def listening_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:

@@ -624,8 +624,10 @@ async def run(proxy: Proxy, host: str, port: int, *, ready=None, stop: asyncio.E
         undo()
         raise
     proxy.front = Front(sock, runner.server, failures=failures,
-                        limit=max_connections if max_connections is not None else proxy.limits.max_connections)
+                        limit=max_connections if max_connections is not None else proxy.limits.max_connections,
+                        idle_timeout=proxy.limits.idle_timeout)
     accepting = loop.create_task(proxy.front.serve(), name="accept")
+    reaping = loop.create_task(proxy.front.reap(), name="idle")
     counting = loop.create_task(_say_counts(failures), name="failures")
     if ready is not None:
         ready(host, sock.getsockname()[1])
@@ -635,6 +637,7 @@ async def run(proxy: Proxy, host: str, port: int, *, ready=None, stop: asyncio.E
         await stop.wait()
     finally:
         accepting.cancel()
+        reaping.cancel()
         counting.cancel()
         sock.close()
         await runner.cleanup()
