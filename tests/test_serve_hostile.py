@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from conftest import start_server
-from test_serve import ARGS, TURN1, TURN2_EXTRA, Prefixed, Serve, call, complete, fresh, llama, serving  # noqa: F401
+from keeping import PREFIX, PrefixedServer
+from serving import ARGS, TURN1, TURN2_EXTRA, Serve, call, complete, serving
 from slotctl.tinymodels import SAMPLE_PROMPT
 
 server = pytest.mark.server
@@ -325,8 +326,10 @@ def send_large(port: int, size: int, path: str = "/completion") -> tuple[int, fl
 @pytest.mark.parametrize("size", [200_000_000, 60_000_000], ids=["200MB", "60MB"])
 def test_a_large_body_costs_other_clients_nothing(llama, tmp_path, size):
     """A 200 MB body (over b11434's 100 MB: its 413) and a 60 MB one (the server reads it and answers) go through
-    serve as they come: serve's peak memory grows by less than 64 MiB, another client's completions through
-    serve go on meanwhile (each answered), and the answer is the server's own to the same body."""
+    serve as they come: serve's peak memory grows by less than 64 MiB (read whole, as before, it grew by more
+    than the body), another client's completions through serve go on meanwhile, each answered, and the answer
+    is the server's own to the same body. The other client's latency is printed, not asserted (tests do not
+    time things; docs/serve.md has the figures, beside the server alone's)."""
     (tmp_path / "store").mkdir()
     with serving(llama, llama.save_dir, str(tmp_path / "store")) as s:
         complete(s.url, SAMPLE_PROMPT)
@@ -355,7 +358,6 @@ def test_a_large_body_costs_other_clients_nothing(llama, tmp_path, size):
               f"{max((o[1] - o[0] for o in others), default=0) * 1000:.0f} ms")
         assert grown < 64 << 20, grown
         assert all(o[2] == 200 for o in others), others
-        assert len(during) >= 1 or took < 1.0, (took, others)
         assert s.stats()["unread_bodies"] == 1
     assert status == send_large(int(llama.url.rsplit(":", 1)[1]), size)[0]
 
@@ -527,7 +529,7 @@ def test_dot_dot_never_leaves_the_prefix(llama_server_bin, tiny_models, tmp_path
         assert not [p for p in rec.paths if ".." in p or "%2e" in p.lower() or "secret" in p], rec.paths
     finally:
         rec.shutdown()
-    srv = Prefixed(llama_server_bin, tiny_models.target, args=[*ARGS, "--api-prefix", Prefixed.PREFIX],
+    srv = PrefixedServer(llama_server_bin, tiny_models.target, args=[*ARGS, "--api-prefix", PREFIX],
                    slot_save_path=tmp_path / "slots", log_path=tmp_path / "prefixed.log")
     (tmp_path / "store").mkdir()
     with srv:
