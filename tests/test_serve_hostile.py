@@ -10,7 +10,6 @@ run the parts alone.
 from __future__ import annotations
 
 import hashlib
-import http.server
 import json
 import os
 import random
@@ -469,31 +468,6 @@ def test_idle_connections_are_closed_and_busy_ones_never(llama, tmp_path):
         busy.close()
         assert complete(s.url, SAMPLE_PROMPT)["content"]
 
-class Recorder(http.server.ThreadingHTTPServer):
-    """An upstream that records every path it is asked and answers 200."""
-
-    def __init__(self):
-        paths = self.paths = []
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                paths.append(self.path)
-                body = b'{"status": "ok"}'
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            do_POST = do_GET  # noqa: N815
-
-            def log_message(self, *args):
-                pass
-
-        super().__init__(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-
 LEAVING = ["/upstream/tiny/../../secret", "/upstream/tiny/%2e%2e/%2E%2E/secret", "/..%2f..%2fsecret", "/../health",
            "/v1/../../health", "/upstream/tiny/v1/%2e%2e/%2e%2e/%2e%2e/x?y=1"]
 
@@ -510,27 +484,26 @@ def raw_get(port: int, path: str) -> tuple[int, bytes]:
 
 
 @server
-def test_dot_dot_never_leaves_the_prefix(llama_server_bin, tiny_models, tmp_path):
-    """Under an upstream path (a real b11434 run with --api-prefix /upstream/tiny; and an upstream that records
-    what it is asked): a path that would leave the prefix, plain or percent-encoded, is a 400 of serve's own and
-    nothing is sent; one whose dot segments stay inside is sent normalised and answered."""
+def test_dot_dot_never_leaves_the_prefix(llama_server_bin, tiny_models, tmp_path, serve):
+    """Under an upstream path (a real b11434 run with --api-prefix /upstream/tiny; and a scripted upstream that
+    records what it is asked): a path that would leave the prefix, plain or percent-encoded, is a 400 of serve's
+    own and nothing is sent; one whose dot segments stay inside is sent normalised and answered."""
+    from scripted import send_json
+
     (tmp_path / "slots").mkdir()
-    rec = Recorder()
-    try:
-        with serving(_Fake(f"http://127.0.0.1:{rec.server_address[1]}/upstream/tiny"), tmp_path / "slots",
-                     str(tmp_path / "slots")) as s:
-            for path in LEAVING:
-                status, body = raw_get(s.port, path)
-                assert status == 400 and b"slotctl serve" in body, (path, status, body)
-            assert raw_get(s.port, "/upstream/tiny/v1/../health")[0] == 200
-            assert raw_get(s.port, "/v1/%2e%2e/health?x=1")[0] == 200
-        assert rec.paths and all(p.startswith("/upstream/tiny/") for p in rec.paths), rec.paths
-        assert "/upstream/tiny/health" in rec.paths and "/upstream/tiny/health?x=1" in rec.paths
-        assert not [p for p in rec.paths if ".." in p or "%2e" in p.lower() or "secret" in p], rec.paths
-    finally:
-        rec.shutdown()
+    url, script = serve(lambda h: send_json(h, {"status": "ok"}))
+    with serving(_Fake(url + "/upstream/tiny"), tmp_path / "slots", str(tmp_path / "slots")) as s:
+        for path in LEAVING:
+            status, body = raw_get(s.port, path)
+            assert status == 400 and b"slotctl serve" in body, (path, status, body)
+        assert raw_get(s.port, "/upstream/tiny/v1/../health")[0] == 200
+        assert raw_get(s.port, "/v1/%2e%2e/health?x=1")[0] == 200
+    paths = [path for _method, path, _headers in script.seen]
+    assert paths and all(p.startswith("/upstream/tiny/") for p in paths), paths
+    assert "/upstream/tiny/health" in paths and "/upstream/tiny/health?x=1" in paths
+    assert not [p for p in paths if ".." in p or "%2e" in p.lower() or "secret" in p], paths
     srv = PrefixedServer(llama_server_bin, tiny_models.target, args=[*ARGS, "--api-prefix", PREFIX],
-                   slot_save_path=tmp_path / "slots", log_path=tmp_path / "prefixed.log")
+                         slot_save_path=tmp_path / "slots", log_path=tmp_path / "prefixed.log")
     (tmp_path / "store").mkdir()
     with srv:
         with serving(srv, tmp_path / "slots", str(tmp_path / "store")) as s:

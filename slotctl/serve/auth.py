@@ -7,8 +7,10 @@ server untouched, and the server's ``401`` comes back. serve reads the key as ll
 it accepts it: serve's own ``--api-key`` is accepted as given; any other key (or none) is tried once on
 ``GET /props`` (answered without the server's task queue, never waking a sleeping server) and the answer kept
 for a minute (:data:`KEPT`), a refusal too: a client that keeps sending a wrong key costs the server one such
-request a minute, not one per request. A server restarted (with other keys, perhaps) forgets them all
-(:meth:`Keys.forget`).
+request a minute, not one per request. A server seen restarting (back after serve found it down, or its
+slots' task ids counting from 0 again: it may accept other keys) makes serve forget them all
+(:meth:`Keys.forget`), and serve's own reads every few seconds find at once that the key they carry is
+refused.
 
 serve's own requests (the facts it reads every few seconds, ``GET /slots``) carry ``--api-key``, else the key
 of the last client the server accepted (:attr:`Keys.last`): serve without a key of its own, behind a server

@@ -150,13 +150,14 @@ class Proxy:
                             if isinstance(e, http.ServerAuthError) and self.keys.last is None else ""))
             self._said_down = True
             return
-        if key is not None:
-            self.keys.said(key, True)
         if getattr(self, "_said_down", True):
+            self.keys.forget()      # a server back may accept other keys: each asked again
             f = self.cache.facts
             self.log("up", f"{f.url}: {f.total_slots} slot(s) of {f.n_ctx_slot} tokens, model {f.model_path}, "
                            f"{f.build_info}", total_slots=f.total_slots, model=self.cache.model)
             self.cache.learn_due = True     # a server back may have been started with other flags
+        if key is not None:
+            self.keys.said(key, True)
         self._said_down = False
         await self.probe_when_due(key)
 
@@ -221,6 +222,7 @@ class Proxy:
             return False
         if self.view.apply(entries):
             self.cache.learn_due = True     # a restarted server may run other flags
+            self.keys.forget()              # and accept other keys: each asked again
         return True
 
     # -- every request ---------------------------------------------------------------------------------
