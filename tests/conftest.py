@@ -242,6 +242,19 @@ def kept(llama_server_bin, tiny_models, tmp_path_factory):
         srv.stop()
 
 
+@pytest.fixture(scope="module")
+def llama(llama_server_bin, tiny_models, tmp_path_factory):
+    """A server a module's serve tests share: tests/serving.py's ``ARGS`` (``save_dir``: its slot directory)."""
+    from serving import ARGS
+
+    tmp = tmp_path_factory.mktemp("serve")
+    (tmp / "slots").mkdir()
+    srv = start_server(llama_server_bin, tiny_models.target, tmp, "serve", args=ARGS, slot_save_path=tmp / "slots")
+    srv.save_dir = tmp / "slots"
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture
 def fresh(llama_server_bin, tiny_models, tmp_path):
     """A server of serve's test's own (it is killed and started again): tests/serving.py's ``ARGS``."""

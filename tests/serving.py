@@ -48,17 +48,19 @@ class Serve:
     """``slotctl serve`` as a process: its JSON event lines collected, its address read from the first."""
 
     def __init__(self, upstream: str, slot_dir: Path, store: str | None = None, *extra: str, env=None,
-                 max_file_size: int | None = None):
+                 max_file_size: int | None = None, nofile: int | None = None):
         cmd = [sys.executable, "-m", "slotctl", "serve", "--upstream", upstream, "--slot-dir", str(slot_dir),
                "--listen", "127.0.0.1:0", "--json", "--min-gain", "4", *extra]
         if store is not None:
             cmd += ["--store", store]
         def child() -> None:      # default signals; RLIMIT_FSIZE: a write past it fails (EFBIG: Python ignores SIGXFSZ)
+            import resource
+
             default_signals()
             if max_file_size is not None:
-                import resource
-
                 resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_size, max_file_size))
+            if nofile is not None:      # the process's descriptors, soft and hard (ulimit -n)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, **(env or {})}, preexec_fn=child)

@@ -38,16 +38,6 @@ def left_after(directory: Path, pattern: str, timeout: float = 60) -> list[Path]
     return left
 
 
-@pytest.fixture(scope="module")
-def llama(llama_server_bin, tiny_models, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    (tmp / "slots").mkdir()
-    srv = start_server(llama_server_bin, tiny_models.target, tmp, "serve", args=ARGS, slot_save_path=tmp / "slots")
-    srv.save_dir = tmp / "slots"
-    yield srv
-    srv.stop()
-
-
 def erase_all(srv: LlamaServer) -> None:
     for i in range(2):
         srv.erase(i)
@@ -946,7 +936,7 @@ def test_a_state_is_sent_only_with_the_identity_its_verdict_was_made_on(tmp_path
     judged_on = local_identity(os.stat(store / name))
     t = time.time() - 60
     os.utime(store / name, (t, t))
-    cache = Cache("http://127.0.0.1:9", slots, str(store) if own_store else None, catalog=False, timeout=1)
+    cache = Cache("http://127.0.0.1:9", slots, str(store), catalog=False, timeout=1)     # --store given so
     state = State(name, np.array([1, 2, 3], dtype=np.int32), "kv", (store / name).stat().st_size)
     with pytest.raises(UsageError) as e:
         cache.restore(state.name, 0, identity=judged_on)

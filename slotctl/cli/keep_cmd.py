@@ -112,7 +112,7 @@ def keep(
     from slotctl.live import router
 
     model = router.model_for(keeper.url)   # one keeper per router's model and store
-    where = run.store if run.store is not None else run.slot_dir
+    where = str(keeper.store)      # the lock lives in the store (the default one: inside the slot directory)
     shell = Shell("keep", where, keeper.url + (f" (model {model})" if model else ""), ttl=lease)
     keeper.lock = shell.lock()
     with shell:

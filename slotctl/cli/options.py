@@ -275,6 +275,18 @@ RestorePolicyOpt = Annotated[Optional[str], typer.Option("--restore-policy", met
                                                               "is predicted faster than the prefill it spares "
                                                               "(measured); tokens: whenever it keeps --min-gain "
                                                               "tokens more [default: cost].")]
+MaxConnectionsOpt = Annotated[Optional[int], typer.Option("--max-connections", min=1, max=1 << 20, metavar="N",
+                                                          help="Clients' connections at once (fewer when the "
+                                                               "descriptor limit cannot hold them); at the limit the "
+                                                               "one idle the longest is closed [default: 4096].")]
+IdleTimeoutOpt = Annotated[Optional[float], typer.Option("--idle-timeout", min=0.1, max=86400.0, metavar="SECONDS",
+                                                         help="Close a client's connection that has no request in "
+                                                              "progress for this long, or that stops sending its "
+                                                              "headers or body [default: 30].")]
+MaxBodyOpt = Annotated[Optional[str], typer.Option("--max-body", metavar="SIZE",
+                                                   help="Read a completion's body to cache it up to this size; a "
+                                                        "larger one goes to the server as it comes, uncached "
+                                                        "[default: 8M].")]
 
 # -- directories: ls and prune ----------------------------------------------------------------------------
 

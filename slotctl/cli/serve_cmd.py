@@ -7,9 +7,10 @@ import typer
 from slotctl.cli.common import handle_errors
 from slotctl.cli.command_line import ArgsCommand
 from slotctl.cli.options import (
-    ApiKeyOpt, ConfigOpt, EventsJsonOpt, KeptSlotDirOpt, KeptStoreOpt, KeptTimeoutOpt, LeaseOpt,
-    MetricsListenOpt, MinGainOpt, RestorePolicyOpt, ServeListenOpt, ServerDraftModelOpt, StoreBudgetOpt,
-    StoreCatalogOpt, UnreportedCtkOpt, UnreportedCtvOpt, UnreportedKvuOpt, UpstreamOpt,
+    ApiKeyOpt, ConfigOpt, EventsJsonOpt, IdleTimeoutOpt, KeptSlotDirOpt, KeptStoreOpt, KeptTimeoutOpt, LeaseOpt,
+    MaxBodyOpt, MaxConnectionsOpt, MetricsListenOpt, MinGainOpt, RestorePolicyOpt, ServeListenOpt,
+    ServerDraftModelOpt, StoreBudgetOpt, StoreCatalogOpt, UnreportedCtkOpt, UnreportedCtvOpt, UnreportedKvuOpt,
+    UpstreamOpt,
 )
 from slotctl.cli.output import Output, hashing_progress
 from slotctl.errors import UsageError
@@ -34,6 +35,9 @@ def serve(
     config: ConfigOpt = None,
     metrics_listen: MetricsListenOpt = None,
     lease: LeaseOpt = None,
+    max_connections: MaxConnectionsOpt = None,
+    idle_timeout: IdleTimeoutOpt = None,
+    max_body: MaxBodyOpt = None,
     kv_unified: UnreportedKvuOpt = False,
     cache_type_k: UnreportedCtkOpt = None,
     cache_type_v: UnreportedCtvOpt = None,
@@ -54,7 +58,9 @@ def serve(
     other -np or -kvu (another serve sharing the store) is converted for this one first (exact; cache
     types never re-encoded) and judged again. GET /slotctl/stats: counters. One log line per
     event; --json: one JSON line each, the first saying where serve listens.
-    SIGTERM or SIGINT: saves in progress finish, exit 0. Needs the [serve] extra (aiohttp). Details:
+    Behind --api-key (serve's or the server's), nothing is done for a client the server refuses: its
+    request goes on untouched. Limits: --max-connections, --idle-timeout, --max-body (a larger body goes
+    through unread, uncached). SIGTERM or SIGINT: saves in progress finish, exit 0. Needs the [serve] extra (aiohttp). Details:
     docs/serve.md.
 
     Running unattended: --config FILE (the TOML file keep reads, its [serve] table; flags override
@@ -96,6 +102,12 @@ def serve(
     if metrics_listen is not None:
         parse_listen(metrics_listen, "--metrics-listen")
     size = run.budget(max_size)
+    from slotctl.prune import parse_size
+    from slotctl.serve.front import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS, Limits
+
+    limits = Limits(max_connections=run.pick(max_connections, "max_connections", DEFAULT_MAX_CONNECTIONS),
+                    idle_timeout=float(run.pick(idle_timeout, "idle_timeout", DEFAULT_IDLE_TIMEOUT)),
+                    max_body=_body_size(run.pick(max_body, "max_body", None), parse_size, DEFAULT_MAX_BODY))
     from slotctl.serve import main
 
     flags, given = running.unreported_flags(ctx, kv_unified, cache_type_k, cache_type_v)
@@ -111,7 +123,17 @@ def serve(
                                 min_gain=min_gain, restore_policy=restore_policy, api_key=run.api_key, timeout=timeout,
                                 catalog=not no_cache, emit=emit, flags=flags, given=given,
                                 metrics_listen=metrics_listen, lease=lease, draft_model=draft_model,
-                                progress=hashing_progress(out)))
+                                progress=hashing_progress(out), limits=limits))
+
+
+def _body_size(given: str | None, parse_size, default: int) -> int:
+    """``--max-body`` in bytes (at least 1 KiB: a completion's JSON around its prompt)."""
+    if given is None:
+        return default
+    n = parse_size(given)
+    if n < 1024:
+        raise UsageError(f"--max-body {given}: expected at least 1K (a completion's body)")
+    return n
 
 
 def _now() -> str:

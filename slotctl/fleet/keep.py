@@ -44,12 +44,10 @@ from typing import Callable
 
 from slotctl.errors import SlotctlError, error_entry
 from slotctl.keeping.names import server_identity
-from slotctl.keeping.states import ServerStates
+from slotctl.keeping.states import ORPHAN_AGE, ServerStates
 from slotctl.live import http
 from slotctl.live.prove import prove
 
-#: seconds a working file of a keep process that is gone stays untouched before keep removes it at its start
-ORPHAN_AGE = 3600.0
 #: seconds a health check may take (a server that does not answer that fast is taken as down)
 HEALTH_TIMEOUT = 10.0
 
@@ -189,11 +187,13 @@ class Keeper:
                             f"for left), {size:,} bytes", path=str(p), size=size, action="deleted"))
 
     def sweep(self, now: float | None = None) -> None:
-        """Remove the working files of keep processes that are gone (killed: SIGKILL leaves no way to clean
-        up) and untouched for :data:`ORPHAN_AGE` seconds: the pid in the name is no process of this machine.
-        A keeper on another machine sharing the directory keeps its own, being recent."""
+        """Remove what keep processes that are gone (killed: SIGKILL leaves no way to clean up) left
+        (:meth:`ServerStates.sweep`: at once when they ran on this machine; a name of another machine, or
+        without its machine's tag, once untouched for :data:`ORPHAN_AGE` seconds)."""
         self.states.sweep(lambda p, pid, size: self._event(
-            "pruned", None, f"{p}: deleted (the working file of keep process {pid}, which is gone), {size:,} bytes",
+            "pruned", None, f"{p}: deleted (" + (f"left by keep process {pid}, which is gone" if pid else
+                                                 "a temporary file of a copy into the store, untouched for an "
+                                                 "hour") + f"), {size:,} bytes",
             path=str(p), size=size, action="deleted"), age=ORPHAN_AGE, now=now)
 
     def once(self, *, restore: bool) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,6 +34,12 @@ from slotctl.live.prove import learnt_from, local_setup, local_setup_key, server
 from slotctl.model.content import cached_content, file_key
 from slotctl.server.flags import ServerFlags
 from slotctl.server.saved import Learnt, saved_flags
+
+
+#: seconds a working file left by a process of another machine (or named by the previous release, without its
+#: machine's tag) stays untouched before keep or serve removes it at its start: a process of this machine that
+#: is gone leaves its own removed at once (:meth:`ServerStates.sweep`)
+ORPHAN_AGE = 3600.0
 
 
 class ConversionFailed(Exception):
@@ -78,7 +83,8 @@ class ServerStates:
         self.url = http.normalize_url(url)
         self.slot_dir = Path(slot_dir) if slot_dir is not None else None
         self.store = store if hasattr(store, "where") else open_store(
-            store, self.slot_dir if self.slot_dir is not None else Path(store if "://" not in str(store) else "."))
+            store, self.slot_dir if self.slot_dir is not None else Path(store if "://" not in str(store) else "."),
+            create=role is not None)     # keep and serve write there: the default store made
         self.api_key, self.timeout = api_key, timeout
         self.max_size, self.retention, self.allow_lossy = max_size, retention, allow_lossy
         self.log = log or _quiet
@@ -551,9 +557,9 @@ class ServerStates:
         try:
             try:
                 where = self.store.where(name)
-                with tempfile.TemporaryDirectory(prefix=f".slotctl-{self.role}-", dir=self.slot_dir) as staging:
+                with self._staging(slot) as staging:
                     if where.startswith("s3://"):
-                        src = self.store.local(name, Path(staging), checksum=said.checksum)
+                        src = self.store.local(name, staging, checksum=said.checksum)
                         before = None
                     else:
                         src, before = Path(where), _checked_in_place(where, said.checksum)
@@ -576,42 +582,59 @@ class ServerStates:
         finally:
             _unlink(dest)
 
+    @contextlib.contextmanager
+    def _staging(self, slot: int):
+        """A directory of this process's own in the slot directory (a working name: swept once the process is
+        gone), removed after."""
+        import shutil
+
+        path = self.slot_dir / names.staging_name(self.role, slot)
+        path.mkdir(mode=0o700)
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
     # -- placing and restoring -------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def placed(self, name: str, identity: str | None = None):
-        """The stored state ``name`` in the server's slot directory while the block runs: yields its name there.
-        A copy (a directory store elsewhere: through a temporary file, never a torn file) or a download (an
-        ``s3://`` store, whole or absent), removed after; the store's own file when the store is the slot
-        directory. ``identity``: the identity of the bytes a verdict was made on (``Judged.identity``): the file
-        the server reads must still have it (a copy: the source opened has it before and after the copy; a
-        download: its reads were pinned to that ETag; the store's own file in the slot directory: its
-        ``stat``), else nothing is placed (:func:`~slotctl.keeping.store.changed_since`). The bytes placed must
-        have the checksum the state's name says (:mod:`slotctl.seal`: hashed as they are copied or downloaded,
-        or read once where they are), else nothing is placed (:class:`~slotctl.seal.ChecksumMismatch`): a state
-        damaged since it was stored is never sent."""
+    def placed(self, name: str, slot: int = 0, identity: str | None = None):
+        """The stored state ``name`` in the server's slot directory while the block runs, for ``slot``: yields
+        its name there. A copy (a directory store: through a temporary file, never a torn file) or a download
+        (an ``s3://`` store, whole or absent) under a working name of this process's own (``placed``: no
+        client's file of the state's name is ever sent in its place, and a process killed meanwhile leaves
+        nothing the next one does not sweep), removed after; the store's own file only when the store is the
+        slot directory itself (``--store`` given so). ``identity``: the identity of the bytes a verdict was
+        made on (``Judged.identity``): the file the server reads must still have it (a copy: the source opened
+        has it before and after the copy; a download: its reads were pinned to that ETag; the store's own file
+        in the slot directory: its ``stat``), else nothing is placed
+        (:func:`~slotctl.keeping.store.changed_since`). The bytes placed must have the checksum the state's
+        name says (:mod:`slotctl.seal`: hashed as they are copied or downloaded, or read once where they are),
+        else nothing is placed (:class:`~slotctl.seal.ChecksumMismatch`): a state damaged since it was stored
+        is never sent."""
         said = seal.parse_name(name)
         expected = said.checksum if said is not None else None
         if expected is None:
             raise seal.ChecksumMismatch(f"{self.store.where(name)}: its name carries no checksum: never restored")
-        placed = self.slot_dir / name
-        copied = not placed.exists()
-        if copied:
+        if getattr(self.store, "same", False):     # the store is the slot directory: its own file is read
+            here = self.slot_dir / name
+            if identity is not None and _identity_of(here) != identity:
+                raise changed_since(here)       # before its bytes are read
+            if _checked_in_place(here, expected) != identity and identity is not None:
+                raise changed_since(here)
+            yield name
+            return
+        work = names.work_name(self.role, slot, "placed")
+        placed = self.slot_dir / work
+        try:
             where = self.store.where(name)
-            if where.startswith("s3://"):       # downloaded whole, complete or absent, and checked
-                self.store.local(name, self.slot_dir, identity=identity, checksum=expected)
+            if where.startswith("s3://"):     # downloaded whole, complete or absent, and checked
+                self.store.local(name, self.slot_dir, identity=identity, checksum=expected, as_name=work)
             else:       # not a hard link: that would change the state's ctime, its identity
                 copy_atomic(where, placed, identity=identity, checksum=expected)
-        else:       # the file the server reads is the store's own, in the slot directory
-            if identity is not None and _identity_of(placed) != identity:
-                raise changed_since(placed)     # before its bytes are read
-            if _checked_in_place(placed, expected) != identity and identity is not None:
-                raise changed_since(placed)
-        try:
-            yield name
+            yield work
         finally:
-            if copied:
-                _unlink(placed)
+            _unlink(placed)
 
     def restore(self, name: str, slot: int, *, placed: str | None = None, identity: str | None = None,
                 checksum: str | None = None, api_key: str | None = None) -> dict:
@@ -624,7 +647,7 @@ class ServerStates:
         prunes the least recently used by the access time, which the copy (``copy_file_range``) does not
         update."""
         if placed is None:      # placed (its identity, then its checksum, checked), then restored as below
-            with self.placed(name, identity) as there:
+            with self.placed(name, slot, identity) as there:
                 return self.restore(name, slot, placed=there, api_key=api_key)
         if checksum is not None:     # a conversion's file: its bytes as they were written
             _checked_in_place(self.slot_dir / placed, checksum)
@@ -738,31 +761,44 @@ class ServerStates:
         if self.max_size is not None:
             self.store.prune(self.max_size, names.WORK_GLOBS, on_file)
 
-    def sweep(self, on_file: Callable[[Path, int, int], None], *, age: float, now: float | None = None) -> None:
-        """The working files of this role's processes that are gone (killed: SIGKILL leaves no way to clean up)
-        and untouched for ``age`` seconds removed: the pid in the name is no process of this machine (a process
-        on another machine sharing the directory keeps its own, being recent). ``on_file(path, pid, size)``
-        for each."""
+    def sweep(self, on_file: Callable[[Path, int, int], None], *, age: float = ORPHAN_AGE,
+              now: float | None = None) -> None:
+        """What this role's processes that are gone (killed: SIGKILL leaves no way to clean up) left in the slot
+        directory removed (:func:`slotctl.keeping.names.leftover`: working files, their atomic writes' temporary
+        files, staging directories): at once when the name says the process ran on this machine and its pid is
+        no process here; a name of another machine (or of the previous release, without its machine's tag) only
+        once untouched for ``age`` seconds (and, without a tag, its pid no process here). The store's own
+        temporary files untouched for ``age`` seconds too (a directory store: another keep or serve may be
+        writing one). ``on_file(path, pid, size)`` for each (pid 0: the store's)."""
+        import shutil
+
         now = time.time() if now is None else now
-        for p in self.slot_dir.glob(f"{self.role}-slot*.bin"):
-            owner = names.work_owner(p.name)
-            if owner is None or owner[1] == os.getpid():
+        here = names.host_tag()
+        try:
+            entries = list(os.scandir(self.slot_dir))
+        except OSError:
+            entries = []
+        for e in entries:
+            left = names.leftover(e.name)
+            if left is None or left.role != self.role or (left.pid == os.getpid() and left.host in (here, None)):
                 continue
+            path = Path(e.path)
             try:
-                os.kill(owner[1], 0)
-                continue                        # its process is alive
-            except ProcessLookupError:
-                pass
-            except (PermissionError, OverflowError):
-                continue
-            try:
-                st = p.stat()
-                if now - st.st_mtime < age:
+                st = e.stat(follow_symlinks=False)
+                if left.host != here and now - st.st_mtime < age:
+                    continue                    # another machine's, or unknown: only when long untouched
+                if left.host in (here, None) and _alive(left.pid):
                     continue
-                p.unlink()
+                if left.directory:
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
             except OSError:
                 continue
-            on_file(p, owner[1], st.st_size)
+            on_file(path, left.pid, 0 if left.directory else st.st_size)
+        sweep_temps = getattr(self.store, "sweep_temps", None)
+        if sweep_temps is not None:
+            sweep_temps(age, now, lambda p, size: on_file(p, 0, size))
 
     def sweep_own(self, on_file: Callable[[Path, int], None]) -> None:
         """This process's own working files still there removed (at exit: one a save it stopped waiting for
@@ -825,6 +861,17 @@ def _current_keys(ident: ServerModel) -> tuple[str, ...] | None:
         return tuple(file_key(os.stat(p)) for c in (ident.target, ident.draft) if c is not None for p in c.files)
     except OSError:
         return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a process of this machine (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 def _used(path: str) -> None:

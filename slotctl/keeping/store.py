@@ -2,6 +2,10 @@
 --store``, ``migrate --store``), behind one small interface (``has``, ``put``, ``names``, ``listing``,
 ``local``, ``prune``, ``where``); and a slot file a server has just saved, read back (:class:`Saved`).
 
+Without ``--store``, keep's and serve's store is a directory of its own inside the slot directory
+(:data:`DEFAULT_STORE`): llama-server saves a client's slot only as a plain file name there (no ``/``), so no
+client's ``POST /slots/N?action=save`` reaches the stored states, their catalog or the lock.
+
 Every write is whole or absent: a local file through :func:`slotctl.atomic.atomic_writer`, an object through
 :mod:`slotctl.store.cp`'s upload (created only if absent, its size and MD5 checked).
 """
@@ -14,6 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from slotctl.errors import UsageError
+
+
+#: the default store: a directory inside the slot directory, out of a client's slot save's reach
+DEFAULT_STORE = ".slotctl-store"
 
 
 class DirectoryStore:
@@ -57,6 +65,8 @@ class DirectoryStore:
 
     def names(self, prefix: str) -> list[str]:
         """The states whose names start with ``prefix``, newest first (temporary files never)."""
+        if not self.path.is_dir():
+            return []       # the default store, not made yet: no state
         found = [p for p in self.path.iterdir() if p.name.startswith(prefix) and p.name.endswith(".bin")]
         return [p.name for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]
 
@@ -66,6 +76,8 @@ class DirectoryStore:
         from slotctl.catalog import local_identity
 
         out = {}
+        if not self.path.is_dir():
+            return out      # the default store, not made yet: no state
         with os.scandir(self.path) as it:
             for d in it:
                 if d.name.endswith(".bin") and match(d.name):
@@ -79,6 +91,29 @@ class DirectoryStore:
     def local(self, name: str, staging: Path) -> Path:
         """A local file holding the state ``name`` (the store's own file here)."""
         return self.path / name
+
+    def sweep_temps(self, age: float, now: float, on_file) -> None:
+        """The temporary files of atomic writes into the store (:func:`slotctl.atomic.private_name`) untouched
+        for ``age`` seconds removed (a process killed during a copy left them); ``on_file(path, size)`` each."""
+        from slotctl.paths import is_temp_file
+
+        if self.same:
+            return      # the slot directory itself: its leftovers are swept by their working names
+        try:
+            entries = list(os.scandir(self.path))
+        except OSError:
+            return
+        for e in entries:
+            if not is_temp_file(e.name):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+                if now - st.st_mtime < age or not e.is_file(follow_symlinks=False):
+                    continue
+                os.unlink(e.path)
+            except OSError:
+                continue
+            on_file(Path(e.path), st.st_size)
 
     def identity(self, name: str) -> tuple[str, int] | None:
         """The state ``name``'s identity for the catalog (:func:`slotctl.catalog.local_identity`) and its
@@ -105,6 +140,8 @@ class DirectoryStore:
 
     def usage(self) -> tuple[int, int]:
         """The store's states (``*.bin``, temporary files never): how many, and their bytes."""
+        if not self.path.is_dir():
+            return 0, 0     # the default store, not made yet: no state
         sizes = [e.stat().st_size for e in os.scandir(self.path) if e.name.endswith(".bin")
                  and not e.name.startswith(".") and e.is_file(follow_symlinks=False)]
         return len(sizes), sum(sizes)
@@ -227,13 +264,15 @@ class ObjectStore:
         ident = object_identity(e.etag, e.size)
         return (ident, int(e.mtime * 1e9)) if ident is not None else None
 
-    def local(self, name: str, staging: Path, *, identity: str | None = None, checksum: str | None = None) -> Path:
-        """The object ``name`` downloaded into ``staging`` (whole, or absent). ``identity``: the object's
-        identity a verdict was made on (:func:`slotctl.catalog.object_identity` of its ETag and size): the
-        download, whose reads are pinned to one ETag, must have read that one, else the file is removed
-        (:func:`changed_since`). ``checksum``: the state's checksum as its name says it (:mod:`slotctl.seal`): the
-        downloaded bytes must have it, else the file is removed (:class:`~slotctl.seal.ChecksumMismatch`)."""
-        dest = staging / name
+    def local(self, name: str, staging: Path, *, identity: str | None = None, checksum: str | None = None,
+              as_name: str | None = None) -> Path:
+        """The object ``name`` downloaded into ``staging`` (whole, or absent; as ``as_name`` when given).
+        ``identity``: the object's identity a verdict was made on (:func:`slotctl.catalog.object_identity` of its
+        ETag and size): the download, whose reads are pinned to one ETag, must have read that one, else the file
+        is removed (:func:`changed_since`). ``checksum``: the state's checksum as its name says it
+        (:mod:`slotctl.seal`): the downloaded bytes must have it, else the file is removed
+        (:class:`~slotctl.seal.ChecksumMismatch`)."""
+        dest = staging / (as_name or name)
         if not dest.exists():
             res = self._copy(self.where(name), os.fspath(dest))
             if identity is not None:
@@ -274,11 +313,36 @@ class ObjectStore:
             on_file(e.path, e.size, e.action, e.reason)
 
 
-def open_store(store: str | os.PathLike | None, slot_dir: Path):
-    """The store for ``--store``: an ``s3://`` prefix, a directory, or (None) ``slot_dir`` itself."""
+def open_store(store: str | os.PathLike | None, slot_dir: Path, *, create: bool = False):
+    """The store for ``--store``: an ``s3://`` prefix, a directory, or (None) :data:`DEFAULT_STORE` inside
+    ``slot_dir``, made when ``create`` (keep and serve write there; a reader only looks) with the slot
+    directory's permissions."""
     if store is not None and os.fspath(store).startswith("s3://"):
         return ObjectStore(os.fspath(store))
-    return DirectoryStore(slot_dir if store is None else store, slot_dir)
+    if store is None:
+        store = Path(slot_dir) / DEFAULT_STORE
+        if create and not store.is_dir():
+            try:
+                store.mkdir(mode=Path(slot_dir).stat().st_mode & 0o777)
+            except FileExistsError:
+                if not store.is_dir():
+                    raise UsageError(f"{store}: not a directory: the default store cannot be made (give "
+                                     f"--store)") from None
+            except OSError as e:
+                raise UsageError(f"{store}: the default store cannot be made: {e.strerror} (give --store)") from None
+    return DirectoryStore(store, slot_dir)
+
+
+def legacy_states(slot_dir: Path) -> int:
+    """How many stored states the slot directory itself holds (the default store of slotctl before
+    :data:`DEFAULT_STORE`): they are not used, a client's slot save may have written any of them."""
+    from slotctl.seal import parse_name
+
+    try:
+        with os.scandir(slot_dir) as it:
+            return sum(1 for e in it if e.name.endswith(".bin") and parse_name(e.name) is not None)
+    except OSError:
+        return 0
 
 
 def copy_atomic(src: str | os.PathLike, dest: str | os.PathLike, *, identity: str | None = None,

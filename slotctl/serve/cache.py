@@ -89,7 +89,9 @@ class Counters:
     """What serve did, for ``GET /slotctl/stats`` and the log: requests seen, cached (given a slot and a
     lookup), passed through untouched, restores done / skipped by the verdict / failed, saves done /
     deduplicated / failed, lookups failed, prompt tokens predicted to be reused thanks to a restore, states
-    converted for this server's -np/-kvu / conversions that failed."""
+    converted for this server's -np/-kvu / conversions that failed; completions passed through because the
+    server refuses the client's key (``unauthorized``) or their body was not read (``unread_bodies``: over
+    ``--max-body``)."""
 
     requests: int = 0
     cached: int = 0
@@ -106,6 +108,8 @@ class Counters:
     matched_by_text: int = 0
     upstream_errors: int = 0
     client_disconnects: int = 0
+    unauthorized: int = 0
+    unread_bodies: int = 0
     restored_tokens: int = 0
     pruned: int = 0
     #: requests given a slot, by what happened to their prompt (:data:`OUTCOMES`)
@@ -450,7 +454,8 @@ class Cache(ServerStates):
 
         c = self.counters
         t0 = time.perf_counter()
-        with (self.placed(state.name, judged.identity) if placed is None else contextlib.nullcontext(placed)) as there:
+        placing = self.placed(state.name, slot.id, judged.identity) if placed is None else contextlib.nullcontext(placed)
+        with placing as there:
             took = time.perf_counter() - t0
             if placed is None and not self.costs.placed_free:
                 self.costs.placed(state.size, took)

@@ -29,12 +29,13 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
           max_size: int | None, min_gain: int, api_key: str | None, timeout: float, catalog: bool = True,
           restore_policy: str = "cost",
           flags=None, given: frozenset[str] = frozenset(), emit, metrics_listen: str | None = None,
-          lease: float | None = None, draft_model=None, progress=None) -> int:
+          lease: float | None = None, draft_model=None, progress=None, limits=None) -> int:
     """Run the proxy (see :mod:`slotctl.serve.proxy`); ``emit(event, message, details)`` gets every event,
     the first one ``listening`` with the address; ``flags`` / ``given``: the server's flags it does not report
     (``-kvu``, ``-ctk``, ``-ctv``, :class:`~slotctl.serve.cache.Cache`); ``draft_model``: its draft model's file
-    (``-md``: no server reports it); ``progress(done, total)``: the model's hashing (once per file). 0 once
-    stopped by SIGTERM or SIGINT (a lease lost does not stop serve: it goes on uncached)."""
+    (``-md``: no server reports it); ``progress(done, total)``: the model's hashing (once per file);
+    ``limits``: on the clients (:class:`slotctl.serve.front.Limits`). 0 once stopped by SIGTERM or SIGINT (a
+    lease lost does not stop serve: it goes on uncached)."""
     try:
         import aiohttp  # noqa: F401 - the [serve] extra
     except ImportError:
@@ -44,9 +45,12 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
 
     from slotctl.live.http import redact
     from slotctl.serve.cache import Cache
+    from slotctl.serve.front import FailureLog, Limits, connection_limit
     from slotctl.serve.proxy import Proxy, run
     from slotctl.unattended.metrics import StoreProbe
     from slotctl.unattended.shell import Shell, count_store
+
+    from slotctl.keeping.store import legacy_states
 
     metrics = None
 
@@ -57,10 +61,14 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
                 count_store(metrics, cache.store)
         emit(event, message, details)
 
+    limits = limits or Limits()
+    # the clients' connections the descriptor limit holds (each with its relay to the server)
+    max_connections, nofile = connection_limit(limits.max_connections)
+    failures = FailureLog(log)
     cache = Cache(upstream, slot_dir, store, api_key=api_key, max_size=max_size, timeout=timeout, catalog=catalog,
                   log=log, flags=flags, given=given, restore_policy=restore_policy, draft_model=draft_model,
                   progress=progress)
-    where = os.fspath(store if store is not None else slot_dir)
+    where = str(cache.store)       # the lock lives in the store (the default one: inside the slot directory)
     probe = StoreProbe(where)
     # the store does not answer: serve serves all the same (uncached while it holds no lease), and takes the lease
     # once the store answers
@@ -93,7 +101,7 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
         loop = asyncio.get_running_loop()
         shell.on_signals(stop.set, loop=loop)
         shell.keep_lease(lease_lost)
-        proxy = Proxy(cache, min_gain=min_gain, log=log, metrics=metrics)
+        proxy = Proxy(cache, min_gain=min_gain, log=log, metrics=metrics, limits=limits, failures=failures)
 
         async def beating() -> None:
             tried = time.monotonic()
@@ -121,7 +129,19 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
             log("listening", f"serving {redact(cache.url)} on http://{h}:{p}: slot dir {cache.slot_dir}, store "
                              f"{cache.store}" + (f"; metrics on {endpoint.url}/metrics, /livez, /readyz"
                                                  if endpoint is not None else ""),
-                listen=f"{h}:{p}", port=p, upstream=redact(cache.url), store=str(cache.store), **extra)
+                listen=f"{h}:{p}", port=p, upstream=redact(cache.url), store=str(cache.store),
+                max_connections=max_connections, **extra)
+            sweep(cache, log)       # before the first request is served (the accept loop waits for this)
+            if store is None and (n := legacy_states(cache.slot_dir)):
+                log("warning", f"{cache.slot_dir}: {n:,} stored state(s) in the slot directory itself (an earlier "
+                               f"release's default store) are not used: the store is now {cache.store}, out of a "
+                               f"client's slot save's reach (move them there to use them, if no client could "
+                               f"have written them; or give --store)", n=n, path=os.fspath(cache.slot_dir))
+            if max_connections < limits.max_connections:
+                log("warning", f"--max-connections {limits.max_connections:,}: the descriptor limit ({nofile:,}, "
+                               f"RLIMIT_NOFILE) holds {max_connections:,} clients' connections with their relays "
+                               f"to the server: serve takes that many at once (raise LimitNOFILE, or ulimit -n)",
+                    max_connections=max_connections, nofile=nofile)
             if shell.held is None:
                 cache.lease_off = f"no lease ({shell.unlocked})"
                 log("error", f"{shell.unlocked}: serve runs without its lease, uncached (a second serve of this "
@@ -133,7 +153,7 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
             beats.append(loop.create_task(beating()))       # its events after the first, listening
 
         try:
-            await run(proxy, host, port, ready=ready, stop=stop)
+            await run(proxy, host, port, ready=ready, stop=stop, max_connections=max_connections)
         except OSError as e:
             raise UsageError(f"--listen {host}:{port}: {e.strerror or e}", code="listen_failed") from None
         finally:
@@ -152,3 +172,18 @@ def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host
         shell.arm_watchdog(lambda: alive()[0])
         asyncio.run(main())
     return 0
+
+
+def sweep(cache, log) -> None:
+    """What serve processes that are gone left in the slot directory (and the store's temporary files of
+    copies untouched for an hour) removed at start, each said (:meth:`ServerStates.sweep`)."""
+    def swept(path, pid: int, size: int) -> None:
+        log("pruned", f"{path}: deleted (" + (f"left by serve process {pid}, which is gone" if pid else
+                                             "a temporary file of a copy into the store, untouched for an hour")
+            + f"), {size:,} bytes", path=os.fspath(path), size=size)
+
+    try:
+        cache.sweep(swept)
+    except OSError as e:
+        log("error", f"{cache.slot_dir}: the working files of serve processes that are gone cannot be swept: "
+                     f"{e.strerror or e}")

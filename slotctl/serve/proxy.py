@@ -34,7 +34,10 @@ from aiohttp import (ClientConnectionError, ClientConnectorError, ClientError, C
 from yarl import URL
 
 from slotctl.live import http
+from slotctl.serve import auth, target
+from slotctl.serve.body import Bodies, Stalled, Unread, cacheable, parse, with_slot
 from slotctl.serve.cache import Cache, Gate, Prepared, StoreOff
+from slotctl.serve.front import FailureLog, Front, Limits, listening_socket, server_settings
 from slotctl.serve.index import as_tokens, common_prefix
 from slotctl.serve.relayed import Tail
 from slotctl.serve.slots import EMPTY, REQUEST, SAVE, UNKNOWN, Slot, SlotView
@@ -45,8 +48,6 @@ HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy
                         "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"))
 #: serve's own answer (everything else is the server's)
 STATS_PATH = "/slotctl/stats"
-#: a completion request's body is read whole (to find its prompt) up to this; the rest are streamed
-MAX_BODY = 256 << 20
 #: seconds serve waits for its own small requests (/slots, /health, /tokenize, /apply-template)
 SMALL_TIMEOUT = 30.0
 #: tokens at the end of a prompt text that may be tokenized otherwise once more text follows it (the last
@@ -116,7 +117,7 @@ class Proxy:
     (:class:`slotctl.unattended.metrics.ServeMetrics`, or None), told what each request did."""
 
     def __init__(self, cache: Cache, *, min_gain: int = 16, facts_every: float = 5.0, check_every: float = 1.0,
-                 log=None, metrics=None):
+                 log=None, metrics=None, limits: Limits | None = None, failures: FailureLog | None = None):
         self.cache = cache
         self.metrics = metrics
         self.base = cache.url
@@ -124,6 +125,15 @@ class Proxy:
         self.facts_every = facts_every
         self.check_every = check_every
         self.log = log or cache.log
+        #: serve's limits on its clients; the front (set by :func:`run`) counts their connections;
+        #: one line per kind of failure of the front
+        self.limits = limits or Limits()
+        self.front: Front | None = None
+        self.failures = failures or FailureLog(self.log)
+        #: completion bodies read within --max-body (docs/serve.md, "Limits")
+        self.bodies = Bodies(self.limits.max_body, self.limits.idle_timeout)
+        #: the keys the server accepts, as it answered (serve's own --api-key, and its clients')
+        self.keys = auth.Keys(cache.api_key)
         #: serve's view of the slots (what each holds: every request goes through serve), and its choices
         self.view = SlotView(min_gain)
         #: serve's own small requests' connections, kept open (shared by its worker threads)
@@ -141,7 +151,7 @@ class Proxy:
     # -- the application -------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY)
+        app = web.Application(client_max_size=self.limits.max_body)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
@@ -200,19 +210,27 @@ class Proxy:
         return t
 
     async def _refresh_facts(self, key: str | None = None) -> None:
+        key = key if key is not None else self.keys.last
         try:
             await self._small(self.cache.refresh_facts, key)
         except Exception as e:  # noqa: BLE001 - the server down or not a llama-server: pass through meanwhile
+            if isinstance(e, http.ServerAuthError) and key is not None:
+                self.keys.said(key, False)
             if self.cache.facts is not None or not getattr(self, "_said_down", False):
-                self.log("down", f"the server's facts cannot be read ({e}): requests pass through uncached")
+                self.log("down", f"the server's facts cannot be read ({e}): requests pass through uncached"
+                         + ("; its first client whose key it accepts gives serve the key"
+                            if isinstance(e, http.ServerAuthError) and self.keys.last is None else ""))
             self._said_down = True
             return
         if getattr(self, "_said_down", True):
+            self.keys.forget()      # a server back may accept other keys: each asked again
             f = self.cache.facts
             self.log("up", f"{f.url}: {f.total_slots} slot(s) of {f.n_ctx_slot} tokens, model {f.model_path}, "
                            f"{f.build_info}", total_slots=f.total_slots, model=self.cache.model)
             self.cache.learn_due = True     # a server back may have been started with other flags
             self.cache.server_restarted()   # ... or another model file: identified anew at the next facts
+        if key is not None:
+            self.keys.said(key, True)
         self._said_down = False
         await self.probe_when_due(key)
 
@@ -261,7 +279,7 @@ class Proxy:
             except asyncio.TimeoutError:
                 pass
             if not self._stop.is_set() and self.cache.facts is not None:
-                await self.check_slots(self.cache.api_key)
+                await self.check_slots(self.keys.last)
 
     async def check_slots(self, key: str | None) -> bool:
         """``GET /slots`` read against serve's view (:meth:`SlotView.apply`; a restart seen makes a save to learn
@@ -277,18 +295,36 @@ class Proxy:
         if self.view.apply(entries):
             self.cache.learn_due = True     # a restarted server may run other flags
             self.cache.server_restarted()   # and another model file: identified anew at the next facts
+            self.keys.forget()              # and accept other keys: each asked again
         return True
 
     # -- every request ---------------------------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        transport = request.transport
+        if self.front is not None:
+            self.front.begin(transport)     # not idle while it runs: never closed to make room
         try:
             return await self._handle(request)
         except (asyncio.CancelledError, web.HTTPException):
             raise
+        except target.Leaves as e:
+            self.cache.counters.add("passed_through")
+            return web.json_response({"error": {"code": 400, "type": "invalid_request_error",
+                                                "message": f"slotctl serve: {e}: not sent"}}, status=400)
+        except Stalled as e:
+            self.failures.note("body_stalled", f"{request.method} {request.path}: {e}: the connection is closed")
+            if request.transport is not None:
+                request.transport.close()
+            raise web.HTTPRequestTimeout(text=json.dumps({"error": {"code": 408, "type": "timeout_error",
+                                                                    "message": f"slotctl serve: {e}"}}),
+                                         content_type="application/json") from None
         except Exception as e:  # noqa: BLE001 - a bug of serve's: one line, never a traceback
             self.log("error", f"{request.method} {request.path}: {type(e).__name__}: {e}")
             return unavailable(f"the request could not be handled ({type(e).__name__}; serve's log says more)")
+        finally:
+            if self.front is not None:
+                self.front.end(transport)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         c = self.cache.counters
@@ -298,28 +334,68 @@ class Proxy:
                                       "states": len(self.cache.index.states) if self.cache.index else 0,
                                       "costs": self.cache.costs.known(), "cache": self.cache.unusable() or "on",
                                       "slots": self.view.ids()})
-        form = COMPLETION_PATHS.get(self._route(request.path)) if request.method == "POST" else None
+        sent, route = self._target(request)
+        form = COMPLETION_PATHS.get(route) if request.method == "POST" else None
         if form is None:
             c.add("passed_through")
-            return (await self.forward(request, request.content if request.body_exists else None)).response
-        raw = await request.read()
-        return await self.completion(request, raw, form)
+            return (await self.forward(request, request.content if request.body_exists else None,
+                                       self._headers(request, stream=True))).response
+        # nothing happens for a client the server would refuse: its request goes on untouched, unread
+        accepted = await self.accepted(auth.client_key(request.headers))
+        if not accepted:
+            c.add("passed_through")
+            self._outcome("passed_through")
+            if accepted is False:
+                c.add("unauthorized")
+            return (await self.forward(request, request.content, self._headers(request, stream=True))).response
+        raw, held = await self.bodies.read(request)
+        try:
+            if isinstance(raw, Unread):     # over --max-body: streamed to the server as it comes, uncached
+                c.add("passed_through")
+                self._outcome("passed_through")
+                c.add("unread_bodies")
+                return (await self.forward(request, raw.data, self._headers(request, length=raw.length))).response
+            request["slotctl.body"] = raw
+            return await self.completion(request, raw, form)
+        finally:
+            self.bodies.give_back(held)
 
-    def _route(self, path: str) -> str:
-        """``path`` without the upstream's own prefix (``--api-prefix``) when the client used it."""
-        prefix = URL(self.base).path.rstrip("/")
-        return path[len(prefix):] if prefix and path.startswith(prefix + "/") else path
+    async def accepted(self, key: str) -> bool | None:
+        """Whether the server accepts the client's ``key`` (:func:`slotctl.serve.auth.client_key`): serve's own
+        ``--api-key`` as given, else as the server last said within a minute, else asked (``GET /props`` with it:
+        no task queue, no sleeping server woken). None when the server does not say (down, loading)."""
+        said = self.keys.known(key)
+        if said is not None:
+            return said
+        try:
+            await asyncio.to_thread(http.get_props, self.base, api_key=key, timeout=SMALL_TIMEOUT)
+        except http.ServerAuthError:
+            self.keys.said(key, False)
+            return False
+        except Exception:  # noqa: BLE001 - down or loading: not known, the request goes on untouched
+            return None
+        self.keys.said(key, True)
+        return True
 
-    def _target(self, request: web.Request) -> URL:
-        prefix = URL(self.base).path.rstrip("/")
-        path = request.raw_path
-        if prefix and (path == prefix or path.startswith(prefix + "/")):
-            path = path[len(prefix):]
-        return URL(self.base.rstrip("/") + path, encoded=True)
+    def _target(self, request: web.Request) -> tuple[URL, str]:
+        """Where ``request`` goes upstream (its path put under the upstream's prefix, normalised:
+        :func:`slotctl.serve.target.under_prefix`, :class:`~slotctl.serve.target.Leaves` when it would leave it)
+        and the route it names there."""
+        base = URL(self.base)
+        path, route = target.under_prefix(base.path.rstrip("/"), request.raw_path)
+        return URL(str(base.origin()) + path, encoded=True), route
 
     @staticmethod
-    def _headers(request: web.Request) -> list[tuple[str, str]]:
-        return [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+    def _headers(request: web.Request, *, stream: bool = False, length: int | None = None) -> list[tuple[str, str]]:
+        """The client's headers but the hop-by-hop ones; ``stream``: its body sent as it comes, with the
+        Content-Length it gave (``length``: this one), else chunked."""
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+        if stream and length is None and request.body_exists and request.content_length is not None \
+                and "chunked" not in request.headers.get("Transfer-Encoding", "").lower():
+            length = request.content_length
+        if length is not None:
+            headers.append(("Content-Length", str(length)))
+        return headers
 
     async def forward(self, request: web.Request, data, headers=None) -> Relayed:
         """``request`` sent upstream with the body ``data`` (bytes or a stream) and the answer streamed back
@@ -328,7 +404,7 @@ class Proxy:
         (:meth:`slotctl.serve.relayed.Tail.final`: the client closed after the last event, as the ``openai`` SDK
         does); else it closes its request to the server, which stops the task and frees the slot."""
         try:
-            up = await self.session.request(request.method, self._target(request),
+            up = await self.session.request(request.method, self._target(request)[0],
                                             headers=headers if headers is not None else self._headers(request),
                                             data=data, allow_redirects=False)
         except (ClientError, OSError, asyncio.TimeoutError) as e:
@@ -394,15 +470,11 @@ class Proxy:
     async def completion(self, request: web.Request, raw: bytes, form: str) -> web.StreamResponse:
         began = time.monotonic()
         c = self.cache.counters
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            body = None
+        body = await parse(raw)     # off the event loop; None: not a JSON object serve reads (the server's to answer)
         key = self._auth(request)
-        if isinstance(body, dict) and self.cache.facts is None:
+        if body is not None and self.cache.facts is None:
             await self._refresh_facts(key)   # not read yet (serve just started, the server was down, a key needed)
-        if (not isinstance(body, dict) or self.cache.facts is None or body.get("cache_prompt") is False
-                or not self._slot_id_ok(body.get("id_slot"))):
+        if body is None or self.cache.facts is None or not cacheable(body):
             return await self._through(request, raw)
         # serve's view of the slots is read again (GET /slots) only when a connection to the server was made
         # since it was last read (serve's first request, a restarted server): at the same time as the prompt's
@@ -470,7 +542,7 @@ class Proxy:
                 c.add("matched_by_text")
                 prepared = Prepared(0, "slot_hit")
             self._outcome(prepared.outcome)
-            data = json.dumps(dict(body, id_slot=slot.id, cache_prompt=True)).encode()
+            data = with_slot(request["slotctl.body"], body, slot.id)
             if self.metrics is not None:
                 self.metrics.added_time_to_first_token(max(0.0, time.monotonic() - began - waited))
             relayed = await self.forward(request, data, self._headers(request))
@@ -623,16 +695,10 @@ class Proxy:
             waited += time.monotonic() - t0
         return None, waited
 
-    @staticmethod
-    def _slot_id_ok(v) -> bool:
-        return v is None or (isinstance(v, int) and not isinstance(v, bool))
-
-    def _auth(self, request: web.Request) -> str | None:
-        """The key for serve's own requests: ``--api-key``, else the client's bearer token (never kept)."""
-        if self.cache.api_key:
-            return self.cache.api_key
-        h = request.headers.get("Authorization", "")
-        return h[7:].strip() if h[:7].lower() == "bearer " else None
+    def _auth(self, request: web.Request) -> str:
+        """The key for serve's own requests of a client's request (the server accepts it: :meth:`accepted`):
+        ``--api-key``, else the client's own (as the server reads it; never logged)."""
+        return self.cache.api_key or auth.client_key(request.headers)
 
     async def prompt_of(self, body: dict, form: str, key: str | None):
         """The request's prompt as the server reads it: its ``prompt``, or a chat's ``messages`` through the
@@ -733,23 +799,48 @@ class Proxy:
         return tokens
 
 
-async def run(proxy: Proxy, host: str, port: int, *, ready=None, stop: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set (SIGTERM, SIGINT). ``ready(host, port)`` once listening, then the server's
-    facts are read (:meth:`Proxy.begin`)."""
-    runner = web.AppRunner(proxy.app(), access_log=None, handle_signals=False)
+async def run(proxy: Proxy, host: str, port: int, *, ready=None, stop: asyncio.Event | None = None,
+              max_connections: int | None = None) -> None:
+    """Serve until ``stop`` is set (SIGTERM, SIGINT): the clients' connections accepted by serve's front
+    (:class:`slotctl.serve.front.Front`, at most ``max_connections`` at once: default the limits'), what asyncio
+    and aiohttp would log themselves said once per kind (:class:`~slotctl.serve.front.FailureLog`).
+    ``ready(host, port)`` once listening, then the server's facts are read (:meth:`Proxy.begin`)."""
+    loop = asyncio.get_running_loop()
+    failures = proxy.failures
+    loop.set_exception_handler(failures.loop_exception)
+    undo = failures.catch_logs()
+    runner = web.AppRunner(proxy.app(), access_log=None, handle_signals=False,
+                           **server_settings(proxy.limits.idle_timeout))
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
     try:
-        await site.start()
+        sock = listening_socket(host, port)
     except BaseException:
         await runner.cleanup()      # the client session made at start-up closed (the address in use, ...)
+        undo()
         raise
-    bound = runner.addresses[0][1] if runner.addresses else port
+    proxy.front = Front(sock, runner.server, failures=failures,
+                        limit=max_connections if max_connections is not None else proxy.limits.max_connections,
+                        idle_timeout=proxy.limits.idle_timeout)
+    accepting = loop.create_task(proxy.front.serve(), name="accept")
+    reaping = loop.create_task(proxy.front.reap(), name="idle")
+    counting = loop.create_task(_say_counts(failures), name="failures")
     if ready is not None:
-        ready(host, bound)
-    await proxy.begin()
+        ready(host, sock.getsockname()[1])
     stop = stop or asyncio.Event()
     try:
+        await proxy.begin()
         await stop.wait()
     finally:
+        accepting.cancel()
+        reaping.cancel()
+        counting.cancel()
+        sock.close()
         await runner.cleanup()
+        failures.say_counts()
+        undo()
+
+
+async def _say_counts(failures: FailureLog) -> None:
+    while True:
+        await asyncio.sleep(failures.every)
+        failures.say_counts()

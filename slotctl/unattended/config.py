@@ -25,6 +25,9 @@ read with the standard library's ``tomllib`` (docs/fleet.md, "The configuration 
     metrics_listen = "127.0.0.1:9465"    # serve's /metrics, /livez, /readyz ("" or absent: none)
     min_gain = 16
     restore_policy = "cost"              # "cost": restore only when predicted faster than prefill; "tokens"
+    max_connections = 4096               # clients' connections at once (--max-connections)
+    idle_timeout = 30                    # seconds a connection may wait without a request (--idle-timeout)
+    max_body = "8M"                      # a completion body serve reads to cache it (--max-body)
     timeout = 600
     lease = 60
 
@@ -183,7 +186,7 @@ def _show(v: Any) -> str:
 _SERVER_KEYS = {"name": "", "url": "", "slot_dir": "", "store": "", "api_key_env": "", "model": ""}
 _KEEP_KEYS = {"server": "", "every": "", "min_tokens": "", "timeout": "", "lease": "", "listen": ""}
 _SERVE_KEYS = {"server": "", "listen": "", "metrics_listen": "", "min_gain": "", "restore_policy": "", "timeout": "",
-               "lease": ""}
+               "lease": "", "max_connections": "", "idle_timeout": "", "max_body": ""}
 #: serve's restore policies (``--restore-policy``): by predicted cost, or by tokens alone
 RESTORE_POLICIES = ("cost", "tokens")
 
@@ -268,6 +271,17 @@ def parse(raw: bytes, path: str) -> Config:
         raise c.fail("serve.restore_policy", " or ".join(f'"{p}"' for p in RESTORE_POLICIES), v["restore_policy"])
     v["timeout"] = c.number(serve, "timeout", "serve", low=0.001, high=86400.0, what="seconds")
     v["lease"] = c.number(serve, "lease", "serve", low=MIN_LEASE, high=86400.0, what="seconds")
+    v["max_connections"] = c.number(serve, "max_connections", "serve", low=1, high=1 << 20, integer=True,
+                                    what="an integer")
+    v["idle_timeout"] = c.number(serve, "idle_timeout", "serve", low=0.1, high=86400.0, what="seconds")
+    v["max_body"] = c.string(serve, "max_body", "serve")
+    if v["max_body"] is not None:
+        from slotctl.prune import parse_size
+
+        try:
+            parse_size(v["max_body"])
+        except UsageError:
+            raise c.fail("serve.max_body", "a size such as 8M", v["max_body"]) from None
     cfg.serve = {key: x for key, x in v.items() if x is not None}
     budget = c.table(doc, "budget", {"max_size": ""})
     cfg.max_size = c.string(budget, "max_size", "budget")

@@ -577,6 +577,11 @@ UI_HEADERS = {"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-
               "X-Content-Type-Options": "nosniff", "Cache-Control": "no-store", "Referrer-Policy": "no-referrer"}
 
 
+#: connections the endpoint serves at once, and seconds one may send nothing before it is closed
+MAX_CONNECTIONS = 32
+CONNECTION_TIMEOUT = 10.0
+
+
 class Endpoint:
     """``GET /metrics``, ``/livez`` and ``/readyz`` on ``HOST:PORT``, answered by a daemon thread; ``/ui``
     too when ``ui`` is given (it returns the page's HTML: :mod:`slotctl.fleet.ui`)."""
@@ -591,6 +596,7 @@ class Endpoint:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             server_version = "slotctl"
+            timeout = CONNECTION_TIMEOUT    # a connection that sends nothing is closed
 
             def do_GET(self):  # noqa: N802 - the standard library's name
                 path = self.path.split("?", 1)[0]
@@ -627,9 +633,30 @@ class Endpoint:
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
+        slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
         class Server(http.server.ThreadingHTTPServer):
+            """A thread per connection, at most :data:`MAX_CONNECTIONS` at once (beyond, a new one is closed at
+            once): idle connections cannot take the process's descriptors."""
+
             address_family = family
             daemon_threads = True
+
+            def process_request(self, request, client_address):
+                if not slots.acquire(blocking=False):
+                    self.shutdown_request(request)
+                    return
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:
+                    slots.release()
+                    raise
+
+            def process_request_thread(self, request, client_address):
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    slots.release()
 
         try:
             self.httpd = Server((host, port), Handler)
