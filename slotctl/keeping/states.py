@@ -54,16 +54,21 @@ class ServerStates:
     and how many of each slot's newest states it keeps (:meth:`prune`). ``catalog`` False: verdicts are not
     kept in the store's catalog (``--no-cache``); ``create_catalog`` False: kept only in a catalog keep or
     serve made (the fleet view writes nothing new into a store it only looks at). ``log(event, message, **details)`` gets the catalog's lines
-    and what a save taught (``learned``, ``warning``: ``slot`` among the details)."""
+    and what a save taught (``learned``, ``warning``: ``slot`` among the details). ``router_model``: ``url`` is a
+    router, and this the model whose states these are (every request to it names the model)."""
 
     def __init__(self, url: str, slot_dir: str | os.PathLike | None, store=None, *, role: str | None = None,
                  api_key: str | None = None, timeout: float = 600.0, max_size: int | None = None,
                  retention: int | None = None, catalog: bool = True, flags=None, given: frozenset[str] = frozenset(),
-                 allow_lossy: bool = False, log: Callable | None = None, create_catalog: bool = True):
+                 allow_lossy: bool = False, log: Callable | None = None, create_catalog: bool = True,
+                 router_model: str | None = None):
         if role is not None and role not in names.ROLES:
             raise ValueError(f"role {role!r}: expected one of {names.ROLES}")
         self.role = role
         self.url = http.normalize_url(url)
+        #: the model this server is behind the router at ``url`` (every request names it: slotctl.live.router);
+        #: None: ``url`` is one model's own server (or the model :func:`slotctl.live.router.use_model` set)
+        self.router_model = router_model
         self.slot_dir = Path(slot_dir) if slot_dir is not None else None
         self.store = store if hasattr(store, "where") else open_store(
             store, self.slot_dir if self.slot_dir is not None else Path(store if "://" not in str(store) else "."))
@@ -99,7 +104,7 @@ class ServerStates:
     def read_facts(self, api_key: str | None = None, timeout: float | None = None) -> http.ServerFacts:
         """``/props``, ``/slots``, ``/v1/models`` read again (``api_key``: a client's, when there is none of the
         process's own) and taken (:meth:`set_facts`)."""
-        facts = http.server_facts(self.url, api_key=api_key or self.api_key,
+        facts = http.server_facts(self.url, api_key=api_key or self.api_key, model=self.router_model,
                                   timeout=timeout if timeout is not None else self.timeout)
         self.set_facts(facts)
         return facts
@@ -427,7 +432,7 @@ class ServerStates:
             with self.placed(name, identity) as there:
                 return self.restore(name, slot, placed=there, api_key=api_key)
         answer = http.restore_slot(self.url, slot, placed, api_key=api_key or self.api_key, timeout=self.timeout,
-                                   check=False)
+                                   check=False, model=self.router_model)
         where = self.store.where(name)
         if not where.startswith("s3://"):       # an object has no access time
             _used(where)
@@ -443,7 +448,7 @@ class ServerStates:
         """``slot`` saved by the server into its slot directory as ``work``: its answer (checked: the slot
         and the file name are the ones asked)."""
         return http.save_slot(self.url, slot, work, api_key=api_key or self.api_key, timeout=self.timeout,
-                              check=False)
+                              check=False, model=self.router_model)
 
     def discard(self, work: str) -> None:
         """A working file removed from the slot directory (gone already: nothing to do)."""
