@@ -162,7 +162,19 @@ def test_the_fleet_view_shows_every_model_of_the_router_with_what_the_store_hold
     assert small["slots"][1]["best"]["name"] == stored[0]["details"]["name"], small
 
 
-# -- helpers ---------------------------------------------------------------------------------------------
+# -- serve in front of the router ----------------------------------------------------------------------
+
+
+def tokenize(r: Router, model: str, text: str) -> list[int]:
+    status, answer = r.call("POST", "/tokenize?autoload=false", {"model": model, "content": text, "add_special": True,
+                                                                  "parse_special": True})
+    assert status == 200, answer
+    return answer["tokens"]
+
+
+def common(a: list[int], b: list[int]) -> int:
+    """The tokens two token lists share from their start."""
+    return len(os.path.commonprefix([a, b]))
 
 
 def loads(r: Router) -> list[str]:
@@ -170,6 +182,158 @@ def loads(r: Router) -> list[str]:
     import re
 
     return re.findall(r"spawning server instance with name=(\S+) on port", r.srv.log_text())
+
+
+def converse(url: str, r: Router, turns: int, *, measure: bool = False) -> list[dict]:
+    """Two conversations, one with each model, interleaved turn by turn (small, big, small, ...: with
+    --models-max 1 every turn swaps), each turn its conversation so far, its last answer and a new question.
+    ``measure``: each turn's new tokens (its tokens past what its conversation's last slot held: the last prompt
+    and the tokens generated for it), tokenized by the model itself once its turn is done (never loading it)."""
+    prompts = {SMALL: f"{PROMPT} Now, about the river:", BIG: f"{PROMPT} Now, about the bridges:"}
+    held: dict[str, list[int]] = {}
+    rows = []
+    for turn in range(turns):
+        for model in (SMALL, BIG):
+            if turn:
+                prompts[model] += f" Question {turn}: and what came after that?"
+            ans = r.completion(url, model, prompts[model], n_predict=6)
+            ans = dict(ans, model=model, turn=turn)
+            if measure:
+                now = tokenize(r, model, prompts[model])
+                ans["n_prompt"] = len(now)
+                ans["new"] = len(now) - common(held.get(model, []), now)
+                held[model] = now + list(ans["tokens"])
+            rows.append(ans)
+            prompts[model] += ans["content"]
+    return rows
+
+
+@pytest.fixture
+def alone(llama_server_b11669, router_models, tmp_path):
+    d = tmp_path / "alone"
+    d.mkdir()
+    r = Router(llama_server_b11669, router_models, d)
+    yield r
+    r.stop()
+
+
+def test_serve_in_front_of_a_router_restores_each_model_after_every_swap(router, alone):
+    """One serve for the whole router (--models-max 1), two conversations, one per model, interleaved so that
+    every turn swaps: each returning turn is restored into its model's fresh server from the store and evaluates
+    only its new tokens (the router's own timings), where the router alone evaluates the whole prompt again; every
+    answer is the router alone's; the router loaded exactly the models the router alone loaded, in the same order
+    (serve had it load each one for the request that would have loaded it, never one on its own)."""
+    from test_serve import Serve
+
+    serve = Serve(router.url, router.slots, str(router.store))
+    try:
+        via = converse(serve.url, router, 3, measure=True)
+        serve.wait_for("saves", len(via))
+        ref = converse(alone.url, alone, 3)
+        stats = serve.stats()
+    finally:
+        assert serve.proc.poll() is None, serve.stderr
+        serve.proc.terminate()
+        serve.proc.wait(60)
+    assert [a["content"] for a in via] == [b["content"] for b in ref]
+    assert loads(router) == loads(alone) == [SMALL, BIG] * 3
+    for a, b in zip(via, ref):
+        if a["turn"] == 0:
+            continue
+        # the router alone evaluates the whole prompt again (the model's server is a fresh one); through serve, the
+        # new tokens only (and the last token again, for its logits, when the restored state holds them all)
+        assert b["timings"]["prompt_n"] == a["n_prompt"], (b["timings"], a["n_prompt"])
+        assert a["timings"]["prompt_n"] <= a["new"] + 1, (a["model"], a["turn"], a["timings"], a["new"])
+        assert a["timings"]["cache_n"] >= a["n_prompt"] - a["new"] - 1, (a["timings"], a["new"])
+    assert stats["restores"] == 4 and stats["saves"] == len(via) and stats["save_failures"] == 0, stats
+    assert stats["restore_failures"] == 0 and stats["passed_through"] == 0, stats
+
+
+def stream_until_first_token(url: str, body: dict):
+    """A streamed completion begun (its first event read): (its connection, its response)."""
+    import http.client
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    conn.request("POST", "/completion", json.dumps(dict(body, stream=True)), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    while not resp.readline().startswith(b"data: "):
+        pass
+    return conn, resp
+
+
+def test_a_swap_waits_for_the_save_of_the_answer_it_would_unload(router, alone):
+    """While a long answer of the small model streams through serve, a request for the big model comes: the router
+    (--models-max 1) would unload the small model as soon as its request ends, before serve's save of its slot
+    reaches it; serve holds the big model's request until that save is made (the router itself holds it until the
+    small model's request ends). The small model's slot is stored whole, no save fails, and the big model's answer
+    is the router alone's."""
+    import threading
+
+    from test_serve import Serve
+
+    serve = Serve(router.url, router.slots, str(router.store))
+    try:
+        first = {"model": SMALL, "prompt": PROMPT, "n_predict": 160, "temperature": 0, "cache_prompt": True}
+        conn, resp = stream_until_first_token(serve.url, first)
+        got: dict = {}
+        big = threading.Thread(target=lambda: got.update(router.completion(serve.url, BIG, PROMPT)))
+        big.start()
+        resp.read()             # the rest of the small model's answer
+        conn.close()
+        big.join(300)
+        assert got, "the big model's request did not end"
+        stats = serve.wait_for("saves", 2)
+        ref = router.completion(alone.url, BIG, PROMPT)
+    finally:
+        serve.proc.terminate()
+        serve.proc.wait(60)
+    assert got["content"] == ref["content"]
+    assert stats["saves"] == 2 and stats["save_failures"] == 0 and stats["passed_through"] == 0, stats
+    n_prompt = len(tokenize(alone, BIG, PROMPT))        # the same vocabulary: the small model's prompt tokens too
+    stored = serve.events_named("stored", 2)
+    small = next(e for e in stored if e["details"]["router_model"] == SMALL)
+    assert small["details"]["n_tokens"] == n_prompt + 160 - 1, small
+    assert loads(router) == [SMALL, BIG]
+
+
+def test_serve_loads_no_model_the_router_would_not_load_for_the_request(llama_server_b11669, router_models, tmp_path):
+    """A router started with --no-models-autoload: a request for a model not loaded passes through serve as it
+    came and gets the router's own answer (HTTP 400, not loaded), the model still unloaded; a chat request whose
+    own query says autoload=true has the router load it (serve has it loaded first, with the request's autoload,
+    and caches the request); a request for the other model without it passes through, and nothing else is ever
+    loaded: the router started one server, the one the request asked for."""
+    from test_serve import Serve
+
+    r = Router(llama_server_b11669, router_models, tmp_path, args=("--no-models-autoload",))
+    serve = Serve(r.url, r.slots, str(r.store))
+    try:
+        body = {"model": SMALL, "prompt": PROMPT, "n_predict": 4, "temperature": 0}
+        assert call(serve.url, "POST", "/completion", body) == call(r.url, "POST", "/completion", body)
+        status, answer = call(serve.url, "POST", "/completion", body)
+        assert (status, answer["error"]["message"]) == (400, "model is not loaded"), answer
+        assert r.status() == {SMALL: "unloaded", BIG: "unloaded"}
+
+        chat = {"model": SMALL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "temperature": 0}
+        status, first = call(serve.url, "POST", "/v1/chat/completions?autoload=true", chat)
+        assert status == 200 and first["model"] == SMALL, first
+        assert r.status() == {SMALL: "loaded", BIG: "unloaded"}
+        status, answer = call(serve.url, "POST", "/completion", dict(body, model=BIG))
+        assert (status, answer["error"]["message"]) == (400, "model is not loaded"), answer
+        chat["messages"] += [first["choices"][0]["message"], {"role": "user", "content": "And then?"}]
+        status, second = call(serve.url, "POST", "/v1/chat/completions?autoload=true", chat)
+        assert status == 200, second
+        assert second["usage"]["prompt_tokens"] - second["timings"]["prompt_n"] >= first["usage"]["prompt_tokens"], \
+            (first["usage"], second["timings"])      # the slot kept the first turn
+        stats = serve.wait_for("saves", 2)
+    finally:
+        serve.proc.terminate()
+        serve.proc.wait(60)
+        r.stop()
+    assert loads(r) == [SMALL]
+    assert (stats["cached"], stats["passed_through"], stats["saves"]) == (2, 3, 2), stats
 
 
 # -- keep ----------------------------------------------------------------------------------------------

@@ -69,14 +69,17 @@ class Cache(ServerStates):
     """serve's side of the server's states (:class:`~slotctl.keeping.states.ServerStates`, as keep keeps them:
     the server at ``url``, its ``--slot-save-path`` ``slot_dir`` here, the store ``store``, or None:
     ``slot_dir`` itself): the stored states' tokens for the request path's lookups (:attr:`index`), the
-    counters, and each save checked, stored, indexed and the store pruned, every one said."""
+    counters, and each save checked, stored, indexed and the store pruned, every one said. ``router_model``: one
+    model behind the router at ``url`` (:mod:`slotctl.serve.models`: one cache per model, sharing the process's
+    ``counters`` and open ``store``)."""
 
-    def __init__(self, url: str, slot_dir: str | os.PathLike, store: str | None = None, *,
+    def __init__(self, url: str, slot_dir: str | os.PathLike, store=None, *,
                  api_key: str | None = None, max_size: int | None = None, timeout: float = 600.0,
-                 catalog: bool = True, log=None, flags=None, given: frozenset[str] = frozenset()):
+                 catalog: bool = True, log=None, flags=None, given: frozenset[str] = frozenset(),
+                 router_model: str | None = None, counters: Counters | None = None):
         super().__init__(url, slot_dir, store, role="serve", api_key=api_key, timeout=timeout, max_size=max_size,
-                         catalog=catalog, flags=flags, given=given, log=log)
-        self.counters = Counters()
+                         catalog=catalog, flags=flags, given=given, log=log, router_model=router_model)
+        self.counters = counters if counters is not None else Counters()
         self.index: StateIndex | None = None
         self._listed = 0.0
         self._syncing = threading.Lock()
@@ -314,8 +317,12 @@ class Cache(ServerStates):
     def store_saved(self, saved: Saved) -> None:
         """A checked save stored under its content's name (once: a state already stored, saved from this slot
         or another, is not stored again: :meth:`ServerStates.put_saved`), indexed, the store held under its
-        budget; the working file removed whatever happens."""
+        budget; the working file removed whatever happens. A router's model (``router_model``) is unloaded at
+        the router's next swap, and the next turn of the conversation is restored from this state: judged now,
+        off the request path (its verdict kept in memory and in the catalog for the identity it has once stored:
+        :meth:`judge`), not when the turn comes."""
         name = saved.name
+        stored = False
         try:
             if self.index is not None and self.index.holding(saved.tokens) is not None:
                 stored = False      # the same tokens, saved from another slot
@@ -332,7 +339,12 @@ class Cache(ServerStates):
                 self.index.add(State(name, saved.tokens, saved.kind, saved.size))
             self._prune()
         finally:
-            self.discard(saved.path.name)
+            self.discard(saved.path.name)       # (a hard link's ctime, part of the state's identity, changes here)
+        if stored and self.router_model is not None:
+            try:
+                self.judge(name, saved.slot)
+            except Exception:  # noqa: BLE001 - judged when the turn comes, as any state, and said then
+                pass
 
     def _prune(self) -> None:
         if self.max_size is None:

@@ -55,6 +55,11 @@ class Proxy:
     def __init__(self, cache: Cache, *, min_gain: int = 16, facts_every: float = 5.0, check_every: float = 1.0,
                  log=None, on_prompt=None):
         self.cache = cache
+        #: the router's model this proxy caches (None: the upstream is one model's server; a router's models each
+        #: have a proxy of their own, :mod:`slotctl.serve.models`); its small requests name it
+        self.model = cache.router_model
+        #: the upstream is llama-server's router: every model's proxy (:class:`slotctl.serve.models.Models`)
+        self.router = None
         #: ``on_prompt(reused, evaluated)`` once per request given a slot: the prompt tokens :meth:`prepare`
         #: predicts the server reuses (the restored state's, else the slot's own prefix; 0 when the restore
         #: failed) and evaluates (serve's metrics)
@@ -113,6 +118,8 @@ class Proxy:
         self._spawn(self._check_loop())
 
     async def _cleanup(self, _app) -> None:
+        if self.router is not None:
+            await self.router.cleanup()
         self._stop.set()
         for t in list(self._tasks):     # saves in progress finish: a state half stored is never left
             if not t.get_name().startswith("save"):
@@ -130,11 +137,21 @@ class Proxy:
     async def _refresh_facts(self, key: str | None = None) -> None:
         try:
             await asyncio.to_thread(self.cache.refresh_facts, key)
+        except http.RouterMode as e:
+            if self.model is not None:      # a router that did not route by the model's name
+                self.log("down", f"the server's facts cannot be read ({e}): requests pass through uncached")
+            elif self.router is None:       # a router: a cache per model behind it
+                from slotctl.serve.models import Models
+
+                self.router = Models(self, type(self), SMALL_TIMEOUT)
+                await self.router.begin(key)
+            return
         except Exception as e:  # noqa: BLE001 - the server down or not a llama-server: pass through meanwhile
             if self.cache.facts is not None or not getattr(self, "_said_down", False):
                 self.log("down", f"the server's facts cannot be read ({e}): requests pass through uncached")
             self._said_down = True
             return
+        self.router = None          # (a router once, one server now)
         if getattr(self, "_said_down", True):
             f = self.cache.facts
             self.log("up", f"{f.url}: {f.total_slots} slot(s) of {f.n_ctx_slot} tokens, model {f.model_path}, "
@@ -196,7 +213,7 @@ class Proxy:
         the server's flags due); False when it cannot be read (the view is then lost: every slot taken as
         holding nothing; not when a key is wanted, a client's in the background: unknown)."""
         try:
-            entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT)
+            entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT, model=self.model)
         except http.ServerAuthError:
             return False
         except Exception:  # noqa: BLE001 - the server down or restarting
@@ -223,8 +240,13 @@ class Proxy:
         c = self.cache.counters
         c.add("requests")
         if request.method == "GET" and request.path == STATS_PATH:
+            if self.router is not None:
+                return web.json_response({"counters": c.as_dict(), "model": None, "models": self.router.stats(),
+                                          "states": sum(m["states"] for m in self.router.stats().values())})
             return web.json_response({"counters": c.as_dict(), "model": self.cache.model,
                                       "states": len(self.cache.index.states) if self.cache.index else 0})
+        if self.router is not None:
+            return await self.router.handle(request)
         form = COMPLETION_PATHS.get(self._route(request.path)) if request.method == "POST" else None
         if form is None:
             c.add("passed_through")
@@ -305,6 +327,8 @@ class Proxy:
         key = self._auth(request)
         if isinstance(body, dict) and self.cache.facts is None:
             await self._refresh_facts(key)   # not read yet (serve just started, the server was down, a key needed)
+            if self.router is not None:      # the upstream is a router (found now)
+                return await self.router.handle(request)
         if (not isinstance(body, dict) or self.cache.facts is None or body.get("cache_prompt") is False
                 or not self._slot_id_ok(body.get("id_slot"))):
             c.add("passed_through")
@@ -402,7 +426,7 @@ class Proxy:
         view describes. Loading or down, or when serve's last small request had to make a connection of its
         own (then this one would too, and tell nothing: ``GET /slots`` is read instead), the view is read
         again first."""
-        if self._fresh:
+        if self._fresh or self.model is not None:    # a router's GET /health is its own: the model's is not asked
             self.view.distrust()
             return
         try:
@@ -461,7 +485,7 @@ class Proxy:
             if not isinstance(body.get("messages"), list) or self.cache.facts.mmproj:
                 return None
             answer = await self._small(http.request, self.base, "POST", "/apply-template", body, api_key=key,
-                                       timeout=SMALL_TIMEOUT)
+                                       timeout=SMALL_TIMEOUT, model=self.model)
             return answer.get("prompt") if isinstance(answer, dict) else None
         return body.get("prompt")
 
@@ -474,7 +498,7 @@ class Proxy:
         if how != "text":
             return None
         answer = await self._small(http.request, self.base, "POST", "/tokenize", {"content": prompt, **TOKENIZE_FLAGS},
-                                   api_key=key, timeout=SMALL_TIMEOUT)
+                                   api_key=key, timeout=SMALL_TIMEOUT, model=self.model)
         toks = answer.get("tokens") if isinstance(answer, dict) else None
         if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
             raise http.ServerAnswerError(f"POST {self.base}/tokenize: no token list in the answer")
@@ -508,7 +532,8 @@ class Proxy:
                 else:
                     slot.sent(saved.tokens if saved is not None else prompt, text, prompt)
             try:
-                entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT)
+                entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT,
+                                            model=self.model)
                 self.view.noted(slot, next((e for e in entries if e.get("id") == slot.id), None))
                 if self.view.apply(entries):    # the other slots as the server shows them now: the view read
                     self.cache.learn_due = True
