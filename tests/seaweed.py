@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import math
 import time
 from pathlib import Path
 
@@ -158,3 +159,18 @@ class Seaweed:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+def put(srv: Seaweed, key: str, data: bytes) -> str:
+    """``data`` put at ``key`` in the test bucket, through obstore directly; its ``s3://`` URL."""
+    import obstore
+
+    obstore.put(srv.client(), key, data)
+    return f"s3://{BUCKET}/{key}"
+
+
+def next_second() -> None:
+    """Returns once the clock is in the second after the one it is in now: an object put then has a later
+    Last-Modified (whole seconds) than every object put before (SeaweedFS runs on this machine's clock)."""
+    now = time.time()
+    time.sleep(math.floor(now) + 1 - now + 0.01)

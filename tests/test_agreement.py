@@ -595,8 +595,8 @@ def b11669_matrix(llama_server_b11669, models, tmp_path_factory) -> Matrix:
     truth of a cell is its outcome and, when restored, the checkpoint and draft steps its log lines say
     (tests/test_b11669.py's reading of them); validate --server-build b11669 must say the same, and its predicted
     reuse must be the server's cache_n."""
-    from test_b11669 import restore as restore_logged
-    from test_b11669 import steps_of
+    from server_log import restore as restore_logged
+    from server_log import steps_of
 
     tmp = tmp_path_factory.mktemp("agreement-b11669")
     slots = tmp / "slots"

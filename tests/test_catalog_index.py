@@ -18,15 +18,12 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import DATA
-from test_store import s3, seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 from slotctl import catalog as cat
 from slotctl.catalog import rows as made
 from slotctl.cli.app import app
 
 runner = CliRunner()
 FILES = ["srv-np1.bin", "srv-kvq8.bin", "srv-draft.bin", "srv-np2-slot1.bin"]
-#: a wait past the catalog's rule that a row made less than 3 s after its file changed is not trusted
-RACY_WAIT = cat.RACY_SECONDS + 0.5
 
 
 @pytest.fixture(autouse=True)
@@ -107,11 +104,14 @@ def test_a_changed_file_is_read_again(slots, reads):
     assert reads == ["srv-np1.bin"]
 
 
-def test_a_row_younger_than_the_file_s_granularity_is_read_again(tmp_path, reads):
+def test_a_row_younger_than_the_file_s_granularity_is_read_again(tmp_path, reads, monkeypatch):
     d = tmp_path / "young"
     d.mkdir()
     shutil.copy(DATA / "srv-np1.bin", d / "a.bin")     # modified now: its row is not trusted yet
     rows(d)
+    rows(d)
+    assert reads == ["a.bin", "a.bin"]
+    monkeypatch.setenv("SLOTCTL_RACY_SECONDS", "0")      # the tests' rule: a row is trusted however young
     rows(d)
     assert reads == ["a.bin", "a.bin"]
 
@@ -303,17 +303,19 @@ def test_plain_lines_are_the_lines_rich_prints(slots, monkeypatch):
         assert max(cell_len(line) for line in printed[1].splitlines()) <= width
 
 
-def test_an_s3_prefix_unchanged_is_listed_without_reading_an_object(s3, reads, opened, cache_home):
+def test_an_s3_prefix_unchanged_is_listed_without_reading_an_object(s3, reads, opened, cache_home, monkeypatch):
     """Objects under a prefix of the real SeaweedFS: the listing's ETag, size and Last-Modified are each
-    object's identity; the index is under the user's cache directory."""
+    object's identity; the index is under the user's cache directory. An object's Last-Modified is when it was
+    put: its row is trusted at once under the rule 0 s (SLOTCTL_RACY_SECONDS; 3 s would be a wait)."""
     import obstore
     from seaweed import BUCKET
+
+    monkeypatch.setenv("SLOTCTL_RACY_SECONDS", "0")
 
     prefix = f"s3://{BUCKET}/catalog25/"
     for n in FILES:
         obstore.put(s3.client(), f"catalog25/{n}", (DATA / n).read_bytes())
     obstore.put(s3.client(), "catalog25/README.md", b"not a slot file")
-    time.sleep(RACY_WAIT)      # older than the 3 s rule: their rows may be trusted
     first = runner.invoke(app, ["ls", prefix, "--json"])
     assert first.exit_code == 0, first.output
     assert sorted(reads) == sorted(FILES) and sorted(opened) == sorted(FILES + ["README.md"])
@@ -325,7 +327,6 @@ def test_an_s3_prefix_unchanged_is_listed_without_reading_an_object(s3, reads, o
     assert b["summary"] == a["summary"] and without_age(b["files"]) == without_age(a["files"])
     # an object written again (another ETag and Last-Modified) is read again; the others are not
     obstore.put(s3.client(), "catalog25/srv-kvq8.bin", (DATA / "srv-kvq8.bin").read_bytes()[:1000])
-    time.sleep(RACY_WAIT)
     third = json.loads(runner.invoke(app, ["ls", prefix, "--json"]).stdout)
     assert reads == ["srv-kvq8.bin"] and opened == ["srv-kvq8.bin"]
     assert {r["name"]: r["damaged"] for r in third["files"]}["srv-kvq8.bin"] is True

@@ -8,11 +8,9 @@ process of its own so that its signals are real). Every proof is the server's ow
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
@@ -24,14 +22,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 import json_schemas
-from conftest import DATA, default_signals, start_server
-from llama_server import LlamaServer, ServerStartError
-from seaweed import BUCKET
-from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
-from slotctl.cli.app import app
+from conftest import DATA, default_signals
+from keeping import ROOT, Keep, emptied, serving, slotctl, tokens_of
+from seaweed import BUCKET, next_second
 from slotctl.errors import ExitStatus
 from slotctl.keeping.names import WORK_GLOBS, tokens_hash
 from slotctl.slotfile import open_slot_file
@@ -46,46 +41,10 @@ def stored_name(slot: int, model: str, tokens: str) -> str:
     return f"slot{slot}-{model}-{tokens}.bin"
 
 server = pytest.mark.server
-runner = CliRunner()
 OK, FAILED, USAGE = int(ExitStatus.OK), int(ExitStatus.FAILED), int(ExitStatus.USAGE)
 TIMEOUT = ["--timeout", "60"]
 #: a prompt longer than the 256 tokens a slot of ``one`` holds
 LONG_PROMPT = " ".join([SAMPLE_PROMPT] * 3)
-
-
-def slotctl(*args, code: int | None = None):
-    res = runner.invoke(app, [str(a) for a in args])
-    assert "Traceback" not in res.output, res.output
-    if res.exception is not None and not isinstance(res.exception, SystemExit):
-        raise res.exception
-    if code is not None:
-        assert res.exit_code == code, f"exit {res.exit_code}, expected {code}\n{res.stdout}\n{res.stderr}"
-    return res
-
-
-@contextlib.contextmanager
-def serving(binary, model, tmp: Path, name: str, args: list[str]):
-    (tmp / "slots").mkdir()
-    srv = start_server(binary, model, tmp, name, args=args, slot_save_path=tmp / "slots")
-    srv.save_dir = tmp / "slots"
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def one(llama_server_bin, tiny_models, tmp_path_factory):
-    with serving(llama_server_bin, tiny_models.target, tmp_path_factory.mktemp("one"), "one",
-                 ["-c", "512", "-np", "2", "-fa", "on"]) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def three(llama_server_bin, tiny_models, tmp_path_factory):
-    with serving(llama_server_bin, tiny_models.target, tmp_path_factory.mktemp("three"), "three",
-                 ["-c", "1536", "-np", "3", "-kvu", "-fa", "on"]) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +53,6 @@ def other(llama_server_bin, tiny_models, tmp_path_factory):
     with serving(llama_server_bin, tiny_models.draft, tmp_path_factory.mktemp("other"), "other",
                  ["-c", "512", "-np", "2", "-fa", "on"]) as srv:
         yield srv
-
-
-def tokens_of(path: Path) -> list[int]:
-    return [int(t) for t in open_slot_file(path).tokens.tokens]
 
 
 def cached(srv, slot: int) -> int | None:
@@ -316,96 +271,6 @@ def test_a_destination_gone_mid_migrate_leaves_the_source_slot(one, three):
 
 
 # -- keep --------------------------------------------------------------------------------------------------
-
-#: llama-swap serves each model under a path prefix: keep works through one
-PREFIX = "/upstream/tiny"
-ROOT = Path(__file__).resolve().parents[1]
-
-
-class PrefixedServer(LlamaServer):
-    """A server started with ``--api-prefix``, reached under it."""
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}{PREFIX}"
-
-
-@pytest.fixture(scope="module")
-def kept(llama_server_bin, tiny_models, tmp_path_factory):
-    """``-c 1024 -np 2`` under ``--api-prefix /upstream/tiny``."""
-    tmp = tmp_path_factory.mktemp("kept")
-    (tmp / "slots").mkdir()
-    srv = PrefixedServer(llama_server_bin, tiny_models.target, slot_save_path=tmp / "slots",
-                         args=["-c", "1024", "-np", "2", "-fa", "on", "--api-prefix", PREFIX],
-                         log_path=tmp / "kept.log")
-    srv.save_dir = tmp / "slots"
-    try:
-        srv.start()
-    except ServerStartError as e:
-        pytest.fail(str(e), pytrace=False)
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-def emptied(srv) -> None:
-    """Every slot of ``srv`` erased: a keep started now stores only what the test puts in the slots. The slots
-    of the module's server hold what earlier tests left; keep's first look stores that too, and a test that
-    waits for "the" stored state of a slot, or counts what the store holds, races the second look (which
-    stores the test's own state) against its next step."""
-    status, props = srv.get("/props")
-    assert status == 200, props
-    for slot in range(props["total_slots"]):
-        status, answer = srv.erase(slot)
-        assert status == 200, answer
-
-
-class Keep:
-    """``slotctl keep --json`` as a process of its own (signals are real); its lines, checked against the
-    schema, as they come."""
-
-    def __init__(self, srv, store: Path | str, *more: str, env: dict | None = None):
-        env = dict(env or os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", srv.url, "--slot-dir",
-                                      str(srv.save_dir), "--store", str(store), "--json", "--timeout", "60", *more],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     preexec_fn=default_signals)
-        self.lines: queue.Queue = queue.Queue()
-        self.seen: list[dict] = []
-        #: set once the reader met the end of keep's stdout: every line it will ever put is in ``lines``
-        self.read_all = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            for raw in self.proc.stdout:
-                line = json.loads(raw)
-                json_schemas.check("keep", line, "line")
-                self.lines.put(line)
-        finally:
-            self.read_all.set()
-
-    def wait_for(self, event: str, slot: int | None = None, timeout: float = 90) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.2)
-            except queue.Empty:
-                # keep's end is told by its reader, not by the process: a keep that exited may have lines
-                # in the pipe the reader has not put yet (a loaded machine, the schema check of each line)
-                assert not (self.read_all.is_set() and self.lines.empty()), \
-                    f"keep exited with {self.proc.wait(60)}: {self.proc.stderr.read()}\n{self.seen}"
-                continue
-            self.seen.append(line)
-            if line["event"] == event and (slot is None or line["slot"] == slot):
-                return line
-        raise AssertionError(f"no {event!r} event for slot {slot} within {timeout} s: {self.seen}")
-
-    def stop(self, sig=signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=60)
 
 
 @server
@@ -639,8 +504,6 @@ def test_migrate_through_an_s3_store(one, three, seaweed, monkeypatch):
 def test_an_s3_store_is_held_under_max_size_by_prunes_rules(seaweed, monkeypatch):
     """keep's budget on an ``s3://`` store: prune's rules for a prefix (least recently modified first, pins
     never touched), against the real SeaweedFS; the objects kept are whole."""
-    import time
-
     from slotctl.keeping.store import ObjectStore
     from slotctl.store.s3 import S3_STORE
 
@@ -655,7 +518,7 @@ def test_an_s3_store_is_held_under_max_size_by_prunes_rules(seaweed, monkeypatch
     names = ["slot0-a.bin", "slot0-b.bin", "slot0-c.bin", "keep-slot0-incoming-7-0a0b0c0d.bin"]
     for name in names:      # Last-Modified has a resolution of a second
         obstore.put(seaweed.client(), f"budget/{name}", data)
-        time.sleep(1.1)
+        next_second()
     store = ObjectStore(f"s3://{BUCKET}/budget/")
     gone = []
     store.prune(2 * len(data) + 1, (INCOMING_GLOB,), lambda path, size, action, reason: gone.append(
@@ -936,7 +799,8 @@ def test_keep_does_not_download_again_an_s3_state_the_server_refuses(kept, three
     bad = stored_name(0, model_hash(facts), "toolong")
     obstore.put(seaweed.client(), f"keep-catalog/{bad}", (three.save_dir / "long-catalog.bin").read_bytes())
     store = f"s3://{BUCKET}/keep-catalog/"
-    time.sleep(3.2)     # an object's Last-Modified is when it was put: a row younger than 3 s after it is not trusted
+    # an object's Last-Modified is when it was put: under the rule of 3 s its row would not be trusted yet
+    monkeypatch.setenv("SLOTCTL_RACY_SECONDS", "0")
     S3_STORE.reset()
     try:
         lines = []
@@ -975,10 +839,10 @@ def test_keep_remembers_a_damaged_s3_state_instead_of_an_error_at_every_pass(kep
     good, bad = stored_name(0, model_hash(facts), "whole"), stored_name(0, model_hash(facts), "cut100")
     prefix = f"keep-damaged-{tmp_path.name}"
     obstore.put(seaweed.client(), f"{prefix}/{good}", whole)
-    time.sleep(1.1)     # Last-Modified has second precision: the damaged state is the newest, tried first
+    next_second()       # Last-Modified has second precision: the damaged state is the newest, tried first
     obstore.put(seaweed.client(), f"{prefix}/{bad}", whole[:-100])
     store = f"s3://{BUCKET}/{prefix}/"
-    time.sleep(3.2)     # a row younger than 3 s after the object was put is not trusted
+    monkeypatch.setenv("SLOTCTL_RACY_SECONDS", "0")     # a row of an object just put trusted (3 s: a wait)
     S3_STORE.reset()
     passes = []
     try:

@@ -6,92 +6,15 @@ Each server answers every request with what its case scripts; a second server re
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from typer.testing import CliRunner
 
+from scripted import GOOD_PROPS, GOOD_SLOTS, HOSTILE, by_path, drip_body, one_error_line
 from slotctl.cli.app import app
 
 runner = CliRunner()
-GOOD_PROPS = {"total_slots": 2, "model_path": "/models/m.gguf", "build_info": "b11434",
-              "default_generation_settings": {"n_ctx": 4096}}
-GOOD_SLOTS = [{"id": 0, "n_ctx": 4096, "speculative": False, "is_processing": False},
-              {"id": 1, "n_ctx": 4096, "speculative": False, "is_processing": False}]
-
-
-class Script:
-    """What a hostile server answers: ``answer(handler)`` writes the whole response."""
-
-    def __init__(self, answer):
-        self.answer = answer
-        self.seen: list[tuple[str, str, dict]] = []
-
-
-def _handler(script: Script):
-    class H(BaseHTTPRequestHandler):
-        def _any(self):
-            n = int(self.headers.get("Content-Length") or 0)
-            if n:
-                self.rfile.read(n)
-            script.seen.append((self.command, self.path, dict(self.headers)))
-            try:
-                script.answer(self)
-            except (BrokenPipeError, ConnectionResetError):
-                pass
-
-        do_GET = do_POST = _any
-
-        def log_message(self, *a):
-            pass
-
-    return H
-
-
-@pytest.fixture
-def serve():
-    servers = []
-
-    def start(answer) -> tuple[str, Script]:
-        script = Script(answer)
-        srv = ThreadingHTTPServer(("127.0.0.1", 0), _handler(script))
-        srv.daemon_threads = True
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        servers.append(srv)
-        return f"http://127.0.0.1:{srv.server_address[1]}", script
-
-    yield start
-    for srv in servers:
-        srv.shutdown()
-        srv.server_close()
-
-
-def send_json(h: BaseHTTPRequestHandler, obj, status: int = 200) -> None:
-    body = json.dumps(obj).encode()
-    h.send_response(status)
-    h.send_header("Content-Type", "application/json")
-    h.send_header("Content-Length", str(len(body)))
-    h.end_headers()
-    h.wfile.write(body)
-
-
-def by_path(routes: dict):
-    """An answer that looks up the path (without the query) in ``routes``: (status, JSON) pairs."""
-
-    def answer(h):
-        status, obj = routes.get(h.path.split("?")[0], (404, {"error": {"code": 404, "message": "File Not Found"}}))
-        send_json(h, obj, status)
-
-    return answer
-
-
-def one_error_line(res) -> str:
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
-    return lines[0]
 
 
 # -- redirects ---------------------------------------------------------------------------------------------
@@ -119,18 +42,6 @@ def test_redirects_are_reported_not_followed_and_the_key_stays(serve, status):
 
 
 # -- the timeout bounds the whole request --------------------------------------------------------------------
-
-
-def drip_body(h):
-    """Headers at once, then one byte of the body every 0.2 s, for a long time."""
-    h.send_response(200)
-    h.send_header("Content-Type", "application/json")
-    h.send_header("Content-Length", "100000")
-    h.end_headers()
-    for _ in range(600):
-        h.wfile.write(b" ")
-        h.wfile.flush()
-        time.sleep(0.2)
 
 
 def drip_headers(h):
@@ -211,9 +122,6 @@ def test_slots_of_the_wrong_shape(serve, slots, said):
 
 
 # -- server text reaches the terminal escaped -----------------------------------------------------------------
-
-
-HOSTILE = "boom\x1b[2J\x1b]0;pwned\x07\rline\nnext"
 
 
 def test_error_message_from_the_server_is_escaped(serve):

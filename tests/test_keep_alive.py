@@ -215,10 +215,10 @@ def test_without_a_pool_each_request_has_a_connection_of_its_own(scripted):
 def test_a_pool_keeps_no_connection_made_through_a_proxy(scripted, monkeypatch):
     """Through a proxy (the environment's, for an address that is not loopback) every request has a connection
     of its own, pool or not: a kept tunnel would be the proxy's to close."""
-    from test_live_hardened import Proxy, _own_address
+    from scripted import Proxy, own_address
 
     srv = scripted(answered=2, host="0.0.0.0")
-    public = f"http://{_own_address()}:{srv.srv.server_address[1]}"
+    public = f"http://{own_address()}:{srv.srv.server_address[1]}"
     proxy = Proxy()
     for k in [k for k in os.environ if "proxy" in k.lower()]:
         monkeypatch.delenv(k)

@@ -119,6 +119,20 @@ def keyed_file(keyed) -> Path:
 
 
 @server
+def test_a_slot_that_has_run_no_task_reports_the_servers_speculative_types(live):
+    """b11434's /slots gives a slot's ``params`` (``speculative.types`` among them) only once it has run a task;
+    the types are the server's, so the facts of a slot that has run none take them from one that has: slot 0
+    of ``live`` (only slot 1 ran a task) says what slot 1 says. Read from the slot alone they came and went
+    with which slot served the last requests, and every verdict kept under them was asked again."""
+    from slotctl.live import http
+
+    entries = {e["id"]: e for e in http.get_slots(live.url, timeout=60)}
+    assert "params" not in entries[0] and entries[1]["params"]["speculative.types"] == "none"
+    assert http.server_facts(live.url, 0, timeout=60).speculative_types == "none"
+    assert http.server_facts(live.url, 1, timeout=60).speculative_types == "none"
+
+
+@server
 def test_save_then_restore_round_trip(live):
     res = slotctl("save", "--server", live.url, "--slot", "1", "round.bin", "--json", *TIMEOUT, code=OK)
     doc = json.loads(res.stdout)

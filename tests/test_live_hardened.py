@@ -4,11 +4,9 @@ values and depth, passwords in URLs never printed."""
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +20,7 @@ from typer.testing import CliRunner
 from slotctl.cli.app import app
 
 from conftest import DATA
-from test_hostile_server import GOOD_PROPS, GOOD_SLOTS, HOSTILE, by_path, one_error_line, send_json, serve  # noqa: F401
+from scripted import GOOD_PROPS, GOOD_SLOTS, HOSTILE, Proxy, by_path, one_error_line, own_address
 
 runner = CliRunner()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,99 +96,6 @@ def test_a_password_in_the_server_url_is_never_printed(serve):
 # -- proxies ----------------------------------------------------------------------------------------------
 
 
-class Proxy:
-    """A real HTTP proxy on 127.0.0.1 (sockets, threads): plain requests forwarded, CONNECT tunnelled.
-
-    ``user``/``password``: the credentials it wants (407 without them); ``drip``: seconds between the
-    bytes of its answer to CONNECT (a proxy that never finishes answering). ``seen``: each request's
-    first line and its Proxy-Authorization header.
-    """
-
-    def __init__(self, *, user: str | None = None, password: str | None = None, drip: float | None = None):
-        self.want = (f"Basic {base64.b64encode(f'{user}:{password}'.encode()).decode()}" if user else None)
-        self.drip = drip
-        self.seen: list[tuple[str, str | None]] = []
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.stop = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.sock.close()
-
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-    def _one(self, conn: socket.socket) -> None:
-        try:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    return
-                head += chunk
-            head, rest = head.split(b"\r\n\r\n", 1)
-            lines = head.decode("latin-1").split("\r\n")
-            headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-            self.seen.append((lines[0], headers.get("proxy-authorization")))
-            if self.want and headers.get("proxy-authorization") != self.want:
-                conn.sendall(b"HTTP/1.1 407 Proxy Authentication Required\r\nProxy-Authenticate: Basic "
-                             b"realm=\"p\"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-                return
-            method, target, _ = lines[0].split(" ", 2)
-            if method == "CONNECT":
-                if self.drip is not None:
-                    for byte in b"HTTP/1.1 200 Connection established\r\n":
-                        conn.sendall(bytes([byte]))
-                        time.sleep(self.drip)
-                    return
-                host, port = target.rsplit(":", 1)
-                up = socket.create_connection((host, int(port)))
-                conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                self._pipe(conn, up)
-                return
-            # a plain request: forward it to the origin named in the absolute target
-            hostport = target.split("://", 1)[1].split("/", 1)[0]
-            path = "/" + target.split("://", 1)[1].split("/", 1)[1] if "/" in target.split("://", 1)[1] else "/"
-            host, port = hostport.rsplit(":", 1)
-            up = socket.create_connection((host, int(port)))
-            kept = [ln for ln in lines[1:] if not ln.lower().startswith("proxy-authorization")]
-            up.sendall(f"{method} {path} HTTP/1.1\r\n".encode() + "\r\n".join(kept).encode() + b"\r\n\r\n" + rest)
-            self._pipe(conn, up)
-        except OSError:
-            pass
-        finally:
-            conn.close()
-
-    @staticmethod
-    def _pipe(a: socket.socket, b: socket.socket) -> None:
-        def one_way(src, dst):
-            try:
-                while data := src.recv(65536):
-                    dst.sendall(data)
-            except OSError:
-                pass
-            finally:
-                for s in (src, dst):
-                    try:
-                        s.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-
-        t = threading.Thread(target=one_way, args=(b, a), daemon=True)
-        t.start()
-        one_way(a, b)
-        t.join(5)
-
-
 @pytest.fixture
 def proxy():
     made = []
@@ -214,33 +119,18 @@ def _via(proxy_url: str, *args, timeout: float = 60):
                           timeout=timeout)
 
 
-def _own_address() -> str:
-    """An address of this machine that is not loopback (slotctl sends only those through a proxy)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        s.connect(("192.0.2.1", 9))   # no packet is sent: it picks the outgoing interface
-        addr = s.getsockname()[0]
-    except OSError:
-        addr = ""
-    finally:
-        s.close()
-    if not addr or addr.startswith("127."):
-        pytest.skip("this machine has no address besides loopback")
-    return addr
-
-
 @pytest.fixture
 def public_server():
     """A good llama-server lookalike listening on all addresses, named by this machine's own address."""
     from http.server import ThreadingHTTPServer
 
-    from test_hostile_server import Script, _handler
+    from scripted import Script, handler
 
     script = Script(by_path({"/props": (200, GOOD_PROPS), "/slots": (200, GOOD_SLOTS)}))
-    srv = ThreadingHTTPServer(("0.0.0.0", 0), _handler(script))
+    srv = ThreadingHTTPServer(("0.0.0.0", 0), handler(script))
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://{_own_address()}:{srv.server_address[1]}", script
+    yield f"http://{own_address()}:{srv.server_address[1]}", script
     srv.shutdown()
     srv.server_close()
 
@@ -431,9 +321,9 @@ def tls_server(tmp_path):
     import ssl
     from http.server import ThreadingHTTPServer
 
-    from test_hostile_server import Script, _handler
+    from scripted import Script, handler
 
-    addr = _own_address()
+    addr = own_address()
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     made = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
                            f"/CN={addr}", "-addext", f"subjectAltName=IP:{addr}", "-keyout", str(key),
@@ -441,7 +331,7 @@ def tls_server(tmp_path):
     if made.returncode:
         pytest.skip("openssl could not make a certificate")
     script = Script(by_path({"/props": (200, GOOD_PROPS), "/slots": (200, GOOD_SLOTS)}))
-    srv = ThreadingHTTPServer(("0.0.0.0", 0), _handler(script))
+    srv = ThreadingHTTPServer(("0.0.0.0", 0), handler(script))
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(cert, key)
     srv.socket = ctx.wrap_socket(srv.socket, server_side=True)

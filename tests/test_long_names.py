@@ -21,7 +21,7 @@ from slotctl.cli.app import app
 from slotctl.atomic import NAME_MAX, private_name
 from slotctl.paths import is_temp_file
 from slotctl.slotfile import open_slot_file
-from test_strip_draft import build_file
+from appendices import build_file
 
 runner = CliRunner()
 SLOT = DATA / "srv-np1.bin"

@@ -17,7 +17,6 @@ from typer.testing import CliRunner
 
 from slotctl.cli.app import app
 from slotctl.tinymodels import SAMPLE_PROMPT
-from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 
 DATA = Path(__file__).parent / "data"
 SERVER_FILES = sorted(DATA.glob("srv-*.bin")) + sorted((DATA / "kinds").glob("srv-*.bin"))

@@ -18,7 +18,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mutate import EXTREMES, KINDS, apply, check_file, sources
-from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 
 SOURCES = {s.name: s for s in sources()}
 LAYERS = sorted({name for s in SOURCES.values() for name, _, _ in s.layers})

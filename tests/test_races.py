@@ -21,7 +21,7 @@ from slotctl.cli.app import app
 from slotctl.slotfile import open_slot_file
 
 from conftest import DATA
-from test_strip_draft import build_file
+from appendices import build_file
 
 runner = CliRunner()
 SLOT = DATA / "srv-np1.bin"

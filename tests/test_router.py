@@ -13,16 +13,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from test_serve import TURN1
-from test_serve_unattended import Router
-from test_unattended import _env
+from keeping import Keep, child_env
+from serving import TURN1, Router
 
 server = pytest.mark.server
 
 
 def slotctl(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "slotctl", *args], capture_output=True, text=True, timeout=180,
-                          env=_env())
+                          env=child_env())
 
 
 def call(url: str, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
@@ -233,7 +232,6 @@ def test_a_keeper_of_a_routers_model_follows_its_unloads_and_loads(llama_server_
     sees it come back and restores the slot, proven by the server's own counts."""
     from types import SimpleNamespace
 
-    from test_fleet import Keep
 
     router, slots, store = Router.of_tiny(llama_server_bin, tiny_models, tmp_path)
     keep = None

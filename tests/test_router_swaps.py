@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -98,16 +96,6 @@ def slotctl(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-m", "slotctl", *args], capture_output=True, text=True, timeout=300,
                           env=env)
-
-
-def wait_until(what, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = what()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"not within {timeout} s"
-        time.sleep(0.05)
 
 
 # -- the fleet view ------------------------------------------------------------------------------------
@@ -223,7 +211,7 @@ def test_serve_in_front_of_a_router_restores_each_model_after_every_swap(router,
     only its new tokens (the router's own timings), where the router alone evaluates the whole prompt again; every
     answer is the router alone's; the router loaded exactly the models the router alone loaded, in the same order
     (serve had it load each one for the request that would have loaded it, never one on its own)."""
-    from test_serve import Serve
+    from serving import Serve
 
     serve = Serve(router.url, router.slots, str(router.store))
     try:
@@ -272,7 +260,7 @@ def test_a_swap_waits_for_the_save_of_the_answer_it_would_unload(router, alone):
     is the router alone's."""
     import threading
 
-    from test_serve import Serve
+    from serving import Serve
 
     serve = Serve(router.url, router.slots, str(router.store))
     try:
@@ -305,7 +293,7 @@ def test_serve_loads_no_model_the_router_would_not_load_for_the_request(llama_se
     own query says autoload=true has the router load it (serve has it loaded first, with the request's autoload,
     and caches the request); a request for the other model without it passes through, and nothing else is ever
     loaded: the router started one server, the one the request asked for."""
-    from test_serve import Serve
+    from serving import Serve
 
     r = Router(llama_server_b11669, router_models, tmp_path, args=("--no-models-autoload",))
     serve = Serve(r.url, r.slots, str(r.store))
@@ -347,7 +335,7 @@ def test_keep_keeps_each_model_of_a_router_across_real_swaps(router, tmp_path):
     counts; slots --config lists both models the while."""
     from types import SimpleNamespace
 
-    from test_fleet import Keep
+    from keeping import Keep
 
     config = tmp_path / "keep.toml"
     config.write_text("".join(f'[[servers]]\nname = "{m}"\nurl = "{router.url}"\nmodel = "{m}"\nslot_dir = '

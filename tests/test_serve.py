@@ -11,145 +11,22 @@ import contextlib
 import http.client
 import json
 import os
-import queue
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-import json_schemas
-
-from conftest import default_signals, start_server
+from conftest import start_server
 from llama_server import LlamaServer, free_port
 from seaweed import BUCKET
-from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
+from serving import ARGS, TURN1, TURN2_EXTRA, Serve, call, complete
 from slotctl.tinymodels import SAMPLE_PROMPT
 
 server = pytest.mark.server
-ARGS = ["-c", "1024", "-np", "2", "-fa", "on"]
-#: a conversation's first turn (about 200 tokens) and the turn that comes back to it
-TURN1 = " ".join([SAMPLE_PROMPT] * 2)
-TURN2_EXTRA = " And then the story went on, as stories do, to its end."
-
-
-class Serve:
-    """``slotctl serve`` as a process: its JSON event lines collected, its address read from the first."""
-
-    def __init__(self, upstream: str, slot_dir: Path, store: str | None = None, *extra: str, env=None,
-                 max_file_size: int | None = None):
-        cmd = [sys.executable, "-m", "slotctl", "serve", "--upstream", upstream, "--slot-dir", str(slot_dir),
-               "--listen", "127.0.0.1:0", "--json", "--min-gain", "4", *extra]
-        if store is not None:
-            cmd += ["--store", store]
-        def child() -> None:      # default signals; RLIMIT_FSIZE: a write past it fails (EFBIG: Python ignores SIGXFSZ)
-            default_signals()
-            if max_file_size is not None:
-                import resource
-
-                resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_size, max_file_size))
-
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})}, preexec_fn=child)
-        self.events: list[dict] = []
-        self.schema_errors: list[str] = []
-        self.stderr: list[str] = []
-        self._lines: queue.Queue = queue.Queue()
-        #: notified at each event line read, and at the end of serve's stdout (``read_all``)
-        self._read_more = threading.Condition()
-        self.read_all = False
-        threading.Thread(target=self._read, args=(self.proc.stdout, True), daemon=True).start()
-        threading.Thread(target=self._read, args=(self.proc.stderr, False), daemon=True).start()
-        first = self._lines.get(timeout=60)
-        assert first is not None and first["event"] == "listening", (first, self.stderr)
-        self.port = first["details"]["port"]
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _read(self, stream, is_json: bool) -> None:
-        try:
-            for line in stream:
-                if is_json:
-                    ev = json.loads(line)
-                    self.schema_errors += json_schemas.errors("serve", ev)
-                    with self._read_more:
-                        self.events.append(ev)
-                        self._read_more.notify_all()
-                    self._lines.put(ev)
-                else:
-                    self.stderr.append(line)
-        finally:
-            if is_json:
-                with self._read_more:
-                    self.read_all = True
-                    self._read_more.notify_all()
-                self._lines.put(None)
-
-    def events_named(self, event: str, n: int = 1, timeout: float = 60, where=None) -> list[dict]:
-        """serve's ``event`` lines (those ``where`` accepts) once ``n`` of them were read. serve prints a line
-        before it answers or counts (or counts first: ``pruned``, ``stored``), but this process reads its lines
-        on a thread of their own: what the answer or a counter says done may not be in ``events`` yet. Fewer
-        than ``n`` when serve's output ended or ``timeout`` passed first (the caller's assertion then fails)."""
-        def named() -> list[dict]:
-            return [e for e in self.events if e["event"] == event and (where is None or where(e))]
-
-        with self._read_more:
-            self._read_more.wait_for(lambda: len(named()) >= n or self.read_all, timeout)
-            return named()
-
-    def read_to_the_end(self, timeout: float = 60) -> list[dict]:
-        """Every event line, once serve's stdout ended (it exited: its last lines may still be in the pipe)."""
-        with self._read_more:
-            assert self._read_more.wait_for(lambda: self.read_all, timeout), "serve's output did not end"
-            return list(self.events)
-
-    def stats(self) -> dict:
-        with urllib.request.urlopen(self.url + "/slotctl/stats", timeout=30) as r:
-            return json.loads(r.read())["counters"]
-
-    def wait_for(self, key: str, n: int, timeout: float = 60) -> dict:
-        """The counters once ``key`` reached ``n`` (saves are done after the answer)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            c = self.stats()
-            if c[key] >= n or time.monotonic() > deadline:
-                return c
-            time.sleep(0.05)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        with self._read_more:       # its last lines read (schema-checked, in output()) before anyone looks
-            self._read_more.wait_for(lambda: self.read_all, 60)
-        return self.proc.returncode
-
-    def output(self) -> str:
-        return "".join(json.dumps(e) + "\n" for e in self.events) + "".join(self.stderr)
-
-
-def call(url: str, method: str, path: str, body=None, *, raw: bytes | None = None, headers=None,
-         timeout: float = 120) -> tuple[int, dict, bytes]:
-    """(status, headers, body bytes) of one request (no proxy, no redirects followed)."""
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    h = {"Content-Type": "application/json"} if data is not None else {}
-    h.update(headers or {})
-    req = urllib.request.Request(url + path, data=data, headers=h, method=method)
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(req, timeout=timeout) as r:
-            return r.status, dict(r.headers), r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
 
 
 def left_after(directory: Path, pattern: str, timeout: float = 60) -> list[Path]:
@@ -159,12 +36,6 @@ def left_after(directory: Path, pattern: str, timeout: float = 60) -> list[Path]
     while (left := list(directory.glob(pattern))) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
-
-
-def complete(url: str, prompt, path: str = "/completion", **extra) -> dict:
-    status, _h, raw = call(url, "POST", path, {"prompt": prompt, "n_predict": 8, "temperature": 0, **extra})
-    assert status == 200, raw
-    return json.loads(raw)
 
 
 @contextlib.contextmanager
@@ -185,17 +56,6 @@ def llama(llama_server_bin, tiny_models, tmp_path_factory):
     (tmp / "slots").mkdir()
     srv = start_server(llama_server_bin, tiny_models.target, tmp, "serve", args=ARGS, slot_save_path=tmp / "slots")
     srv.save_dir = tmp / "slots"
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def fresh(llama_server_bin, tiny_models, tmp_path):
-    """A server of its own (it is killed and started again)."""
-    (tmp_path / "slots").mkdir()
-    srv = start_server(llama_server_bin, tiny_models.target, tmp_path, "fresh", args=ARGS,
-                       slot_save_path=tmp_path / "slots")
-    srv.save_dir = tmp_path / "slots"
     yield srv
     srv.stop()
 
@@ -1058,7 +918,9 @@ def test_a_restarted_serve_takes_its_verdicts_from_the_catalog_of_an_s3_store(ll
     client = seaweed.client()
     prefix = f"serve-verdicts-{tmp_path.name}/"
     store = f"s3://{BUCKET}/{prefix}"
-    env = {**seaweed.env(), "HOME": str(seaweed.dir), "SLOTCTL_CACHE_DIR": str(tmp_path / "cache")}
+    # SLOTCTL_RACY_SECONDS=0: a row of the object just put is trusted (under the rule of 3 s, after a wait)
+    env = {**seaweed.env(), "HOME": str(seaweed.dir), "SLOTCTL_CACHE_DIR": str(tmp_path / "cache"),
+           "SLOTCTL_RACY_SECONDS": "0"}
     erase_all(llama)
     with serving(llama, llama.save_dir, store, env=env) as s:
         first = complete(s.url, TURN1)
@@ -1068,7 +930,6 @@ def test_a_restarted_serve_takes_its_verdicts_from_the_catalog_of_an_s3_store(ll
                 if o["path"].rpartition("/")[2].startswith("slot") and o["path"].endswith(".bin")]
 
     (kept,) = states()
-    time.sleep(3.2)     # a row made less than 3 s after the object was put is not trusted
     seen = []
     for _ in range(3):
         erase_all(llama)

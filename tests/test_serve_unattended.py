@@ -17,18 +17,16 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 import slotctl
 from conftest import default_signals
+from keeping import (child_env, documented, families, first_line, keep_proc, lease_of, samples, scrape, stop,
+                     wait_until)
 from llama_server import free_port
 from seaweed import BUCKET, Seaweed, weed_binary
-from test_serve import ARGS, TURN1, TURN2_EXTRA, Serve, call, complete, fresh  # noqa: F401 - a server of its own
-from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
-from test_unattended import (_env, _lease, documented, families, first_line, keep_proc, samples, scrape, stop,
-                             wait_until)
+from serving import TURN1, TURN2_EXTRA, Router, Serve, call, complete
 
 server = pytest.mark.server
 
@@ -159,7 +157,7 @@ def test_serve_reads_the_configuration_and_flags_override_it(tmp_path):
     cfg.write_text(f'[[servers]]\nname = "qwen"\nurl = "{up}"\nslot_dir = "{tmp_path}"\nstore = "{store}"\n\n'
                    f'[serve]\nlisten = "127.0.0.1:0"\nmin_gain = 8\n')
     proc = subprocess.Popen(serve_cmd("--config", str(cfg), "--json"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(), preexec_fn=default_signals)
+                            stderr=subprocess.PIPE, text=True, env=child_env(), preexec_fn=default_signals)
     try:
         d = first_line(proc)["details"]
         assert d["upstream"] == up and d["store"] == str(store)
@@ -168,7 +166,7 @@ def test_serve_reads_the_configuration_and_flags_override_it(tmp_path):
     port = free_port()
     proc = subprocess.Popen(serve_cmd("--config", str(cfg), "--json", "--listen", f"127.0.0.1:{port}",
                                       "--store", str(tmp_path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_env(), preexec_fn=default_signals)
+                            text=True, env=child_env(), preexec_fn=default_signals)
     try:
         d = first_line(proc)["details"]
         assert d["port"] == port and d["store"] == str(tmp_path)
@@ -179,12 +177,12 @@ def test_serve_reads_the_configuration_and_flags_override_it(tmp_path):
                         ('[serve]\nmetrics_listen = "nowhere"\n', "serve.metrics_listen: expected HOST:PORT")):
         bad = tmp_path / "bad.toml"
         bad.write_text(f'[[servers]]\nurl = "{up}"\nslot_dir = "{tmp_path}"\n' + text)
-        r = subprocess.run(serve_cmd("--config", str(bad)), capture_output=True, text=True, timeout=60, env=_env())
+        r = subprocess.run(serve_cmd("--config", str(bad)), capture_output=True, text=True, timeout=60, env=child_env())
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
         assert str(bad) in r.stderr
     # an entry naming a router's model: one serve fronts every model of a router, given the router's entry
     bad.write_text(f'[[servers]]\nurl = "{up}"\nslot_dir = "{tmp_path}"\nmodel = "qwen"\n')
-    r = subprocess.run(serve_cmd("--config", str(bad)), capture_output=True, text=True, timeout=60, env=_env())
+    r = subprocess.run(serve_cmd("--config", str(bad)), capture_output=True, text=True, timeout=60, env=child_env())
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "names a router's model ('qwen')" in r.stderr and "the router's entry without a model" in r.stderr
 
@@ -197,7 +195,7 @@ def test_a_second_serve_of_a_server_and_store_is_refused(tmp_path):
     a = Serve(up, tmp_path, None)
     try:
         r = subprocess.run(serve_cmd("--upstream", up, "--slot-dir", str(tmp_path), "--listen", "127.0.0.1:0"),
-                           capture_output=True, text=True, timeout=60, env=_env())
+                           capture_output=True, text=True, timeout=60, env=child_env())
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert "another serve serves this server with this store" in r.stderr and f"pid {a.proc.pid}" in r.stderr
         # a keep of the same server and store has a lock of its own
@@ -214,14 +212,14 @@ def test_a_second_serve_of_a_server_and_store_is_refused(tmp_path):
 def test_an_s3_lease_of_serve_is_refused_while_it_holds_and_taken_over_after(seaweed, tmp_path):
     """A serve killed with SIGKILL: the next is refused (one line naming it) while the lease it left holds,
     and takes it over after its expiry."""
-    env = _env({**seaweed.env(), "HOME": str(seaweed.dir)}, drop_aws=True)
+    env = child_env({**seaweed.env(), "HOME": str(seaweed.dir)}, drop_aws=True)
     prefix = f"serve-lease-{tmp_path.name}/"
     store = f"s3://{BUCKET}/{prefix}"
     up = f"http://127.0.0.1:{free_port()}"
     a = Serve(up, tmp_path, store, "--lease", "20", env=env)
     a.proc.send_signal(signal.SIGKILL)
     a.proc.wait(30)
-    _key, doc = _lease(seaweed, prefix)
+    _key, doc = lease_of(seaweed, prefix)
     assert doc["pid"] == a.proc.pid
     r = subprocess.run(serve_cmd("--upstream", up, "--slot-dir", str(tmp_path), "--store", store, "--lease", "20",
                                  "--listen", "127.0.0.1:0"), capture_output=True, text=True, timeout=60, env=env)
@@ -232,11 +230,11 @@ def test_an_s3_lease_of_serve_is_refused_while_it_holds_and_taken_over_after(sea
     time.sleep(max(0.0, doc["expires"] - time.time()) + 0.2)
     b = Serve(up, tmp_path, store, "--lease", "20", env=env)
     try:
-        _key, doc = _lease(seaweed, prefix)
+        _key, doc = lease_of(seaweed, prefix)
         assert doc["pid"] == b.proc.pid
     finally:
         assert b.stop() == 0
-    _key, doc = _lease(seaweed, prefix)
+    _key, doc = lease_of(seaweed, prefix)
     assert doc["released"] is True       # stopped by SIGTERM: the next need not wait
 
 
@@ -274,7 +272,7 @@ def test_the_shipped_serve_unit_is_printed_and_systemd_accepts_it(tmp_path):
     import shutil
 
     r = subprocess.run([sys.executable, "-m", "slotctl", "unit", "serve"], capture_output=True, text=True,
-                       timeout=60, env=_env())
+                       timeout=60, env=child_env())
     assert r.returncode == 0, r.stderr
     for line in ("Type=notify", "WatchdogSec=", "NotifyAccess=main", "LimitNOFILE=65536\n",
                  f"ExecStart={sys.executable} -m slotctl serve --config /etc/slotctl/%i.toml"):
@@ -308,7 +306,7 @@ def test_readyz_says_not_ready_when_the_store_is_killed(own_seaweed, tmp_path):
     """keep and serve on a real SeaweedFS, which is then killed: /readyz 503 naming the store, /livez 200,
     for both; neither process stops (a store that fails is no reason to: keep's saves and serve's cache wait
     for it); started again, the store is reachable again for both."""
-    env = _env({**own_seaweed.env(), "HOME": str(own_seaweed.dir)}, drop_aws=True)
+    env = child_env({**own_seaweed.env(), "HOME": str(own_seaweed.dir)}, drop_aws=True)
     store = f"s3://{BUCKET}/ready-{tmp_path.name}/"
     up = f"http://127.0.0.1:{free_port()}"
     kport, sport = free_port(), free_port()
@@ -343,14 +341,22 @@ def test_a_lease_is_counted_lost_before_it_expires_when_the_store_stops_answerin
     after the freeze: its renewal waited for the store's own request timeout)."""
     import obstore
 
-    env = _env({**own_seaweed.env(), "HOME": str(own_seaweed.dir)}, drop_aws=True)
+    env = child_env({**own_seaweed.env(), "HOME": str(own_seaweed.dir)}, drop_aws=True)
     prefix = f"frozen-{tmp_path.name}/"
     store = f"s3://{BUCKET}/{prefix}"
     up = f"http://127.0.0.1:{free_port()}"
     k = keep_proc(up, tmp_path, "--store", store, "--every", "0.2", "--lease", "10", env=env)
     s = Serve(up, tmp_path, store, "--lease", "10", env=env)
     first_line(k)
-    time.sleep(4)          # a renewal or two
+    client = own_seaweed.client()
+
+    def leases() -> dict[str, dict]:
+        return {m["path"]: json.loads(bytes(obstore.get(client, m["path"]).bytes()))
+                for m in obstore.list(client, prefix=prefix).collect() if m["path"].endswith(".lease")}
+
+    taken = wait_until(lambda: (lambda got: got if len(got) == 2 else None)(leases()))
+    # each lease renewed once (a third of its 10 s after it was taken) before the store freezes
+    wait_until(lambda: all(d["expires"] > taken[p]["expires"] for p, d in leases().items()))
     os.killpg(own_seaweed.proc.pid, signal.SIGSTOP)
     frozen = time.time()
     ended = {}
@@ -365,12 +371,11 @@ def test_a_lease_is_counted_lost_before_it_expires_when_the_store_stops_answerin
         os.killpg(own_seaweed.proc.pid, signal.SIGCONT)
     assert set(ended) == {"keep", "serve"}, "not stopped within 40 s of the store freezing"
     assert k.wait(5) == 2 and s.proc.wait(5) == 2
-    client = own_seaweed.client()
-    time.sleep(1.0)        # a request that was on its way when the store froze lands now, if it does
-    leases = {m["path"]: json.loads(bytes(obstore.get(client, m["path"]).bytes()))
-              for m in obstore.list(client, prefix=prefix).collect() if m["path"].endswith(".lease")}
-    keep_lease = next(d for p, d in leases.items() if ".slotctl-keep-" in p)
-    serve_lease = next(d for p, d in leases.items() if ".slotctl-serve-" in p)
+    # the leases as the store holds them now (a renewal that was on its way when it froze, if one lands, can only
+    # put an expiry later: read at once, the expiry each process had when it stopped is the strictest test)
+    held = leases()
+    keep_lease = next(d for p, d in held.items() if ".slotctl-keep-" in p)
+    serve_lease = next(d for p, d in held.items() if ".slotctl-serve-" in p)
     assert ended["keep"] < keep_lease["expires"], (ended, keep_lease, frozen)
     assert ended["serve"] < serve_lease["expires"], (ended, serve_lease, frozen)
     events = [json.loads(x) for x in k.stdout.read().splitlines()]
@@ -387,36 +392,6 @@ def test_a_lease_is_counted_lost_before_it_expires_when_the_store_stops_answerin
 # -- llama-server's router mode ------------------------------------------------------------------------------
 
 
-class Router:
-    """b11434 in router mode: no -m, ``--models-dir`` with the tiny model as ``tiny``; it starts the model's own
-    server (a child on 127.0.0.1 and a port it chooses) at the first request naming it."""
-
-    def __init__(self, binary: Path, models: Path, slots: Path, log: Path):
-        from llama_server import LlamaServer
-
-        class R(LlamaServer):
-            def command(self) -> list[str]:
-                return [str(self.binary), "--host", self.host, "--port", str(self.port), "--models-dir", str(models),
-                        "-t", "2", "-tb", "2", "--no-ui", "--slot-save-path", str(slots), *ARGS]
-
-        self.srv = R(binary, models / "tiny.gguf", log_path=log).start()
-        self.url = self.srv.url
-
-    @classmethod
-    def of_tiny(cls, binary: Path, tiny_models, tmp_path: Path) -> tuple["Router", Path, Path]:
-        """A router whose --models-dir holds the tiny model as ``tiny``; with its slot directory and a store."""
-        import shutil
-
-        models, slots, store = tmp_path / "models", tmp_path / "slots", tmp_path / "store"
-        for d in (models, slots, store):
-            d.mkdir()
-        shutil.copy(tiny_models.target, models / "tiny.gguf")
-        return cls(binary, models, slots, tmp_path / "router.log"), slots, store
-
-    def stop(self) -> None:
-        self.srv.stop()     # its process group: the children with it
-
-
 @server
 def test_router_mode_gets_one_line_naming_the_models_own_server(llama_server_bin, tiny_models, tmp_path):
     """slotctl pointed at a router says so in one line, naming each model's own server; b11434's router refuses
@@ -428,7 +403,7 @@ def test_router_mode_gets_one_line_naming_the_models_own_server(llama_server_bin
     router, slots, store = Router.of_tiny(llama_server_bin, tiny_models, tmp_path)
     try:
         r = subprocess.run([sys.executable, "-m", "slotctl", "slots", "--server", router.url], capture_output=True,
-                           text=True, timeout=60, env=_env())
+                           text=True, timeout=60, env=child_env())
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r
         assert "is llama-server's router (router mode)" in r.stderr and "tiny (unloaded" in r.stderr, r.stderr
 
@@ -449,13 +424,13 @@ def test_router_mode_gets_one_line_naming_the_models_own_server(llama_server_bin
         status, answer = post("/slots/1?action=save", {"filename": "by-body.bin", "model": "tiny"})
         assert status == 200 and answer["n_saved"] > 0 and (slots / "by-body.bin").exists(), answer
         r = subprocess.run([sys.executable, "-m", "slotctl", "slots", "--server", router.url], capture_output=True,
-                           text=True, timeout=60, env=_env())
+                           text=True, timeout=60, env=child_env())
         assert r.returncode == 2, r
         own = re.search(r"tiny (http://127\.0\.0\.1:\d+) \(loaded\)", r.stderr)
         assert own, r.stderr
         k = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--save-all", "--server", own.group(1),
                             "--slot-dir", str(slots), "--store", str(store), "--json", "--timeout", "60"],
-                           capture_output=True, text=True, timeout=120, env=_env())
+                           capture_output=True, text=True, timeout=120, env=child_env())
         assert k.returncode == 0, k
         stored = [json.loads(x) for x in k.stdout.splitlines() if json.loads(x)["event"] == "stored"]
         assert [e["slot"] for e in stored] == [1], k.stdout
@@ -467,8 +442,10 @@ def test_router_mode_gets_one_line_naming_the_models_own_server(llama_server_bin
 @server
 def test_serve_stores_again_once_the_store_answers_again(fresh, own_seaweed, tmp_path):
     """A real SeaweedFS killed under serve: requests go on uncached (a save failed); started again, the next
-    state is stored (a store that stopped answering is tried again, not refused for the rest of the run)."""
-    env = {**own_seaweed.env(), "HOME": str(own_seaweed.dir)}
+    state is stored (a store that stopped answering is tried again, not refused for the rest of the run).
+    serve tries such a store again every 10 s; here every 0.5 s (SLOTCTL_STORE_AGAIN): each new turn's save
+    fails until serve has tried the store again, the next is stored."""
+    env = {**own_seaweed.env(), "HOME": str(own_seaweed.dir), "SLOTCTL_STORE_AGAIN": "0.5"}
     store = f"s3://{BUCKET}/again-{tmp_path.name}/"
     s = Serve(fresh.url, fresh.save_dir, store, env=env)
     try:
@@ -476,11 +453,15 @@ def test_serve_stores_again_once_the_store_answers_again(fresh, own_seaweed, tmp
         assert s.wait_for("saves", 1)["saves"] == 1, s.output()
         own_seaweed.stop()
         complete(s.url, TURN1 + TURN2_EXTRA)
-        assert s.wait_for("save_failures", 1)["save_failures"] >= 1, s.output()
+        failed = s.wait_for("save_failures", 1)["save_failures"]
+        assert failed >= 1, s.output()
         own_seaweed.start()
-        time.sleep(11)       # serve tries a store that stopped answering again every 10 s
-        complete(s.url, TURN2_EXTRA + TURN1)
-        c = s.wait_for("saves", 2)
+        for turn in range(1, 21):       # a new state each turn: stored once the store is tried again
+            complete(s.url, f"Turn {turn}." + TURN2_EXTRA + TURN1)
+            c = s.wait_for_any(("saves", 2), ("save_failures", failed + 1))
+            if c["saves"] == 2:
+                break
+            failed = c["save_failures"]
         assert c["saves"] == 2, s.output()
     finally:
         assert s.stop() == 0, s.output()
@@ -506,7 +487,7 @@ def test_a_store_that_stalls_for_half_the_lease_costs_no_lease(own_seaweed, tmp_
     stalls here) stopped both, exit 2, lease_lost."""
     import random
 
-    env = _env({**own_seaweed.env(), "HOME": str(own_seaweed.dir)}, drop_aws=True)
+    env = child_env({**own_seaweed.env(), "HOME": str(own_seaweed.dir)}, drop_aws=True)
     prefix = f"stalls-{tmp_path.name}/"
     store = f"s3://{BUCKET}/{prefix}"
     up = f"http://127.0.0.1:{free_port()}"
@@ -665,7 +646,7 @@ def test_a_keeper_stalled_past_its_lease_writes_nothing_after_the_takeover(fresh
     the takeover, keep exits 2 with lease_lost. Three trials."""
     import random
 
-    from test_fleet import Keep
+    from keeping import Keep
 
     env = _s3_env(own_seaweed, monkeypatch)
     prefix = f"keeper-{tmp_path.name}/"

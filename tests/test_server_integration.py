@@ -26,7 +26,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import start_server
-from llama_server import LlamaServer, free_port
+from llama_server import N_PREDICT, SUFFIX, LlamaServer, free_port
 from slotctl.live import http as server_api
 from slotctl.cli.app import app
 from slotctl.errors import ExitStatus, UsageError
@@ -38,9 +38,6 @@ from slotctl.tinymodels import SAMPLE_PROMPT
 server = pytest.mark.server
 runner = CliRunner()
 
-N_PREDICT = 8
-#: what the second turn appends to the restored prompt: words of the vocabulary, one token each
-SUFFIX = " The river runs through the middle of the city"
 API_KEY = "slotctl-test-key"
 
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from slotctl.cli.app import app
 from slotctl.tinymodels import KINDS, MEMORY_KINDS, SAMPLE_PROMPT, make_kind_model
 from conftest import start_server
-from test_server_integration import N_PREDICT, SUFFIX
+from llama_server import N_PREDICT, SUFFIX
 
 pytestmark = pytest.mark.server
 runner = CliRunner()

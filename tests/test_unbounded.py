@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +23,6 @@ from slotctl.paths import STDIN_MAX_BYTES, read_bounded
 from slotctl.server.flags import INT_MAX, ServerFlags, env_switch, from_environment
 
 from conftest import DATA, default_signals
-from test_hostile_server import serve  # noqa: F401 - scripted servers on 127.0.0.1
 
 SLOT = DATA / "srv-np1.bin"
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,7 +223,7 @@ def _keep_until_sigterm(url: str, slot_dir: Path, ready, settle: float) -> tuple
 def test_keep_honours_sigterm_while_a_read_is_in_flight(serve, tmp_path, what):
     """keep --timeout 600 against a server whose /slots drips a byte every 0.2 s (or answers 63 MiB of
     escapes, 20.8 s to honour SIGTERM before the answer bound): SIGTERM cuts the read off, exit 0 at once."""
-    from test_hostile_server import GOOD_PROPS, drip_body, send_json
+    from scripted import GOOD_PROPS, drip_body, send_json
 
     def answer(h):
         if h.path.startswith("/slots"):
@@ -253,7 +251,7 @@ def test_keep_stopped_during_its_look_at_the_slots_reports_no_error(serve, tmp_p
     """SIGTERM while keep's own look at the slots (after the server's facts, before a restore or save) is in
     flight: the read is cut off, which is the stop and not an error of the server; the last save looks
     again and the run ends 0 with no error event (CI once saw "GET /slots: cut off: stopping" as one)."""
-    from test_hostile_server import GOOD_PROPS, GOOD_SLOTS, drip_body, send_json
+    from scripted import GOOD_PROPS, GOOD_SLOTS, drip_body, send_json
 
     looks = []
 

@@ -17,7 +17,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -28,9 +27,8 @@ import pytest
 from conftest import start_server
 from llama_server import free_port
 from seaweed import BUCKET
-from test_serve import ARGS, TURN1
-from test_store import seaweed  # noqa: F401 - the real S3 server (SeaweedFS), session-scoped
-from test_unattended import wait_until
+from keeping import wait_until
+from serving import ARGS, TURN1
 
 ROOT = Path(__file__).resolve().parents[1]
 #: systemd's default PATH for services (a merged /usr, Debian 12): no venv's bin in it

@@ -8,7 +8,7 @@ import os
 import time
 from stat import S_ISREG
 
-from slotctl.catalog.index import Cached, Index, RACY_NS, index_path, local_identity, object_identity, storable
+from slotctl.catalog.index import Cached, Index, index_path, local_identity, object_identity, racy_ns, storable
 from slotctl.catalog.rows import Request, iso_time, request_key
 from slotctl.errors import ExitStatus
 from slotctl.paths import STDIN
@@ -45,6 +45,8 @@ class Known:
         #: when this run began: every identity it takes is as of this time or later, so a row is stored as
         #: read then (never later than the read it was made from)
         self.started_ns = time.time_ns()
+        #: the racy rule (:func:`slotctl.catalog.index.racy_ns`), read once
+        self.racy_ns = racy_ns()
         self._places: dict[str, _Place] = {}
         self._dirs: dict[str, tuple] = {}            # a directory as given -> its index, its absolute path/
         self._stats: dict[str, os.stat_result] = {}  # local path as given -> its stat
@@ -104,7 +106,7 @@ class Known:
             return None
         place, key, ident, _ = look
         entry = (place.rows if table == "rows" else place.heads).get(key)
-        if entry is None or entry[0] != ident or entry[2] - entry[1] < RACY_NS:
+        if entry is None or entry[0] != ident or entry[2] - entry[1] < self.racy_ns:
             return None
         return entry[3]
 

@@ -241,8 +241,9 @@ class ServerFacts:
     From ``GET /slots`` (the entry of ``slot``): ``n_ctx_slot`` (the slot's context in tokens; from
     ``/props`` ``default_generation_settings.n_ctx`` when ``/slots`` is disabled, see ``n_ctx_from``),
     ``speculative`` (the slot decodes speculatively; None when ``/slots`` is disabled) and
-    ``speculative_types`` (``params["speculative.types"]``, e.g. ``"none,draft-simple"``; present only once
-    the slot has run a task, else None).
+    ``speculative_types`` (``params["speculative.types"]``, e.g. ``"none,draft-simple"``: the server's, read
+    from the slot's entry or, when the slot has run no task yet, another slot's; None until some slot has run
+    one).
     From ``GET /v1/models``: ``model_meta`` (``n_vocab``, ``n_ctx_train``, ``n_embd``, ``n_params``,
     ``size``; None when the server does not answer it). ``props`` / ``slots``: the answers as they came.
 
@@ -298,8 +299,15 @@ def server_facts(url: str, slot: int = 0, *, api_key: str | None = None,
     else:
         n_ctx_slot, n_ctx_from = None, None
     speculative = bool(entry.get("speculative")) if entry is not None and "speculative" in entry else None
-    params = entry.get("params") if entry is not None else None
-    spec_types = params.get("speculative.types") if isinstance(params, dict) else None
+    # the server's speculative types are its own (a request sets none): the same in every slot that has run a
+    # task (its entry has ``params``), so a slot that has run none takes them from one that has; read from the
+    # asked slot alone they came and went with which slot the last requests used
+    spec_types = None
+    for e in [entry, *(slots or [])]:
+        params = e.get("params") if isinstance(e, dict) else None
+        if isinstance(params, dict) and isinstance(params.get("speculative.types"), str):
+            spec_types = params["speculative.types"]
+            break
     meta = None
     try:
         models = get_models(base, api_key=api_key, timeout=timeout, pool=pool, model=model)

@@ -14,8 +14,8 @@ from slotctl.errors import UsageError
 LOOP_STUCK = 30.0
 #: seconds between two beats of the event loop
 BEAT = 1.0
-#: seconds after which a store that stopped answering is tried again
-AGAIN = 10.0
+#: seconds after which a store that stopped answering is tried again (``SLOTCTL_STORE_AGAIN``: a test's shorter one)
+AGAIN = float(os.environ.get("SLOTCTL_STORE_AGAIN") or 10.0)
 
 
 def serve(upstream: str, slot_dir: str | os.PathLike, store: str | None, *, host: str, port: int,
