@@ -30,8 +30,17 @@ back-to-back agent loop (a 2,000-token conversation, each turn sent the moment i
 tokens evaluated per turn); ``--chats`` streamed chats through the official ``openai`` SDK (the states
 serve saved of them).
 
+``--router``: serve in front of llama-server b11669's router (issue 34; tests/llama_server.py's sid chroot): two
+models of different sizes in its ``--models-dir``, ``--models-max 1``, ``--conversations`` conversations with each
+model interleaved so that every turn swaps models (the router unloads one model for the other); the whole run twice,
+each on a router started anew, once straight to the router, once through one ``slotctl serve`` for the whole router.
+Printed side by side: the prompt tokens each model's server evaluated (its ``timings.prompt_n``) on returning turns,
+whether every answer is identical, and the time to first token of returning turns (streamed; the model's load is in
+both: the router loads the model for the request, or serve has it load it before its restore), with the load
+average.
+
 Run: ``python benchmarks/bench_serve.py [--conversations 16] [--turns 4] [--overhead 40] [--s3] [--out FILE]
-[--start-repeat 6] [--only-overhead] [--only-cases] [--chats 100]``.
+[--start-repeat 6] [--only-overhead] [--only-cases] [--chats 100] [--router]``.
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from llama_server import LlamaServer, server_binary  # noqa: E402
+from llama_server import LlamaServer, seed_server, server_binary  # noqa: E402
 
 from slotctl.tinymodels import SAMPLE_PROMPT  # noqa: E402
 from slotctl.tinymodels.llama import make_model  # noqa: E402
@@ -209,7 +218,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2,
                     help="the server's -t and -tb with --only-overhead (1: no wait on a second thread that a loaded "
                          "machine has not scheduled)")
+    ap.add_argument("--router", action="store_true",
+                    help="serve in front of b11669's router: two models, --models-max 1, every turn a swap")
     a = ap.parse_args()
+    if a.router:
+        return router_bench(a)
     binary = server_binary()
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         tmp = Path(tmp)
@@ -452,6 +465,122 @@ def two_serves(binary, model, args, tmp: Path, a) -> None:
         for srv in servers:
             srv.stop()
         weed.stop()
+
+
+
+# -- --router: serve in front of b11669's router, every turn a swap ------------------------------------------
+
+#: the two models of the router: (name, layers, n_embd, heads, kv heads, n_ff)
+ROUTER_MODELS = (("small", 4, 256, 4, 2, 512), ("large", 12, 512, 8, 2, 1536))
+
+
+def stream(url: str, body: dict, timeout: float = 600) -> dict:
+    """A streamed completion: its answer's text, the last event's timings, and the seconds to its first token."""
+    import http.client
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    t0 = time.perf_counter()
+    conn.request("POST", "/completion", json.dumps(dict(body, stream=True)), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+    first, content, last = None, [], {}
+    for line in resp:
+        if not line.startswith(b"data: "):
+            continue
+        ev = json.loads(line[6:])
+        if first is None and ev.get("content"):
+            first = time.perf_counter() - t0
+        content.append(ev.get("content", ""))
+        last = ev
+    conn.close()
+    return {"content": "".join(content), "timings": last.get("timings") or {}, "ttft": first,
+            "secs": time.perf_counter() - t0}
+
+
+def router_turns(url: str, a, names: list[str]) -> list[dict]:
+    """``a.conversations`` conversations with each model, interleaved (the models alternate at every request:
+    with --models-max 1 each is a swap), ``a.turns`` turns each."""
+    convs = [(m, i) for i in range(a.conversations) for m in names]
+    prompts = {c: conversation_start(c[1] + 10 * names.index(c[0]), a.start_repeat) for c in convs}
+    rows = []
+    for turn in range(a.turns):
+        for c in convs:
+            if turn:
+                prompts[c] += f" Question {turn}: and what of the {TOPICS[(c[1] + turn) % len(TOPICS)]} after that?"
+            ans = stream(url, {"model": c[0], "prompt": prompts[c], "n_predict": a.predict, "temperature": 0,
+                               "cache_prompt": True})
+            rows.append({"model": c[0], "conv": c[1], "turn": turn, "content": ans["content"], "ttft": ans["ttft"],
+                         "secs": ans["secs"], "prompt_n": ans["timings"].get("prompt_n"),
+                         "cache_n": ans["timings"].get("cache_n")})
+            prompts[c] += ans["content"]
+    return rows
+
+
+def router_bench(a) -> None:
+    chroot = seed_server()
+    with tempfile.TemporaryDirectory(dir=a.dir or "/tmp") as tmp:      # under /tmp: the chroot sees it
+        tmp = Path(tmp)
+        models = tmp / "models"
+        models.mkdir()
+        for name, layers, embd, heads, kv, ff in ROUTER_MODELS:
+            make_model(models / f"{name}.gguf", n_layer=layers, n_embd=embd, n_head=heads, n_head_kv=kv,
+                       head_dim=embd // heads, n_ff=ff, context_length=8192, seed=layers,
+                       name=f"slotctl-bench-{name}")
+        names = [m[0] for m in ROUTER_MODELS]
+        sizes = {n: (models / f"{n}.gguf").stat().st_size for n in names}
+        results = {}
+        for label in ("router alone", "serve"):
+            d = tmp / label.replace(" ", "-")
+            (d / "slots").mkdir(parents=True)
+            (d / "store").mkdir()
+            srv = LlamaServer(chroot, None, args=["--models-dir", models, "--models-max", "1", "-c", "8192", "-np",
+                                                  "2", "-fa", "on"],
+                              slot_save_path=d / "slots", log_path=d / "router.log")
+            srv.start(timeout=300)
+            serve = None
+            try:
+                if label == "serve":
+                    serve = Serve(srv.url, d / "slots", str(d / "store"), log=d / "serve.log")
+                t0 = time.perf_counter()
+                rows = router_turns(serve.url if serve else srv.url, a, names)
+                results[label] = {"rows": rows, "wall": time.perf_counter() - t0,
+                                  "loads": srv.log_text().count("spawning server instance with name=")}
+                if serve is not None:
+                    serve.idle()
+                    results[label]["stats"] = serve.stats()
+            finally:
+                if serve is not None:
+                    results[label]["serve_exit"] = serve.stop()
+                srv.stop()
+        alone, cached = results["router alone"], results["serve"]
+        same = [x["content"] == y["content"] for x, y in zip(alone["rows"], cached["rows"])]
+        print(f"load average {os.getloadavg()[0]:.1f} at the end; llama-server b11669's router, --models-max 1, -np 2; "
+              f"models {', '.join(f'{n} ({sizes[n] / 1e6:.0f} MB)' for n in names)}; {a.conversations} conversation(s) "
+              f"with each x {a.turns} turns, interleaved: every request swaps models")
+        print(f"the router loaded a model {alone['loads']} times alone, {cached['loads']} times behind serve")
+        print(f"{'':34}{'router alone':>14}{'serve':>14}{'serve/alone':>14}")
+        for name in ("all", *names):
+            xs = [r for r in alone["rows"] if r["turn"] > 0 and name in ("all", r["model"])]
+            ys = [r for r in cached["rows"] if r["turn"] > 0 and name in ("all", r["model"])]
+            px, py = sum(r["prompt_n"] for r in xs), sum(r["prompt_n"] for r in ys)
+            tx = statistics.median(r["ttft"] for r in xs) * 1000
+            ty = statistics.median(r["ttft"] for r in ys) * 1000
+            print(f"{'prompt tokens, returning, ' + name:34}{px:>14,}{py:>14,}{py / px if px else 0:>14.3f}")
+            print(f"{'ttft median ms, returning, ' + name:34}{tx:>14.0f}{ty:>14.0f}{ty / tx if tx else 0:>14.3f}")
+        back = [(x, y) for x, y in zip(alone["rows"], cached["rows"]) if x["turn"] > 0]
+        px, py = sum(x["prompt_n"] for x, _ in back), sum(y["prompt_n"] for _, y in back)
+        print(f"prompt tokens evaluated on returning turns: {1 - py / px:.1%} fewer through serve (goal: at least 90%)")
+        print(f"answers identical: {sum(same)}/{len(same)}")
+        print(f"wall: router alone {alone['wall']:.1f} s, serve {cached['wall']:.1f} s")
+        st = cached["stats"]
+        print(f"serve: {st['restores']} restores, {st['saves']} saves ({st['saves_deduplicated']} deduplicated), "
+              f"{st['restore_failures']} restore failures, {st['save_failures']} save failures, "
+              f"{st['passed_through']} passed through, exit {cached['serve_exit']}")
+        if a.out:
+            Path(a.out).write_text(json.dumps({"alone": alone["rows"], "serve": cached["rows"], "stats": st}))
 
 
 if __name__ == "__main__":

@@ -180,6 +180,11 @@ def test_serve_reads_the_configuration_and_flags_override_it(tmp_path):
         r = subprocess.run(serve_cmd("--config", str(bad)), capture_output=True, text=True, timeout=60, env=child_env())
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
         assert str(bad) in r.stderr
+    # an entry naming a router's model: one serve fronts every model of a router, given the router's entry
+    bad.write_text(f'[[servers]]\nurl = "{up}"\nslot_dir = "{tmp_path}"\nmodel = "qwen"\n')
+    r = subprocess.run(serve_cmd("--config", str(bad)), capture_output=True, text=True, timeout=60, env=child_env())
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "names a router's model ('qwen')" in r.stderr and "the router's entry without a model" in r.stderr
 
 
 # -- one serve per server and store ------------------------------------------------------------------------

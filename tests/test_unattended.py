@@ -236,8 +236,8 @@ BAD_CONFIGS = [
      "servers[0].api_key_env: expected the name of an environment variable, got 'my key'"),
     ("servers = 3\n", "servers: expected an array of tables ([[servers]]), got 3"),
     ("[[servers]]\nurl = 'http://a'\nmodel = ''\n", "servers[0].model: expected a string (not empty), got ''"),
-    ("[[servers]]\nurl = 'http://a'\nmodel = 'x'\nname = 'x'\n[[servers]]\nurl = 'http://a/'\nmodel = 'y'\n"
-     "name = 'y'\n", "servers[1].model: http://a: one model per router URL in one run (both 'x' and 'y' were given)"),
+    ("[[servers]]\nurl = 'http://a'\nmodel = \"x\\u0007\"\n",
+     "servers[0].model: expected the model's name, as the router's GET /models lists it, got 'x\\x07'"),
     ("[budget]\nmax_size = 'lots'\n", "budget.max_size: expected a size such as 20G or 500M, got 'lots'"),
     ("[retention]\nnewest = 0\n", "retention.newest: expected an integer from 1 to 1,048,576, got 0"),
     ("[proof]\npolicy = 'sometimes'\n", 'proof.policy: expected "always" or "never", got \'sometimes\''),

@@ -78,6 +78,7 @@ def keep(
 
     out = Output(json_mode=json_out)
     run = running.settings("keep", config, server, slot_dir, store, api_key)
+    router_model = router_model if router_model is not None else run.model     # the flag over the file's entry
     if router_model is not None and run.url is not None:
         run.url = remote.server_url(run.url, router_model)
     every, min_tokens = run.pick(every, "every", 30.0), run.pick(min_tokens, "min_tokens", 1)

@@ -55,7 +55,9 @@ def slots(
     a --store: one table of every server's slots (model, slot, tokens, idle or busy, last saved, the
     states stored for the slot and the server's model, from --store or each server's store in --config,
     and the predicted reuse of the best of them: validate's verdict and prediction for the server now
-    running); --json: {servers: [...], exit_code}; --watch redraws it.
+    running); --json: {servers: [...], exit_code}; --watch redraws it. A router's entry in --config
+    without a model: one entry per model of the router, loaded or not (not loaded: the states the
+    store holds for it, not judged; never loaded by the look).
 
     Exit codes: 0 listed; 1 the server refused (e.g. started with --no-slots); 2 unreachable, wrong API
     key, usage error (with several servers: the worst, every server still shown).
@@ -79,7 +81,7 @@ def slots(
         from slotctl.unattended.config import load
 
         cfg = load(config)
-        targets += [Target(e.url, e.name, e.store or store, e.api_key() or api_key) for e in cfg.servers]
+        targets += [Target(e.url, e.name, e.store or store, e.api_key() or api_key, e.model) for e in cfg.servers]
         use_store([e.store for e in cfg.servers])
     if not targets:
         raise UsageError("--server: no URL given (nor [[servers]] in --config)")
@@ -118,7 +120,7 @@ def render_fleet(out: Output, servers: list[dict]) -> None:
     for col in COLUMNS:
         t.add_column(col, justify="right" if col in ("slot", "tokens", "stored", "best reuse") else "left")
     for row in rows(servers):
-        style = {"busy": "yellow", "idle": "green", "error": "bold red"}[row[4]]
+        style = {"busy": "yellow", "idle": "green", "error": "bold red"}.get(row[4], "dim")    # a router's model not loaded
         t.add_row(*map(_plain, row[:4]), Text(row[4], style=style), *map(_plain, row[5:]))
     out.table(t, keep=("slot", "tokens", "state", "last saved", "stored", "best reuse"))
     out.print(Text(summary(servers), style="dim"))

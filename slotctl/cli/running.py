@@ -27,6 +27,8 @@ class Settings:
     max_size: str | None
     newest: int | None
     proof: str | None
+    #: the configuration file's server entry's router model (None: none, or no file)
+    model: str | None = None
 
     def pick(self, flag: Any, key: str, default: Any) -> Any:
         """A flag's value: given, else the configuration file's ``key``, else ``default``."""
@@ -61,8 +63,8 @@ def settings(section: str, config: Path | None, url: str | None, slot_dir: Path 
     from slotctl.unattended.config import Config, load
 
     cfg = load(config) if config is not None else Config()
-    url, slot_dir, store, api_key = cfg.fill(section, url, slot_dir, store, api_key)
-    return Settings(url, slot_dir, store, api_key, getattr(cfg, section), cfg.max_size, cfg.newest, cfg.proof)
+    url, slot_dir, store, api_key, model = cfg.fill(section, url, slot_dir, store, api_key)
+    return Settings(url, slot_dir, store, api_key, getattr(cfg, section), cfg.max_size, cfg.newest, cfg.proof, model)
 
 
 def unreported_flags(ctx, kv_unified: bool, cache_type_k: str | None, cache_type_v: str | None):

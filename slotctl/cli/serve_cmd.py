@@ -56,7 +56,10 @@ def serve(
     is saved into the store (once per content), kept under --max-size. The cache never fails a
     request: what fails in it is logged and the request goes uncached. A state stored by a server of
     other -np or -kvu (another serve sharing the store) is converted for this one first (exact; cache
-    types never re-encoded) and judged again. GET /slotctl/stats: counters. One log line per
+    types never re-encoded) and judged again. In front of llama-server's router (started without
+    -m): one cache per model behind it, by each request's "model", each model's prompts restored
+    into the fresh server the router starts after a swap; a model is loaded only for a request the
+    router would load it for. GET /slotctl/stats: counters. One log line per
     event; --json: one JSON line each, the first saying where serve listens.
     Behind --api-key (serve's or the server's), nothing is done for a client the server refuses: its
     request goes on untouched. Limits: --max-connections, --idle-timeout, --max-body (a larger body goes
@@ -78,14 +81,12 @@ def serve(
     from slotctl.unattended.metrics import parse_listen
 
     run = running.settings("serve", config, upstream, slot_dir, store, api_key)
-    if run.url is not None:
-        from slotctl.live import router
+    if run.url is not None and run.model is not None:
         from slotctl.live.http import normalize_url
 
-        if router.model_for(normalize_url(run.url)) is not None:
-            raise UsageError(f"serve: {normalize_url(run.url)} is a router (its server entry names a model): serve "
-                             f"caches one server's prompts and does not front a router's models (point it at the "
-                             f"model's own server; docs/fleet.md, router mode)")
+        raise UsageError(f"serve: {normalize_url(run.url)}'s server entry names a router's model ({run.model!r}): one "
+                         f"serve fronts every model of a router (each request's \"model\" names which): give it the "
+                         f"router's entry without a model (docs/serve.md, in front of llama-server's router)")
     listen, min_gain = run.pick(listen, "listen", "127.0.0.1:8081"), run.pick(min_gain, "min_gain", 16)
     from slotctl.unattended.config import RESTORE_POLICIES
 

@@ -109,8 +109,9 @@ def server_page(url: str, facts, up: bool | None, states, *, every: float, title
     new state judged once (:func:`slotctl.fleet.view.stored_states`)."""
     from slotctl.errors import SlotctlError
     from slotctl.fleet.view import Target, server_doc
+    from slotctl.live import router
 
-    t = Target(url, store=str(states.store))
+    t = Target(url, store=str(states.store), model=states.router_model or router.model_for(url))
     if facts is None or up is not True:
         why = "not looked at yet" if up is None else "the server did not answer the last look"
         doc = server_doc(t, None, error=SlotctlError(why))

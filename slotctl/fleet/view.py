@@ -17,6 +17,12 @@ slot keeps for a request that extends the saved prompt (b11434 ignores a file's 
 :func:`slotctl.live.prove.server_reads_checkpoints`). The slot's *best* state is the one that restores and
 keeps the most (the newest of equals). Each server's states are kept for as long as the process runs
 (:func:`states_of`), so ``--watch`` judges each state once; keep's page judges with keep's own.
+
+A router (llama-server started without ``-m``) is one document per model (:func:`router_docs`): the router's
+``GET /models`` lists them, loaded or not; a loaded one is read as a server of its own (through the router, by its
+name, never loading it), and an unloaded one shows what the store holds for it (each state named for the model
+as its server would name it: :func:`slotctl.live.http.unloaded_facts`), not judged: it is judged for the server the
+router starts next. A configuration file's entry that names a router's model is that model's document alone.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from dataclasses import dataclass
 
 from slotctl.errors import ExitStatus, SlotctlError, error_entry
 from slotctl.keeping.judged import RESTORES
-from slotctl.live import http
+from slotctl.live import http, router
 
 
 @dataclass
@@ -36,10 +42,13 @@ class Target:
     name: str | None = None
     store: str | None = None
     api_key: str | None = None
+    #: the router's model (a configuration file entry's ``model``); None: a server of its own, or every model of
+    #: the router at ``url``
+    model: str | None = None
 
 
-#: each server's states with its store, as this process judged them (``--watch`` passes): by URL and store
-_STATES: dict[tuple[str, str], object] = {}
+#: each server's states with its store, as this process judged them (``--watch`` passes): by URL, model and store
+_STATES: dict[tuple[str, str | None, str], object] = {}
 _STATES_LOCK = threading.Lock()
 
 
@@ -49,11 +58,12 @@ def states_of(t: Target):
     and store for the life of the process."""
     from slotctl.keeping.states import ServerStates
 
-    key = (http.normalize_url(t.url), t.store)
+    key = (http.normalize_url(t.url), t.model, t.store)
     with _STATES_LOCK:
         found = _STATES.get(key)
         if found is None:
-            found = _STATES[key] = ServerStates(t.url, None, t.store, api_key=t.api_key, create_catalog=False)
+            found = _STATES[key] = ServerStates(t.url, None, t.store, api_key=t.api_key, create_catalog=False,
+                                                router_model=t.model)
         return found
 
 
@@ -105,7 +115,9 @@ def server_doc(t: Target, facts: http.ServerFacts | None, *, states=None, error:
     states (``states``: the server's :class:`~slotctl.keeping.states.ServerStates`, keep's own; else
     ``t.store``'s, :func:`states_of`); ``error``: why the server could not be read."""
     doc = {"server": http.normalize_url(t.url), "name": t.name, "store": t.store, "model": None,
-           "identity": None, "total_slots": None, "build_info": None, "error": None, "slots": []}
+           "identity": None, "router_model": t.model,
+           "status": "loaded" if t.model is not None and facts is not None else None,
+           "total_slots": None, "build_info": None, "error": None, "slots": []}
     if facts is None:
         e = error or SlotctlError("not read yet")
         doc["error"] = {"code": getattr(e, "error_code", "error"), "message": str(e)}
@@ -136,18 +148,90 @@ def server_doc(t: Target, facts: http.ServerFacts | None, *, states=None, error:
     return doc
 
 
-def _server(t: Target, timeout: float) -> dict:
+def unloaded_doc(t: Target, entry: dict, build_info: str | None = None) -> dict:
+    """The document of a router's model that is not loaded (``entry``: the router's ``GET /models`` entry of it,
+    :func:`slotctl.live.router.parse_models`): its status and GGUF, no slots of a server, and the states the store
+    holds for it (``t.store``'s, named for the model's content as its server names it: its GGUF read and hashed
+    here), one row per slot
+    they were saved from, not judged (verdict ``not_judged``: judged for the server the router starts next)."""
+    from slotctl import seal
+    from slotctl.catalog import iso_time
+    from slotctl.live.identity import identify
+
+    doc = {"server": http.normalize_url(t.url), "name": t.name, "store": t.store, "model": entry["model_path"],
+           "identity": None, "router_model": entry["name"], "status": entry["status"], "total_slots": None, "build_info": build_info,
+           "error": None, "slots": [], "exit_code": 0}
+    if t.store is None:
+        return doc
+    why = f"{entry['name']!r} is {entry['status']}: judged for the server the router starts for it next"
     try:
-        facts = http.server_facts(t.url, api_key=t.api_key, timeout=timeout)
+        facts = http.unloaded_facts(t.url, entry, build_info)
+        ident = identify(facts.model_path, facts.model_meta)     # its content, as its server would name it
+        doc["identity"] = {"model": ident.target.digest, "unidentified": None}
+        model = ident.short
+        states = states_of(t)
+        listed = states.listing(lambda name: (said := seal.parse_name(name)) is not None and said.sealed
+                                and said.model == model)
+    except (SlotctlError, OSError) as e:
+        doc["error"] = {"code": error_entry(e).code, "message": f"{t.store}: {e}"}
+        doc["exit_code"] = int(ExitStatus.USAGE)
+        return doc
+    by_slot: dict[int, list[dict]] = {}
+    for name in sorted(listed, key=lambda n: listed[n][1], reverse=True):
+        said = seal.parse_name(name)
+        if said is None or said.slot is None:
+            continue
+        by_slot.setdefault(said.slot, []).append({"name": name, "saved": iso_time(listed[name][1] / 1e9),
+                                                   "n_tokens": said.n_tokens, "verdict": "not_judged",
+                                                   "n_reused": None, "reason": why})
+    for slot in sorted(by_slot):
+        found = by_slot[slot]
+        doc["slots"].append({"slot": slot, "n_ctx": None, "n_tokens": None, "busy": False, "task": None,
+                             "stored_states": len(found), "last_saved": found[0]["saved"], "states": found,
+                             "best": None})
+    return doc
+
+
+def router_docs(t: Target, timeout: float) -> list[dict]:
+    """One document per model of the router at ``t.url`` (its ``GET /models``, in its order): a loaded one read
+    through the router by its name (never loading it: ``autoload=false``), one that is not, :func:`unloaded_doc`."""
+    from dataclasses import replace
+
+    try:
+        models = http.router_models(t.url, api_key=t.api_key, timeout=timeout)
+        props = http.router_props(t.url, api_key=t.api_key, timeout=timeout) or {}
     except SlotctlError as e:
-        return server_doc(t, None, error=e)
-    return server_doc(t, facts)
+        return [server_doc(t, None, error=e)]
+    build = props.get("build_info") if isinstance(props.get("build_info"), str) else None
+    return [_server(replace(t, model=m["name"]), timeout, m, build)[0] for m in models]
+
+
+def _server(t: Target, timeout: float, entry: dict | None = None, build: str | None = None) -> list[dict]:
+    """The documents of ``t``: one, or one per model of a router named with no model."""
+    if entry is not None and entry["url"] is None:
+        return [unloaded_doc(t, entry, build)]
+    try:
+        facts = http.server_facts(t.url, api_key=t.api_key, timeout=timeout, model=t.model)
+    except http.RouterMode as e:
+        if t.model is None and router.model_for(http.normalize_url(t.url)) is None:
+            return router_docs(t, timeout)
+        return [server_doc(t, None, error=e)]
+    except http.RouterModelNotLoaded as e:
+        try:    # unloaded since (or named in the configuration file): what the store holds for it
+            entry = router.pick_model(http.router_models(t.url, api_key=t.api_key, timeout=timeout),
+                                      t.model or router.model_for(http.normalize_url(t.url)) or "")
+        except SlotctlError:
+            entry = None
+        return [unloaded_doc(t, entry, build) if entry is not None else server_doc(t, None, error=e)]
+    except SlotctlError as e:
+        return [server_doc(t, None, error=e)]
+    return [server_doc(t, facts)]
 
 
 def fleet(targets: list[Target], timeout: float) -> list[dict]:
-    """One document per server, in the order given, read concurrently."""
+    """One document per server (a router's: one per model), in the order given, read concurrently."""
     with ThreadPoolExecutor(max(1, min(8, len(targets)))) as pool:
-        return list(pool.map(lambda t: _server(t, timeout), targets))
+        return [doc for docs in pool.map(lambda t: _server(t, timeout), targets) for doc in docs]
 
 
 # -- the rows (the table, the rows on a pipe, the page) ------------------------------------------------------
@@ -157,8 +241,9 @@ COLUMNS = ("server", "model", "slot", "tokens", "state", "last saved", "stored",
 
 def reuse_text(row: dict) -> str:
     """The best state's predicted reuse of a slot, in words: ``N of M`` tokens; ``none restores`` when the
-    store has states of the slot and the server would restore none; ``-`` without a store or states."""
-    if not row.get("states"):
+    store has states of the slot and the server would restore none; ``-`` without a store or states, or when
+    they are not judged (a router's model not loaded)."""
+    if not row.get("states") or all(s["verdict"] == "not_judged" for s in row["states"]):
         return "-"
     b = row["best"]
     if b is None:
@@ -177,10 +262,14 @@ def rows(servers: list[dict]) -> list[tuple[str, ...]]:
         if d["error"] is not None and not d["slots"]:
             out.append((name, "-", "-", "-", "error", "-", "-", "-"))
             continue
-        model = os.path.basename(d["model"] or "") or "-"
+        model = d.get("router_model") or os.path.basename(d["model"] or "") or "-"
+        status = d.get("status")
+        if status not in (None, "loaded") and not d["slots"]:
+            out.append((name, model, "-", "-", status, "-", "-" if d["store"] is None else "0", "-"))
         for s in d["slots"]:
+            state = status if status not in (None, "loaded") else "busy" if s["busy"] else "idle"
             out.append((name, model, str(s["slot"]), "-" if s["n_tokens"] is None else f"{s['n_tokens']:,}",
-                        "busy" if s["busy"] else "idle", s["last_saved"] or "-",
+                        state, s["last_saved"] or "-",
                         "-" if s["stored_states"] is None else str(s["stored_states"]), reuse_text(s)))
     return out
 

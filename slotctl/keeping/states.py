@@ -70,17 +70,22 @@ class ServerStates:
     and how many of each slot's newest states it keeps (:meth:`prune`). ``catalog`` False: verdicts are not
     kept in the store's catalog (``--no-cache``); ``create_catalog`` False: kept only in a catalog keep or
     serve made (the fleet view writes nothing new into a store it only looks at). ``log(event, message, **details)`` gets the catalog's lines
-    and what a save taught (``learned``, ``warning``: ``slot`` among the details)."""
+    and what a save taught (``learned``, ``warning``: ``slot`` among the details). ``router_model``: ``url`` is a
+    router, and this the model whose states these are (every request to it names the model)."""
 
     def __init__(self, url: str, slot_dir: str | os.PathLike | None, store=None, *, role: str | None = None,
                  api_key: str | None = None, timeout: float = 600.0, max_size: int | None = None,
                  retention: int | None = None, catalog: bool = True, flags=None, given: frozenset[str] = frozenset(),
                  allow_lossy: bool = False, log: Callable | None = None, create_catalog: bool = True,
-                 draft_model: str | os.PathLike | None = None, background: bool = False, progress=None):
+                 draft_model: str | os.PathLike | None = None, background: bool = False, progress=None,
+                 router_model: str | None = None):
         if role is not None and role not in names.ROLES:
             raise ValueError(f"role {role!r}: expected one of {names.ROLES}")
         self.role = role
         self.url = http.normalize_url(url)
+        #: the model this server is behind the router at ``url`` (every request names it: slotctl.live.router);
+        #: None: ``url`` is one model's own server (or the model :func:`slotctl.live.router.use_model` set)
+        self.router_model = router_model
         self.slot_dir = Path(slot_dir) if slot_dir is not None else None
         self.store = store if hasattr(store, "where") else open_store(
             store, self.slot_dir if self.slot_dir is not None else Path(store if "://" not in str(store) else "."),
@@ -136,7 +141,7 @@ class ServerStates:
     def read_facts(self, api_key: str | None = None, timeout: float | None = None) -> http.ServerFacts:
         """``/props``, ``/slots``, ``/v1/models`` read again (``api_key``: a client's, when there is none of the
         process's own) and taken (:meth:`set_facts`)."""
-        facts = http.server_facts(self.url, api_key=api_key or self.api_key,
+        facts = http.server_facts(self.url, api_key=api_key or self.api_key, model=self.router_model,
                                   timeout=timeout if timeout is not None else self.timeout, pool=self.pool)
         self.set_facts(facts)
         return facts
@@ -655,7 +660,7 @@ class ServerStates:
         if not self.takes(name):
             raise NotIdentified(f"{name}: not restored: {self.refusal(name)}", code="other_model")
         answer = http.restore_slot(self.url, slot, placed, api_key=api_key or self.api_key, timeout=self.timeout,
-                                   check=False, pool=self.pool)
+                                   check=False, pool=self.pool, model=self.router_model)
         where = self.store.where(name)
         if not where.startswith("s3://"):       # an object has no access time
             _used(where)
@@ -671,7 +676,7 @@ class ServerStates:
         """``slot`` saved by the server into its slot directory as ``work``: its answer (checked: the slot
         and the file name are the ones asked)."""
         return http.save_slot(self.url, slot, work, api_key=api_key or self.api_key, timeout=self.timeout,
-                              check=False, pool=self.pool)
+                              check=False, pool=self.pool, model=self.router_model)
 
     def discard(self, work: str) -> None:
         """A working file removed from the slot directory (gone already: nothing to do)."""

@@ -39,13 +39,13 @@ __all__ = [
     "Pool", "ServerDropped", "ServerError", "ServerFacts", "ServerRedirect", "ServerRefused", "ServerUnreachable",
     "check_filename", "check_shape", "connections_made", "check_slot", "completion", "cut_off_reads", "erase_slot", "get_health",
     "get_models", "get_props", "get_slots", "normalize_url", "parse_answer", "redact", "request", "restore_slot",
-    "router_message", "router_models", "save_slot", "server_facts",
+    "load_for", "router_message", "unloaded_facts", "router_models", "router_props", "save_slot", "server_facts",
 ]
 
 
 def request(url: str, method: str, path: str, body: Any = None, *, query: dict[str, str] | None = None,
             api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT, data: bytes | None = None,
-            pool: Pool | None = None) -> Any:
+            pool: Pool | None = None, model: str | None = None) -> Any:
     """Send one request to the server at ``url`` and return its parsed JSON answer.
 
     ``path`` starts with ``/``; ``body`` (for POST) is sent as JSON, or ``data``, a JSON body as bytes, as they
@@ -55,12 +55,13 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
     connection, sending and reading together (:func:`slotctl.live.transport.send`). Raises
     :class:`ServerUnreachable`, :class:`ServerAuthError` or :class:`ServerRefused` (:mod:`slotctl.live.errors`).
     A router's model (:mod:`slotctl.live.router`) is named as the router routes, and a slot action it does not
-    route is sent to the model's own server. ``pool``: connections kept open between requests
-    (:class:`~slotctl.live.transport.Pool`; None: a connection of the request's own).
+    route is sent to the model's own server. ``model``: the router's model this request names (None: the one
+    :func:`slotctl.live.router.use_model` set for ``url``, if any). ``pool``: connections kept open between
+    requests (:class:`~slotctl.live.transport.Pool`; None: a connection of the request's own).
     """
     check_timeout(timeout)
     base = normalize_url(url)
-    model = router.wanted(base, path)   # a router's model, named as the router routes (slotctl.live.router)
+    model = router.wanted(base, path, model)   # a router's model, named as the router routes (slotctl.live.router)
     if model is not None:
         query, body = router.routed(model, method, query, body if data is None else None)
     sent = data if data is not None else json.dumps(body).encode() if body is not None else None
@@ -80,7 +81,7 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
                 if isinstance(body, dict):
                     body = {k: v for k, v in body.items() if k != "model"}
                 return request(own, method, path, body, query=plain, api_key=api_key, timeout=timeout, data=data,
-                               pool=pool)
+                               pool=pool, model="")
             if model is not None and status == 400 and said == router.not_found(model):
                 names = ", ".join(_escaped(m["name"]) for m in router_models(base, api_key=api_key, timeout=timeout,
                                                                                 pool=pool))
@@ -92,7 +93,7 @@ def request(url: str, method: str, path: str, body: Any = None, *, query: dict[s
                                            f"a request) (docs/fleet.md, router mode)") from None
             # b11434's router, asked without a "model": its own words (server-models.cpp, router_validate_model)
             if isinstance(e, ServerRefused) and status == 400 and said == ROUTER_NO_MODEL and path != "/models":
-                said = router_message(url, api_key=api_key, timeout=timeout, pool=pool)
+                said = router_message(url, api_key=api_key, timeout=timeout, pool=pool, model=model)
                 raise RouterMode(f"{what}: {said}") from None
             raise
     if not 200 <= status < 300:
@@ -117,39 +118,44 @@ def get_health(url: str, *, api_key: str | None = None, timeout: float = DEFAULT
 
 
 def get_props(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-              pool: Pool | None = None) -> Any:
+              pool: Pool | None = None, model: str | None = None) -> Any:
     """``GET /props``: model path, ``total_slots``, ``default_generation_settings.n_ctx``, build info, ...
 
     Checked against ``SHAPES["/props"]`` (ServerAnswerError, exit 2): an object with a positive
     ``total_slots``. A router (``"role": "router"``) is :class:`RouterMode`, naming its models' own servers.
     """
-    answer = request(url, "GET", "/props", api_key=api_key, timeout=timeout, pool=pool)
+    answer = request(url, "GET", "/props", api_key=api_key, timeout=timeout, pool=pool, model=model)
     if isinstance(answer, dict) and answer.get("role") == "router":
-        raise RouterMode(router_message(url, api_key=api_key, timeout=timeout, pool=pool))
+        raise RouterMode(router_message(url, api_key=api_key, timeout=timeout, pool=pool, model=model))
     return check_shape(f"GET {normalize_url(url)}/props", answer, SHAPES["/props"])
 
 
 def router_models(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
                   pool: Pool | None = None) -> list[dict]:
-    """A router's models (``GET /models``): each one's ``name``, ``status`` (``loaded``, ``unloaded``, ...) and,
-    while it runs, ``url``: the model's own server, which b11434's router starts on ``127.0.0.1`` and a port
-    it chooses anew at each load (the ``--port`` of its command line)."""
-    answer = request(url, "GET", "/models", api_key=api_key, timeout=timeout, pool=pool)
-    data = answer.get("data") if isinstance(answer, dict) else None
-    out = []
-    for m in data[:MAX_PARALLEL] if isinstance(data, list) else ():
-        if not isinstance(m, dict) or not isinstance(m.get("id"), str):
-            continue
-        status = m.get("status") if isinstance(m.get("status"), dict) else {}
-        args = status.get("args") if isinstance(status.get("args"), list) else []
-        port = None
-        for flag, value in zip(args, args[1:]):
-            if flag == "--port" and isinstance(value, str) and value.isdigit() and 0 < int(value) < 65536:
-                port = int(value)
-        state = status.get("value") if isinstance(status.get("value"), str) else "unknown"
-        out.append({"name": m["id"], "status": state,
-                    "url": f"http://127.0.0.1:{port}" if port and state == "loaded" else None})
-    return out
+    """A router's models (``GET /models``, read by :func:`slotctl.live.router.parse_models`): each one's
+    ``name``, ``aliases``, ``status`` (``loaded``, ``unloaded``, ...), its command line and GGUF and, while it
+    runs, ``url``: the model's own server, which the router starts on ``127.0.0.1`` and a port it chooses anew
+    at each load (the ``--port`` of its command line)."""
+    return router.parse_models(request(url, "GET", "/models", api_key=api_key, timeout=timeout, pool=pool))
+
+
+def router_props(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 pool: Pool | None = None) -> dict | None:
+    """The router's own ``GET /props`` (no model named: ``"role": "router"``, its ``max_instances`` and
+    ``models_autoload``); None when ``url`` answers for one model's server (no router)."""
+    answer = request(url, "GET", "/props", api_key=api_key, timeout=timeout, pool=pool, model="")
+    return answer if isinstance(answer, dict) and answer.get("role") == "router" else None
+
+
+def load_for(url: str, model: str, *, api_key: str, autoload: str | None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+    """The router at ``url`` asked to have ``model`` loaded and ready (``GET /props?model=NAME``: the router
+    loads it, past ``--models-max`` unloading the least recently used, and answers once it is ready), on behalf
+    of a client's request for it that the router would load it for: ``api_key``, the client's own (``""``:
+    none), ``autoload``, the client's query's (None: not given: the router's own rule). The one request of
+    slotctl that may load a model (every other carries ``autoload=false``): serve's, before it restores a state
+    into the model's fresh server. The model's ``/props``; the router's refusal raised."""
+    query = {"model": model, **({"autoload": autoload} if autoload is not None else {})}
+    return request(url, "GET", "/props", query=query, api_key=api_key, timeout=timeout, model="")
 
 
 def _escaped(text: str) -> str:
@@ -157,8 +163,25 @@ def _escaped(text: str) -> str:
     return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
 
 
+def unloaded_facts(url: str, entry: dict, build_info: str | None = None) -> ServerFacts:
+    """What a router's model that is not loaded is known by (``entry``: its ``GET /models`` entry,
+    :func:`slotctl.live.router.parse_models`): its GGUF (``model_path``, its ``-m``) and what its server would
+    say of it in ``/v1/models`` (:func:`slotctl.model.info.served_meta`: the GGUF is read here, so the router must
+    run on this machine), so that its states (named by its content: :mod:`slotctl.seal`) are the ones its
+    server's saves get; nothing of slots. UsageError when the GGUF is not said or cannot be read."""
+    from slotctl.model.info import served_meta
+
+    base = normalize_url(url)
+    if not entry.get("model_path"):
+        raise UsageError(f"{base} (router): model {entry['name']!r}: its command line names no GGUF (-m)")
+    meta = served_meta(entry["model_path"])
+    return ServerFacts(url=base, model_path=entry["model_path"], total_slots=None, n_ctx_slot=None, n_ctx_from=None,
+                       speculative=None, speculative_types=None, build_info=build_info, mmproj=False, model_meta=meta,
+                       props={}, slots=None, notes=(f"{entry['name']!r} is {entry['status']}",))
+
+
 def router_message(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                   pool: Pool | None = None) -> str:
+                   pool: Pool | None = None, model: str | None = None) -> str:
     """The one line said when a command is pointed at a router: where each model's own server is."""
     base = normalize_url(url)
     try:
@@ -168,7 +191,7 @@ def router_message(url: str, *, api_key: str | None = None, timeout: float = DEF
                           for m in models) or "none"
     except ServerError as e:
         shown = f"not known (GET /models: {e})"
-    model = router.model_for(base)
+    model = model or router.model_for(base)
     if model is not None:   # named, and not routed by it: another build's router
         return (f"{base} is llama-server's router (router mode) and did not route the request by the model named "
                 f"({model!r}, in ?model= and the body's \"model\"): point --server at the model's own server, on "
@@ -181,12 +204,12 @@ def router_message(url: str, *, api_key: str | None = None, timeout: float = DEF
 
 
 def get_slots(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-              pool: Pool | None = None) -> list:
+              pool: Pool | None = None, model: str | None = None) -> list:
     """``GET /slots``: one object per slot (``id``, ``n_ctx``, ``speculative``, ``is_processing``, ...).
 
     ServerRefused (HTTP 501) when the server runs with ``--no-slots``.
     """
-    answer = request(url, "GET", "/slots", api_key=api_key, timeout=timeout, pool=pool)
+    answer = request(url, "GET", "/slots", api_key=api_key, timeout=timeout, pool=pool, model=model)
     what = f"GET {normalize_url(url)}/slots"
     if not isinstance(answer, list) or not answer:
         raise ServerAnswerError(f"{what}: unexpected answer: should be a list of one object per slot, got "
@@ -200,9 +223,9 @@ def get_slots(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_
 
 
 def get_models(url: str, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-               pool: Pool | None = None) -> Any:
+               pool: Pool | None = None, model: str | None = None) -> Any:
     """``GET /v1/models``: ``data[0].meta`` holds ``n_vocab``, ``n_ctx_train``, ``n_embd``, ``n_params``, ``size``."""
-    return request(url, "GET", "/v1/models", api_key=api_key, timeout=timeout, pool=pool)
+    return request(url, "GET", "/v1/models", api_key=api_key, timeout=timeout, pool=pool, model=model)
 
 
 def _int(v: Any) -> int | None:
@@ -244,21 +267,22 @@ class ServerFacts:
 
 
 def server_facts(url: str, slot: int = 0, *, api_key: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, pool: Pool | None = None) -> ServerFacts:
-    """Read ``GET /props``, ``GET /slots`` and ``GET /v1/models`` (see :class:`ServerFacts`).
+                 timeout: float = DEFAULT_TIMEOUT, pool: Pool | None = None, model: str | None = None) -> ServerFacts:
+    """Read ``GET /props``, ``GET /slots`` and ``GET /v1/models`` (see :class:`ServerFacts`; ``model``: the
+    router's model they are asked of).
 
     ``/props`` must answer (its errors propagate); a server started with ``--no-slots`` (``/slots``
     refused) or one without ``/v1/models`` is described from ``/props`` alone, with a note.
     """
     base = normalize_url(url)
-    props = get_props(base, api_key=api_key, timeout=timeout, pool=pool)
+    props = get_props(base, api_key=api_key, timeout=timeout, pool=pool, model=model)
     if not isinstance(props, dict):
         raise ServerUnreachable(f"GET {base}/props: expected an object, got {type(props).__name__}: "
                                 f"is this a llama-server?")
     notes = []
     slots: list | None
     try:
-        slots = get_slots(base, api_key=api_key, timeout=timeout, pool=pool)
+        slots = get_slots(base, api_key=api_key, timeout=timeout, pool=pool, model=model)
     except ServerRefused as e:
         slots = None
         notes.append(f"GET /slots refused ({e.message or f'HTTP {e.status}'}): the slot's context is taken "
@@ -286,7 +310,7 @@ def server_facts(url: str, slot: int = 0, *, api_key: str | None = None,
             break
     meta = None
     try:
-        models = get_models(base, api_key=api_key, timeout=timeout, pool=pool)
+        models = get_models(base, api_key=api_key, timeout=timeout, pool=pool, model=model)
         data = models.get("data") if isinstance(models, dict) else None
         if isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("meta"), dict):
             meta = data[0]["meta"]
@@ -314,7 +338,7 @@ def server_facts(url: str, slot: int = 0, *, api_key: str | None = None,
 
 
 def check_slot(url: str, slot: int, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-               pool: Pool | None = None) -> int:
+               pool: Pool | None = None, model: str | None = None) -> int:
     """UsageError unless the server has slot ``slot``; returns the server's number of slots (``GET /props``).
 
     llama-server itself takes any id modulo its number of slots (``get_slot_by_id``): on a 2-slot server
@@ -323,7 +347,7 @@ def check_slot(url: str, slot: int, *, api_key: str | None = None, timeout: floa
     """
     if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
         raise UsageError(f"--slot must be a slot id (0, 1, ...), got {slot!r}")
-    props = get_props(url, api_key=api_key, timeout=timeout, pool=pool)   # its shape: a positive total_slots
+    props = get_props(url, api_key=api_key, timeout=timeout, pool=pool, model=model)   # its shape: total_slots > 0
     total = props["total_slots"]
     if slot >= total:
         raise UsageError(f"--slot {slot}: the server at {normalize_url(url)} has {total} slot(s), "
@@ -332,13 +356,13 @@ def check_slot(url: str, slot: int, *, api_key: str | None = None, timeout: floa
 
 
 def _slot_action(url: str, slot: int, action: str, body: Any, api_key: str | None, timeout: float,
-                 check: bool, pool: Pool | None) -> Any:
+                 check: bool, pool: Pool | None, model: str | None = None) -> Any:
     if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
         raise UsageError(f"--slot must be a slot id (0, 1, ...), got {slot!r}")
     if check:
-        check_slot(url, slot, api_key=api_key, timeout=timeout, pool=pool)
+        check_slot(url, slot, api_key=api_key, timeout=timeout, pool=pool, model=model)
     answer = request(url, "POST", f"/slots/{slot}", body, query={"action": action}, api_key=api_key,
-                     timeout=timeout, pool=pool)
+                     timeout=timeout, pool=pool, model=model)
     what = f"POST {normalize_url(url)}/slots/{slot}?action={action}"
     check_shape(what, answer, SHAPES[action])
     if answer["id_slot"] != slot:
@@ -350,7 +374,8 @@ def _slot_action(url: str, slot: int, action: str, body: Any, api_key: str | Non
 
 
 def save_slot(url: str, slot: int, filename: str, *, api_key: str | None = None,
-              timeout: float = DEFAULT_TIMEOUT, check: bool = True, pool: Pool | None = None) -> Any:
+              timeout: float = DEFAULT_TIMEOUT, check: bool = True, pool: Pool | None = None,
+              model: str | None = None) -> Any:
     """``POST /slots/{slot}?action=save``: the server writes ``--slot-save-path``/``filename``.
 
     Answer: ``{id_slot, filename, n_saved, n_written, timings: {save_ms}}``. The name is checked first
@@ -358,29 +383,30 @@ def save_slot(url: str, slot: int, filename: str, *, api_key: str | None = None,
     With ``check`` (the default) the slot id is checked first too (:func:`check_slot`).
     """
     check_filename(filename)
-    return _slot_action(url, slot, "save", {"filename": filename}, api_key, timeout, check, pool)
+    return _slot_action(url, slot, "save", {"filename": filename}, api_key, timeout, check, pool, model)
 
 
 def restore_slot(url: str, slot: int, filename: str, *, api_key: str | None = None,
-              timeout: float = DEFAULT_TIMEOUT, check: bool = True, pool: Pool | None = None) -> Any:
+              timeout: float = DEFAULT_TIMEOUT, check: bool = True, pool: Pool | None = None,
+              model: str | None = None) -> Any:
     """``POST /slots/{slot}?action=restore`` of ``--slot-save-path``/``filename``.
 
     Answer: ``{id_slot, filename, n_restored, n_read, timings: {restore_ms}}``; a file that does not load
     is ServerRefused (HTTP 400, "Unable to restore slot: ...").
     """
     check_filename(filename)
-    return _slot_action(url, slot, "restore", {"filename": filename}, api_key, timeout, check, pool)
+    return _slot_action(url, slot, "restore", {"filename": filename}, api_key, timeout, check, pool, model)
 
 
 def erase_slot(url: str, slot: int, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-               check: bool = True, pool: Pool | None = None) -> Any:
+               check: bool = True, pool: Pool | None = None, model: str | None = None) -> Any:
     """``POST /slots/{slot}?action=erase``: the slot forgets its cached prompt. Answer: ``{id_slot, n_erased}``."""
-    return _slot_action(url, slot, "erase", {}, api_key, timeout, check, pool)
+    return _slot_action(url, slot, "erase", {}, api_key, timeout, check, pool, model)
 
 
 def completion(url: str, body: dict, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-               pool: Pool | None = None) -> Any:
+               pool: Pool | None = None, model: str | None = None) -> Any:
     """``POST /completion`` (not streamed): ``content``, ``tokens``, ``timings``, ``id_slot``, ..."""
     return request(url, "POST", "/completion", dict(body, stream=False), api_key=api_key, timeout=timeout,
-                   pool=pool)
+                   pool=pool, model=model)
 

@@ -558,3 +558,27 @@ def _has_cell_ext(h: _Header) -> bool:
         sections = h.array("rope.dimension_sections") or []
         return len(sections) >= 2 and sections[0] > 0 and sections[1] > 0
     return False
+
+
+def served_meta(path: str | os.PathLike) -> dict:
+    """What llama-server says of the model in the GGUF at ``path`` in its ``GET /v1/models`` ``meta``, read from
+    the file's header and tensor table (no tensor data read): ``n_vocab`` (the tokenizer's tokens,
+    ``llama_vocab_n_tokens``), ``n_ctx_train``, ``n_embd``, ``n_params`` and ``size`` (the elements and bytes of
+    every tensor the file holds: ``llama_model_n_params``, ``llama_model_size``). What a router's model says while
+    it is not loaded (``slotctl.live.router``). One-line :class:`UsageError` for a file that is not a GGUF. Kept
+    for a file that has not changed since (as :func:`read_model_info`)."""
+    path = os.fspath(path)
+    info = read_model_info(path)        # a regular GGUF, or the one-line error
+    st = os.stat(path)
+    return dict(_tensor_totals(path, st.st_ino, st.st_size, st.st_mtime_ns), n_vocab=info.n_vocab,
+                n_ctx_train=info.n_ctx_train, n_embd=info.n_embd)
+
+
+@functools.lru_cache(maxsize=32)
+def _tensor_totals(path: str, ino: int, size: int, mtime_ns: int) -> dict:
+    try:
+        reader = gguf.GGUFReader(path, "r")
+        return {"n_params": sum(int(t.n_elements) for t in reader.tensors),
+                "size": sum(int(t.n_bytes) for t in reader.tensors)}
+    except Exception as e:  # the reader raises whatever numpy or struct raise on a damaged file
+        raise UsageError(f"not a GGUF file: {path} (damaged tensor table: {' '.join(str(e).split())})") from None

@@ -132,17 +132,20 @@ class Cache(ServerStates):
     """serve's side of the server's states (:class:`~slotctl.keeping.states.ServerStates`, as keep keeps them:
     the server at ``url``, its ``--slot-save-path`` ``slot_dir`` here, the store ``store``, or None:
     ``slot_dir`` itself): the stored states' tokens for the request path's lookups (:attr:`index`), the
-    counters, and each save checked, stored, indexed and the store pruned, every one said."""
+    counters, and each save checked, stored, indexed and the store pruned, every one said. ``router_model``: one
+    model behind the router at ``url`` (:mod:`slotctl.serve.models`: one cache per model, sharing the process's
+    ``counters`` and open ``store``)."""
 
-    def __init__(self, url: str, slot_dir: str | os.PathLike, store: str | None = None, *,
+    def __init__(self, url: str, slot_dir: str | os.PathLike, store=None, *,
                  api_key: str | None = None, max_size: int | None = None, timeout: float = 600.0,
                  catalog: bool = True, log=None, flags=None, given: frozenset[str] = frozenset(),
-                 restore_policy: str = "cost", draft_model=None, progress=None):
+                 restore_policy: str = "cost", draft_model=None, progress=None, router_model: str | None = None,
+                 counters: Counters | None = None):
         # the model is hashed (once per file) in a thread of its own: requests go uncached meanwhile
         super().__init__(url, slot_dir, store, role="serve", api_key=api_key, timeout=timeout, max_size=max_size,
                          catalog=catalog, flags=flags, given=given, log=log, draft_model=draft_model,
-                         background=True, progress=progress)
-        self.counters = Counters()
+                         background=True, progress=progress, router_model=router_model)
+        self.counters = counters if counters is not None else Counters()
         self.index: StateIndex | None = None
         self._listed = 0.0
         self._syncing = threading.Lock()
@@ -508,8 +511,13 @@ class Cache(ServerStates):
         or another, is not stored again: :meth:`ServerStates.put_saved`), indexed, the store held under its
         budget; the working file removed whatever happens. :class:`StoreOff` when the store is not to be used
         now (:meth:`unusable`). ``began``: when the save began (``time.perf_counter()``), for the ``stored``
-        event's ``seconds``."""
+        event's ``seconds``. A router's model (``router_model``) is unloaded at the router's next swap, and the
+        next turn of the conversation is restored from this state: judged now, off the request path (its verdict
+        kept in memory and in the catalog for the identity it has once stored: :meth:`judge`), not when the turn
+        comes."""
         began = time.perf_counter() if began is None else began
+        name = saved.name
+        stored = False
         try:
             if saved.name is None:      # saved while the model was hashed (in a thread of its own): named once known
                 saved = self.named(saved, wait=self.timeout)
@@ -537,7 +545,12 @@ class Cache(ServerStates):
                 self.index.add(State(name, saved.tokens, saved.kind, saved.size))
             self._prune()
         finally:
-            self.discard(saved.path.name)
+            self.discard(saved.path.name)       # (a hard link's ctime, part of the state's identity, changes here)
+        if stored and self.router_model is not None:
+            try:
+                self.judge(name, saved.slot)
+            except Exception:  # noqa: BLE001 - judged when the turn comes, as any state, and said then
+                pass
 
     def _prune(self) -> None:
         if self.max_size is None:

@@ -120,6 +120,11 @@ class Proxy:
                  log=None, metrics=None, limits: Limits | None = None, failures: FailureLog | None = None):
         self.cache = cache
         self.metrics = metrics
+        #: the router's model this proxy caches (None: the upstream is one model's server; a router's models each
+        #: have a proxy of their own, :mod:`slotctl.serve.models`); its small requests name it
+        self.model = cache.router_model
+        #: the upstream is llama-server's router: every model's proxy (:class:`slotctl.serve.models.Models`)
+        self.router = None
         self.base = cache.url
         self.min_gain = min_gain
         self.facts_every = facts_every
@@ -193,6 +198,8 @@ class Proxy:
         self._spawn(self._check_loop())
 
     async def _cleanup(self, _app) -> None:
+        if self.router is not None:
+            await self.router.cleanup()
         self._stop.set()
         for t in list(self._tasks):     # saves in progress finish: a state half stored is never left
             if not t.get_name().startswith("save"):
@@ -213,6 +220,15 @@ class Proxy:
         key = key if key is not None else self.keys.last
         try:
             await self._small(self.cache.refresh_facts, key)
+        except http.RouterMode as e:
+            if self.model is not None:      # a router that did not route by the model's name
+                self.log("down", f"the server's facts cannot be read ({e}): requests pass through uncached")
+            elif self.router is None:       # a router: a cache per model behind it
+                from slotctl.serve.models import Models
+
+                self.router = Models(self, type(self), SMALL_TIMEOUT)
+                await self.router.begin(key)
+            return
         except Exception as e:  # noqa: BLE001 - the server down or not a llama-server: pass through meanwhile
             if isinstance(e, http.ServerAuthError) and key is not None:
                 self.keys.said(key, False)
@@ -222,6 +238,7 @@ class Proxy:
                             if isinstance(e, http.ServerAuthError) and self.keys.last is None else ""))
             self._said_down = True
             return
+        self.router = None          # (a router once, one server now)
         if getattr(self, "_said_down", True):
             self.keys.forget()      # a server back may accept other keys: each asked again
             f = self.cache.facts
@@ -286,7 +303,8 @@ class Proxy:
         the server's flags due); False when it cannot be read (the view is then lost: every slot taken as
         holding nothing; not when a key is wanted, a client's in the background: unknown)."""
         try:
-            entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT, pool=self.pool)
+            entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT, pool=self.pool,
+                                        model=self.model)
         except http.ServerAuthError:
             return False
         except Exception:  # noqa: BLE001 - the server down or restarting
@@ -330,6 +348,9 @@ class Proxy:
         c = self.cache.counters
         c.add("requests")
         if request.method == "GET" and request.path == STATS_PATH:
+            if self.router is not None:
+                return web.json_response({"counters": c.as_dict(), "model": None, "models": self.router.stats(),
+                                          "states": sum(m["states"] for m in self.router.stats().values())})
             return web.json_response({"counters": c.as_dict(), "model": self.cache.model,
                                       "states": len(self.cache.index.states) if self.cache.index else 0,
                                       "costs": self.cache.costs.known(), "cache": self.cache.unusable() or "on",
@@ -471,9 +492,13 @@ class Proxy:
         began = time.monotonic()
         c = self.cache.counters
         body = await parse(raw)     # off the event loop; None: not a JSON object serve reads (the server's to answer)
+        if self.router is not None:     # the upstream is a router: the proxy of the model the body names
+            return await self.router.completion(request, raw, body, form)
         key = self._auth(request)
         if body is not None and self.cache.facts is None:
             await self._refresh_facts(key)   # not read yet (serve just started, the server was down, a key needed)
+            if self.router is not None:      # the upstream is a router (found now)
+                return await self.router.completion(request, raw, body, form)
         if body is None or self.cache.facts is None or not cacheable(body):
             return await self._through(request, raw)
         # serve's view of the slots is read again (GET /slots) only when a connection to the server was made
@@ -647,6 +672,9 @@ class Proxy:
         """``GET /health``, for its connection (:meth:`_small`): one kept alive shows the server is the one the
         view describes. Loading or down, or when it had to make a connection (a kept one was not there: the
         server may have restarted), the view is read again first."""
+        if self.model is not None:      # a router's GET /health is its own: the model's is not asked
+            self.view.distrust()
+            return
         try:
             await self._small(http.get_health, self.base, api_key=key, timeout=SMALL_TIMEOUT, pool=self.pool)
         except Exception:  # noqa: BLE001 - loading or down: GET /slots says which
@@ -707,7 +735,7 @@ class Proxy:
             if not isinstance(body.get("messages"), list) or self.cache.facts.mmproj:
                 return None
             answer = await self._small(http.request, self.base, "POST", "/apply-template", body, api_key=key,
-                                       timeout=SMALL_TIMEOUT, pool=self.pool)
+                                       timeout=SMALL_TIMEOUT, pool=self.pool, model=self.model)
             return answer.get("prompt") if isinstance(answer, dict) else None
         return body.get("prompt")
 
@@ -720,7 +748,7 @@ class Proxy:
         if how != "text":
             return None
         answer = await self._small(http.request, self.base, "POST", "/tokenize", {"content": prompt, **TOKENIZE_FLAGS},
-                                   api_key=key, timeout=SMALL_TIMEOUT, pool=self.pool)
+                                   api_key=key, timeout=SMALL_TIMEOUT, pool=self.pool, model=self.model)
         toks = answer.get("tokens") if isinstance(answer, dict) else None
         if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
             raise http.ServerAnswerError(f"POST {self.base}/tokenize: no token list in the answer")
@@ -758,7 +786,7 @@ class Proxy:
                     slot.sent(saved.tokens if saved is not None else prompt, slot.text, prompt)
             try:
                 entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT,
-                                            pool=self.pool)
+                                            pool=self.pool, model=self.model)
                 self.view.noted(slot, next((e for e in entries if e.get("id") == slot.id), None))
                 if self.view.apply(entries):    # the other slots as the server shows them now: the view read
                     self.cache.learn_due = True

@@ -9,7 +9,9 @@ read with the standard library's ``tomllib`` (docs/fleet.md, "The configuration 
     slot_dir = "/var/lib/llama/qwen/slots"
     store = "/var/lib/llama/qwen/store"  # or "s3://BUCKET/PREFIX/"
     api_key_env = "LLAMA_API_KEY"        # the variable that holds the API key (never the key itself)
-    model = "qwen"                       # only when url is llama-server's router: the model acted on
+    model = "qwen"                       # only when url is llama-server's router: the model acted on (several
+                                         # entries may name models of one router; serve fronts the router's
+                                         # entry without one)
 
     [keep]
     server = "qwen"                      # the name (or URL) of the server kept: default the only one
@@ -116,18 +118,18 @@ class Config:
         return ServerEntry(url=which)
 
     def fill(self, section: str, url: str | None, slot_dir, store: str | None, api_key: str | None) -> tuple:
-        """``(url, slot_dir, store, api_key)`` of the server ``[section]`` uses (``url`` names one, or the
+        """``(url, slot_dir, store, api_key, model)`` of the server ``[section]`` uses (``url`` names one, or the
         section's ``server``, or the only one), each value given on the command line kept over the file's;
-        as given when no file was read."""
+        as given when no file was read (``model``: the entry's router model, None then)."""
         entry = self.server(url, section) if self.path is not None else None
         if entry is None:
-            return url, slot_dir, store, api_key
+            return url, slot_dir, store, api_key, None
         from pathlib import Path
 
         return (entry.url,
                 slot_dir if slot_dir is not None else (Path(entry.slot_dir) if entry.slot_dir else None),
                 store if store is not None else entry.store,
-                api_key if api_key is not None else entry.api_key())
+                api_key if api_key is not None else entry.api_key(), entry.model)
 
 
 # -- checking ------------------------------------------------------------------------------------------
@@ -235,15 +237,8 @@ def parse(raw: bytes, path: str) -> Config:
         if env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", env):
             raise c.fail(f"{where}.api_key_env", "the name of an environment variable", env)
         model = c.string(t, "model", where)
-        if model is not None:
-            from slotctl.errors import UsageError as Refused
-            from slotctl.live import router
-            from slotctl.live.http import normalize_url
-
-            try:
-                router.use_model(normalize_url(url), model)   # every request to that router names the model
-            except Refused as e:
-                raise ConfigError(f"{path}: {where}.model: {e}") from None
+        if model is not None and (not model.strip() or any(not ch.isprintable() for ch in model)):
+            raise c.fail(f"{where}.model", "the model's name, as the router's GET /models lists it", model)
         cfg.servers.append(ServerEntry(url=url, name=c.string(t, "name", where), slot_dir=c.string(t, "slot_dir", where),
                                        store=store, api_key_env=env, model=model))
     names = [s.name for s in cfg.servers if s.name]
