@@ -16,7 +16,8 @@ import pytest
 
 from llama_server import free_port
 from slotctl.tinymodels import SAMPLE_PROMPT
-from serving import TURN1, TURN2_EXTRA, call, complete, samples, scrape, serving, stream_begun
+from keeping import samples, scrape
+from serving import TURN1, TURN2_EXTRA, call, complete, serving, stream_begun
 
 server = pytest.mark.server
 
