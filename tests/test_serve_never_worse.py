@@ -10,13 +10,15 @@ prompt tokens is the server's own ``timings``.
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pytest
 
 from llama_server import free_port
 from slotctl.tinymodels import SAMPLE_PROMPT
-from serving import TURN1, TURN2_EXTRA, call, complete, samples, scrape, serving, stream_begun
+from keeping import samples, scrape
+from serving import TURN1, TURN2_EXTRA, call, complete, serving, stream_begun
 
 server = pytest.mark.server
 
@@ -198,3 +200,27 @@ def test_an_s3_store_from_the_configuration_without_the_s3_extra_is_one_line(tmp
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r
     assert "slotctl[s3]" in r.stderr and "internal error" not in r.stderr, r.stderr
+
+
+@server
+def test_the_llm_cli_through_serve_is_answered_and_saved(fresh, tmp_path):
+    """The ``llm`` CLI (its OpenAI-compatible models, streamed) as a client of serve: each prompt answered, each
+    answer's slot saved (llm's client, the openai SDK, closes after ``data: [DONE]``)."""
+    import shutil
+    import subprocess
+
+    binary = shutil.which("llm")
+    assert binary, "the llm CLI (the [test] extra) is missing"
+    (tmp_path / "store").mkdir()
+    with serving(fresh, fresh.save_dir, str(tmp_path / "store")) as s:
+        home = tmp_path / "llm"
+        home.mkdir()
+        (home / "extra-openai-models.yaml").write_text(
+            f'- model_id: tiny\n  model_name: tiny\n  api_base: "{s.url}/v1"\n')
+        env = {**os.environ, "LLM_USER_PATH": str(home), "OPENAI_API_KEY": "unused"}
+        for i in range(3):
+            r = subprocess.run([binary, "-m", "tiny", "-o", "max_tokens", "8", "-o", "temperature", "0",
+                                f"Story {i}. {SAMPLE_PROMPT}"], capture_output=True, text=True, timeout=120, env=env)
+            assert r.returncode == 0 and r.stdout.strip(), r
+        c = s.wait_for("saves", 3)
+        assert c["saves"] == 3 and c["client_disconnects"] == 0, s.output()
