@@ -231,7 +231,8 @@ def test_serve_in_front_of_a_router_restores_each_model_after_every_swap(router,
         # the router alone evaluates the whole prompt again (the model's server is a fresh one); through serve, the
         # new tokens only (and the last token again, for its logits, when the restored state holds them all)
         assert b["timings"]["prompt_n"] == a["n_prompt"], (b["timings"], a["n_prompt"])
-        assert a["timings"]["prompt_n"] <= a["new"] + 1, (a["model"], a["turn"], a["timings"], a["new"])
+        assert a["timings"]["prompt_n"] <= a["new"] + 1, (a["model"], a["turn"], a["timings"], a["new"],
+                                                          serve.output())
         assert a["timings"]["cache_n"] >= a["n_prompt"] - a["new"] - 1, (a["timings"], a["new"])
     assert stats["restores"] == 4 and stats["saves"] == len(via) and stats["save_failures"] == 0, stats
     assert stats["restore_failures"] == 0 and stats["passed_through"] == 0, stats

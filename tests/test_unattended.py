@@ -7,6 +7,7 @@ stores are directories and a real SeaweedFS (tests/seaweed.py); the servers real
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -565,8 +566,9 @@ def test_slots_shows_every_servers_slots_in_one_table(one, three, tmp_path):
     store, lines = stored_by_keep(one, tmp_path, " The fleet", slot=1)
     saved = next(e for e in lines if e["event"] == "saved" and e["slot"] == 1)["details"]["answer"]
     whole = next(e for e in lines if e["event"] == "stored" and e["slot"] == 1)["details"]["name"]
-    cut = whole.rsplit("-", 1)[0] + "-cut.bin"    # the same slot and model: a state of the slot too
     data = (store / whole).read_bytes()
+    # the same slot, model and tokens, named by the checksum of its own bytes: a state of the slot too
+    cut = whole.rsplit("-", 1)[0] + "-" + hashlib.sha256(data[:-100]).hexdigest()[:16] + ".bin"
     (store / cut).write_bytes(data[:-100])
     os.utime(store / cut, (time.time() + 5, time.time() + 5))    # the newest
     cfg = tmp_path / "fleet.toml"

@@ -58,8 +58,8 @@ class _View(SlotView):
         super().__init__(min_gain)
         self._on_release = on_release
 
-    def release(self, slot) -> None:  # type: ignore[override]
-        SlotView.release(slot)
+    def release(self, slot) -> None:
+        super().release(slot)
         self._on_release()
 
 
@@ -219,7 +219,7 @@ class Models:
         request in it, or the save after its answer)."""
         p = self.proxies.get(name)
         return self.working.get(name, 0) > 0 or (p is not None and any(
-            s.lock.locked() or s.pending for s in p.view.slots.values()))
+            s.holder is not None for s in p.view.slots.values()))
 
     def _notify(self) -> None:
         """Serve's work for a model may have ended: every :meth:`room` waiting looks again."""

@@ -384,12 +384,16 @@ class Proxy:
     async def accepted(self, key: str) -> bool | None:
         """Whether the server accepts the client's ``key`` (:func:`slotctl.serve.auth.client_key`): serve's own
         ``--api-key`` as given, else as the server last said within a minute, else asked (``GET /props`` with it:
-        no task queue, no sleeping server woken). None when the server does not say (down, loading)."""
+        no task queue, no sleeping server woken; a router's own ``/props``). None when the server does not say
+        (down, loading)."""
         said = self.keys.known(key)
         if said is not None:
             return said
+        ask = http.router_props if self.router is not None else http.get_props
         try:
-            await asyncio.to_thread(http.get_props, self.base, api_key=key, timeout=SMALL_TIMEOUT)
+            await asyncio.to_thread(ask, self.base, api_key=key, timeout=SMALL_TIMEOUT)
+        except http.RouterMode:
+            pass        # a router (found now) answered its /props with the key: accepted
         except http.ServerAuthError:
             self.keys.said(key, False)
             return False
