@@ -338,12 +338,13 @@ def test_serve_never_restores_a_flipped_bit_of_an_s3_state(kept_target, seaweed,
     server's own; the state is not offered again."""
     import obstore
 
-
     srv = kept_target
     emptied(srv)
     env = {**seaweed.env(), "HOME": str(seaweed.dir), "SLOTCTL_CACHE_DIR": str(tmp_path / "cache")}
     prefix = f"identity-{tmp_path.name}"
-    with serving(srv, srv.save_dir, f"s3://{BUCKET}/{prefix}/", env=env) as s:
+    # --restore-policy tokens: the tiny model's prefill is cheaper than an S3 download (the cost policy would not
+    # restore, nor look at the state)
+    with serving(srv, srv.save_dir, f"s3://{BUCKET}/{prefix}/", "--restore-policy", "tokens", env=env) as s:
         s.events_named("identified")
         greedy_via(s.url, TURN1)
         name = s.events_named("stored")[0]["details"]["name"]
