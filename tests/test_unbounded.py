@@ -247,7 +247,7 @@ def test_keep_honours_sigterm_while_a_read_is_in_flight(serve, tmp_path, what):
     assert out.splitlines()[-1].count('"stop"') == 1, out[-500:]
 
 
-def test_keep_stopped_during_its_look_at_the_slots_reports_no_error(serve, tmp_path):
+def test_keep_stopped_during_its_look_at_the_slots_reports_no_error(serve, tiny_models, tmp_path):
     """SIGTERM while keep's own look at the slots (after the server's facts, before a restore or save) is in
     flight: the read is cut off, which is the stop and not an error of the server; the last save looks
     again and the run ends 0 with no error event (CI once saw "GET /slots: cut off: stopping" as one)."""
@@ -266,9 +266,11 @@ def test_keep_stopped_during_its_look_at_the_slots_reports_no_error(serve, tmp_p
             else:
                 send_json(h, GOOD_SLOTS)
             return
-        send_json(h, GOOD_PROPS if h.path.startswith("/props") else {"status": "ok"} if h.path == "/health"
+        send_json(h, props if h.path.startswith("/props") else {"status": "ok"} if h.path == "/health"
                   else {"data": []})
 
+    # a model file here: keep identifies the server's model by its content (else it saves nothing, nor looks)
+    props = dict(GOOD_PROPS, model_path=str(tiny_models.target))
     url, _script = serve(answer)
     code, out, err, _took = _keep_until_sigterm(url, tmp_path, lambda: len(looks) >= 2, settle=0.5)
     assert code == 0, err

@@ -45,6 +45,15 @@ def _world_readable_dir(prefix: str) -> Path:
     return d
 
 
+def _readable_model(base: Path, model: Path) -> Path:
+    """A copy of ``model`` in ``base`` every user may read (pytest's own temporary directories are the test user's
+    alone): the unit's user hashes it (a model's identity is its content, docs/fleet.md)."""
+    copy = base / model.name
+    shutil.copyfile(model, copy)
+    copy.chmod(0o644)
+    return copy
+
+
 @pytest.fixture(scope="module")
 def venv():
     """A fresh venv made by Debian's python3, slotctl installed into it (with the [serve] extra) as the
@@ -150,7 +159,9 @@ def layout(llama_server_bin, tiny_models):
     slots = base / "slots"
     slots.mkdir()
     slots.chmod(0o777)
-    srv = start_server(llama_server_bin, tiny_models.target, base, "unit", args=ARGS, slot_save_path=slots)
+    # the model where the unit's user reads it too: keep and serve tell the server's model by its file's content
+    model = _readable_model(base, tiny_models.target)
+    srv = start_server(llama_server_bin, model, base, "unit", args=ARGS, slot_save_path=slots)
     srv.save_dir = slots
     try:
         yield base, srv
@@ -310,7 +321,7 @@ def test_the_readmes_production_steps_work_on_a_machine_without_a_llama_user(lla
             (base / d).mkdir(parents=True)
         for d in ("varlib/llama/slots", "varlib/llama/store"):
             (base / d).chmod(0o777)     # the server's directory (llama-server runs as llama where it is real)
-        srv = start_server(llama_server_bin, tiny_models.target, base, "readme", args=ARGS,
+        srv = start_server(llama_server_bin, _readable_model(base, tiny_models.target), base, "readme", args=ARGS,
                            slot_save_path=base / "varlib/llama/slots")
         port = free_port()
         (base / "qwen.toml").write_text(
