@@ -39,8 +39,19 @@ whether every answer is identical, and the time to first token of returning turn
 both: the router loads the model for the request, or serve has it load it before its restore), with the load
 average.
 
+``--ttft``: time to first token of a returning turn after a restart (issue 33), side by side in one run: a
+model made in code (``--ttft-shape LAYERS EMBD FF``, f32, default 24 layers at n_embd 1024, n_ff 2816, 16 heads
+of 64, 4 KV heads: 1.1 GB; ``8 256 512``: the tiny model), a conversation of about ``--ttft-tokens`` tokens
+(2,000) answered (``--predict`` tokens) by two servers started anew (``-np 2``, ``-c`` to fit), one straight, one
+behind serve (a directory store; ``--s3``: an ``s3://`` bucket of SeaweedFS); then ``--repeats`` times: both
+servers SIGKILLed and started again, the returning turn (the conversation, its answer, a few new words)
+streamed to each (which goes first alternating): its time to first token, the prompt tokens the server
+evaluated (its ``timings``), the load average when it was sent, whether the answers are identical, and what
+serve chose (its ``outcome`` event: restore or prefill, predicted and measured); the medians and their ratio.
+
 Run: ``python benchmarks/bench_serve.py [--conversations 16] [--turns 4] [--overhead 40] [--s3] [--out FILE]
-[--start-repeat 6] [--only-overhead] [--only-cases] [--chats 100] [--router]``.
+[--start-repeat 6] [--only-overhead] [--only-cases] [--chats 100] [--router] [--ttft [--ttft-shape 24 1024 2816]
+[--ttft-tokens 2000] [--repeats 3]]``.
 """
 
 from __future__ import annotations
@@ -95,6 +106,7 @@ class Serve:
         def read() -> None:
             for line in self.proc.stdout:
                 ev = json.loads(line)
+                ev["received"] = time.perf_counter()
                 self.events.append(ev)
                 q.put(ev)
 
@@ -220,7 +232,15 @@ def main() -> None:
                          "machine has not scheduled)")
     ap.add_argument("--router", action="store_true",
                     help="serve in front of b11669's router: two models, --models-max 1, every turn a swap")
+    ap.add_argument("--ttft", action="store_true",
+                    help="time to first token of a returning turn after a restart, straight and through serve")
+    ap.add_argument("--ttft-shape", type=int, nargs=3, default=(24, 1024, 2816), metavar=("LAYERS", "EMBD", "FF"),
+                    help="--ttft's model (f32, made in code; 8 256 512: the tiny model)")
+    ap.add_argument("--ttft-tokens", type=int, default=2000, help="--ttft's conversation, about this many tokens")
+    ap.add_argument("--repeats", type=int, default=3, help="--ttft's repeats (a restart each)")
     a = ap.parse_args()
+    if a.ttft:
+        return ttft_bench(a)
     if a.router:
         return router_bench(a)
     binary = server_binary()
@@ -581,6 +601,121 @@ def router_bench(a) -> None:
               f"{st['passed_through']} passed through, exit {cached['serve_exit']}")
         if a.out:
             Path(a.out).write_text(json.dumps({"alone": alone["rows"], "serve": cached["rows"], "stats": st}))
+
+
+# -- --ttft: time to first token of a returning turn after a restart -----------------------------------------
+
+def ttft_bench(a) -> None:
+    """Issue 33's figure: a conversation of about ``--ttft-tokens`` tokens, one turn answered, the server
+    SIGKILLed and started again, then the returning turn (the conversation, its answer and a few new words)
+    streamed: its time to first token straight to the restarted server (its RAM cache lost: a full prefill) and
+    through serve (a directory store, or an ``s3://`` bucket with ``--s3``), two servers side by side, one each
+    way, both killed and started again before every repeat (``--repeats``; which goes first alternates)."""
+    binary = server_binary()
+    layers, embd, ff = a.ttft_shape
+    heads = embd // 64
+    with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
+        tmp = Path(tmp)
+        t0 = time.perf_counter()
+        model = make_model(tmp / "ttft.gguf", n_layer=layers, n_embd=embd, n_head=heads, n_head_kv=max(heads // 4, 1),
+                           head_dim=64, n_ff=ff, context_length=32768, name="slotctl-bench-ttft")
+        made = time.perf_counter() - t0
+        n_ctx = 2 * max(4096, 1024 * (a.ttft_tokens * 5 // 4 // 1024 + 1))
+        args = ["-c", str(n_ctx), "-np", "2", "-fa", "on"]
+        weed = None
+        env: dict = {}
+        if a.s3:
+            from seaweed import BUCKET, Seaweed, weed_binary
+
+            weed = Seaweed(tmp / "seaweed", weed_binary())
+            (tmp / "seaweed").mkdir()
+            weed.start()
+            env = {**weed.env(), "HOME": str(tmp / "seaweed")}
+            store = f"s3://{BUCKET}/ttft/"
+        else:
+            (tmp / "store").mkdir()
+            store = str(tmp / "store")
+        servers: dict = {}
+        serve = None
+        try:
+            for label in ("straight", "serve"):
+                (tmp / label).mkdir()
+                servers[label] = LlamaServer(binary, model, args=args, slot_save_path=tmp / label,
+                                             log_path=tmp / f"{label}.log").start(timeout=600)
+            serve = Serve(servers["serve"].url, tmp / "serve", store, env=env, log=tmp / "serve.log")
+            urls = {"straight": servers["straight"].url, "serve": serve.url}
+            prompt = conversation_start(70, max(1, round(a.ttft_tokens / 100)))
+            n_prompt = len(tokenize(servers["straight"].url, prompt))
+            first = {}
+            for label in ("straight", "serve"):
+                first[label] = stream(urls[label], {"prompt": prompt, "n_predict": a.predict, "temperature": 0,
+                                                    "cache_prompt": True})
+            serve.idle()
+            if first["straight"]["content"] != first["serve"]["content"]:
+                print("note: the first turn's answers differ straight and through serve")
+            rows = []
+            for k in range(a.repeats):
+                for srv in servers.values():
+                    srv.kill_and_start_again(600)
+                mark = len(serve.events)
+                back = prompt + first["serve"]["content"] + f" Question {k}: and what of the {TOPICS[k % len(TOPICS)]}?"
+                order = ("straight", "serve") if k % 2 == 0 else ("serve", "straight")
+                got = {}
+                for label in order:
+                    load = os.getloadavg()[0]
+                    sent = time.perf_counter()
+                    r = stream(urls[label], {"prompt": back, "n_predict": a.predict, "temperature": 0,
+                                             "cache_prompt": True})
+                    got[label] = {"ttft": r["ttft"], "prompt_n": r["timings"].get("prompt_n"),
+                                  "cache_n": r["timings"].get("cache_n"), "content": r["content"], "load": load,
+                                  "sent": sent}
+                serve.idle()
+                evs = [e for e in serve.events[mark:] if e["event"] in ("restored", "prefill", "outcome")]
+                got["events"] = [{"event": e["event"], **{x: e["details"].get(x) for x in
+                                                         ("chose", "predicted_ms", "measured_ms", "prediction")
+                                                         if x in e["details"]}} for e in evs]
+                got["all_events"] = [dict(e, received=e["received"] - got["serve"]["sent"]) for e in serve.events[mark:]]
+                rows.append(got)
+                s, v = got["straight"], got["serve"]
+                named = [e["event"] for e in got["events"]]
+                # no prediction (nothing measured yet): the token rule restored; no event: nothing looked up
+                chose = next((e["chose"] for e in got["events"] if e["event"] == "outcome"),
+                             "restore by the token rule" if "restored" in named else "prefill, nothing looked up")
+                print(f"repeat {k + 1}: straight {s['ttft'] * 1000:,.0f} ms ({s['prompt_n']} tokens, load "
+                      f"{s['load']:.1f}), serve {v['ttft'] * 1000:,.0f} ms ({v['prompt_n']} tokens, load "
+                      f"{v['load']:.1f}, chose {chose}), {v['ttft'] / s['ttft']:.3f}x; answers identical: "
+                      f"{s['content'] == v['content']}", flush=True)
+            st = serve.stats()
+            costs = serve_costs(serve)
+        finally:
+            if serve is not None:
+                serve.stop()
+            for srv in servers.values():
+                srv.stop()
+            if weed is not None:
+                weed.stop()
+        ms = {w: statistics.median(r[w]["ttft"] for r in rows) * 1000 for w in ("straight", "serve")}
+        loads = [r[w]["load"] for r in rows for w in ("straight", "serve")]
+        size = model.stat().st_size
+        print(f"model {layers} layers, n_embd {embd}, n_ff {ff}, {heads} heads ({max(heads // 4, 1)} kv), f32, "
+              f"{size / 1e9:.2f} GB (made in {made:.0f} s); llama-server b11434 {' '.join(args)} -t 2; store "
+              f"{'s3 (SeaweedFS)' if a.s3 else 'a directory'}; the returning turn: {n_prompt:,} tokens of "
+              f"conversation, its answer ({a.predict} tokens) and a few words; {a.repeats} repeats, load average "
+              f"{min(loads):.1f}-{max(loads):.1f}")
+        print(f"time to first token, median: straight {ms['straight']:,.0f} ms, serve {ms['serve']:,.0f} ms: "
+              f"{ms['serve'] / ms['straight']:.3f}x the server alone's (goal: {'at most 1' if a.s3 else 'at most 0.25'})")
+        print(f"serve: {st['restores']} restores, {st['saves']} saves, {st['restore_failures']} restore failures; "
+              f"costs known {json.dumps(costs)}")
+        if a.out:
+            Path(a.out).write_text(json.dumps({"first": first, "rows": rows, "stats": st}, default=str))
+
+
+def serve_costs(serve: Serve) -> dict | None:
+    try:
+        with urllib.request.urlopen(serve.url + "/slotctl/stats", timeout=30) as r:
+            return json.loads(r.read()).get("costs")
+    except (OSError, ValueError):
+        return None
 
 
 if __name__ == "__main__":

@@ -133,6 +133,30 @@ def test_a_slot_that_has_run_no_task_reports_the_servers_speculative_types(live)
 
 
 @server
+def test_a_server_that_has_run_no_task_learns_the_same_setup_as_after_its_first(llama_server_bin, tiny_models,
+                                                                                tmp_path):
+    """A server started (or restarted) reports no speculative types until a slot runs a task, then "none" (it
+    drafts nothing): what a setup is learnt from, and the question its verdicts are kept under, are the same
+    before and after. They differed: every restart forgot every verdict and setup twice (at the restart, and at
+    its first task), and the first returning turn judged its state again in the request path."""
+    from slotctl.live import http
+    from slotctl.live.prove import learnt_from, local_setup_key
+
+    srv = start_server(llama_server_bin, tiny_models.target, tmp_path, "fresh", args=["-c", "256", "-np", "1",
+                                                                                      "-fa", "on"])
+    try:
+        before = http.server_facts(srv.url, 0, timeout=60)
+        srv.completion(SAMPLE_PROMPT, slot=0, n_predict=2)
+        after = http.server_facts(srv.url, 0, timeout=60)
+    finally:
+        srv.stop()
+    assert (before.speculative_types, after.speculative_types) == (None, "none")     # what the server says
+    assert before.speculative is after.speculative is False
+    assert learnt_from(before) == learnt_from(after)
+    assert local_setup_key(before, 0) == local_setup_key(after, 0)
+
+
+@server
 def test_save_then_restore_round_trip(live):
     res = slotctl("save", "--server", live.url, "--slot", "1", "round.bin", "--json", *TIMEOUT, code=OK)
     doc = json.loads(res.stdout)

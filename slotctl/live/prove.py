@@ -133,8 +133,20 @@ def learnt_from(facts: http.ServerFacts) -> tuple:
     """What :func:`local_setup` learns a slot's setup from, of the server's facts (not the answers as they came:
     ``/slots`` changes with every task): equal for two servers whose setups it makes equal."""
     f = facts
-    return (f.url, f.model_path, f.total_slots, f.n_ctx_slot, f.n_ctx_from, f.speculative, f.speculative_types,
+    return (f.url, f.model_path, f.total_slots, f.n_ctx_slot, f.n_ctx_from, f.speculative, drafters(f),
             f.build_info, f.mmproj, sorted((f.model_meta or {}).items()))
+
+
+def drafters(facts: http.ServerFacts) -> str | None:
+    """The server's speculative types as far as they tell a setup apart: None when no slot has run a task yet
+    (b11434 reports none then) and when they name no drafter ("none": the server drafts nothing, as llama-server
+    does by default). A restarted server reports no types until its first task: read as they came, they changed
+    twice with every restart (to nothing, then back), and each change forgot every verdict and setup, so the
+    first returning turns after a restart judged their states again (the model's GGUF read) in the request path."""
+    types = facts.speculative_types
+    if types is None or all(t.strip() in ("", "none") for t in types.split(",")):
+        return None
+    return types
 
 
 def local_setup_key(facts: http.ServerFacts, slot: int, flags: ServerFlags | None = None,
