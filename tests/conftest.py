@@ -245,14 +245,11 @@ def kept(llama_server_bin, tiny_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama(llama_server_bin, tiny_models, tmp_path_factory):
     """A server a module's serve tests share: tests/serving.py's ``ARGS`` (``save_dir``: its slot directory)."""
+    from keeping import serving
     from serving import ARGS
 
-    tmp = tmp_path_factory.mktemp("serve")
-    (tmp / "slots").mkdir()
-    srv = start_server(llama_server_bin, tiny_models.target, tmp, "serve", args=ARGS, slot_save_path=tmp / "slots")
-    srv.save_dir = tmp / "slots"
-    yield srv
-    srv.stop()
+    with serving(llama_server_bin, tiny_models.target, tmp_path_factory.mktemp("serve"), "serve", ARGS) as srv:
+        yield srv
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import start_server
-from keeping import Keep, emptied, slotctl, tokens_of
+from keeping import Keep, emptied, serving as slot_server, slotctl, tokens_of
 from seaweed import BUCKET
 from serving import TURN1, TURN2_EXTRA, serving
 from slotctl.errors import ExitStatus
@@ -42,23 +42,15 @@ def twin_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def twin(llama_server_bin, twin_file, tmp_path_factory):
     """A server of the twin that never restores anything: the answers the twin gives of itself."""
-    tmp = tmp_path_factory.mktemp("twin-server")
-    (tmp / "slots").mkdir()
-    srv = start_server(llama_server_bin, twin_file, tmp, "twin", args=ARGS, slot_save_path=tmp / "slots")
-    srv.save_dir = tmp / "slots"
-    yield srv
-    srv.stop()
+    with slot_server(llama_server_bin, twin_file, tmp_path_factory.mktemp("twin-server"), "twin", ARGS) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def kept_target(llama_server_bin, tiny_models, tmp_path_factory):
     """A server of the tiny target for keep and serve (killed and started again)."""
-    tmp = tmp_path_factory.mktemp("target-server")
-    (tmp / "slots").mkdir()
-    srv = start_server(llama_server_bin, tiny_models.target, tmp, "target", args=ARGS, slot_save_path=tmp / "slots")
-    srv.save_dir = tmp / "slots"
-    yield srv
-    srv.stop()
+    with slot_server(llama_server_bin, tiny_models.target, tmp_path_factory.mktemp("target-server"), "target", ARGS) as srv:
+        yield srv
 
 
 def greedy(srv, prompt, slot: int = 0, n: int = 12) -> list[int]:
