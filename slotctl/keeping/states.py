@@ -123,6 +123,8 @@ class ServerStates:
         self._catalog = None
         #: state name -> its verdict for the server now running (one for every slot: :meth:`judge`)
         self._judged: dict[str, Judged] = {}
+        #: state name -> [its lock, the threads that hold or wait for it] while it is judged (:meth:`judge`)
+        self._judging: dict[str, list] = {}
         #: the verdicts in memory that the catalog holds too (said from it: ``Judged.catalog``)
         self._kept: set[str] = set()
         self._setups: dict[int, object] = {}
@@ -470,7 +472,25 @@ class ServerStates:
         trusted only for the identity it was made on and when made at least
         :data:`slotctl.catalog.RACY_SECONDS` after the file last changed; a state is sent only while it still
         has the identity its verdict was made on (:meth:`placed`). OSError or SlotctlError when the state
-        cannot be read."""
+        cannot be read.
+
+        A state is judged by one thread at a time: another asking meanwhile (serve's request path, while the save
+        that stored it judges it) waits for that verdict, and is given it, not a second read."""
+        with self._lock:
+            judging = self._judging.get(name)
+            if judging is None:
+                judging = self._judging[name] = [threading.Lock(), 0]
+            judging[1] += 1
+        try:
+            with judging[0]:
+                return self._judge(name, slot)
+        finally:
+            with self._lock:
+                judging[1] -= 1
+                if judging[1] == 0:
+                    del self._judging[name]
+
+    def _judge(self, name: str, slot: int) -> Judged:
         key = name
         where = self.store.where(name)
         try:

@@ -516,7 +516,8 @@ class Cache(ServerStates):
         request path (its verdict kept in memory and in the catalog for the identity it has once stored:
         :meth:`judge`), before the save counts as done, not when the turn comes (validate's read of the state and,
         once per slot, of the model's GGUF: 0.3-0.7 s of the first returning turn's time to first token on the
-        8-layer tiny model, measured)."""
+        8-layer tiny model, measured). It is indexed before it is judged: a turn that comes while it is judged
+        restores it once the verdict is made (judged once), not cold."""
         began = time.perf_counter() if began is None else began
         name = saved.name
         stored = False
@@ -538,10 +539,15 @@ class Cache(ServerStates):
                     self.costs.stored(saved.size, time.perf_counter() - t0)
             seconds = time.perf_counter() - began
             if stored:
+                self.discard(saved.path.name)   # (a hard link's ctime, part of the state's identity, changes here)
+            # indexed at once, before it is judged: a turn that comes meanwhile (a router's swap takes less than a
+            # judgement) finds it, and waits for the verdict in the making (:meth:`judge`, one at a time a state)
+            if self.index is not None:
+                self.index.add(State(name, saved.tokens, saved.kind, saved.size))
+            if stored:
                 # the next turn of the conversation may come after a restart (or a router's swap), restored from
-                # this state: judged now, off the request path, once its working file is gone (a hard link's
-                # ctime, part of the state's identity, changes then); before the save counts as done
-                self.discard(saved.path.name)
+                # this state: judged now, off the request path, once its working file is gone; before the save
+                # counts as done
                 self._judge_stored(name, saved.slot)
                 self.counters.add("saves")
                 self.log("stored", f"slot {saved.slot}: stored as {self.store.where(name)} ({saved.size:,} bytes, "
@@ -549,8 +555,6 @@ class Cache(ServerStates):
                          n_tokens=len(saved.tokens), seconds=round(seconds, 6))
             else:
                 self.counters.add("saves_deduplicated")
-            if self.index is not None:
-                self.index.add(State(name, saved.tokens, saved.kind, saved.size))
             self._prune()
         finally:
             self.discard(saved.path.name)
