@@ -88,16 +88,33 @@ class Keep:
     schema, as they come."""
 
     def __init__(self, srv, store: Path | str, *more: str, env: dict | None = None):
-        env = dict(env or os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        # PYTHONFAULTHANDLER: a keep that does not stop is made to say where each of its threads is (SIGABRT)
+        env = dict(env or os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                   PYTHONFAULTHANDLER="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "slotctl", "keep", "--server", srv.url, "--slot-dir",
                                       str(srv.save_dir), "--store", str(store), "--json", "--timeout", "60", *more],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      preexec_fn=default_signals)
         self.lines: queue.Queue = queue.Queue()
         self.seen: list[dict] = []
+        #: keep's stderr, read as it comes (a pipe nobody reads would stop keep once full)
+        self.errors: list[str] = []
         #: set once the reader met the end of keep's stdout: every line it will ever put is in ``lines``
         self.read_all = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
+        self._err_reader = threading.Thread(target=self._read_errors, daemon=True)
+        self._err_reader.start()
+
+    def _read_errors(self) -> None:
+        for line in self.proc.stderr:
+            self.errors.append(line)
+
+    @property
+    def stderr(self) -> str:
+        """What keep wrote on stderr (all of it once it exited)."""
+        if self.proc.poll() is not None:
+            self._err_reader.join(10)
+        return "".join(self.errors)
 
     def _read(self) -> None:
         try:
@@ -117,17 +134,31 @@ class Keep:
                 # keep's end is told by its reader, not by the process: a keep that exited may have lines
                 # in the pipe the reader has not put yet (a loaded machine, the schema check of each line)
                 assert not (self.read_all.is_set() and self.lines.empty()), \
-                    f"keep exited with {self.proc.wait(60)}: {self.proc.stderr.read()}\n{self.seen}"
+                    f"keep exited with {self.proc.wait(60)}: {self.stderr}\n{self.seen}"
                 continue
             self.seen.append(line)
             if line["event"] == event and (slot is None or line["slot"] == slot):
                 return line
         raise AssertionError(f"no {event!r} event for slot {slot} within {timeout} s: {self.seen}")
 
-    def stop(self, sig=signal.SIGTERM) -> int:
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        """``sig`` sent, keep's exit code. A keep still running ``timeout`` seconds later fails the test with
+        where each of its threads was (SIGABRT: Python's fault handler), its lines and its stderr."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.proc.wait(timeout=60)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+            while not self.lines.empty():
+                self.seen.append(self.lines.get())
+            raise AssertionError(f"keep did not stop within {timeout} s of signal {sig}: its lines {self.seen}\n"
+                                 f"its stderr:\n{self.stderr}") from None
 
 
 def child_env(extra: dict | None = None, drop_aws: bool = False) -> dict:
