@@ -37,7 +37,6 @@ answer never comes, or the file does not check).
 from __future__ import annotations
 
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -47,6 +46,7 @@ from slotctl.keeping.names import server_identity
 from slotctl.keeping.states import ORPHAN_AGE, ServerStates
 from slotctl.live import http
 from slotctl.live.prove import prove
+from slotctl.unattended.stopping import StopFlag
 
 #: seconds a health check may take (a server that does not answer that fast is taken as down)
 HEALTH_TIMEOUT = 10.0
@@ -99,7 +99,9 @@ class Keeper:
         self.identity: dict | None = None
         #: slot -> the /slots signature of its state when keep last saved or restored it
         self.seen: dict[int, tuple] = {}
-        self._stop = threading.Event()
+        #: set by stop() from SIGTERM's handler, or by abandon() from the lease's thread (not a threading.Event:
+        #: slotctl.unattended.stopping says why)
+        self._stop = StopFlag()
         self.errors = 0
         #: running unattended (slotctl.unattended): the lock of this server and store (its journal; checked
         #: before each write: :attr:`lock`), whether restores are proven

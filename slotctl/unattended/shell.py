@@ -135,7 +135,9 @@ class Shell:
 
     def on_signals(self, stop: Callable[[], None], loop=None) -> None:
         """SIGTERM and SIGINT: ``STOPPING=1``, then ``stop()`` (in the process's main thread; ``loop``: an
-        asyncio loop whose handler it is)."""
+        asyncio loop whose handler it is). Without a loop ``stop`` runs in a signal handler, between two
+        bytecodes of the main thread: it must take no lock that thread may hold (a ``threading.Event`` it waits
+        on among them: :mod:`slotctl.unattended.stopping`)."""
         import signal
 
         def stopping(*_args) -> None:
