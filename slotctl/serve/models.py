@@ -260,7 +260,7 @@ class Models:
                       log=self._log_of(name), flags=flags, given=given, router_model=name, counters=f.cache.counters,
                       restore_policy="cost" if f.cache.by_cost else "tokens")
         p = self.make(cache, min_gain=f.min_gain, metrics=f.metrics, limits=f.limits, failures=f.failures)
-        p.session = f.session
+        p.relay.session = f.relay.session
         p.view = _View(f.min_gain, self._notify)
         if name in self.proxies:
             self._retired.append(self.proxies[name])

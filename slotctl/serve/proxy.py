@@ -29,9 +29,7 @@ import json
 import time
 
 import numpy as np
-from aiohttp import (ClientConnectionError, ClientConnectorError, ClientError, ClientSession, ClientTimeout,
-                     ServerDisconnectedError, TCPConnector, TraceConfig, web)
-from yarl import URL
+from aiohttp import web
 
 from slotctl.live import http
 from slotctl.serve import auth, target
@@ -39,13 +37,10 @@ from slotctl.serve.body import Bodies, Stalled, Unread, cacheable, parse, with_s
 from slotctl.serve.cache import Cache, Gate, Prepared, StoreOff
 from slotctl.serve.front import FailureLog, Front, Limits, listening_socket, server_settings
 from slotctl.serve.index import as_tokens, common_prefix
-from slotctl.serve.relayed import Tail
+from slotctl.serve.relay import Relay, Relayed, unavailable
 from slotctl.serve.slots import EMPTY, REQUEST, SAVE, UNKNOWN, Slot, SlotView
 from slotctl.server.requests import COMPLETION_PATHS, TOKENIZE_FLAGS, prompt_form
 
-#: headers of one connection only (RFC 9110 7.6.1), never passed on; Host and Content-Length are set anew
-HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-                        "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"))
 #: serve's own answer (everything else is the server's)
 STATS_PATH = "/slotctl/stats"
 #: seconds serve waits for its own small requests (/slots, /health, /tokenize, /apply-template)
@@ -64,51 +59,9 @@ STORE_WAIT = 2.0
 STORE_WAIT_UNMEASURED = 10.0
 #: seconds a returning turn sent by its text waits for the store's listing (else its tokens are asked for)
 LISTING_WAIT = 0.25
-#: seconds serve reads on from the server after the client went away at the end of an answer (its last bytes)
-DRAIN = 10.0
 #: worker threads for the store's side of requests (apart from serve's small requests, so that a store that
 #: stalls never holds them up)
 STORE_THREADS = 4
-
-
-class Relayed:
-    """An answer passed on (:meth:`Proxy.forward`): the response, whether the server completed it with status
-    200 (``completed``: its slot holds the whole exchange, whether or not the client read it to its end), and
-    the server's ``timings`` of it (:class:`slotctl.serve.relayed.Tail`)."""
-
-    __slots__ = ("response", "completed", "timings")
-
-    def __init__(self, response: web.StreamResponse, completed: bool = False, timings: dict | None = None):
-        self.response, self.completed, self.timings = response, completed, timings
-
-
-def unavailable(message: str, status: int = 502) -> web.Response:
-    """serve's own error answer, in the server's shape."""
-    return web.json_response({"error": {"code": status, "type": "unavailable_error",
-                                        "message": f"slotctl serve: {message}"}}, status=status)
-
-
-def why_not_answered(e: BaseException) -> str:
-    """Why the server did not answer, in serve's words (never aiohttp's internals)."""
-    if isinstance(e, ClientConnectorError):
-        err = e.os_error
-        if isinstance(err, ConnectionRefusedError):
-            return "connection refused (is llama-server running there?)"
-        if isinstance(err, (TimeoutError, asyncio.TimeoutError)):
-            return "no connection within 10 s"
-        return f"cannot connect ({err.strerror or type(err).__name__})" if isinstance(err, OSError) and err.strerror \
-            else "cannot connect"
-    if isinstance(e, ServerDisconnectedError):
-        return "the server closed the connection without answering"
-    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
-        return "no answer in time"
-    if isinstance(e, ClientConnectionError):
-        return "the connection to the server failed"
-    if isinstance(e, ClientError):
-        return "not a valid HTTP answer"
-    if isinstance(e, OSError):
-        return f"cannot connect ({e.strerror})" if e.strerror else "cannot connect"
-    return "the request to the server failed"
 
 
 class Proxy:
@@ -148,7 +101,8 @@ class Proxy:
         #: small request may find the server restarted)
         self._fresh = True
         self._learning = asyncio.Lock()   # held while the server's -kvu/-ctk/-ctv are learnt (:meth:`probe_when_due`)
-        self.session: ClientSession | None = None
+        #: client traffic to the server and back
+        self.relay = Relay(self.base, cache.counters, self.log)
         self._store_threads = concurrent.futures.ThreadPoolExecutor(STORE_THREADS, "slotctl-serve-store")
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
@@ -163,14 +117,9 @@ class Proxy:
         return app
 
     async def _startup(self, _app) -> None:
-        # nothing added that the client did not send (aiohttp adds User-Agent, Accept, Accept-Encoding)
-        trace = TraceConfig()
-        trace.on_connection_create_end.append(self._connected)
-        self.session = ClientSession(connector=TCPConnector(limit=0), auto_decompress=False,
-                                     timeout=ClientTimeout(total=None, sock_connect=10), trace_configs=[trace],
-                                     skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
+        self.relay.open(self._connected)
 
-    async def _connected(self, *_args) -> None:
+    def _connected(self) -> None:
         self.view.connected()
 
     async def _small(self, fn, *args, **kwargs):
@@ -206,7 +155,7 @@ class Proxy:
                 t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.session.close()
+        await self.relay.close()
         self.pool.close()
         self._store_threads.shutdown(wait=False)
 
@@ -355,12 +304,13 @@ class Proxy:
                                       "states": len(self.cache.index.states) if self.cache.index else 0,
                                       "costs": self.cache.costs.known(), "cache": self.cache.unusable() or "on",
                                       "slots": self.view.ids()})
-        sent, route = self._target(request)
+        relay = self.relay
+        sent, route = relay.target(request)
         form = COMPLETION_PATHS.get(route) if request.method == "POST" else None
         if form is None:
             c.add("passed_through")
-            return (await self.forward(request, request.content if request.body_exists else None,
-                                       self._headers(request, stream=True))).response
+            return (await relay.forward(request, request.content if request.body_exists else None,
+                                        relay.headers(request, stream=True))).response
         # nothing happens for a client the server would refuse: its request goes on untouched, unread
         accepted = await self.accepted(auth.client_key(request.headers))
         if not accepted:
@@ -368,14 +318,14 @@ class Proxy:
             self._outcome("passed_through")
             if accepted is False:
                 c.add("unauthorized")
-            return (await self.forward(request, request.content, self._headers(request, stream=True))).response
+            return (await relay.forward(request, request.content, relay.headers(request, stream=True))).response
         raw, held = await self.bodies.read(request)
         try:
             if isinstance(raw, Unread):     # over --max-body: streamed to the server as it comes, uncached
                 c.add("passed_through")
                 self._outcome("passed_through")
                 c.add("unread_bodies")
-                return (await self.forward(request, raw.data, self._headers(request, length=raw.length))).response
+                return (await relay.forward(request, raw.data, relay.headers(request, length=raw.length))).response
             request["slotctl.body"] = raw
             return await self.completion(request, raw, form)
         finally:
@@ -400,94 +350,6 @@ class Proxy:
         except Exception:  # noqa: BLE001 - down or loading: not known, the request goes on untouched
             return None
         self.keys.said(key, True)
-        return True
-
-    def _target(self, request: web.Request) -> tuple[URL, str]:
-        """Where ``request`` goes upstream (its path put under the upstream's prefix, normalised:
-        :func:`slotctl.serve.target.under_prefix`, :class:`~slotctl.serve.target.Leaves` when it would leave it)
-        and the route it names there."""
-        base = URL(self.base)
-        path, route = target.under_prefix(base.path.rstrip("/"), request.raw_path)
-        return URL(str(base.origin()) + path, encoded=True), route
-
-    @staticmethod
-    def _headers(request: web.Request, *, stream: bool = False, length: int | None = None) -> list[tuple[str, str]]:
-        """The client's headers but the hop-by-hop ones; ``stream``: its body sent as it comes, with the
-        Content-Length it gave (``length``: this one), else chunked."""
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
-        if stream and length is None and request.body_exists and request.content_length is not None \
-                and "chunked" not in request.headers.get("Transfer-Encoding", "").lower():
-            length = request.content_length
-        if length is not None:
-            headers.append(("Content-Length", str(length)))
-        return headers
-
-    async def forward(self, request: web.Request, data, headers=None) -> Relayed:
-        """``request`` sent upstream with the body ``data`` (bytes or a stream) and the answer streamed back
-        (:class:`Relayed`). A client that goes away before the answer's end: serve reads on, for at most
-        :data:`DRAIN` seconds, only when what it passed on already ends the server's work
-        (:meth:`slotctl.serve.relayed.Tail.final`: the client closed after the last event, as the ``openai`` SDK
-        does); else it closes its request to the server, which stops the task and frees the slot."""
-        try:
-            up = await self.session.request(request.method, self._target(request)[0],
-                                            headers=headers if headers is not None else self._headers(request),
-                                            data=data, allow_redirects=False)
-        except (ClientError, OSError, asyncio.TimeoutError) as e:
-            self.cache.counters.add("upstream_errors")
-            why = why_not_answered(e)
-            self.log("upstream", f"{request.method} {request.path}: the server does not answer: {why}")
-            return Relayed(unavailable(f"the server {self.base} does not answer: {why}"))
-        whole = False
-        tail = Tail(up.headers.get("Content-Type"))
-        resp = web.StreamResponse(status=up.status, reason=up.reason)
-        try:
-            for k, v in up.headers.items():
-                if k.lower() not in HOP_BY_HOP:
-                    resp.headers.add(k, v)
-            if up.content_length is not None and "chunked" not in up.headers.get("Transfer-Encoding", "").lower():
-                resp.content_length = up.content_length
-            await resp.prepare(request)
-            async for chunk in up.content.iter_any():
-                tail.feed(chunk)
-                await resp.write(chunk)
-            await resp.write_eof()
-            whole = True
-            return Relayed(resp, up.status == 200, tail.timings())
-        except ConnectionResetError:
-            if up.status == 200 and tail.final() and await self._drain(up, tail):
-                whole = True    # the server's work is done, and the slot holds it: saved as any other
-                return Relayed(resp, True, tail.timings())
-            # the client went away: the answer is left unfinished (aiohttp's own end of it fails quietly)
-            self.cache.counters.add("client_disconnects")
-            self.log("disconnect", f"{request.method} {request.path}: the client went away: the request to the "
-                                   f"server is closed")
-            return Relayed(resp)
-        except (ClientError, asyncio.TimeoutError) as e:
-            # the server went away mid-answer: the client's connection is closed, never ended as if whole
-            self.cache.counters.add("upstream_errors")
-            self.log("upstream", f"{request.method} {request.path}: the server's answer broke off: "
-                                 f"{why_not_answered(e)}")
-            if request.transport is not None:
-                request.transport.close()
-            return Relayed(resp)
-        finally:
-            if whole:
-                up.release()
-            else:
-                up.close()      # the server sees the connection close and stops the task: the slot is freed
-
-    @staticmethod
-    async def _drain(up, tail: Tail) -> bool:
-        """The rest of an answer the client stopped reading after its last event, read (and kept in ``tail``)
-        to its end within :data:`DRAIN` seconds; False when it did not end."""
-        async def rest() -> None:
-            async for chunk in up.content.iter_any():
-                tail.feed(chunk)
-
-        try:
-            await asyncio.wait_for(rest(), DRAIN)
-        except (ClientError, asyncio.TimeoutError):
-            return False
         return True
 
     # -- completions -----------------------------------------------------------------------------------
@@ -543,7 +405,7 @@ class Proxy:
     async def _through(self, request: web.Request, raw: bytes) -> web.StreamResponse:
         self.cache.counters.add("passed_through")
         self._outcome("passed_through")
-        return (await self.forward(request, raw)).response
+        return (await self.relay.forward(request, raw)).response
 
     def _outcome(self, outcome: str) -> None:
         if outcome != "passed_through":
@@ -574,7 +436,7 @@ class Proxy:
             data = with_slot(request["slotctl.body"], body, slot.id)
             if self.metrics is not None:
                 self.metrics.added_time_to_first_token(max(0.0, time.monotonic() - began - waited))
-            relayed = await self.forward(request, data, self._headers(request))
+            relayed = await self.relay.forward(request, data, self.relay.headers(request))
             slot.used = time.monotonic()
             self._measured(relayed, prepared, slot)
             if relayed.completed:
