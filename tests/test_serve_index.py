@@ -56,7 +56,7 @@ def test_extends_finds_what_comparing_every_state_finds(stored, prefix, min_toke
 @settings(max_examples=500, deadline=None)
 @given(st.lists(tokens, min_size=0, max_size=20), tokens, tokens, st.integers(0, 3), tokens, st.integers(1, 6))
 def test_no_state_beats_a_slot_when_extends_says_so(stored, prompt, generated, cut, rest, min_gain):
-    """serve's shortcut (slotctl.serve.proxy.Proxy.by_text): a slot holds its last prompt's tokens and what was
+    """serve's shortcut (slotctl.serve.completion.Completions.by_text): a slot holds its last prompt's tokens and what was
     generated; a request's tokens begin with that prompt but for at most ``margin`` tokens. When no state
     begins with the prompt less the margin, holds ``min_gain`` more and is not a prefix of what the slot holds,
     no state shares ``min_gain`` tokens more of the request than the slot: the lookup would restore nothing."""

@@ -19,7 +19,8 @@ open and which are idle:
   ``details.code``), the later ones counted and said together once a minute (``details.count``). What asyncio
   and aiohttp would print themselves (a traceback per connection) goes through it too.
 
-Only :mod:`slotctl.serve.proxy` and this module import aiohttp (the ``[serve]`` extra).
+Only serve's modules of the request path import aiohttp (the ``[serve]`` extra): this one, :mod:`slotctl.serve.relay`,
+:mod:`slotctl.serve.proxy`, :mod:`slotctl.serve.completion` and :mod:`slotctl.serve.models`.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ class Models:
         name = body.get("model") if isinstance(body, dict) else None
         proxy = await self.ready(name, request) if isinstance(name, str) else None
         if proxy is None:
-            return await front._through(request, raw)
+            return await front.through(request, raw)
         self.working[proxy.model] = self.working.get(proxy.model, 0) + 1
         try:
             return await proxy.completion(request, raw, form)
@@ -153,7 +153,7 @@ class Models:
         """The proxy of the model a request names, its model's server the one its view describes: loaded now,
         or loaded for this request (:meth:`load`). None: the request passes through as it came (the router does
         not list the model, would not load it for the request, or does not answer)."""
-        key = self.front._auth(request)
+        key = self.front.auth_key(request)
         try:
             entry = router.resolve(await self.read(key), name)
         except Exception:  # noqa: BLE001 - the router down or refusing: its own answer to the request
@@ -233,7 +233,7 @@ class Models:
         proxy.view.lose()
         proxy.view.top_task = -1            # a fresh server counts its tasks from 0: no restart to learn flags from
         self.ports[name] = entry["port"]
-        await proxy._refresh_facts(key)
+        await proxy.refresh_facts(key)
         f = proxy.cache.facts
         if f is None or getattr(proxy, "_said_down", True):
             self.ports[name] = None         # its facts not read: read at its next request
@@ -260,7 +260,7 @@ class Models:
                       log=self._log_of(name), flags=flags, given=given, router_model=name, counters=f.cache.counters,
                       restore_policy="cost" if f.cache.by_cost else "tokens")
         p = self.make(cache, min_gain=f.min_gain, metrics=f.metrics, limits=f.limits, failures=f.failures)
-        p.session = f.session
+        p.relay.session = f.relay.session
         p.view = _View(f.min_gain, self._notify)
         if name in self.proxies:
             self._retired.append(self.proxies[name])

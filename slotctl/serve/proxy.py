@@ -1,114 +1,45 @@
-"""The HTTP side of ``slotctl serve``: a reverse proxy in front of one llama-server (aiohttp, server and
-client in one package: a response is passed on chunk by chunk as it comes, SSE included).
+"""The proxy of ``slotctl serve`` in front of one llama-server (or llama-server's router): its life and its
+dispatch. This module changes when what serve keeps of its server, or where a request goes, changes.
 
-Every request is passed on as it came (method, path and query, headers but the hop-by-hop ones, body) and
-its answer comes back as the server sent it (status, reason, headers, bytes: nothing decompressed or
-re-encoded). A completion request (:data:`slotctl.server.requests.COMPLETION_PATHS`) whose body is a JSON
-object is given a slot first (:meth:`slotctl.serve.slots.SlotView.choose`, from serve's own view of what
-each slot holds: ``GET /slots`` is asked only when a connection to the server was made since it was last
-asked, and once a second in the background), the stored state that pays restored into it
-(:meth:`slotctl.serve.cache.Cache.prepare`), and goes with ``id_slot`` and ``cache_prompt``; after a whole
-answer, the slot is saved into the store before another request may use it
-(:meth:`Proxy._save_then_release`). A request waits for the first slot that frees, as the server's own
-deferred tasks do (:meth:`slotctl.serve.slots.SlotView.take`). Whatever fails in the cache, the request goes
-on uncached, and a store that does not answer within the request's time (the prefill a restore would
-spare: the server's time, never the store's) is left to itself and not asked again until it answers; only
-an upstream that does not answer is an error (502, JSON, in serve's own words).
+Its life (:class:`Proxy`, :func:`run`): the aiohttp application, listening through serve's front
+(:mod:`slotctl.serve.front`); the server's facts read at start and every few seconds, its ``-kvu``/``-ctk``/``-ctv``
+learnt from a save when due, serve's view of the slots kept true (``GET /slots`` when a connection to the server
+was made since it was last read, and once a second in the background; ``GET /health`` for a kept connection);
+serve's own small requests (``GET /slots``, ``/health``, ``POST /tokenize``, ``/apply-template``, the slot's save)
+through slotctl's one HTTP client (:mod:`slotctl.live.http`: no redirect followed, answers bounded and checked,
+deadlines, the proxy environment, the key never logged), in worker threads, on connections kept open (one
+:class:`slotctl.live.http.Pool`); its tasks, the saves in progress finished at exit.
 
-Only the relay of client traffic goes through aiohttp. serve's own small requests (``GET /slots``,
-``/health``, ``POST /tokenize``, ``/apply-template``, the slot's save) go through slotctl's one HTTP client
-(:mod:`slotctl.live.http`: no redirect followed, answers bounded and checked, deadlines, the proxy environment,
-the key never logged), in worker threads, on connections kept open (one :class:`slotctl.live.http.Pool`).
+Its dispatch (:meth:`Proxy.handle`): serve's own ``GET /slotctl/stats``; every other request passed on as it came
+(:class:`slotctl.serve.relay.Relay`), but a completion request (:data:`slotctl.server.requests.COMPLETION_PATHS`)
+of a client the server accepts, whose body is a JSON object serve may cache: that goes the cached path
+(:class:`slotctl.serve.completion.Completions`), or to its model's proxy behind a router
+(:class:`slotctl.serve.models.Models`). Only an upstream that does not answer is an error (502, JSON, in serve's
+own words).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import time
 
-import numpy as np
-from aiohttp import (ClientConnectionError, ClientConnectorError, ClientError, ClientSession, ClientTimeout,
-                     ServerDisconnectedError, TCPConnector, TraceConfig, web)
-from yarl import URL
+from aiohttp import web
 
 from slotctl.live import http
 from slotctl.serve import auth, target
-from slotctl.serve.body import Bodies, Stalled, Unread, cacheable, parse, with_slot
-from slotctl.serve.cache import Cache, Gate, Prepared, StoreOff
+from slotctl.serve.body import Bodies, Stalled, Unread, cacheable, parse
+from slotctl.serve.cache import Cache
+from slotctl.serve.completion import Completions
 from slotctl.serve.front import FailureLog, Front, Limits, listening_socket, server_settings
-from slotctl.serve.index import as_tokens, common_prefix
-from slotctl.serve.relayed import Tail
-from slotctl.serve.slots import EMPTY, REQUEST, SAVE, UNKNOWN, Slot, SlotView
-from slotctl.server.requests import COMPLETION_PATHS, TOKENIZE_FLAGS, prompt_form
+from slotctl.serve.relay import Relay, unavailable
+from slotctl.serve.slots import SlotView
+from slotctl.server.requests import COMPLETION_PATHS
 
-#: headers of one connection only (RFC 9110 7.6.1), never passed on; Host and Content-Length are set anew
-HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-                        "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"))
 #: serve's own answer (everything else is the server's)
 STATS_PATH = "/slotctl/stats"
 #: seconds serve waits for its own small requests (/slots, /health, /tokenize, /apply-template)
 SMALL_TIMEOUT = 30.0
-#: tokens at the end of a prompt text that may be tokenized otherwise once more text follows it (the last
-#: word, number or run of spaces: tokenizers split text into such pieces and merge only within one)
-MARGIN = 8
-#: seconds a request waits for the store's side of a restore (its lookup, verdict, download) from an ``s3://``
-#: store at least: the prefill the restore would spare when longer (the server's time). A first verdict on a
-#: state reads the model's GGUF (a few hundred ms with a small model, more on a loaded machine), which this
-#: leaves room for; a store that stalls costs one request this much, and the next ones nothing (the store is
-#: not asked again until it answers). A directory store is the machine's own disk: waited for
-STORE_WAIT = 2.0
-#: the same before the server's prefill speed is measured (serve's first requests): a request to the store that
-#: takes longer than :data:`slotctl.serve.cache.STORE_STALL` makes it count as down whatever this is
-STORE_WAIT_UNMEASURED = 10.0
-#: seconds a returning turn sent by its text waits for the store's listing (else its tokens are asked for)
-LISTING_WAIT = 0.25
-#: seconds serve reads on from the server after the client went away at the end of an answer (its last bytes)
-DRAIN = 10.0
-#: worker threads for the store's side of requests (apart from serve's small requests, so that a store that
-#: stalls never holds them up)
-STORE_THREADS = 4
-
-
-class Relayed:
-    """An answer passed on (:meth:`Proxy.forward`): the response, whether the server completed it with status
-    200 (``completed``: its slot holds the whole exchange, whether or not the client read it to its end), and
-    the server's ``timings`` of it (:class:`slotctl.serve.relayed.Tail`)."""
-
-    __slots__ = ("response", "completed", "timings")
-
-    def __init__(self, response: web.StreamResponse, completed: bool = False, timings: dict | None = None):
-        self.response, self.completed, self.timings = response, completed, timings
-
-
-def unavailable(message: str, status: int = 502) -> web.Response:
-    """serve's own error answer, in the server's shape."""
-    return web.json_response({"error": {"code": status, "type": "unavailable_error",
-                                        "message": f"slotctl serve: {message}"}}, status=status)
-
-
-def why_not_answered(e: BaseException) -> str:
-    """Why the server did not answer, in serve's words (never aiohttp's internals)."""
-    if isinstance(e, ClientConnectorError):
-        err = e.os_error
-        if isinstance(err, ConnectionRefusedError):
-            return "connection refused (is llama-server running there?)"
-        if isinstance(err, (TimeoutError, asyncio.TimeoutError)):
-            return "no connection within 10 s"
-        return f"cannot connect ({err.strerror or type(err).__name__})" if isinstance(err, OSError) and err.strerror \
-            else "cannot connect"
-    if isinstance(e, ServerDisconnectedError):
-        return "the server closed the connection without answering"
-    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
-        return "no answer in time"
-    if isinstance(e, ClientConnectionError):
-        return "the connection to the server failed"
-    if isinstance(e, ClientError):
-        return "not a valid HTTP answer"
-    if isinstance(e, OSError):
-        return f"cannot connect ({e.strerror})" if e.strerror else "cannot connect"
-    return "the request to the server failed"
 
 
 class Proxy:
@@ -148,12 +79,14 @@ class Proxy:
         #: small request may find the server restarted)
         self._fresh = True
         self._learning = asyncio.Lock()   # held while the server's -kvu/-ctk/-ctv are learnt (:meth:`probe_when_due`)
-        self.session: ClientSession | None = None
-        self._store_threads = concurrent.futures.ThreadPoolExecutor(STORE_THREADS, "slotctl-serve-store")
+        #: client traffic to the server and back
+        self.relay = Relay(self.base, cache.counters, self.log)
+        #: the cached path of its completion requests
+        self.completions = Completions(self)
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
 
-    # -- the application -------------------------------------------------------------------------------
+    # -- its life --------------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.limits.max_body)
@@ -163,17 +96,12 @@ class Proxy:
         return app
 
     async def _startup(self, _app) -> None:
-        # nothing added that the client did not send (aiohttp adds User-Agent, Accept, Accept-Encoding)
-        trace = TraceConfig()
-        trace.on_connection_create_end.append(self._connected)
-        self.session = ClientSession(connector=TCPConnector(limit=0), auto_decompress=False,
-                                     timeout=ClientTimeout(total=None, sock_connect=10), trace_configs=[trace],
-                                     skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
+        self.relay.open(self._connected)
 
-    async def _connected(self, *_args) -> None:
+    def _connected(self) -> None:
         self.view.connected()
 
-    async def _small(self, fn, *args, **kwargs):
+    async def small(self, fn, *args, **kwargs):
         """One of serve's own requests to the server (``fn``, of :mod:`slotctl.live.http` or the cache) in a
         worker thread, on a connection of the pool; a connection it had to make counts as one the relay makes
         (:meth:`SlotView.connected`: it may be a restarted server's)."""
@@ -185,17 +113,22 @@ class Proxy:
             if self._fresh:
                 self.view.connected()
 
-    async def _on_store(self, fn, *args):
-        """``fn(*args)``, work on the store's side (a lookup, a restore, a save stored), in a worker thread of its
-        own pool: a store that stalls holds those threads, never the ones of serve's small requests."""
-        return await asyncio.get_running_loop().run_in_executor(self._store_threads, fn, *args)
+    async def post(self, path: str, body: dict, key: str | None):
+        """One of serve's own POSTs to the server (``/tokenize``, ``/apply-template``: :meth:`small`), its answer."""
+        return await self.small(http.request, self.base, "POST", path, body, api_key=key, timeout=SMALL_TIMEOUT,
+                                pool=self.pool, model=self.model)
+
+    async def get_slots(self, key: str | None) -> list[dict]:
+        """The server's ``GET /slots`` (:meth:`small`)."""
+        return await self.small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT, pool=self.pool,
+                                model=self.model)
 
     async def begin(self) -> None:
         """Once listening: the server's facts read (until then completions pass through uncached), then
         read again every ``facts_every`` seconds."""
-        await self._refresh_facts()
-        self._spawn(self._facts_loop())
-        self._spawn(self._check_loop())
+        await self.refresh_facts()
+        self.spawn(self._facts_loop())
+        self.spawn(self._check_loop())
 
     async def _cleanup(self, _app) -> None:
         if self.router is not None:
@@ -206,20 +139,20 @@ class Proxy:
                 t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.session.close()
+        await self.relay.close()
         self.pool.close()
-        self._store_threads.shutdown(wait=False)
+        self.completions.close()
 
-    def _spawn(self, coro, name: str = "task") -> asyncio.Task:
+    def spawn(self, coro, name: str = "task") -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return t
 
-    async def _refresh_facts(self, key: str | None = None) -> None:
+    async def refresh_facts(self, key: str | None = None) -> None:
         key = key if key is not None else self.keys.last
         try:
-            await self._small(self.cache.refresh_facts, key)
+            await self.small(self.cache.refresh_facts, key)
         except http.RouterMode as e:
             if self.model is not None:      # a router that did not route by the model's name
                 self.log("down", f"the server's facts cannot be read ({e}): requests pass through uncached")
@@ -263,7 +196,7 @@ class Proxy:
                 return
             if read_facts:
                 try:
-                    await self._small(self.cache.refresh_facts, key)
+                    await self.small(self.cache.refresh_facts, key)
                 except Exception:  # noqa: BLE001 - down again: the facts loop says so; learnt when it is back
                     return
             if not self.view.trusted and not await self.check_slots(key):
@@ -272,7 +205,7 @@ class Proxy:
             if slot is None:
                 return
             try:
-                await self._small(self.cache.probe, slot.id, key)
+                await self.small(self.cache.probe, slot.id, key)
             except Exception as e:  # noqa: BLE001 - not learnt: judged with the flags given, as before
                 self.log("error", f"slot {slot.id}: the server's -kvu/-ctk/-ctv cannot be learnt from a save ({e}): "
                                   f"states are judged with the flags given (llama-server's defaults for the rest)",
@@ -285,7 +218,7 @@ class Proxy:
             try:
                 await asyncio.wait_for(self._stop.wait(), self.facts_every)
             except asyncio.TimeoutError:
-                await self._refresh_facts()
+                await self.refresh_facts()
 
     async def _check_loop(self) -> None:
         """Every ``check_every`` seconds, off the request path: the slots read again (a change serve did not
@@ -303,8 +236,7 @@ class Proxy:
         the server's flags due); False when it cannot be read (the view is then lost: every slot taken as
         holding nothing; not when a key is wanted, a client's in the background: unknown)."""
         try:
-            entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT, pool=self.pool,
-                                        model=self.model)
+            entries = await self.get_slots(key)
         except http.ServerAuthError:
             return False
         except Exception:  # noqa: BLE001 - the server down or restarting
@@ -315,6 +247,30 @@ class Proxy:
             self.cache.server_restarted()   # and another model file: identified anew at the next facts
             self.keys.forget()              # and accept other keys: each asked again
         return True
+
+    async def health(self, key: str | None) -> None:
+        """``GET /health``, for its connection (:meth:`small`): one kept alive shows the server is the one the
+        view describes. Loading or down, or when it had to make a connection (a kept one was not there: the
+        server may have restarted), the view is read again first."""
+        if self.model is not None:      # a router's GET /health is its own: the model's is not asked
+            self.view.distrust()
+            return
+        try:
+            await self.small(http.get_health, self.base, api_key=key, timeout=SMALL_TIMEOUT, pool=self.pool)
+        except Exception:  # noqa: BLE001 - loading or down: GET /slots says which
+            self.view.distrust()
+
+    async def same_server(self, form: str, key: str | None) -> bool:
+        """Whether serve's view of the slots still holds once a request has gone to the server (a chat's
+        ``/apply-template`` went; else ``GET /health``). One that had to make a connection may have reached a
+        restarted server (or the server closed an idle one: cpp-httplib does after 5 s): the slots are read
+        again first (``GET /slots``, :meth:`SlotView.apply`: a restart, or a slot changed by another client,
+        takes the slots' text away)."""
+        if form != "chat":
+            await self.health(key)
+        if not self.view.trusted:
+            await self.check_slots(key)
+        return self.view.trusted
 
     # -- every request ---------------------------------------------------------------------------------
 
@@ -355,27 +311,28 @@ class Proxy:
                                       "states": len(self.cache.index.states) if self.cache.index else 0,
                                       "costs": self.cache.costs.known(), "cache": self.cache.unusable() or "on",
                                       "slots": self.view.ids()})
-        sent, route = self._target(request)
+        relay = self.relay
+        sent, route = relay.target(request)
         form = COMPLETION_PATHS.get(route) if request.method == "POST" else None
         if form is None:
             c.add("passed_through")
-            return (await self.forward(request, request.content if request.body_exists else None,
-                                       self._headers(request, stream=True))).response
+            return (await relay.forward(request, request.content if request.body_exists else None,
+                                        relay.headers(request, stream=True))).response
         # nothing happens for a client the server would refuse: its request goes on untouched, unread
         accepted = await self.accepted(auth.client_key(request.headers))
         if not accepted:
             c.add("passed_through")
-            self._outcome("passed_through")
+            self.outcome("passed_through")
             if accepted is False:
                 c.add("unauthorized")
-            return (await self.forward(request, request.content, self._headers(request, stream=True))).response
+            return (await relay.forward(request, request.content, relay.headers(request, stream=True))).response
         raw, held = await self.bodies.read(request)
         try:
             if isinstance(raw, Unread):     # over --max-body: streamed to the server as it comes, uncached
                 c.add("passed_through")
-                self._outcome("passed_through")
+                self.outcome("passed_through")
                 c.add("unread_bodies")
-                return (await self.forward(request, raw.data, self._headers(request, length=raw.length))).response
+                return (await relay.forward(request, raw.data, relay.headers(request, length=raw.length))).response
             request["slotctl.body"] = raw
             return await self.completion(request, raw, form)
         finally:
@@ -402,433 +359,35 @@ class Proxy:
         self.keys.said(key, True)
         return True
 
-    def _target(self, request: web.Request) -> tuple[URL, str]:
-        """Where ``request`` goes upstream (its path put under the upstream's prefix, normalised:
-        :func:`slotctl.serve.target.under_prefix`, :class:`~slotctl.serve.target.Leaves` when it would leave it)
-        and the route it names there."""
-        base = URL(self.base)
-        path, route = target.under_prefix(base.path.rstrip("/"), request.raw_path)
-        return URL(str(base.origin()) + path, encoded=True), route
-
-    @staticmethod
-    def _headers(request: web.Request, *, stream: bool = False, length: int | None = None) -> list[tuple[str, str]]:
-        """The client's headers but the hop-by-hop ones; ``stream``: its body sent as it comes, with the
-        Content-Length it gave (``length``: this one), else chunked."""
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
-        if stream and length is None and request.body_exists and request.content_length is not None \
-                and "chunked" not in request.headers.get("Transfer-Encoding", "").lower():
-            length = request.content_length
-        if length is not None:
-            headers.append(("Content-Length", str(length)))
-        return headers
-
-    async def forward(self, request: web.Request, data, headers=None) -> Relayed:
-        """``request`` sent upstream with the body ``data`` (bytes or a stream) and the answer streamed back
-        (:class:`Relayed`). A client that goes away before the answer's end: serve reads on, for at most
-        :data:`DRAIN` seconds, only when what it passed on already ends the server's work
-        (:meth:`slotctl.serve.relayed.Tail.final`: the client closed after the last event, as the ``openai`` SDK
-        does); else it closes its request to the server, which stops the task and frees the slot."""
-        try:
-            up = await self.session.request(request.method, self._target(request)[0],
-                                            headers=headers if headers is not None else self._headers(request),
-                                            data=data, allow_redirects=False)
-        except (ClientError, OSError, asyncio.TimeoutError) as e:
-            self.cache.counters.add("upstream_errors")
-            why = why_not_answered(e)
-            self.log("upstream", f"{request.method} {request.path}: the server does not answer: {why}")
-            return Relayed(unavailable(f"the server {self.base} does not answer: {why}"))
-        whole = False
-        tail = Tail(up.headers.get("Content-Type"))
-        resp = web.StreamResponse(status=up.status, reason=up.reason)
-        try:
-            for k, v in up.headers.items():
-                if k.lower() not in HOP_BY_HOP:
-                    resp.headers.add(k, v)
-            if up.content_length is not None and "chunked" not in up.headers.get("Transfer-Encoding", "").lower():
-                resp.content_length = up.content_length
-            await resp.prepare(request)
-            async for chunk in up.content.iter_any():
-                tail.feed(chunk)
-                await resp.write(chunk)
-            await resp.write_eof()
-            whole = True
-            return Relayed(resp, up.status == 200, tail.timings())
-        except ConnectionResetError:
-            if up.status == 200 and tail.final() and await self._drain(up, tail):
-                whole = True    # the server's work is done, and the slot holds it: saved as any other
-                return Relayed(resp, True, tail.timings())
-            # the client went away: the answer is left unfinished (aiohttp's own end of it fails quietly)
-            self.cache.counters.add("client_disconnects")
-            self.log("disconnect", f"{request.method} {request.path}: the client went away: the request to the "
-                                   f"server is closed")
-            return Relayed(resp)
-        except (ClientError, asyncio.TimeoutError) as e:
-            # the server went away mid-answer: the client's connection is closed, never ended as if whole
-            self.cache.counters.add("upstream_errors")
-            self.log("upstream", f"{request.method} {request.path}: the server's answer broke off: "
-                                 f"{why_not_answered(e)}")
-            if request.transport is not None:
-                request.transport.close()
-            return Relayed(resp)
-        finally:
-            if whole:
-                up.release()
-            else:
-                up.close()      # the server sees the connection close and stops the task: the slot is freed
-
-    @staticmethod
-    async def _drain(up, tail: Tail) -> bool:
-        """The rest of an answer the client stopped reading after its last event, read (and kept in ``tail``)
-        to its end within :data:`DRAIN` seconds; False when it did not end."""
-        async def rest() -> None:
-            async for chunk in up.content.iter_any():
-                tail.feed(chunk)
-
-        try:
-            await asyncio.wait_for(rest(), DRAIN)
-        except (ClientError, asyncio.TimeoutError):
-            return False
-        return True
-
-    # -- completions -----------------------------------------------------------------------------------
-
     async def completion(self, request: web.Request, raw: bytes, form: str) -> web.StreamResponse:
         began = time.monotonic()
-        c = self.cache.counters
         body = await parse(raw)     # off the event loop; None: not a JSON object serve reads (the server's to answer)
         if self.router is not None:     # the upstream is a router: the proxy of the model the body names
             return await self.router.completion(request, raw, body, form)
-        key = self._auth(request)
+        key = self.auth_key(request)
         if body is not None and self.cache.facts is None:
-            await self._refresh_facts(key)   # not read yet (serve just started, the server was down, a key needed)
+            await self.refresh_facts(key)   # not read yet (serve just started, the server was down, a key needed)
             if self.router is not None:      # the upstream is a router (found now)
                 return await self.router.completion(request, raw, body, form)
         if body is None or self.cache.facts is None or not cacheable(body):
-            return await self._through(request, raw)
-        # serve's view of the slots is read again (GET /slots) only when a connection to the server was made
-        # since it was last read (serve's first request, a restarted server): at the same time as the prompt's
-        # tokens are asked for when that is known before; after, when asking for them took a new connection.
-        # A prompt of tokens asks the server nothing: GET /health is asked instead, for its connection.
-        check = None if self.view.trusted else asyncio.ensure_future(self.check_slots(key))
-        text = slot = tokens = None
-        waited = 0.0
-        try:
-            prompt = await self.prompt_of(body, form, key)
-            text = prompt if isinstance(prompt, str) else None
-            if text is not None and (check is None or await check):
-                slot, waited = await self.by_text(text, body.get("id_slot"), form, key)   # no /tokenize first
-            if slot is None:
-                tokens = await self.tokens_of(prompt, key)
-        except Exception as e:  # noqa: BLE001 - the cache never fails a request
-            c.add("lookup_failures")
-            self.log("error", f"{request.path}: the prompt's tokens cannot be had ({e}): passed through uncached")
-        if slot is not None:
-            return await self.send(request, body, slot, key, None, text, began, waited)
-        if check is not None:
-            await check
-        if tokens is None or len(tokens) == 0:
-            return await self._through(request, raw)
-        if check is None and form != "chat" and prompt_form(body.get("prompt")) == "tokens":
-            await self._health(key)
-        if not self.view.trusted and not await self.check_slots(key):
-            self.log("error", "GET /slots cannot be read: the request passes through uncached")
-            return await self._through(request, raw)
-        t0 = time.monotonic()
-        slot = await self.view.take(tokens, body.get("id_slot"))    # the first slot that frees, as the server's
-        waited = time.monotonic() - t0
-        if slot is None:
-            return await self._through(request, raw)
-        return await self.send(request, body, slot, key, tokens, text, began, waited)
+            return await self.through(request, raw)
+        return await self.completions.handle(request, raw, body, form, key, began)
 
-    async def _through(self, request: web.Request, raw: bytes) -> web.StreamResponse:
+    async def through(self, request: web.Request, raw: bytes) -> web.StreamResponse:
         self.cache.counters.add("passed_through")
-        self._outcome("passed_through")
-        return (await self.forward(request, raw)).response
+        self.outcome("passed_through")
+        return (await self.relay.forward(request, raw)).response
 
-    def _outcome(self, outcome: str) -> None:
+    def outcome(self, outcome: str) -> None:
         if outcome != "passed_through":
             self.cache.counters.add(outcome)
         if self.metrics is not None:
             self.metrics.outcome(outcome)
 
-    async def send(self, request: web.Request, body: dict, slot: Slot, key: str | None, tokens: np.ndarray | None,
-                   text: str | None, began: float, waited: float) -> web.StreamResponse:
-        """The request sent into ``slot`` (held for it), the slot held until its save: prepared first
-        (:meth:`_prepare`) when the prompt's ``tokens`` are known; None: a prompt ``text`` that begins with the
-        slot's own (:meth:`by_text`), its tokens asked for once the answer was passed on. ``began``: when
-        serve had the request; ``waited``: the seconds it waited for its slot (the server alone would have
-        too), the rest of what passed until it goes is what serve added."""
-        c = self.cache.counters
-        c.add("cached")
-        handed = False
-        try:
-            before, prompt_before = slot.tokens, slot.prompt
-            if tokens is not None:
-                prepared = await self._prepare(slot, tokens, key)
-                if self.metrics is not None:
-                    self.metrics.prompt(prepared.reused, len(tokens) - prepared.reused)
-            else:
-                c.add("matched_by_text")
-                prepared = Prepared(0, "slot_hit")
-            self._outcome(prepared.outcome)
-            data = with_slot(request["slotctl.body"], body, slot.id)
-            if self.metrics is not None:
-                self.metrics.added_time_to_first_token(max(0.0, time.monotonic() - began - waited))
-            relayed = await self.forward(request, data, self._headers(request))
-            slot.used = time.monotonic()
-            self._measured(relayed, prepared, slot)
-            if relayed.completed:
-                # the save is asked once the answer was passed on, not while its last bytes are on their way
-                # (the save's worker thread then held them back by a few milliseconds, measured)
-                slot.sig = UNKNOWN
-                if tokens is not None:
-                    slot.sent(tokens, text, tokens)
-                    learnt = None
-                else:       # its own text kept (its next turn finds the slot), its tokens asked for meanwhile
-                    slot.sent(before, text, prompt_before)
-                    learnt = asyncio.ensure_future(self._tokens_sent(slot, text, before, key))
-                self.view.hold(slot, SAVE)
-                self._spawn(self._save_then_release(slot, key, learnt), name=f"save-{slot.id}")
-                handed = True
-            else:
-                slot.forget()     # a broken answer: what the slot holds is not known
-            return relayed.response
-        finally:
-            if not handed:
-                self.view.release(slot)
-
-    async def _prepare(self, slot: Slot, tokens: np.ndarray, key: str | None) -> Prepared:
-        """The restore for a request (:meth:`Cache.prepare`) when one could pay and the store can be used: its
-        store side (an ``s3://`` store's) waited for no longer than the prefill the restore would spare (the
-        server's time: at least :data:`STORE_WAIT`), then the request goes uncached and the store is left alone
-        until that work ends (:meth:`Cache.stall_begins`)."""
-        c = self.cache.counters
-        held = self.view.held(slot, tokens)
-        own = Prepared(held, "slot_hit" if held >= self.min_gain else "cold")
-        if not self.view.may_restore(slot, tokens):
-            return own
-        if self.cache.learn_due:
-            await self.probe_when_due(key, read_facts=True)  # the server's flags learnt before it is judged
-        off = self.cache.unusable()
-        self.cache.said_off()
-        if off is not None:
-            return own if own.outcome == "slot_hit" else Prepared(held, "uncached")
-        spare = self.cache.costs.prefill_ms(len(tokens) - held)
-        wait = STORE_WAIT_UNMEASURED if spare is None else max(STORE_WAIT, spare / 1000.0)
-        if not self.cache.by_cost:
-            wait = STORE_WAIT_UNMEASURED    # --restore-policy tokens: restored whatever the prefill costs
-        if not self.cache.where_s3():
-            wait = None     # the machine's own disk
-        gate = Gate()
-        work = asyncio.ensure_future(self._on_store(self.cache.prepare, slot, tokens, self.min_gain, key, gate))
-        try:
-            done, _ = await asyncio.wait({work}, timeout=wait)
-            if not done and gate.give_up():
-                self._stalled(work, wait)
-                return Prepared(held, "uncached")
-            return await work       # done, or the restore sent to the server: the server's time now
-        except Exception as e:  # noqa: BLE001 - a restore that fails: the request goes uncached
-            c.add("restore_failures")
-            slot.tokens = EMPTY
-            self.log("error", f"slot {slot.id}: no restore ({e}): the request goes uncached", slot=slot.id)
-            return Prepared(0, "uncached")
-
-    def _stalled(self, work: asyncio.Future, wait: float) -> None:
-        """A request stopped waiting for the store's side of its restore after ``wait`` seconds: the store is not
-        used until that work ends (said once, a ``cache`` event)."""
-        self.cache.counters.add("lookup_failures")
-        self.cache.stall_begins()
-        self.log("error", f"the store did not answer within {wait * 1000:.0f} ms (the prefill a restore would spare, "
-                          f"at least {STORE_WAIT:g} s): the request goes uncached", code="store_stalled")
-        self.cache.said_off()
-
-        def ended(_f) -> None:
-            self.cache.stall_ends()
-            if not _f.cancelled():
-                _f.exception()      # retrieved: said already
-            self.cache.said_off()
-
-        work.add_done_callback(ended)
-
-    def _measured(self, relayed: Relayed, prepared: Prepared, slot: Slot) -> None:
-        """The server's timings of an answer taken (its prefill speed), and a restore-or-prefill choice's
-        outcome said (an ``outcome`` event: what was predicted, what the server's timings and the restore
-        measured)."""
-        timings = relayed.timings
-        self.cache.costs.prefilled(timings)
-        pred = prepared.prediction
-        if pred is None or not timings or not isinstance(timings.get("prompt_ms"), (int, float)):
-            return
-        restore_ms = (prepared.seconds or 0.0) * 1000.0
-        measured = timings["prompt_ms"] + restore_ms
-        chose = "restore" if prepared.outcome == "restored" else "prefill"
-        predicted = pred.restore_ms if chose == "restore" else pred.prefill_ms
-        self.log("outcome", f"slot {slot.id}: {'restored' if chose == 'restore' else 'prefill'}: predicted "
-                            f"{predicted:.0f} ms, measured {measured:.0f} ms (the server's prompt "
-                            f"{timings['prompt_ms']:.0f} ms for {timings.get('prompt_n', 0):.0f} tokens"
-                            + (f", the restore {restore_ms:.0f} ms" if prepared.outcome == "restored" else "") + ")",
-                 slot=slot.id, chose=chose, predicted_ms=round(predicted, 3),
-                 measured_ms=round(measured, 3), prompt_n=timings.get("prompt_n"), prediction=pred.as_dict())
-        if self.metrics is not None:
-            self.metrics.predicted(chose, predicted / 1000.0, measured / 1000.0)
-
-    async def _health(self, key: str | None) -> None:
-        """``GET /health``, for its connection (:meth:`_small`): one kept alive shows the server is the one the
-        view describes. Loading or down, or when it had to make a connection (a kept one was not there: the
-        server may have restarted), the view is read again first."""
-        if self.model is not None:      # a router's GET /health is its own: the model's is not asked
-            self.view.distrust()
-            return
-        try:
-            await self._small(http.get_health, self.base, api_key=key, timeout=SMALL_TIMEOUT, pool=self.pool)
-        except Exception:  # noqa: BLE001 - loading or down: GET /slots says which
-            self.view.distrust()
-
-    async def _same_server(self, form: str, key: str | None) -> bool:
-        """Whether serve's view of the slots still holds once a request has gone to the server (a chat's
-        ``/apply-template`` went; else ``GET /health``). One that had to make a connection may have reached a
-        restarted server (or the server closed an idle one: cpp-httplib does after 5 s): the slots are read
-        again first (``GET /slots``, :meth:`SlotView.apply`: a restart, or a slot changed by another client,
-        takes the slots' text away)."""
-        if form != "chat":
-            await self._health(key)
-        if not self.view.trusted:
-            await self.check_slots(key)
-        return self.view.trusted
-
-    async def by_text(self, text: str, want, form: str, key: str | None) -> tuple[Slot | None, float]:
-        """The slot for a prompt ``text`` without asking the server for its tokens (held for it): the slot whose
-        own prompt text (:attr:`Slot.text`) ``text`` begins with, the longest such (``want``'s alone when
-        given: :meth:`SlotView.by_text`), waited for while its save runs, when no stored state could keep
-        ``min_gain`` tokens more of the request than the slot holds (:meth:`Cache.may_beat`: such a state would
-        begin with the slot's prompt tokens but their last :data:`MARGIN`, the tokens that more text may
-        change). That is the choice :meth:`SlotView.choose` and :meth:`Cache.prepare` make from the prompt's
-        tokens: the slot shares the most of it, and nothing is restored. None: the tokens are needed. With the
-        seconds it waited for the slot's save."""
-        waited = 0.0
-        if self.view.by_text(text, want) is None or not await self._same_server(form, key):
-            return None, waited
-        if not self.cache.index_fresh() and self.cache.unusable() is None:
-            # other serve processes' states, listed as prepare lists them (not waited for long: a store that
-            # stalls sends the turn the long way, whose lookup gives up in the server's time)
-            listing = asyncio.ensure_future(self._on_store(self.cache.sync_index))
-            done, _ = await asyncio.wait({listing}, timeout=LISTING_WAIT)
-            if not done or listing.exception() is not None:
-                return None, waited
-        for _ in range(4):
-            s = self.view.by_text(text, want)       # again: other requests ran meanwhile
-            if s is None or not self.view.trusted or self.cache.may_beat(s.prompt, s.tokens, self.min_gain, MARGIN):
-                return None, waited
-            if s.idle:
-                self.view.hold(s, REQUEST)
-                return s, waited
-            t0 = time.monotonic()
-            await self.view.idle_again(s)       # its save (the turn came the moment its answer did)
-            waited += time.monotonic() - t0
-        return None, waited
-
-    def _auth(self, request: web.Request) -> str:
+    def auth_key(self, request: web.Request) -> str:
         """The key for serve's own requests of a client's request (the server accepts it: :meth:`accepted`):
         ``--api-key``, else the client's own (as the server reads it; never logged)."""
         return self.cache.api_key or auth.client_key(request.headers)
-
-    async def prompt_of(self, body: dict, form: str, key: str | None):
-        """The request's prompt as the server reads it: its ``prompt``, or a chat's ``messages`` through the
-        server's ``/apply-template``; None for a chat serve does not cache (no messages, media)."""
-        if form == "chat":
-            if not isinstance(body.get("messages"), list) or self.cache.facts.mmproj:
-                return None
-            answer = await self._small(http.request, self.base, "POST", "/apply-template", body, api_key=key,
-                                       timeout=SMALL_TIMEOUT, pool=self.pool, model=self.model)
-            return answer.get("prompt") if isinstance(answer, dict) else None
-        return body.get("prompt")
-
-    async def tokens_of(self, prompt, key: str | None) -> np.ndarray | None:
-        """A prompt (:meth:`prompt_of`) as the server tokenizes it: its own token ids, or the server's
-        ``/tokenize`` of its text; None when it is no one prompt serve can tokenize (several prompts)."""
-        how = prompt_form(prompt)
-        if how == "tokens":
-            return as_tokens(prompt)
-        if how != "text":
-            return None
-        answer = await self._small(http.request, self.base, "POST", "/tokenize", {"content": prompt, **TOKENIZE_FLAGS},
-                                   api_key=key, timeout=SMALL_TIMEOUT, pool=self.pool, model=self.model)
-        toks = answer.get("tokens") if isinstance(answer, dict) else None
-        if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
-            raise http.ServerAnswerError(f"POST {self.base}/tokenize: no token list in the answer")
-        return as_tokens(toks)
-
-    async def _save_then_release(self, slot: Slot, key: str | None, learnt: asyncio.Future | None = None) -> None:
-        """After a whole answer (the slot held by its save meanwhile, :data:`SAVE`: the conversation's next turn
-        waits for it): the slot saved by the server (asked at once, on a kept connection) and the file checked
-        (in a worker thread), its ``/slots`` signature noted, then freed; the state is stored after (the slot's
-        next request need not wait for the copy). With the store not to be used (:meth:`Cache.unusable`), no
-        save is asked (it could not be stored). A request sent by its text (:meth:`by_text`) has its text's
-        tokens asked for meanwhile (``learnt``): what the slot now holds, and the prompt tokens kept and
-        evaluated for the metrics."""
-        began = time.perf_counter()
-        saved = None
-        try:
-            if self.cache.unusable() is None:
-                work = self.cache.work_name(slot.id)
-                try:
-                    answer = await self._small(self.cache.save, slot.id, work, key)
-                    self.cache.costs.saved(answer)
-                    saved = await asyncio.to_thread(self.cache.checked, slot.id, work, answer)
-                except Exception as e:  # noqa: BLE001 - a save that fails costs the next restore, nothing more
-                    self.cache.discard(work)
-                    self.cache.counters.add("save_failures")
-                    self.log("error", f"slot {slot.id}: not saved: {e}", slot=slot.id)
-            if learnt is None:          # the prompt's tokens known before: what the slot holds, saved
-                if saved is not None:
-                    slot.sent(saved.tokens, slot.text, slot.prompt)
-            else:
-                prompt = await learnt
-                if prompt is None:
-                    slot.tokens = saved.tokens if saved is not None else EMPTY
-                else:
-                    slot.sent(saved.tokens if saved is not None else prompt, slot.text, prompt)
-            try:
-                entries = await self._small(http.get_slots, self.base, api_key=key, timeout=SMALL_TIMEOUT,
-                                            pool=self.pool, model=self.model)
-                self.view.noted(slot, next((e for e in entries if e.get("id") == slot.id), None))
-                if self.view.apply(entries):    # the other slots as the server shows them now: the view read
-                    self.cache.learn_due = True
-                    self.cache.server_restarted()
-            except Exception:  # noqa: BLE001 - unknown: the next check finds the slot's tokens unknown
-                slot.sig = UNKNOWN
-        finally:
-            self.view.release(slot)
-        if saved is not None:
-            try:
-                await self._on_store(self.cache.store_saved, saved, began)
-            except StoreOff as e:
-                self.cache.counters.add("save_failures")
-                self.log("error", f"slot {slot.id}: {e}", slot=slot.id, code="store_off")
-            except Exception as e:  # noqa: BLE001 - the store down: the next restore misses it
-                self.cache.counters.add("save_failures")
-                self.log("error", f"slot {slot.id}: not stored: {e}", slot=slot.id)
-            finally:
-                self.cache.said_off()
-            if self.metrics is not None:
-                self.metrics.save_took(time.perf_counter() - began)
-
-    async def _tokens_sent(self, slot: Slot, text: str, before: np.ndarray, key: str | None) -> np.ndarray | None:
-        """The server's tokens of a prompt ``text`` sent by :meth:`by_text` into ``slot``, which held ``before``
-        (the metrics told what the server kept of it); None when they cannot be had (the slot's text is then
-        forgotten: its next request asks for its tokens first)."""
-        try:
-            tokens = await self.tokens_of(text, key)
-        except Exception as e:  # noqa: BLE001 - costs the next request its shortcut, nothing more
-            tokens = None
-            self.log("error", f"slot {slot.id}: the prompt's tokens cannot be had ({e})", slot=slot.id)
-        if tokens is None or len(tokens) == 0:
-            self.cache.counters.add("lookup_failures")
-            return None
-        if self.metrics is not None:
-            reused = min(common_prefix(before, tokens), len(tokens) - 1)
-            self.metrics.prompt(reused, len(tokens) - reused)
-        return tokens
 
 
 async def run(proxy: Proxy, host: str, port: int, *, ready=None, stop: asyncio.Event | None = None,

@@ -1,5 +1,6 @@
 """serve's view of the server's slots and its choice of a slot for a request: plain code, no HTTP (the proxy,
-:mod:`slotctl.serve.proxy`, feeds it ``GET /slots`` and the connections it makes, and asks it).
+:mod:`slotctl.serve.proxy`, feeds it ``GET /slots`` and the connections it makes; the cached path,
+:mod:`slotctl.serve.completion`, asks it).
 
 What each slot holds is what serve last put there (every request goes through serve: the prompt it sent, the
 state it saved or restored). The view is trusted while every connection to the server was made before the
