@@ -235,7 +235,7 @@ class Models:
         self.ports[name] = entry["port"]
         await proxy.refresh_facts(key)
         f = proxy.cache.facts
-        if f is None or getattr(proxy, "_said_down", True):
+        if f is None or proxy.said_down is not False:
             self.ports[name] = None         # its facts not read: read at its next request
         else:
             self.front.log("loaded", f"{name}: {'loaded again by the router' if old is not None else 'loaded'} (its "

@@ -75,9 +75,8 @@ class Proxy:
         #: serve's own small requests' connections, kept open (shared by its worker threads)
         self.pool = http.Pool()
         cache.pool = self.pool
-        #: serve's last small request made a connection of its own (a kept one was not there: the next
-        #: small request may find the server restarted)
-        self._fresh = True
+        #: whether serve last said the server down (None: it said neither up nor down yet)
+        self.said_down: bool | None = None
         self._learning = asyncio.Lock()   # held while the server's -kvu/-ctk/-ctv are learnt (:meth:`probe_when_due`)
         #: client traffic to the server and back
         self.relay = Relay(self.base, cache.counters, self.log)
@@ -109,8 +108,7 @@ class Proxy:
         try:
             return await asyncio.to_thread(fn, *args, **kwargs)
         finally:
-            self._fresh = self.pool.made != made
-            if self._fresh:
+            if self.pool.made != made:
                 self.view.connected()
 
     async def post(self, path: str, body: dict, key: str | None):
@@ -165,14 +163,14 @@ class Proxy:
         except Exception as e:  # noqa: BLE001 - the server down or not a llama-server: pass through meanwhile
             if isinstance(e, http.ServerAuthError) and key is not None:
                 self.keys.said(key, False)
-            if self.cache.facts is not None or not getattr(self, "_said_down", False):
+            if self.cache.facts is not None or not self.said_down:
                 self.log("down", f"the server's facts cannot be read ({e}): requests pass through uncached"
                          + ("; its first client whose key it accepts gives serve the key"
                             if isinstance(e, http.ServerAuthError) and self.keys.last is None else ""))
-            self._said_down = True
+            self.said_down = True
             return
         self.router = None          # (a router once, one server now)
-        if getattr(self, "_said_down", True):
+        if self.said_down is not False:
             self.keys.forget()      # a server back may accept other keys: each asked again
             f = self.cache.facts
             self.log("up", f"{f.url}: {f.total_slots} slot(s) of {f.n_ctx_slot} tokens, model {f.model_path}, "
@@ -181,7 +179,7 @@ class Proxy:
             self.cache.server_restarted()   # ... or another model file: identified anew at the next facts
         if key is not None:
             self.keys.said(key, True)
-        self._said_down = False
+        self.said_down = False
         await self.probe_when_due(key)
 
     async def probe_when_due(self, key: str | None, read_facts: bool = False) -> None:
