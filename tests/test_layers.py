@@ -154,6 +154,30 @@ def test_no_circle_between_modules():
     assert circles(_module_graph(mods)) == [["slotctl.a", "slotctl.b"], ["slotctl.c", "slotctl.d", "slotctl.e"]]
 
 
+#: slotctl.keeping's modules, top to bottom (docs/design.md): the one object per server and store over its parts,
+#: each part with one reason to change and none importing another, over the records and steps they share
+KEEPING = [
+    {"states"},
+    {"identity", "judging", "placing", "storing", "housekeeping"},
+    {"judged"},
+    {"conversion"},
+    {"store"},
+    {"names"},
+]
+
+
+def test_keepings_modules_import_down_their_order():
+    """Inside slotctl.keeping a module imports only the ones below it in :data:`KEEPING` (lazy imports too):
+    ``states`` composes the parts, and no part reaches into another."""
+    rank = {f"slotctl.keeping.{m}": i for i, row in enumerate(KEEPING) for m in row}
+    mods = dict(_modules())
+    here = {n for n in mods if n.startswith("slotctl.keeping.")}
+    assert here == set(rank), f"add to KEEPING and docs/design.md: {sorted(here ^ set(rank))}"
+    graph = _module_graph(mods)
+    up = [f"{m} imports {o}" for m in sorted(here) for o in sorted(graph[m]) if o in rank and rank[o] <= rank[m]]
+    assert not up, "\n".join(up)
+
+
 def test_only_the_runtime_and_validates_worker_run_llama_cpp():
     bad = [name for name, tree in _modules()
            if any(i == "llama_cpp" or i.startswith("llama_cpp.") for i in _imports(tree))

@@ -644,26 +644,26 @@ def test_a_state_asked_for_while_it_is_judged_is_read_once(one, tmp_path, monkey
     turn, after a router's swap, asks for it): validate reads it once, and both have that verdict."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from slotctl.keeping import states
+    from slotctl.keeping import judging, states
     from slotctl.live import http
 
     store, lines = stored_by_keep(one, tmp_path, " Judged once", slot=0)
     name = next(e for e in lines if e["event"] == "stored" and e["slot"] == 0)["details"]["name"]
-    reads, real = [], states.judge_file
+    reads, real = [], judging.judge_file
 
     def read(*args, **kwargs):
         reads.append(args[0])
         time.sleep(0.5)         # long enough for the other thread to ask meanwhile
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(states, "judge_file", read)
+    monkeypatch.setattr(judging, "judge_file", read)
     here = states.ServerStates(one.url, None, str(store), catalog=False)
     here.set_facts(http.server_facts(one.url))
     with ThreadPoolExecutor(2) as pool:
         got = list(pool.map(lambda slot: here.judge(name, slot), [0, 1]))
     assert reads == [here.store.where(name)]
     assert [g.verdict for g in got] == ["restores"] * 2 and got[0].identity == got[1].identity
-    assert here._judging == {}      # nothing left behind for a state no longer asked for
+    assert here.judging._judging == {}      # nothing left behind for a state no longer asked for
 
 
 @server

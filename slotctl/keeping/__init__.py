@@ -7,9 +7,13 @@ both (docs/design.md).
 - ``store``: where kept states live, a directory or an ``s3://`` prefix, and a save read back (``Saved``);
 - ``conversion``: a state converted for a server's ``-np``/``-kvu`` (exact) or cache types (lossy);
 - ``judged``: validate's verdict on a stored state for one slot of a server, as kept in the store's catalog;
-- ``states``: one object per server and store (``ServerStates``): the server's flags it does not report
-  learnt from its saves, each stored state judged through the catalog, placed and restored, each save
-  checked and stored, the store pruned.
+- ``states``: one object per server and store (``ServerStates``): the server's facts and the flags it does not
+  report learnt from its saves, the save and restore requests, and its parts, each with one reason to change:
+- ``identity``: the server's model identified by its content, and which stored states are its model's;
+- ``judging``: each stored state judged once per identity through the store's catalog;
+- ``placing``: a stored state copied, downloaded or converted into the slot directory to be restored;
+- ``storing``: a checked save named by its content and stored once;
+- ``housekeeping``: the store pruned, what processes that are gone left swept.
 
 Over :mod:`slotctl.live`, :mod:`slotctl.catalog`, :mod:`slotctl.prune`, :mod:`slotctl.store` and
 :mod:`slotctl.validate`; nothing here imports llama.cpp, the CLI, serve or the fleet. Importing this package

@@ -61,6 +61,14 @@ def work_name(role: str, slot: int, what: str, nonce: str | None = None) -> str:
                             nonce=nonce or host_tag() + secrets.token_hex(8))
 
 
+def discard(path: str | os.PathLike) -> None:
+    """A working file removed (gone already: nothing to do)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def staging_name(role: str, slot: int) -> str:
     """The name of a directory of this process's own in the slot directory, where a stored state is downloaded
     to be converted: ``.ROLE-slotN-staging-PID-NONCE`` (swept as a working file is: :func:`leftover`)."""
